@@ -1,2 +1,20 @@
-"""infinity: heterogeneous GPU/CPU/NVMe offload engine for PyTorch training."""
+"""infinity: heterogeneous GPU/CPU/NVMe offload engine for PyTorch training.
+
+    model = infinity.wrap(model, nvme_path="/mnt/ssd")
+    opt = infinity.optim.AdamW(model.parameters(), lr=1e-4)
+"""
+from .api import materialized, stats, unwrap, wrap
+from .policy import OffloadPolicy
+from .tiers import Tier
+
 __version__ = "0.1.0"
+
+__all__ = ["wrap", "unwrap", "stats", "materialized", "OffloadPolicy", "Tier", "__version__"]
+
+
+def __getattr__(name: str):
+    # optim is imported lazily so `import infinity` stays light and one-way layered
+    if name == "optim":
+        import importlib
+        return importlib.import_module(".optim", __name__)
+    raise AttributeError(f"module 'infinity' has no attribute {name!r}")

@@ -1,0 +1,78 @@
+"""The public entry points: wrap, unwrap, stats, materialized."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Dict, Iterator, Optional
+
+from torch import nn
+
+from .policy import OffloadPolicy
+from .runtime.engine import Engine, engine_of
+
+
+def wrap(model: nn.Module, nvme_path: Optional[str] = None, *,
+         policy: Optional[OffloadPolicy] = None, **settings: Any) -> nn.Module:
+    """Returns ``model`` itself with its parameters moved to their offload tier.
+
+    Settings are the fields of :class:`OffloadPolicy` (param_tier, optimizer_tier,
+    device_budget, host_budget, prefetch_window, block_rule, compute_dtype,
+    require_direct_io, verify_checksums), given as keywords or as a ready ``policy``.
+    """
+    if policy is not None:
+        if settings or nvme_path is not None:
+            raise TypeError("pass either policy=OffloadPolicy(...) or keyword settings, not both")
+    else:
+        unknown = sorted(set(settings) - set(OffloadPolicy.field_names()))
+        if unknown:
+            raise TypeError(f"unknown infinity.wrap setting(s) {unknown}; valid settings are "
+                            f"{list(OffloadPolicy.field_names())}")
+        policy = OffloadPolicy(nvme_path=nvme_path, **settings)
+    Engine(model, policy)
+    return model
+
+
+def _engine(model: nn.Module) -> Engine:
+    engine = engine_of(model)
+    if engine is None:
+        raise ValueError("this model is not wrapped by infinity; call infinity.wrap(model) first")
+    return engine
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """Removes the engine: the model gets plain parameters holding their current values."""
+    _engine(model).close(restore=True)
+    return model
+
+
+def stats(model: nn.Module, *, reset: bool = False) -> Dict[str, Any]:
+    """Bytes per tier (now and peak), bytes moved per direction, prefetch hits and misses,
+    seconds stalled waiting for data. ``reset=True`` starts a new measurement period."""
+    engine = _engine(model)
+    s = engine.stats
+    out = {
+        "param_tier": engine.param_tier.value,
+        "tiers": engine.tier_bytes(),
+        "moved": dict(s.moved),
+        "prefetch_hits": s.prefetch_hits,
+        "prefetch_misses": s.prefetch_misses,
+        "prefetch_hit_rate": s.hit_rate,
+        "on_demand_fetches": s.on_demand_fetches,
+        "stall_seconds": s.stall_seconds,
+        "fetches": s.fetches,
+        "releases": s.releases,
+        "schedule_deviations": s.schedule_deviations,
+        "blocks": len(engine.blocks),
+    }
+    if reset:
+        s.reset()
+        engine.device_budget.reset_peak()
+        engine.host_budget.reset_peak()
+    return out
+
+
+@contextlib.contextmanager
+def materialized(model: nn.Module, module: Optional[nn.Module] = None) -> Iterator[None]:
+    """Within the block, the parameters of ``module`` (a submodule of the wrapped model; all
+    of them when None) are materialized and can be read outside forward."""
+    with _engine(model).materialized(module):
+        yield

@@ -1,0 +1,55 @@
+"""Block: the unit of offload, prefetch and I/O -- a module subtree and its flat buffers."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+from typing import List, Optional, Set, Tuple
+
+from torch import nn
+
+from ..tiers import Tier
+from .flat import FlatParam
+from .residency import Residency, check_transition
+
+
+class Block:
+    def __init__(self, index: int, name: str, module: nn.Module, is_root: bool,
+                 flats: List[FlatParam], home: Tier, resident: bool) -> None:
+        self.index = index
+        self.name = name
+        self.module = module
+        self.is_root = is_root
+        self.flats = flats
+        self.home = home
+        self.state = Residency.RESIDENT if resident else self._home_state()
+        self.future: Optional[cf.Future] = None
+        self.prefetched = False        # fetch was issued ahead of need (for hit/miss counting)
+        self.active_forward = 0        # >0 while its forward runs
+        self.backward_task: int = -1   # graph task whose pre-backward fetched it
+        self.grads_seen: Set[Tuple[int, int]] = set()
+        self.n_trainable = sum(1 for f in flats for s in f.slots if s.trainable)
+
+    def _home_state(self) -> Residency:
+        return Residency.ON_NVME if self.home is Tier.NVME else Residency.ON_HOST
+
+    @property
+    def compute_nbytes(self) -> int:
+        return sum(f.compute_nbytes for f in self.flats)
+
+    @property
+    def home_nbytes(self) -> int:
+        return sum(f.home_nbytes for f in self.flats)
+
+    @property
+    def resident(self) -> bool:
+        return self.state is Residency.RESIDENT
+
+    @property
+    def materialized(self) -> bool:
+        return self.state in (Residency.ON_DEVICE, Residency.FETCHING, Residency.RESIDENT)
+
+    def transition(self, target: Residency) -> None:
+        check_transition(self.name, self.state, target)
+        self.state = target
+
+    def to_home_state(self) -> None:
+        self.transition(self._home_state())

@@ -1,0 +1,123 @@
+"""FlatParam: one block's parameters of one dtype, flattened into one contiguous buffer.
+
+Parameters stay the same ``nn.Parameter`` objects; their ``.data`` becomes a view into the
+block's compute buffer. Releasing frees that buffer's storage (``resize_(0)``) and fetching
+resizes it back and copies into it, so every view -- including those autograd saved -- stays
+valid (FSDP's technique). The home copy (host RAM or a swap file) is padded to 4 KiB so each
+move is one aligned sequential transfer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+from torch import nn
+
+from .. import io as inf_io
+
+_ELEM_ALIGN = 16  # each parameter starts on a 16-element boundary (64 B in fp32): SIMD-friendly
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple
+
+
+@dataclass
+class ParamSlot:
+    """Where one parameter lives inside a FlatParam."""
+
+    qualname: str
+    module: nn.Module
+    attr: str
+    param: nn.Parameter
+    offset: int
+    numel: int
+    shape: torch.Size
+    trainable: bool
+
+
+class FlatParam:
+    def __init__(self, key: str, params: List[tuple], home_dtype: torch.dtype,
+                 compute_dtype: torch.dtype, device: torch.device) -> None:
+        self.key = key
+        self.home_dtype = home_dtype
+        self.compute_dtype = compute_dtype
+        self.device = device
+        self.slots: List[ParamSlot] = []
+        offset = 0
+        for qualname, module, attr, param in params:
+            offset = _round_up(offset, _ELEM_ALIGN)
+            self.slots.append(ParamSlot(qualname, module, attr, param, offset, param.numel(),
+                                        param.shape, param.requires_grad))
+            offset += param.numel()
+        elems_per_page = max(1, inf_io.ALIGNMENT // torch.empty((), dtype=home_dtype).element_size())
+        self.numel = max(_round_up(offset, elems_per_page), elems_per_page)
+        self.used_numel = offset
+        self.home: Optional[torch.Tensor] = None     # host home copy (HOST tier)
+        self.compute: Optional[torch.Tensor] = None  # the buffer parameters view into
+        self.grad: Optional[torch.Tensor] = None     # fp32 host gradient accumulator
+        self.grad_ready: List[bool] = [False] * len(self.slots)
+
+    # ---- sizes -------------------------------------------------------------------------
+    @property
+    def home_nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.home_dtype).element_size()
+
+    @property
+    def compute_nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.compute_dtype).element_size()
+
+    @property
+    def trainable(self) -> bool:
+        return any(s.trainable for s in self.slots)
+
+    # ---- building ------------------------------------------------------------------------
+    def gather_into(self, out: torch.Tensor) -> None:
+        """Copies the parameters' current values into ``out`` (flat, home dtype); pads zeros."""
+        out.zero_()
+        with torch.no_grad():
+            for s in self.slots:
+                out[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
+
+    def bind_views(self, compute: torch.Tensor) -> None:
+        """Points every parameter's .data at its slice of ``compute`` (same Parameter objects)."""
+        if compute.numel() != self.numel:
+            raise ValueError(f"{self.key}: compute buffer has {compute.numel()} elements, "
+                             f"expected {self.numel}")
+        self.compute = compute
+        for s in self.slots:
+            s.param.data = compute[s.offset:s.offset + s.numel].view(s.shape)
+
+    # ---- compute storage ---------------------------------------------------------------
+    def storage_allocated(self) -> bool:
+        return self.compute is not None and self.compute.untyped_storage().size() > 0
+
+    def alloc_storage(self) -> None:
+        storage = self.compute.untyped_storage()
+        want = self.compute_nbytes
+        if storage.size() != want:
+            if storage.size() != 0:
+                raise RuntimeError(f"{self.key}: compute storage has {storage.size()} bytes, "
+                                   f"expected 0 or {want}")
+            storage.resize_(want)
+
+    def free_storage(self) -> None:
+        storage = self.compute.untyped_storage()
+        if storage.size() != 0:
+            storage.resize_(0)
+
+    # ---- gradients -----------------------------------------------------------------------
+    def ensure_grad_buffer(self) -> torch.Tensor:
+        if self.grad is None:
+            self.grad = inf_io.aligned_empty(self.numel, torch.float32)
+            self.grad.zero_()
+        return self.grad
+
+    def grad_view(self, index: int) -> torch.Tensor:
+        s = self.slots[index]
+        return self.grad[s.offset:s.offset + s.numel].view(s.shape)
+
+    def home_view(self, index: int) -> torch.Tensor:
+        s = self.slots[index]
+        return self.home[s.offset:s.offset + s.numel].view(s.shape)

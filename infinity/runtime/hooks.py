@@ -1,0 +1,63 @@
+"""Registers the engine's module and tensor hooks, and keeps every handle so they can be removed."""
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any, Callable, List
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+def output_tensors(output: Any) -> List[torch.Tensor]:
+    """Tensors in a module's output that backward can flow through (tuples, dicts, dataclasses)."""
+    if hasattr(output, "to_tuple") and callable(output.to_tuple):  # HF ModelOutput
+        output = output.to_tuple()
+    leaves, _ = tree_flatten(output)
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+class HookSet:
+    def __init__(self) -> None:
+        self._handles: List[Any] = []
+
+    def add(self, handle: Any) -> None:
+        self._handles.append(handle)
+
+    def remove_all(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def __len__(self) -> int:
+        return len(self._handles)
+
+
+def register(engine: "Engine") -> HookSet:
+    hooks = HookSet()
+    model = engine.model
+    hooks.add(model.register_forward_pre_hook(engine.on_model_pre_forward))
+    hooks.add(model.register_forward_hook(engine.on_model_post_forward))
+    for block in engine.blocks:
+        if block.is_root:
+            continue  # the root block is driven by the model hooks above
+        hooks.add(block.module.register_forward_pre_hook(
+            functools.partial(engine.on_block_pre_forward, block)))
+        hooks.add(block.module.register_forward_hook(
+            functools.partial(engine.on_block_post_forward, block)))
+    for block in engine.blocks:
+        for fi, flat in enumerate(block.flats):
+            for si, slot in enumerate(flat.slots):
+                if slot.trainable:
+                    cb: Callable = functools.partial(engine.on_grad_ready, block, fi, si)
+                    hooks.add(slot.param.register_post_accumulate_grad_hook(cb))
+    return hooks
+
+
+def register_pre_backward(output: Any, callback: Callable[[], None]) -> None:
+    """Calls ``callback`` once the gradient of any output tensor arrives (before the module's
+    own backward runs)."""
+    for t in output_tensors(output):
+        t.register_hook(lambda grad, _cb=callback: _cb())

@@ -1,0 +1,60 @@
+"""Schedule: the recorded order in which blocks run, used to prefetch the next ones.
+
+The first pass of each phase (forward, backward) records the order of blocks. Later passes
+compare each visit with the record: while they agree, the blocks after the current one are
+prefetched within the window; at the first disagreement (a skipped layer, a layer used twice,
+control flow) the pass falls back to on-demand fetches, and its order becomes the new record.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+PHASES = ("forward", "backward")
+
+
+class Schedule:
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self.recorded: Dict[str, Optional[List[int]]] = {p: None for p in PHASES}
+        self._current: Dict[str, List[int]] = {p: [] for p in PHASES}
+        self._deviated: Dict[str, bool] = {p: False for p in PHASES}
+        self._open: Dict[str, bool] = {p: False for p in PHASES}
+
+    def begin(self, phase: str) -> None:
+        self._current[phase] = []
+        self._deviated[phase] = False
+        self._open[phase] = True
+
+    def is_open(self, phase: str) -> bool:
+        return self._open[phase]
+
+    def visit(self, phase: str, block: int) -> Tuple[bool, bool, List[int]]:
+        """Records a visit. Returns (on_trace, newly_deviated, blocks to prefetch next)."""
+        if not self._open[phase]:
+            self.begin(phase)
+        current = self._current[phase]
+        pos = len(current)
+        current.append(block)
+        rec = self.recorded[phase]
+        if rec is None:
+            return False, False, []
+        if not self._deviated[phase] and pos < len(rec) and rec[pos] == block:
+            return True, False, rec[pos + 1:pos + 1 + self.window]
+        newly = not self._deviated[phase]
+        self._deviated[phase] = True
+        return False, newly, []
+
+    def upcoming(self, phase: str, count: Optional[int] = None) -> List[int]:
+        """The first blocks the recorded ``phase`` will need (to prefetch before it starts)."""
+        rec = self.recorded[phase]
+        if rec is None:
+            return []
+        return rec[:self.window if count is None else count]
+
+    def end(self, phase: str) -> None:
+        if not self._open[phase]:
+            return
+        self._open[phase] = False
+        current = self._current[phase]
+        if current and current != self.recorded[phase]:
+            self.recorded[phase] = list(current)
