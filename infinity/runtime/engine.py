@@ -10,8 +10,9 @@ import contextlib
 import logging
 import threading
 import time
+import weakref
 from collections import defaultdict
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
@@ -37,6 +38,22 @@ _ENGINE_ATTR = "_infinity_engine"
 
 def engine_of(model: nn.Module) -> Optional["Engine"]:
     return getattr(model, _ENGINE_ATTR, None)
+
+
+class ParamLocation(NamedTuple):
+    engine: "Engine"
+    block: Block
+    flat: FlatParam
+    slot: int
+
+
+_OWNERS: "weakref.WeakKeyDictionary[torch.Tensor, ParamLocation]" = weakref.WeakKeyDictionary()
+
+
+def locate(param: torch.Tensor) -> Optional[ParamLocation]:
+    """Where a wrapped parameter lives (engine, block, flat buffer, slot), or None if the
+    parameter does not belong to a wrapped model."""
+    return _OWNERS.get(param)
 
 
 def _graph_task_id() -> int:
@@ -82,6 +99,10 @@ class Engine:
         self._materialize_homes()
         self.transfers = Transfers(self.device, self.stats, self.store, self.pool)
         self._hooks = hooks_mod.register(self)
+        for block in self.blocks:
+            for flat in block.flats:
+                for i, slot in enumerate(flat.slots):
+                    _OWNERS[slot.param] = ParamLocation(self, block, flat, i)
         setattr(model, _ENGINE_ATTR, self)
         logger.info("infinity: wrapped %d blocks (%s bytes of parameters) with parameters on %s",
                     len(self.blocks), f"{home_bytes:,}", self.param_tier.value)
@@ -569,6 +590,9 @@ class Engine:
             self._closed = True
             self._hooks.remove_all()
             self.transfers.close()
+            for flat in self.flats:
+                for slot in flat.slots:
+                    _OWNERS.pop(slot.param, None)
             if restore:
                 for block in self.blocks:
                     for flat in block.flats:
