@@ -47,13 +47,17 @@ class ParamLocation(NamedTuple):
     slot: int
 
 
-_OWNERS: "weakref.WeakKeyDictionary[torch.Tensor, ParamLocation]" = weakref.WeakKeyDictionary()
+_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 
 
 def locate(param: torch.Tensor) -> Optional[ParamLocation]:
     """Where a wrapped parameter lives (engine, block, flat buffer, slot), or None if the
     parameter does not belong to a wrapped model."""
-    return _OWNERS.get(param)
+    for engine in list(_ENGINES):
+        loc = engine._locations.get(id(param))
+        if loc is not None and loc.flat.slots[loc.slot].param is param:
+            return loc
+    return None
 
 
 def _graph_task_id() -> int:
@@ -99,10 +103,11 @@ class Engine:
         self._materialize_homes()
         self.transfers = Transfers(self.device, self.stats, self.store, self.pool)
         self._hooks = hooks_mod.register(self)
-        for block in self.blocks:
-            for flat in block.flats:
-                for i, slot in enumerate(flat.slots):
-                    _OWNERS[slot.param] = ParamLocation(self, block, flat, i)
+        self._locations: Dict[int, ParamLocation] = {
+            id(slot.param): ParamLocation(self, block, flat, i)
+            for block in self.blocks for flat in block.flats
+            for i, slot in enumerate(flat.slots)}
+        _ENGINES.add(self)
         setattr(model, _ENGINE_ATTR, self)
         logger.info("infinity: wrapped %d blocks (%s bytes of parameters) with parameters on %s",
                     len(self.blocks), f"{home_bytes:,}", self.param_tier.value)
@@ -590,9 +595,8 @@ class Engine:
             self._closed = True
             self._hooks.remove_all()
             self.transfers.close()
-            for flat in self.flats:
-                for slot in flat.slots:
-                    _OWNERS.pop(slot.param, None)
+            _ENGINES.discard(self)
+            self._locations.clear()
             if restore:
                 for block in self.blocks:
                     for flat in block.flats:
