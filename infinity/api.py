@@ -1,13 +1,14 @@
-"""The public entry points: wrap, unwrap, stats, materialized."""
+"""The public entry points: wrap, unwrap, stats, materialized, gradient."""
 from __future__ import annotations
 
 import contextlib
 from typing import Any, Dict, Iterator, Optional
 
+import torch
 from torch import nn
 
 from .policy import OffloadPolicy
-from .runtime.engine import Engine, engine_of
+from .runtime.engine import Engine, engine_of, locate
 
 
 def wrap(model: nn.Module, nvme_path: Optional[str] = None, *,
@@ -76,3 +77,18 @@ def materialized(model: nn.Module, module: Optional[nn.Module] = None) -> Iterat
     of them when None) are materialized and can be read outside forward."""
     with _engine(model).materialized(module):
         yield
+
+
+def gradient(param: torch.Tensor) -> Optional[torch.Tensor]:
+    """The gradient accumulated for ``param`` since the last zero_grad.
+
+    For a wrapped parameter this is a view into its block's fp32 host gradient buffer (the
+    engine frees ``param.grad`` on the device as soon as it is offloaded, so ``param.grad`` is
+    None); for any other parameter it is ``param.grad``.
+    """
+    loc = locate(param)
+    if loc is None:
+        return param.grad
+    if loc.flat.grad is None or not loc.flat.grad_ready[loc.slot]:
+        return None
+    return loc.flat.grad_view(loc.slot)

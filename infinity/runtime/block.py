@@ -27,6 +27,11 @@ class Block:
         self.backward_task: int = -1   # graph task whose pre-backward fetched it
         self.grads_seen: Set[Tuple[int, int]] = set()
         self.n_trainable = sum(1 for f in flats for s in f.slots if s.trainable)
+        # With frozen parameters, "all trainable gradients arrived" does not mean the block's
+        # backward is over (frozen weights still compute input gradients): such blocks also
+        # wait for the gradients of their inputs.
+        self.needs_input_signal = self.n_trainable < sum(len(f.slots) for f in flats)
+        self.inputs_done = False
 
     def _home_state(self) -> Residency:
         return Residency.ON_NVME if self.home is Tier.NVME else Residency.ON_HOST
@@ -46,6 +51,15 @@ class Block:
     @property
     def materialized(self) -> bool:
         return self.state in (Residency.ON_DEVICE, Residency.FETCHING, Residency.RESIDENT)
+
+    def backward_done(self) -> bool:
+        return (self.active_forward == 0 and len(self.grads_seen) == self.n_trainable
+                and (self.inputs_done or not self.needs_input_signal))
+
+    def reset_backward(self) -> None:
+        self.grads_seen.clear()
+        self.inputs_done = False
+        self.backward_task = -1
 
     def transition(self, target: Residency) -> None:
         check_transition(self.name, self.state, target)

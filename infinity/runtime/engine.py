@@ -99,6 +99,9 @@ class Engine:
         self._callback_task = -1
         self._last_backward_block: Optional[Block] = None
         self._pending_grads: List[tuple] = []
+        # Set by an optimizer over this engine: it changes the home copies in step(), so the
+        # next forward's blocks are prefetched after the step (after_step), not after backward.
+        self.optimizer_attached = False
         self._d2h = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._materialize_homes()
         self.transfers = Transfers(self.device, self.stats, self.store, self.pool)
@@ -347,10 +350,7 @@ class Engine:
 
     def _prefetch(self, indices: Sequence[int]) -> None:
         for i in indices:
-            block = self.blocks[i]
-            if block.is_root:
-                continue
-            if not self._fetch(block, required=False):
+            if not self._fetch(self.blocks[i], required=False):
                 break
 
     def release_all(self) -> None:
@@ -409,6 +409,24 @@ class Engine:
                 self._visit(block, "forward")
             self._ensure_on_device(block)
             block.active_forward += 1
+            if block.needs_input_signal and torch.is_grad_enabled():
+                hooks_mod.register_post_backward(args, lambda: self.on_inputs_grad(block))
+
+    def on_inputs_grad(self, block: Block) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            block.inputs_done = True
+            self._release_if_backward_done(block)
+
+    def _release_if_backward_done(self, block: Block) -> None:
+        if block.is_root or not block.backward_done():
+            return
+        block.grads_seen.clear()
+        block.inputs_done = False
+        if block is self._last_backward_block:
+            self._last_backward_block = None
+        self._release(block)
 
     def on_block_post_forward(self, block: Block, module: nn.Module, args, output) -> None:
         with self._lock:
@@ -459,24 +477,31 @@ class Engine:
             self._offload_grad(flat, slot_index, grad)
             param.grad = None
             block.grads_seen.add((flat_index, slot_index))
-            if (len(block.grads_seen) == block.n_trainable and not block.is_root
-                    and block.active_forward == 0):
-                block.grads_seen.clear()
-                if block is self._last_backward_block:
-                    self._last_backward_block = None
-                self._release(block)
+            self._release_if_backward_done(block)
 
     def _on_backward_end(self) -> None:
         with self._lock:
             self._drain_grads()
             self.schedule.end("backward")
             for block in self.blocks:
-                block.grads_seen.clear()
-                block.backward_task = -1
+                block.reset_backward()
                 if block.active_forward == 0:
                     self._release(block)
             self._last_backward_block = None
             self._callback_task = -1
+            if not self.optimizer_attached:
+                self._prefetch_for_forward()
+
+    def _prefetch_for_forward(self) -> None:
+        root = [b.index for b in self.blocks if b.is_root]
+        self._prefetch(root + self.schedule.upcoming("forward"))
+
+    def after_step(self) -> None:
+        """Called by the optimizer when the home copies are updated: start fetching what the
+        next forward needs first."""
+        with self._lock:
+            if not self._closed:
+                self._prefetch_for_forward()
 
     # =====================================================================================
     # gradients

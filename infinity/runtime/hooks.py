@@ -61,3 +61,12 @@ def register_pre_backward(output: Any, callback: Callable[[], None]) -> None:
     own backward runs)."""
     for t in output_tensors(output):
         t.register_hook(lambda grad, _cb=callback: _cb())
+
+
+def register_post_backward(args: Any, callback: Callable[[], None]) -> None:
+    """Calls ``callback`` when the gradients of all of a module's inputs that need one have
+    been computed, i.e. when its backward is over."""
+    leaves, _ = tree_flatten(args)
+    tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+    if tensors:
+        torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: callback())

@@ -1,0 +1,248 @@
+"""The two engines behind FileHandle, with one small interface:
+
+    submit(op, ptr, nbytes, offset, fsync) -> token
+    poll(token) -> bool;  wait(token, timeout_s) -> bool
+    result(token) -> (bytes, errno, error_offset, message);  release(token)
+    size(), fsync(), truncate(n), allocate(n), close(), direct
+
+NativeBackend drives csrc/aio.cpp; FallbackBackend does os.pread/os.pwrite on a thread pool
+(buffered I/O, never O_DIRECT) when the native library is absent or force_fallback() is on.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import errno as _errno
+import os
+import threading
+from typing import Optional, Set, Tuple
+
+from infinity.io import faults
+from infinity.io.config import IOConfig, _on_change, get_config
+
+READ, WRITE = 0, 1
+Result = Tuple[int, int, int, str]  # bytes, errno (0 ok), error offset, message
+
+MODES = {"r": 0, "r+": 1, "w+": 2, "c+": 3}
+_OS_FLAGS = {0: os.O_RDONLY, 1: os.O_RDWR, 2: os.O_RDWR | os.O_CREAT | os.O_TRUNC,
+             3: os.O_RDWR | os.O_CREAT}
+
+
+class BackendOpenError(Exception):
+    def __init__(self, err: int) -> None:
+        super().__init__(err)
+        self.errno = err
+
+
+class NativeBackend:
+    def __init__(self, lib: ctypes.CDLL, path: str, mode: int, want_direct: bool) -> None:
+        self._lib = lib
+        direct = ctypes.c_int(0)
+        handle = lib.inf_aio_open(os.fsencode(path), mode, 1 if want_direct else 0,
+                                  ctypes.byref(direct))
+        if handle < 0:
+            raise BackendOpenError(-handle)
+        self._handle = handle
+        self.direct = bool(direct.value)
+
+    def submit(self, op: int, ptr: int, nbytes: int, offset: int, fsync: bool) -> int:
+        req = self._lib.inf_aio_submit(self._handle, op, ptr, nbytes, offset, 1 if fsync else 0)
+        if req < 0:
+            raise BackendOpenError(-req)
+        return req
+
+    def poll(self, token: int) -> bool:
+        return self._lib.inf_aio_poll(token) != 0  # unknown (-1) counts as done
+
+    def wait(self, token: int, timeout_s: float) -> bool:
+        return self._lib.inf_aio_wait(token, max(0, int(timeout_s * 1000))) != 0
+
+    def result(self, token: int) -> Result:
+        nbytes, err, err_off = ctypes.c_int64(0), ctypes.c_int(0), ctypes.c_int64(0)
+        msg = ctypes.create_string_buffer(512)
+        rc = self._lib.inf_aio_result(token, ctypes.byref(nbytes), ctypes.byref(err),
+                                      ctypes.byref(err_off), msg, len(msg))
+        if rc < 0:
+            return 0, _errno.EINVAL, 0, "unknown request (already released)"
+        return nbytes.value, err.value, err_off.value, msg.value.decode(errors="replace")
+
+    def release(self, token: int) -> None:
+        self._lib.inf_aio_release(token)
+
+    def _check(self, rc: int) -> int:
+        if rc < 0:
+            raise BackendOpenError(-rc)
+        return rc
+
+    def size(self) -> int:
+        return self._check(self._lib.inf_aio_size(self._handle))
+
+    def fsync(self) -> None:
+        self._check(self._lib.inf_aio_fsync(self._handle))
+
+    def truncate(self, nbytes: int) -> None:
+        self._check(self._lib.inf_aio_truncate(self._handle, nbytes))
+
+    def allocate(self, nbytes: int) -> None:
+        self._check(self._lib.inf_aio_allocate(self._handle, nbytes))
+
+    def inflight(self) -> int:
+        return max(0, self._lib.inf_aio_inflight(self._handle))
+
+    def close(self) -> None:
+        self._check(self._lib.inf_aio_close(self._handle))
+
+
+# ------------------------------------------------------------------------------------------------
+# Pure-Python fallback
+# ------------------------------------------------------------------------------------------------
+_pool_lock = threading.Lock()
+_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+
+
+def _reset_pool(config: IOConfig) -> None:
+    global _pool
+    with _pool_lock:
+        old, _pool = _pool, None
+    if old is not None:
+        old.shutdown(wait=False)  # queued work still runs
+
+
+_on_change(_reset_pool)
+
+
+def _executor() -> concurrent.futures.ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=get_config().num_threads, thread_name_prefix="infinity-io")
+        return _pool
+
+
+class FallbackBackend:
+    direct = False
+
+    def __init__(self, path: str, mode: int) -> None:
+        try:
+            self._fd = os.open(path, _OS_FLAGS[mode] | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise BackendOpenError(exc.errno or _errno.EIO) from None
+        if os.path.isdir(path):
+            os.close(self._fd)
+            raise BackendOpenError(_errno.EISDIR)
+        self._lock = threading.Lock()
+        self._pending: Set[concurrent.futures.Future] = set()
+        self._closed = False
+
+    def _transfer(self, op: int, ptr: int, nbytes: int, offset: int, fsync: bool) -> Result:
+        view = memoryview((ctypes.c_char * max(nbytes, 1)).from_address(ptr)).cast("B")
+        chunk = get_config().chunk_bytes
+        done = 0
+        while done < nbytes:
+            want = min(chunk, nbytes - done)
+            err, want = faults._check(op, want)  # noqa: SLF001
+            try:
+                if err:
+                    raise OSError(err, os.strerror(err))
+                if op == READ:
+                    got = os.preadv(self._fd, [view[done:done + want]], offset + done)
+                else:
+                    got = os.pwrite(self._fd, view[done:done + want], offset + done)
+            except InterruptedError:
+                continue
+            except OSError as exc:
+                code = exc.errno or _errno.EIO
+                return done, code, offset + done, (
+                    f"{'read' if op == READ else 'write'} failed at offset {offset + done} after "
+                    f"{done} of {nbytes} bytes: {os.strerror(code)}")
+            if got == 0:
+                if op == READ:
+                    return done, _errno.ENODATA, offset + done, (
+                        f"short read: got {done} of {nbytes} bytes at offset {offset} "
+                        f"(end of file at offset {offset + done})")
+                return done, _errno.EIO, offset + done, "write returned 0"
+            done += got
+        if fsync and op == WRITE:
+            try:
+                os.fdatasync(self._fd)
+            except OSError as exc:
+                code = exc.errno or _errno.EIO
+                return done, code, offset, f"fdatasync failed: {os.strerror(code)}"
+        return done, 0, 0, ""
+
+    def submit(self, op: int, ptr: int, nbytes: int, offset: int,
+               fsync: bool) -> concurrent.futures.Future:
+        with self._lock:
+            if self._closed:
+                raise BackendOpenError(_errno.EBADF)
+            fut = _executor().submit(self._transfer, op, ptr, nbytes, offset, fsync)
+            self._pending.add(fut)
+        fut.add_done_callback(self._forget)
+        return fut
+
+    def _forget(self, fut: concurrent.futures.Future) -> None:
+        with self._lock:
+            self._pending.discard(fut)
+
+    def poll(self, token: concurrent.futures.Future) -> bool:
+        return token.done()
+
+    def wait(self, token: concurrent.futures.Future, timeout_s: float) -> bool:
+        concurrent.futures.wait([token], timeout=timeout_s)
+        return token.done()
+
+    def result(self, token: concurrent.futures.Future) -> Result:
+        return token.result()
+
+    def release(self, token: concurrent.futures.Future) -> None:
+        pass
+
+    def _fd_call(self, fn, *args) -> None:
+        if self._closed:
+            raise BackendOpenError(_errno.EBADF)
+        try:
+            fn(self._fd, *args)
+        except OSError as exc:
+            raise BackendOpenError(exc.errno or _errno.EIO) from None
+
+    def size(self) -> int:
+        if self._closed:
+            raise BackendOpenError(_errno.EBADF)
+        return os.fstat(self._fd).st_size
+
+    def fsync(self) -> None:
+        self._fd_call(os.fsync)
+
+    def truncate(self, nbytes: int) -> None:
+        self._fd_call(os.ftruncate, nbytes)
+
+    def allocate(self, nbytes: int) -> None:
+        if nbytes > 0:
+            self._fd_call(os.posix_fallocate, 0, nbytes)
+        self._fd_call(os.ftruncate, nbytes)
+
+    def inflight(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pending = list(self._pending)
+        concurrent.futures.wait(pending)
+        os.close(self._fd)
+
+
+def _configure_native(config: IOConfig) -> None:
+    from infinity.io._lib import native
+    lib = native(ignore_forced=True)
+    if lib is not None:
+        rc = lib.inf_aio_configure(config.num_threads, config.chunk_bytes, config.queue_depth)
+        if rc != 0:
+            raise ValueError(f"the native I/O engine refused {config} ({os.strerror(-rc)})")
+
+
+_on_change(_configure_native)

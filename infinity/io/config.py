@@ -1,0 +1,60 @@
+"""Settings of the I/O engine, in one place: :class:`IOConfig`, :func:`configure`,
+:func:`get_config`. Both the native engine and the pure-Python fallback read them."""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Callable, List
+
+__all__ = ["IOConfig", "configure", "get_config"]
+
+ALIGNMENT = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class IOConfig:
+    """num_threads: I/O worker threads (the effective device queue depth of one large request).
+    chunk_bytes: large requests are split into chunks of this size (multiple of 4096).
+    queue_depth: maximum queued requests; submitting beyond it blocks until one is taken."""
+
+    num_threads: int = 8
+    chunk_bytes: int = 8 << 20  # tuned on the benchmark: 8 x 8 MiB beat 1-4 MiB chunks
+    queue_depth: int = 256
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_threads, int) or not 1 <= self.num_threads <= 1024:
+            raise ValueError(f"num_threads must be an int in [1, 1024], got {self.num_threads!r}")
+        if (not isinstance(self.chunk_bytes, int) or self.chunk_bytes < ALIGNMENT
+                or self.chunk_bytes % ALIGNMENT or self.chunk_bytes > (1 << 30)):
+            raise ValueError("chunk_bytes must be a multiple of 4096 in [4096, 1 GiB], "
+                             f"got {self.chunk_bytes!r}")
+        if not isinstance(self.queue_depth, int) or not 1 <= self.queue_depth <= (1 << 20):
+            raise ValueError(f"queue_depth must be an int in [1, 2**20], got {self.queue_depth!r}")
+
+
+_lock = threading.Lock()
+_config = IOConfig()
+_listeners: List[Callable[[IOConfig], None]] = []
+
+
+def get_config() -> IOConfig:
+    return _config
+
+
+def configure(**changes: int) -> IOConfig:
+    """Changes some settings (``configure(num_threads=4)``) and returns the new config.
+    Changing the thread count waits for queued requests before restarting the pool."""
+    global _config
+    with _lock:
+        new = dataclasses.replace(_config, **changes)
+        for listener in _listeners:
+            listener(new)
+        _config = new
+    return new
+
+
+def _on_change(listener: Callable[[IOConfig], None]) -> None:
+    """Registers a callback applied (with the new config) on every configure(); internal."""
+    with _lock:
+        _listeners.append(listener)
+        listener(_config)

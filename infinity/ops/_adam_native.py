@@ -1,0 +1,78 @@
+"""ctypes declarations of the native CPU Adam kernel (csrc/cpu_adam.cpp), bound once.
+
+The constants mirror the enums in csrc/cpu_adam.cpp. :func:`native` returns the bound library,
+or None when the caller must use the pure-PyTorch fallback (library missing, or
+``infinity._native.force_fallback()`` active).
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Optional
+
+import torch
+
+from infinity import _native
+
+DTYPE_NONE = -1
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+CAPABILITY_CODES = {"scalar": 0, "avx2": 1, "avx512": 2}
+CAPABILITY_NAMES = {code: name for name, code in CAPABILITY_CODES.items()}
+
+ENV_OK, ENV_UNSUPPORTED, ENV_UNKNOWN = 0, 1, 2
+
+_bind_lock = threading.Lock()
+_bound: Optional[ctypes.CDLL] = None
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    c_int, c_i64, c_dbl, c_vp = ctypes.c_int, ctypes.c_int64, ctypes.c_double, ctypes.c_void_p
+    lib.inf_adam_step.argtypes = [
+        c_vp, c_vp, c_int, c_vp, c_vp, c_vp, c_int, c_i64,  # p g g_dtype m v out out_dtype n
+        c_dbl, c_dbl, c_dbl, c_dbl, c_dbl, c_int,           # lr beta1 beta2 eps wd adamw
+        c_dbl, c_dbl, c_dbl,                                # bc1 bc2_sqrt grad_multiplier
+    ]
+    lib.inf_adam_step.restype = c_int
+    lib.inf_adam_strerror.argtypes = [c_int]
+    lib.inf_adam_strerror.restype = ctypes.c_char_p
+    lib.inf_adam_calls.argtypes = [c_int]
+    lib.inf_adam_calls.restype = c_i64
+    for name in ("inf_cpu_capability", "inf_cpu_best_capability", "inf_cpu_capability_env_status",
+                 "inf_get_num_threads"):
+        getattr(lib, name).argtypes = []
+        getattr(lib, name).restype = c_int
+    for name in ("inf_set_cpu_capability", "inf_set_num_threads"):
+        getattr(lib, name).argtypes = [c_int]
+        getattr(lib, name).restype = c_int
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    global _bound
+    if _bound is lib:
+        return lib
+    with _bind_lock:
+        if _bound is not lib:
+            _declare(lib)
+            _bound = lib
+    return lib
+
+
+def native() -> Optional[ctypes.CDLL]:
+    """The native library with CPU Adam signatures declared, or None (use the fallback)."""
+    lib = _native.lib()
+    if lib is None:
+        return None
+    return _bind(lib)
+
+
+def loaded() -> Optional[ctypes.CDLL]:
+    """Like :func:`native` but ignores ``force_fallback`` (for settings that outlive it)."""
+    if not _native.available():
+        return None
+    with _native.force_fallback(False):
+        return native()
+
+
+def strerror(lib: ctypes.CDLL, code: int) -> str:
+    return lib.inf_adam_strerror(code).decode("ascii", "replace")

@@ -1,0 +1,51 @@
+"""Shared helpers for the engine tests: a reference/wrapped model pair and gradient checks."""
+from __future__ import annotations
+
+import copy
+from typing import Dict, List, Tuple
+
+import torch
+
+import infinity
+from infinity.models import GPTConfig, TinyGPT, lm_loss, synthetic_batch
+
+SMALL = GPTConfig(vocab_size=256, d_model=64, n_layers=4, n_heads=4, max_seq=64)
+
+
+def pair(cfg: GPTConfig = SMALL, seed: int = 0, **wrap_kwargs) -> Tuple[TinyGPT, TinyGPT]:
+    torch.manual_seed(seed)
+    ref = TinyGPT(cfg)
+    wrapped = copy.deepcopy(ref)
+    infinity.wrap(wrapped, **wrap_kwargs)
+    return ref, wrapped
+
+
+def batches(cfg: GPTConfig, n: int, batch: int = 4, seq: int = 16, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [synthetic_batch(cfg, batch, seq, g) for _ in range(n)]
+
+
+def grads_of(ref: torch.nn.Module, wrapped: torch.nn.Module) -> List[Tuple[str, torch.Tensor, torch.Tensor]]:
+    """(name, reference grad, engine grad) for every parameter with a reference gradient."""
+    out = []
+    wrapped_params: Dict[str, torch.Tensor] = dict(wrapped.named_parameters())
+    for name, p in ref.named_parameters():
+        if p.grad is None:
+            continue
+        g = infinity.gradient(wrapped_params[name])
+        out.append((name, p.grad, g))
+    return out
+
+
+def assert_grads_equal(ref, wrapped, rtol: float = 1e-6, atol: float = 1e-7) -> None:
+    pairs = grads_of(ref, wrapped)
+    if not pairs:
+        raise AssertionError("reference model has no gradients to compare")
+    for name, g_ref, g in pairs:
+        if g is None:
+            raise AssertionError(f"{name}: engine has no gradient")
+        torch.testing.assert_close(g.float(), g_ref.float(), rtol=rtol, atol=atol, msg=name)
+
+
+def loss_of(model, x, y) -> torch.Tensor:
+    return lm_loss(model(x), y)
