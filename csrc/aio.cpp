@@ -1,0 +1,819 @@
+// O_DIRECT asynchronous file I/O, aligned host memory and CRC32C for infinity.
+//
+// One global worker pool serves every handle. A request (pread/pwrite of host memory at a file
+// offset) is split into chunks; workers take chunks in FIFO order, so one large request keeps
+// every worker busy (queue depth on the device == number of workers) and many small requests run
+// side by side. Completion records the bytes transferred or the error with the lowest failing
+// offset (errno + offset + message). Python waits with inf_aio_wait (ctypes drops the GIL).
+//
+// Alignment: O_DIRECT needs buffer address, file offset and length aligned to 4096.
+//   * offset and buffer aligned: the 4096-multiple body goes through the O_DIRECT fd, the
+//     (< 4096 byte) tail through a second, plain fd on the same file;
+//   * offset aligned, buffer not: body through a per-worker aligned bounce buffer, tail plain;
+//   * offset not aligned: the whole request through the plain fd (page cache).
+// The kernel keeps O_DIRECT and buffered I/O on one file coherent (direct I/O flushes and
+// invalidates the cached range first).
+//
+// No Python or torch headers here: plain C ABI, loaded through ctypes.
+#include "common.h"
+
+#include <cerrno>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <fcntl.h>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <thread>
+#include <unistd.h>
+#include <unordered_map>
+#include <vector>
+#include <chrono>
+
+namespace {
+
+constexpr uint64_t kAlign = 4096;
+constexpr int kRead = 0;
+constexpr int kWrite = 1;
+
+enum Mode { kModeDirect = 0, kModeBounce = 1, kModePlain = 2 };
+
+struct Handle {
+  int fd_plain = -1;
+  int fd_direct = -1;
+  bool direct = false;
+  std::string path;
+  std::mutex m;
+  std::condition_variable cv;
+  int inflight = 0;
+  bool closed = false;
+};
+
+struct Request {
+  int64_t id = 0;
+  std::shared_ptr<Handle> h;
+  int op = kRead;
+  char* buf = nullptr;
+  uint64_t n = 0;
+  int64_t off = 0;
+  bool fsync = false;
+  int mode = kModePlain;
+  uint64_t body = 0;    // bytes served through the direct fd (or the bounce buffer)
+  uint64_t chunk = 0;   // chunk size for this request
+  uint64_t nbody = 0;   // number of body chunks
+  uint64_t nchunks = 0; // body chunks + tail chunks
+  uint64_t next = 0;    // next chunk to hand out (guarded by the queue mutex)
+
+  std::mutex m;
+  std::condition_variable cv;
+  uint64_t remaining = 0;
+  uint64_t done_bytes = 0;
+  int err = 0;
+  int64_t err_off = 0;
+  bool short_read = false;
+  bool done = false;
+  std::string msg;
+};
+
+struct Config {
+  int num_threads = 16;
+  uint64_t chunk_bytes = 8ull << 20;
+  int queue_depth = 256;
+};
+
+struct Engine {
+  std::mutex qm;
+  std::condition_variable qcv;     // work available / stop
+  std::condition_variable qspace;  // room in the queue
+  std::deque<std::shared_ptr<Request>> q;
+  std::vector<std::thread> workers;
+  bool stop = false;
+  Config cfg;
+  std::mutex cfg_m;  // serialises configure() / pool start
+
+  std::mutex map_m;
+  std::unordered_map<int64_t, std::shared_ptr<Request>> reqs;
+  std::unordered_map<int64_t, std::shared_ptr<Handle>> handles;
+  int64_t next_req = 1;
+  int64_t next_handle = 1;
+
+  std::mutex fault_m;
+  int fault_op = -1;  // -1 none, 0 read, 1 write, 2 both
+  int fault_errno = 0;
+  uint64_t fault_left = 0;
+  int open_fault_errno = 0;  // O_DIRECT opens fail with this errno (EINVAL: as on a filesystem
+                             // without O_DIRECT support)
+};
+
+// Leaked on purpose: worker threads may outlive static destruction at process exit.
+Engine* E() {
+  static Engine* e = new Engine();
+  return e;
+}
+
+// Fault injection: returns an errno to fail with now, or 0 (and may shorten *len).
+int fault_check(int op, size_t* len) {
+  Engine* e = E();
+  std::lock_guard<std::mutex> g(e->fault_m);
+  if (e->fault_op < 0 || !(e->fault_op == 2 || e->fault_op == op)) return 0;
+  if (e->fault_left == 0) return e->fault_errno;
+  if (*len > e->fault_left) *len = e->fault_left;
+  e->fault_left -= *len;
+  return 0;
+}
+
+struct IoRes {
+  uint64_t done = 0;
+  int err = 0;
+  int64_t err_off = 0;
+  bool short_read = false;
+};
+
+// Transfers len bytes, retrying EINTR and partial transfers. A partial O_DIRECT transfer that
+// leaves the position misaligned continues through the plain fd.
+IoRes io_loop(Handle* h, int op, bool use_direct, char* buf, uint64_t len, int64_t off) {
+  IoRes res;
+  int fd = use_direct ? h->fd_direct : h->fd_plain;
+  while (res.done < len) {
+    if (use_direct && (((off + res.done) & (kAlign - 1)) ||
+                       (reinterpret_cast<uintptr_t>(buf + res.done) & (kAlign - 1)) ||
+                       ((len - res.done) & (kAlign - 1)))) {
+      fd = h->fd_plain;
+      use_direct = false;
+    }
+    size_t want = static_cast<size_t>(len - res.done);
+    if (want > (1ull << 30)) want = 1ull << 30;
+    if (use_direct) want &= ~(kAlign - 1);
+    ssize_t r;
+    int ferr = fault_check(op, &want);
+    if (ferr != 0) {
+      errno = ferr;
+      r = -1;
+    } else if (op == kRead) {
+      r = ::pread(fd, buf + res.done, want, static_cast<off_t>(off + res.done));
+    } else {
+      r = ::pwrite(fd, buf + res.done, want, static_cast<off_t>(off + res.done));
+    }
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      res.err = errno;
+      res.err_off = off + static_cast<int64_t>(res.done);
+      return res;
+    }
+    if (r == 0) {
+      res.err = (op == kRead) ? ENODATA : EIO;
+      res.short_read = (op == kRead);
+      res.err_off = off + static_cast<int64_t>(res.done);
+      return res;
+    }
+    res.done += static_cast<uint64_t>(r);
+  }
+  return res;
+}
+
+// Per-worker aligned bounce buffer for misaligned user buffers.
+char* bounce(uint64_t need) {
+  thread_local char* buf = nullptr;
+  thread_local uint64_t cap = 0;
+  if (cap < need) {
+    std::free(buf);
+    buf = nullptr;
+    cap = 0;
+    void* p = nullptr;
+    if (posix_memalign(&p, kAlign, need) != 0) return nullptr;
+    buf = static_cast<char*>(p);
+    cap = need;
+  }
+  return buf;
+}
+
+IoRes run_chunk(Request* r, uint64_t idx) {
+  Handle* h = r->h.get();
+  if (idx < r->nbody) {
+    uint64_t start = idx * r->chunk;
+    uint64_t len = r->body - start < r->chunk ? r->body - start : r->chunk;
+    int64_t off = r->off + static_cast<int64_t>(start);
+    if (r->mode == kModeDirect) return io_loop(h, r->op, true, r->buf + start, len, off);
+    // bounce
+    char* b = bounce(r->chunk);
+    if (b == nullptr) {  // no memory for a bounce buffer: go through the page cache instead
+      return io_loop(h, r->op, false, r->buf + start, len, off);
+    }
+    if (r->op == kWrite) {
+      std::memcpy(b, r->buf + start, len);
+      return io_loop(h, r->op, true, b, len, off);
+    }
+    IoRes res = io_loop(h, r->op, true, b, len, off);
+    std::memcpy(r->buf + start, b, res.done);
+    return res;
+  }
+  // tail (or the whole request in plain mode, split like the body)
+  if (r->mode == kModePlain) {
+    uint64_t start = (idx - r->nbody) * r->chunk;
+    uint64_t len = r->n - start < r->chunk ? r->n - start : r->chunk;
+    return io_loop(h, r->op, false, r->buf + start, len, r->off + static_cast<int64_t>(start));
+  }
+  return io_loop(h, r->op, false, r->buf + r->body, r->n - r->body,
+                 r->off + static_cast<int64_t>(r->body));
+}
+
+std::string errname(int err) {
+  char buf[128];
+  // GNU strerror_r returns char*
+  const char* s = strerror_r(err, buf, sizeof(buf));
+  return std::string(s ? s : "unknown error");
+}
+
+void finish_request(Request* r) {
+  Handle* h = r->h.get();
+  {
+    std::unique_lock<std::mutex> lk(r->m);
+    if (r->err == 0 && r->fsync && r->op == kWrite) {
+      int rc;
+      do {
+        rc = ::fdatasync(h->fd_plain);
+      } while (rc != 0 && errno == EINTR);
+      if (rc != 0) {
+        r->err = errno;
+        r->err_off = r->off;
+        r->msg = "fdatasync failed: " + errname(r->err);
+      }
+    }
+    if (r->err != 0 && r->msg.empty()) {
+      char m[320];
+      if (r->short_read) {
+        std::snprintf(m, sizeof(m),
+                      "short read: got %llu of %llu bytes at offset %lld (end of file at offset %lld)",
+                      static_cast<unsigned long long>(r->done_bytes),
+                      static_cast<unsigned long long>(r->n), static_cast<long long>(r->off),
+                      static_cast<long long>(r->err_off));
+      } else {
+        std::snprintf(m, sizeof(m), "%s failed at offset %lld after %llu of %llu bytes: %s",
+                      r->op == kRead ? "read" : "write", static_cast<long long>(r->err_off),
+                      static_cast<unsigned long long>(r->done_bytes),
+                      static_cast<unsigned long long>(r->n), errname(r->err).c_str());
+      }
+      r->msg = m;
+    }
+    r->done = true;
+  }
+  r->cv.notify_all();
+  {
+    std::lock_guard<std::mutex> g(h->m);
+    h->inflight--;
+  }
+  h->cv.notify_all();
+}
+
+void worker_main() {
+  Engine* e = E();
+  for (;;) {
+    std::shared_ptr<Request> req;
+    uint64_t idx = 0;
+    {
+      std::unique_lock<std::mutex> lk(e->qm);
+      e->qcv.wait(lk, [&] { return e->stop || !e->q.empty(); });
+      if (e->q.empty()) return;  // stop requested and nothing left
+      req = e->q.front();
+      idx = req->next++;
+      if (req->next >= req->nchunks) {
+        e->q.pop_front();
+        e->qspace.notify_one();
+      }
+    }
+    bool skip;
+    {
+      std::lock_guard<std::mutex> g(req->m);
+      skip = req->err != 0;  // an earlier chunk failed: do not touch more of the file
+    }
+    IoRes res;
+    if (!skip) res = run_chunk(req.get(), idx);
+    bool last;
+    {
+      std::lock_guard<std::mutex> g(req->m);
+      req->done_bytes += res.done;
+      if (res.err != 0 && (req->err == 0 || res.err_off < req->err_off)) {
+        req->err = res.err;
+        req->err_off = res.err_off;
+        req->short_read = res.short_read;
+      }
+      last = (--req->remaining == 0);
+    }
+    if (last) finish_request(req.get());
+  }
+}
+
+// Starts the pool if needed. Caller holds cfg_m.
+void ensure_pool_locked() {
+  Engine* e = E();
+  if (!e->workers.empty()) return;
+  for (int i = 0; i < e->cfg.num_threads; ++i) e->workers.emplace_back(worker_main);
+}
+
+void stop_pool_locked() {
+  Engine* e = E();
+  {
+    std::lock_guard<std::mutex> g(e->qm);
+    e->stop = true;
+  }
+  e->qcv.notify_all();
+  for (auto& t : e->workers) t.join();
+  e->workers.clear();
+  std::lock_guard<std::mutex> g(e->qm);
+  e->stop = false;
+}
+
+std::shared_ptr<Handle> get_handle(int64_t id) {
+  Engine* e = E();
+  std::lock_guard<std::mutex> g(e->map_m);
+  auto it = e->handles.find(id);
+  return it == e->handles.end() ? nullptr : it->second;
+}
+
+std::shared_ptr<Request> get_request(int64_t id) {
+  Engine* e = E();
+  std::lock_guard<std::mutex> g(e->map_m);
+  auto it = e->reqs.find(id);
+  return it == e->reqs.end() ? nullptr : it->second;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Configuration
+// ---------------------------------------------------------------------------------------------
+
+// Sets the pool size, chunk size (rounded up to 4096) and queue depth (max queued requests;
+// submit blocks while the queue is full). Values <= 0 keep the current setting. Returns 0 or
+// -EINVAL. Changing the thread count drains the queue and restarts the pool.
+INF_API int inf_aio_configure(int num_threads, int64_t chunk_bytes, int queue_depth) {
+  Engine* e = E();
+  if (num_threads > 1024 || chunk_bytes > (1ll << 30) || queue_depth > (1 << 20)) return -EINVAL;
+  std::lock_guard<std::mutex> g(e->cfg_m);
+  if (chunk_bytes > 0) {
+    std::lock_guard<std::mutex> q(e->qm);
+    e->cfg.chunk_bytes = (static_cast<uint64_t>(chunk_bytes) + kAlign - 1) & ~(kAlign - 1);
+  }
+  if (queue_depth > 0) {
+    std::lock_guard<std::mutex> q(e->qm);
+    e->cfg.queue_depth = queue_depth;
+  }
+  e->qspace.notify_all();
+  if (num_threads > 0 && num_threads != e->cfg.num_threads) {
+    if (!e->workers.empty()) stop_pool_locked();
+    e->cfg.num_threads = num_threads;
+  }
+  return 0;
+}
+
+INF_API void inf_aio_get_config(int* num_threads, int64_t* chunk_bytes, int* queue_depth) {
+  Engine* e = E();
+  std::lock_guard<std::mutex> g(e->cfg_m);
+  if (num_threads) *num_threads = e->cfg.num_threads;
+  if (chunk_bytes) *chunk_bytes = static_cast<int64_t>(e->cfg.chunk_bytes);
+  if (queue_depth) *queue_depth = e->cfg.queue_depth;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Handles
+// ---------------------------------------------------------------------------------------------
+
+// mode: 0 "r" (read only), 1 "r+" (read/write, must exist), 2 "w+" (read/write, create or
+// truncate), 3 "c+" (read/write, create if missing, keep contents).
+// want_direct: try O_DIRECT. *direct_out: 1 when the O_DIRECT fd is open, 0 when the
+// filesystem refused it (EINVAL) or it was not asked for.
+// Returns a handle id > 0, or -errno.
+INF_API int64_t inf_aio_open(const char* path, int mode, int want_direct, int* direct_out) {
+  if (direct_out) *direct_out = 0;
+  if (path == nullptr) return -EINVAL;
+  int flags;
+  switch (mode) {
+    case 0: flags = O_RDONLY; break;
+    case 1: flags = O_RDWR; break;
+    case 2: flags = O_RDWR | O_CREAT | O_TRUNC; break;
+    case 3: flags = O_RDWR | O_CREAT; break;
+    default: return -EINVAL;
+  }
+  int fd_plain;
+  do {
+    fd_plain = ::open(path, flags | O_CLOEXEC, 0644);
+  } while (fd_plain < 0 && errno == EINTR);
+  if (fd_plain < 0) return -errno;
+  struct stat st;
+  if (::fstat(fd_plain, &st) != 0) {
+    int err = errno;
+    ::close(fd_plain);
+    return -err;
+  }
+  if (S_ISDIR(st.st_mode)) {
+    ::close(fd_plain);
+    return -EISDIR;
+  }
+  int fd_direct = -1;
+  if (want_direct) {
+    int dflags = (flags & ~(O_CREAT | O_TRUNC)) | O_DIRECT | O_CLOEXEC;
+    int injected;
+    {
+      Engine* e = E();
+      std::lock_guard<std::mutex> g(e->fault_m);
+      injected = e->open_fault_errno;
+    }
+    if (injected != 0) {
+      errno = injected;
+    } else {
+      do {
+        fd_direct = ::open(path, dflags);
+      } while (fd_direct < 0 && errno == EINTR);
+    }
+    if (fd_direct < 0 && errno != EINVAL) {  // EINVAL: filesystem without O_DIRECT -> buffered
+      int err = errno;
+      ::close(fd_plain);
+      return -err;
+    }
+  }
+  auto h = std::make_shared<Handle>();
+  h->fd_plain = fd_plain;
+  h->fd_direct = fd_direct;
+  h->direct = fd_direct >= 0;
+  h->path = path;
+  if (direct_out) *direct_out = h->direct ? 1 : 0;
+  Engine* e = E();
+  std::lock_guard<std::mutex> g(e->map_m);
+  int64_t id = e->next_handle++;
+  e->handles[id] = h;
+  return id;
+}
+
+// Waits for the handle's in-flight requests, then closes its fds. Double close: 0 (no-op).
+// Returns 0, or -errno from close(2) (the data of completed requests is still on the file).
+INF_API int inf_aio_close(int64_t handle) {
+  Engine* e = E();
+  std::shared_ptr<Handle> h;
+  {
+    std::lock_guard<std::mutex> g(e->map_m);
+    auto it = e->handles.find(handle);
+    if (it == e->handles.end()) return 0;
+    h = it->second;
+    e->handles.erase(it);
+  }
+  std::unique_lock<std::mutex> lk(h->m);
+  if (h->closed) return 0;
+  h->closed = true;
+  h->cv.wait(lk, [&] { return h->inflight == 0; });
+  int rc = 0;
+  if (h->fd_direct >= 0 && ::close(h->fd_direct) != 0 && errno != EINTR) rc = -errno;
+  if (h->fd_plain >= 0 && ::close(h->fd_plain) != 0 && errno != EINTR && rc == 0) rc = -errno;
+  h->fd_direct = h->fd_plain = -1;
+  return rc;
+}
+
+INF_API int inf_aio_is_direct(int64_t handle) {
+  auto h = get_handle(handle);
+  if (!h) return -EBADF;
+  return h->direct ? 1 : 0;
+}
+
+// Number of requests of this handle that have not completed, or -EBADF.
+INF_API int inf_aio_inflight(int64_t handle) {
+  auto h = get_handle(handle);
+  if (!h) return -EBADF;
+  std::lock_guard<std::mutex> g(h->m);
+  return h->inflight;
+}
+
+INF_API int64_t inf_aio_size(int64_t handle) {
+  auto h = get_handle(handle);
+  if (!h) return -EBADF;
+  struct stat st;
+  if (::fstat(h->fd_plain, &st) != 0) return -errno;
+  return static_cast<int64_t>(st.st_size);
+}
+
+INF_API int inf_aio_fsync(int64_t handle) {
+  auto h = get_handle(handle);
+  if (!h) return -EBADF;
+  int rc;
+  do {
+    rc = ::fsync(h->fd_plain);
+  } while (rc != 0 && errno == EINTR);
+  return rc == 0 ? 0 : -errno;
+}
+
+INF_API int inf_aio_truncate(int64_t handle, int64_t nbytes) {
+  if (nbytes < 0) return -EINVAL;
+  auto h = get_handle(handle);
+  if (!h) return -EBADF;
+  int rc;
+  do {
+    rc = ::ftruncate(h->fd_plain, static_cast<off_t>(nbytes));
+  } while (rc != 0 && errno == EINTR);
+  return rc == 0 ? 0 : -errno;
+}
+
+// Reserves nbytes of disk (posix_fallocate: ENOSPC now instead of during a later write) and
+// sets the file size to exactly nbytes.
+INF_API int inf_aio_allocate(int64_t handle, int64_t nbytes) {
+  if (nbytes < 0) return -EINVAL;
+  auto h = get_handle(handle);
+  if (!h) return -EBADF;
+  if (nbytes > 0) {
+    int rc;
+    do {
+      rc = ::posix_fallocate(h->fd_plain, 0, static_cast<off_t>(nbytes));
+    } while (rc == EINTR);
+    if (rc != 0) return -rc;
+  }
+  int rc;
+  do {
+    rc = ::ftruncate(h->fd_plain, static_cast<off_t>(nbytes));
+  } while (rc != 0 && errno == EINTR);
+  return rc == 0 ? 0 : -errno;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Requests
+// ---------------------------------------------------------------------------------------------
+
+// op: 0 read (file -> buf), 1 write (buf -> file). fsync: fdatasync after the last chunk, before
+// completion (writes only). The buffer must stay valid until the request completes.
+// Returns a request id > 0, or -errno (EBADF closed handle, EINVAL bad arguments).
+INF_API int64_t inf_aio_submit(int64_t handle, int op, void* buf, int64_t nbytes, int64_t offset,
+                               int fsync) {
+  if ((op != kRead && op != kWrite) || nbytes < 0 || offset < 0 || (buf == nullptr && nbytes > 0))
+    return -EINVAL;
+  Engine* e = E();
+  auto h = get_handle(handle);
+  if (!h) return -EBADF;
+  auto r = std::make_shared<Request>();
+  r->h = h;
+  r->op = op;
+  r->buf = static_cast<char*>(buf);
+  r->n = static_cast<uint64_t>(nbytes);
+  r->off = offset;
+  r->fsync = fsync != 0;
+  {
+    std::lock_guard<std::mutex> g(e->cfg_m);
+    r->chunk = e->cfg.chunk_bytes;
+    ensure_pool_locked();
+  }
+  bool off_aligned = (static_cast<uint64_t>(offset) & (kAlign - 1)) == 0;
+  bool buf_aligned = (reinterpret_cast<uintptr_t>(buf) & (kAlign - 1)) == 0;
+  if (h->direct && off_aligned && r->n >= kAlign) {
+    r->mode = buf_aligned ? kModeDirect : kModeBounce;
+    r->body = r->n & ~(kAlign - 1);
+    r->nbody = (r->body + r->chunk - 1) / r->chunk;
+    r->nchunks = r->nbody + (r->n > r->body ? 1 : 0);
+  } else {
+    r->mode = kModePlain;
+    r->body = 0;
+    r->nbody = 0;
+    r->nchunks = (r->n + r->chunk - 1) / r->chunk;
+  }
+  {
+    std::lock_guard<std::mutex> g(h->m);
+    if (h->closed) return -EBADF;
+    h->inflight++;
+  }
+  {
+    std::lock_guard<std::mutex> g(e->map_m);
+    r->id = e->next_req++;
+    e->reqs[r->id] = r;
+  }
+  if (r->nchunks == 0) {  // zero bytes: complete at once (fsync still honoured)
+    r->remaining = 0;
+    finish_request(r.get());
+    return r->id;
+  }
+  r->remaining = r->nchunks;
+  {
+    std::unique_lock<std::mutex> lk(e->qm);
+    e->qspace.wait(lk, [&] { return static_cast<int>(e->q.size()) < e->cfg.queue_depth; });
+    e->q.push_back(r);
+  }
+  if (r->nchunks == 1) e->qcv.notify_one(); else e->qcv.notify_all();
+  return r->id;
+}
+
+// 1 when complete, 0 when not, -1 unknown request.
+INF_API int inf_aio_poll(int64_t req) {
+  auto r = get_request(req);
+  if (!r) return -1;
+  std::lock_guard<std::mutex> g(r->m);
+  return r->done ? 1 : 0;
+}
+
+// Blocks until complete or timeout_ms (< 0: forever). 1 complete, 0 timed out, -1 unknown.
+INF_API int inf_aio_wait(int64_t req, int64_t timeout_ms) {
+  auto r = get_request(req);
+  if (!r) return -1;
+  std::unique_lock<std::mutex> lk(r->m);
+  if (timeout_ms < 0) {
+    r->cv.wait(lk, [&] { return r->done; });
+    return 1;
+  }
+  return r->cv.wait_for(lk, std::chrono::milliseconds(timeout_ms), [&] { return r->done; }) ? 1
+                                                                                             : 0;
+}
+
+// Result of a completed request: *bytes transferred, *err (0 or errno of the first failure),
+// *err_offset (file offset of that failure) and a message. Returns 0 done, 1 not done, -1 unknown.
+INF_API int inf_aio_result(int64_t req, int64_t* bytes, int* err, int64_t* err_offset, char* msg,
+                           int msg_len) {
+  auto r = get_request(req);
+  if (!r) return -1;
+  std::lock_guard<std::mutex> g(r->m);
+  if (!r->done) return 1;
+  if (bytes) *bytes = static_cast<int64_t>(r->done_bytes);
+  if (err) *err = r->err;
+  if (err_offset) *err_offset = r->err_off;
+  if (msg && msg_len > 0) {
+    std::snprintf(msg, static_cast<size_t>(msg_len), "%s", r->msg.c_str());
+  }
+  return 0;
+}
+
+// Forgets a request id (its memory goes when the last worker lets go of it). The caller must
+// keep the buffer alive until the request completed.
+INF_API void inf_aio_release(int64_t req) {
+  Engine* e = E();
+  std::lock_guard<std::mutex> g(e->map_m);
+  e->reqs.erase(req);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Test-only fault injection
+// ---------------------------------------------------------------------------------------------
+
+// op: 0 reads, 1 writes, 2 both. After after_bytes more bytes of that kind, every transfer fails
+// with err until inf_aio_clear_faults(). op 3: every O_DIRECT open fails with err (EINVAL
+// simulates a filesystem without O_DIRECT; after_bytes is ignored).
+INF_API int inf_aio_inject_fault(int op, int err, int64_t after_bytes) {
+  if (op < 0 || op > 3 || err <= 0 || after_bytes < 0) return -EINVAL;
+  Engine* e = E();
+  std::lock_guard<std::mutex> g(e->fault_m);
+  if (op == 3) {
+    e->open_fault_errno = err;
+    return 0;
+  }
+  e->fault_op = op;
+  e->fault_errno = err;
+  e->fault_left = static_cast<uint64_t>(after_bytes);
+  return 0;
+}
+
+INF_API void inf_aio_clear_faults(void) {
+  Engine* e = E();
+  std::lock_guard<std::mutex> g(e->fault_m);
+  e->fault_op = -1;
+  e->fault_errno = 0;
+  e->fault_left = 0;
+  e->open_fault_errno = 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Aligned host memory
+// ---------------------------------------------------------------------------------------------
+
+// posix_memalign(alignment, nbytes) (alignment: power of two >= sizeof(void*)); zero-filled when
+// zero != 0; mlock'ed when lock != 0 and allowed (*locked reports it). NULL on failure.
+INF_API void* inf_mem_alloc(int64_t nbytes, int64_t alignment, int zero, int lock, int* locked) {
+  if (locked) *locked = 0;
+  if (nbytes < 0 || alignment < static_cast<int64_t>(sizeof(void*)) ||
+      (alignment & (alignment - 1)) != 0)
+    return nullptr;
+  void* p = nullptr;
+  size_t n = nbytes == 0 ? 1 : static_cast<size_t>(nbytes);
+  if (posix_memalign(&p, static_cast<size_t>(alignment), n) != 0) return nullptr;
+  if (zero) std::memset(p, 0, n);
+  if (lock && ::mlock(p, n) == 0 && locked) *locked = 1;
+  return p;
+}
+
+INF_API void inf_mem_free(void* ptr, int64_t nbytes, int locked) {
+  if (ptr == nullptr) return;
+  if (locked) ::munlock(ptr, nbytes == 0 ? 1 : static_cast<size_t>(nbytes));
+  std::free(ptr);
+}
+
+// ---------------------------------------------------------------------------------------------
+// CRC32C (Castagnoli, reflected 0x82F63B78; crc32c("123456789") == 0xE3069283)
+// ---------------------------------------------------------------------------------------------
+// Convention: crc32c(data, seed) continues a previous value, so
+// crc32c(b, crc32c(a, 0)) == crc32c(a + b, 0). SSE4.2 path when the CPU has it (checked once at
+// run time; no -march needed), slicing-by-8 tables otherwise.
+
+namespace {
+
+struct Crc32cTables {
+  uint32_t t[8][256];
+  Crc32cTables() {
+    for (uint32_t i = 0; i < 256; ++i) {
+      uint32_t c = i;
+      for (int k = 0; k < 8; ++k) c = (c >> 1) ^ (0x82F63B78u & (0u - (c & 1u)));
+      t[0][i] = c;
+    }
+    for (uint32_t i = 0; i < 256; ++i)
+      for (int s = 1; s < 8; ++s) t[s][i] = (t[s - 1][i] >> 8) ^ t[0][t[s - 1][i] & 0xFF];
+  }
+};
+
+const Crc32cTables& crc_tables() {
+  static const Crc32cTables* tables = new Crc32cTables();
+  return *tables;
+}
+
+uint32_t crc32c_table(uint32_t crc, const unsigned char* p, size_t n) {
+  const auto& T = crc_tables().t;
+  while (n && (reinterpret_cast<uintptr_t>(p) & 7)) {
+    crc = (crc >> 8) ^ T[0][(crc ^ *p++) & 0xFF];
+    --n;
+  }
+  while (n >= 8) {
+    uint64_t v;
+    std::memcpy(&v, p, 8);
+    v ^= crc;
+    crc = T[7][v & 0xFF] ^ T[6][(v >> 8) & 0xFF] ^ T[5][(v >> 16) & 0xFF] ^
+          T[4][(v >> 24) & 0xFF] ^ T[3][(v >> 32) & 0xFF] ^ T[2][(v >> 40) & 0xFF] ^
+          T[1][(v >> 48) & 0xFF] ^ T[0][(v >> 56) & 0xFF];
+    p += 8;
+    n -= 8;
+  }
+  while (n--) crc = (crc >> 8) ^ T[0][(crc ^ *p++) & 0xFF];
+  return crc;
+}
+
+#if defined(__x86_64__) || defined(__i386__)
+#define INF_HAVE_SSE42_PATH 1
+__attribute__((target("sse4.2"))) uint32_t crc32c_sse42(uint32_t crc, const unsigned char* p,
+                                                         size_t n) {
+  while (n && (reinterpret_cast<uintptr_t>(p) & 7)) {
+    crc = __builtin_ia32_crc32qi(crc, *p++);
+    --n;
+  }
+  uint64_t c = crc;
+  while (n >= 32) {
+    uint64_t a, b, d, e;
+    std::memcpy(&a, p, 8);
+    std::memcpy(&b, p + 8, 8);
+    std::memcpy(&d, p + 16, 8);
+    std::memcpy(&e, p + 24, 8);
+    c = __builtin_ia32_crc32di(c, a);
+    c = __builtin_ia32_crc32di(c, b);
+    c = __builtin_ia32_crc32di(c, d);
+    c = __builtin_ia32_crc32di(c, e);
+    p += 32;
+    n -= 32;
+  }
+  while (n >= 8) {
+    uint64_t a;
+    std::memcpy(&a, p, 8);
+    c = __builtin_ia32_crc32di(c, a);
+    p += 8;
+    n -= 8;
+  }
+  crc = static_cast<uint32_t>(c);
+  while (n--) crc = __builtin_ia32_crc32qi(crc, *p++);
+  return crc;
+}
+#endif
+
+int crc_impl() {  // 1 sse4.2, 0 table
+  static int impl = [] {
+    const char* env = std::getenv("INFINITY_CRC32C_IMPL");
+    if (env && std::strcmp(env, "table") == 0) return 0;
+#ifdef INF_HAVE_SSE42_PATH
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("sse4.2")) return 1;
+#endif
+    return 0;
+  }();
+  return impl;
+}
+
+}  // namespace
+
+// impl: -1 automatic (SSE4.2 when available), 0 table, 1 SSE4.2 (falls back to the table when
+// the CPU lacks it).
+INF_API uint32_t inf_crc_crc32c_impl(const void* data, int64_t nbytes, uint32_t seed, int impl) {
+  if (data == nullptr || nbytes <= 0) return seed;
+  const auto* p = static_cast<const unsigned char*>(data);
+  uint32_t crc = ~seed;
+  if (impl < 0) impl = crc_impl();
+#ifdef INF_HAVE_SSE42_PATH
+  if (impl == 1 && __builtin_cpu_supports("sse4.2"))
+    return ~crc32c_sse42(crc, p, static_cast<size_t>(nbytes));
+#endif
+  return ~crc32c_table(crc, p, static_cast<size_t>(nbytes));
+}
+
+INF_API uint32_t inf_crc_crc32c(const void* data, int64_t nbytes, uint32_t seed) {
+  return inf_crc_crc32c_impl(data, nbytes, seed, -1);
+}
+
+// Which path inf_crc_crc32c uses: 1 SSE4.2, 0 table.
+INF_API int inf_crc_impl(void) { return crc_impl(); }
