@@ -89,6 +89,4 @@ def gradient(param: torch.Tensor) -> Optional[torch.Tensor]:
     loc = locate(param)
     if loc is None:
         return param.grad
-    if loc.flat.grad is None or not loc.flat.grad_ready[loc.slot]:
-        return None
-    return loc.flat.grad_view(loc.slot)
+    return loc.engine.grads.gradient(loc.flat, loc.slot)

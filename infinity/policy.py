@@ -28,6 +28,9 @@ class OffloadPolicy:
 
     param_tier: "device" (no offload), "host", "nvme", or "auto": nvme when nvme_path is given
         and the parameters do not fit in host_budget (or no host_budget is set), else host.
+    grad_tier: where the fp32 gradient accumulators live between backward and the optimizer
+        step: "host", "nvme" (a few blocks' worth of host buffers, the rest in swap files), or
+        "auto" (nvme when param_tier resolves to nvme, else host).
     optimizer_tier: the same choice for the optimizer's fp32 master weights and moments
         ("device" is not offered: the CPU Adam reads them from host or NVMe).
     device_budget / host_budget: byte limits (None: no limit beyond the hardware). The device
@@ -44,6 +47,7 @@ class OffloadPolicy:
     """
 
     param_tier: str = "auto"
+    grad_tier: str = "auto"
     optimizer_tier: str = "auto"
     nvme_path: Optional[str] = None
     device_budget: Optional[int] = None
@@ -60,7 +64,9 @@ class OffloadPolicy:
         if self.optimizer_tier not in ("auto", "host", "nvme"):
             raise ValueError(f"optimizer_tier={self.optimizer_tier!r}; use 'host', 'nvme' or "
                              "'auto'")
-        for name in ("param_tier", "optimizer_tier"):
+        if self.grad_tier not in ("auto", "host", "nvme"):
+            raise ValueError(f"grad_tier={self.grad_tier!r}; use 'host', 'nvme' or 'auto'")
+        for name in ("param_tier", "grad_tier", "optimizer_tier"):
             if getattr(self, name) == "nvme" and self.nvme_path is None:
                 raise ValueError(f"{name}='nvme' needs nvme_path=<a directory on a fast disk>")
         _check_bytes("device_budget", self.device_budget)

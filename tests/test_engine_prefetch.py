@@ -18,7 +18,7 @@ def test_prefetch_hits_after_first_step(tmp_path):
     torch.manual_seed(0)
     model = TinyGPT(CFG)
     infinity.wrap(model, nvme_path=str(tmp_path), param_tier="nvme", prefetch_window=2)
-    data = batches(CFG, 4, batch=4, seq=32)
+    data = batches(CFG, 4, batch=8, seq=64)  # enough compute per block to hide its I/O
     x, y = data[0]
     loss_of(model, x, y).backward()  # step 1 records the schedule (on-demand fetches)
     first = infinity.stats(model, reset=True)

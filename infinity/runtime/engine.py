@@ -24,6 +24,7 @@ from ..tiers import BudgetExceededError, ByteBudget, HostPool, SwapStore, Tier
 from . import hooks as hooks_mod
 from .block import Block
 from .flat import FlatParam
+from .grads import GradientSink
 from .partition import partition
 from .residency import Residency, ResidencyError
 from .schedule import Schedule
@@ -98,11 +99,10 @@ class Engine:
         self.schedule = Schedule(policy.prefetch_window)
         self._callback_task = -1
         self._last_backward_block: Optional[Block] = None
-        self._pending_grads: List[tuple] = []
         # Set by an optimizer over this engine: it changes the home copies in step(), so the
         # next forward's blocks are prefetched after the step (after_step), not after backward.
         self.optimizer_attached = False
-        self._d2h = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.grad_tier = self._choose_grad_tier()
         self._materialize_homes()
         self.transfers = Transfers(self.device, self.stats, self.store, self.pool)
         self._hooks = hooks_mod.register(self)
@@ -145,6 +145,12 @@ class Engine:
         if p.nvme_path is not None and (p.host_budget is None or home_bytes > p.host_budget):
             return Tier.NVME
         return Tier.HOST
+
+    def _choose_grad_tier(self) -> Tier:
+        choice = self.policy.grad_tier
+        if choice == "auto":
+            return Tier.NVME if self.param_tier is Tier.NVME else Tier.HOST
+        return Tier.parse(choice, what="grad_tier")
 
     def _compute_dtype(self, home_dtype: torch.dtype) -> torch.dtype:
         return self.policy.compute_dtype or home_dtype
@@ -195,7 +201,7 @@ class Engine:
         originals = [(s.param, s.param.data) for b in self.blocks for f in b.flats
                      for s in f.slots]
         try:
-            if self.param_tier is Tier.NVME:
+            if Tier.NVME in (self.param_tier, self.grad_tier):
                 self.store = SwapStore(self.policy.nvme_path,
                                        require_direct=self.policy.require_direct_io,
                                        verify=self.policy.verify_checksums)
@@ -211,6 +217,8 @@ class Engine:
                     for flat in block.flats:
                         self._materialize_flat(block, flat)
                         bar.update(flat.home_nbytes)
+            self.grads = GradientSink(self.grad_tier, self.device, self.stats, self.host_budget,
+                                      self.store, self.flats, self.policy.prefetch_window + 2)
         except BaseException:
             for param, data in originals:
                 param.data = data
@@ -426,6 +434,8 @@ class Engine:
         block.inputs_done = False
         if block is self._last_backward_block:
             self._last_backward_block = None
+        for flat in block.flats:
+            self.grads.close(flat)
         self._release(block)
 
     def on_block_post_forward(self, block: Block, module: nn.Module, args, output) -> None:
@@ -473,15 +483,14 @@ class Engine:
             grad = param.grad
             if grad is None:
                 return
-            flat = block.flats[flat_index]
-            self._offload_grad(flat, slot_index, grad)
+            self.grads.add(block.flats[flat_index], slot_index, grad)
             param.grad = None
             block.grads_seen.add((flat_index, slot_index))
             self._release_if_backward_done(block)
 
     def _on_backward_end(self) -> None:
         with self._lock:
-            self._drain_grads()
+            self.grads.finish_backward()
             self.schedule.end("backward")
             for block in self.blocks:
                 block.reset_backward()
@@ -506,42 +515,6 @@ class Engine:
     # =====================================================================================
     # gradients
     # =====================================================================================
-    def _grad_buffer(self, flat: FlatParam) -> torch.Tensor:
-        if flat.grad is None:
-            self.host_budget.acquire(flat.numel * 4, what=f"gradient buffer of {flat.key}")
-            flat.ensure_grad_buffer()
-        return flat.grad
-
-    def _offload_grad(self, flat: FlatParam, index: int, grad: torch.Tensor) -> None:
-        self._grad_buffer(flat)
-        if grad.is_cuda:
-            staging = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
-            self._d2h.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._d2h):
-                staging.copy_(grad, non_blocking=True)
-                grad.record_stream(self._d2h)
-                event = self._d2h.record_event()
-            self._pending_grads.append((event, staging, flat, index))
-        else:
-            self._accumulate(flat, index, grad)
-        self.stats.add_moved("device_to_host", grad.numel() * grad.element_size())
-
-    def _accumulate(self, flat: FlatParam, index: int, grad: torch.Tensor) -> None:
-        view = flat.grad_view(index)
-        if grad.is_sparse:
-            raise TypeError(f"{flat.slots[index].qualname}: sparse gradients are not supported")
-        if flat.grad_ready[index]:
-            view.add_(grad)
-        else:
-            view.copy_(grad)
-            flat.grad_ready[index] = True
-
-    def _drain_grads(self) -> None:
-        for event, staging, flat, index in self._pending_grads:
-            event.synchronize()
-            self._accumulate(flat, index, staging)
-        self._pending_grads.clear()
-
     def zero_grad(self) -> None:
         """Forgets accumulated gradients (set_to_none semantics: the next one overwrites)."""
         with self._lock:
@@ -601,7 +574,8 @@ class Engine:
 
     def tier_bytes(self) -> Dict[str, Dict[str, int]]:
         host_homes = sum(f.home_nbytes for f in self.flats if f.home is not None)
-        grads = sum(f.numel * 4 for f in self.flats if f.grad is not None)
+        grads = (sum(f.numel * 4 for f in self.flats if f.grad is not None)
+                 if self.grad_tier is Tier.HOST else self.grads.host_bytes())
         staging = self.pool.count * self.pool.nbytes if self.pool is not None else 0
         nvme = self.store.total_bytes if self.store is not None else 0
         return {
@@ -640,6 +614,7 @@ class Engine:
                         flat.compute = None
                         flat.home = None
                         flat.grad = None
+            self.grads.shutdown()
             if self.pool is not None:
                 self.pool.close()
             if self.store is not None:

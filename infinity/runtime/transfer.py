@@ -1,8 +1,9 @@
 """Moves a block's parameters from their home (host RAM or a swap file) into its compute buffer.
 
-One background thread runs the transfers in submission order (the CPU's "copy stream"); on CUDA
-it issues host->device copies on a dedicated stream and hands back an event that the compute
-stream waits on, so the hot path never synchronizes the device.
+Background threads run the transfers (the CPU's "copy streams"): one per host staging buffer, so
+the reads of consecutive prefetches overlap on the disk. On CUDA they issue host->device copies
+on a dedicated stream and hand back an event that the compute stream waits on, so the hot path
+never synchronizes the device.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ class Transfers:
         self.stats = stats
         self.store = store
         self.pool = pool
-        self._executor = cf.ThreadPoolExecutor(max_workers=1,
+        workers = pool.count if pool is not None else 1
+        self._executor = cf.ThreadPoolExecutor(max_workers=workers,
                                                thread_name_prefix="infinity-transfer")
         self._cuda = device.type == "cuda"
         self._h2d = torch.cuda.Stream(device) if self._cuda else None

@@ -8,6 +8,7 @@ import shutil
 import tempfile
 import threading
 import uuid
+import warnings
 from dataclasses import dataclass
 from typing import Dict, Optional
 
@@ -100,6 +101,11 @@ class SwapStore:
                           f"the filesystem under {self.directory!r} does not support O_DIRECT "
                           "(tmpfs?); put nvme_path on a real disk, or pass "
                           "require_direct_io=False to accept buffered I/O through the page cache")
+        if not direct:
+            warnings.warn(f"infinity: the filesystem under {self.directory!r} does not support "
+                          "O_DIRECT; swap I/O goes through the page cache (slower, and it takes "
+                          "RAM). Put nvme_path on a real disk for full speed.", RuntimeWarning,
+                          stacklevel=4)
         return direct
 
     # ---- keys ----------------------------------------------------------------------------

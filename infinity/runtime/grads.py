@@ -1,0 +1,175 @@
+"""GradientSink: where a block's gradients go once autograd has produced them.
+
+Each gradient is accumulated (fp32, across micro-batches) into its flat buffer's gradient
+accumulator and freed on the device right away. The accumulator lives in host RAM
+(``Tier.HOST``: one persistent buffer per flat) or on NVMe (``Tier.NVME``: a pooled host
+buffer is open only while the block's backward runs, then written to the flat's gradient swap
+file), so host memory for gradients is bounded by a few blocks instead of the whole model.
+On CUDA the device->host copy runs on a side stream into pinned memory, with an event that the
+accumulation waits on.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from .. import io as inf_io
+from ..tiers import ByteBudget, HostPool, SwapStore, Tier
+from .flat import FlatParam
+from .stats import Stats
+
+
+def grad_key(flat: FlatParam) -> str:
+    return f"{flat.key}.grad"
+
+
+class GradientSink:
+    def __init__(self, tier: Tier, device: torch.device, stats: Stats, host_budget: ByteBudget,
+                 store: Optional[SwapStore], flats: List[FlatParam], pool_count: int) -> None:
+        if tier not in (Tier.HOST, Tier.NVME):
+            raise ValueError(f"gradients live on host or nvme, not {tier}")
+        self.tier = tier
+        self.device = device
+        self.stats = stats
+        self.host_budget = host_budget
+        self.store = store
+        self.pool: Optional[HostPool] = None
+        self._open: Dict[int, Tuple[FlatParam, torch.Tensor]] = {}
+        self._writes: List[Tuple["inf_io.IOFuture", torch.Tensor, FlatParam]] = []
+        self._pending_d2h: List[tuple] = []
+        self._d2h = torch.cuda.Stream(device) if device.type == "cuda" else None
+        trainable = [f for f in flats if f.trainable]
+        if tier is Tier.NVME and trainable:
+            if store is None:
+                raise ValueError("gradients on NVMe need a swap store (nvme_path)")
+            largest = max(f.numel * 4 for f in trainable)
+            self.pool = HostPool(pool_count, largest, host_budget)
+            for f in trainable:
+                store.create(grad_key(f), f.numel * 4)
+
+    # ---- accumulation ------------------------------------------------------------------
+    def add(self, flat: FlatParam, index: int, grad: torch.Tensor) -> None:
+        if grad.is_sparse:
+            raise TypeError(f"{flat.slots[index].qualname}: sparse gradients are not supported")
+        self._open_flat(flat)
+        if grad.is_cuda:
+            staging = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
+            self._d2h.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._d2h):
+                staging.copy_(grad, non_blocking=True)
+                grad.record_stream(self._d2h)
+                event = self._d2h.record_event()
+            self._pending_d2h.append((event, staging, flat, index))
+        else:
+            self._accumulate(flat, index, grad)
+        self.stats.add_moved("device_to_host", grad.numel() * grad.element_size())
+
+    def _accumulate(self, flat: FlatParam, index: int, grad: torch.Tensor) -> None:
+        view = flat.grad_view(index)
+        if flat.grad_ready[index]:
+            view.add_(grad)
+        else:
+            view.copy_(grad)
+            flat.grad_ready[index] = True
+
+    def _drain_d2h(self) -> None:
+        for event, staging, flat, index in self._pending_d2h:
+            event.synchronize()
+            self._accumulate(flat, index, staging)
+        self._pending_d2h.clear()
+
+    # ---- buffers -------------------------------------------------------------------------
+    def _open_flat(self, flat: FlatParam) -> None:
+        if self.tier is Tier.HOST:
+            if flat.grad is None:
+                self.host_budget.acquire(flat.numel * 4, what=f"gradient buffer of {flat.key}")
+                flat.ensure_grad_buffer()
+            return
+        if id(flat) in self._open:
+            return
+        buf = self._acquire_buffer()
+        view = buf[:flat.numel * 4].view(torch.float32)
+        if any(flat.grad_ready):  # accumulating across micro-batches: bring back the sum so far
+            self.store.read_sync(grad_key(flat), view)
+            self.stats.add_moved("nvme_to_host", flat.numel * 4)
+        flat.grad = view
+        self._open[id(flat)] = (flat, buf)
+
+    def _acquire_buffer(self) -> torch.Tensor:
+        self._reap(block=False)
+        if self._free_count() == 0 and not self._writes:
+            # more flats are accumulating at once than the pool holds (tied weights, blocks
+            # whose backward is not over): write the oldest out; it is read back if reopened
+            oldest, _ = next(iter(self._open.values()))
+            self.close(oldest)
+        if self._free_count() == 0:
+            self._reap(block=True, count=1)
+        return self.pool.acquire()
+
+    def _free_count(self) -> int:
+        return self.pool.count - len(self._open) - len(self._writes)
+
+    def _reap(self, *, block: bool, count: Optional[int] = None) -> None:
+        remaining = []
+        reaped = 0
+        for future, buf, flat in self._writes:
+            if (block and (count is None or reaped < count)) or future.done():
+                future.wait()
+                self.pool.release(buf)
+                reaped += 1
+            else:
+                remaining.append((future, buf, flat))
+        self._writes = remaining
+
+    def close(self, flat: FlatParam) -> None:
+        """The flat's gradients for this backward are complete (NVMe: start writing them)."""
+        if self.tier is Tier.HOST or id(flat) not in self._open:
+            return
+        if self._pending_d2h:
+            self._drain_d2h()
+        flat, buf = self._open.pop(id(flat))
+        future = self.store.write(grad_key(flat), flat.grad)
+        self.stats.add_moved("host_to_nvme", flat.numel * 4)
+        flat.grad = None
+        self._writes.append((future, buf, flat))
+
+    def finish_backward(self) -> None:
+        """End of backward: every gradient accumulated and, on NVMe, durably written."""
+        self._drain_d2h()
+        for flat, _ in list(self._open.values()):
+            self.close(flat)
+        self._reap(block=True)
+
+    # ---- reading (optimizer, users) ----------------------------------------------------
+    def read(self, flat: FlatParam, dst: torch.Tensor) -> "inf_io.IOFuture":
+        """Starts reading the flat's accumulated gradients (NVMe tier) into ``dst``."""
+        if self.tier is not Tier.NVME:
+            raise RuntimeError("gradients are in host RAM: use flat.grad")
+        future = self.store.read(grad_key(flat), dst)
+        self.stats.add_moved("nvme_to_host", flat.numel * 4)
+        return future
+
+    def verify(self, flat: FlatParam, dst: torch.Tensor) -> None:
+        self.store.verify_read(grad_key(flat), dst)
+
+    def gradient(self, flat: FlatParam, index: int) -> Optional[torch.Tensor]:
+        if not flat.grad_ready[index]:
+            return None
+        if flat.grad is not None:
+            return flat.grad_view(index)
+        full = inf_io.aligned_empty(flat.numel, torch.float32)
+        self.read(flat, full).wait()
+        self.verify(flat, full)
+        s = flat.slots[index]
+        return full[s.offset:s.offset + s.numel].view(s.shape).clone()
+
+    def host_bytes(self) -> int:
+        if self.tier is Tier.NVME:
+            return self.pool.count * self.pool.nbytes if self.pool is not None else 0
+        return 0  # host accumulators are counted with the flats
+
+    def shutdown(self) -> None:
+        self._reap(block=True)
+        if self.pool is not None:
+            self.pool.close()
