@@ -66,8 +66,7 @@ def test_forward_backward_from_nvme_peak_rss(tmp_path):
     from NVMe (parameters and gradients both streamed). Bound: the real peak RSS growth over
     those steps (kernel VmHWM, reset right after wrap) stays below 50% of the model's size;
     measured here: 24-37% over runs (engine buffers ~19%: 2 staging + 3 gradient + 3 device
-    blocks; the
-    rest is activations and allocator slack, which do not depend on infinity)."""
+    blocks; the rest is activations and allocator slack, which do not depend on infinity)."""
     out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, str(tmp_path)], capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

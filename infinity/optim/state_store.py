@@ -51,8 +51,9 @@ def choose_tier(engine: Engine, flats: List[FlatParam]) -> str:
     if policy.nvme_path is None:
         return "host"
     need = sum(state_nbytes(f) for f in flats)
-    return "nvme" if not engine.host_budget.fits(need) or policy.host_budget is None \
-        else "host"
+    if policy.host_budget is None or not engine.host_budget.fits(need):
+        return "nvme"
+    return "host"
 
 
 @dataclass
@@ -192,14 +193,11 @@ class NvmeStates:
 
     def wrap_error(self, exc: BaseException, shard: Shard, doing: str) -> OptimizerStateIOError:
         err = getattr(exc, "errno", None) or errno_mod.EIO
-        what = ("the disk is full" if err in _FULL_DISK
-                else f"{errno_mod.errorcode.get(err, err)}")
+        what = ("disk full: the disk under nvme_path has no space left" if err in _FULL_DISK
+                else errno_mod.errorcode.get(err, f"errno {err}"))
         msg = (f"{doing} optimizer states of shard {shard.key!r} under nvme_path "
-               f"{self.nvme_path!r} failed: {what} (disk full)" if err in _FULL_DISK else
-               f"{doing} optimizer states of shard {shard.key!r} under nvme_path "
-               f"{self.nvme_path!r} failed: {what}")
-        msg += (f". The step was not applied; the states of the previous step are intact. "
-                f"Cause: {exc}")
+               f"{self.nvme_path!r} failed ({what}). The step was not applied; the states of "
+               f"the previous step are intact. Cause: {exc}")
         return OptimizerStateIOError(err, msg, getattr(exc, "filename", None) or self.nvme_path,
                                      getattr(exc, "offset", None))
 
