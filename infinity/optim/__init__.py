@@ -1,0 +1,20 @@
+"""infinity.optim: drop-in torch.optim Adam/AdamW whose fp32 master weights and moments live in
+host RAM or on NVMe and are stepped by the native CPU Adam.
+
+    model = infinity.wrap(model, nvme_path="/mnt/ssd")          # optimizer_tier="auto"
+    opt = infinity.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+    loss_fn(model(x), y).backward()
+    opt.clip_grad_norm_(1.0)        # optional; torch.nn.utils.clip_grad_norm_ sees p.grad=None
+    opt.step()
+    opt.zero_grad()
+
+Where states live: ``state_store.choose_tier`` (the model's ``optimizer_tier`` policy).
+fp16 models: :class:`LossScaler` (``torch.amp.GradScaler``'s interface).
+"""
+from .loss_scale import LossScaler
+from .offloaded_adam import Adam, AdamW, OffloadedAdam
+from .state_store import OptimizerStateIOError, choose_tier
+from .swapper import StepStats
+
+__all__ = ["Adam", "AdamW", "OffloadedAdam", "LossScaler", "OptimizerStateIOError",
+           "StepStats", "choose_tier"]

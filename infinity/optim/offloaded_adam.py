@@ -1,0 +1,744 @@
+"""OffloadedAdam: a torch.optim.Optimizer whose fp32 master weights and moments live in host RAM
+or on NVMe, stepped by the native CPU Adam (``infinity.ops.cpu_adam_step``).
+
+Parameters of a model wrapped by ``infinity.wrap`` are stepped shard by shard (one shard = one
+block's FlatParam): their gradients are read from ``flat.grad`` (the engine keeps them there;
+``p.grad`` stays None), the states come from :mod:`.state_store`, and the updated working copy
+(the parameter's home dtype: fp32, bf16 or fp16) is written in the same kernel pass into the
+parameter's home (host), into a staging buffer written to the parameter swap file (NVMe), or
+into the resident buffer (device). Parameters that are not wrapped are stepped one by one with
+the same kernel and per-parameter state, like torch.
+
+Semantics follow torch.optim.AdamW / Adam: per-parameter step counts (a parameter without a
+gradient in a step is left alone and its step does not advance), hyper-parameters read from each
+param group at every step (LR schedulers work), ``state_dict`` in torch's format plus an fp32
+``master`` entry per parameter.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
+
+import torch
+
+from .. import io as inf_io
+from ..ops import cpu_adam_step
+from ..runtime.engine import Engine, locate
+from ..tiers import Tier
+from . import clip as clip_mod
+from .state_store import (HostStates, NvmeStates, OptimizerStateIOError, Shard, choose_tier,
+                          init_states, split_states, state_nbytes)
+from .swapper import BufferSets, StepStats, run_pipeline
+
+logger = logging.getLogger(__name__)
+
+States = Union[HostStates, NvmeStates]
+
+
+@dataclass(frozen=True)
+class _Run:
+    """Contiguous elements [start, end) of a shard that share a param group and a step."""
+
+    start: int
+    end: int
+    group: int
+    step: int
+
+
+# ---- validation ---------------------------------------------------------------------------
+
+def _number(name: str, value: object, *, low: float = 0.0, high: Optional[float] = None
+            ) -> None:
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(float(value)) or value < low or (high is not None and value >= high):
+        bound = f"in [{low}, {high})" if high is not None else f">= {low}"
+        raise ValueError(f"Invalid {name}: {value!r} (must be finite and {bound})")
+
+
+def _check_hyper(group: Dict[str, Any]) -> None:
+    _number("learning rate (lr)", group["lr"])
+    _number("epsilon (eps)", group["eps"])
+    _number("weight_decay", group["weight_decay"])
+    betas = group["betas"]
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise TypeError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    _number("beta1 (betas[0])", betas[0], high=1.0)
+    _number("beta2 (betas[1])", betas[1], high=1.0)
+    for flag in ("amsgrad", "maximize"):
+        if group.get(flag):
+            raise NotImplementedError(f"infinity.optim does not support {flag}=True")
+
+
+def _grads_on_nvme(shard: Shard) -> bool:
+    return shard.engine.grad_tier is Tier.NVME
+
+
+def _read_grads(shard: Shard, dst: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The shard's accumulated gradients, read from the engine's gradient swap file."""
+    if dst is None:
+        dst = inf_io.aligned_empty(shard.numel, torch.float32)
+    shard.engine.grads.read(shard.flat, dst).wait()
+    shard.engine.grads.verify(shard.flat, dst)
+    return dst
+
+
+def _float(value: object) -> float:
+    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
+
+
+class OffloadedAdam(torch.optim.Optimizer):
+    """Adam / AdamW with states in HOST or NVMe; see the module docstring.
+
+    Args:
+        params: parameters or param groups, as for torch.optim.
+        lr, betas, eps, weight_decay: as torch.optim.AdamW / Adam.
+        adamw: True: decoupled weight decay (AdamW); False: L2 added to the gradient (Adam).
+        check_finite: before each step, check the gradients for inf/nan (one extra read pass;
+            skipped when clip_grad_norm_ or a LossScaler already checked). A step with inf/nan
+            gradients is never applied: it is skipped, logged and counted in ``skipped_steps``.
+
+    The tier of the states of each wrapped model is chosen by ``choose_tier`` (from the
+    model's ``optimizer_tier`` policy) at the first step. After each step,
+    ``last_step_stats`` (a :class:`StepStats`) holds time, bytes moved and the share of NVMe
+    traffic hidden behind compute.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, *, adamw: bool = True,
+                 amsgrad: bool = False, maximize: bool = False, check_finite: bool = True
+                 ) -> None:
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                        amsgrad=amsgrad, maximize=maximize)
+        _check_hyper(defaults)
+        self._adamw = bool(adamw)
+        self.check_finite = bool(check_finite)
+        self._shards: Dict[int, Shard] = {}       # id(flat) -> shard, in registration order
+        self._wrapped: Dict[int, Tuple[Shard, int]] = {}  # id(param) -> (shard, slot)
+        self._stores: Dict[int, States] = {}      # id(engine) -> its state store
+        self._sets: Dict[int, BufferSets] = {}    # id(engine) -> NVMe buffer sets
+        self._dirty: Dict[str, Shard] = {}        # homes that may not match committed masters
+        self._multiplier = 1.0
+        self._finite: Optional[bool] = None
+        self.skipped_steps = 0
+        self.last_step_stats: Optional[StepStats] = None
+        super().__init__(params, defaults)
+
+    # =====================================================================================
+    # param groups and shards
+    # =====================================================================================
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        _check_hyper(group)
+        index = len(self.param_groups) - 1
+        for p in group["params"]:
+            loc = locate(p)
+            if loc is None:
+                continue
+            shard = self._shards.get(id(loc.flat))
+            if shard is None:
+                shard = Shard(loc.engine, loc.flat, [None] * len(loc.flat.slots))
+                self._shards[id(loc.flat)] = shard
+            shard.groups[loc.slot] = index
+            self._wrapped[id(p)] = (shard, loc.slot)
+            loc.engine.optimizer_attached = True  # the engine prefetches after our step
+
+    def _is_wrapped(self, p: torch.Tensor) -> bool:
+        return id(p) in self._wrapped and self._wrapped[id(p)][0].flat.slots[
+            self._wrapped[id(p)][1]].param is p
+
+    def _engines(self) -> List[Engine]:
+        seen: Dict[int, Engine] = {}
+        for shard in self._shards.values():
+            seen.setdefault(id(shard.engine), shard.engine)
+        return list(seen.values())
+
+    def _ready(self, shard: Shard, i: int) -> bool:
+        flat = shard.flat
+        return (shard.groups[i] is not None and flat.grad_ready[i]
+                and flat.slots[i].param.requires_grad
+                and (flat.grad is not None or _grads_on_nvme(shard)))
+
+    def _store(self, engine: Engine) -> States:
+        store = self._stores.get(id(engine))
+        if store is None:
+            flats = [s.flat for s in self._shards.values() if s.engine is engine
+                     and any(g is not None for g in s.groups)]
+            tier = choose_tier(engine, flats)
+            store = NvmeStates(engine) if tier == "nvme" else HostStates(engine)
+            logger.info("infinity.optim: %s bytes of optimizer states on %s",
+                        f"{sum(state_nbytes(f) for f in flats):,}", tier)
+            self._stores[id(engine)] = store
+        return store
+
+    @property
+    def state_tiers(self) -> Dict[str, str]:
+        """Where each wrapped shard's states live ("host"/"nvme"), once chosen."""
+        return {s.key: self._stores[id(s.engine)].tier for s in self._shards.values()
+                if id(s.engine) in self._stores}
+
+    # =====================================================================================
+    # gradients: finiteness, clipping, multipliers
+    # =====================================================================================
+    def _grads(self) -> Iterator[torch.Tensor]:
+        """Every gradient the next step applies (NVMe-held ones are read shard by shard)."""
+        for shard in self._shards.values():
+            ready = [i for i in range(len(shard.flat.slots)) if self._ready(shard, i)]
+            if not ready:
+                continue
+            grad = shard.flat.grad if shard.flat.grad is not None else _read_grads(shard)
+            for i in ready:
+                s = shard.flat.slots[i]
+                yield grad[s.offset:s.offset + s.numel]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and not self._is_wrapped(p):
+                    yield p.grad
+
+    def _grad_norms(self, norm_type: float) -> List[torch.Tensor]:
+        """Per-parameter gradient norms in param-group order (torch's order, so the global
+        norm rounds exactly as torch.nn.utils.clip_grad_norm_'s); shards are read once."""
+        wrapped: Dict[int, torch.Tensor] = {}
+        for shard in self._shards.values():
+            ready = [i for i in range(len(shard.flat.slots)) if self._ready(shard, i)]
+            if not ready:
+                continue
+            grad = shard.flat.grad if shard.flat.grad is not None else _read_grads(shard)
+            for i in ready:
+                s = shard.flat.slots[i]
+                wrapped[id(s.param)] = clip_mod.tensor_norm(
+                    grad[s.offset:s.offset + s.numel], norm_type)
+        norms = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if self._is_wrapped(p):
+                    if id(p) in wrapped:
+                        norms.append(wrapped[id(p)])
+                elif p.grad is not None:
+                    norms.append(clip_mod.tensor_norm(p.grad, norm_type))
+        return norms
+
+    def grads_finite(self) -> bool:
+        """True when no gradient this optimizer would apply holds an inf or nan."""
+        return clip_mod.all_finite(self._grads())
+
+    def set_grad_multiplier(self, factor: float, *, finite: Optional[bool] = None,
+                            source: str = "") -> None:
+        """Multiplies every gradient by ``factor`` in the next step (inside the kernel; the
+        stored gradients are not changed). ``finite``: the caller already checked them."""
+        self._multiplier *= float(factor)
+        if finite is not None:
+            self._finite = finite if self._finite is None else (self._finite and finite)
+
+    def discard_pending_step(self) -> None:
+        """Forgets multipliers and checks meant for a step that will not happen."""
+        self._multiplier = 1.0
+        self._finite = None
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clips the gradients of the next step by their global norm; returns that norm.
+
+        Computed over every gradient this optimizer will apply: the ready slots of the wrapped
+        models' offloaded gradients (``flat.grad``) and ``p.grad`` of unwrapped parameters,
+        like ``torch.nn.utils.clip_grad_norm_`` (norm of per-tensor norms, coefficient
+        ``min(1, max_norm / (norm + 1e-6))``). The coefficient is applied inside the next
+        ``step()`` through the kernel's grad multiplier, so no extra pass rewrites the
+        gradients (they read unclipped until then). Note: ``torch.nn.utils.clip_grad_norm_(
+        model.parameters())`` does not work on a wrapped model: its parameters have
+        ``p.grad = None`` (the gradients live only in the engine's buffers). A non-finite
+        norm marks the next step to be skipped. After ``LossScaler.unscale_`` the norm is
+        that of the unscaled gradients.
+        """
+        _number("max_norm", max_norm)
+        norm_type = float(norm_type)
+        raw = clip_mod.norm_of_norms(self._grad_norms(norm_type), norm_type)
+        norm = raw * self._multiplier if self._multiplier != 1.0 else raw
+        finite = math.isfinite(float(norm))
+        if finite:
+            self._multiplier *= clip_mod.clip_coefficient(norm, max_norm)
+        self._finite = finite if self._finite is None else (self._finite and finite)
+        return norm
+
+    # =====================================================================================
+    # step
+    # =====================================================================================
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Optional[Any]:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        t0 = time.perf_counter()
+        multiplier, finite = self._multiplier, self._finite
+        self.discard_pending_step()
+        stats = StepStats()
+        self.last_step_stats = stats
+        for group in self.param_groups:
+            _check_hyper(group)
+        if finite is None and self.check_finite:
+            finite = self.grads_finite()
+        if finite is False:
+            self.skipped_steps += 1
+            stats.skipped = True
+            logger.warning("infinity.optim: gradients contain inf/nan; step skipped "
+                           "(%d skipped so far)", self.skipped_steps)
+            return loss
+        for engine in self._engines():
+            engine.release_all()
+        self._restore_dirty()
+        plans = [(s, runs) for s in self._shards.values() for runs in [self._runs(s)] if runs]
+        for engine in self._engines():
+            mine = [(s, r) for s, r in plans if s.engine is engine]
+            if not mine:
+                continue
+            store = self._store(engine)
+            if isinstance(store, NvmeStates):
+                self._step_nvme(engine, store, mine, multiplier, stats)
+            else:
+                self._step_host(store, mine, multiplier, stats)
+        self._step_unwrapped(multiplier, stats)
+        for engine in self._engines():
+            engine.after_step()
+        stats.step_s = time.perf_counter() - t0
+        return loss
+
+    def _runs(self, shard: Shard) -> List[_Run]:
+        runs: List[_Run] = []
+        slots = shard.flat.slots
+        for i, slot in enumerate(slots):
+            if not self._ready(shard, i):
+                continue
+            group, step = shard.groups[i], shard.steps[i] + 1
+            last = runs[-1] if runs else None
+            if (last is not None and last.group == group and last.step == step
+                    and self._ready(shard, i - 1)):
+                runs[-1] = _Run(last.start, slot.offset + slot.numel, group, step)
+            else:
+                runs.append(_Run(slot.offset, slot.offset + slot.numel, group, step))
+        return runs
+
+    def _commit_steps(self, shard: Shard) -> None:
+        for i in range(len(shard.flat.slots)):
+            if self._ready(shard, i):
+                shard.steps[i] += 1
+
+    def _working_out(self, shard: Shard, staging: Optional[torch.Tensor]
+                     ) -> Optional[torch.Tensor]:
+        """Where the kernel writes the updated working copy (None: copied afterwards)."""
+        flat, tier = shard.flat, shard.engine.param_tier
+        if tier is Tier.HOST:
+            return flat.home
+        if tier is Tier.NVME:
+            return staging[:flat.home_nbytes].view(flat.home_dtype)
+        if flat.compute is not None and flat.compute.device.type == "cpu":
+            return flat.compute
+        return None
+
+    def _apply(self, shard: Shard, runs: List[_Run], buf: torch.Tensor,
+               staging: Optional[torch.Tensor], multiplier: float,
+               grad: Optional[torch.Tensor] = None) -> None:
+        """One shard: the kernel over each run, working copy written in the same pass.
+        ``grad``: the shard's gradients when they were read from NVMe (else flat.grad)."""
+        flat = shard.flat
+        grad = flat.grad if grad is None else grad
+        master, exp_avg, exp_avg_sq = split_states(buf, flat.numel)
+        out = self._working_out(shard, staging)
+        for r in runs:
+            group = self.param_groups[r.group]
+            beta1, beta2 = group["betas"]
+            cpu_adam_step(master[r.start:r.end], grad[r.start:r.end],
+                          exp_avg[r.start:r.end], exp_avg_sq[r.start:r.end], step=r.step,
+                          lr=_float(group["lr"]), beta1=_float(beta1), beta2=_float(beta2),
+                          eps=_float(group["eps"]), weight_decay=_float(group["weight_decay"]),
+                          adamw=self._adamw,
+                          out=out[r.start:r.end] if out is not None else None,
+                          grad_multiplier=multiplier)
+            if out is None:
+                flat.compute[r.start:r.end].copy_(master[r.start:r.end])
+        if shard.engine.param_tier is Tier.NVME:
+            # the whole working copy goes to the swap file: fill what the runs did not touch
+            # from the masters (home == round(master) holds for every slot)
+            pos = 0
+            for r in runs + [_Run(flat.numel, flat.numel, -1, 0)]:
+                if r.start > pos:
+                    out[pos:r.start].copy_(master[pos:r.start])
+                pos = r.end
+
+    def _step_host(self, store: HostStates, plans: List[Tuple[Shard, List[_Run]]],
+                   multiplier: float, stats: StepStats) -> None:
+        for shard, runs in plans:
+            buf = store.buffer(shard)
+            if not shard.initialized:
+                init_states(shard, buf, None)
+                shard.initialized = True
+            grad = None
+            if shard.flat.grad is None:
+                grad = _read_grads(shard)
+                stats.bytes_read += shard.numel * 4
+            t0 = time.perf_counter()
+            self._apply(shard, runs, buf, None, multiplier, grad)
+            stats.compute_s += time.perf_counter() - t0
+            self._commit_steps(shard)
+            stats.shards += 1
+            stats.params += sum(r.end - r.start for r in runs)
+
+    def _sets_for(self, engine: Engine, shards: List[Shard]) -> BufferSets:
+        staging = engine.param_tier is Tier.NVME
+        grads = engine.grad_tier is Tier.NVME
+        sets = self._sets.get(id(engine))
+        if sets is not None and not sets.fits(shards, staging, grads):
+            sets.close()
+            sets = None
+        if sets is None:
+            sets = BufferSets(engine, [s for s in self._shards.values()
+                                       if s.engine is engine], staging, grads)
+            self._sets[id(engine)] = sets
+        return sets
+
+    def _init_nvme(self, store: NvmeStates, sets: BufferSets, shard: Shard) -> None:
+        """First use of a shard: states from the home copy, written and committed at once, so
+        every later step has a committed state to fall back to."""
+        store.create(shard)
+        buf = sets.state_view(0, shard)
+        init_states(shard, buf, sets.staging[0] if sets.staging[0] is not None
+                    else inf_io.aligned_empty(shard.flat.home_nbytes))
+        try:
+            store.write(shard, buf).wait()
+        except inf_io.InfinityIOError as exc:
+            store.abort()
+            raise store.wrap_error(exc, shard, "initializing") from exc
+        store.commit()
+        shard.initialized = True
+
+    def _step_nvme(self, engine: Engine, store: NvmeStates,
+                   plans: List[Tuple[Shard, List[_Run]]], multiplier: float,
+                   stats: StepStats) -> None:
+        shards = [s for s, _ in plans]
+        runs_of = {s.key: r for s, r in plans}
+        sets = self._sets_for(engine, shards)
+        for shard in shards:
+            if not shard.initialized:
+                self._init_nvme(store, sets, shard)
+        computed: List[Shard] = []
+        write_home = engine.param_tier is Tier.NVME
+        try:
+            run_pipeline(shards, store, sets,
+                         lambda s, buf, st, g: self._apply(s, runs_of[s.key], buf, st,
+                                                           multiplier, g),
+                         write_home, stats, computed)
+        except BaseException as failure:
+            for shard in computed:
+                self._dirty[shard.key] = shard
+            try:
+                self._restore_dirty()
+            except Exception as exc:  # noqa: BLE001 - e.g. the disk is still full
+                logger.warning("infinity.optim: could not restore the parameters of %d shards "
+                               "from their committed states yet (%s); retried at the next "
+                               "step()", len(self._dirty), exc)
+                failure.add_note(f"The parameters of {len(self._dirty)} shard(s) on NVMe could "
+                                 "not be rewritten from the committed states yet; the next "
+                                 "step() (or restore_parameters()) does it: call it before "
+                                 "reading or running the model.")
+            raise
+        store.commit()
+        for shard in shards:
+            self._commit_steps(shard)
+        stats.shards += len(shards)
+        stats.params += sum(r.end - r.start for runs in runs_of.values() for r in runs)
+
+    def restore_parameters(self) -> None:
+        """After a failed step: rewrites the working copies it had already updated from the
+        committed masters (step() does this first anyway)."""
+        self._restore_dirty()
+
+    def _restore_dirty(self) -> None:
+        """Rewrites the working copy of shards a failed step touched from committed masters."""
+        for key, shard in list(self._dirty.items()):
+            store = self._stores[id(shard.engine)]
+            engine = shard.engine
+            engine.release_all()
+            buf = inf_io.aligned_empty(3 * shard.numel, torch.float32)
+            store.read(shard, buf).wait()
+            store.verify(shard, buf)
+            master = buf[:shard.numel]
+            flat = shard.flat
+            if engine.param_tier is Tier.NVME:
+                staging = inf_io.aligned_empty(flat.numel, flat.home_dtype)
+                staging.copy_(master)
+                engine.write_home(flat, staging).wait()
+            elif engine.param_tier is Tier.HOST:
+                flat.home.copy_(master)
+            else:
+                flat.compute.copy_(master)
+            del self._dirty[key]
+
+    # ---- unwrapped parameters ---------------------------------------------------------------
+    def _step_unwrapped(self, multiplier: float, stats: StepStats) -> None:
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None or self._is_wrapped(p):
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("infinity.optim does not support sparse gradients")
+                state = self.state[p]
+                if not state:
+                    state.update(self._new_param_state(p))
+                state["step"] += 1
+                master = state.get("master")
+                target = master if master is not None else p.data
+                out = None
+                if master is not None and p.device.type == "cpu" and p.is_contiguous():
+                    out = p.data
+                grad = p.grad.detach()
+                if grad.device.type != "cpu" or not grad.is_contiguous():
+                    grad = grad.to("cpu").contiguous()
+                cpu_adam_step(target, grad, state["exp_avg"], state["exp_avg_sq"],
+                              step=int(state["step"].item()), lr=_float(group["lr"]),
+                              beta1=_float(beta1), beta2=_float(beta2),
+                              eps=_float(group["eps"]),
+                              weight_decay=_float(group["weight_decay"]), adamw=self._adamw,
+                              out=out, grad_multiplier=multiplier)
+                if master is not None and out is None:
+                    p.data.copy_(master.view_as(p))
+                stats.params += p.numel()
+
+    @staticmethod
+    def _needs_master(p: torch.Tensor) -> bool:
+        return p.dtype != torch.float32 or p.device.type != "cpu" or not p.is_contiguous()
+
+    def _new_param_state(self, p: torch.Tensor) -> Dict[str, torch.Tensor]:
+        state = {"step": torch.tensor(0.0),
+                 "exp_avg": torch.zeros(p.shape, dtype=torch.float32),
+                 "exp_avg_sq": torch.zeros(p.shape, dtype=torch.float32)}
+        if self._needs_master(p):
+            state["master"] = p.detach().to("cpu", torch.float32, copy=True).contiguous()
+        return state
+
+    # =====================================================================================
+    # zero_grad
+    # =====================================================================================
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears gradients. Wrapped models: ``engine.zero_grad()`` (the whole model's
+        accumulated gradients are forgotten; the next backward overwrites them -- with
+        ``set_to_none=False`` too, where a parameter without a new gradient is then skipped
+        rather than stepped with a zero gradient). Unwrapped parameters: as torch."""
+        for engine in self._engines():
+            engine.zero_grad()
+        super().zero_grad(set_to_none=set_to_none)
+
+    # =====================================================================================
+    # state_dict
+    # =====================================================================================
+    def _param_index(self) -> List[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def _read_committed(self, shard: Shard) -> Optional[torch.Tensor]:
+        """The shard's committed state buffer (a copy for NVMe), or None without states."""
+        if not shard.initialized:
+            return None
+        store = self._stores[id(shard.engine)]
+        if isinstance(store, HostStates):
+            return store.buffer(shard)
+        buf = inf_io.aligned_empty(3 * shard.numel, torch.float32)
+        try:
+            store.read(shard, buf).wait()
+        except inf_io.InfinityIOError as exc:
+            raise store.wrap_error(exc, shard, "reading") from exc
+        store.verify(shard, buf)
+        return buf
+
+    def state_dict(self) -> Dict[str, Any]:
+        """torch's format: ``{"state": {index: {"step", "exp_avg", "exp_avg_sq", "master"}},
+        "param_groups": [...]}``; ``master`` is the fp32 master weight (for unwrapped fp32 CPU
+        parameters the parameter itself is the master and no entry is stored)."""
+        params = self._param_index()
+        index = {id(p): i for i, p in enumerate(params)}
+        groups = []
+        for g in self.param_groups:
+            packed = {k: v for k, v in g.items() if k != "params"}
+            packed["params"] = [index[id(p)] for p in g["params"]]
+            groups.append(packed)
+        state: Dict[int, Dict[str, Any]] = {}
+        for shard in self._shards.values():
+            buf = self._read_committed(shard)
+            if buf is None:
+                continue
+            master, m, v = split_states(buf, shard.numel)
+            for i, slot in enumerate(shard.flat.slots):
+                if shard.groups[i] is None or shard.steps[i] == 0:
+                    continue
+                sl = slice(slot.offset, slot.offset + slot.numel)
+                state[index[id(slot.param)]] = {
+                    "step": torch.tensor(float(shard.steps[i])),
+                    "exp_avg": m[sl].view(slot.shape).clone(),
+                    "exp_avg_sq": v[sl].view(slot.shape).clone(),
+                    "master": master[sl].view(slot.shape).clone()}
+        for p in params:
+            if not self._is_wrapped(p) and self.state.get(p):
+                state[index[id(p)]] = {k: (t.clone() if isinstance(t, torch.Tensor) else t)
+                                       for k, t in self.state[p].items()}
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Loads a state from :meth:`state_dict` (or torch.optim.Adam/AdamW's: without a
+        ``master`` the current parameter value is the master). A state of another model (other
+        number of groups/parameters or shapes) raises ValueError and changes nothing."""
+        entries = self._check_loadable(state_dict)
+        params = self._param_index()
+        for g, saved in zip(self.param_groups, state_dict["param_groups"]):
+            for k, v in saved.items():
+                if k != "params":
+                    g[k] = v
+        for group in self.param_groups:
+            _check_hyper(group)
+        self.discard_pending_step()
+        self.state.clear()
+        for i, p in enumerate(params):
+            if not self._is_wrapped(p) and i in entries:
+                self.state[p] = self._param_state_from(p, entries[i])
+        by_param = {id(params[i]): e for i, e in entries.items()}
+        for shard in self._shards.values():
+            self._load_shard(shard, by_param)
+
+    def _check_loadable(self, state_dict: Dict[str, Any]) -> Dict[int, Dict[str, Any]]:
+        if not isinstance(state_dict, dict) or "state" not in state_dict \
+                or "param_groups" not in state_dict:
+            raise ValueError("load_state_dict expects a dict with 'state' and 'param_groups' "
+                             "(from optimizer.state_dict())")
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"the loaded optimizer state has {len(saved_groups)} param groups "
+                             f"but this optimizer has {len(self.param_groups)}: it was saved "
+                             "for a different model or optimizer setup")
+        for n, (g, sg) in enumerate(zip(self.param_groups, saved_groups)):
+            if len(g["params"]) != len(sg["params"]):
+                raise ValueError(f"param group {n} of the loaded optimizer state has "
+                                 f"{len(sg['params'])} parameters but this optimizer's has "
+                                 f"{len(g['params'])}: it was saved for a different model")
+        params = self._param_index()
+        remap: Dict[Any, int] = {}
+        for g, sg in zip(self.param_groups, saved_groups):
+            for p, saved_id in zip(g["params"], sg["params"]):
+                remap[saved_id] = len(remap)
+        entries: Dict[int, Dict[str, Any]] = {}
+        for saved_id, entry in state_dict["state"].items():
+            if saved_id not in remap:
+                raise ValueError(f"the loaded optimizer state has an entry for parameter "
+                                 f"{saved_id!r}, which no param group lists")
+            i = remap[saved_id]
+            p = params[i]
+            for name in ("exp_avg", "exp_avg_sq", "master"):
+                t = entry.get(name)
+                if name != "master" and t is None:
+                    raise ValueError(f"the loaded state of parameter {i} has no {name!r}")
+                if t is not None and tuple(t.shape) != tuple(p.shape):
+                    raise ValueError(f"the loaded {name} of parameter {i} has shape "
+                                     f"{tuple(t.shape)} but the parameter has {tuple(p.shape)}: "
+                                     "the optimizer state was saved for a different model")
+            if "step" not in entry:
+                raise ValueError(f"the loaded state of parameter {i} has no 'step'")
+            entries[i] = entry
+        return entries
+
+    def _param_state_from(self, p: torch.Tensor, entry: Dict[str, Any]) -> Dict[str, Any]:
+        state = {"step": torch.tensor(_float(entry["step"])),
+                 "exp_avg": entry["exp_avg"].detach().to("cpu", torch.float32, copy=True),
+                 "exp_avg_sq": entry["exp_avg_sq"].detach().to("cpu", torch.float32,
+                                                                copy=True)}
+        if self._needs_master(p):
+            src = entry.get("master")
+            src = p.detach() if src is None else src
+            state["master"] = src.detach().to("cpu", torch.float32, copy=True).contiguous()
+        elif entry.get("master") is not None:
+            p.data.copy_(entry["master"])
+        return state
+
+    def _load_shard(self, shard: Shard, by_param: Dict[int, Dict[str, Any]]) -> None:
+        slots = shard.flat.slots
+        loaded = [by_param.get(id(s.param)) if shard.groups[i] is not None else None
+                  for i, s in enumerate(slots)]
+        shard.steps = [0] * len(slots)
+        if not any(e is not None for e in loaded):
+            shard.initialized = False  # states are recreated from the home copy when needed
+            return
+        engine = shard.engine
+        engine.release_all()
+        store = self._store(engine)
+        if isinstance(store, HostStates):
+            buf = store.buffer(shard)
+        else:
+            store.create(shard)
+            buf = inf_io.aligned_empty(3 * shard.numel, torch.float32)
+        scratch = inf_io.aligned_empty(shard.flat.home_nbytes) \
+            if engine.param_tier is Tier.NVME else None
+        init_states(shard, buf, scratch)
+        master, m, v = split_states(buf, shard.numel)
+        for i, (slot, entry) in enumerate(zip(slots, loaded)):
+            if entry is None:
+                continue
+            sl = slice(slot.offset, slot.offset + slot.numel)
+            m[sl].copy_(entry["exp_avg"].reshape(-1))
+            v[sl].copy_(entry["exp_avg_sq"].reshape(-1))
+            if entry.get("master") is not None:
+                master[sl].copy_(entry["master"].reshape(-1))
+            shard.steps[i] = int(_float(entry["step"]))
+        if isinstance(store, NvmeStates):
+            try:
+                store.write(shard, buf).wait()
+            except inf_io.InfinityIOError as exc:
+                store.abort()
+                raise store.wrap_error(exc, shard, "loading") from exc
+            store.commit()
+        shard.initialized = True
+
+    # =====================================================================================
+    # lifetime
+    # =====================================================================================
+    def close(self) -> None:
+        """Releases host buffers and removes the NVMe state files (the optimizer is unusable
+        afterwards)."""
+        for sets in self._sets.values():
+            sets.close()
+        self._sets.clear()
+        for store in self._stores.values():
+            store.close()
+        self._stores.clear()
+        for shard in self._shards.values():
+            shard.initialized = False
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+class AdamW(OffloadedAdam):
+    """torch.optim.AdamW (decoupled weight decay, default 1e-2) with offloaded states."""
+
+    def __init__(self, params, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, **kwargs: Any) -> None:
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         adamw=True, **kwargs)
+
+
+class Adam(OffloadedAdam):
+    """torch.optim.Adam (L2 weight decay added to the gradient, default 0) with offloaded
+    states."""
+
+    def __init__(self, params, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, **kwargs: Any) -> None:
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         adamw=False, **kwargs)
+
+
+__all__ = ["OffloadedAdam", "AdamW", "Adam", "OptimizerStateIOError"]

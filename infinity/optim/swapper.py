@@ -1,0 +1,228 @@
+"""The NVMe state pipeline: read(i+1) | compute(i) | write(i-1) over shards, with three sets of
+aligned host buffers, and the clock that measures how much of the I/O was hidden.
+
+Set ``k = i % 3`` serves shard i. Before shard i+1's read goes into its set, the writes issued
+from that set (shard i-2) must have finished, so at any moment one set is being read into, one
+computed on and one written from. Nothing here decides *what* a step computes: the caller passes
+``compute(shard, states_buf, staging)``.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from .. import io as inf_io
+from ..runtime.engine import Engine
+from .state_store import STATE_TENSORS, NvmeStates, Shard, state_nbytes
+
+logger = logging.getLogger(__name__)
+
+SETS = 3
+
+
+@dataclass
+class StepStats:
+    """What one ``opt.step()`` did. ``hidden_fraction``: the share of the NVMe busy time during
+    which the step was computing instead of blocked in ``wait()`` (1.0 = all I/O overlapped,
+    0.0 = fully serial; None when no NVMe I/O happened)."""
+
+    step_s: float = 0.0
+    compute_s: float = 0.0
+    io_wait_s: float = 0.0
+    io_busy_s: float = 0.0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    shards: int = 0
+    params: int = 0
+    skipped: bool = False
+
+    @property
+    def hidden_fraction(self) -> Optional[float]:
+        if self.io_busy_s <= 0.0:
+            return None
+        return max(0.0, min(1.0, 1.0 - self.io_wait_s / self.io_busy_s))
+
+    def as_dict(self) -> Dict[str, object]:
+        out = dict(self.__dict__)
+        out["hidden_fraction"] = self.hidden_fraction
+        return out
+
+
+class IOClock:
+    """Time blocked in wait() and the union of intervals during which I/O was in flight.
+
+    A request's interval runs from submit to the first poll (between shards) or wait that sees
+    it done, so busy time is measured at shard granularity."""
+
+    def __init__(self) -> None:
+        self.wait_s = 0.0
+        self._open: Dict[int, Tuple["inf_io.IOFuture", float]] = {}
+        self._intervals: List[Tuple[float, float]] = []
+
+    def submitted(self, future: "inf_io.IOFuture") -> "inf_io.IOFuture":
+        self._open[id(future)] = (future, time.perf_counter())
+        return future
+
+    def _close(self, future: "inf_io.IOFuture", now: float) -> None:
+        entry = self._open.pop(id(future), None)
+        if entry is not None:
+            self._intervals.append((entry[1], now))
+
+    def poll(self) -> None:
+        now = time.perf_counter()
+        for future, _ in list(self._open.values()):
+            if future.done():
+                self._close(future, now)
+
+    def wait(self, future: "inf_io.IOFuture") -> None:
+        t0 = time.perf_counter()
+        try:
+            future.wait()
+        finally:
+            now = time.perf_counter()
+            self.wait_s += now - t0
+            self._close(future, now)
+
+    @property
+    def busy_s(self) -> float:
+        total, end = 0.0, float("-inf")
+        for a, b in sorted(self._intervals):
+            if b <= end:
+                continue
+            total += b - max(a, end)
+            end = b
+        return total
+
+
+class BufferSets:
+    """Three sets of aligned host buffers: fp32 states (3 * largest shard) and, when the
+    parameters are homed on NVMe, a staging buffer for the updated working copy."""
+
+    def __init__(self, engine: Engine, shards: List[Shard], staging: bool, grads: bool) -> None:
+        self.engine = engine
+        max_numel = max(s.numel for s in shards)
+        self.states_nbytes = STATE_TENSORS * max_numel * 4
+        self.staging_nbytes = max(s.flat.home_nbytes for s in shards) if staging else 0
+        self.grad_numel = max_numel if grads else 0
+        self.nbytes = SETS * (self.states_nbytes + self.staging_nbytes + self.grad_numel * 4)
+        engine.host_budget.acquire(self.nbytes, what=f"{SETS} optimizer swap buffer sets")
+        self.states = [inf_io.aligned_empty(STATE_TENSORS * max_numel, torch.float32)
+                       for _ in range(SETS)]
+        self.staging = [inf_io.aligned_empty(self.staging_nbytes) if staging else None
+                        for _ in range(SETS)]
+        self.grads = [inf_io.aligned_empty(self.grad_numel, torch.float32) if grads else None
+                      for _ in range(SETS)]
+        self._closed = False
+
+    def fits(self, shards: List[Shard], staging: bool, grads: bool) -> bool:
+        return (all(state_nbytes(s.flat) <= self.states_nbytes for s in shards)
+                and (not staging or all(s.flat.home_nbytes <= self.staging_nbytes
+                                        for s in shards))
+                and (not grads or all(s.numel <= self.grad_numel for s in shards)))
+
+    def state_view(self, k: int, shard: Shard) -> torch.Tensor:
+        return self.states[k][:STATE_TENSORS * shard.numel]
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.states, self.staging, self.grads = [], [], []
+            self.engine.host_budget.release(self.nbytes)
+
+
+Compute = Callable[[Shard, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]], None]
+Pending = Tuple["inf_io.IOFuture", Shard, str]
+
+
+def run_pipeline(shards: List[Shard], states: NvmeStates, sets: BufferSets, compute: Compute,
+                 write_home: bool, stats: StepStats, computed: List[Shard]) -> None:
+    """Reads, computes and writes every shard; returns once every write finished. On error,
+    waits for everything in flight, aborts the pending extents and raises an
+    OptimizerStateIOError naming the shard; ``computed`` lists the shards whose working copy
+    may already have been updated (the caller restores them)."""
+    engine = states.engine
+    clock = IOClock()
+    reads: List[Optional["inf_io.IOFuture"]] = [None] * len(shards)
+    grad_reads: List[Optional["inf_io.IOFuture"]] = [None] * len(shards)
+    writes: List[List[Pending]] = [[] for _ in range(SETS)]
+
+    def drain(k: int) -> None:
+        pending, writes[k] = writes[k], []
+        for i, (future, shard, what) in enumerate(pending):
+            try:
+                clock.wait(future)
+            except inf_io.InfinityIOError as exc:
+                writes[k] = pending[i + 1:]
+                raise states.wrap_error(exc, shard, what) from exc
+
+    def issue_read(i: int) -> None:
+        k = i % SETS
+        drain(k)
+        shard = shards[i]
+        reads[i] = clock.submitted(states.read(shard, sets.state_view(k, shard)))
+        stats.bytes_read += state_nbytes(shard.flat)
+        engine.stats.add_moved("nvme_to_host", state_nbytes(shard.flat))
+        if shard.flat.grad is None and sets.grads[k] is not None:  # gradients on NVMe
+            grad_reads[i] = clock.submitted(
+                engine.grads.read(shard.flat, sets.grads[k][:shard.numel]))
+            stats.bytes_read += shard.numel * 4
+
+    try:
+        if shards:
+            issue_read(0)
+        for i, shard in enumerate(shards):
+            k = i % SETS
+            if i + 1 < len(shards):
+                issue_read(i + 1)
+            buf = sets.state_view(k, shard)
+            try:
+                clock.wait(reads[i])
+            except inf_io.InfinityIOError as exc:
+                raise states.wrap_error(exc, shard, "reading") from exc
+            reads[i] = None
+            states.verify(shard, buf)
+            grad = None
+            if grad_reads[i] is not None:
+                grad = sets.grads[k][:shard.numel]
+                try:
+                    clock.wait(grad_reads[i])
+                except inf_io.InfinityIOError as exc:
+                    raise states.wrap_error(exc, shard, "reading the gradients for the") from exc
+                grad_reads[i] = None
+                engine.grads.verify(shard.flat, grad)
+            clock.poll()
+            t0 = time.perf_counter()
+            computed.append(shard)
+            compute(shard, buf, sets.staging[k], grad)
+            stats.compute_s += time.perf_counter() - t0
+            clock.poll()
+            writes[k].append((clock.submitted(states.write(shard, buf)), shard, "writing"))
+            stats.bytes_written += state_nbytes(shard.flat)
+            engine.stats.add_moved("host_to_nvme", state_nbytes(shard.flat))
+            if write_home:
+                home = sets.staging[k][:shard.flat.home_nbytes].view(shard.flat.home_dtype)
+                writes[k].append((clock.submitted(engine.write_home(shard.flat, home)), shard,
+                                  "writing the parameters updated with the"))
+        for k in range(SETS):
+            drain(k)
+    except BaseException:
+        _settle(reads + grad_reads, writes)
+        states.abort()
+        raise
+    finally:
+        stats.io_wait_s += clock.wait_s
+        stats.io_busy_s += clock.busy_s
+
+
+def _settle(reads: List[Optional["inf_io.IOFuture"]], writes: List[List[Pending]]) -> None:
+    """Waits for every request still in flight (their buffers must not be reused under them)."""
+    futures = [f for f in reads if f is not None] + [p[0] for ws in writes for p in ws]
+    for future in futures:
+        try:
+            future.wait()
+        except inf_io.InfinityIOError as exc:
+            logger.debug("infinity.optim: in-flight request of the failed step: %s", exc)
