@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--param-tier", default="nvme", choices=["host", "nvme"])
     p.add_argument("--optimizer-tier", default="nvme", choices=["host", "nvme"])
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace, write: Write) -> List[float]:
     path = tempfile.mkdtemp(prefix="infinity-demo-") if own_dir else args.nvme_path
     try:
         torch.manual_seed(args.seed)
-        cfg = GPTConfig(vocab_size=512, d_model=args.d_model, n_layers=args.layers,
+        cfg = GPTConfig(vocab_size=128, d_model=args.d_model, n_layers=args.layers,
                         n_heads=max(1, args.d_model // 64), max_seq=args.seq)
         model = TinyGPT(cfg)
         n_params = sum(p.numel() for p in model.parameters())
@@ -112,9 +112,12 @@ def run(args: argparse.Namespace, write: Write) -> List[float]:
         write(f"prefetch: {s['prefetch_hits']} hits, {s['prefetch_misses']} misses "
               f"({100 * s['prefetch_hit_rate']:.0f}% hits), {s['stall_seconds']:.2f} s "
               f"stalled of {elapsed:.2f} s\n")
-        opt_info = getattr(opt, "describe", None)
-        if callable(opt_info):
-            write(f"optimizer: {opt_info()}\n")
+        tiers = sorted(set(opt.state_tiers.values()))
+        last = opt.last_step_stats
+        write(f"optimizer: fp32 master + Adam moments on {', '.join(tiers)}; last step "
+              f"{last.step_s * 1e3:.0f} ms ({last.compute_s * 1e3:.0f} ms CPU Adam, "
+              f"{last.io_wait_s * 1e3:.0f} ms waiting for NVMe, "
+              f"{_fmt_bytes(last.bytes_read)} read, {_fmt_bytes(last.bytes_written)} written)\n")
         api.unwrap(model)
         return losses
     finally:

@@ -81,6 +81,10 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def synthetic_batch(cfg: GPTConfig, batch: int, seq: int, generator: torch.Generator):
     """A learnable synthetic task: the next token is a fixed function of the current one."""
-    x = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=generator)
-    x[:, 1:] = (x[:, :-1] * 7 + 3) % cfg.vocab_size
+    x = torch.empty(batch, seq + 1, dtype=torch.long)
+    x[:, 0] = torch.randint(0, cfg.vocab_size, (batch,), generator=generator)
+    for t in range(seq):
+        x[:, t + 1] = (x[:, t] * 7 + 3) % cfg.vocab_size
+    noise = torch.rand(batch, seq + 1, generator=generator) < 0.1  # 10% random tokens
+    x[noise] = torch.randint(0, cfg.vocab_size, (int(noise.sum()),), generator=generator)
     return x[:, :-1].contiguous(), x[:, 1:].contiguous()
