@@ -88,14 +88,25 @@ def _torch_adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Ten
         if adamw:
             p.mul_(1.0 - lr * weight_decay)
         else:
-            g.add_(p * weight_decay)
+            g = _fma(p, weight_decay, g)
     m.lerp_(g, 1.0 - beta1)
-    sq = g.mul(1.0 - beta2).mul_(g)  # ((1 - beta2) * g) * g
-    v.mul_(beta2).add_(sq)
+    v.copy_(_fma_t(g.mul(1.0 - beta2), g, v.mul(beta2)))  # fma((1 - beta2)*g, g, v*beta2)
     denom = v.sqrt().div_(bc2_sqrt).add_(eps)
     p.sub_(m.mul(lr / bc1).div_(denom))
     if out is not None:
         out.view(-1).copy_(p)
+
+
+def _fma(a: torch.Tensor, b: float, c: torch.Tensor) -> torch.Tensor:
+    """fp32 a*b + c with one rounding, as the native kernel's FMA: the product of two fp32
+    numbers is exact in float64, so only the sum is rounded (twice, which can differ from a
+    true FMA by one ulp in rare ties)."""
+    return a.double().mul_(float(torch.tensor(b, dtype=torch.float32))).add_(c.double()).float()
+
+
+def _fma_t(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """Elementwise fp32 a*b + c with one rounding (see :func:`_fma`)."""
+    return a.double().mul_(b.double()).add_(c.double()).float()
 
 
 # ---- validation -------------------------------------------------------------------------------
