@@ -414,6 +414,30 @@ def test_nonfinite_gradients_skip_the_step(caplog):
     infinity.unwrap(model)
 
 
+def test_nonfinite_gradients_on_nvme_skip_the_step_without_reading_them(tmp_path):
+    """With gradients on NVMe the engine checks them while they are still in RAM, so the
+    optimizer skips the step without reading them back from disk."""
+    model = infinity.wrap(_model(), nvme_path=str(tmp_path), param_tier="nvme")
+    assert model._infinity_engine.grad_tier.value == "nvme"
+    opt = infinity.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, 1)
+    with infinity.materialized(model):
+        before = _weights(model)
+    x, y = synthetic_batch(CFG, 2, 8, torch.Generator().manual_seed(3))
+    (lm_loss(model(x), y) * float("inf")).backward()
+    moved = infinity.stats(model)["moved"]["nvme_to_host"]
+    opt.step()
+    assert opt.skipped_steps == 1
+    assert infinity.stats(model)["moved"]["nvme_to_host"] == moved  # nothing read back
+    with infinity.materialized(model):
+        for k, v in _weights(model).items():
+            assert torch.equal(v, before[k]), k
+    opt.zero_grad()
+    _train(model, opt, 1)  # and training goes on
+    assert opt.skipped_steps == 1
+    infinity.unwrap(model)
+
+
 def test_clip_grad_norm_matches_torch():
     plain, wrapped = _model(), infinity.wrap(_model())
     opt = infinity.optim.AdamW(wrapped.parameters())

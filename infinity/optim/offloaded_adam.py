@@ -187,11 +187,14 @@ class OffloadedAdam(torch.optim.Optimizer):
     # =====================================================================================
     # gradients: finiteness, clipping, multipliers
     # =====================================================================================
-    def _grads(self) -> Iterator[torch.Tensor]:
-        """Every gradient the next step applies (NVMe-held ones are read shard by shard)."""
+    def _grads(self, skip_checked: bool = False) -> Iterator[torch.Tensor]:
+        """Every gradient the next step applies (NVMe-held ones are read shard by shard;
+        with ``skip_checked``, not those whose finiteness the engine already knows)."""
         for shard in self._shards.values():
             ready = [i for i in range(len(shard.flat.slots)) if self._ready(shard, i)]
             if not ready:
+                continue
+            if skip_checked and shard.engine.grads.finite(shard.flat) is not None:
                 continue
             grad = shard.flat.grad if shard.flat.grad is not None else _read_grads(shard)
             for i in ready:
@@ -226,8 +229,13 @@ class OffloadedAdam(torch.optim.Optimizer):
         return norms
 
     def grads_finite(self) -> bool:
-        """True when no gradient this optimizer would apply holds an inf or nan."""
-        return clip_mod.all_finite(self._grads())
+        """True when no gradient this optimizer would apply holds an inf or nan. Gradients on
+        NVMe were checked by the engine while they were in RAM, so they are not read back."""
+        for shard in self._shards.values():
+            if (shard.engine.grads.finite(shard.flat) is False
+                    and any(self._ready(shard, i) for i in range(len(shard.flat.slots)))):
+                return False
+        return clip_mod.all_finite(self._grads(skip_checked=True))
 
     def set_grad_multiplier(self, factor: float, *, finite: Optional[bool] = None,
                             source: str = "") -> None:

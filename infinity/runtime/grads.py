@@ -10,6 +10,7 @@ accumulation waits on.
 """
 from __future__ import annotations
 
+import math
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -38,6 +39,7 @@ class GradientSink:
         self._open: Dict[int, Tuple[FlatParam, torch.Tensor]] = {}
         self._writes: List[Tuple["inf_io.IOFuture", torch.Tensor, FlatParam]] = []
         self._pending_d2h: List[tuple] = []
+        self._finite: Dict[int, bool] = {}  # NVMe tier: checked while the buffer was in RAM
         self._d2h = torch.cuda.Stream(device) if device.type == "cuda" else None
         trainable = [f for f in flats if f.trainable]
         if tier is Tier.NVME and trainable:
@@ -93,6 +95,8 @@ class GradientSink:
         if any(flat.grad_ready):  # accumulating across micro-batches: bring back the sum so far
             self.store.read_sync(grad_key(flat), view)
             self.stats.add_moved("nvme_to_host", flat.numel * 4)
+        else:
+            view.zero_()  # slots without a gradient read as zeros, never as stale bytes
         flat.grad = view
         self._open[id(flat)] = (flat, buf)
 
@@ -129,6 +133,9 @@ class GradientSink:
         if self._pending_d2h:
             self._drain_d2h()
         flat, buf = self._open.pop(id(flat))
+        # checked now, while the buffer is in RAM, so the optimizer need not read it back
+        total = float(flat.grad.sum(dtype=torch.float32))
+        self._finite[id(flat)] = math.isfinite(total) or bool(torch.isfinite(flat.grad).all())
         future = self.store.write(grad_key(flat), flat.grad)
         self.stats.add_moved("host_to_nvme", flat.numel * 4)
         flat.grad = None
@@ -149,6 +156,13 @@ class GradientSink:
         future = self.store.read(grad_key(flat), dst)
         self.stats.add_moved("nvme_to_host", flat.numel * 4)
         return future
+
+    def finite(self, flat: FlatParam) -> Optional[bool]:
+        """NVMe tier: whether the flat's accumulated gradients are all finite, as checked when
+        they were last written (None: unknown, read them to check)."""
+        if self.tier is not Tier.NVME or id(flat) in self._open:
+            return None
+        return self._finite.get(id(flat))
 
     def verify(self, flat: FlatParam, dst: torch.Tensor) -> None:
         self.store.verify_read(grad_key(flat), dst)
