@@ -1,0 +1,298 @@
+"""CPU Adam benchmark: infinity's native kernel (each ISA) vs torch AdamW fused / foreach.
+
+Measured in one run, per size and thread count (medians of --reps repetitions):
+- fp32 gradients: ours on every ISA this CPU has, torch AdamW(fused=True), AdamW(foreach=True),
+  DeepSpeed's CPU Adam when importable (otherwise a note);
+- mixed precision: bf16 gradient in, fp32 master/moments, bf16 working copy out in ONE pass,
+  vs the torch equivalent: grad.float() (or a copy into a preallocated fp32 grad), fused AdamW
+  step, copy of the param into the bf16 working copy;
+- the memory bandwidth of a plain in-place streaming update (torch ``a.add_(b)``).
+
+Prints a table, writes JSON (benchmarks/results/bench_adam.json; --out to override) and a PNG
+next to it when matplotlib is importable.
+
+    python benchmarks/bench_adam.py            # 25M and 100M params, 1 and 2 threads
+    python benchmarks/bench_adam.py --quick    # tiny sizes, 2 reps (~10 s), for CI
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from infinity import ops  # noqa: E402
+
+logger = logging.getLogger("bench_adam")
+
+FP32_BYTES_PER_PARAM = 28   # read p g m v (16), write p m v (12)
+MIXED_BYTES_PER_PARAM = 28  # read p m v (12) + bf16 g (2), write p m v (12) + bf16 out (2)
+ADD_BYTES_PER_ELEM = 12     # read a b, write a
+LR, WD = 1e-3, 0.01
+
+
+def median_time(fn: Callable[[], None], reps: int, warmup: int = 1) -> Dict[str, float]:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return {"median_s": statistics.median(times), "min_s": min(times), "reps": reps}
+
+
+def deepspeed_cpu_adam() -> Optional[type]:
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam  # type: ignore
+    except Exception as exc:  # not installed, or its extension cannot build here
+        logger.info("DeepSpeed CPU Adam not importable (%s): skipped", type(exc).__name__)
+        return None
+    return DeepSpeedCPUAdam
+
+
+def bench_size(n: int, threads: int, reps: int, caps: List[str]) -> List[dict]:
+    torch.set_num_threads(threads)
+    ops.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(0)
+    results: List[dict] = []
+
+    def record(case: str, kind: str, timing: Dict[str, float], bytes_per: int) -> None:
+        med = timing["median_s"]
+        results.append({"case": case, "kind": kind, "n": n, "threads": threads, **timing,
+                        "params_per_s": n / med, "gb_per_s": n * bytes_per / med / 1e9})
+
+    # ---- fp32 gradients -------------------------------------------------------------------------
+    p = torch.randn(n, generator=gen)
+    g = torch.randn(n, generator=gen)
+    m = torch.zeros(n)
+    v = torch.zeros(n)
+    for cap in caps:
+        step = [0]
+
+        def ours() -> None:
+            step[0] += 1
+            ops.cpu_adam_step(p, g, m, v, step=step[0], lr=LR, weight_decay=WD)
+
+        with ops.cpu_capability_override(cap):
+            record(f"ours_{cap}", "fp32", median_time(ours, reps), FP32_BYTES_PER_PARAM)
+
+    tp = torch.nn.Parameter(p.clone())
+    tp.grad = g.clone()
+    del p, m, v
+    for flavour in ("fused", "foreach"):
+        opt = torch.optim.AdamW([tp], lr=LR, weight_decay=WD, **{flavour: True})
+        record(f"torch_{flavour}", "fp32", median_time(opt.step, reps), FP32_BYTES_PER_PARAM)
+        del opt
+        gc.collect()
+
+    ds_cls = deepspeed_cpu_adam()
+    if ds_cls is not None:
+        opt = ds_cls([tp], lr=LR, weight_decay=WD, adamw_mode=True)
+        record("deepspeed_cpu_adam", "fp32", median_time(opt.step, reps), FP32_BYTES_PER_PARAM)
+        del opt
+
+    # ---- mixed precision: bf16 grad in, bf16 working copy out ----------------------------------
+    gb = g.to(torch.bfloat16)
+    del g
+    work = torch.empty(n, dtype=torch.bfloat16)
+    best = caps[0]
+    p = tp.detach().clone()
+    m = torch.zeros(n)
+    v = torch.zeros(n)
+    step = [0]
+
+    def ours_mixed() -> None:
+        step[0] += 1
+        ops.cpu_adam_step(p, gb, m, v, step=step[0], lr=LR, weight_decay=WD, out=work)
+
+    with ops.cpu_capability_override(best):
+        record(f"ours_{best}_mixed_bf16", "mixed", median_time(ours_mixed, reps),
+               MIXED_BYTES_PER_PARAM)
+    del p, m, v
+    gc.collect()
+
+    opt = torch.optim.AdamW([tp], lr=LR, weight_decay=WD, fused=True)
+
+    def torch_mixed_alloc() -> None:
+        tp.grad = gb.float()
+        opt.step()
+        work.copy_(tp.detach())
+
+    def torch_mixed_prealloc() -> None:
+        tp.grad.copy_(gb)
+        opt.step()
+        work.copy_(tp.detach())
+
+    record("torch_fused_mixed_alloc", "mixed", median_time(torch_mixed_alloc, reps),
+           MIXED_BYTES_PER_PARAM)
+    record("torch_fused_mixed_prealloc", "mixed", median_time(torch_mixed_prealloc, reps),
+           MIXED_BYTES_PER_PARAM)
+    del opt, tp, gb, work
+    gc.collect()
+
+    # ---- bandwidth of a plain in-place streaming pass ----------------------------------------
+    a = torch.randn(n, generator=gen)
+    b = torch.randn(n, generator=gen)
+    record("torch_add_inplace", "bandwidth", median_time(lambda: a.add_(b), reps),
+           ADD_BYTES_PER_ELEM)
+    del a, b
+    gc.collect()
+    return results
+
+
+def add_ratios(results: List[dict]) -> None:
+    for r in results:
+        same = [x for x in results if x["n"] == r["n"] and x["threads"] == r["threads"]]
+        fused = next(x for x in same if x["case"] == "torch_fused")
+        r["vs_torch_fused"] = r["params_per_s"] / fused["params_per_s"]
+        if r["kind"] == "mixed":
+            torch_mixed = max((x for x in same if x["case"].startswith("torch_fused_mixed")),
+                              key=lambda x: x["params_per_s"])
+            r["vs_torch_mixed_best"] = r["params_per_s"] / torch_mixed["params_per_s"]
+
+
+def check_targets(results: List[dict], caps: List[str]) -> List[dict]:
+    """The acceptance targets, at the largest size and thread count measured."""
+    n = max(r["n"] for r in results)
+    threads = max(r["threads"] for r in results)
+    at = {r["case"]: r for r in results if r["n"] == n and r["threads"] == threads}
+    targets = []
+
+    def target(name: str, value: float, minimum: float) -> None:
+        targets.append({"target": name, "n": n, "threads": threads, "value": value,
+                        "minimum": minimum, "ok": value >= minimum})
+
+    best = caps[0]
+    target(f"ours_{best} fp32 vs torch fused (params/s)",
+           at[f"ours_{best}"]["vs_torch_fused"], 1.0)
+    target(f"ours_{best} mixed bf16 one pass vs best torch equivalent",
+           at[f"ours_{best}_mixed_bf16"]["vs_torch_mixed_best"], 1.3)
+    if "avx2" in caps and "avx512" in caps:
+        target("avx2 vs avx512 (fp32)",
+               at["ours_avx2"]["params_per_s"] / at["ours_avx512"]["params_per_s"], 0.8)
+    return targets
+
+
+def print_table(results: List[dict], targets: List[dict]) -> None:
+    header = (f"{'case':30s} {'kind':9s} {'params':>11s} {'thr':>3s} {'median ms':>10s} "
+              f"{'Gparam/s':>9s} {'GB/s':>7s} {'vs fused':>8s}")
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        extra = (f"  (vs best torch mixed {r['vs_torch_mixed_best']:.2f}x)"
+                 if "vs_torch_mixed_best" in r else "")
+        print(f"{r['case']:30s} {r['kind']:9s} {r['n']:11,d} {r['threads']:3d} "
+              f"{r['median_s'] * 1e3:10.2f} {r['params_per_s'] / 1e9:9.3f} "
+              f"{r['gb_per_s']:7.2f} {r['vs_torch_fused']:7.2f}x{extra}")
+    print()
+    for t in targets:
+        print(f"target {t['target']} at n={t['n']:,} threads={t['threads']}: "
+              f"{t['value']:.2f}x (need >= {t['minimum']}) {'OK' if t['ok'] else 'MISSED'}")
+
+
+def plot(results: List[dict], path: Path) -> Optional[str]:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.info("matplotlib not installed: no plot (pip install matplotlib)")
+        return None
+    configs = sorted({(r["n"], r["threads"]) for r in results})
+    cases = list(dict.fromkeys(r["case"] for r in results))
+    fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(cases)), 5))
+    width = 0.8 / len(configs)
+    for j, (n, threads) in enumerate(configs):
+        values = []
+        for case in cases:
+            hit = [r for r in results if r["case"] == case and r["n"] == n
+                   and r["threads"] == threads]
+            values.append(hit[0]["params_per_s"] / 1e9 if hit else 0.0)
+        ax.bar([i + j * width for i in range(len(cases))], values, width,
+               label=f"{n / 1e6:g}M params, {threads} thr")
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))])
+    ax.set_xticklabels(cases, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("G params/s (elements/s for add)")
+    ax.set_title("CPU Adam: medians")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, 2 reps (CI smoke)")
+    parser.add_argument("--sizes", type=int, nargs="+", help="parameter counts")
+    parser.add_argument("--threads", type=int, nargs="+", help="thread counts")
+    parser.add_argument("--reps", type=int, help="repetitions per case (median reported)")
+    parser.add_argument("--out", type=Path,
+                        default=Path(__file__).resolve().parent / "results" / "bench_adam.json")
+    parser.add_argument("--no-plot", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    cpus = len(os.sched_getaffinity(0))
+    sizes = args.sizes or ([1 << 18, 1 << 20] if args.quick else [25_000_000, 100_000_000])
+    threads_list = args.threads or sorted({1, min(2, cpus)})
+    reps = args.reps or (2 if args.quick else 7)
+    caps = ops.available_cpu_capabilities()
+    if not caps:
+        logger.error("native library not built: nothing to compare (pip install -e .)")
+        return 1
+    notes = []
+    if deepspeed_cpu_adam() is None:
+        notes.append("DeepSpeed CPU Adam not importable: skipped")
+
+    results: List[dict] = []
+    torch_threads = torch.get_num_threads()
+    our_threads = ops.get_num_threads()
+    try:
+        for n in sizes:
+            for threads in threads_list:
+                logger.info("n=%d threads=%d ...", n, threads)
+                results.extend(bench_size(n, threads, reps, caps))
+    finally:
+        torch.set_num_threads(torch_threads)
+        ops.set_num_threads(our_threads)
+    add_ratios(results)
+    targets = check_targets(results, caps)
+    print_table(results, targets)
+    for note in notes:
+        print(f"note: {note}")
+
+    data = {
+        "config": {"quick": args.quick, "sizes": sizes, "threads": threads_list, "reps": reps,
+                   "capabilities": caps, "lr": LR, "weight_decay": WD},
+        "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                    "cpus": cpus, "torch": torch.__version__, "python": platform.python_version()},
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "results": results,
+        "targets": targets,
+        "notes": notes,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(data, indent=2))
+    print(f"wrote {args.out}")
+    if not args.no_plot:
+        png = plot(results, args.out.with_suffix(".png"))
+        if png:
+            print(f"wrote {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
