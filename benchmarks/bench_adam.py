@@ -27,7 +27,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -42,15 +42,21 @@ ADD_BYTES_PER_ELEM = 12     # read a b, write a
 LR, WD = 1e-3, 0.01
 
 
-def median_time(fn: Callable[[], None], reps: int, warmup: int = 1) -> Dict[str, float]:
+def interleaved_medians(cases: List[Tuple[str, Callable[[], None]]], reps: int,
+                        warmup: int = 1) -> Dict[str, Dict[str, float]]:
+    """Times every case once per round, round after round, so a noisy phase of the shared
+    machine hits all cases alike; returns each case's median (and min) over the rounds."""
     for _ in range(warmup):
-        fn()
-    times = []
+        for _, fn in cases:
+            fn()
+    times: Dict[str, List[float]] = {name: [] for name, _ in cases}
     for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return {"median_s": statistics.median(times), "min_s": min(times), "reps": reps}
+        for name, fn in cases:
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: {"median_s": statistics.median(t), "min_s": min(t), "reps": reps}
+            for name, t in times.items()}
 
 
 def deepspeed_cpu_adam() -> Optional[type]:
@@ -66,12 +72,12 @@ def bench_size(n: int, threads: int, reps: int, caps: List[str]) -> List[dict]:
     torch.set_num_threads(threads)
     ops.set_num_threads(threads)
     gen = torch.Generator().manual_seed(0)
-    results: List[dict] = []
+    cases: List[Tuple[str, Callable[[], None]]] = []
+    meta: Dict[str, Tuple[str, int]] = {}
 
-    def record(case: str, kind: str, timing: Dict[str, float], bytes_per: int) -> None:
-        med = timing["median_s"]
-        results.append({"case": case, "kind": kind, "n": n, "threads": threads, **timing,
-                        "params_per_s": n / med, "gb_per_s": n * bytes_per / med / 1e9})
+    def add(case: str, kind: str, bytes_per: int, fn: Callable[[], None]) -> None:
+        cases.append((case, fn))
+        meta[case] = (kind, bytes_per)
 
     # ---- fp32 gradients -------------------------------------------------------------------------
     p = torch.randn(n, generator=gen)
@@ -81,73 +87,73 @@ def bench_size(n: int, threads: int, reps: int, caps: List[str]) -> List[dict]:
     for cap in caps:
         step = [0]
 
-        def ours() -> None:
+        def ours(cap: str = cap, step: List[int] = step) -> None:
             step[0] += 1
-            ops.cpu_adam_step(p, g, m, v, step=step[0], lr=LR, weight_decay=WD)
+            with ops.cpu_capability_override(cap):
+                ops.cpu_adam_step(p, g, m, v, step=step[0], lr=LR, weight_decay=WD)
 
-        with ops.cpu_capability_override(cap):
-            record(f"ours_{cap}", "fp32", median_time(ours, reps), FP32_BYTES_PER_PARAM)
+        add(f"ours_{cap}", "fp32", FP32_BYTES_PER_PARAM, ours)
 
-    tp = torch.nn.Parameter(p.clone())
-    tp.grad = g.clone()
-    del p, m, v
     for flavour in ("fused", "foreach"):
+        tp = torch.nn.Parameter(p.clone())
+        tp.grad = g.clone()
         opt = torch.optim.AdamW([tp], lr=LR, weight_decay=WD, **{flavour: True})
-        record(f"torch_{flavour}", "fp32", median_time(opt.step, reps), FP32_BYTES_PER_PARAM)
-        del opt
-        gc.collect()
+        add(f"torch_{flavour}", "fp32", FP32_BYTES_PER_PARAM, opt.step)
 
     ds_cls = deepspeed_cpu_adam()
     if ds_cls is not None:
-        opt = ds_cls([tp], lr=LR, weight_decay=WD, adamw_mode=True)
-        record("deepspeed_cpu_adam", "fp32", median_time(opt.step, reps), FP32_BYTES_PER_PARAM)
-        del opt
+        dp = torch.nn.Parameter(p.clone())
+        dp.grad = g.clone()
+        ds_opt = ds_cls([dp], lr=LR, weight_decay=WD, adamw_mode=True)
+        add("deepspeed_cpu_adam", "fp32", FP32_BYTES_PER_PARAM, ds_opt.step)
 
     # ---- mixed precision: bf16 grad in, bf16 working copy out ----------------------------------
     gb = g.to(torch.bfloat16)
-    del g
     work = torch.empty(n, dtype=torch.bfloat16)
     best = caps[0]
-    p = tp.detach().clone()
-    m = torch.zeros(n)
-    v = torch.zeros(n)
-    step = [0]
+    pm, mm, vm = p.clone(), torch.zeros(n), torch.zeros(n)
+    mixed_step = [0]
 
     def ours_mixed() -> None:
-        step[0] += 1
-        ops.cpu_adam_step(p, gb, m, v, step=step[0], lr=LR, weight_decay=WD, out=work)
+        mixed_step[0] += 1
+        with ops.cpu_capability_override(best):
+            ops.cpu_adam_step(pm, gb, mm, vm, step=mixed_step[0], lr=LR, weight_decay=WD,
+                              out=work)
 
-    with ops.cpu_capability_override(best):
-        record(f"ours_{best}_mixed_bf16", "mixed", median_time(ours_mixed, reps),
-               MIXED_BYTES_PER_PARAM)
-    del p, m, v
-    gc.collect()
+    add(f"ours_{best}_mixed_bf16", "mixed", MIXED_BYTES_PER_PARAM, ours_mixed)
 
-    opt = torch.optim.AdamW([tp], lr=LR, weight_decay=WD, fused=True)
+    mp = torch.nn.Parameter(p.clone())
+    mp.grad = torch.empty(n)
+    mixed_opt = torch.optim.AdamW([mp], lr=LR, weight_decay=WD, fused=True)
+    work_t = torch.empty(n, dtype=torch.bfloat16)
 
     def torch_mixed_alloc() -> None:
-        tp.grad = gb.float()
-        opt.step()
-        work.copy_(tp.detach())
+        mp.grad = gb.float()
+        mixed_opt.step()
+        work_t.copy_(mp.detach())
 
     def torch_mixed_prealloc() -> None:
-        tp.grad.copy_(gb)
-        opt.step()
-        work.copy_(tp.detach())
+        mp.grad.copy_(gb)
+        mixed_opt.step()
+        work_t.copy_(mp.detach())
 
-    record("torch_fused_mixed_alloc", "mixed", median_time(torch_mixed_alloc, reps),
-           MIXED_BYTES_PER_PARAM)
-    record("torch_fused_mixed_prealloc", "mixed", median_time(torch_mixed_prealloc, reps),
-           MIXED_BYTES_PER_PARAM)
-    del opt, tp, gb, work
-    gc.collect()
+    add("torch_fused_mixed_prealloc", "mixed", MIXED_BYTES_PER_PARAM, torch_mixed_prealloc)
+    add("torch_fused_mixed_alloc", "mixed", MIXED_BYTES_PER_PARAM, torch_mixed_alloc)
+    # (g stays alive: the fp32 cases use it)
 
     # ---- bandwidth of a plain in-place streaming pass ----------------------------------------
     a = torch.randn(n, generator=gen)
     b = torch.randn(n, generator=gen)
-    record("torch_add_inplace", "bandwidth", median_time(lambda: a.add_(b), reps),
-           ADD_BYTES_PER_ELEM)
-    del a, b
+    add("torch_add_inplace", "bandwidth", ADD_BYTES_PER_ELEM, lambda: a.add_(b))
+
+    timings = interleaved_medians(cases, reps)
+    results: List[dict] = []
+    for case, _ in cases:
+        kind, bytes_per = meta[case]
+        med = timings[case]["median_s"]
+        results.append({"case": case, "kind": kind, "n": n, "threads": threads, **timings[case],
+                        "params_per_s": n / med, "gb_per_s": n * bytes_per / med / 1e9})
+    del cases
     gc.collect()
     return results
 

@@ -5,7 +5,7 @@ RAM and to NVMe, against the same model fully in memory, in one run.
     python benchmarks/bench_offload_forward.py --quick    # tiny model, smoke test (CI)
 
 For each configuration: median step time over the measured steps (after one warm-up step that
-records the schedule), the ratio to the in-memory model, the overlap (seconds stalled waiting for
+records the schedule; the configurations take turns step by step), the ratio to the in-memory model, the overlap (seconds stalled waiting for
 parameters over the step time: 0 means every transfer was hidden behind compute), the prefetch
 hit rate, and bytes moved per step. On a CPU-only machine the "device" is the CPU itself, so the
 host tier runs in place and the NVMe tier streams every block from disk into RAM each pass.
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import json
 import os
 import platform
@@ -41,50 +40,44 @@ def config(quick: bool) -> GPTConfig:
     return GPTConfig(vocab_size=8192, d_model=1024, n_layers=24, n_heads=16, max_seq=256)
 
 
-def run_config(name: str, cfg: GPTConfig, args, swap_dir: str) -> Dict:
+CONFIGS = ("in_memory", "host", "nvme")
+
+
+def build(name: str, cfg: GPTConfig, args, swap_dir: str) -> torch.nn.Module:
     torch.manual_seed(0)
     model = TinyGPT(cfg)
-    n_params = sum(p.numel() for p in model.parameters())
     if name != "in_memory":
-        infinity.wrap(model, nvme_path=swap_dir, param_tier=name,
-                      prefetch_window=args.window)
-    gen = torch.Generator().manual_seed(1)
-    x, y = synthetic_batch(cfg, args.batch, args.seq, gen)
-    times: List[float] = []
-    stalls: List[float] = []
-    moved: List[int] = []
-    hit_rates: List[float] = []
-    for step in range(args.steps + 1):
-        if name != "in_memory":
-            infinity.stats(model, reset=True)
-            model._infinity_engine.zero_grad()
-        else:
-            model.zero_grad(set_to_none=True)
-        t0 = time.perf_counter()
-        lm_loss(model(x), y).backward()
-        dt = time.perf_counter() - t0
-        if step == 0:
-            continue  # warm-up: records the schedule, allocates buffers
-        times.append(dt)
-        if name != "in_memory":
-            s = infinity.stats(model)
-            stalls.append(s["stall_seconds"])
-            moved.append(sum(s["moved"].values()))
-            hit_rates.append(s["prefetch_hit_rate"])
-    result = {
-        "config": name, "params": n_params, "step_s_median": statistics.median(times),
-        "step_s_all": times,
-    }
-    if stalls:
+        infinity.wrap(model, nvme_path=swap_dir, param_tier=name, prefetch_window=args.window)
+    return model
+
+
+def one_step(name: str, model: torch.nn.Module, x, y) -> Dict:
+    if name == "in_memory":
+        model.zero_grad(set_to_none=True)
+    else:
+        infinity.stats(model, reset=True)
+        model._infinity_engine.zero_grad()
+    t0 = time.perf_counter()
+    lm_loss(model(x), y).backward()
+    row = {"step_s": time.perf_counter() - t0}
+    if name != "in_memory":
+        s = infinity.stats(model)
+        row.update(stall_s=s["stall_seconds"], moved=sum(s["moved"].values()),
+                   hit_rate=s["prefetch_hit_rate"])
+    return row
+
+
+def summarize(name: str, n_params: int, rows: List[Dict]) -> Dict:
+    times = [r["step_s"] for r in rows]
+    result = {"config": name, "params": n_params, "step_s_median": statistics.median(times),
+              "step_s_all": times}
+    if "stall_s" in rows[0]:
         result.update({
-            "stall_s_median": statistics.median(stalls),
-            "stall_fraction": statistics.median(s / t for s, t in zip(stalls, times)),
-            "bytes_moved_per_step": statistics.median(moved),
-            "prefetch_hit_rate": statistics.median(hit_rates),
+            "stall_s_median": statistics.median(r["stall_s"] for r in rows),
+            "stall_fraction": statistics.median(r["stall_s"] / r["step_s"] for r in rows),
+            "bytes_moved_per_step": statistics.median(r["moved"] for r in rows),
+            "prefetch_hit_rate": statistics.median(r["hit_rate"] for r in rows),
         })
-        infinity.unwrap(model)
-    del model
-    gc.collect()
     return result
 
 
@@ -99,21 +92,28 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
                                                   "bench_offload_forward.json"))
     args = p.parse_args(argv)
-    args.steps = args.steps or (2 if args.quick else 3)
+    args.steps = args.steps or (2 if args.quick else 5)
     args.batch = args.batch or (2 if args.quick else 4)
     args.seq = args.seq or (32 if args.quick else 128)
     cfg = config(args.quick)
+    x, y = synthetic_batch(cfg, args.batch, args.seq, torch.Generator().manual_seed(1))
     swap_dir = args.nvme_path or tempfile.mkdtemp(prefix="bench-offload-", dir=tempfile.gettempdir())
-    rows = []
+    # All three models live at once and the measured steps go round-robin over them, so a
+    # noisy phase of this shared machine hits every configuration alike.
+    models = {name: build(name, cfg, args, swap_dir) for name in CONFIGS}
+    n_params = sum(p.numel() for p in models["in_memory"].parameters())
+    per_config: Dict[str, List[Dict]] = {name: [] for name in CONFIGS}
     try:
-        for name in ("in_memory", "host", "nvme"):
-            rows.append(run_config(name, cfg, args, swap_dir))
-            r = rows[-1]
-            print(f"{name:<10} {r['params'] / 1e6:8.1f}M params  step {r['step_s_median']:.3f} s"
-                  + (f"  stalled {100 * r['stall_fraction']:.1f}%  hits "
-                     f"{100 * r['prefetch_hit_rate']:.0f}%  moved "
-                     f"{r['bytes_moved_per_step'] / 2**20:,.0f} MiB/step"
-                     if "stall_fraction" in r else ""), flush=True)
+        for step in range(args.steps + 1):  # step 0 is the warm-up (records the schedule)
+            for name, model in models.items():
+                row = one_step(name, model, x, y)
+                if step:
+                    per_config[name].append(row)
+            print(f"step {step}: " + "  ".join(
+                f"{n} {per_config[n][-1]['step_s']:.3f}s" for n in CONFIGS if step), flush=True)
+        rows = [summarize(name, n_params, per_config[name]) for name in CONFIGS]
+        for name in ("host", "nvme"):
+            infinity.unwrap(models[name])
     finally:
         if args.nvme_path is None:
             shutil.rmtree(swap_dir, ignore_errors=True)
