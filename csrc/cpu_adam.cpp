@@ -672,3 +672,55 @@ INF_API int inf_adam_step(float* p, const void* g, int g_dtype, float* m, float*
   }
   return kOk;
 }
+
+// ---- finiteness check (the optimizer skips a step whose gradients hold inf/nan) --------------
+namespace {
+
+// One read-only pass; an element is non-finite when its exponent bits are all ones. The loop
+// vectorizes; target_clones picks the widest ISA at load time.
+__attribute__((target_clones("avx512f", "avx2", "default"))) uint32_t any_nonfinite_f32(
+    const uint32_t* x, int64_t n) {
+  uint32_t acc = 0;
+  for (int64_t i = 0; i < n; ++i) acc |= static_cast<uint32_t>((x[i] & 0x7F800000u) == 0x7F800000u);
+  return acc;
+}
+
+struct FiniteJob {
+  const uint32_t* x;
+  std::vector<int64_t> bounds;
+  std::vector<uint32_t> found;
+};
+
+void run_finite_task(void* ctx, int t) {
+  auto& job = *static_cast<FiniteJob*>(ctx);
+  job.found[t] = any_nonfinite_f32(job.x + job.bounds[t], job.bounds[t + 1] - job.bounds[t]);
+}
+
+}  // namespace
+
+// 1 when every one of the n fp32 values is finite, 0 when one is inf or nan, <0 on bad input.
+INF_API int inf_all_finite_f32(const float* data, int64_t n) {
+  if (n < 0) return kErrNegativeLength;
+  if (n == 0) return 1;
+  if (data == nullptr) return kErrNullPointer;
+  FiniteJob job;
+  job.x = reinterpret_cast<const uint32_t*>(data);
+  int tasks = 1;
+  if (n >= kSingleThreadBelow) {
+    tasks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(effective_threads(),
+                                                                    n / kMinPerThread)));
+  }
+  job.bounds.resize(tasks + 1);
+  job.found.assign(tasks, 0);
+  for (int t = 0; t <= tasks; ++t) job.bounds[t] = static_cast<int64_t>(
+      static_cast<__int128>(n) * t / tasks);
+  if (tasks == 1) {
+    run_finite_task(&job, 0);
+  } else {
+    pool().run(tasks, &run_finite_task, &job);
+  }
+  for (uint32_t f : job.found) {
+    if (f) return 0;
+  }
+  return 1;
+}

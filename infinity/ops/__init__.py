@@ -1,10 +1,12 @@
 """Typed, validating wrappers over the native kernels (with pure-PyTorch fallbacks)."""
 from infinity.ops.adam import bias_corrections, cpu_adam_step
+from infinity.ops.finite import all_finite
 from infinity.ops.cpu import (available_cpu_capabilities, cpu_capability,
                               cpu_capability_override, get_num_threads, set_cpu_capability,
                               set_num_threads)
 
 __all__ = [
+    "all_finite",
     "available_cpu_capabilities",
     "bias_corrections",
     "cpu_adam_step",

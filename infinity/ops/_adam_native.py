@@ -38,6 +38,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.inf_adam_strerror.restype = ctypes.c_char_p
     lib.inf_adam_calls.argtypes = [c_int]
     lib.inf_adam_calls.restype = c_i64
+    lib.inf_all_finite_f32.argtypes = [c_vp, c_i64]
+    lib.inf_all_finite_f32.restype = c_int
     for name in ("inf_cpu_capability", "inf_cpu_best_capability", "inf_cpu_capability_env_status",
                  "inf_get_num_threads"):
         getattr(lib, name).argtypes = []

@@ -6,6 +6,8 @@ from typing import Iterable, List
 
 import torch
 
+from ..ops import all_finite as ops_all_finite
+
 
 def tensor_norm(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
     return torch.linalg.vector_norm(grad, norm_type, dtype=torch.float32).cpu()
@@ -26,13 +28,7 @@ def norm_of_norms(norms: List[torch.Tensor], norm_type: float) -> torch.Tensor:
 
 def all_finite(grads: Iterable[torch.Tensor]) -> bool:
     """True when no gradient holds an inf or a nan (one read pass)."""
-    for g in grads:
-        # a sum is finite when every element is (fast, memory-bound pass); only a non-finite
-        # sum, which may also be an overflow of huge finite values, needs the exact check
-        if g.numel() and not math.isfinite(float(g.sum(dtype=torch.float32))) \
-                and not bool(torch.isfinite(g).all()):
-            return False
-    return True
+    return all(ops_all_finite(g) for g in grads)
 
 
 def clip_coefficient(norm: torch.Tensor, max_norm: float) -> float:

@@ -10,12 +10,12 @@ accumulation waits on.
 """
 from __future__ import annotations
 
-import math
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from .. import io as inf_io
+from ..ops import all_finite
 from ..tiers import ByteBudget, HostPool, SwapStore, Tier
 from .flat import FlatParam
 from .stats import Stats
@@ -134,8 +134,7 @@ class GradientSink:
             self._drain_d2h()
         flat, buf = self._open.pop(id(flat))
         # checked now, while the buffer is in RAM, so the optimizer need not read it back
-        total = float(flat.grad.sum(dtype=torch.float32))
-        self._finite[id(flat)] = math.isfinite(total) or bool(torch.isfinite(flat.grad).all())
+        self._finite[id(flat)] = all_finite(flat.grad)
         future = self.store.write(grad_key(flat), flat.grad)
         self.stats.add_moved("host_to_nvme", flat.numel * 4)
         flat.grad = None
