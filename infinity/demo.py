@@ -4,7 +4,6 @@ swap directory, and report what moved where. Run with ``infinity demo`` or
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 import tempfile
@@ -106,7 +105,9 @@ def run(args: argparse.Namespace, write: Write) -> List[float]:
                               if k not in ("now", "peak") and v)
             write(f"  {tier:<7} {_fmt_bytes(d['now']):>12} / {_fmt_bytes(d['peak']):>12}"
                   f"{'   (' + extra + ')' if extra else ''}\n")
-        write("what moved where (whole run):\n")
+        held = ", ".join(f"{_fmt_bytes(n)} on {t}" for t, n in opt.state_bytes.items() if n)
+        write(f"  optimizer states (fp32 master + 2 moments; on NVMe as A/B extents): {held}\n")
+        write("what moved where (whole run, optimizer traffic included):\n")
         for direction, n in s["moved"].items():
             write(f"  {direction.replace('_', ' '):<16} {_fmt_bytes(n):>12}\n")
         write(f"prefetch: {s['prefetch_hits']} hits, {s['prefetch_misses']} misses "

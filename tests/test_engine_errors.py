@@ -8,7 +8,7 @@ from torch import nn
 
 import infinity
 from engine_helpers import SMALL, batches, loss_of
-from infinity.models import GPTConfig, TinyGPT
+from infinity.models import TinyGPT
 from infinity.tiers import BudgetExceededError, SwapCorruptionError
 
 

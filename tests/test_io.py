@@ -1,7 +1,6 @@
 """Tests of infinity.io: native engine and pure-Python fallback."""
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import os

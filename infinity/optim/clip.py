@@ -1,7 +1,6 @@
 """Gradient norms over the offloaded gradients (``flat.grad`` slots) and plain ``p.grad``."""
 from __future__ import annotations
 
-import math
 from typing import Iterable, List
 
 import torch

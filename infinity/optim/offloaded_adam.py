@@ -31,7 +31,7 @@ from ..runtime.engine import Engine, locate
 from ..tiers import Tier
 from . import clip as clip_mod
 from .state_store import (HostStates, NvmeStates, OptimizerStateIOError, Shard, choose_tier,
-                          init_states, split_states, state_nbytes)
+                          init_states, state_nbytes, states_of)
 from .swapper import BufferSets, StepStats, run_pipeline
 
 logger = logging.getLogger(__name__)
@@ -177,6 +177,15 @@ class OffloadedAdam(torch.optim.Optimizer):
                         f"{sum(state_nbytes(f) for f in flats):,}", tier)
             self._stores[id(engine)] = store
         return store
+
+    @property
+    def state_bytes(self) -> Dict[str, int]:
+        """Bytes of optimizer states held per tier ("host", "nvme"; on NVMe both A/B extents
+        of every shard are counted: that is the disk space they take)."""
+        out = {"host": 0, "nvme": 0}
+        for store in self._stores.values():
+            out[store.tier] += store.nbytes
+        return out
 
     @property
     def state_tiers(self) -> Dict[str, str]:
@@ -357,8 +366,11 @@ class OffloadedAdam(torch.optim.Optimizer):
         ``grad``: the shard's gradients when they were read from NVMe (else flat.grad)."""
         flat = shard.flat
         grad = flat.grad if grad is None else grad
-        master, exp_avg, exp_avg_sq = split_states(buf, flat.numel)
+        master, exp_avg, exp_avg_sq = states_of(shard, buf)
         out = self._working_out(shard, staging)
+        in_place = master is out  # fp32 home is the master: updated in place, no copy out
+        if in_place:
+            out = None
         for r in runs:
             group = self.param_groups[r.group]
             beta1, beta2 = group["betas"]
@@ -369,7 +381,7 @@ class OffloadedAdam(torch.optim.Optimizer):
                           adamw=self._adamw,
                           out=out[r.start:r.end] if out is not None else None,
                           grad_multiplier=multiplier)
-            if out is None:
+            if out is None and not in_place:
                 flat.compute[r.start:r.end].copy_(master[r.start:r.end])
         if shard.engine.param_tier is Tier.NVME:
             # the whole working copy goes to the swap file: fill what the runs did not touch
@@ -580,7 +592,7 @@ class OffloadedAdam(torch.optim.Optimizer):
             buf = self._read_committed(shard)
             if buf is None:
                 continue
-            master, m, v = split_states(buf, shard.numel)
+            master, m, v = states_of(shard, buf)
             for i, slot in enumerate(shard.flat.slots):
                 if shard.groups[i] is None or shard.steps[i] == 0:
                     continue
@@ -689,7 +701,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         scratch = inf_io.aligned_empty(shard.flat.home_nbytes) \
             if engine.param_tier is Tier.NVME else None
         init_states(shard, buf, scratch)
-        master, m, v = split_states(buf, shard.numel)
+        master, m, v = states_of(shard, buf)
         for i, (slot, entry) in enumerate(zip(slots, loaded)):
             if entry is None:
                 continue

@@ -24,7 +24,7 @@ import torch
 from .. import io as inf_io
 from ..runtime.engine import Engine
 from ..runtime.flat import FlatParam
-from ..tiers import SwapStore
+from ..tiers import SwapStore, Tier
 
 logger = logging.getLogger(__name__)
 
@@ -84,13 +84,33 @@ def split_states(buf: torch.Tensor, numel: int) -> tuple:
     return buf[:numel], buf[numel:2 * numel], buf[2 * numel:3 * numel]
 
 
+def master_in_home(shard: Shard) -> bool:
+    """fp32 parameters homed in host RAM are their own master weights: the optimizer keeps
+    only the two moments and updates the home copy in place (no second fp32 copy, 4 bytes per
+    parameter less to store and to write each step), as torch.optim does for fp32 params."""
+    flat = shard.flat
+    return (shard.engine.param_tier is Tier.HOST and flat.home is not None
+            and flat.home_dtype == torch.float32)
+
+
+def states_of(shard: Shard, buf: torch.Tensor) -> tuple:
+    """(master, exp_avg, exp_avg_sq) of a shard: the buffer holds all three, or only the
+    moments when the master is the home copy itself (HostStates, :func:`master_in_home`)."""
+    n = shard.numel
+    if buf.numel() == 2 * n:
+        return shard.flat.home, buf[:n], buf[n:]
+    return split_states(buf, n)
+
+
 def init_states(shard: Shard, buf: torch.Tensor, scratch: Optional[torch.Tensor]) -> None:
     """Fills ``buf`` with the shard's initial states: master = the home copy, moments = 0.
     ``scratch``: an aligned buffer of at least home_nbytes bytes, needed when params live on
     NVMe (the home copy is read through it)."""
     flat, engine = shard.flat, shard.engine
-    master, m, v = split_states(buf, flat.numel)
-    if engine.param_tier.value == "nvme":
+    master, m, v = states_of(shard, buf)
+    if master is flat.home:
+        pass  # the home copy is the master
+    elif engine.param_tier.value == "nvme":
         if scratch is None:
             raise RuntimeError("init_states needs a scratch buffer for NVMe-homed parameters")
         home = scratch[:flat.home_nbytes].view(flat.home_dtype)
@@ -119,10 +139,11 @@ class HostStates:
         """The shard's state buffer, created (and budgeted) on first use."""
         buf = self._bufs.get(shard.key)
         if buf is None:
-            nbytes = state_nbytes(shard.flat)
+            tensors = STATE_TENSORS - 1 if master_in_home(shard) else STATE_TENSORS
+            nbytes = tensors * shard.numel * 4
             self.engine.host_budget.acquire(nbytes, what=f"optimizer states of {shard.key}")
             self._held += nbytes
-            buf = inf_io.aligned_empty(STATE_TENSORS * shard.numel, torch.float32)
+            buf = inf_io.aligned_empty(tensors * shard.numel, torch.float32)
             self._bufs[shard.key] = buf
         return buf
 
