@@ -43,6 +43,10 @@ constexpr int kWrite = 1;
 
 enum Mode { kModeDirect = 0, kModeBounce = 1, kModePlain = 2 };
 
+// Defined with the CRC32C code below.
+uint32_t crc32c_bytes(const void* data, uint64_t nbytes);
+uint32_t crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
+
 struct Handle {
   int fd_plain = -1;
   int fd_direct = -1;
@@ -62,6 +66,9 @@ struct Request {
   uint64_t n = 0;
   int64_t off = 0;
   bool fsync = false;
+  bool want_crc = false;            // CRC32C of the transferred bytes, per chunk, in the workers
+  std::vector<uint32_t> chunk_crc;  // one per chunk (written by the worker that ran it)
+  uint32_t crc = 0;                 // the whole request's CRC32C (combined at completion)
   int mode = kModePlain;
   uint64_t body = 0;    // bytes served through the direct fd (or the bounce buffer)
   uint64_t chunk = 0;   // chunk size for this request
@@ -192,6 +199,26 @@ char* bounce(uint64_t need) {
   return buf;
 }
 
+// The buffer range [start, start + len) that chunk idx of a request covers.
+void chunk_range(const Request* r, uint64_t idx, uint64_t* start, uint64_t* len) {
+  if (idx < r->nbody) {
+    *start = idx * r->chunk;
+    *len = r->body - *start < r->chunk ? r->body - *start : r->chunk;
+  } else if (r->mode == kModePlain) {
+    *start = (idx - r->nbody) * r->chunk;
+    *len = r->n - *start < r->chunk ? r->n - *start : r->chunk;
+  } else {
+    *start = r->body;
+    *len = r->n - r->body;
+  }
+}
+
+void chunk_checksum(Request* r, uint64_t idx) {
+  uint64_t start = 0, len = 0;
+  chunk_range(r, idx, &start, &len);
+  r->chunk_crc[idx] = crc32c_bytes(r->buf + start, len);
+}
+
 IoRes run_chunk(Request* r, uint64_t idx) {
   Handle* h = r->h.get();
   if (idx < r->nbody) {
@@ -233,6 +260,15 @@ void finish_request(Request* r) {
   Handle* h = r->h.get();
   {
     std::unique_lock<std::mutex> lk(r->m);
+    if (r->want_crc && r->err == 0) {
+      uint32_t crc = 0;
+      for (uint64_t i = 0; i < r->nchunks; ++i) {
+        uint64_t start = 0, len = 0;
+        chunk_range(r, i, &start, &len);
+        crc = i == 0 ? r->chunk_crc[0] : crc32c_combine(crc, r->chunk_crc[i], len);
+      }
+      r->crc = crc;
+    }
     if (r->err == 0 && r->fsync && r->op == kWrite) {
       int rc;
       do {
@@ -292,7 +328,12 @@ void worker_main() {
       skip = req->err != 0;  // an earlier chunk failed: do not touch more of the file
     }
     IoRes res;
-    if (!skip) res = run_chunk(req.get(), idx);
+    if (!skip) {
+      // a write's checksum is of the bytes it sends; a read's of the bytes it received
+      if (req->want_crc && req->op == kWrite) chunk_checksum(req.get(), idx);
+      res = run_chunk(req.get(), idx);
+      if (req->want_crc && req->op == kRead && res.err == 0) chunk_checksum(req.get(), idx);
+    }
     bool last;
     {
       std::lock_guard<std::mutex> g(req->m);
@@ -542,8 +583,19 @@ INF_API int inf_aio_allocate(int64_t handle, int64_t nbytes) {
 // op: 0 read (file -> buf), 1 write (buf -> file). fsync: fdatasync after the last chunk, before
 // completion (writes only). The buffer must stay valid until the request completes.
 // Returns a request id > 0, or -errno (EBADF closed handle, EINVAL bad arguments).
+INF_API int64_t inf_aio_submit_ex(int64_t handle, int op, void* buf, int64_t nbytes,
+                                  int64_t offset, int flags);
+
 INF_API int64_t inf_aio_submit(int64_t handle, int op, void* buf, int64_t nbytes, int64_t offset,
                                int fsync) {
+  return inf_aio_submit_ex(handle, op, buf, nbytes, offset, fsync ? 1 : 0);
+}
+
+// flags: bit 0 fsync (writes), bit 1 CRC32C of the transferred bytes, computed by the workers
+// chunk by chunk (overlapping the I/O) and combined at completion; read it with inf_aio_crc.
+INF_API int64_t inf_aio_submit_ex(int64_t handle, int op, void* buf, int64_t nbytes,
+                                  int64_t offset, int flags) {
+  const int fsync = flags & 1;
   if ((op != kRead && op != kWrite) || nbytes < 0 || offset < 0 || (buf == nullptr && nbytes > 0))
     return -EINVAL;
   Engine* e = E();
@@ -556,6 +608,7 @@ INF_API int64_t inf_aio_submit(int64_t handle, int op, void* buf, int64_t nbytes
   r->n = static_cast<uint64_t>(nbytes);
   r->off = offset;
   r->fsync = fsync != 0;
+  r->want_crc = (flags & 2) != 0;
   {
     std::lock_guard<std::mutex> g(e->cfg_m);
     r->chunk = e->cfg.chunk_bytes;
@@ -584,6 +637,7 @@ INF_API int64_t inf_aio_submit(int64_t handle, int op, void* buf, int64_t nbytes
     r->id = e->next_req++;
     e->reqs[r->id] = r;
   }
+  if (r->want_crc) r->chunk_crc.assign(r->nchunks, 0);
   if (r->nchunks == 0) {  // zero bytes: complete at once (fsync still honoured)
     r->remaining = 0;
     finish_request(r.get());
@@ -634,6 +688,18 @@ INF_API int inf_aio_result(int64_t req, int64_t* bytes, int* err, int64_t* err_o
   if (msg && msg_len > 0) {
     std::snprintf(msg, static_cast<size_t>(msg_len), "%s", r->msg.c_str());
   }
+  return 0;
+}
+
+// CRC32C (seed 0) of a completed request submitted with the CRC flag: 0 and *crc set; 1 not
+// done; -1 unknown request; -2 submitted without the flag or failed.
+INF_API int inf_aio_crc(int64_t req, uint32_t* crc) {
+  auto r = get_request(req);
+  if (!r) return -1;
+  std::lock_guard<std::mutex> g(r->m);
+  if (!r->done) return 1;
+  if (!r->want_crc || r->err != 0) return -2;
+  if (crc) *crc = r->crc;
   return 0;
 }
 
@@ -862,3 +928,14 @@ INF_API uint32_t inf_crc_crc32c(const void* data, int64_t nbytes, uint32_t seed)
 
 // Which path inf_crc_crc32c uses: 1 SSE4.2, 0 table.
 INF_API int inf_crc_impl(void) { return crc_impl(); }
+
+namespace {
+uint32_t crc32c_bytes(const void* data, uint64_t nbytes) {
+  return inf_crc_crc32c(data, static_cast<int64_t>(nbytes), 0);
+}
+
+// crc32c(A || B) from crc32c(A), crc32c(B) and |B| (the identity zlib's crc32_combine uses).
+uint32_t crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
+  return crc_multmodp(crc_shift_constant(len_b), crc_a) ^ crc_b;
+}
+}  // namespace

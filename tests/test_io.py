@@ -458,3 +458,25 @@ def test_crc32c_striped_sse42_path_matches_table():
             sse = lib.inf_crc_crc32c_impl(arr.ctypes.data, n, 0xDEADBEEF, 1)
             table = lib.inf_crc_crc32c_impl(arr.ctypes.data, n, 0xDEADBEEF, 0)
             assert sse == table, (n, off)
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+def test_worker_computed_crc_matches_crc32c(tmp_path, fallback):
+    """pread/pwrite(crc=True): the workers checksum each chunk while moving it and combine the
+    chunks in order; the result equals crc32c of the whole buffer, for sizes that span many
+    chunks and end in an unaligned tail."""
+    import infinity._native as native
+
+    with native.force_fallback(fallback):
+        g = torch.Generator().manual_seed(7)
+        for size in (1, 4096, 3 * 4096 + 5, (9 << 20) + 4099):
+            data = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g)
+            with io.FileHandle(str(tmp_path / f"c{size}"), "w+") as fh:
+                w = fh.pwrite(data, 0, crc=True)
+                w.wait()
+                back = torch.empty_like(data)
+                r = fh.pread(back, 0, crc=True)
+                assert w.crc32c() == io.crc32c(data) == r.crc32c()
+                plain = fh.pread(back, 0)
+                with pytest.raises(RuntimeError, match="crc=True"):
+                    plain.crc32c()

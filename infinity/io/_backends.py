@@ -1,8 +1,8 @@
 """The two engines behind FileHandle, with one small interface:
 
-    submit(op, ptr, nbytes, offset, fsync) -> token
+    submit(op, ptr, nbytes, offset, fsync, crc) -> token
     poll(token) -> bool;  wait(token, timeout_s) -> bool
-    result(token) -> (bytes, errno, error_offset, message);  release(token)
+    result(token) -> (bytes, errno, error_offset, message);  crc(token);  release(token)
     size(), fsync(), truncate(n), allocate(n), close(), direct
 
 NativeBackend drives csrc/aio.cpp; FallbackBackend does os.pread/os.pwrite on a thread pool
@@ -18,6 +18,7 @@ import threading
 from typing import Optional, Set, Tuple
 
 from infinity.io import faults
+from infinity.io.crc import crc32c
 from infinity.io.config import IOConfig, _on_change, get_config
 
 READ, WRITE = 0, 1
@@ -45,8 +46,10 @@ class NativeBackend:
         self._handle = handle
         self.direct = bool(direct.value)
 
-    def submit(self, op: int, ptr: int, nbytes: int, offset: int, fsync: bool) -> int:
-        req = self._lib.inf_aio_submit(self._handle, op, ptr, nbytes, offset, 1 if fsync else 0)
+    def submit(self, op: int, ptr: int, nbytes: int, offset: int, fsync: bool,
+               crc: bool = False) -> int:
+        flags = (1 if fsync else 0) | (2 if crc else 0)
+        req = self._lib.inf_aio_submit_ex(self._handle, op, ptr, nbytes, offset, flags)
         if req < 0:
             raise BackendOpenError(-req)
         return req
@@ -65,6 +68,13 @@ class NativeBackend:
         if rc < 0:
             return 0, _errno.EINVAL, 0, "unknown request (already released)"
         return nbytes.value, err.value, err_off.value, msg.value.decode(errors="replace")
+
+    def crc(self, token: int) -> Optional[int]:
+        """CRC32C of a completed request submitted with crc=True (computed by the workers)."""
+        value = ctypes.c_uint32(0)
+        if self._lib.inf_aio_crc(token, ctypes.byref(value)) != 0:
+            return None
+        return int(value.value)
 
     def release(self, token: int) -> None:
         self._lib.inf_aio_release(token)
@@ -135,8 +145,16 @@ class FallbackBackend:
         self._pending: Set[concurrent.futures.Future] = set()
         self._closed = False
 
-    def _transfer(self, op: int, ptr: int, nbytes: int, offset: int, fsync: bool) -> Result:
+    def _transfer(self, op: int, ptr: int, nbytes: int, offset: int, fsync: bool,
+                  crc: bool = False) -> Tuple[int, int, int, str, Optional[int]]:
         view = memoryview((ctypes.c_char * max(nbytes, 1)).from_address(ptr)).cast("B")
+        checksum = crc32c(view[:nbytes]) if crc and op == WRITE else None
+        done, err, err_off, msg = self._move(op, view, nbytes, offset, fsync)
+        if crc and op == READ and not err:
+            checksum = crc32c(view[:nbytes])
+        return done, err, err_off, msg, checksum
+
+    def _move(self, op: int, view: memoryview, nbytes: int, offset: int, fsync: bool) -> Result:
         chunk = get_config().chunk_bytes
         done = 0
         while done < nbytes:
@@ -172,11 +190,11 @@ class FallbackBackend:
         return done, 0, 0, ""
 
     def submit(self, op: int, ptr: int, nbytes: int, offset: int,
-               fsync: bool) -> concurrent.futures.Future:
+               fsync: bool, crc: bool = False) -> concurrent.futures.Future:
         with self._lock:
             if self._closed:
                 raise BackendOpenError(_errno.EBADF)
-            fut = _executor().submit(self._transfer, op, ptr, nbytes, offset, fsync)
+            fut = _executor().submit(self._transfer, op, ptr, nbytes, offset, fsync, crc)
             self._pending.add(fut)
         fut.add_done_callback(self._forget)
         return fut
@@ -193,7 +211,10 @@ class FallbackBackend:
         return token.done()
 
     def result(self, token: concurrent.futures.Future) -> Result:
-        return token.result()
+        return token.result()[:4]
+
+    def crc(self, token: concurrent.futures.Future) -> Optional[int]:
+        return token.result()[4]
 
     def release(self, token: concurrent.futures.Future) -> None:
         pass

@@ -23,6 +23,8 @@ _SIGNATURES = {
     "inf_aio_truncate": (c_int, [c_int64, c_int64]),
     "inf_aio_allocate": (c_int, [c_int64, c_int64]),
     "inf_aio_submit": (c_int64, [c_int64, c_int, c_void_p, c_int64, c_int64, c_int]),
+    "inf_aio_submit_ex": (c_int64, [c_int64, c_int, c_void_p, c_int64, c_int64, c_int]),
+    "inf_aio_crc": (c_int, [c_int64, POINTER(ctypes.c_uint32)]),
     "inf_aio_poll": (c_int, [c_int64]),
     "inf_aio_wait": (c_int, [c_int64, c_int64]),
     "inf_aio_result": (c_int, [c_int64, POINTER(c_int64), POINTER(c_int), POINTER(c_int64),

@@ -44,7 +44,7 @@ class IOFuture:
     InfinityIOError; the tensor is kept alive until the request completed."""
 
     def __init__(self, backend, token, tensor: torch.Tensor, path: str, op: str, offset: int,
-                 nbytes: int) -> None:
+                 nbytes: int, want_crc: bool = False) -> None:
         self._backend = backend
         self._token = token
         self._tensor: Optional[torch.Tensor] = tensor
@@ -56,6 +56,8 @@ class IOFuture:
         self._finished = False
         self._bytes = 0
         self._error: Optional[InfinityIOError] = None
+        self._want_crc = want_crc
+        self._crc: Optional[int] = None
 
     def _finish(self) -> None:
         """Collects the result of a completed request (idempotent)."""
@@ -63,6 +65,8 @@ class IOFuture:
             if self._finished:
                 return
             nbytes, err, err_off, msg = self._backend.result(self._token)
+            if self._want_crc and not err:
+                self._crc = self._backend.crc(self._token)
             self._backend.release(self._token)
             self._bytes = nbytes
             if err:
@@ -98,6 +102,14 @@ class IOFuture:
         return self._bytes
 
     result = wait
+
+    def crc32c(self) -> int:
+        """CRC32C (seed 0) of the bytes this request moved, computed by the I/O workers while
+        they moved them (pread/pwrite with ``crc=True``). Waits for completion."""
+        self.wait()
+        if not self._want_crc or self._crc is None:
+            raise RuntimeError("this request was not submitted with crc=True")
+        return self._crc
 
     def __repr__(self) -> str:
         state = "done" if self._finished else "pending"
@@ -185,27 +197,29 @@ class FileHandle:
 
     # -- I/O -------------------------------------------------------------------------------
     def _submit(self, op: int, tensor: torch.Tensor, offset: int, nbytes: Optional[int],
-                fsync: bool) -> IOFuture:
+                fsync: bool, crc: bool = False) -> IOFuture:
         name = "read" if op == _backends.READ else "write"
         n = _validate_tensor(tensor, offset, nbytes, f"FileHandle.p{name}")
         backend = self._require_open(name)
         try:
-            token = backend.submit(op, tensor.data_ptr(), n, offset, fsync)
+            token = backend.submit(op, tensor.data_ptr(), n, offset, fsync, crc)
         except _backends.BackendOpenError as exc:
             raise io_error(exc.errno, self.path, op=name, offset=offset) from None
-        return IOFuture(backend, token, tensor, self.path, name, offset, n)
+        return IOFuture(backend, token, tensor, self.path, name, offset, n, crc)
 
-    def pread(self, tensor: torch.Tensor, offset: int = 0, nbytes: Optional[int] = None
-              ) -> IOFuture:
+    def pread(self, tensor: torch.Tensor, offset: int = 0, nbytes: Optional[int] = None, *,
+              crc: bool = False) -> IOFuture:
         """Reads ``nbytes`` (default: all of the tensor's bytes) at file ``offset`` into the
-        tensor. Reading past the end of the file fails with ENODATA ("short read")."""
-        return self._submit(_backends.READ, tensor, offset, nbytes, False)
+        tensor. Reading past the end of the file fails with ENODATA ("short read").
+        crc: the workers checksum what they read (``future.crc32c()``), off the caller."""
+        return self._submit(_backends.READ, tensor, offset, nbytes, False, crc)
 
     def pwrite(self, tensor: torch.Tensor, offset: int = 0, nbytes: Optional[int] = None,
-               fsync: bool = False) -> IOFuture:
+               fsync: bool = False, *, crc: bool = False) -> IOFuture:
         """Writes the tensor's first ``nbytes`` bytes at file ``offset``. fsync: make the data
-        durable (fdatasync) before the future completes."""
-        return self._submit(_backends.WRITE, tensor, offset, nbytes, fsync)
+        durable (fdatasync) before the future completes. crc: the workers checksum what they
+        write (``future.crc32c()``)."""
+        return self._submit(_backends.WRITE, tensor, offset, nbytes, fsync, crc)
 
     def read(self, tensor: torch.Tensor, offset: int = 0, nbytes: Optional[int] = None) -> int:
         """Blocking pread."""

@@ -30,6 +30,8 @@ class _Entry:
     handle: "inf_io.FileHandle"
     nbytes: int
     crc: Optional[int] = None
+    pending_write: Optional["inf_io.IOFuture"] = None  # its CRC becomes ``crc`` once done
+    last_read: Optional[tuple] = None  # (buffer address, future) of the latest read
 
 
 def _pid_alive(pid: int) -> bool:
@@ -63,7 +65,8 @@ class SwapStore:
 
     Every write records a CRC32C of the bytes; every read verifies it (``verify=True``), so a
     corrupted or truncated swap file raises SwapCorruptionError instead of feeding garbage to
-    training. The private directory is removed on close; directories left by dead processes
+    training. The checksums are computed by the I/O workers chunk by chunk while they move the
+    data, so they overlap the transfer instead of costing the caller a pass. The private directory is removed on close; directories left by dead processes
     (killed mid-run) are removed when the next store opens under the same nvme_path.
     """
 
@@ -151,13 +154,25 @@ class SwapStore:
                              f"{entry.nbytes}")
 
     def write(self, key: str, buf: torch.Tensor) -> "inf_io.IOFuture":
-        """Starts writing ``buf`` (all of it) to the key's file; the CRC is recorded at submit."""
+        """Starts writing ``buf`` (all of it) to the key's file; its CRC (computed by the I/O
+        workers) is recorded when the write completes."""
         entry = self._entry(key)
         self._check_buffer(key, buf, entry)
-        crc = inf_io.crc32c(buf) if self.verify else None
-        future = entry.handle.pwrite(buf, 0)
-        entry.crc = crc
+        future = entry.handle.pwrite(buf, 0, crc=self.verify)
+        entry.crc = None
+        entry.pending_write = future if self.verify else None
         return future
+
+    @staticmethod
+    def _settle(entry: _Entry) -> None:
+        """Takes the checksum of the entry's last write (waits for it; a failed write leaves
+        no valid checksum, so a later read of that content is refused)."""
+        future, entry.pending_write = entry.pending_write, None
+        if future is not None:
+            try:
+                entry.crc = future.crc32c()
+            except (OSError, RuntimeError):
+                entry.crc = None
 
     def write_sync(self, key: str, buf: torch.Tensor) -> None:
         self.write(key, buf).wait()
@@ -165,17 +180,25 @@ class SwapStore:
     def read(self, key: str, buf: torch.Tensor) -> "inf_io.IOFuture":
         entry = self._entry(key)
         self._check_buffer(key, buf, entry)
-        return entry.handle.pread(buf, 0)
+        self._settle(entry)
+        future = entry.handle.pread(buf, 0, crc=self.verify)
+        entry.last_read = (buf.data_ptr(), future) if self.verify else None
+        return future
 
     def verify_read(self, key: str, buf: torch.Tensor) -> None:
         """Checks a completed read of ``key`` into ``buf`` against the recorded checksum."""
         entry = self._entry(key)
         if not self.verify:
             return
+        self._settle(entry)
         if entry.crc is None:
-            raise SwapCorruptionError(f"swap file {self._path(key)!r} was read before it was "
-                                      "ever written")
-        crc = inf_io.crc32c(buf)
+            raise SwapCorruptionError(f"swap file {self._path(key)!r} holds no completed write "
+                                      "(never written, or its last write failed)")
+        last, entry.last_read = entry.last_read, None
+        if last is not None and last[0] == buf.data_ptr():
+            crc = last[1].crc32c()  # computed by the I/O workers during the read
+        else:
+            crc = inf_io.crc32c(buf)
         if crc != entry.crc:
             raise SwapCorruptionError(
                 f"swap file {self._path(key)!r} is corrupted: CRC32C {crc:#010x} does not match "
