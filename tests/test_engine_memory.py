@@ -64,9 +64,10 @@ _RSS_SCRIPT = textwrap.dedent("""
 def test_forward_backward_from_nvme_peak_rss(tmp_path):
     """A 32-layer model (228 MB fp32) ~10x the device budget runs three forward+backward steps
     from NVMe (parameters and gradients both streamed). Bound: the real peak RSS growth over
-    those steps (kernel VmHWM, reset right after wrap) stays below 50% of the model's size;
-    measured here: 24-37% over runs (engine buffers ~19%: 2 staging + 3 gradient + 3 device
-    blocks; the rest is activations and allocator slack, which do not depend on infinity)."""
+    those steps (kernel VmHWM, reset right after wrap) stays below 30% of the model's size;
+    measured here: 12-14% over runs (engine buffers: 2 staging + 3 gradient + up to 3 device
+    blocks, plus activations). Without the engine's fixed glibc mmap threshold
+    (runtime/host_malloc.py) it was 29-58%: freed block buffers stayed in the heap."""
     out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, str(tmp_path)], capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -74,5 +75,5 @@ def test_forward_backward_from_nvme_peak_rss(tmp_path):
     growth = r["peak"] - r["before"]
     assert r["model_bytes"] > 8 * r["budget"], r
     assert r["device_peak"] <= r["budget"], r
-    assert growth < 0.50 * r["model_bytes"], (growth / r["model_bytes"], r)
+    assert growth < 0.30 * r["model_bytes"], (growth / r["model_bytes"], r)
     assert r["host_now"] + r["device_peak"] < 0.25 * r["model_bytes"], r

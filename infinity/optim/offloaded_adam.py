@@ -430,12 +430,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         buf = sets.state_view(0, shard)
         init_states(shard, buf, sets.staging[0] if sets.staging[0] is not None
                     else inf_io.aligned_empty(shard.flat.home_nbytes))
-        try:
-            store.write(shard, buf).wait()
-        except inf_io.InfinityIOError as exc:
-            store.abort()
-            raise store.wrap_error(exc, shard, "initializing") from exc
-        store.commit()
+        store.write_and_commit(shard, buf, "initializing")
         shard.initialized = True
 
     def _step_nvme(self, engine: Engine, store: NvmeStates,
@@ -712,12 +707,7 @@ class OffloadedAdam(torch.optim.Optimizer):
                 master[sl].copy_(entry["master"].reshape(-1))
             shard.steps[i] = int(_float(entry["step"]))
         if isinstance(store, NvmeStates):
-            try:
-                store.write(shard, buf).wait()
-            except inf_io.InfinityIOError as exc:
-                store.abort()
-                raise store.wrap_error(exc, shard, "loading") from exc
-            store.commit()
+            store.write_and_commit(shard, buf, "loading")
         shard.initialized = True
 
     # =====================================================================================

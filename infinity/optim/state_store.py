@@ -203,6 +203,16 @@ class NvmeStates:
         self._pending[shard.key] = target
         return self.store.write(self.extent(shard.key, target), buf)
 
+    def write_and_commit(self, shard: Shard, buf: torch.Tensor, doing: str) -> None:
+        """Writes one shard's states and commits them at once (first use, load_state_dict);
+        on failure nothing is committed and the error names the shard and the disk."""
+        try:
+            self.write(shard, buf).wait()
+        except inf_io.InfinityIOError as exc:
+            self.abort()
+            raise self.wrap_error(exc, shard, doing) from exc
+        self.commit()
+
     def commit(self) -> None:
         """Makes every write of this step the committed state (call after all succeeded)."""
         self.committed.update(self._pending)

@@ -25,6 +25,7 @@ from . import hooks as hooks_mod
 from .block import Block
 from .flat import FlatParam
 from .grads import GradientSink
+from .host_malloc import return_freed_buffers_to_os
 from .partition import partition
 from .residency import Residency, ResidencyError
 from .schedule import Schedule
@@ -103,6 +104,8 @@ class Engine:
         # next forward's blocks are prefetched after the step (after_step), not after backward.
         self.optimizer_attached = False
         self.grad_tier = self._choose_grad_tier()
+        if self.device.type == "cpu" and any(not b.resident for b in self.blocks):
+            return_freed_buffers_to_os()
         self._materialize_homes()
         self.transfers = Transfers(self.device, self.stats, self.store, self.pool)
         self._hooks = hooks_mod.register(self)
