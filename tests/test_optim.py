@@ -455,6 +455,29 @@ def test_clip_grad_norm_matches_torch():
     infinity.unwrap(wrapped)
 
 
+def test_clip_grad_norm_with_gradients_on_nvme_needs_no_read_back(tmp_path):
+    """With gradients on NVMe the engine measured each slot's L2 norm while the gradients were
+    in RAM: clipping by the 2-norm reads nothing back, and equals torch's; other norms read."""
+    plain = _model()
+    wrapped = infinity.wrap(_model(), nvme_path=str(tmp_path), param_tier="nvme")
+    assert wrapped._infinity_engine.grad_tier.value == "nvme"
+    opt = infinity.optim.AdamW(wrapped.parameters())
+    for seed in (1, 2):  # two micro-batches: the norms are of the accumulated sum
+        x, y = synthetic_batch(CFG, 2, 8, torch.Generator().manual_seed(seed))
+        lm_loss(plain(x), y).backward()
+        lm_loss(wrapped(x), y).backward()
+    moved = infinity.stats(wrapped)["moved"]["nvme_to_host"]
+    ref = torch.nn.utils.get_total_norm([p.grad for p in plain.parameters()], 2.0)
+    got = opt.clip_grad_norm_(1e9)
+    opt.discard_pending_step()
+    assert torch.equal(got, ref), (got, ref)
+    assert infinity.stats(wrapped)["moved"]["nvme_to_host"] == moved  # nothing read back
+    ref_inf = torch.nn.utils.get_total_norm([p.grad for p in plain.parameters()], math.inf)
+    assert torch.equal(opt.clip_grad_norm_(1e9, math.inf), ref_inf)
+    assert infinity.stats(wrapped)["moved"]["nvme_to_host"] > moved
+    infinity.unwrap(wrapped)
+
+
 # =========================================================================================
 # fp16 loss scaling
 # =========================================================================================

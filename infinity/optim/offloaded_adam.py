@@ -222,6 +222,11 @@ class OffloadedAdam(torch.optim.Optimizer):
             ready = [i for i in range(len(shard.flat.slots)) if self._ready(shard, i)]
             if not ready:
                 continue
+            known = shard.engine.grads.slot_norms(shard.flat) if norm_type == 2.0 else None
+            if known is not None and all(known[i] is not None for i in ready):
+                for i in ready:  # measured by the engine before the gradients went to NVMe
+                    wrapped[id(shard.flat.slots[i].param)] = known[i]
+                continue
             grad = shard.flat.grad if shard.flat.grad is not None else _read_grads(shard)
             for i in ready:
                 s = shard.flat.slots[i]

@@ -40,6 +40,7 @@ class GradientSink:
         self._writes: List[Tuple["inf_io.IOFuture", torch.Tensor, FlatParam]] = []
         self._pending_d2h: List[tuple] = []
         self._finite: Dict[int, bool] = {}  # NVMe tier: checked while the buffer was in RAM
+        self._norms: Dict[int, List[Optional[torch.Tensor]]] = {}  # per-slot L2 norms, ditto
         self._d2h = torch.cuda.Stream(device) if device.type == "cuda" else None
         trainable = [f for f in flats if f.trainable]
         if tier is Tier.NVME and trainable:
@@ -133,8 +134,16 @@ class GradientSink:
         if self._pending_d2h:
             self._drain_d2h()
         flat, buf = self._open.pop(id(flat))
-        # checked now, while the buffer is in RAM, so the optimizer need not read it back
-        self._finite[id(flat)] = all_finite(flat.grad)
+        # measured now, while the buffer is in RAM, so the optimizer need not read it back for
+        # the inf/nan check or for clipping: per-slot L2 norms (computed exactly as
+        # torch.nn.utils.clip_grad_norm_ does); a finite norm means finite elements
+        norms: List[Optional[torch.Tensor]] = [
+            torch.linalg.vector_norm(flat.grad[s.offset:s.offset + s.numel], 2.0,
+                                     dtype=torch.float32) if flat.grad_ready[i] else None
+            for i, s in enumerate(flat.slots)]
+        self._norms[id(flat)] = norms
+        self._finite[id(flat)] = (all(n is None or bool(torch.isfinite(n)) for n in norms)
+                                  or all_finite(flat.grad))
         future = self.store.write(grad_key(flat), flat.grad)
         self.stats.add_moved("host_to_nvme", flat.numel * 4)
         flat.grad = None
@@ -162,6 +171,13 @@ class GradientSink:
         if self.tier is not Tier.NVME or id(flat) in self._open:
             return None
         return self._finite.get(id(flat))
+
+    def slot_norms(self, flat: FlatParam) -> Optional[List[Optional[torch.Tensor]]]:
+        """NVMe tier: the L2 norm of each slot's accumulated gradient as last written (None
+        for a slot without one; None overall when unknown: read the gradients)."""
+        if self.tier is not Tier.NVME or id(flat) in self._open:
+            return None
+        return self._norms.get(id(flat))
 
     def verify(self, flat: FlatParam, dst: torch.Tensor) -> None:
         self.store.verify_read(grad_key(flat), dst)
