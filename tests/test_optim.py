@@ -106,13 +106,15 @@ def _assert_same(ref, out, **tol) -> None:
 # =========================================================================================
 # parity
 # =========================================================================================
-@pytest.mark.parametrize("tiers", ["host", "nvme_states", "nvme_all"])
+@pytest.mark.parametrize("tiers", ["host", "nvme_states", "nvme_all", "nvme_params_host_states"])
 def test_parity_fp32_20_steps(tmp_path, tiers):
     wrap_kw = {"host": {},
                "nvme_states": dict(nvme_path=str(tmp_path), optimizer_tier="nvme",
                                    param_tier="host", grad_tier="host"),
                "nvme_all": dict(nvme_path=str(tmp_path), optimizer_tier="nvme",
-                                param_tier="nvme")}[tiers]  # nvme_all: gradients on NVMe too
+                                param_tier="nvme"),  # nvme_all: gradients on NVMe too
+               "nvme_params_host_states": dict(nvme_path=str(tmp_path), optimizer_tier="host",
+                                               param_tier="nvme")}[tiers]
     _assert_same(_run_torch(20), _run_inf(20, wrap_kw))
 
 

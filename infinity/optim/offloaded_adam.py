@@ -123,6 +123,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         self._wrapped: Dict[int, Tuple[Shard, int]] = {}  # id(param) -> (shard, slot)
         self._stores: Dict[int, States] = {}      # id(engine) -> its state store
         self._sets: Dict[int, BufferSets] = {}    # id(engine) -> NVMe buffer sets
+        self._staging: Dict[int, torch.Tensor] = {}  # id(engine) -> host-states staging
         self._dirty: Dict[str, Shard] = {}        # homes that may not match committed masters
         self._multiplier = 1.0
         self._finite: Optional[bool] = None
@@ -397,20 +398,37 @@ class OffloadedAdam(torch.optim.Optimizer):
                     out[pos:r.start].copy_(master[pos:r.start])
                 pos = r.end
 
+    def _home_staging(self, engine: Engine) -> torch.Tensor:
+        """Host states with parameters homed on NVMe: one aligned buffer (the largest working
+        copy) that each updated working copy passes through on its way to the swap file."""
+        buf = self._staging.get(id(engine))
+        if buf is None:
+            nbytes = max(s.flat.home_nbytes for s in self._shards.values() if s.engine is engine)
+            engine.host_budget.acquire(nbytes, what="optimizer working-copy staging buffer")
+            buf = inf_io.aligned_empty(nbytes)
+            self._staging[id(engine)] = buf
+        return buf
+
     def _step_host(self, store: HostStates, plans: List[Tuple[Shard, List[_Run]]],
                    multiplier: float, stats: StepStats) -> None:
         for shard, runs in plans:
             buf = store.buffer(shard)
+            engine = shard.engine
+            staging = self._home_staging(engine) if engine.param_tier is Tier.NVME else None
             if not shard.initialized:
-                init_states(shard, buf, None)
+                init_states(shard, buf, staging)
                 shard.initialized = True
             grad = None
             if shard.flat.grad is None:
                 grad = _read_grads(shard)
                 stats.bytes_read += shard.numel * 4
             t0 = time.perf_counter()
-            self._apply(shard, runs, buf, None, multiplier, grad)
+            self._apply(shard, runs, buf, staging, multiplier, grad)
             stats.compute_s += time.perf_counter() - t0
+            if staging is not None:  # the updated working copy goes to the parameter swap file
+                home = staging[:shard.flat.home_nbytes].view(shard.flat.home_dtype)
+                engine.write_home(shard.flat, home).wait()
+                stats.bytes_written += shard.flat.home_nbytes
             self._commit_steps(shard)
             stats.shards += 1
             stats.params += sum(r.end - r.start for r in runs)
@@ -724,6 +742,10 @@ class OffloadedAdam(torch.optim.Optimizer):
         for sets in self._sets.values():
             sets.close()
         self._sets.clear()
+        for engine in self._engines():
+            buf = self._staging.pop(id(engine), None)
+            if buf is not None:
+                engine.host_budget.release(buf.numel())
         for store in self._stores.values():
             store.close()
         self._stores.clear()
