@@ -165,3 +165,39 @@ def test_error_during_offload_restores_model(tmp_path, monkeypatch):
         infinity.wrap(m, nvme_path=str(tmp_path), param_tier="nvme")
     _unchanged(m, snap)
     assert not list(tmp_path.iterdir())
+
+
+def test_process_killed_mid_run_leaves_nothing_behind(tmp_path):
+    """A training process SIGKILLed while its swap files are open (mid-step) leaves a swap
+    directory behind; the next wrap under the same nvme_path removes it and trains normally."""
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import os, signal, torch, infinity
+        from infinity.models import TinyGPT, GPTConfig, lm_loss, synthetic_batch
+        cfg = GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq=16)
+        m = infinity.wrap(TinyGPT(cfg), nvme_path={str(tmp_path)!r}, param_tier="nvme")
+        opt = infinity.optim.AdamW(m.parameters())
+        x, y = synthetic_batch(cfg, 2, 8, torch.Generator().manual_seed(0))
+        lm_loss(m(x), y).backward()
+        opt.step()
+        lm_loss(m(x), y).backward()
+        os.kill(os.getpid(), signal.SIGKILL)  # dies with swap and state files open
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    left = [p.name for p in tmp_path.iterdir()]
+    assert left and all(n.startswith("infinity-swap-") for n in left)  # what the crash left
+    ref, wrapped = _model(), _model()
+    infinity.wrap(wrapped, nvme_path=str(tmp_path), param_tier="nvme")
+    remaining = [p.name for p in tmp_path.iterdir()]
+    assert not set(left) & set(remaining)  # the dead process's directories are gone
+    (x, y), = batches(SMALL, 1)
+    with torch.no_grad():
+        assert torch.equal(ref(x), wrapped(x))
+    infinity.unwrap(wrapped)
+    assert not list(tmp_path.iterdir())
