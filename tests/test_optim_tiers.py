@@ -7,30 +7,16 @@ import pytest
 import torch
 
 import infinity
-from infinity.models import GPTConfig, TinyGPT, lm_loss, synthetic_batch
+from test_optim import _model, _train
 
-CFG = GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq=16)
-
-
-def _train(model, opt, steps=4):
-    g = torch.Generator().manual_seed(0)
-    losses = []
-    for _ in range(steps):
-        x, y = synthetic_batch(CFG, 2, 8, g)
-        loss = lm_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+STEPS = 4
 
 
 @pytest.fixture(scope="module")
 def reference():
-    torch.manual_seed(0)
-    base = TinyGPT(CFG)
+    base = _model()
     model = copy.deepcopy(base)
-    losses = _train(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True))
+    losses = _train(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), STEPS)
     return base, losses, torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
@@ -44,7 +30,7 @@ def test_tier_combination_matches_torch(reference, tmp_path, param_tier, grad_ti
     infinity.wrap(model, nvme_path=str(tmp_path), param_tier=param_tier, grad_tier=grad_tier,
                   optimizer_tier=optimizer_tier)
     opt = infinity.optim.AdamW(model.parameters(), lr=1e-3)
-    losses = _train(model, opt)
+    losses = _train(model, opt, STEPS)
     assert set(opt.state_tiers.values()) == {optimizer_tier}
     opt.close()
     infinity.unwrap(model)
