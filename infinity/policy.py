@@ -39,6 +39,8 @@ class OffloadPolicy:
     prefetch_window: how many blocks ahead of the running one may be fetched.
     block_rule: None (each child of an nn.ModuleList is a block), a sequence of module
         classes, or a predicate ``(qualified_name, module) -> bool``.
+    device: where forward and backward compute: "cuda", "cuda:N" or "cpu" (None: CUDA when
+        available, else the CPU).
     compute_dtype: the dtype parameters are materialized in for forward/backward (None: the
         model's own, as FSDP2's MixedPrecisionPolicy).
     require_direct_io: refuse a filesystem without O_DIRECT instead of warning and using the
@@ -55,6 +57,7 @@ class OffloadPolicy:
     prefetch_window: int = 2
     block_rule: BlockRule = None
     compute_dtype: Optional[torch.dtype] = None
+    device: Optional[Union[str, torch.device]] = None
     require_direct_io: bool = False
     verify_checksums: bool = True
 
@@ -79,6 +82,14 @@ class OffloadPolicy:
         if self.compute_dtype is not None and self.compute_dtype not in _WORKING_DTYPES:
             raise ValueError(f"compute_dtype={self.compute_dtype} is not supported; use "
                              "torch.float32, torch.bfloat16, torch.float16 or None")
+        if self.device is not None:
+            try:
+                dev = torch.device(self.device)
+            except (RuntimeError, TypeError) as exc:
+                raise ValueError(f"device={self.device!r} is not a device: {exc}") from None
+            if dev.type not in ("cpu", "cuda"):
+                raise ValueError(f"device={self.device!r} is not supported; use 'cuda', "
+                                 "'cuda:N' or 'cpu'")
         rule = self.block_rule
         if rule is not None and not callable(rule):
             if (not isinstance(rule, (list, tuple)) or not rule

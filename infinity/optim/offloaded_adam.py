@@ -110,6 +110,9 @@ class OffloadedAdam(torch.optim.Optimizer):
     traffic hidden behind compute.
     """
 
+    # read by the engine's guard on torch optimizers: this one reads the engine's gradients
+    _infinity_reads_engine_gradients = True
+
     def __init__(self, params, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, *, adamw: bool = True,
                  amsgrad: bool = False, maximize: bool = False, check_finite: bool = True
@@ -125,6 +128,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         self._sets: Dict[int, BufferSets] = {}    # id(engine) -> NVMe buffer sets
         self._staging: Dict[int, torch.Tensor] = {}  # id(engine) -> host-states staging
         self._dirty: Dict[str, Shard] = {}        # homes that may not match committed masters
+        self._done: Dict[str, Shard] = {}         # shards a failed step already applied
         self._multiplier = 1.0
         self._finite: Optional[bool] = None
         self.skipped_steps = 0
@@ -282,6 +286,8 @@ class OffloadedAdam(torch.optim.Optimizer):
         """
         _number("max_norm", max_norm)
         norm_type = float(norm_type)
+        for engine in self._engines():
+            engine.sync_gradients()
         raw = clip_mod.norm_of_norms(self._grad_norms(norm_type), norm_type)
         norm = raw * self._multiplier if self._multiplier != 1.0 else raw
         finite = math.isfinite(float(norm))
@@ -289,6 +295,11 @@ class OffloadedAdam(torch.optim.Optimizer):
             self._multiplier *= clip_mod.clip_coefficient(norm, max_norm)
         self._finite = finite if self._finite is None else (self._finite and finite)
         return norm
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Alias of :meth:`clip_grad_norm_`, the name trainers (HF Trainer, accelerate) look
+        for on an optimizer that clips its own gradients."""
+        return self.clip_grad_norm_(max_norm, norm_type)
 
     # =====================================================================================
     # step
@@ -306,6 +317,9 @@ class OffloadedAdam(torch.optim.Optimizer):
         self.last_step_stats = stats
         for group in self.param_groups:
             _check_hyper(group)
+        for engine in self._engines():
+            engine.quiesce()
+        self._check_lost_gradients()
         if finite is None and self.check_finite:
             finite = self.grads_finite()
         if finite is False:
@@ -314,24 +328,68 @@ class OffloadedAdam(torch.optim.Optimizer):
             logger.warning("infinity.optim: gradients contain inf/nan; step skipped "
                            "(%d skipped so far)", self.skipped_steps)
             return loss
+        try:
+            self._restore_dirty()
+            for shard in self._shards.values():
+                self._sync_user_writes(shard)
+            plans = [(s, runs) for s in self._shards.values() if s.key not in self._done
+                     for runs in [self._runs(s)] if runs]
+            for engine in self._engines():
+                mine = [(s, r) for s, r in plans if s.engine is engine]
+                if not mine:
+                    continue
+                store = self._store(engine)
+                if isinstance(store, NvmeStates):
+                    self._step_nvme(engine, store, mine, multiplier, stats)
+                else:
+                    self._step_host(store, mine, multiplier, stats)
+            self._step_unwrapped(multiplier, stats)
+        except BaseException:
+            # re-armed: calling step() again retries this same step (clipping included)
+            self._multiplier, self._finite = multiplier, finite
+            raise
+        self._done.clear()
         for engine in self._engines():
-            engine.release_all()
-        self._restore_dirty()
-        plans = [(s, runs) for s in self._shards.values() for runs in [self._runs(s)] if runs]
-        for engine in self._engines():
-            mine = [(s, r) for s, r in plans if s.engine is engine]
-            if not mine:
-                continue
-            store = self._store(engine)
-            if isinstance(store, NvmeStates):
-                self._step_nvme(engine, store, mine, multiplier, stats)
-            else:
-                self._step_host(store, mine, multiplier, stats)
-        self._step_unwrapped(multiplier, stats)
-        for engine in self._engines():
-            engine.after_step()
+            engine.resume()
         stats.step_s = time.perf_counter() - t0
         return loss
+
+    def _check_lost_gradients(self) -> None:
+        for shard in self._shards.values():
+            why = shard.engine.grads.lost(shard.flat)
+            if why is not None:
+                raise RuntimeError(
+                    f"infinity.optim: the gradients of {shard.key} were lost when writing them "
+                    f"to NVMe failed ({why}); no step was taken. Call zero_grad() and run the "
+                    "backward of this batch again")
+
+    def _sync_user_writes(self, shard: Shard) -> None:
+        """Parameters written outside forward (load_state_dict, an EMA copied back, a user's
+        in-place change): their fp32 master weights follow, except where the written value is
+        just the master's rounding (then the master keeps its precision)."""
+        engine = shard.engine
+        written = engine.take_user_writes(shard.flat)
+        if not written or not shard.initialized:
+            return
+        store = self._store(engine)
+        flat = shard.flat
+        if isinstance(store, HostStates):
+            buf = store.buffer(shard)
+        else:
+            buf = self._read_committed(shard)
+        master, _, _ = states_of(shard, buf)
+        if master is flat.home:
+            return  # fp32 host home: the home is the master
+        home = torch.empty(flat.numel, dtype=flat.home_dtype)
+        engine.read_home(flat, home)
+        for i in written:
+            s = flat.slots[i]
+            sl = slice(s.offset, s.offset + s.numel)
+            new = home[sl]
+            changed = new != master[sl].to(flat.home_dtype)
+            master[sl] = torch.where(changed, new.float(), master[sl])
+        if isinstance(store, NvmeStates):
+            store.write_and_commit(shard, buf, "updating the master weights of")
 
     def _runs(self, shard: Shard) -> List[_Run]:
         runs: List[_Run] = []
@@ -356,14 +414,10 @@ class OffloadedAdam(torch.optim.Optimizer):
     def _working_out(self, shard: Shard, staging: Optional[torch.Tensor]
                      ) -> Optional[torch.Tensor]:
         """Where the kernel writes the updated working copy (None: copied afterwards)."""
-        flat, tier = shard.flat, shard.engine.param_tier
-        if tier is Tier.HOST:
-            return flat.home
-        if tier is Tier.NVME:
+        flat = shard.flat
+        if shard.engine.param_tier is Tier.NVME:
             return staging[:flat.home_nbytes].view(flat.home_dtype)
-        if flat.compute is not None and flat.compute.device.type == "cpu":
-            return flat.compute
-        return None
+        return shard.engine.home.working_buffer(flat)
 
     def _apply(self, shard: Shard, runs: List[_Run], buf: torch.Tensor,
                staging: Optional[torch.Tensor], multiplier: float,
@@ -387,7 +441,7 @@ class OffloadedAdam(torch.optim.Optimizer):
                           adamw=self._adamw,
                           out=out[r.start:r.end] if out is not None else None,
                           grad_multiplier=multiplier)
-            if out is None and not in_place:
+            if out is None and not in_place:  # a device home on CUDA
                 flat.compute[r.start:r.end].copy_(master[r.start:r.end])
         if shard.engine.param_tier is Tier.NVME:
             # the whole working copy goes to the swap file: fill what the runs did not touch
@@ -425,11 +479,25 @@ class OffloadedAdam(torch.optim.Optimizer):
             t0 = time.perf_counter()
             self._apply(shard, runs, buf, staging, multiplier, grad)
             stats.compute_s += time.perf_counter() - t0
+            self._commit_steps(shard)
+            self._done[shard.key] = shard
             if staging is not None:  # the updated working copy goes to the parameter swap file
                 home = staging[:shard.flat.home_nbytes].view(shard.flat.home_dtype)
-                engine.write_home(shard.flat, home).wait()
+                try:
+                    engine.write_home(shard.flat, home).wait()
+                except BaseException as exc:
+                    # the states (in RAM) have taken this step; the swap file is rewritten
+                    # from them by the next step() (or restore_parameters()), which also
+                    # finishes the shards this step did not reach
+                    self._dirty[shard.key] = shard
+                    exc.add_note(
+                        f"infinity.optim: {len(self._done)} of {len(plans)} shards took this "
+                        "step before writing the parameters of "
+                        f"{shard.key!r} failed. Call opt.step() again once the disk is fixed: "
+                        "it rewrites them and finishes this same step (the gradients are "
+                        "kept), so training continues as if nothing had failed.")
+                    raise
                 stats.bytes_written += shard.flat.home_nbytes
-            self._commit_steps(shard)
             stats.shards += 1
             stats.params += sum(r.end - r.start for r in runs)
 
@@ -503,19 +571,14 @@ class OffloadedAdam(torch.optim.Optimizer):
             store = self._stores[id(shard.engine)]
             engine = shard.engine
             engine.release_all()
-            buf = inf_io.aligned_empty(3 * shard.numel, torch.float32)
-            store.read(shard, buf).wait()
-            store.verify(shard, buf)
-            master = buf[:shard.numel]
-            flat = shard.flat
-            if engine.param_tier is Tier.NVME:
-                staging = inf_io.aligned_empty(flat.numel, flat.home_dtype)
-                staging.copy_(master)
-                engine.write_home(flat, staging).wait()
-            elif engine.param_tier is Tier.HOST:
-                flat.home.copy_(master)
+            if isinstance(store, HostStates):
+                buf = store.buffer(shard)
             else:
-                flat.compute.copy_(master)
+                buf = inf_io.aligned_empty(3 * shard.numel, torch.float32)
+                store.read(shard, buf).wait()
+                store.verify(shard, buf)
+            master, _, _ = states_of(shard, buf)
+            engine.home.write_from(shard.flat, master)
             del self._dirty[key]
 
     # ---- unwrapped parameters ---------------------------------------------------------------
@@ -569,6 +632,10 @@ class OffloadedAdam(torch.optim.Optimizer):
         accumulated gradients are forgotten; the next backward overwrites them -- with
         ``set_to_none=False`` too, where a parameter without a new gradient is then skipped
         rather than stepped with a zero gradient). Unwrapped parameters: as torch."""
+        if self._done:
+            logger.warning("infinity.optim: zero_grad() after a failed step that %d shard(s) had "
+                           "already taken; the others skip it", len(self._done))
+            self._done.clear()
         for engine in self._engines():
             engine.zero_grad()
         super().zero_grad(set_to_none=set_to_none)
@@ -598,6 +665,10 @@ class OffloadedAdam(torch.optim.Optimizer):
         """torch's format: ``{"state": {index: {"step", "exp_avg", "exp_avg_sq", "master"}},
         "param_groups": [...]}``; ``master`` is the fp32 master weight (for unwrapped fp32 CPU
         parameters the parameter itself is the master and no entry is stored)."""
+        for engine in self._engines():
+            engine.quiesce()
+        for shard in self._shards.values():
+            self._sync_user_writes(shard)
         params = self._param_index()
         index = {id(p): i for i, p in enumerate(params)}
         groups = []
@@ -709,7 +780,8 @@ class OffloadedAdam(torch.optim.Optimizer):
             shard.initialized = False  # states are recreated from the home copy when needed
             return
         engine = shard.engine
-        engine.release_all()
+        engine.quiesce()
+        engine.take_user_writes(shard.flat)  # the loaded (or current) values are the masters
         store = self._store(engine)
         if isinstance(store, HostStates):
             buf = store.buffer(shard)

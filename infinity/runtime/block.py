@@ -23,7 +23,8 @@ class Block:
         self.state = Residency.RESIDENT if resident else self._home_state()
         self.future: Optional[cf.Future] = None
         self.prefetched = False        # fetch was issued ahead of need (for hit/miss counting)
-        self.active_forward = 0        # >0 while its forward runs
+        self.active_forward = 0        # >0 while its forward runs (or it is pinned)
+        self.pins = 0                  # held by infinity.materialized()
         self.backward_task: int = -1   # graph task whose pre-backward fetched it
         self.grads_seen: Set[Tuple[int, int]] = set()
         self.n_trainable = sum(1 for f in flats for s in f.slots if s.trainable)

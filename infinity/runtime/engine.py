@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
 import time
 import weakref
 from collections import defaultdict
-from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
@@ -23,8 +24,9 @@ from ..policy import OffloadPolicy
 from ..tiers import BudgetExceededError, ByteBudget, HostPool, SwapStore, Tier
 from . import hooks as hooks_mod
 from .block import Block
-from .flat import FlatParam
+from .flat import Binding, FlatParam
 from .grads import GradientSink
+from .homes import DeviceHome, Home, HostHome, NvmeHome
 from .host_malloc import return_freed_buffers_to_os
 from .partition import partition
 from .residency import Residency, ResidencyError
@@ -79,13 +81,13 @@ class Engine:
                                "infinity.unwrap(model) first if you want to wrap it again")
         self.model = model
         self.policy = policy
-        self.device = torch.device("cuda", torch.cuda.current_device()) \
-            if torch.cuda.is_available() else torch.device("cpu")
+        self.device = resolve_device(policy.device)
         self.stats = Stats()
         self._lock = threading.RLock()
         self._closed = False
         self.store: Optional[SwapStore] = None
         self.pool: Optional[HostPool] = None
+        self.home: Optional[Home] = None
 
         specs = partition(model, policy.block_rule)
         if not specs:
@@ -100,20 +102,24 @@ class Engine:
         self.schedule = Schedule(policy.prefetch_window)
         self._callback_task = -1
         self._last_backward_block: Optional[Block] = None
+        self._model_forward_depth = 0
         # Set by an optimizer over this engine: it changes the home copies in step(), so the
-        # next forward's blocks are prefetched after the step (after_step), not after backward.
+        # next forward's blocks are prefetched after the step (resume), not after backward.
         self.optimizer_attached = False
         self.grad_tier = self._choose_grad_tier()
+        self._original_devices = {id(s.param): s.param.device for b in self.blocks
+                                  for f in b.flats for s in f.slots}
         if self.device.type == "cpu" and any(not b.resident for b in self.blocks):
             return_freed_buffers_to_os()
         self._materialize_homes()
-        self.transfers = Transfers(self.device, self.stats, self.store, self.pool)
+        self.transfers = Transfers(self.device, self.stats, self.home, self.pool)
         self._hooks = hooks_mod.register(self)
         self._locations: Dict[int, ParamLocation] = {
             id(slot.param): ParamLocation(self, block, flat, i)
             for block in self.blocks for flat in block.flats
             for i, slot in enumerate(flat.slots)}
         _ENGINES.add(self)
+        guard_foreign_optimizers()
         setattr(model, _ENGINE_ATTR, self)
         logger.info("infinity: wrapped %d blocks (%s bytes of parameters) with parameters on %s",
                     len(self.blocks), f"{home_bytes:,}", self.param_tier.value)
@@ -131,12 +137,12 @@ class Engine:
                 if p.dtype not in _SUPPORTED_DTYPES:
                     raise TypeError(f"parameter {qual!r} has dtype {p.dtype}; infinity offloads "
                                     "float32, bfloat16 and float16 parameters")
-                if p.device.type not in ("cpu", self.device.type):
-                    raise ValueError(f"parameter {qual!r} is on {p.device}; build the model on "
-                                     f"the CPU (or on {self.device}) before infinity.wrap")
                 if p.is_meta:
                     raise ValueError(f"parameter {qual!r} is on the meta device; materialize "
                                      "the model (e.g. model.to_empty + init) before wrap")
+                if p.device.type not in ("cpu", self.device.type):
+                    raise ValueError(f"parameter {qual!r} is on {p.device}; build the model on "
+                                     f"the CPU (or on {self.device}) before infinity.wrap")
 
     def _choose_param_tier(self, home_bytes: int) -> Tier:
         p = self.policy
@@ -198,6 +204,13 @@ class Engine:
                 + f" = {need:,} bytes. Raise device_budget to at least {need:,} or split the "
                   "block with block_rule")
 
+    def _make_home(self) -> Home:
+        if self.param_tier is Tier.DEVICE:
+            return DeviceHome(self.device_budget, self.device)
+        if self.param_tier is Tier.HOST:
+            return HostHome(self.host_budget)
+        return NvmeHome(self.store, self.pool, self.stats)
+
     def _materialize_homes(self) -> None:
         """Moves every block's parameters to their home tier. On any error, the model is put
         back exactly as it was (nothing half-wrapped)."""
@@ -213,18 +226,22 @@ class Engine:
                 largest = max(f.home_nbytes for b in streamed for f in b.flats)
                 count = max(1, min(2, self.policy.prefetch_window))
                 self.pool = HostPool(count, largest, self.host_budget)
+            self.home = self._make_home()
             total = sum(b.home_nbytes for b in self.blocks)
             with tqdm(total=total, unit="B", unit_scale=True, desc="infinity: offloading",
                       disable=total < (1 << 30), leave=False) as bar:
                 for block in self.blocks:
                     for flat in block.flats:
-                        self._materialize_flat(block, flat)
+                        self.home.fill(flat)
+                        self._bind_initial(block, flat)
                         bar.update(flat.home_nbytes)
             self.grads = GradientSink(self.grad_tier, self.device, self.stats, self.host_budget,
                                       self.store, self.flats, self.policy.prefetch_window + 2)
         except BaseException:
             for param, data in originals:
                 param.data = data
+            if self.home is not None:
+                self.home.close()
             if self.pool is not None:
                 self.pool.close()
             if self.store is not None:
@@ -232,36 +249,23 @@ class Engine:
             raise
         self._move_buffers()
 
-    def _materialize_flat(self, block: Block, flat: FlatParam) -> None:
-        if self.param_tier is Tier.DEVICE:
-            compute = torch.empty(flat.numel, dtype=flat.compute_dtype, device=self.device)
-            self.device_budget.acquire(flat.compute_nbytes, what=f"block {block.name!r}")
-            with torch.no_grad():
-                tmp = torch.empty(flat.numel, dtype=flat.home_dtype)
-                flat.gather_into(tmp)
-                compute.copy_(tmp)
-            flat.bind_views(compute)
-            return
-        if self.param_tier is Tier.HOST:
-            self.host_budget.acquire(flat.home_nbytes, what=f"host copy of block {block.name!r}")
-            flat.home = inf_io.aligned_empty(flat.numel, flat.home_dtype)
-            flat.gather_into(flat.home)
-            if block.resident:
-                flat.bind_views(flat.home)
-                return
-        else:  # NVME
-            buf = self.pool.acquire()
-            try:
-                staging = buf[:flat.home_nbytes].view(flat.home_dtype)
-                flat.gather_into(staging)
-                self.store.create(flat.key, flat.home_nbytes)
-                self.store.write_sync(flat.key, staging)
-                self.stats.add_moved("host_to_nvme", flat.home_nbytes)
-            finally:
-                self.pool.release(buf)
-        compute = torch.empty(flat.numel, dtype=flat.compute_dtype, device=self.device)
-        flat.bind_views(compute)
-        flat.free_storage()
+    def _bind_initial(self, block: Block, flat: FlatParam) -> None:
+        """After fill: resident blocks compute on their home; the others get an (unallocated)
+        compute buffer; outside forward every parameter views its home where it can."""
+        if block.resident:
+            if flat.compute is None:  # host home used in place
+                flat.compute = flat.home
+        else:
+            flat.compute = torch.empty(flat.numel, dtype=flat.compute_dtype, device=self.device)
+            flat.free_storage()
+        self._bind_outside(flat)
+
+    def _bind_outside(self, flat: FlatParam) -> None:
+        home_bytes = self.home.outside_bytes(flat)
+        if home_bytes is None:  # a device-tier home on CUDA: the compute buffer is the home
+            flat.bind_views(flat.compute)
+        else:
+            flat.bind_outside(home_bytes)
 
     def _move_buffers(self) -> None:
         if self.device.type == "cpu":
@@ -285,29 +289,45 @@ class Engine:
             self.device_budget.acquire(nbytes, what=f"block {block.name!r}")
         elif not self.device_budget.try_acquire(nbytes):
             return False
+        try:
+            for flat in block.flats:
+                flat.alloc_storage()
+            block.future = self.transfers.fetch(block.flats)
+        except BaseException:
+            for flat in block.flats:
+                flat.free_storage()
+            self.device_budget.release(nbytes)
+            raise
         block.transition(Residency.FETCHING)
-        for flat in block.flats:
-            flat.alloc_storage()
-        block.future = self.transfers.fetch(block.flats, block.home)
         block.prefetched = not required
         self.stats.fetches += 1
         return True
 
     def _complete(self, block: Block) -> None:
-        """Waits for an in-flight fetch and makes its data visible to the compute stream."""
+        """Waits for an in-flight fetch and makes its data visible to the compute stream;
+        from here on the parameters view the compute buffer."""
         future = block.future
         block.future = None
         try:
             event = future.result()
         except BaseException:
-            for flat in block.flats:
-                flat.free_storage()
-            self.device_budget.release(block.compute_nbytes)
-            block.to_home_state()  # a failed fetch leaves nothing materialized
+            self._drop_compute(block)  # a failed fetch leaves nothing materialized
             raise
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
         block.transition(Residency.ON_DEVICE)
+        for flat in block.flats:
+            flat.bind_views(flat.compute)
+
+    def _drop_compute(self, block: Block) -> None:
+        """Frees the compute buffers of a fetching or fetched block without looking at them and
+        points the parameters back at their homes."""
+        for flat in block.flats:
+            flat.free_storage()
+            self._bind_outside(flat)
+        self.device_budget.release(block.compute_nbytes)
+        block.prefetched = False
+        block.to_home_state()
 
     def _ensure_on_device(self, block: Block) -> None:
         if block.state in (Residency.RESIDENT, Residency.ON_DEVICE):
@@ -333,6 +353,24 @@ class Engine:
         self._complete(block)
         self.stats.stall_seconds += time.perf_counter() - t0
 
+    def _write_back(self, block: Block) -> None:
+        """Parameters changed in place while they viewed the compute buffer (inside
+        ``materialized()``, or a block kept materialized after an inference forward) reach the
+        home before the buffer is freed. Raises (leaving everything as it was) if the home
+        cannot be written."""
+        for flat in block.flats:
+            if flat.binding is not Binding.COMPUTE:
+                continue
+            written = flat.written_slots()
+            if not written:
+                continue
+            src = flat.compute.detach()
+            if src.device.type != "cpu" or src.dtype != flat.home_dtype:
+                src = src.to("cpu", flat.home_dtype)
+            self.home.write_slots(flat, src, written)
+            flat.user_written.update(written)
+            flat.record_versions()
+
     def _release(self, block: Block) -> None:
         """Frees a block's compute buffer (no-op when resident or not materialized)."""
         if block.state in (Residency.RESIDENT, Residency.ON_HOST, Residency.ON_NVME):
@@ -342,12 +380,21 @@ class Engine:
                                  "runs (engine bug)")
         if block.state is Residency.FETCHING:
             self._complete(block)
-        for flat in block.flats:
-            flat.free_storage()
-        self.device_budget.release(block.compute_nbytes)
-        block.prefetched = False
-        block.to_home_state()
+        self._write_back(block)
+        self._drop_compute(block)
         self.stats.releases += 1
+
+    def _discard(self, block: Block) -> None:
+        """Drops a fetch whose data went stale (its home was written meanwhile)."""
+        if block.state is Residency.FETCHING:
+            future, block.future = block.future, None
+            try:
+                future.result()
+            except BaseException as exc:  # noqa: BLE001 - the data is thrown away anyway
+                logger.debug("infinity: discarded fetch of %s failed: %s", block.name, exc)
+            self._drop_compute(block)
+        elif block.state is Residency.ON_DEVICE and block.active_forward == 0:
+            self._release(block)
 
     def _make_room(self, nbytes: int, keep: Block) -> None:
         """Releases materialized blocks that no running forward/backward needs, oldest first."""
@@ -372,6 +419,84 @@ class Engine:
                     self._release(block)
 
     # =====================================================================================
+    # writes through the parameters outside forward
+    # =====================================================================================
+    def sync_outside_writes(self) -> None:
+        """Finds parameters changed in place outside forward (``load_state_dict``, a torch
+        optimizer, an EMA copied back, ``p.mul_()`` under no_grad) and makes every copy agree:
+        the NVMe home is re-checksummed, stale prefetched copies are dropped, and the slots are
+        marked for the optimizer's master weights (``flat.user_written``)."""
+        with self._lock:
+            stale = []
+            for block in self.blocks:
+                for flat in block.flats:
+                    if flat.binding is Binding.COMPUTE:
+                        if block.state is Residency.ON_DEVICE and block.active_forward == 0:
+                            self._write_back(block)
+                        continue
+                    written = flat.written_slots()
+                    if not written:
+                        continue
+                    rebound = flat.rebound_slots()
+                    if rebound:  # p.data = t: the new values go home, the views come back
+                        self._take_rebound(flat, rebound)
+                    self.home.after_outside_write(flat)
+                    flat.user_written.update(written)
+                    flat.record_versions()
+                    if block not in stale:
+                        stale.append(block)
+            for block in stale:
+                if not block.resident:
+                    self._discard(block)
+
+    def _take_rebound(self, flat: FlatParam, slots: List[int]) -> None:
+        src = torch.empty(flat.numel, dtype=flat.home_dtype)
+        for i in slots:
+            s = flat.slots[i]
+            value = s.param.detach()
+            if value.shape != s.shape:
+                raise RuntimeError(f"infinity: parameter {s.qualname!r} was given a tensor of "
+                                   f"shape {tuple(value.shape)} (p.data = ...); a wrapped "
+                                   f"parameter keeps its shape {tuple(s.shape)}")
+            src[s.offset:s.offset + s.numel].copy_(value.reshape(-1))
+        self.home.write_slots(flat, src, slots)
+        self._bind_outside(flat)
+
+    def mark_written(self, flat: FlatParam, slot: int) -> None:
+        """Tells the engine that ``slot``'s parameter was written (by a torch optimizer)."""
+        flat.forced_written.add(slot)
+
+    # =====================================================================================
+    # recovery after an exception in forward or backward
+    # =====================================================================================
+    def _recover_failed_backward(self) -> None:
+        """A backward that raised never reached its end callback: forget its bookkeeping
+        (its partial gradients stay accumulated, as in PyTorch: call zero_grad before
+        retrying) and free what it had materialized."""
+        if self._callback_task == -1:
+            return
+        logger.warning("infinity: the previous backward did not finish (it raised); resetting "
+                       "the engine's backward state")
+        self._callback_task = -1
+        self._last_backward_block = None
+        self.schedule.abort("backward")
+        try:
+            self.grads.abort_backward()
+        finally:
+            for block in self.blocks:
+                block.reset_backward()
+                if block.active_forward == 0:
+                    self._discard(block) if block.state is Residency.FETCHING \
+                        else self._release(block)
+
+    def _recover_failed_forward(self) -> None:
+        """A forward that raised left blocks counted as running: release them."""
+        for block in self.blocks:
+            if block.active_forward > 0 and block.pins == 0:
+                block.active_forward = 0
+                self._release(block)
+
+    # =====================================================================================
     # hooks (called from hooks.py)
     # =====================================================================================
     def _in_backward(self) -> bool:
@@ -390,15 +515,26 @@ class Engine:
             if self._closed:
                 return
             if not self._in_backward():
+                self._recover_failed_backward()
+                if self._model_forward_depth == 0:
+                    self._recover_failed_forward()
+                    self.sync_outside_writes()
+                    if torch.is_grad_enabled():
+                        self.grads.reconcile(detach=True)
                 self.schedule.begin("forward")
                 self._prefetch(self.schedule.upcoming("forward"))
+            self._model_forward_depth += 1
             for block in self.blocks:
                 if block.is_root:
                     self._ensure_on_device(block)
 
     def on_model_post_forward(self, module: nn.Module, args, output) -> None:
         with self._lock:
+            self._model_forward_depth = max(0, self._model_forward_depth - 1)
             if self._closed or self._in_backward():
+                return
+            if _raised(output):
+                self.schedule.abort("forward")
                 return
             self.schedule.end("forward")
             root = next((b for b in self.blocks if b.is_root), None)
@@ -413,13 +549,20 @@ class Engine:
         with self._lock:
             if self._closed:
                 return
-            if self._in_backward():  # activation checkpointing recomputes inside backward
+            # Activation checkpointing recomputes inside backward. A recompute is not counted
+            # in active_forward: non-reentrant checkpointing stops it early by raising inside
+            # the forward, so its post-forward bookkeeping may never run. The block is held
+            # as the running backward block instead.
+            recompute = self._in_backward()
+            if recompute:
                 self._start_backward_if_needed()
                 self._visit(block, "backward")
+                self._last_backward_block = block
             else:
                 self._visit(block, "forward")
             self._ensure_on_device(block)
-            block.active_forward += 1
+            if not recompute:
+                block.active_forward += 1
             if block.needs_input_signal and torch.is_grad_enabled():
                 hooks_mod.register_post_backward(args, lambda: self.on_inputs_grad(block))
 
@@ -445,7 +588,12 @@ class Engine:
         with self._lock:
             if self._closed:
                 return
-            block.active_forward -= 1
+            if not self._in_backward():
+                block.active_forward = max(0, block.active_forward - 1)
+            if _raised(output):  # the forward raised: nothing will use this block's output
+                if block.active_forward == 0 and not self._in_backward():
+                    self._release(block)
+                return
             needs_backward = torch.is_grad_enabled() and bool(hooks_mod.output_tensors(output))
             if needs_backward:
                 hooks_mod.register_pre_backward(output, lambda: self.on_pre_backward(block))
@@ -463,6 +611,7 @@ class Engine:
             return
         self._callback_task = task
         self.schedule.begin("backward")
+        self.grads.reconcile(detach=True)
         _queue_callback(self._on_backward_end)
 
     def on_pre_backward(self, block: Block) -> None:
@@ -493,14 +642,17 @@ class Engine:
 
     def _on_backward_end(self) -> None:
         with self._lock:
-            self.grads.finish_backward()
-            self.schedule.end("backward")
-            for block in self.blocks:
-                block.reset_backward()
-                if block.active_forward == 0:
-                    self._release(block)
-            self._last_backward_block = None
             self._callback_task = -1
+            self.schedule.end("backward")
+            try:
+                self.grads.finish_backward()
+            finally:
+                for block in self.blocks:
+                    block.reset_backward()
+                    if block.active_forward == 0:
+                        self._release(block)
+                self._last_backward_block = None
+            self.grads.expose()
             if not self.optimizer_attached:
                 self._prefetch_for_forward()
 
@@ -508,12 +660,42 @@ class Engine:
         root = [b.index for b in self.blocks if b.is_root]
         self._prefetch(root + self.schedule.upcoming("forward"))
 
-    def after_step(self) -> None:
-        """Called by the optimizer when the home copies are updated: start fetching what the
-        next forward needs first."""
+    # =====================================================================================
+    # the optimizer's side: quiesce / resume around a step
+    # =====================================================================================
+    def quiesce(self) -> None:
+        """Before an optimizer changes the homes: recovers from a failed forward/backward,
+        frees every compute buffer (writing back in-place changes), and takes in the user's
+        changes to parameters and gradients made since backward."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("this model was unwrapped; its optimizer cannot step")
+            if not self._in_backward():
+                self._recover_failed_backward()
+                if self._model_forward_depth == 0:
+                    self._recover_failed_forward()
+            self.release_all()
+            self.sync_outside_writes()
+            self.grads.reconcile(detach=False)
+
+    def resume(self) -> None:
+        """After an optimizer updated the homes: start fetching what the next forward needs."""
         with self._lock:
             if not self._closed:
                 self._prefetch_for_forward()
+
+    after_step = resume
+
+    def sync_gradients(self) -> None:
+        """Takes in the user's changes to the exposed ``p.grad`` (zero_grad, reassignment)."""
+        with self._lock:
+            self.grads.reconcile(detach=False)
+
+    def take_user_writes(self, flat: FlatParam) -> List[int]:
+        """Slots of ``flat`` written through their parameter since the last call."""
+        written = sorted(flat.user_written)
+        flat.user_written.clear()
+        return written
 
     # =====================================================================================
     # gradients
@@ -521,9 +703,7 @@ class Engine:
     def zero_grad(self) -> None:
         """Forgets accumulated gradients (set_to_none semantics: the next one overwrites)."""
         with self._lock:
-            for block in self.blocks:
-                for flat in block.flats:
-                    flat.grad_ready = [False] * len(flat.slots)
+            self.grads.zero_grad()
 
     # =====================================================================================
     # for the optimizer and users
@@ -540,40 +720,53 @@ class Engine:
 
     def write_home(self, flat: FlatParam, src: torch.Tensor) -> "inf_io.IOFuture":
         """Starts writing an updated working copy (home dtype, aligned) to the NVMe home."""
-        if self.param_tier is not Tier.NVME:
+        if not isinstance(self.home, NvmeHome):
             raise RuntimeError("write_home is only for parameters homed on NVMe")
-        future = self.store.write(flat.key, src)
-        self.stats.add_moved("host_to_nvme", flat.home_nbytes)
-        return future
+        return self.home.write_async(flat, src)
 
     def read_home(self, flat: FlatParam, dst: torch.Tensor) -> None:
-        if self.param_tier is Tier.NVME:
-            self.store.read_sync(flat.key, dst)
-            self.stats.add_moved("nvme_to_host", flat.home_nbytes)
-        elif flat.home is not None:
-            dst.copy_(flat.home)
-        else:
-            dst.copy_(flat.compute)
+        self.home.read_into(flat, dst)
 
     @contextlib.contextmanager
     def materialized(self, module: Optional[nn.Module] = None) -> Iterator[None]:
         """Keeps the blocks inside ``module`` (all blocks when None) materialized in the
-        block, so their parameters can be read outside forward."""
+        block, so their parameters can be read outside forward; in-place changes made to them
+        there are written back to their homes when the block ends."""
         with self._lock:
+            if self._closed:
+                raise RuntimeError("this model was unwrapped")
+            self.sync_outside_writes()
             chosen = [b for b in self.blocks if module is None or module is b.module
                       or any(m is b.module for m in module.modules())
                       or any(m is module for m in b.module.modules())]
-            for b in chosen:
-                self._ensure_on_device(b)
-                b.active_forward += 1
+            pinned: List[Block] = []
+            try:
+                for b in chosen:
+                    self._ensure_on_device(b)
+                    b.active_forward += 1
+                    b.pins += 1
+                    pinned.append(b)
+            except BaseException:
+                self._unpin(pinned)
+                raise
         try:
             yield
         finally:
             with self._lock:
-                for b in chosen:
-                    b.active_forward -= 1
-                    if not b.is_root and b.active_forward == 0:
-                        self._release(b)
+                self._unpin(pinned)
+
+    def _unpin(self, blocks: List[Block]) -> None:
+        failure: Optional[BaseException] = None
+        for b in blocks:
+            b.active_forward = max(0, b.active_forward - 1)
+            b.pins = max(0, b.pins - 1)
+            if not b.is_root and b.active_forward == 0:
+                try:
+                    self._release(b)
+                except BaseException as exc:  # noqa: BLE001 - release the others first
+                    failure = failure or exc
+        if failure is not None:
+            raise failure
 
     def tier_bytes(self) -> Dict[str, Dict[str, int]]:
         host_homes = sum(f.home_nbytes for f in self.flats if f.home is not None)
@@ -590,37 +783,114 @@ class Engine:
 
     def close(self, *, restore: bool = True) -> None:
         """Removes every hook and, with ``restore``, gives the parameters back as plain
-        tensors holding their current values (on the engine's device, in their home dtype)."""
+        tensors holding their current values, on the devices they had before wrap and in
+        their home dtype. Transactional: if reading the homes fails, the engine stays as it
+        was and close can be retried."""
         with self._lock:
             if self._closed:
                 return
+            values: Dict[str, torch.Tensor] = {}
+            if restore:
+                if not self._in_backward():
+                    self._recover_failed_backward()
+                self.release_all()
+                self.sync_outside_writes()
+                self.grads.reconcile(detach=False)
+                for flat in self.flats:
+                    values[flat.key] = self.home.snapshot(flat)
+            # ---- commit: nothing below reads a home
             self._closed = True
             self._hooks.remove_all()
             self.transfers.close()
             _ENGINES.discard(self)
             self._locations.clear()
             if restore:
-                for block in self.blocks:
-                    for flat in block.flats:
-                        full = torch.empty(flat.numel, dtype=flat.home_dtype)
-                        if flat.home is not None:
-                            full.copy_(flat.home)
-                        elif self.param_tier is Tier.NVME:
-                            buf = inf_io.aligned_empty(flat.numel, flat.home_dtype)
-                            self.store.read_sync(flat.key, buf)
-                            full.copy_(buf)
-                        else:
-                            full = flat.compute.detach().to(flat.home_dtype, copy=True).cpu()
-                        full = full.to(self.device)
-                        for s in flat.slots:
-                            s.param.data = full[s.offset:s.offset + s.numel].view(s.shape).clone()
-                        flat.compute = None
-                        flat.home = None
-                        flat.grad = None
+                for flat in self.flats:
+                    full = values[flat.key]
+                    for s in flat.slots:
+                        device = self._original_devices.get(id(s.param), torch.device("cpu"))
+                        grad = s.param.grad
+                        s.param.grad = None
+                        s.param.data = full[s.offset:s.offset + s.numel].view(
+                            s.shape).to(device, copy=True)
+                        if grad is not None:
+                            s.param.grad = grad.detach().to(device, copy=True)
+            for flat in self.flats:
+                flat.compute = None
+                flat.home = None
+                flat.grad = None
             self.grads.shutdown()
+            self.home.close()
             if self.pool is not None:
                 self.pool.close()
             if self.store is not None:
                 self.store.close()
             if engine_of(self.model) is self:
                 delattr(self.model, _ENGINE_ATTR)
+
+
+def _raised(output: Any) -> bool:
+    """In an ``always_call`` forward hook: True when the module's forward raised."""
+    return output is None and sys.exc_info()[1] is not None
+
+
+def resolve_device(device: Any) -> torch.device:
+    """The policy's ``device`` (None: CUDA when available, else the CPU), checked."""
+    if device is None:
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device!r} but CUDA is not available; use device='cpu'")
+        return torch.device("cuda", dev.index if dev.index is not None
+                            else torch.cuda.current_device())
+    if dev.type != "cpu":
+        raise ValueError(f"device={device!r} is not supported; use 'cuda', 'cuda:N' or 'cpu'")
+    return dev
+
+
+# ---- torch optimizers that cannot see the engine's gradients --------------------------------
+_GUARD_HANDLE: Any = None
+
+
+def _check_foreign_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if getattr(optimizer, "_infinity_reads_engine_gradients", False):
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            loc = locate(p)
+            if loc is None or loc.engine.grad_tier is not Tier.NVME:
+                continue
+            if loc.flat.slots[loc.slot].trainable:
+                raise RuntimeError(
+                    f"infinity: {type(optimizer).__name__} cannot read the gradient of "
+                    f"parameter {loc.flat.slots[loc.slot].qualname!r}: the wrapped model keeps "
+                    "its gradients on NVMe (grad_tier='nvme'), so p.grad is None. Use "
+                    "infinity.optim.AdamW/Adam, or wrap with grad_tier='host' to get p.grad")
+
+
+def _note_foreign_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """After a torch optimizer's step: its parameters were written in place, maybe by a fused
+    kernel that does not bump version counters; the engine re-reads them before their next
+    use."""
+    if getattr(optimizer, "_infinity_reads_engine_gradients", False):
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            loc = locate(p)
+            if loc is not None:
+                loc.engine.mark_written(loc.flat, loc.slot)
+
+
+def guard_foreign_optimizers() -> None:
+    """Registers (once) global optimizer step hooks: before a torch optimizer's step, fail
+    loudly (instead of training nothing) when it steps parameters whose gradients it cannot
+    see; after it, note the parameters it wrote."""
+    global _GUARD_HANDLE
+    if _GUARD_HANDLE is None:
+        from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                           register_optimizer_step_pre_hook)
+        _GUARD_HANDLE = (register_optimizer_step_pre_hook(_check_foreign_optimizer),
+                         register_optimizer_step_post_hook(_note_foreign_step))

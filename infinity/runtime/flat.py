@@ -8,13 +8,23 @@ move is one aligned sequential transfer.
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import List, Optional
 
+import numpy as np
 import torch
 from torch import nn
 
 from .. import io as inf_io
+
+class Binding(enum.Enum):
+    """What the parameters' ``.data`` views: the compute buffer (inside forward/backward, or a
+    block kept materialized) or the home's bytes (outside forward)."""
+
+    COMPUTE = "compute"
+    OUTSIDE = "outside"
+
 
 _ELEM_ALIGN = 16  # each parameter starts on a 16-element boundary (64 B in fp32): SIMD-friendly
 
@@ -58,11 +68,23 @@ class FlatParam:
         self.compute: Optional[torch.Tensor] = None  # the buffer parameters view into
         self.grad: Optional[torch.Tensor] = None     # fp32 host gradient accumulator
         self.grad_ready: List[bool] = [False] * len(self.slots)
+        self.binding = Binding.COMPUTE
+        self._versions: List[int] = [0] * len(self.slots)
+        self._ptrs: List[int] = [0] * len(self.slots)
+        self.forced_written: set = set()  # marked by a torch optimizer's step (fused kernels
+        # write parameters without bumping their version counters)
+        # slots written through their parameter outside forward and not yet seen by the
+        # optimizer (its master weights must follow them)
+        self.user_written: set = set()
 
     # ---- sizes -------------------------------------------------------------------------
     @property
     def home_nbytes(self) -> int:
         return self.numel * torch.empty((), dtype=self.home_dtype).element_size()
+
+    @property
+    def home_itemsize(self) -> int:
+        return torch.empty((), dtype=self.home_dtype).element_size()
 
     @property
     def compute_nbytes(self) -> int:
@@ -88,6 +110,36 @@ class FlatParam:
         self.compute = compute
         for s in self.slots:
             s.param.data = compute[s.offset:s.offset + s.numel].view(s.shape)
+        self.binding = Binding.COMPUTE
+        self.record_versions()
+
+    def bind_outside(self, home_bytes: np.ndarray) -> None:
+        """Points every parameter at its own bytes of the home (a uint8 array over the home
+        copy or a memory map of its swap file), each with a storage of its own, so code that
+        groups tensors by storage (safetensors, save_pretrained) sees separate tensors."""
+        size = self.home_itemsize
+        for s in self.slots:
+            part = home_bytes[s.offset * size:(s.offset + s.numel) * size]
+            s.param.data = torch.from_numpy(part).view(self.home_dtype).view(s.shape)
+        self.binding = Binding.OUTSIDE
+        self.record_versions()
+
+    # ---- writes through the parameters -------------------------------------------------
+    def record_versions(self) -> None:
+        self._versions = [s.param._version for s in self.slots]
+        self._ptrs = [s.param.data_ptr() for s in self.slots]
+        self.forced_written.clear()
+
+    def written_slots(self) -> List[int]:
+        """Slots whose parameter was changed in place since the versions were recorded (or
+        marked by an optimizer step), or whose ``.data`` was replaced."""
+        return [i for i, s in enumerate(self.slots)
+                if s.param._version != self._versions[i] or i in self.forced_written
+                or s.param.data_ptr() != self._ptrs[i]]
+
+    def rebound_slots(self) -> List[int]:
+        """Slots whose parameter's ``.data`` was replaced by another tensor (``p.data = t``)."""
+        return [i for i, s in enumerate(self.slots) if s.param.data_ptr() != self._ptrs[i]]
 
     # ---- compute storage ---------------------------------------------------------------
     def storage_allocated(self) -> bool:

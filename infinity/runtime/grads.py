@@ -7,12 +7,21 @@ buffer is open only while the block's backward runs, then written to the flat's 
 file), so host memory for gradients is bounded by a few blocks instead of the whole model.
 On CUDA the device->host copy runs on a side stream into pinned memory, with an event that the
 accumulation waits on.
+
+Outside backward, host-tier gradients are also ``p.grad``: after backward each trainable
+parameter's ``.grad`` is its slot of the accumulator (fp32 parameters: a view, so in-place
+changes such as ``clip_grad_norm_`` reach it; other dtypes: a copy in the parameter's dtype,
+taken back if changed). Before the next accumulation :meth:`GradientSink.reconcile` reads what
+the user did to them: ``None`` (``zero_grad``) forgets the slot, another tensor replaces it.
+NVMe-tier gradients are not exposed (``p.grad`` stays None; a torch optimizer refuses to step).
 """
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
 import torch
+
+import logging
 
 from .. import io as inf_io
 from ..ops import all_finite
@@ -21,8 +30,15 @@ from .flat import FlatParam
 from .stats import Stats
 
 
+logger = logging.getLogger(__name__)
+
+
 def grad_key(flat: FlatParam) -> str:
     return f"{flat.key}.grad"
+
+
+class GradientWriteError(OSError):
+    """Writing a block's gradients to NVMe failed: those gradients are lost."""
 
 
 class GradientSink:
@@ -42,6 +58,10 @@ class GradientSink:
         self._finite: Dict[int, bool] = {}  # NVMe tier: checked while the buffer was in RAM
         self._norms: Dict[int, List[Optional[torch.Tensor]]] = {}  # per-slot L2 norms, ditto
         self._d2h = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._flats = list(flats)
+        # (id(flat), slot) -> (flat, slot, tensor given as p.grad, its version, is a view)
+        self._exposed: Dict[Tuple[int, int], tuple] = {}
+        self._lost: Dict[int, str] = {}  # id(flat) -> why its gradients are gone
         trainable = [f for f in flats if f.trainable]
         if tier is Tier.NVME and trainable:
             if store is None:
@@ -116,16 +136,31 @@ class GradientSink:
         return self.pool.count - len(self._open) - len(self._writes)
 
     def _reap(self, *, block: bool, count: Optional[int] = None) -> None:
+        """Collects finished gradient writes. A failed write gives its buffer back, marks the
+        flat's gradients as lost and raises once (GradientWriteError); later calls go on."""
         remaining = []
         reaped = 0
+        failure: Optional[BaseException] = None
         for future, buf, flat in self._writes:
             if (block and (count is None or reaped < count)) or future.done():
-                future.wait()
-                self.pool.release(buf)
+                try:
+                    future.wait()
+                except Exception as exc:  # noqa: BLE001 - reported below, once
+                    self._lost[id(flat)] = str(exc)
+                    flat.grad_ready = [False] * len(flat.slots)
+                    failure = failure or GradientWriteError(
+                        getattr(exc, "errno", None) or 5,
+                        f"infinity: writing the gradients of {flat.key} to NVMe failed ({exc}). "
+                        "These gradients are lost: once the disk is fixed, call zero_grad() and "
+                        "run this micro-batch's backward again")
+                finally:
+                    self.pool.release(buf)
                 reaped += 1
             else:
                 remaining.append((future, buf, flat))
         self._writes = remaining
+        if failure is not None:
+            raise failure
 
     def close(self, flat: FlatParam) -> None:
         """The flat's gradients for this backward are complete (NVMe: start writing them)."""
@@ -155,6 +190,69 @@ class GradientSink:
         for flat, _ in list(self._open.values()):
             self.close(flat)
         self._reap(block=True)
+
+    def abort_backward(self) -> None:
+        """After a backward that raised: settle what it left in flight (its partial sums are
+        kept, as torch keeps partial ``p.grad``)."""
+        try:
+            self.finish_backward()
+        except GradientWriteError as exc:
+            logger.warning("%s", exc)
+
+    def lost(self, flat: FlatParam) -> Optional[str]:
+        """Why the flat's gradients were lost (a failed NVMe write), or None."""
+        return self._lost.get(id(flat))
+
+    # ---- p.grad outside backward (host tier) -----------------------------------------
+    def expose(self) -> None:
+        """After backward: each ready slot's gradient becomes its parameter's ``.grad``."""
+        if self.tier is not Tier.HOST:
+            return
+        for flat in self._flats:
+            if flat.grad is None:
+                continue
+            for i, slot in enumerate(flat.slots):
+                if not flat.grad_ready[i] or not slot.trainable:
+                    continue
+                p = slot.param
+                g = flat.grad_view(i)
+                is_view = p.dtype == torch.float32 and p.device.type == "cpu"
+                if not is_view:
+                    g = g.to(p.device, p.dtype)
+                p.grad = g
+                self._exposed[(id(flat), i)] = (flat, i, g, g._version, is_view)
+
+    def reconcile(self, *, detach: bool) -> None:
+        """Takes in what the user did to the exposed ``p.grad``: None forgets the slot, a new
+        tensor replaces it, an in-place change to a copy is copied back. ``detach`` also sets
+        ``p.grad = None`` (before autograd accumulates the next backward)."""
+        for key, (flat, i, given, version, is_view) in list(self._exposed.items()):
+            p = flat.slots[i].param
+            current = p.grad
+            if current is None:
+                flat.grad_ready[i] = False
+            elif current is not given:
+                self._open_flat(flat)
+                flat.grad_view(i).copy_(current.detach().reshape(flat.slots[i].shape))
+                flat.grad_ready[i] = True
+            elif not is_view and given._version != version:
+                flat.grad_view(i).copy_(given)
+            if detach:
+                p.grad = None
+                del self._exposed[key]
+            elif current is not None and current is given:
+                self._exposed[key] = (flat, i, given, given._version, is_view)
+            else:
+                del self._exposed[key]
+
+    def zero_grad(self) -> None:
+        """Forgets every accumulated gradient (set_to_none semantics) and lost marks."""
+        for flat, i, _given, _v, _view in self._exposed.values():
+            flat.slots[i].param.grad = None
+        self._exposed.clear()
+        self._lost.clear()
+        for flat in self._flats:
+            flat.grad_ready = [False] * len(flat.slots)
 
     # ---- reading (optimizer, users) ----------------------------------------------------
     def read(self, flat: FlatParam, dst: torch.Tensor) -> "inf_io.IOFuture":

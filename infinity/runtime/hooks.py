@@ -39,14 +39,14 @@ def register(engine: "Engine") -> HookSet:
     hooks = HookSet()
     model = engine.model
     hooks.add(model.register_forward_pre_hook(engine.on_model_pre_forward))
-    hooks.add(model.register_forward_hook(engine.on_model_post_forward))
+    hooks.add(model.register_forward_hook(engine.on_model_post_forward, always_call=True))
     for block in engine.blocks:
         if block.is_root:
             continue  # the root block is driven by the model hooks above
         hooks.add(block.module.register_forward_pre_hook(
             functools.partial(engine.on_block_pre_forward, block)))
         hooks.add(block.module.register_forward_hook(
-            functools.partial(engine.on_block_post_forward, block)))
+            functools.partial(engine.on_block_post_forward, block), always_call=True))
     for block in engine.blocks:
         for fi, flat in enumerate(block.flats):
             for si, slot in enumerate(flat.slots):

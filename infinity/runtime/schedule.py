@@ -51,6 +51,11 @@ class Schedule:
             return []
         return rec[:self.window if count is None else count]
 
+    def abort(self, phase: str) -> None:
+        """Closes a pass that did not finish (it raised): its partial order is not recorded."""
+        self._open[phase] = False
+        self._current[phase] = []
+
     def end(self, phase: str) -> None:
         if not self._open[phase]:
             return

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import errno as errno_mod
+import fcntl
 import logging
 import os
 import shutil
+import stat
 import tempfile
 import threading
+import time
 import uuid
 import warnings
 from dataclasses import dataclass
@@ -19,6 +22,12 @@ from .. import io as inf_io
 logger = logging.getLogger(__name__)
 
 _DIR_PREFIX = "infinity-swap-"
+_LOCK_NAME = ".lock"  # held (flock, exclusive) by the live store owning the directory
+_STALE_GRACE_S = 60.0  # a directory without a lock file younger than this is being created
+# flock errors meaning "this filesystem cannot lock", as opposed to "someone holds it"
+_NOLOCK_ERRNOS = frozenset({errno_mod.ENOLCK, errno_mod.EOPNOTSUPP, errno_mod.ENOTSUP,
+                            errno_mod.ENOSYS, errno_mod.EINVAL})
+_nolock_logged = False
 
 
 class SwapCorruptionError(RuntimeError):
@@ -34,14 +43,25 @@ class _Entry:
     last_read: Optional[tuple] = None  # (buffer address, future) of the latest read
 
 
-def _pid_alive(pid: int) -> bool:
+def _log_no_locking(path: str, err: OSError) -> None:
+    """Says once per process that stale swap directories cannot be told from live ones."""
+    global _nolock_logged
+    if not _nolock_logged:
+        _nolock_logged = True
+        logger.warning("infinity: the filesystem under %r cannot take file locks (%s); stale "
+                       "swap directories of dead processes are not removed automatically. "
+                       "Delete %s* directories there by hand when no infinity process uses it",
+                       path, os.strerror(err.errno or 0), _DIR_PREFIX)
+
+
+def _same_file(fd: int, path: str) -> bool:
+    """True while ``path`` still names the file open as ``fd`` (not unlinked or replaced)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        st = os.lstat(path)
+    except OSError:
         return False
-    except PermissionError:
-        return True
-    return True
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
 
 
 def validate_nvme_path(path: str) -> str:
@@ -66,35 +86,160 @@ class SwapStore:
     Every write records a CRC32C of the bytes; every read verifies it (``verify=True``), so a
     corrupted or truncated swap file raises SwapCorruptionError instead of feeding garbage to
     training. The checksums are computed by the I/O workers chunk by chunk while they move the
-    data, so they overlap the transfer instead of costing the caller a pass. The private directory is removed on close; directories left by dead processes
-    (killed mid-run) are removed when the next store opens under the same nvme_path.
+    data, so they overlap the transfer instead of costing the caller a pass.
+
+    What nvme_path holds: one ``infinity-swap-<pid>-<id>/`` directory per live store (an
+    engine's parameters, an optimizer's states), holding its swap files and a ``.lock`` file.
+    Nothing else is written there. The directory is removed on close. Directories left by dead
+    processes (killed mid-run) are removed when the next store opens under the same nvme_path;
+    by hand, every ``infinity-swap-*`` directory is safe to delete when no infinity process
+    (in any container, or on any host sharing the filesystem) uses nvme_path.
+
+    Liveness is a lock, never a PID (the PID in the name is information only: a PID means
+    nothing in another PID namespace or on another host, and a dead one may be reused). The
+    store holds an exclusive ``fcntl.flock`` on its ``.lock`` for its lifetime, keeping the fd
+    open; the kernel drops it when the process dies in any way, SIGKILL included. Another
+    store removes a directory only if it can take that lock itself without blocking. Why flock:
+
+    * flock locks belong to the open file description and are checked on the inode, so they
+      conflict across PID namespaces (containers sharing a local disk) and between two stores
+      of one process. POSIX ``fcntl``/``lockf`` record locks are owned by a *process*: a
+      second store in this process would "take" the first one's lock, and closing its fd
+      would silently drop it, so they are unusable for this.
+    * On NFS, Linux (>= 2.6.12) implements flock as a whole-file ``fcntl`` byte-range lock,
+      i.e. exactly what lockf uses (NLM for NFSv3, in-protocol for NFSv4), so it is visible to
+      other hosts. An exclusive lock there needs the file open for writing, hence ``O_RDWR``.
+      (Mounted with ``nolock``/``local_lock=flock`` the lock is local to the host.)
+    * OFD locks (``F_OFD_SETLK``) behave like flock but need a platform-specific
+      ``struct flock``; flock gives the same semantics portably.
+    * A forked child shares the open file description, so the lock stays held while a fork
+      (e.g. a DataLoader worker) lives; that errs on the side of keeping.
+
+    If the filesystem cannot lock at all (ENOLCK, EOPNOTSUPP), the store works unlocked, never
+    deletes other directories, and says so once in the log.
     """
 
     def __init__(self, nvme_path: str, *, require_direct: bool = False, verify: bool = True):
+        self._closed = True  # until set up: a half-built store's __del__ does nothing
+        self._lock_fd: Optional[int] = None
+        self._owner_pid = os.getpid()  # a forked child's copy must not remove the directory
         base = validate_nvme_path(nvme_path)
-        self._cleanup_stale(base)
-        self.directory = os.path.join(base, f"{_DIR_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        os.makedirs(self.directory)
+        self.directory, self._lock_fd = self._create_locked_directory(base)
         self.verify = verify
         self._require_direct = require_direct
         self._entries: Dict[str, _Entry] = {}
         self._lock = threading.Lock()
         self._closed = False
-        self.direct = self._probe_direct(require_direct)
+        try:
+            if self._lock_fd is not None:  # no lock on this filesystem: delete nothing
+                self._cleanup_stale(base, own=self.directory)
+            self.direct = self._probe_direct(require_direct)
+        except BaseException:
+            self._closed = True
+            shutil.rmtree(self.directory, ignore_errors=True)
+            self._release_lock()
+            raise
 
     # ---- setup -------------------------------------------------------------------------
     @staticmethod
-    def _cleanup_stale(base: str) -> None:
-        for name in os.listdir(base):
-            if not name.startswith(_DIR_PREFIX):
+    def _create_locked_directory(base: str, attempts: int = 8) -> "tuple[str, Optional[int]]":
+        """Creates this store's directory and its lock file and takes the lock. Returns the
+        directory and the lock's fd (None where the filesystem cannot lock).
+
+        Between creating the lock file and locking it, another store's cleanup may take the
+        lock and delete the (young, still unlocked) directory; then the lock is either refused
+        here or taken on an unlinked file, and a fresh directory is made."""
+        for _ in range(attempts):
+            directory = os.path.join(base, f"{_DIR_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            os.mkdir(directory)
+            lock_path = os.path.join(directory, _LOCK_NAME)
+            try:
+                fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+                             | os.O_NOFOLLOW, 0o644)
+            except FileNotFoundError:
+                continue  # the directory vanished under us
+            except BaseException:
+                shutil.rmtree(directory, ignore_errors=True)
+                raise
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                os.close(fd)
+                if e.errno in _NOLOCK_ERRNOS:
+                    _log_no_locking(base, e)
+                    return directory, None
+                if e.errno in (errno_mod.EWOULDBLOCK, errno_mod.EAGAIN, errno_mod.EACCES):
+                    continue  # a cleanup holds it and deletes this directory
+                shutil.rmtree(directory, ignore_errors=True)
+                raise
+            except BaseException:
+                os.close(fd)
+                shutil.rmtree(directory, ignore_errors=True)
+                raise
+            if _same_file(fd, lock_path):
+                return directory, fd
+            os.close(fd)  # a cleanup deleted it before we locked
+        raise OSError(errno_mod.EAGAIN, f"could not create a locked swap directory under "
+                      f"{base!r} after {attempts} attempts (another process keeps deleting it)")
+
+    @staticmethod
+    def _cleanup_stale(base: str, own: Optional[str] = None) -> None:
+        """Removes the ``infinity-swap-*`` directories of dead stores under ``base``.
+
+        A directory is stale when its lock can be taken here without blocking (its owner is
+        gone: the kernel released the lock). The lock is held while the directory is removed,
+        so its owner cannot be racing to start. A directory without a lock file is left alone
+        while younger than the grace period (it is being created right now); older ones were
+        left by a crash between mkdir and locking, or by a version without locks."""
+        now = time.time()
+        try:
+            names = sorted(os.listdir(base))
+        except OSError:
+            return
+        for name in names:
+            path = os.path.join(base, name)
+            if not name.startswith(_DIR_PREFIX) or path == own:
                 continue
             try:
-                pid = int(name[len(_DIR_PREFIX):].split("-")[0])
-            except ValueError:
+                st = os.lstat(path)
+            except OSError:
                 continue
-            if pid != os.getpid() and not _pid_alive(pid):
-                logger.info("removing stale swap directory %s left by dead process %d", name, pid)
-                shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+            if not stat.S_ISDIR(st.st_mode):
+                continue
+            lock_path = os.path.join(path, _LOCK_NAME)
+            try:
+                fd = os.open(lock_path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+            except FileNotFoundError:
+                if now - st.st_mtime > _STALE_GRACE_S:
+                    logger.info("removing swap directory %s without a lock file (older than "
+                                "%.0f s)", name, _STALE_GRACE_S)
+                    shutil.rmtree(path, ignore_errors=True)
+                continue
+            except OSError:
+                continue  # not ours to open (permissions, a symlink): leave it
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError as e:
+                    if e.errno in _NOLOCK_ERRNOS:
+                        _log_no_locking(base, e)
+                        return  # cannot tell live from dead here: delete nothing
+                    continue  # held (EWOULDBLOCK): its owner is alive
+                if not _same_file(fd, lock_path):
+                    continue  # another cleanup removed it meanwhile
+                logger.info("removing stale swap directory %s (its owner no longer holds "
+                            "its lock)", name)
+                shutil.rmtree(path, ignore_errors=True)
+            finally:
+                os.close(fd)  # releases the lock, after the removal
+
+    def _release_lock(self) -> None:
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     def _probe_direct(self, require_direct: bool) -> bool:
         direct = inf_io.supports_direct_io(self.directory)
@@ -209,6 +354,18 @@ class SwapStore:
         self.read(key, buf).wait()
         self.verify_read(key, buf)
 
+    def rehash(self, key: str, scratch: torch.Tensor) -> None:
+        """The key's file was changed outside this store (through a memory map of it): reads it
+        into ``scratch`` (aligned, the file's size) and records its checksum as the valid one."""
+        entry = self._entry(key)
+        self._check_buffer(key, scratch, entry)
+        self._settle(entry)
+        future = entry.handle.pread(scratch, 0, crc=self.verify)
+        future.wait()
+        entry.last_read = None
+        if self.verify:
+            entry.crc = future.crc32c()
+
     def path(self, key: str) -> str:
         self._entry(key)
         return self._path(key)
@@ -217,10 +374,18 @@ class SwapStore:
         if self._closed:
             return
         self._closed = True
-        for entry in self._entries.values():
-            entry.handle.close()
-        self._entries.clear()
-        shutil.rmtree(self.directory, ignore_errors=True)
+        if os.getpid() != self._owner_pid:
+            # a forked child's copy: the parent owns the files, the directory and the lock
+            # (closing the child's reference to the lock's file does not release it)
+            self._release_lock()
+            return
+        try:
+            for entry in self._entries.values():
+                entry.handle.close()
+            self._entries.clear()
+            shutil.rmtree(self.directory, ignore_errors=True)
+        finally:
+            self._release_lock()  # after the removal, so no cleanup races a half-deleted one
 
     def __del__(self) -> None:  # best effort; Engine.close() is the real owner
         try:

@@ -1,0 +1,284 @@
+"""Homes: where a flat buffer's parameters live between uses, one class per tier.
+
+A home fills itself at wrap, copies its content into a buffer, takes a new working copy, serves
+a fetch, exposes its bytes for the parameters' views outside forward, learns about writes made
+through those views, and gives its content back at unwrap. The differences between the tiers
+live here, not in ``if param_tier is ...`` branches across the engine and the optimizer.
+
+    fill(flat)                 at wrap: the parameters' current values become the home
+    read_into(flat, dst)       the home's values into ``dst`` (any dtype, same numel)
+    write_from(flat, src)      a full new working copy (home dtype) becomes the home
+    write_slots(flat, src, s)  only the slots ``s`` of ``src`` (home dtype) become the home
+    working_buffer(flat)       where an optimizer may write the working copy in place (or None)
+    outside_bytes(flat)        uint8 numpy array over the home's bytes: the parameters' storage
+                               outside forward (None: they keep viewing the compute buffer)
+    after_outside_write(flat)  the bytes were changed through those views
+    fetch_into(flat, dst)      copy for a fetch (runs on a transfer thread)
+    snapshot(flat)             a CPU copy of the whole home, for unwrap
+"""
+from __future__ import annotations
+
+import logging
+from typing import Dict, Optional, Sequence
+
+import numpy as np
+import torch
+
+from .. import io as inf_io
+from ..tiers import ByteBudget, HostPool, SwapStore, Tier
+from .flat import FlatParam
+from .stats import Stats
+
+logger = logging.getLogger(__name__)
+
+
+class Home:
+    tier: Tier
+
+    def fill(self, flat: FlatParam) -> None:
+        raise NotImplementedError
+
+    def read_into(self, flat: FlatParam, dst: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def write_from(self, flat: FlatParam, src: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def write_slots(self, flat: FlatParam, src: torch.Tensor, slots: Sequence[int]) -> None:
+        raise NotImplementedError
+
+    def working_buffer(self, flat: FlatParam) -> Optional[torch.Tensor]:
+        return None
+
+    def outside_bytes(self, flat: FlatParam) -> Optional[np.ndarray]:
+        return None
+
+    def after_outside_write(self, flat: FlatParam) -> None:
+        pass
+
+    def fetch_into(self, flat: FlatParam, dst: torch.Tensor, non_blocking: bool) -> None:
+        raise NotImplementedError
+
+    def snapshot(self, flat: FlatParam) -> torch.Tensor:
+        out = torch.empty(flat.numel, dtype=flat.home_dtype)
+        self.read_into(flat, out)
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+def _copy_slots(dst: torch.Tensor, src: torch.Tensor, flat: FlatParam,
+                slots: Sequence[int]) -> None:
+    for i in slots:
+        s = flat.slots[i]
+        dst[s.offset:s.offset + s.numel].copy_(src[s.offset:s.offset + s.numel])
+
+
+class HostHome(Home):
+    """The home is an aligned host buffer (``flat.home``), counted in the host budget. Outside
+    forward the parameters view it directly: reads and writes need no transfer."""
+
+    tier = Tier.HOST
+
+    def __init__(self, budget: ByteBudget) -> None:
+        self.budget = budget
+        self._held: Dict[str, int] = {}
+
+    def fill(self, flat: FlatParam) -> None:
+        self.budget.acquire(flat.home_nbytes, what=f"host copy of {flat.key}")
+        self._held[flat.key] = flat.home_nbytes
+        flat.home = inf_io.aligned_empty(flat.numel, flat.home_dtype)
+        flat.gather_into(flat.home)
+
+    def read_into(self, flat: FlatParam, dst: torch.Tensor) -> None:
+        if dst.data_ptr() != flat.home.data_ptr():
+            dst.copy_(flat.home)
+
+    def write_from(self, flat: FlatParam, src: torch.Tensor) -> None:
+        if src.data_ptr() != flat.home.data_ptr():
+            flat.home.copy_(src)
+
+    def write_slots(self, flat: FlatParam, src: torch.Tensor, slots: Sequence[int]) -> None:
+        _copy_slots(flat.home, src, flat, slots)
+
+    def working_buffer(self, flat: FlatParam) -> Optional[torch.Tensor]:
+        return flat.home
+
+    def outside_bytes(self, flat: FlatParam) -> Optional[np.ndarray]:
+        return flat.home.view(torch.uint8).numpy()
+
+    def fetch_into(self, flat: FlatParam, dst: torch.Tensor, non_blocking: bool) -> None:
+        dst.copy_(flat.home, non_blocking=non_blocking)
+
+    def snapshot(self, flat: FlatParam) -> torch.Tensor:
+        return flat.home.clone()
+
+    def close(self) -> None:
+        for nbytes in self._held.values():
+            self.budget.release(nbytes)
+        self._held.clear()
+
+
+class NvmeHome(Home):
+    """The home is a swap file of the engine's SwapStore. Outside forward the parameters view a
+    shared memory map of that file: a read pages in what it touches (the OS's page cache, not
+    the engine's budget), a write reaches the file and is detected by the engine, which then
+    re-checksums the file (:meth:`after_outside_write`)."""
+
+    tier = Tier.NVME
+
+    def __init__(self, store: SwapStore, pool: HostPool, stats: Stats) -> None:
+        self.store = store
+        self.pool = pool
+        self.stats = stats
+        self._maps: Dict[str, np.memmap] = {}
+
+    def _staging(self, buf: torch.Tensor, flat: FlatParam) -> torch.Tensor:
+        return buf[:flat.home_nbytes].view(flat.home_dtype)
+
+    def fill(self, flat: FlatParam) -> None:
+        buf = self.pool.acquire()
+        try:
+            staging = self._staging(buf, flat)
+            flat.gather_into(staging)
+            self.store.create(flat.key, flat.home_nbytes)
+            self.store.write_sync(flat.key, staging)
+            self.stats.add_moved("host_to_nvme", flat.home_nbytes)
+        finally:
+            self.pool.release(buf)
+
+    def _read(self, flat: FlatParam, staging: torch.Tensor) -> None:
+        self.store.read_sync(flat.key, staging)
+        self.stats.add_moved("nvme_to_host", flat.home_nbytes)
+
+    def read_into(self, flat: FlatParam, dst: torch.Tensor) -> None:
+        if (dst.dtype == flat.home_dtype and dst.is_contiguous() and dst.numel() == flat.numel
+                and inf_io.is_aligned(dst) and dst.device.type == "cpu"):
+            self._read(flat, dst)
+            return
+        buf = self.pool.acquire()
+        try:
+            staging = self._staging(buf, flat)
+            self._read(flat, staging)
+            dst.copy_(staging)
+        finally:
+            self.pool.release(buf)
+
+    def write_async(self, flat: FlatParam, src: torch.Tensor) -> "inf_io.IOFuture":
+        """Starts writing a full working copy (home dtype, aligned) to the swap file."""
+        future = self.store.write(flat.key, src)
+        self.stats.add_moved("host_to_nvme", flat.home_nbytes)
+        return future
+
+    def write_from(self, flat: FlatParam, src: torch.Tensor) -> None:
+        if inf_io.is_aligned(src) and src.dtype == flat.home_dtype and src.numel() == flat.numel:
+            self.write_async(flat, src).wait()
+            return
+        buf = self.pool.acquire()
+        try:
+            staging = self._staging(buf, flat)
+            staging.copy_(src)
+            self.write_async(flat, staging).wait()
+        finally:
+            self.pool.release(buf)
+
+    def write_slots(self, flat: FlatParam, src: torch.Tensor, slots: Sequence[int]) -> None:
+        buf = self.pool.acquire()
+        try:
+            staging = self._staging(buf, flat)
+            self._read(flat, staging)
+            _copy_slots(staging, src, flat, slots)
+            self.write_async(flat, staging).wait()
+        finally:
+            self.pool.release(buf)
+
+    def outside_bytes(self, flat: FlatParam) -> Optional[np.ndarray]:
+        mapped = self._maps.get(flat.key)
+        if mapped is None:
+            mapped = np.memmap(self.store.path(flat.key), dtype=np.uint8, mode="r+",
+                               shape=(flat.home_nbytes,))
+            self._maps[flat.key] = mapped
+        return mapped
+
+    def after_outside_write(self, flat: FlatParam) -> None:
+        buf = self.pool.acquire()
+        try:
+            self.store.rehash(flat.key, self._staging(buf, flat))
+        finally:
+            self.pool.release(buf)
+
+    def fetch_into(self, flat: FlatParam, dst: torch.Tensor, non_blocking: bool) -> None:
+        buf = self.pool.acquire()
+        try:
+            staging = self._staging(buf, flat)
+            self._read(flat, staging)
+            dst.copy_(staging, non_blocking=non_blocking)
+            self.stats.add_moved("host_to_device", flat.home_nbytes)
+            if non_blocking:  # the staging buffer is reused: wait for this copy to leave it
+                torch.cuda.current_stream(dst.device).synchronize()
+        finally:
+            self.pool.release(buf)
+
+    def close(self) -> None:
+        self._maps.clear()  # the parameters' views keep their own map alive until replaced
+
+
+class DeviceHome(Home):
+    """The home is the compute buffer itself (``param_tier="device"``): always materialized.
+    On a CPU device it is ordinary RAM and the parameters view it outside forward like a host
+    home; on CUDA they keep viewing it in device memory."""
+
+    tier = Tier.DEVICE
+
+    def __init__(self, budget: ByteBudget, device: torch.device) -> None:
+        self.budget = budget
+        self.device = device
+        self._held: Dict[str, int] = {}
+
+    def fill(self, flat: FlatParam) -> None:
+        self.budget.acquire(flat.compute_nbytes, what=f"{flat.key} on the device")
+        self._held[flat.key] = flat.compute_nbytes
+        compute = torch.empty(flat.numel, dtype=flat.compute_dtype, device=self.device)
+        with torch.no_grad():
+            tmp = torch.empty(flat.numel, dtype=flat.home_dtype)
+            flat.gather_into(tmp)
+            compute.copy_(tmp)
+        flat.compute = compute
+
+    def read_into(self, flat: FlatParam, dst: torch.Tensor) -> None:
+        dst.copy_(flat.compute)
+
+    def write_from(self, flat: FlatParam, src: torch.Tensor) -> None:
+        if src.data_ptr() != flat.compute.data_ptr():
+            flat.compute.copy_(src)
+
+    def write_slots(self, flat: FlatParam, src: torch.Tensor, slots: Sequence[int]) -> None:
+        _copy_slots(flat.compute, src, flat, slots)
+
+    def working_buffer(self, flat: FlatParam) -> Optional[torch.Tensor]:
+        return flat.compute if flat.compute.device.type == "cpu" else None
+
+    def outside_bytes(self, flat: FlatParam) -> Optional[np.ndarray]:
+        if flat.compute.device.type != "cpu":
+            return None
+        return flat.compute.view(torch.uint8).numpy()
+
+    def fetch_into(self, flat: FlatParam, dst: torch.Tensor, non_blocking: bool) -> None:
+        raise RuntimeError(f"{flat.key}: a device-tier block is never fetched")
+
+    def snapshot(self, flat: FlatParam) -> torch.Tensor:
+        return flat.compute.detach().to("cpu", flat.home_dtype, copy=True)
+
+    def close(self) -> None:
+        for nbytes in self._held.values():
+            self.budget.release(nbytes)
+        self._held.clear()
+
+
+def master_is_home(home: Home, flat: FlatParam) -> bool:
+    """fp32 parameters homed in host RAM are their own fp32 master weights."""
+    return home.tier is Tier.HOST and flat.home is not None and flat.home_dtype == torch.float32
+
+
+__all__ = ["Home", "HostHome", "NvmeHome", "DeviceHome", "master_is_home"]
