@@ -3,13 +3,14 @@
     model = infinity.wrap(model, nvme_path="/mnt/ssd")
     opt = infinity.optim.AdamW(model.parameters(), lr=1e-4)
 """
-from .api import gradient, materialized, stats, unwrap, wrap
+from .api import empty_init, gradient, materialized, stats, unwrap, wrap
 from .policy import OffloadPolicy
 from .tiers import Tier
 
 __version__ = "0.1.0"
 
-__all__ = ["wrap", "unwrap", "stats", "materialized", "gradient", "OffloadPolicy", "Tier", "__version__"]
+__all__ = ["wrap", "unwrap", "stats", "materialized", "gradient", "empty_init", "OffloadPolicy",
+           "Tier", "__version__"]
 
 
 def __getattr__(name: str):

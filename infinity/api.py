@@ -2,23 +2,34 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Iterator, Optional
+import os
+from typing import Any, Dict, Iterator, Optional, Union
 
 import torch
 from torch import nn
 
 from .policy import OffloadPolicy
 from .runtime.engine import Engine, engine_of, locate
+from .runtime.sources import CheckpointSource, Init, InitSource
 
 
 def wrap(model: nn.Module, nvme_path: Optional[str] = None, *,
-         policy: Optional[OffloadPolicy] = None, **settings: Any) -> nn.Module:
+         policy: Optional[OffloadPolicy] = None, source: Optional[Union[str, os.PathLike]] = None,
+         init: Optional[Init] = None, **settings: Any) -> nn.Module:
     """Returns ``model`` itself with its parameters moved to their offload tier.
 
-    Settings are the fields of :class:`OffloadPolicy` (param_tier, optimizer_tier,
-    device_budget, host_budget, prefetch_window, block_rule, compute_dtype,
+    Settings are the fields of :class:`OffloadPolicy` (param_tier, grad_tier, optimizer_tier,
+    device_budget, host_budget, prefetch_window, block_rule, compute_dtype, device,
     require_direct_io, verify_checksums), given as keywords or as a ready ``policy``.
+
+    A model built on the meta device (``with infinity.empty_init(): model = ...``) is filled one
+    block at a time, never whole in RAM, from ``source`` (a ``.safetensors`` file, a sharded
+    ``*.safetensors.index.json`` or a Hugging Face model folder; converted to the model's
+    dtypes) or by ``init`` (``"reset_parameters"`` or a function ``init(module)``, run module by
+    module in ``named_modules()`` order under the current RNG state).
     """
+    if source is not None and init is not None:
+        raise TypeError("pass either source= (a checkpoint) or init=, not both")
     if policy is not None:
         if settings or nvme_path is not None:
             raise TypeError("pass either policy=OffloadPolicy(...) or keyword settings, not both")
@@ -28,8 +39,41 @@ def wrap(model: nn.Module, nvme_path: Optional[str] = None, *,
             raise TypeError(f"unknown infinity.wrap setting(s) {unknown}; valid settings are "
                             f"{list(OffloadPolicy.field_names())}")
         policy = OffloadPolicy(nvme_path=nvme_path, **settings)
-    Engine(model, policy)
+    values = None
+    if source is not None:
+        values = CheckpointSource(source)
+    elif init is not None:
+        values = InitSource(init)
+    try:
+        Engine(model, policy, values)
+    finally:
+        if values is not None:
+            values.close()
     return model
+
+
+@contextlib.contextmanager
+def empty_init() -> Iterator[None]:
+    """Builds models with their parameters on the meta device (no memory, no init cost) and
+    their buffers real, for ``infinity.wrap(model, source=...)``::
+
+        with infinity.empty_init():
+            model = LlamaForCausalLM(config)
+        infinity.wrap(model, nvme_path="/mnt/ssd", source="/models/llama")
+    """
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
+        original(module, name, param)
+        if param is not None and not param.is_meta:
+            module._parameters[name] = nn.Parameter(param.to("meta"),
+                                                    requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
 
 
 def _engine(model: nn.Module) -> Engine:

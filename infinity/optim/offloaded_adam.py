@@ -40,6 +40,21 @@ States = Union[HostStates, NvmeStates]
 
 
 @dataclass(frozen=True)
+class ShardState:
+    """One wrapped shard's committed optimizer states, as streamed by
+    :meth:`OffloadedAdam.shard_states` (tensors are views, valid until the next item).
+    ``master``/``exp_avg``/``exp_avg_sq`` are None while the shard has no state yet."""
+
+    key: str
+    flat: Any
+    master: Optional[torch.Tensor]
+    exp_avg: Optional[torch.Tensor]
+    exp_avg_sq: Optional[torch.Tensor]
+    steps: Tuple[int, ...]
+    groups: Tuple[Optional[int], ...]
+
+
+@dataclass(frozen=True)
 class _Run:
     """Contiguous elements [start, end) of a shard that share a param group and a step."""
 
@@ -661,10 +676,34 @@ class OffloadedAdam(torch.optim.Optimizer):
         store.verify(shard, buf)
         return buf
 
-    def state_dict(self) -> Dict[str, Any]:
+    # ---- streaming access (checkpoints that never hold the whole model in RAM) -------------
+    def shard_states(self) -> Iterator[ShardState]:
+        """Each wrapped shard's committed states, one shard in RAM at a time."""
+        for engine in self._engines():
+            engine.quiesce()
+        for shard in self._shards.values():
+            self._sync_user_writes(shard)
+            buf = self._read_committed(shard)
+            master = m = v = None
+            if buf is not None:
+                master, m, v = states_of(shard, buf)
+            yield ShardState(shard.key, shard.flat, master, m, v, tuple(shard.steps),
+                             tuple(shard.groups))
+
+    def load_shard_state(self, key: str, per_slot: Dict[int, Dict[str, Any]]) -> None:
+        """Loads one shard's states: ``per_slot[slot index] = {"step", "exp_avg",
+        "exp_avg_sq", "master" (optional)}``; slots not given start without state."""
+        shard = next((s for s in self._shards.values() if s.key == key), None)
+        if shard is None:
+            raise KeyError(f"this optimizer has no wrapped shard {key!r}")
+        by_param = {id(shard.flat.slots[i].param): e for i, e in per_slot.items()}
+        self._load_shard(shard, by_param)
+
+    def state_dict(self, *, wrapped: bool = True) -> Dict[str, Any]:
         """torch's format: ``{"state": {index: {"step", "exp_avg", "exp_avg_sq", "master"}},
         "param_groups": [...]}``; ``master`` is the fp32 master weight (for unwrapped fp32 CPU
-        parameters the parameter itself is the master and no entry is stored)."""
+        parameters the parameter itself is the master and no entry is stored).
+        ``wrapped=False`` leaves out the wrapped models' shards (see :meth:`shard_states`)."""
         for engine in self._engines():
             engine.quiesce()
         for shard in self._shards.values():
@@ -677,7 +716,7 @@ class OffloadedAdam(torch.optim.Optimizer):
             packed["params"] = [index[id(p)] for p in g["params"]]
             groups.append(packed)
         state: Dict[int, Dict[str, Any]] = {}
-        for shard in self._shards.values():
+        for shard in (self._shards.values() if wrapped else ()):
             buf = self._read_committed(shard)
             if buf is None:
                 continue
@@ -850,4 +889,4 @@ class Adam(OffloadedAdam):
                          adamw=False, **kwargs)
 
 
-__all__ = ["OffloadedAdam", "AdamW", "Adam", "OptimizerStateIOError"]
+__all__ = ["OffloadedAdam", "AdamW", "Adam", "OptimizerStateIOError", "ShardState"]

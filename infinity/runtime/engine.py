@@ -13,7 +13,7 @@ import threading
 import time
 import weakref
 from collections import defaultdict
-from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
@@ -31,6 +31,8 @@ from .host_malloc import return_freed_buffers_to_os
 from .partition import partition
 from .residency import Residency, ResidencyError
 from .schedule import Schedule
+from .sources import (InitSource, ParamSource, materialize_meta_buffers, param_owners,
+                      replace_param)
 from .stats import Stats
 from .transfer import Transfers
 
@@ -73,7 +75,8 @@ def _queue_callback(fn) -> None:
 
 
 class Engine:
-    def __init__(self, model: nn.Module, policy: OffloadPolicy) -> None:
+    def __init__(self, model: nn.Module, policy: OffloadPolicy,
+                 source: Optional[ParamSource] = None) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"infinity.wrap expects an nn.Module, got {type(model).__name__}")
         if engine_of(model) is not None:
@@ -81,6 +84,7 @@ class Engine:
                                "infinity.unwrap(model) first if you want to wrap it again")
         self.model = model
         self.policy = policy
+        self.source = source
         self.device = resolve_device(policy.device)
         self.stats = Stats()
         self._lock = threading.RLock()
@@ -107,8 +111,9 @@ class Engine:
         # next forward's blocks are prefetched after the step (resume), not after backward.
         self.optimizer_attached = False
         self.grad_tier = self._choose_grad_tier()
-        self._original_devices = {id(s.param): s.param.device for b in self.blocks
-                                  for f in b.flats for s in f.slots}
+        self._original_devices = {
+            id(s.param): (torch.device("cpu") if s.param.is_meta else s.param.device)
+            for b in self.blocks for f in b.flats for s in f.slots}
         if self.device.type == "cpu" and any(not b.resident for b in self.blocks):
             return_freed_buffers_to_os()
         self._materialize_homes()
@@ -138,8 +143,13 @@ class Engine:
                     raise TypeError(f"parameter {qual!r} has dtype {p.dtype}; infinity offloads "
                                     "float32, bfloat16 and float16 parameters")
                 if p.is_meta:
-                    raise ValueError(f"parameter {qual!r} is on the meta device; materialize "
-                                     "the model (e.g. model.to_empty + init) before wrap")
+                    if self.source is None:
+                        raise ValueError(
+                            f"parameter {qual!r} is on the meta device; pass where its values "
+                            "come from: infinity.wrap(model, source='<.safetensors file, index "
+                            "or Hugging Face folder>') or init='reset_parameters' (or an "
+                            "init(module) function)")
+                    continue
                 if p.device.type not in ("cpu", self.device.type):
                     raise ValueError(f"parameter {qual!r} is on {p.device}; build the model on "
                                      f"the CPU (or on {self.device}) before infinity.wrap")
@@ -214,8 +224,9 @@ class Engine:
     def _materialize_homes(self) -> None:
         """Moves every block's parameters to their home tier. On any error, the model is put
         back exactly as it was (nothing half-wrapped)."""
-        originals = [(s.param, s.param.data) for b in self.blocks for f in b.flats
-                     for s in f.slots]
+        originals = [(s, s.param, s.param.data if s.param.is_meta else None)
+                     for b in self.blocks for f in b.flats for s in f.slots]
+        filled: List[FlatParam] = []
         try:
             if Tier.NVME in (self.param_tier, self.grad_tier):
                 self.store = SwapStore(self.policy.nvme_path,
@@ -230,16 +241,17 @@ class Engine:
             total = sum(b.home_nbytes for b in self.blocks)
             with tqdm(total=total, unit="B", unit_scale=True, desc="infinity: offloading",
                       disable=total < (1 << 30), leave=False) as bar:
-                for block in self.blocks:
+                def fill(block: Block) -> None:
                     for flat in block.flats:
                         self.home.fill(flat)
+                        filled.append(flat)
                         self._bind_initial(block, flat)
                         bar.update(flat.home_nbytes)
+                self._fill_blocks(fill)
             self.grads = GradientSink(self.grad_tier, self.device, self.stats, self.host_budget,
                                       self.store, self.flats, self.policy.prefetch_window + 2)
-        except BaseException:
-            for param, data in originals:
-                param.data = data
+        except BaseException as failure:
+            self._unfill(originals, filled, failure)
             if self.home is not None:
                 self.home.close()
             if self.pool is not None:
@@ -248,6 +260,83 @@ class Engine:
                 self.store.close()
             raise
         self._move_buffers()
+
+    def _fill_blocks(self, fill: Callable[[Block], None]) -> None:
+        """Fills every block's home, streaming: one block's values exist in RAM at a time
+        (for a model built on meta, the source makes them real just before)."""
+        source = self.source
+        if source is None:
+            for block in self.blocks:
+                fill(block)
+            return
+        materialize_meta_buffers(self.model, source)
+        owners, names = param_owners(self.model)
+        slot_of = {id(s.param): s for b in self.blocks for f in b.flats for s in f.slots}
+        block_of = {id(s.param): b for b in self.blocks for f in b.flats for s in f.slots}
+        remaining = {b.index: sum(1 for f in b.flats for s in f.slots if s.param.is_meta)
+                     for b in self.blocks}
+        done: set = set()
+
+        def real(param: nn.Parameter, value: torch.Tensor) -> None:
+            slot = slot_of.pop(id(param))
+            block = block_of.pop(id(param))
+            slot.param = replace_param(owners, param, value)
+            slot_of[id(slot.param)] = slot
+            block_of[id(slot.param)] = block
+            remaining[block.index] -= 1
+
+        def fill_ready() -> None:
+            for block in self.blocks:
+                if block.index not in done and remaining[block.index] == 0:
+                    done.add(block.index)
+                    fill(block)
+
+        if isinstance(source, InitSource):
+            fill_ready()  # blocks without meta parameters
+            for _, module in self.model.named_modules():
+                metas = [p for p in module._parameters.values() if p is not None and p.is_meta]
+                for p in metas:
+                    real(p, torch.empty(p.shape, dtype=p.dtype))
+                if metas:
+                    source.init_module(module)
+                    fill_ready()
+        else:
+            for block in self.blocks:
+                for flat in block.flats:
+                    for slot in list(flat.slots):
+                        p = slot.param
+                        if p.is_meta:
+                            real(p, source.value(names.get(id(p), [slot.qualname]), p.shape,
+                                                 flat.home_dtype))
+                fill_ready()
+        fill_ready()
+        source.finish()
+
+    def _unfill(self, originals, filled: List[FlatParam], failure: BaseException) -> None:
+        """Wrap failed: puts every parameter back as it was (values read back from the homes
+        already filled; meta parameters back on meta)."""
+        filled_ids = {id(f) for f in filled}
+        by_slot = {id(o[0]): o for o in originals}
+        owners, _ = param_owners(self.model)
+        for block in self.blocks:
+            for flat in block.flats:
+                values = None
+                if id(flat) in filled_ids:
+                    try:
+                        values = self.home.snapshot(flat)
+                    except BaseException as exc:  # noqa: BLE001
+                        failure.add_note(f"infinity.wrap: could not read back {flat.key} to "
+                                         f"undo the wrap ({exc}); its parameters are lost")
+                for s in flat.slots:
+                    original = by_slot[id(s)]
+                    if original[2] is not None:  # was on meta: the original Parameter returns
+                        if s.param is not original[1]:
+                            for module, attr in owners.get(id(s.param), []):
+                                module._parameters[attr] = original[1]
+                            s.param = original[1]
+                    elif values is not None:
+                        s.param.data = values[s.offset:s.offset + s.numel].view(
+                            s.shape).clone()
 
     def _bind_initial(self, block: Block, flat: FlatParam) -> None:
         """After fill: resident blocks compute on their home; the others get an (unallocated)
