@@ -27,7 +27,7 @@ from .block import Block
 from .flat import Binding, FlatParam
 from .grads import GradientSink
 from .homes import DeviceHome, Home, HostHome, NvmeHome
-from .host_malloc import return_freed_buffers_to_os
+from .host_malloc import return_freed_buffers_to_os, trim_heap
 from .partition import partition
 from .residency import Residency, ResidencyError
 from .schedule import Schedule
@@ -260,6 +260,8 @@ class Engine:
                 self.store.close()
             raise
         self._move_buffers()
+        if self.device.type == "cpu":
+            trim_heap()
 
     def _fill_blocks(self, fill: Callable[[Block], None]) -> None:
         """Fills every block's home, streaming: one block's values exist in RAM at a time
@@ -276,12 +278,27 @@ class Engine:
         remaining = {b.index: sum(1 for f in b.flats for s in f.slots if s.param.is_meta)
                      for b in self.blocks}
         done: set = set()
+        # Each flat's meta parameters become views of one arena of the flat's size: a single
+        # large allocation (mmap'ed, so really returned to the OS once the block is filled and
+        # the parameters point at their home), not many small ones that fragment the heap.
+        arenas: Dict[int, torch.Tensor] = {}
+        flat_of = {id(s.param): f for b in self.blocks for f in b.flats for s in f.slots}
+
+        def place(param: nn.Parameter) -> torch.Tensor:
+            slot = slot_of[id(param)]
+            flat = flat_of[id(param)]
+            arena = arenas.get(id(flat))
+            if arena is None:
+                arena = arenas[id(flat)] = torch.empty(flat.numel, dtype=flat.home_dtype)
+            return arena[slot.offset:slot.offset + slot.numel].view(slot.shape)
 
         def real(param: nn.Parameter, value: torch.Tensor) -> None:
             slot = slot_of.pop(id(param))
+            flat = flat_of.pop(id(param))
             block = block_of.pop(id(param))
             slot.param = replace_param(owners, param, value)
             slot_of[id(slot.param)] = slot
+            flat_of[id(slot.param)] = flat
             block_of[id(slot.param)] = block
             remaining[block.index] -= 1
 
@@ -290,13 +307,15 @@ class Engine:
                 if block.index not in done and remaining[block.index] == 0:
                     done.add(block.index)
                     fill(block)
+                    for flat in block.flats:
+                        arenas.pop(id(flat), None)
 
         if isinstance(source, InitSource):
             fill_ready()  # blocks without meta parameters
             for _, module in self.model.named_modules():
                 metas = [p for p in module._parameters.values() if p is not None and p.is_meta]
                 for p in metas:
-                    real(p, torch.empty(p.shape, dtype=p.dtype))
+                    real(p, place(p))
                 if metas:
                     source.init_module(module)
                     fill_ready()
@@ -306,8 +325,9 @@ class Engine:
                     for slot in list(flat.slots):
                         p = slot.param
                         if p.is_meta:
-                            real(p, source.value(names.get(id(p), [slot.qualname]), p.shape,
-                                                 flat.home_dtype))
+                            value = place(p)
+                            source.read_into(names.get(id(p), [slot.qualname]), value)
+                            real(p, value)
                 fill_ready()
         fill_ready()
         source.finish()
@@ -771,6 +791,8 @@ class Engine:
         """After an optimizer updated the homes: start fetching what the next forward needs."""
         with self._lock:
             if not self._closed:
+                if self.device.type == "cpu" and self.param_tier is not Tier.HOST:
+                    trim_heap()  # the step's temporaries go back to the OS, not to RSS
                 self._prefetch_for_forward()
 
     after_step = resume

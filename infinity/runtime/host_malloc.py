@@ -47,3 +47,23 @@ def return_freed_buffers_to_os() -> bool:
         logger.info("infinity: glibc mmap threshold fixed at 1 MiB so released block buffers "
                     "return to the OS")
         return True
+
+
+_libc = None
+
+
+def trim_heap() -> None:
+    """Returns the free memory at the top and in the holes of glibc's heaps to the OS
+    (malloc_trim). Small tensors freed after a wrap or an optimizer step otherwise stay in the
+    process's RSS as heap fragments. A no-op without glibc."""
+    global _libc
+    if _libc is None:
+        name = ctypes.util.find_library("c")
+        try:
+            _libc = ctypes.CDLL(name) if name else False
+        except OSError:
+            _libc = False
+    trim = getattr(_libc, "malloc_trim", None) if _libc else None
+    if trim is not None:
+        trim.argtypes = [ctypes.c_size_t]
+        trim(0)

@@ -65,6 +65,9 @@ class ParamSource:
     def value(self, names: List[str], shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
 
+    def read_into(self, names: List[str], out: torch.Tensor) -> None:
+        out.copy_(self.value(names, out.shape, out.dtype))
+
     def buffer_value(self, name: str) -> Optional[torch.Tensor]:
         return None
 
@@ -108,20 +111,97 @@ def _checkpoint_files(path: str) -> List[str]:
                       "*.safetensors.index.json or a Hugging Face model folder")
 
 
+_ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}
+
+
+class SafetensorsFile:
+    """Reads tensors of one .safetensors file (the published format: an 8-byte little-endian
+    header size, a JSON header of dtype/shape/data_offsets, then the data) with plain reads,
+    one tensor at a time. No memory map: a mapped file's touched pages would count in the
+    process's RSS until it is closed, which defeats loading a model larger than RAM."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_RDONLY)
+        try:
+            size = os.fstat(self._fd).st_size
+            raw = os.pread(self._fd, 8, 0)
+            if len(raw) != 8:
+                raise SourceError(f"{path!r} is not a safetensors file (shorter than 8 bytes)")
+            n = int.from_bytes(raw, "little")
+            if n <= 0 or 8 + n > size:
+                raise SourceError(f"{path!r} is not a safetensors file (header size {n} does "
+                                  f"not fit in {size} bytes)")
+            try:
+                header = json.loads(os.pread(self._fd, n, 8))
+            except ValueError as exc:
+                raise SourceError(f"{path!r}: unreadable safetensors header: {exc}") from None
+        except BaseException:
+            os.close(self._fd)
+            raise
+        header.pop("__metadata__", None)
+        self._base = 8 + n
+        self.entries: Dict[str, dict] = header
+        self._size = size
+
+    def keys(self) -> Iterable[str]:
+        return self.entries.keys()
+
+    def shape(self, key: str) -> Tuple[int, ...]:
+        return tuple(self.entries[key]["shape"])
+
+    def dtype(self, key: str) -> torch.dtype:
+        entry = self.entries[key]
+        dtype = _ST_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise SourceError(f"{self.path!r}: tensor {key!r} has dtype {entry['dtype']}, "
+                              "which infinity does not load")
+        return dtype
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        out = torch.empty(self.shape(key), dtype=self.dtype(key))
+        self.read_into(key, out)
+        return out
+
+    def read_into(self, key: str, out: torch.Tensor) -> None:
+        """Reads tensor ``key`` into ``out`` (contiguous CPU, same dtype and numel), converting
+        through a temporary when the dtypes differ."""
+        entry = self.entries[key]
+        dtype = self.dtype(key)
+        if out.dtype != dtype:
+            out.copy_(self.get_tensor(key).view(out.shape))
+            return
+        begin, end = entry["data_offsets"]
+        nbytes = out.numel() * out.element_size()
+        if end - begin != nbytes or self._base + end > self._size:
+            raise SourceError(f"{self.path!r}: tensor {key!r} is truncated or its offsets do "
+                              "not match its shape; the checkpoint is damaged")
+        view = memoryview(out.view(-1).view(torch.uint8).numpy()) if nbytes else None
+        done = 0
+        while done < nbytes:
+            got = os.preadv(self._fd, [view[done:]], self._base + begin + done)
+            if got <= 0:
+                raise SourceError(f"{self.path!r}: unexpected end of file reading {key!r}")
+            done += got
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
 class CheckpointSource(ParamSource):
     def __init__(self, path: Union[str, os.PathLike]) -> None:
-        from safetensors import safe_open  # an optional dependency, needed only here
-
         self.path = os.fspath(path)
-        self._handles = []
-        self._where: Dict[str, object] = {}
+        self._handles: List[SafetensorsFile] = []
+        self._where: Dict[str, SafetensorsFile] = {}
         try:
             for file in _checkpoint_files(self.path):
-                try:
-                    handle = safe_open(file, framework="pt")
-                except Exception as exc:  # noqa: BLE001 - safetensors raises its own types
-                    raise SourceError(f"infinity.wrap: cannot read safetensors file {file!r}: "
-                                      f"{exc}") from None
+                handle = SafetensorsFile(file)
                 self._handles.append(handle)
                 for key in handle.keys():
                     self._where[key] = handle
@@ -138,6 +218,27 @@ class CheckpointSource(ParamSource):
                 return name
         return None
 
+    def read_into(self, names: List[str], out: torch.Tensor) -> None:
+        """Reads the parameter known by ``names`` into ``out`` (its place in a block's arena;
+        converted to ``out``'s dtype)."""
+        key = self._key(names, out.shape)
+        self._where[key].read_into(key, out)
+
+    def _key(self, names: List[str], shape: torch.Size) -> str:
+        key = self._find(names)
+        if key is None:
+            raise SourceError(f"infinity.wrap: parameter {names[0]!r} is not in the checkpoint "
+                              f"{self.path!r}" + (f" (also looked for {names[1:]})"
+                                                  if len(names) > 1 else "")
+                              + "; check that the checkpoint belongs to this model")
+        handle = self._where[key]
+        if handle.shape(key) != tuple(shape):
+            raise SourceError(f"infinity.wrap: checkpoint {self.path!r} holds {key!r} with shape "
+                              f"{handle.shape(key)} but the model's parameter has shape "
+                              f"{tuple(shape)}")
+        self._used.update(n for n in names if n in self._where)
+        return key
+
     def value(self, names: List[str], shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         key = self._find(names)
         if key is None:
@@ -145,13 +246,13 @@ class CheckpointSource(ParamSource):
                               f"{self.path!r}" + (f" (also looked for {names[1:]})"
                                                   if len(names) > 1 else "")
                               + "; check that the checkpoint belongs to this model")
-        tensor = self._where[key].get_tensor(key)
-        if tuple(tensor.shape) != tuple(shape):
+        handle = self._where[key]
+        if handle.shape(key) != tuple(shape):
             raise SourceError(f"infinity.wrap: checkpoint {self.path!r} holds {key!r} with shape "
-                              f"{tuple(tensor.shape)} but the model's parameter has shape "
+                              f"{handle.shape(key)} but the model's parameter has shape "
                               f"{tuple(shape)}")
         self._used.update(n for n in names if n in self._where)
-        return tensor.to(dtype)
+        return handle.get_tensor(key).to(dtype)
 
     def buffer_value(self, name: str) -> Optional[torch.Tensor]:
         if name not in self._where:
@@ -166,6 +267,8 @@ class CheckpointSource(ParamSource):
                            len(unused), self.path, unused[:10])
 
     def close(self) -> None:
+        for handle in self._handles:
+            handle.close()
         self._handles.clear()
         self._where.clear()
 
