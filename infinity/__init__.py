@@ -4,6 +4,7 @@
     opt = infinity.optim.AdamW(model.parameters(), lr=1e-4)
 """
 from .api import empty_init, gradient, materialized, stats, unwrap, wrap
+from .checkpoint import consolidate, load_checkpoint, save_checkpoint
 from .policy import OffloadPolicy
 from .tiers import Tier
 
@@ -11,6 +12,7 @@ __version__ = "0.1.0"
 
 __all__ = ["wrap", "unwrap", "stats", "materialized", "gradient", "empty_init", "OffloadPolicy",
            "Tier", "__version__"]
+__all__ += ["save_checkpoint", "load_checkpoint", "consolidate"]
 
 
 def __getattr__(name: str):

@@ -133,4 +133,5 @@ def gradient(param: torch.Tensor) -> Optional[torch.Tensor]:
     loc = locate(param)
     if loc is None:
         return param.grad
+    loc.engine.sync_gradients()
     return loc.engine.grads.gradient(loc.flat, loc.slot)

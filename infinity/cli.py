@@ -17,6 +17,15 @@ def main(argv: Optional[List[str]] = None) -> int:
                                               "a swap directory and show what moved where")
     demo.add_arguments(demo_parser)
     sub.add_parser("info", help="native core, CPU capability and I/O settings")
+    cons = sub.add_parser("consolidate", help="write a checkpoint's model as safetensors in its "
+                                              "own parameter names (+ config.json for "
+                                              "transformers models)")
+    cons.add_argument("checkpoint", help="a directory written by infinity.save_checkpoint")
+    cons.add_argument("out", help="output directory")
+    cons.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"],
+                      help="cast floating-point weights (default: as saved)")
+    cons.add_argument("--max-shard-size", default="5GB",
+                      help="split into shards above this size, e.g. 5GB (default) or 500MB")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
@@ -29,5 +38,15 @@ def main(argv: Optional[List[str]] = None) -> int:
                          f"CPU Adam path: {ops.cpu_capability()} "
                          f"(available: {', '.join(ops.available_cpu_capabilities())})\n"
                          f"I/O settings: {io.get_config()}\n")
+        return 0
+    if args.command == "consolidate":
+        from .checkpoint import CheckpointError, consolidate
+        try:
+            written = consolidate(args.checkpoint, args.out, dtype=args.dtype,
+                                  max_shard_size=args.max_shard_size)
+        except (CheckpointError, OSError, ValueError) as exc:
+            sys.stderr.write(f"infinity consolidate: {exc}\n")
+            return 1
+        sys.stdout.write("".join(f"wrote {p}\n" for p in written))
         return 0
     return 2

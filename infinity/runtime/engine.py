@@ -547,9 +547,9 @@ class Engine:
                     if not written:
                         continue
                     rebound = flat.rebound_slots()
+                    self.home.after_outside_write(flat)  # writes through the views, first
                     if rebound:  # p.data = t: the new values go home, the views come back
                         self._take_rebound(flat, rebound)
-                    self.home.after_outside_write(flat)
                     flat.user_written.update(written)
                     flat.record_versions()
                     if block not in stale:
@@ -653,6 +653,12 @@ class Engine:
                         output, lambda: self.on_pre_backward(root))
                 # the first blocks of backward are the last of forward: start fetching them
                 self._prefetch(self.schedule.upcoming("backward"))
+            elif self._model_forward_depth == 0 and self._callback_task == -1:
+                # no backward follows (inference): outside forward again, so the parameters
+                # view their homes (the root block is not kept materialized)
+                for block in self.blocks:
+                    if block.active_forward == 0:
+                        self._release(block)
 
     def on_block_pre_forward(self, block: Block, module: nn.Module, args) -> None:
         with self._lock:
@@ -871,7 +877,8 @@ class Engine:
         for b in blocks:
             b.active_forward = max(0, b.active_forward - 1)
             b.pins = max(0, b.pins - 1)
-            if not b.is_root and b.active_forward == 0:
+            if b.active_forward == 0 and (not b.is_root or (
+                    self._model_forward_depth == 0 and self._callback_task == -1)):
                 try:
                     self._release(b)
                 except BaseException as exc:  # noqa: BLE001 - release the others first
@@ -938,6 +945,19 @@ class Engine:
                 self.store.close()
             if engine_of(self.model) is self:
                 delattr(self.model, _ENGINE_ATTR)
+
+
+def _no_deepcopy_of_engine(engine: "Engine", memo: dict) -> None:
+    return None
+
+
+def _no_pickling_of_engine(engine: "Engine"):
+    raise TypeError("infinity: a wrapped model cannot be pickled whole (torch.save(model)); save "
+                    "model.state_dict() or use infinity.save_checkpoint(path, model, optimizer)")
+
+
+Engine.__deepcopy__ = _no_deepcopy_of_engine  # a deepcopy of a wrapped model is unwrapped
+Engine.__reduce__ = _no_pickling_of_engine
 
 
 def _raised(output: Any) -> bool:

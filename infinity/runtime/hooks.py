@@ -1,7 +1,7 @@
 """Registers the engine's module and tensor hooks, and keeps every handle so they can be removed."""
 from __future__ import annotations
 
-import functools
+import weakref
 from typing import TYPE_CHECKING, Any, Callable, List
 
 import torch
@@ -35,23 +35,57 @@ class HookSet:
         return len(self._handles)
 
 
+def _no_op(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+class EngineHook:
+    """A hook that calls ``engine.<method>(*bound, *args)``. It holds the engine weakly, and a
+    copy of the module (``copy.deepcopy``) gets a no-op in its place: the copy is a plain
+    module, not a second user of this engine's buffers."""
+
+    __slots__ = ("_engine", "_method", "_bound")
+
+    def __init__(self, engine: "Engine", method: str, *bound: Any) -> None:
+        self._engine = weakref.ref(engine)
+        self._method = method
+        self._bound = bound
+
+    def __call__(self, *args: Any) -> Any:
+        engine = self._engine()
+        if engine is None:
+            return None
+        return getattr(engine, self._method)(*self._bound, *args)
+
+    def __deepcopy__(self, memo: dict) -> Callable[..., None]:
+        return _no_op
+
+    def __reduce__(self):
+        return (_restore_no_op, ())
+
+
+def _restore_no_op() -> Callable[..., None]:
+    return _no_op
+
+
 def register(engine: "Engine") -> HookSet:
     hooks = HookSet()
     model = engine.model
-    hooks.add(model.register_forward_pre_hook(engine.on_model_pre_forward))
-    hooks.add(model.register_forward_hook(engine.on_model_post_forward, always_call=True))
+    hooks.add(model.register_forward_pre_hook(EngineHook(engine, "on_model_pre_forward")))
+    hooks.add(model.register_forward_hook(EngineHook(engine, "on_model_post_forward"),
+                                          always_call=True))
     for block in engine.blocks:
         if block.is_root:
             continue  # the root block is driven by the model hooks above
         hooks.add(block.module.register_forward_pre_hook(
-            functools.partial(engine.on_block_pre_forward, block)))
+            EngineHook(engine, "on_block_pre_forward", block)))
         hooks.add(block.module.register_forward_hook(
-            functools.partial(engine.on_block_post_forward, block), always_call=True))
+            EngineHook(engine, "on_block_post_forward", block), always_call=True))
     for block in engine.blocks:
         for fi, flat in enumerate(block.flats):
             for si, slot in enumerate(flat.slots):
                 if slot.trainable:
-                    cb: Callable = functools.partial(engine.on_grad_ready, block, fi, si)
+                    cb: Callable = EngineHook(engine, "on_grad_ready", block, fi, si)
                     hooks.add(slot.param.register_post_accumulate_grad_hook(cb))
     return hooks
 

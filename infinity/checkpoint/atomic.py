@@ -1,0 +1,136 @@
+"""Atomic checkpoint directories: everything is written into a temporary sibling directory and
+renamed into place only once complete and fsynced.
+
+Replacing an existing checkpoint ``P``:
+
+    1. write and fsync every file in ``.P.tmp-<pid>-<random>``, fsync that directory
+    2. rename ``P`` -> ``.P.old``  (the previous checkpoint, kept aside)
+    3. rename the temporary directory -> ``P``, fsync the parent
+    4. delete ``.P.old``
+
+A crash before 2 leaves ``P`` untouched (the temporary directory of a dead process is removed by
+the next save); a crash between 2 and 3 leaves only ``.P.old``, which :func:`resolve` falls back
+to; a crash after 3 leaves a complete ``P`` and a stale ``.P.old`` that the next save removes.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import uuid
+from typing import Iterator
+
+from .files import fsync_dir
+from .manifest import MANIFEST, CheckpointError
+
+logger = logging.getLogger(__name__)
+
+
+def aside_path(path: str) -> str:
+    head, tail = os.path.split(path)
+    return os.path.join(head, f".{tail}.old")
+
+
+def _tmp_prefix(path: str) -> str:
+    head, tail = os.path.split(path)
+    return os.path.join(head, f".{tail}.tmp-")
+
+
+def _is_checkpoint(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, MANIFEST))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temporaries(path: str) -> None:
+    """Deletes temporary directories left by saves to ``path`` whose process is gone."""
+    head = os.path.dirname(path) or "."
+    prefix = os.path.basename(_tmp_prefix(path))
+    for entry in os.listdir(head):
+        if not entry.startswith(prefix):
+            continue
+        try:
+            pid = int(entry[len(prefix):].split("-", 1)[0])
+        except ValueError:
+            continue
+        if pid == os.getpid() or not _pid_alive(pid):
+            logger.info("infinity: removing %s, left by an interrupted checkpoint save",
+                        os.path.join(head, entry))
+            shutil.rmtree(os.path.join(head, entry), ignore_errors=True)
+
+
+def resolve(path: str) -> str:
+    """The directory to read the checkpoint ``path`` from: ``path`` itself, or the previous
+    checkpoint kept aside when a save crashed while replacing it. Clear errors otherwise."""
+    path = os.path.abspath(os.fspath(path))
+    if os.path.isfile(path):
+        raise CheckpointError(f"{path} is a file, not an infinity checkpoint (a directory "
+                              "written by infinity.save_checkpoint)")
+    if _is_checkpoint(path):
+        return path
+    aside = aside_path(path)
+    if _is_checkpoint(aside):
+        logger.warning("infinity: %s is missing (a save was interrupted while replacing it); "
+                       "loading the previous checkpoint kept at %s", path, aside)
+        return aside
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no checkpoint at {path}: the path does not exist")
+    raise CheckpointError(f"{path} is not an infinity checkpoint: it has no {MANIFEST} "
+                          "(write one with infinity.save_checkpoint)")
+
+
+@contextlib.contextmanager
+def staged_directory(path: str) -> Iterator[str]:
+    """Yields a new temporary directory next to ``path``; when the block ends without an
+    exception it becomes ``path`` (replacing a previous checkpoint atomically), otherwise it is
+    deleted and ``path`` is left as it was."""
+    path = os.path.abspath(os.fspath(path))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if os.path.isfile(path):
+        raise CheckpointError(f"refusing to replace {path}: it is a file, not a checkpoint")
+    if os.path.isdir(path) and not _is_checkpoint(path) and os.listdir(path):
+        raise CheckpointError(f"refusing to replace {path}: it is a non-empty directory that "
+                              "is not an infinity checkpoint")
+    remove_stale_temporaries(path)
+    tmp = f"{_tmp_prefix(path)}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    os.mkdir(tmp)
+    try:
+        yield tmp
+        for root, _, _ in os.walk(tmp):
+            fsync_dir(root)
+        _commit(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _commit(tmp: str, path: str) -> None:
+    parent = os.path.dirname(path)
+    aside = aside_path(path)
+    if os.path.isdir(path):
+        if _is_checkpoint(path):
+            if os.path.exists(aside):  # stale: ``path`` is complete, so the aside copy is old
+                shutil.rmtree(aside)
+            os.rename(path, aside)
+        else:
+            os.rmdir(path)  # empty (checked by staged_directory)
+        fsync_dir(parent)
+    try:
+        os.rename(tmp, path)
+    except BaseException:
+        if not os.path.exists(path) and os.path.isdir(aside):
+            os.rename(aside, path)  # put the previous checkpoint back
+        raise
+    fsync_dir(parent)
+    if os.path.exists(aside):
+        shutil.rmtree(aside, ignore_errors=True)
+        fsync_dir(parent)

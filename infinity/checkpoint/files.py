@@ -1,0 +1,237 @@
+"""Checkpoint data files in the safetensors format, written tensor by tensor and read verified.
+
+:class:`TensorFileWriter` writes the header first (every name, dtype and shape is known up
+front) and then streams each tensor's bytes, computing the file's CRC32C on the way; ``close``
+fsyncs. :func:`read_tensor_file` reads a whole file into one buffer, checks its size and CRC32C
+against the manifest before anything is parsed, and returns views into that buffer.
+The files are ordinary safetensors: ``safetensors.torch.load_file`` and transformers read them.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from .. import io as inf_io
+from .manifest import CorruptCheckpointError
+
+_ST_NAMES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL", torch.complex64: "C64",
+}
+for _name, _st in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"),
+                   ("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64")):
+    if hasattr(torch, _name):
+        _ST_NAMES[getattr(torch, _name)] = _st
+_ST_DTYPES = {v: k for k, v in _ST_NAMES.items()}
+
+WRITE_CHUNK = 64 << 20  # bytes per write call (and per progress update)
+
+Spec = Tuple[str, torch.dtype, Tuple[int, ...]]
+
+
+def _write_bytes(fd: int, data: memoryview) -> None:
+    """Writes all of ``data`` to ``fd``: the one place checkpoint bytes reach the disk."""
+    while len(data):
+        n = os.write(fd, data)
+        data = data[n:]
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def nbytes_of(dtype: torch.dtype, shape: Sequence[int]) -> int:
+    return math.prod(shape) * _itemsize(dtype)
+
+
+def _raw(t: torch.Tensor) -> np.ndarray:
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    t = t.contiguous().reshape(-1)
+    if t.numel() == 0:
+        return np.empty(0, dtype=np.uint8)
+    return t.view(torch.uint8).numpy()
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def aligned_order(specs: Sequence[Spec]) -> List[Spec]:
+    """``specs`` with wider dtypes first (stable), so every tensor starts at a multiple of its
+    item size in the file (safetensors allows no padding between tensors)."""
+    return sorted(specs, key=lambda s: -_itemsize(s[1]))
+
+
+class TensorFileWriter:
+    """One safetensors file, written in the order of ``specs``. ``progress``: a tqdm bar (or
+    None) updated with the bytes written."""
+
+    def __init__(self, path: str, specs: Sequence[Spec],
+                 metadata: Optional[Dict[str, str]] = None, progress: Any = None) -> None:
+        header: Dict[str, Any] = {}
+        if metadata:
+            header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+        offset = 0
+        self._pending: List[Tuple[str, torch.dtype, Tuple[int, ...], int]] = []
+        for name, dtype, shape in specs:
+            if dtype not in _ST_NAMES:
+                raise TypeError(f"tensor {name!r} has dtype {dtype}, which safetensors "
+                                "cannot store")
+            if name in header:
+                raise ValueError(f"tensor name {name!r} appears twice in {path}")
+            n = nbytes_of(dtype, shape)
+            header[name] = {"dtype": _ST_NAMES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + n]}
+            self._pending.append((name, dtype, tuple(shape), n))
+            offset += n
+        raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        raw += b" " * ((-(8 + len(raw))) % 8)  # data starts 8-byte aligned
+        self.path = path
+        self.size = 8 + len(raw) + offset
+        self.crc = 0
+        self._progress = progress
+        self._next = 0
+        self._fd: Optional[int] = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL
+                                          | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            self._emit(np.frombuffer(struct.pack("<Q", len(raw)) + raw, dtype=np.uint8))
+        except BaseException:
+            self.abort()
+            raise
+
+    def _emit(self, data: np.ndarray) -> None:
+        for start in range(0, data.size, WRITE_CHUNK):
+            chunk = data[start:start + WRITE_CHUNK]
+            _write_bytes(self._fd, memoryview(chunk))
+            self.crc = inf_io.crc32c(chunk, self.crc)
+            if self._progress is not None:
+                self._progress.update(chunk.size)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if self._next >= len(self._pending):
+            raise ValueError(f"{self.path}: tensor {name!r} was not announced")
+        want, dtype, shape, n = self._pending[self._next]
+        if name != want or tensor.dtype != dtype or tuple(tensor.shape) != shape:
+            raise ValueError(f"{self.path}: expected tensor {want!r} {dtype} {shape}, got "
+                             f"{name!r} {tensor.dtype} {tuple(tensor.shape)}")
+        self._emit(_raw(tensor))
+        self._next += 1
+
+    def close(self) -> Tuple[int, int]:
+        """Fsyncs and closes the file; returns (size, crc32c)."""
+        if self._next != len(self._pending):
+            missing = [p[0] for p in self._pending[self._next:]]
+            raise ValueError(f"{self.path}: tensors {missing[:5]} were announced but not "
+                             "written")
+        fd, self._fd = self._fd, None
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return self.size, self.crc
+
+    def abort(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
+
+
+def write_tensor_file(path: str, items: Iterable[Tuple[str, torch.Tensor]],
+                      metadata: Optional[Dict[str, str]] = None, progress: Any = None
+                      ) -> Tuple[int, int]:
+    """Writes ``items`` (name, tensor) as one safetensors file; returns (size, crc32c)."""
+    tensors = dict(items)
+    specs = aligned_order([(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()])
+    writer = TensorFileWriter(path, specs, metadata, progress)
+    try:
+        for name, _, _ in specs:
+            writer.write(name, tensors[name])
+        return writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+
+
+class TensorFile:
+    """A verified safetensors file held in memory: ``get(name)`` gives a tensor over its bytes."""
+
+    def __init__(self, path: str, label: str, buf: np.ndarray, header: Dict[str, Any],
+                 data_start: int) -> None:
+        self.path = path
+        self.label = label
+        self._buf = buf
+        self._header = header
+        self._start = data_start
+
+    def names(self) -> List[str]:
+        return [k for k in self._header if k != "__metadata__"]
+
+    def __contains__(self, name: str) -> bool:
+        return name != "__metadata__" and name in self._header
+
+    def get(self, name: str) -> torch.Tensor:
+        info = self._header[name]
+        dtype = _ST_DTYPES[info["dtype"]]
+        begin, end = info["data_offsets"]
+        shape = info["shape"]
+        if end == begin:
+            return torch.empty(shape, dtype=dtype)
+        raw = torch.from_numpy(self._buf[self._start + begin:self._start + end])
+        if (self._start + begin) % _itemsize(dtype):
+            raw = raw.clone()  # not aligned for a view
+        return raw.view(dtype).view(shape)
+
+
+def read_tensor_file(path: str, label: str, size: Optional[int] = None,
+                     crc: Optional[int] = None) -> TensorFile:
+    """Reads ``path`` and checks it against the manifest's ``size`` and ``crc`` before parsing;
+    errors name ``label`` (the file's name in the checkpoint) and the path."""
+    try:
+        actual = os.path.getsize(path)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"checkpoint file {label} is missing ({path})") from None
+    if size is not None and actual != size:
+        raise CorruptCheckpointError(f"checkpoint file {label} has {actual:,} bytes but the "
+                                     f"manifest recorded {size:,} ({path}): it is truncated or "
+                                     "was replaced")
+    buf = np.empty(actual, dtype=np.uint8)
+    with open(path, "rb", buffering=0) as f:
+        view = memoryview(buf)
+        done = 0
+        while done < actual:
+            n = f.readinto(view[done:])
+            if not n:
+                raise CorruptCheckpointError(f"checkpoint file {label} ended early ({path})")
+            done += n
+    if crc is not None and inf_io.crc32c(buf) != crc:
+        raise CorruptCheckpointError(f"checkpoint file {label} is corrupted: its CRC32C does "
+                                     f"not match the manifest ({path}). Restore it from a copy "
+                                     "or use another checkpoint")
+    try:
+        (hlen,) = struct.unpack("<Q", buf[:8].tobytes())
+        header = json.loads(buf[8:8 + hlen].tobytes().decode("utf-8"))
+    except (struct.error, ValueError, UnicodeDecodeError) as exc:
+        raise CorruptCheckpointError(f"checkpoint file {label} is not a valid safetensors "
+                                     f"file ({path}): {exc}") from None
+    start = 8 + hlen
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = info["data_offsets"]
+        if info["dtype"] not in _ST_DTYPES or not 0 <= begin <= end <= actual - start:
+            raise CorruptCheckpointError(f"checkpoint file {label}: entry {name!r} is invalid "
+                                         f"({path})")
+    return TensorFile(path, label, buf, header, start)

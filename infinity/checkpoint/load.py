@@ -1,0 +1,303 @@
+"""load_checkpoint: checks a checkpoint against the model, then streams it back file by file:
+parameters through the engine's homes, optimizer states shard by shard, then the trainer's
+state. Every file's size and CRC32C is checked before its bytes are used."""
+from __future__ import annotations
+
+import logging
+import os
+import random
+from collections import OrderedDict
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from .. import io as inf_io
+from ..runtime.engine import locate
+from .atomic import resolve
+from .files import TensorFile, read_tensor_file
+from .manifest import (CheckpointError, CheckpointMismatchError, CorruptCheckpointError,
+                       decode, read_manifest)
+from .names import ModelNames
+
+logger = logging.getLogger(__name__)
+
+_PROGRESS_MIN_BYTES = 1 << 30
+_LIST_LIMIT = 20
+
+
+class Reader:
+    """Reads the checkpoint's files verified, keeping the last ``keep`` in memory."""
+
+    def __init__(self, root: str, manifest: Dict[str, Any], progress: Any = None,
+                 keep: int = 2) -> None:
+        self.root = root
+        self.files: Dict[str, Dict[str, int]] = manifest.get("files", {})
+        self.progress = progress
+        self.keep = keep
+        self._cache: "OrderedDict[str, TensorFile]" = OrderedDict()
+
+    def file(self, rel: str) -> TensorFile:
+        cached = self._cache.get(rel)
+        if cached is not None:
+            self._cache.move_to_end(rel)
+            return cached
+        info = self.files.get(rel)
+        if info is None:
+            raise CorruptCheckpointError(f"checkpoint {self.root}: the manifest refers to "
+                                         f"{rel}, which it does not list among its files")
+        tf = read_tensor_file(os.path.join(self.root, rel), rel, info["size"], info["crc32c"])
+        if self.progress is not None:
+            self.progress.update(info["size"])
+        self._cache[rel] = tf
+        while len(self._cache) > self.keep:
+            self._cache.popitem(last=False)
+        return tf
+
+    def tensor(self, rel: str, name: str) -> torch.Tensor:
+        tf = self.file(rel)
+        if name not in tf:
+            raise CorruptCheckpointError(f"checkpoint file {rel} has no tensor {name!r}, which "
+                                         f"the manifest places there ({self.root})")
+        return tf.get(name)
+
+
+def open_checkpoint(path: str) -> Tuple[str, Dict[str, Any]]:
+    """(directory, verified manifest) of the checkpoint at ``path``."""
+    root = resolve(path)
+    return root, read_manifest(root)
+
+
+# ---- matching the checkpoint to the model ---------------------------------------------------
+def _listing(title: str, items: List[str]) -> str:
+    shown = ", ".join(items[:_LIST_LIMIT])
+    more = f", ... and {len(items) - _LIST_LIMIT} more" if len(items) > _LIST_LIMIT else ""
+    return f"\n  {title} ({len(items)}): {shown}{more}"
+
+
+class _Plan:
+    """Which saved tensor feeds each of the model's tensors."""
+
+    def __init__(self, manifest: Dict[str, Any], names: ModelNames, root: str,
+                 strict: bool) -> None:
+        saved: Dict[str, Any] = manifest["tensors"]
+        saved_aliases: Dict[str, str] = manifest.get("aliases", {})
+        self.saved = saved
+        self.source: Dict[str, str] = {}  # model name -> saved name
+        missing, mismatched = [], []
+        matched = set()
+        for name, t in names.tensors.items():
+            src = name if name in saved else saved_aliases.get(name)
+            if src is None or src not in saved:
+                missing.append(name)
+                continue
+            matched.add(src)
+            shape = tuple(saved[src]["shape"])
+            if shape != tuple(t.shape):
+                mismatched.append(f"{name}: checkpoint {shape} vs model {tuple(t.shape)}")
+                continue
+            self.source[name] = src
+        # a tensor saved under a name the model ties to another one is not unexpected: it is
+        # the same parameter (loaded once, from its first name), as with load_state_dict
+        used = matched | {n for n in saved if n in names.aliases}
+        unexpected = [n for n in saved if n not in used]
+        if mismatched or (strict and (missing or unexpected)):
+            msg = (f"checkpoint {root} (saved from {manifest.get('model_class')}) does not match "
+                   f"the model {type(names.model).__module__}.{type(names.model).__qualname__}:")
+            if missing:
+                msg += _listing("missing in the checkpoint", missing)
+            if unexpected:
+                msg += _listing("unexpected in the checkpoint", unexpected)
+            if mismatched:
+                msg += _listing("shape mismatch", mismatched)
+            if not mismatched:
+                msg += "\nPass strict=False to load the tensors that match."
+            raise CheckpointMismatchError(msg)
+        if missing or unexpected:
+            logger.warning("infinity: loading %s non-strictly: %d model tensors missing in it, "
+                           "%d of its tensors unused", root, len(missing), len(unexpected))
+
+    def file_of(self, name: str) -> Optional[Tuple[str, str]]:
+        """(file, saved name) of the model tensor ``name``, or None when not loaded."""
+        src = self.source.get(name)
+        return None if src is None else (self.saved[src]["file"], src)
+
+
+class _OptimizerPlan:
+    """The saved optimizer state, matched to ``optimizer`` by parameter names."""
+
+    def __init__(self, section: Dict[str, Any], optimizer: torch.optim.Optimizer,
+                 names: ModelNames, root: str) -> None:
+        self.optimizer = optimizer
+        self.names = names.optimizer_names(optimizer)
+        self.groups = decode(section["param_groups"])
+        self.states: Dict[str, Any] = section["states"]
+        current = [[self.names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+        saved = [list(g["params"]) for g in self.groups]
+        if current != saved:
+            if len(current) != len(saved):
+                why = f"it has {len(saved)} param groups, the optimizer has {len(current)}"
+            else:
+                n = next(i for i, (a, b) in enumerate(zip(current, saved)) if a != b)
+                only_saved = [x for x in saved[n] if x not in current[n]]
+                only_here = [x for x in current[n] if x not in saved[n]]
+                why = (f"param group {n} differs" + _listing("only in the checkpoint", only_saved)
+                       + _listing("only in the optimizer", only_here)
+                       + ("\n  (same parameters in another order)"
+                          if not only_saved and not only_here else ""))
+            raise CheckpointMismatchError(f"the optimizer state in checkpoint {root} was saved "
+                                          f"for other parameters: {why}")
+
+    def entry(self, reader: Reader, name: str, copy: bool = False) -> Optional[Dict[str, Any]]:
+        record = self.states.get(name)
+        if record is None:
+            return None
+        out = {k: decode(v) for k, v in record["values"].items()}
+        for key, rel in record["tensors"].items():
+            t = reader.tensor(rel, f"{name}::{key}")
+            out[key] = t.clone() if copy else t
+        return out
+
+    def torch_state_dict(self, reader: Reader, skip=lambda p: False) -> Dict[str, Any]:
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        state = {}
+        for i, p in enumerate(params):
+            if not skip(p):
+                e = self.entry(reader, self.names[id(p)], copy=True)
+                if e is not None:
+                    state[i] = e
+        groups, start = [], 0
+        for g in self.groups:
+            groups.append({**{k: v for k, v in g.items() if k != "params"},
+                           "params": list(range(start, start + len(g["params"])))})
+            start += len(g["params"])
+        return {"state": state, "param_groups": groups}
+
+    def shard_entries(self, reader: Reader, shard: Any) -> Dict[int, Dict[str, Any]]:
+        per_slot = {}
+        for i, slot in enumerate(shard.flat.slots):
+            if shard.groups[i] is None:
+                continue
+            e = self.entry(reader, self.names[id(slot.param)])
+            if e is not None:
+                per_slot[i] = e
+        return per_slot
+
+
+# ---- loading ----------------------------------------------------------------------------------
+def _load_wrapped(names: ModelNames, plan: _Plan, reader: Reader,
+                  opt: Optional[_OptimizerPlan]) -> None:
+    engine = names.engine
+    engine.quiesce()  # no block materialized: every fetch after this reads the new homes
+    shards: Dict[int, Any] = {}
+    if opt is not None:
+        # groups, hyper-parameters and unwrapped parameters' states; wrapped shards start empty
+        opt.optimizer.load_state_dict(opt.torch_state_dict(reader, skip=lambda p: locate(p)
+                                                           is not None))
+        shards = {id(s.flat): s for s in opt.optimizer.shard_states()}  # none holds states now
+    for flat in engine.flats:
+        sources = [(i, slot, plan.file_of(names.of(slot.param) or slot.qualname))
+                   for i, slot in enumerate(flat.slots)]
+        buf = inf_io.aligned_empty(flat.numel, flat.home_dtype, lock=False)
+        if all(src is not None for _, _, src in sources):
+            buf.zero_()
+        else:
+            engine.home.read_into(flat, buf)  # non-strict: keep what the checkpoint lacks
+        for _, slot, src in sources:
+            if src is not None:
+                buf[slot.offset:slot.offset + slot.numel].copy_(reader.tensor(*src).reshape(-1))
+        engine.home.write_from(flat, buf)
+        # the optimizer's masters follow these values (unless its states are loaded below)
+        flat.user_written.update(i for i, _, src in sources if src is not None)
+        shard = shards.pop(id(flat), None)
+        if shard is not None:
+            opt.optimizer.load_shard_state(shard.key, opt.shard_entries(reader, shard))
+    for shard in shards.values():  # blocks of another wrapped model stepped by this optimizer
+        opt.optimizer.load_shard_state(shard.key, opt.shard_entries(reader, shard))
+    with torch.no_grad():
+        for name, t in names.buffers():
+            src = plan.file_of(name)
+            if src is not None:
+                t.copy_(reader.tensor(*src))
+    engine.resume()
+
+
+def _load_plain(model: nn.Module, names: ModelNames, plan: _Plan, reader: Reader) -> None:
+    by_file: Dict[str, Dict[str, str]] = {}
+    for name in names.tensors:
+        src = plan.file_of(name)
+        if src is not None:
+            by_file.setdefault(src[0], {})[name] = src[1]
+    for rel, wanted in by_file.items():
+        part = {name: reader.tensor(rel, saved) for name, saved in wanted.items()}
+        model.load_state_dict(part, strict=False)
+
+
+def _set_rng(state: Dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def load_checkpoint(path: str, model: nn.Module,
+                    optimizer: Optional[torch.optim.Optimizer] = None, *, scheduler: Any = None,
+                    scaler: Any = None, rng: bool = False, strict: bool = True
+                    ) -> Dict[str, Any]:
+    """Loads a checkpoint written by :func:`save_checkpoint` into ``model`` (wrapped or not)
+    and, when given, ``optimizer``, ``scheduler``, ``scaler`` and the RNG states (``rng=True``);
+    returns the ``extra`` values it was saved with.
+
+    Checks first (changing nothing on failure) that it is a checkpoint, that its manifest is
+    intact, that its tensors match the model's names and shapes (one error lists every missing,
+    unexpected and mismatched tensor; ``strict=False`` loads the matching ones) and that the
+    optimizer has the saved parameters. Then streams file by file, verifying each file's size
+    and CRC32C before using it: a damaged file raises CorruptCheckpointError naming it (the
+    model may then be partly loaded). If a save crashed while replacing ``path``, the previous
+    checkpoint it kept aside is loaded (with a warning).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"load_checkpoint expects an nn.Module, got {type(model).__name__}")
+    root, manifest = open_checkpoint(path)
+    for what, obj, key in (("an optimizer", optimizer, "optimizer"),
+                           ("a scheduler", scheduler, "scheduler"),
+                           ("a loss scaler", scaler, "scaler"), ("RNG states", rng, "rng")):
+        if obj is not None and obj is not False and manifest.get(key) is None:
+            raise CheckpointError(f"checkpoint {root} was saved without {what}; do not pass "
+                                  f"{key}= to load_checkpoint, or save it with one")
+    names = ModelNames(model)
+    plan = _Plan(manifest, names, root, strict)
+    opt = _OptimizerPlan(manifest["optimizer"], optimizer, names, root) \
+        if optimizer is not None else None
+    total = sum(f["size"] for f in manifest.get("files", {}).values())
+    with tqdm(total=total, unit="B", unit_scale=True, leave=False,
+              desc="infinity: loading checkpoint", disable=total < _PROGRESS_MIN_BYTES) as bar:
+        reader = Reader(root, manifest, bar)
+        try:
+            if names.engine is not None:
+                _load_wrapped(names, plan, reader, opt if opt is not None and
+                              hasattr(optimizer, "load_shard_state") else None)
+                if opt is not None and not hasattr(optimizer, "load_shard_state"):
+                    optimizer.load_state_dict(opt.torch_state_dict(reader))
+            else:
+                _load_plain(model, names, plan, reader)
+                if opt is not None:
+                    optimizer.load_state_dict(opt.torch_state_dict(reader))
+        except CorruptCheckpointError as exc:
+            raise CorruptCheckpointError(
+                f"{exc}. The model{' and optimizer' if optimizer is not None else ''} may be "
+                "partly loaded: load an intact checkpoint before training on") from None
+    objects = decode(manifest.get("objects") or {})
+    if objects:
+        model.load_state_dict({k: v for k, v in objects.items() if k in names.objects},
+                              strict=False)
+    if scheduler is not None:
+        scheduler.load_state_dict(decode(manifest["scheduler"]))
+    if scaler is not None:
+        scaler.load_state_dict(decode(manifest["scaler"]))
+    if rng:
+        _set_rng(decode(manifest["rng"]))
+    return decode(manifest.get("extra") or {})

@@ -1,0 +1,294 @@
+"""save_checkpoint: streams a (wrapped) model, its optimizer and the trainer's state into an
+atomic checkpoint directory, one block in RAM at a time."""
+from __future__ import annotations
+
+import errno as errno_mod
+import json
+import logging
+import os
+import random
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from .. import io as inf_io
+from ..runtime.engine import Engine
+from ..runtime.flat import FlatParam
+from . import files as files_mod
+from .atomic import staged_directory
+from .files import write_tensor_file
+from .manifest import FORMAT, MANIFEST, VERSION, dtype_name, encode, render_manifest
+from .names import ModelNames
+
+logger = logging.getLogger(__name__)
+
+_PLAIN_FILE_BYTES = 1 << 30   # an unwrapped model's state_dict is split in files of ~1 GiB
+_PROGRESS_MIN_BYTES = 1 << 30  # show a progress bar for saves at least this big
+_FULL_DISK = (errno_mod.ENOSPC, errno_mod.EDQUOT, errno_mod.EFBIG)
+_STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
+
+
+class _Writer:
+    """Writes the checkpoint's data files under ``root`` and records their size and CRC32C."""
+
+    def __init__(self, root: str, progress: Any) -> None:
+        self.root = root
+        self.progress = progress
+        self.files: Dict[str, Dict[str, int]] = {}
+
+    def write(self, rel: str, items: List[Tuple[str, torch.Tensor]],
+              metadata: Optional[Dict[str, str]] = None) -> str:
+        path = os.path.join(self.root, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        size, crc = write_tensor_file(path, items, {"format": "pt", **(metadata or {})},
+                                      self.progress)
+        self.files[rel] = {"size": size, "crc32c": crc}
+        return rel
+
+
+def _tensor_meta(rel: str, t: torch.Tensor, kind: str) -> Dict[str, Any]:
+    return {"file": rel, "kind": kind, "dtype": dtype_name(t.dtype), "shape": list(t.shape)}
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.int32),
+                                              b.reshape(-1).view(torch.int32))
+
+
+# ---- the model ------------------------------------------------------------------------------
+def _flat_file(flat: FlatParam) -> str:
+    return f"model/{flat.key}.safetensors"
+
+
+def _save_flat(out: _Writer, engine: Engine, flat: FlatParam, names: ModelNames,
+               opt_names: Dict[int, str], shard: Any, meta: Dict[str, Any],
+               opt_states: Dict[str, Any]) -> None:
+    """One block's parameters (home dtype, read through its home) and, with ``shard`` (a
+    ShardState of the optimizer), their fp32 optimizer states, as one file."""
+    rel = _flat_file(flat)
+    buf = inf_io.aligned_empty(flat.numel, flat.home_dtype, lock=False)
+    engine.home.read_into(flat, buf)
+    items: List[Tuple[str, torch.Tensor]] = []
+    for i, slot in enumerate(flat.slots):
+        name = names.of(slot.param) or slot.qualname
+        value = buf[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        items.append((name, value))
+        meta[name] = _tensor_meta(rel, value, "param")
+        if shard is not None:
+            _add_shard_slot(items, opt_states, shard, i, opt_names, rel, value)
+    out.write(rel, items, {"infinity_flat": flat.key})
+
+
+def _add_shard_slot(items: List[Tuple[str, torch.Tensor]], opt_states: Dict[str, Any],
+                    shard: Any, i: int, opt_names: Dict[int, str], rel: str,
+                    param_value: Optional[torch.Tensor]) -> None:
+    """Slot ``i`` of a ShardState: its moments and (unless it equals the fp32 parameter bit for
+    bit) its master weight, when the optimizer has taken a step for it."""
+    if shard.exp_avg is None or shard.groups[i] is None or shard.steps[i] == 0:
+        return
+    slot = shard.flat.slots[i]
+    name = opt_names[id(slot.param)]
+    sl = slice(slot.offset, slot.offset + slot.numel)
+    tensors = {"exp_avg": shard.exp_avg[sl].view(slot.shape),
+               "exp_avg_sq": shard.exp_avg_sq[sl].view(slot.shape)}
+    master = shard.master[sl].view(slot.shape)
+    if param_value is None or not _same_bits(master, param_value):
+        tensors["master"] = master
+    for key, t in tensors.items():
+        items.append((f"{name}::{key}", t))
+    opt_states[name] = {"values": {"step": int(shard.steps[i])},
+                        "tensors": {k: rel for k in tensors}}
+
+
+def _save_wrapped(out: _Writer, names: ModelNames, optimizer: Any,
+                  opt_names: Dict[int, str], meta: Dict[str, Any],
+                  opt_states: Dict[str, Any]) -> None:
+    engine = names.engine
+    engine.quiesce()
+    own = {id(f) for f in engine.flats}
+    done = set()
+    if optimizer is not None and hasattr(optimizer, "shard_states"):
+        for shard in optimizer.shard_states():  # one shard's states in RAM at a time
+            if id(shard.flat) in own:
+                _save_flat(out, engine, shard.flat, names, opt_names, shard, meta, opt_states)
+                done.add(id(shard.flat))
+            else:  # a block of another wrapped model stepped by this optimizer
+                rel = f"optimizer/{shard.key}.safetensors"
+                items: List[Tuple[str, torch.Tensor]] = []
+                for i in range(len(shard.flat.slots)):
+                    _add_shard_slot(items, opt_states, shard, i, opt_names, rel, None)
+                if items:
+                    out.write(rel, items, {"infinity_flat": shard.key})
+    for flat in engine.flats:
+        if id(flat) not in done:
+            _save_flat(out, engine, flat, names, opt_names, None, meta, opt_states)
+    buffers = names.buffers()
+    if buffers:
+        rel = out.write("model/buffers.safetensors", buffers)
+        for name, t in buffers:
+            meta[name] = _tensor_meta(rel, t, "buffer")
+
+
+def _save_plain(out: _Writer, names: ModelNames, meta: Dict[str, Any]) -> None:
+    groups: List[List[Tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, t in names.tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if groups[-1] and size + nbytes > _PLAIN_FILE_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append((name, t.detach()))
+        size += nbytes
+    for k, items in enumerate(groups, 1):
+        if not items:
+            continue
+        rel = out.write(f"model/model-{k:05d}.safetensors", items)
+        for name, t in items:
+            meta[name] = _tensor_meta(rel, t, "param" if names.is_param(name) else "buffer")
+
+
+# ---- the optimizer (what is not in the blocks' files) -----------------------------------------
+def _save_optimizer(out: _Writer, optimizer: torch.optim.Optimizer, names: ModelNames,
+                    opt_names: Dict[int, str], opt_states: Dict[str, Any]) -> Dict[str, Any]:
+    streamed = hasattr(optimizer, "shard_states") and names.engine is not None
+    sd = optimizer.state_dict(wrapped=False) if streamed else optimizer.state_dict()
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    groups = []
+    for g in sd["param_groups"]:
+        hyper = {k: v for k, v in g.items() if k != "params"}
+        groups.append({**hyper, "params": [opt_names[id(params[i])] for i in g["params"]]})
+    items: List[Tuple[str, torch.Tensor]] = []
+    rel = "optimizer.safetensors"
+    for index, entry in sd["state"].items():
+        name = opt_names[id(params[index])]
+        record: Dict[str, Any] = {"values": {}, "tensors": {}}
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                items.append((f"{name}::{key}", value.detach()))
+                record["tensors"][key] = rel
+            else:
+                record["values"][key] = encode(value, f"optimizer state {name}[{key!r}]")
+        opt_states[name] = record
+    if items:
+        out.write(rel, items)
+    return {"class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
+            "param_groups": encode(groups, "optimizer param_groups"), "states": opt_states}
+
+
+# ---- trainer state ----------------------------------------------------------------------------
+def rng_state() -> Dict[str, Any]:
+    state: Dict[str, Any] = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+                             "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _hf_config(model: nn.Module) -> Optional[Dict[str, Any]]:
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_json_string") \
+            or not hasattr(config, "save_pretrained"):
+        return None
+    try:
+        data = json.loads(config.to_json_string(use_diff=False))
+    except Exception as exc:  # noqa: BLE001 - a config is a convenience, not the checkpoint
+        logger.warning("infinity: the model's config could not be saved (%s); consolidate "
+                       "will not write config.json", exc)
+        return None
+    if not data.get("architectures"):
+        data["architectures"] = [type(model).__name__]
+    return data
+
+
+def _estimate_bytes(names: ModelNames, optimizer: Any) -> int:
+    if names.engine is None:
+        return sum(t.numel() * t.element_size() for t in names.tensors.values())
+    per_param = 12 if optimizer is not None else 0
+    return sum(f.numel * (f.home_itemsize + per_param) for f in names.engine.flats)
+
+
+def _write_manifest(root: str, body: Dict[str, Any]) -> None:
+    raw = np.frombuffer(render_manifest(body), dtype=np.uint8)
+    fd = os.open(os.path.join(root, MANIFEST), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        files_mod._write_bytes(fd, memoryview(raw))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+                    *, scheduler: Any = None, scaler: Any = None, rng: bool = False,
+                    **extra: Any) -> str:
+    """Saves ``model`` (wrapped by infinity.wrap or not), ``optimizer`` and the trainer's
+    state as a checkpoint directory at ``path``; returns its absolute path.
+
+    Streams block by block (one block's parameters and optimizer states in RAM at a time) into
+    one safetensors file per block, plus a JSON manifest with every file's size and CRC32C,
+    the parameter names/shapes/dtypes, the optimizer's param groups and step counts,
+    ``scheduler.state_dict()``, ``scaler.state_dict()``, the RNG states of torch, numpy and
+    python ``random`` (``rng=True``) and ``extra`` (JSON values, tuples or small tensors), which
+    :func:`load_checkpoint` returns. Atomic: a crash or a full disk at any point leaves the
+    previous checkpoint at ``path`` (if any) loadable.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"save_checkpoint expects an nn.Module, got {type(model).__name__}")
+    from .. import __version__
+    path = os.path.abspath(os.fspath(path))
+    body: Dict[str, Any] = {
+        "format": FORMAT, "version": VERSION, "infinity_version": __version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
+        "world_size": 1, "rank": 0,
+        # the trainer's state is encoded first: a value that cannot be saved fails before
+        # anything is written
+        "extra": encode(extra, "extra"),
+        "scheduler": encode(scheduler.state_dict(), "scheduler.state_dict()")
+        if scheduler is not None else None,
+        "scaler": encode(scaler.state_dict(), "scaler.state_dict()")
+        if scaler is not None else None,
+        "rng": encode(rng_state(), "rng") if rng else None,
+        "hf_config": _hf_config(model),
+    }
+    names = ModelNames(model)
+    engine = names.engine
+    body["wrapped"] = engine is not None
+    body["param_tier"] = engine.param_tier.value if engine is not None else None
+    body["objects"] = encode(names.objects, "model extra state")
+    opt_names = names.optimizer_names(optimizer) if optimizer is not None else {}
+    meta: Dict[str, Any] = {}
+    opt_states: Dict[str, Any] = {}
+    total = _estimate_bytes(names, optimizer)
+    try:
+        with staged_directory(path) as tmp, \
+                tqdm(total=total, unit="B", unit_scale=True, leave=False,
+                     desc="infinity: saving checkpoint",
+                     disable=total < _PROGRESS_MIN_BYTES) as bar:
+            out = _Writer(tmp, bar)
+            if engine is not None:
+                _save_wrapped(out, names, optimizer, opt_names, meta, opt_states)
+            else:
+                _save_plain(out, names, meta)
+            body["tensors"] = {n: meta[n] for n in names.tensors if n in meta}
+            body["aliases"] = dict(names.aliases)
+            body["optimizer"] = _save_optimizer(out, optimizer, names, opt_names, opt_states) \
+                if optimizer is not None else None
+            body["files"] = out.files
+            _write_manifest(tmp, body)
+    except OSError as exc:
+        if exc.errno in _FULL_DISK:
+            raise OSError(exc.errno, f"infinity.save_checkpoint: the disk under "
+                          f"{os.path.dirname(path)} is full ({os.strerror(exc.errno)}); the "
+                          f"checkpoint was not written and nothing at {path} was replaced: the "
+                          "previous checkpoint there (if any) is intact. Free space or save "
+                          "elsewhere", getattr(exc, "filename", None)) from exc
+        raise
+    finally:
+        if engine is not None:
+            engine.resume()  # prefetch what the next forward needs, as after a step
+    logger.info("infinity: checkpoint saved to %s (%d files)", path, len(body["files"]))
+    return path
