@@ -3,14 +3,16 @@
     model = infinity.wrap(model, nvme_path="/mnt/ssd")
     opt = infinity.optim.AdamW(model.parameters(), lr=1e-4)
 """
-from .api import empty_init, gradient, materialized, stats, unwrap, wrap
+from .api import (empty_init, gradient, materialized, parameters_changed, stats, unwrap,
+                  wrap)
 from .checkpoint import consolidate, load_checkpoint, save_checkpoint
 from .policy import OffloadPolicy
 from .tiers import Tier
 
 __version__ = "0.1.0"
 
-__all__ = ["wrap", "unwrap", "stats", "materialized", "gradient", "empty_init", "OffloadPolicy",
+__all__ = ["wrap", "unwrap", "stats", "materialized", "gradient", "empty_init",
+           "parameters_changed", "OffloadPolicy",
            "Tier", "__version__"]
 __all__ += ["save_checkpoint", "load_checkpoint", "consolidate"]
 

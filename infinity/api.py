@@ -123,6 +123,14 @@ def materialized(model: nn.Module, module: Optional[nn.Module] = None) -> Iterat
         yield
 
 
+def parameters_changed(model: nn.Module) -> None:
+    """Call after changing a wrapped model's parameters in place through ``p.data`` outside
+    forward (``p.data += delta``, as PEFT's merge does): such writes do not bump the
+    parameter's version counter, so the engine cannot see them. Writes through the parameter
+    itself under ``torch.no_grad()`` (``p.add_(delta)``, ``load_state_dict``) need no call."""
+    _engine(model).assume_all_written()
+
+
 def gradient(param: torch.Tensor) -> Optional[torch.Tensor]:
     """The gradient accumulated for ``param`` since the last zero_grad.
 

@@ -25,6 +25,8 @@ import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Dict, Tuple
 
+import copy
+
 import pytest
 import torch
 
@@ -359,15 +361,46 @@ def test_outside_forward(tier, op, cases, tmp_path):
 # a torch optimizer cannot see NVMe gradients: a loud error, never a silent no-op
 # =========================================================================================
 @pytest.mark.parametrize("param_tier", ["host", "nvme"])
-def test_torch_optimizer_refuses_nvme_gradients(tmp_path, param_tier):
+def test_torch_optimizer_reads_nvme_gradients_through_memory_maps(tmp_path, param_tier):
+    """fp32 parameters with gradients on NVMe: p.grad is a memory map of the gradient swap
+    file, so a torch optimizer and torch.nn.utils.clip_grad_norm_ work as on the plain
+    model (the clip's in-place change reaches the file and is re-checksummed)."""
     cfg = GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq=16)
     torch.manual_seed(0)
-    model = infinity.wrap(TinyGPT(cfg), nvme_path=str(tmp_path), param_tier=param_tier,
+    ref = TinyGPT(cfg)
+    model = infinity.wrap(copy.deepcopy(ref), nvme_path=str(tmp_path), param_tier=param_tier,
                           grad_tier="nvme")
+    try:
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ref, model)]
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            x, y = synthetic_batch(cfg, 2, 8, gen)
+            norms = []
+            for m, opt in zip((ref, model), opts):
+                lm_loss(m(x), y).backward()
+                norms.append(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05))
+                opt.step()
+                m.zero_grad()
+            assert torch.equal(norms[0], norms[1]) and norms[0] > 0.05  # clipping active
+        for (n, a), b in zip(ref.named_parameters(), model.parameters()):
+            assert torch.equal(a, b), n
+    finally:
+        infinity.unwrap(model)
+
+
+@pytest.mark.parametrize("param_tier", ["host", "nvme"])
+def test_torch_optimizer_refuses_nvme_gradients_it_cannot_see(tmp_path, param_tier):
+    """bf16 parameters with gradients on NVMe: p.grad cannot view the fp32 gradient file, so
+    a torch optimizer's step raises, naming infinity and the remedy; nothing changes."""
+    cfg = GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq=16)
+    torch.manual_seed(0)
+    model = infinity.wrap(TinyGPT(cfg).to(torch.bfloat16), nvme_path=str(tmp_path),
+                          param_tier=param_tier, grad_tier="nvme")
     try:
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         x, y = synthetic_batch(cfg, 2, 8, torch.Generator().manual_seed(1))
         lm_loss(model(x), y).backward()
+        assert all(p.grad is None for p in model.parameters())
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         with pytest.raises(RuntimeError) as info:
             opt.step()

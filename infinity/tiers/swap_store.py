@@ -347,8 +347,12 @@ class SwapStore:
         if crc != entry.crc:
             raise SwapCorruptionError(
                 f"swap file {self._path(key)!r} is corrupted: CRC32C {crc:#010x} does not match "
-                f"{entry.crc:#010x} recorded when it was written; the disk or another process "
-                "changed it. Training cannot continue from it; restart from a checkpoint")
+                f"{entry.crc:#010x} recorded when it was written. Either the disk or another "
+                "process changed it (training cannot continue from it; restart from a "
+                "checkpoint), or code wrote a wrapped parameter in place through `p.data` "
+                "outside forward, which infinity cannot see: write through the parameter "
+                "under torch.no_grad() instead, or call infinity.parameters_changed(model) "
+                "right after such writes")
 
     def read_sync(self, key: str, buf: torch.Tensor) -> None:
         self.read(key, buf).wait()

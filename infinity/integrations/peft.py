@@ -1,0 +1,29 @@
+"""PEFT: merging LoRA adapters into a wrapped base model.
+
+PEFT's merge writes the base weights in place through ``weight.data += delta``, which does not
+bump the parameters' version counters, so the engine cannot see it (with parameters on NVMe
+the next forward could use a prefetched copy of the old weights). This merge tells the engine
+afterwards that every parameter changed.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from ..api import parameters_changed
+from ..runtime.engine import engine_of
+
+
+def _wrapped_modules(model: nn.Module):
+    return [m for m in model.modules() if engine_of(m) is not None]
+
+
+def merge_and_unload(peft_model: nn.Module, **kwargs: Any) -> nn.Module:
+    """``peft_model.merge_and_unload(**kwargs)`` for a PEFT model whose base is wrapped by
+    infinity; the merged weights reach the engine's homes. Returns the merged base model."""
+    wrapped = _wrapped_modules(peft_model)
+    merged = peft_model.merge_and_unload(**kwargs)
+    for module in wrapped:
+        parameters_changed(module)
+    return merged
