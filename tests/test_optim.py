@@ -393,7 +393,7 @@ def test_disk_full_during_state_write_keeps_previous_states(tmp_path, param_tier
 
 def test_nonfinite_gradients_skip_the_step(caplog):
     model = infinity.wrap(_model())
-    opt = infinity.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = infinity.optim.AdamW(model.parameters(), lr=1e-2, check_finite=True)
     _train(model, opt, 1)
     with infinity.materialized(model):
         before = _weights(model)
@@ -650,3 +650,26 @@ def test_benchmark_quick_runs(tmp_path):
     names = {r["name"] for r in res["rows"]}
     assert {"torch_fused_adamw", "infinity_host", "infinity_nvme"} <= names
     assert all(r["step_s_median"] > 0 for r in res["rows"])
+
+
+def test_check_finite_auto_costs_no_pass_over_host_gradients(monkeypatch):
+    """The default check_finite="auto" reads no gradient for the inf/nan check (torch.optim
+    does none either); a non-finite norm from clip_grad_norm_ still skips the step."""
+    import infinity.optim.offloaded_adam as oa
+    calls = []
+    real = oa.OffloadedAdam.grads_finite
+    monkeypatch.setattr(oa.OffloadedAdam, "grads_finite",
+                        lambda self: calls.append(1) or real(self))
+    model = infinity.wrap(_model())
+    opt = infinity.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, 2)
+    assert calls == [] and opt.skipped_steps == 0
+    x, y = synthetic_batch(CFG, 2, 8, torch.Generator().manual_seed(3))
+    lm_loss(model(x), y).backward()
+    infinity.runtime.locate(model.layers[0].fc.weight).flat.grad[5] = float("inf")
+    assert not math.isfinite(opt.clip_grad_norm_(1.0).item())
+    opt.step()
+    assert opt.skipped_steps == 1 and calls == []
+    with pytest.raises(ValueError, match="check_finite"):
+        infinity.optim.AdamW(model.parameters(), check_finite="sometimes")
+    infinity.unwrap(model)

@@ -115,9 +115,13 @@ class OffloadedAdam(torch.optim.Optimizer):
         params: parameters or param groups, as for torch.optim.
         lr, betas, eps, weight_decay: as torch.optim.AdamW / Adam.
         adamw: True: decoupled weight decay (AdamW); False: L2 added to the gradient (Adam).
-        check_finite: before each step, check the gradients for inf/nan (one extra read pass;
-            skipped when clip_grad_norm_ or a LossScaler already checked). A step with inf/nan
-            gradients is never applied: it is skipped, logged and counted in ``skipped_steps``.
+        check_finite: whether a step first checks its gradients for inf/nan. "auto" (the
+            default) checks only where it costs no pass over the gradients: gradients on NVMe
+            (the engine measured them while they were in RAM), after ``clip_grad_norm_`` (a
+            non-finite norm), and with a :class:`LossScaler` (which checks, as fp16 needs).
+            True: always (one extra read pass over gradients in RAM); False: never, like
+            torch.optim. A step found to have inf/nan gradients is not applied: it is
+            skipped, logged and counted in ``skipped_steps``.
 
     The tier of the states of each wrapped model is chosen by ``choose_tier`` (from the
     model's ``optimizer_tier`` policy) at the first step. After each step,
@@ -130,13 +134,15 @@ class OffloadedAdam(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, *, adamw: bool = True,
-                 amsgrad: bool = False, maximize: bool = False, check_finite: bool = True
-                 ) -> None:
+                 amsgrad: bool = False, maximize: bool = False,
+                 check_finite: Union[bool, str] = "auto") -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         amsgrad=amsgrad, maximize=maximize)
         _check_hyper(defaults)
         self._adamw = bool(adamw)
-        self.check_finite = bool(check_finite)
+        if check_finite not in (True, False, "auto"):
+            raise ValueError(f"check_finite must be True, False or 'auto', got {check_finite!r}")
+        self.check_finite = check_finite
         self._shards: Dict[int, Shard] = {}       # id(flat) -> shard, in registration order
         self._wrapped: Dict[int, Tuple[Shard, int]] = {}  # id(param) -> (shard, slot)
         self._stores: Dict[int, States] = {}      # id(engine) -> its state store
@@ -262,6 +268,14 @@ class OffloadedAdam(torch.optim.Optimizer):
                     norms.append(clip_mod.tensor_norm(p.grad, norm_type))
         return norms
 
+    def _known_finite(self) -> Optional[bool]:
+        """False when a gradient the engine already checked (NVMe tier) holds an inf/nan."""
+        for shard in self._shards.values():
+            if (shard.engine.grads.finite(shard.flat) is False
+                    and any(self._ready(shard, i) for i in range(len(shard.flat.slots)))):
+                return False
+        return None
+
     def grads_finite(self) -> bool:
         """True when no gradient this optimizer would apply holds an inf or nan. Gradients on
         NVMe were checked by the engine while they were in RAM, so they are not read back."""
@@ -335,8 +349,10 @@ class OffloadedAdam(torch.optim.Optimizer):
         for engine in self._engines():
             engine.quiesce()
         self._check_lost_gradients()
-        if finite is None and self.check_finite:
+        if finite is None and self.check_finite is True:
             finite = self.grads_finite()
+        elif finite is None and self.check_finite == "auto":
+            finite = self._known_finite()
         if finite is False:
             self.skipped_steps += 1
             stats.skipped = True
