@@ -210,7 +210,7 @@ def _load_wrapped(names: ModelNames, plan: _Plan, reader: Reader,
                 buf[slot.offset:slot.offset + slot.numel].copy_(reader.tensor(*src).reshape(-1))
         engine.home.write_from(flat, buf)
         # the optimizer's masters follow these values (unless its states are loaded below)
-        flat.user_written.update(i for i, _, src in sources if src is not None)
+        engine.note_home_written(flat, [i for i, _, src in sources if src is not None])
         shard = shards.pop(id(flat), None)
         if shard is not None:
             opt.optimizer.load_shard_state(shard.key, opt.shard_entries(reader, shard))

@@ -29,7 +29,6 @@ logger = logging.getLogger(__name__)
 _PLAIN_FILE_BYTES = 1 << 30   # an unwrapped model's state_dict is split in files of ~1 GiB
 _PROGRESS_MIN_BYTES = 1 << 30  # show a progress bar for saves at least this big
 _FULL_DISK = (errno_mod.ENOSPC, errno_mod.EDQUOT, errno_mod.EFBIG)
-_STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 
 
 class _Writer:
