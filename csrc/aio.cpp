@@ -123,13 +123,22 @@ Engine* E() {
   return e;
 }
 
-// Fault injection: returns an errno to fail with now, or 0 (and may shorten *len).
-int fault_check(int op, size_t* len) {
+// Fault injection: returns an errno to fail with now, or 0 (and may shorten *len). With
+// O_DIRECT (``align`` > 1) a shortened length is rounded down to the alignment, so the fault
+// is the injected errno and never an EINVAL from an unaligned transfer.
+int fault_check(int op, size_t* len, size_t align) {
   Engine* e = E();
   std::lock_guard<std::mutex> g(e->fault_m);
   if (e->fault_op < 0 || !(e->fault_op == 2 || e->fault_op == op)) return 0;
   if (e->fault_left == 0) return e->fault_errno;
-  if (*len > e->fault_left) *len = e->fault_left;
+  if (*len > e->fault_left) {
+    size_t allowed = e->fault_left & ~(align - 1);
+    if (allowed == 0) {
+      e->fault_left = 0;
+      return e->fault_errno;
+    }
+    *len = allowed;
+  }
   e->fault_left -= *len;
   return 0;
 }
@@ -157,7 +166,7 @@ IoRes io_loop(Handle* h, int op, bool use_direct, char* buf, uint64_t len, int64
     if (want > (1ull << 30)) want = 1ull << 30;
     if (use_direct) want &= ~(kAlign - 1);
     ssize_t r;
-    int ferr = fault_check(op, &want);
+    int ferr = fault_check(op, &want, use_direct ? kAlign : 1);
     if (ferr != 0) {
       errno = ferr;
       r = -1;

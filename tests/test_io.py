@@ -243,6 +243,19 @@ def test_injected_enospc_keeps_earlier_data(engine, tmp_path):
         assert info.value.errno == errno.EIO
 
 
+def test_injected_fault_after_an_unaligned_byte_count_is_the_injected_errno(engine, tmp_path):
+    """With O_DIRECT the injector rounds a partial transfer down to 4 KiB: the failure is the
+    injected ENOSPC, never an EINVAL from an unaligned length."""
+    with io.FileHandle(tmp_path / "f.bin", "w+") as f:
+        io.inject_fault("write", errno.ENOSPC, after_bytes=100_000)
+        try:
+            with pytest.raises(io.InfinityIOError) as info:
+                f.write(_aligned_copy(_random_bytes(1 << 20, seed=3)))
+        finally:
+            io.clear_faults()
+        assert info.value.errno == errno.ENOSPC
+
+
 @pytest.mark.parametrize("force_fallback", [False, True])
 def test_rlimit_fsize_efbig(tmp_path, force_fallback):
     script = textwrap.dedent(f"""
