@@ -724,3 +724,12 @@ INF_API int inf_all_finite_f32(const float* data, int64_t n) {
   }
   return 1;
 }
+
+// ---- the pool, shared with the other CPU kernels (csrc/cpu_adam_compact.cpp) -----------------
+void inf_cpu::run_on_pool(int ntasks, TaskFn fn, void* ctx) {
+  if (ntasks <= 1) {
+    fn(ctx, 0);
+  } else {
+    pool().run(ntasks, fn, ctx);
+  }
+}

@@ -1,5 +1,8 @@
 """Typed, validating wrappers over the native kernels (with pure-PyTorch fallbacks)."""
 from infinity.ops.adam import bias_corrections, cpu_adam_step
+from infinity.ops.adam_compact import (cpu_adam_step_8bit, cpu_adam_step_bf16_moments,
+                                       dequantize_8bit, dynamic_map, new_8bit_state,
+                                       quantize_8bit)
 from infinity.ops.finite import all_finite
 from infinity.ops.cpu import (available_cpu_capabilities, cpu_capability,
                               cpu_capability_override, get_num_threads, set_cpu_capability,
@@ -10,9 +13,15 @@ __all__ = [
     "available_cpu_capabilities",
     "bias_corrections",
     "cpu_adam_step",
+    "cpu_adam_step_8bit",
+    "cpu_adam_step_bf16_moments",
     "cpu_capability",
     "cpu_capability_override",
+    "dequantize_8bit",
+    "dynamic_map",
     "get_num_threads",
+    "new_8bit_state",
+    "quantize_8bit",
     "set_cpu_capability",
     "set_num_threads",
 ]

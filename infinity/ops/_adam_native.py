@@ -47,6 +47,35 @@ def _declare(lib: ctypes.CDLL) -> None:
     for name in ("inf_set_cpu_capability", "inf_set_num_threads"):
         getattr(lib, name).argtypes = [c_int]
         getattr(lib, name).restype = c_int
+    if hasattr(lib, "inf_adam_step_q8"):  # absent from a library built before cpu_adam_compact
+        _declare_compact(lib)
+
+
+# Compact-state kernels (csrc/cpu_adam_compact.cpp): index of inf_adam_compact_calls' kernel.
+COMPACT_KERNELS = {"bf16_moments": 0, "8bit": 1}
+
+
+def _declare_compact(lib: ctypes.CDLL) -> None:
+    c_int, c_i64, c_dbl, c_vp = ctypes.c_int, ctypes.c_int64, ctypes.c_double, ctypes.c_void_p
+    hyper = [c_dbl, c_dbl, c_dbl, c_dbl, c_dbl, c_int,  # lr beta1 beta2 eps wd adamw
+             c_dbl, c_dbl, c_dbl]                       # bc1 bc2_sqrt grad_multiplier
+    lib.inf_adam_step_bf16m.argtypes = [
+        c_vp, c_vp, c_int, c_vp, c_vp, c_vp, c_int, c_i64] + hyper  # p g gd m v out od n
+    lib.inf_adam_step_bf16m.restype = c_int
+    lib.inf_adam_step_q8.argtypes = [
+        c_vp, c_vp, c_int, c_vp, c_vp, c_vp, c_vp, c_vp, c_int, c_i64,  # p g gd mq ma vq va out
+    ] + hyper                                                          # od n
+    lib.inf_adam_step_q8.restype = c_int
+    lib.inf_q8_block_size.argtypes = []
+    lib.inf_q8_block_size.restype = c_int
+    lib.inf_q8_dynamic_map.argtypes = [c_int, c_vp]
+    lib.inf_q8_dynamic_map.restype = c_int
+    lib.inf_q8_quantize.argtypes = [c_vp, c_i64, c_int, c_vp, c_vp]    # x n signed codes absmax
+    lib.inf_q8_quantize.restype = c_int
+    lib.inf_q8_dequantize.argtypes = [c_vp, c_vp, c_i64, c_int, c_vp]  # codes absmax n signed out
+    lib.inf_q8_dequantize.restype = c_int
+    lib.inf_adam_compact_calls.argtypes = [c_int, c_int]
+    lib.inf_adam_compact_calls.restype = c_i64
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -66,6 +95,14 @@ def native() -> Optional[ctypes.CDLL]:
     if lib is None:
         return None
     return _bind(lib)
+
+
+def native_compact() -> Optional[ctypes.CDLL]:
+    """Like :func:`native`, and None too when the library predates the compact-state kernels."""
+    lib = native()
+    if lib is None or not hasattr(lib, "inf_adam_step_q8"):
+        return None
+    return lib
 
 
 def loaded() -> Optional[ctypes.CDLL]:

@@ -2,7 +2,8 @@
 or on NVMe, stepped by the native CPU Adam (``infinity.ops.cpu_adam_step``).
 
 Parameters of a model wrapped by ``infinity.wrap`` are stepped shard by shard (one shard = one
-block's FlatParam): their gradients are read from ``flat.grad`` (the engine keeps them there;
+block's FlatParam): their gradients come from the engine's gradient source (in RAM, or read
+from its swap files; the optimizer sees only ``engine.grads``' narrow interface;
 ``p.grad`` stays None), the states come from :mod:`.state_store`, and the updated working copy
 (the parameter's home dtype: fp32, bf16 or fp16) is written in the same kernel pass into the
 parameter's home (host), into a staging buffer written to the parameter swap file (NVMe), or
@@ -28,7 +29,6 @@ import torch
 from .. import io as inf_io
 from ..ops import cpu_adam_step
 from ..runtime.engine import Engine, locate
-from ..tiers import Tier
 from . import clip as clip_mod
 from .state_store import (HostStates, NvmeStates, OptimizerStateIOError, Shard, choose_tier,
                           init_states, state_nbytes, states_of)
@@ -89,10 +89,6 @@ def _check_hyper(group: Dict[str, Any]) -> None:
     for flag in ("amsgrad", "maximize"):
         if group.get(flag):
             raise NotImplementedError(f"infinity.optim does not support {flag}=True")
-
-
-def _grads_on_nvme(shard: Shard) -> bool:
-    return shard.engine.grad_tier is Tier.NVME
 
 
 def _read_grads(shard: Shard, dst: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -174,7 +170,7 @@ class OffloadedAdam(torch.optim.Optimizer):
                 self._shards[id(loc.flat)] = shard
             shard.groups[loc.slot] = index
             self._wrapped[id(p)] = (shard, loc.slot)
-            loc.engine.optimizer_attached = True  # the engine prefetches after our step
+            loc.engine.attach_optimizer()  # the engine prefetches after our step
 
     def _is_wrapped(self, p: torch.Tensor) -> bool:
         return id(p) in self._wrapped and self._wrapped[id(p)][0].flat.slots[
@@ -188,9 +184,8 @@ class OffloadedAdam(torch.optim.Optimizer):
 
     def _ready(self, shard: Shard, i: int) -> bool:
         flat = shard.flat
-        return (shard.groups[i] is not None and flat.grad_ready[i]
-                and flat.slots[i].param.requires_grad
-                and (flat.grad is not None or _grads_on_nvme(shard)))
+        return (shard.groups[i] is not None and flat.slots[i].param.requires_grad
+                and shard.engine.grads.ready(flat, i))
 
     def _store(self, engine: Engine) -> States:
         store = self._stores.get(id(engine))
@@ -231,7 +226,8 @@ class OffloadedAdam(torch.optim.Optimizer):
                 continue
             if skip_checked and shard.engine.grads.finite(shard.flat) is not None:
                 continue
-            grad = shard.flat.grad if shard.flat.grad is not None else _read_grads(shard)
+            grad = shard.engine.grads.in_ram(shard.flat)
+            grad = grad if grad is not None else _read_grads(shard)
             for i in ready:
                 s = shard.flat.slots[i]
                 yield grad[s.offset:s.offset + s.numel]
@@ -253,7 +249,8 @@ class OffloadedAdam(torch.optim.Optimizer):
                 for i in ready:  # measured by the engine before the gradients went to NVMe
                     wrapped[id(shard.flat.slots[i].param)] = known[i]
                 continue
-            grad = shard.flat.grad if shard.flat.grad is not None else _read_grads(shard)
+            grad = shard.engine.grads.in_ram(shard.flat)
+            grad = grad if grad is not None else _read_grads(shard)
             for i in ready:
                 s = shard.flat.slots[i]
                 wrapped[id(s.param)] = clip_mod.tensor_norm(
@@ -408,9 +405,9 @@ class OffloadedAdam(torch.optim.Optimizer):
             buf = store.buffer(shard)
         else:
             buf = self._read_committed(shard)
+        if buf.numel() == 2 * shard.numel:
+            return  # host states of an fp32 host home: the home is the master
         master, _, _ = states_of(shard, buf)
-        if master is flat.home:
-            return  # fp32 host home: the home is the master
         home = torch.empty(flat.numel, dtype=flat.home_dtype)
         engine.read_home(flat, home)
         for i in written:
@@ -446,7 +443,7 @@ class OffloadedAdam(torch.optim.Optimizer):
                      ) -> Optional[torch.Tensor]:
         """Where the kernel writes the updated working copy (None: copied afterwards)."""
         flat = shard.flat
-        if shard.engine.param_tier is Tier.NVME:
+        if shard.engine.working_copy_staged:
             return staging[:flat.home_nbytes].view(flat.home_dtype)
         return shard.engine.home.working_buffer(flat)
 
@@ -454,9 +451,9 @@ class OffloadedAdam(torch.optim.Optimizer):
                staging: Optional[torch.Tensor], multiplier: float,
                grad: Optional[torch.Tensor] = None) -> None:
         """One shard: the kernel over each run, working copy written in the same pass.
-        ``grad``: the shard's gradients when they were read from NVMe (else flat.grad)."""
+        ``grad``: the shard's gradients when they were read from NVMe (else those in RAM)."""
         flat = shard.flat
-        grad = flat.grad if grad is None else grad
+        grad = shard.engine.grads.in_ram(flat) if grad is None else grad
         master, exp_avg, exp_avg_sq = states_of(shard, buf)
         out = self._working_out(shard, staging)
         in_place = master is out  # fp32 home is the master: updated in place, no copy out
@@ -472,9 +469,9 @@ class OffloadedAdam(torch.optim.Optimizer):
                           adamw=self._adamw,
                           out=out[r.start:r.end] if out is not None else None,
                           grad_multiplier=multiplier)
-            if out is None and not in_place:  # a device home on CUDA
-                flat.compute[r.start:r.end].copy_(master[r.start:r.end])
-        if shard.engine.param_tier is Tier.NVME:
+        if out is None and not in_place:  # a device home on CUDA: copied over afterwards
+            shard.engine.home.write_from(flat, master)
+        if shard.engine.working_copy_staged:
             # the whole working copy goes to the swap file: fill what the runs did not touch
             # from the masters (home == round(master) holds for every slot)
             pos = 0
@@ -499,12 +496,12 @@ class OffloadedAdam(torch.optim.Optimizer):
         for shard, runs in plans:
             buf = store.buffer(shard)
             engine = shard.engine
-            staging = self._home_staging(engine) if engine.param_tier is Tier.NVME else None
+            staging = self._home_staging(engine) if engine.working_copy_staged else None
             if not shard.initialized:
                 init_states(shard, buf, staging)
                 shard.initialized = True
             grad = None
-            if shard.flat.grad is None:
+            if engine.grads.in_ram(shard.flat) is None:
                 grad = _read_grads(shard)
                 stats.bytes_read += shard.numel * 4
             t0 = time.perf_counter()
@@ -533,8 +530,8 @@ class OffloadedAdam(torch.optim.Optimizer):
             stats.params += sum(r.end - r.start for r in runs)
 
     def _sets_for(self, engine: Engine, shards: List[Shard]) -> BufferSets:
-        staging = engine.param_tier is Tier.NVME
-        grads = engine.grad_tier is Tier.NVME
+        staging = engine.working_copy_staged
+        grads = engine.grads.on_nvme
         sets = self._sets.get(id(engine))
         if sets is not None and not sets.fits(shards, staging, grads):
             sets.close()
@@ -565,7 +562,7 @@ class OffloadedAdam(torch.optim.Optimizer):
             if not shard.initialized:
                 self._init_nvme(store, sets, shard)
         computed: List[Shard] = []
-        write_home = engine.param_tier is Tier.NVME
+        write_home = engine.working_copy_staged
         try:
             run_pipeline(shards, store, sets,
                          lambda s, buf, st, g: self._apply(s, runs_of[s.key], buf, st,
@@ -844,7 +841,7 @@ class OffloadedAdam(torch.optim.Optimizer):
             store.create(shard)
             buf = inf_io.aligned_empty(3 * shard.numel, torch.float32)
         scratch = inf_io.aligned_empty(shard.flat.home_nbytes) \
-            if engine.param_tier is Tier.NVME else None
+            if engine.working_copy_staged else None
         init_states(shard, buf, scratch)
         master, m, v = states_of(shard, buf)
         for i, (slot, entry) in enumerate(zip(slots, loaded)):

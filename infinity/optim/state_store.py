@@ -24,7 +24,8 @@ import torch
 from .. import io as inf_io
 from ..runtime.engine import Engine
 from ..runtime.flat import FlatParam
-from ..tiers import SwapStore, Tier
+from ..runtime.homes import master_is_home
+from ..tiers import SwapStore
 
 logger = logging.getLogger(__name__)
 
@@ -88,9 +89,7 @@ def master_in_home(shard: Shard) -> bool:
     """fp32 parameters homed in host RAM are their own master weights: the optimizer keeps
     only the two moments and updates the home copy in place (no second fp32 copy, 4 bytes per
     parameter less to store and to write each step), as torch.optim does for fp32 params."""
-    flat = shard.flat
-    return (shard.engine.param_tier is Tier.HOST and flat.home is not None
-            and flat.home_dtype == torch.float32)
+    return master_is_home(shard.engine.home, shard.flat)
 
 
 def states_of(shard: Shard, buf: torch.Tensor) -> tuple:
@@ -98,7 +97,7 @@ def states_of(shard: Shard, buf: torch.Tensor) -> tuple:
     moments when the master is the home copy itself (HostStates, :func:`master_in_home`)."""
     n = shard.numel
     if buf.numel() == 2 * n:
-        return shard.flat.home, buf[:n], buf[n:]
+        return shard.engine.home.working_buffer(shard.flat), buf[:n], buf[n:]
     return split_states(buf, n)
 
 
@@ -108,9 +107,9 @@ def init_states(shard: Shard, buf: torch.Tensor, scratch: Optional[torch.Tensor]
     NVMe (the home copy is read through it)."""
     flat, engine = shard.flat, shard.engine
     master, m, v = states_of(shard, buf)
-    if master is flat.home:
-        pass  # the home copy is the master
-    elif engine.param_tier.value == "nvme":
+    if buf.numel() == 2 * shard.numel:
+        pass  # the home copy is the master (HostStates of an fp32 host home)
+    elif engine.working_copy_staged:
         if scratch is None:
             raise RuntimeError("init_states needs a scratch buffer for NVMe-homed parameters")
         home = scratch[:flat.home_nbytes].view(flat.home_dtype)

@@ -166,7 +166,7 @@ def run_pipeline(shards: List[Shard], states: NvmeStates, sets: BufferSets, comp
         reads[i] = clock.submitted(states.read(shard, sets.state_view(k, shard)))
         stats.bytes_read += state_nbytes(shard.flat)
         engine.stats.add_moved("nvme_to_host", state_nbytes(shard.flat))
-        if shard.flat.grad is None and sets.grads[k] is not None:  # gradients on NVMe
+        if engine.grads.in_ram(shard.flat) is None and sets.grads[k] is not None:  # on NVMe
             grad_reads[i] = clock.submitted(
                 engine.grads.read(shard.flat, sets.grads[k][:shard.numel]))
             stats.bytes_read += shard.numel * 4
