@@ -243,3 +243,56 @@ def test_model_three_times_the_host_budget_loads_from_meta_and_trains(tmp_path):
     assert res["after_wrap"] < 0.2 * model_bytes, (res, model_bytes)
     assert res["growth"] < res["host_peak"] + 64 * 2**20, (res, model_bytes)
     assert res["growth"] < 0.75 * model_bytes, (res, model_bytes)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_hf_save_pretrained_meta_wrap_train_consolidate_from_pretrained(tmp_path, arch):
+    """save_pretrained -> built on meta and wrapped from that folder (NVMe tiers) -> 3 steps
+    that equal the plain model's -> save_checkpoint -> consolidate -> from_pretrained holds
+    exactly the trained weights."""
+    transformers = pytest.importorskip("transformers")
+    import copy
+
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
+                                       num_hidden_layers=2, num_attention_heads=2,
+                                       num_key_value_heads=2, max_position_embeddings=32)
+        cls = transformers.LlamaForCausalLM
+    else:
+        cfg = transformers.GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=2,
+                                      n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+                                      attn_pdrop=0.0)
+        cls = transformers.GPT2LMHeadModel
+    torch.manual_seed(0)
+    ref = cls(cfg)
+    folder = str(tmp_path / "pretrained")
+    ref.save_pretrained(folder)
+    with infinity.empty_init():
+        model = cls(cfg)
+    assert all(p.is_meta for p in model.parameters())
+    infinity.wrap(model, nvme_path=str(tmp_path), param_tier="nvme", source=folder)
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        assert torch.equal(a, b), name
+    ref = copy.deepcopy(ref)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    opt = infinity.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        ids = torch.randint(0, 96, (2, 12), generator=g)
+        losses = []
+        for m, o in ((ref, opt_ref), (model, opt)):
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            losses.append(loss.item())
+        assert losses[0] == losses[1]
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
+    infinity.save_checkpoint(ckpt, model, opt)
+    infinity.consolidate(ckpt, out)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    trained = dict(model.named_parameters())
+    for name, p in reloaded.named_parameters():
+        assert torch.equal(p, trained[name]), name
+    opt.close()
+    infinity.unwrap(model)
