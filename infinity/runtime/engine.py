@@ -117,7 +117,7 @@ class Engine:
         if self.device.type == "cpu" and any(not b.resident for b in self.blocks):
             return_freed_buffers_to_os()
         self._materialize_homes()
-        self.transfers = Transfers(self.device, self.stats, self.home, self.pool)
+        self.transfers = Transfers(self.device, self.stats, self.home, self.pool, self.flats)
         self._hooks = hooks_mod.register(self)
         self._locations: Dict[int, ParamLocation] = {
             id(slot.param): ParamLocation(self, block, flat, i)
@@ -412,9 +412,14 @@ class Engine:
         self.stats.fetches += 1
         return True
 
-    def _complete(self, block: Block) -> None:
+    def _complete(self, block: Block) -> bool:
         """Waits for an in-flight fetch and makes its data visible to the compute stream;
-        from here on the parameters view the compute buffer."""
+        from here on the parameters view the compute buffer. Returns False (and drops the
+        fetch) when the parameters were written through their outside views meanwhile: the
+        fetched bytes are stale."""
+        if any(f.binding is Binding.OUTSIDE and f.written_slots() for f in block.flats):
+            self.sync_outside_writes()  # takes the writes in and discards this fetch
+            return False
         future = block.future
         block.future = None
         try:
@@ -427,6 +432,7 @@ class Engine:
         block.transition(Residency.ON_DEVICE)
         for flat in block.flats:
             flat.bind_views(flat.compute)
+        return True
 
     def _drop_compute(self, block: Block) -> None:
         """Frees the compute buffers of a fetching or fetched block without looking at them and
@@ -445,15 +451,22 @@ class Engine:
                 block.prefetched = False
             return
         if block.state is Residency.FETCHING:
-            if block.future.done():
-                self.stats.prefetch_hits += 1
-            else:
-                self.stats.prefetch_misses += 1
+            hit = block.future.done()
             block.prefetched = False
             t0 = time.perf_counter()
-            self._complete(block)
+            try:
+                completed = self._complete(block)
+            except Exception as exc:  # noqa: BLE001 - a prefetch failed: fetch on demand
+                logger.warning("infinity: prefetch of block %s failed (%s); fetching it "
+                               "again", block.name, exc)
+                completed = False
             self.stats.stall_seconds += time.perf_counter() - t0
-            return
+            if completed:
+                if hit:
+                    self.stats.prefetch_hits += 1
+                else:
+                    self.stats.prefetch_misses += 1
+                return
         self.stats.prefetch_misses += 1
         self.stats.on_demand_fetches += 1
         t0 = time.perf_counter()
@@ -488,7 +501,13 @@ class Engine:
             raise ResidencyError(f"block {block.name!r} is being released while its forward "
                                  "runs (engine bug)")
         if block.state is Residency.FETCHING:
-            self._complete(block)
+            try:
+                if not self._complete(block):
+                    return  # stale: already dropped
+            except Exception as exc:  # noqa: BLE001 - a failed prefetch: nothing to release
+                logger.warning("infinity: prefetch of block %s failed (%s); it is fetched "
+                               "again when needed", block.name, exc)
+                return
         self._write_back(block)
         self._drop_compute(block)
         self.stats.releases += 1
@@ -574,6 +593,14 @@ class Engine:
     def mark_written(self, flat: FlatParam, slot: int) -> None:
         """Tells the engine that ``slot``'s parameter was written (by a torch optimizer)."""
         flat.forced_written.add(slot)
+
+    def assume_all_written(self) -> None:
+        """After code that wrote parameters in a way the engine cannot see (in place through
+        ``p.data``, e.g. PEFT's merge): every parameter's current value is taken in."""
+        with self._lock:
+            for flat in self.flats:
+                flat.forced_written.update(range(len(flat.slots)))
+            self.sync_outside_writes()
 
     # =====================================================================================
     # recovery after an exception in forward or backward
@@ -789,8 +816,8 @@ class Engine:
                 self._recover_failed_backward()
                 if self._model_forward_depth == 0:
                     self._recover_failed_forward()
-            self.release_all()
             self.sync_outside_writes()
+            self.release_all()
             self.grads.reconcile(detach=False)
 
     def resume(self) -> None:
@@ -807,6 +834,23 @@ class Engine:
         """Takes in the user's changes to the exposed ``p.grad`` (zero_grad, reassignment)."""
         with self._lock:
             self.grads.reconcile(detach=False)
+
+    def note_home_written(self, flat: FlatParam, slots: Sequence[int]) -> None:
+        """``slots`` of ``flat``'s home were written directly (a checkpoint load): an
+        optimizer's master weights follow them at its next step."""
+        with self._lock:
+            flat.user_written.update(slots)
+
+    def attach_optimizer(self) -> None:
+        """An optimizer that changes the homes in its step steps this engine: the next
+        forward's first blocks are prefetched after that step (resume), not after backward."""
+        self.optimizer_attached = True
+
+    @property
+    def working_copy_staged(self) -> bool:
+        """True when an updated working copy must pass through a staging buffer to reach its
+        home (an NVMe swap file) instead of being written in place."""
+        return isinstance(self.home, NvmeHome)
 
     def take_user_writes(self, flat: FlatParam) -> List[int]:
         """Slots of ``flat`` written through their parameter since the last call."""
@@ -911,8 +955,8 @@ class Engine:
             if restore:
                 if not self._in_backward():
                     self._recover_failed_backward()
-                self.release_all()
                 self.sync_outside_writes()
+                self.release_all()
                 self.grads.reconcile(detach=False)
                 for flat in self.flats:
                     values[flat.key] = self.home.snapshot(flat)
@@ -965,20 +1009,36 @@ def _raised(output: Any) -> bool:
     return output is None and sys.exc_info()[1] is not None
 
 
+DEVICE_ENV = "INFINITY_DEVICE"
+
+
 def resolve_device(device: Any) -> torch.device:
-    """The policy's ``device`` (None: CUDA when available, else the CPU), checked."""
+    """The policy's ``device``, checked. None: the ``INFINITY_DEVICE`` environment variable
+    when set (e.g. ``cpu`` to keep a GPU machine's tests on the CPU), else CUDA when
+    available, else the CPU."""
+    import os  # local: this function is the only user
+    origin = f"device={device!r}"
     if device is None:
-        if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-    dev = torch.device(device)
+        env = os.environ.get(DEVICE_ENV, "").strip()
+        if not env:
+            if torch.cuda.is_available():
+                return torch.device("cuda", torch.cuda.current_device())
+            return torch.device("cpu")
+        device, origin = env, f"{DEVICE_ENV}={env!r}"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"{origin} is not a device: {exc}") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device={device!r} but CUDA is not available; use device='cpu'")
-        return torch.device("cuda", dev.index if dev.index is not None
-                            else torch.cuda.current_device())
+            raise ValueError(f"{origin} but CUDA is not available; use 'cpu'")
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"{origin} but only {torch.cuda.device_count()} CUDA device(s) "
+                             "are visible")
+        return torch.device("cuda", index)
     if dev.type != "cpu":
-        raise ValueError(f"device={device!r} is not supported; use 'cuda', 'cuda:N' or 'cpu'")
+        raise ValueError(f"{origin} is not supported; use 'cuda', 'cuda:N' or 'cpu'")
     return dev
 
 
@@ -992,13 +1052,15 @@ def _check_foreign_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs
     for group in optimizer.param_groups:
         for p in group["params"]:
             loc = locate(p)
-            if loc is None or loc.engine.grad_tier is not Tier.NVME:
+            if loc is None or loc.engine.grad_tier is not Tier.NVME or p.grad is not None:
                 continue
-            if loc.flat.slots[loc.slot].trainable:
+            loc.engine.sync_gradients()
+            if loc.flat.slots[loc.slot].trainable and loc.flat.grad_ready[loc.slot]:
                 raise RuntimeError(
                     f"infinity: {type(optimizer).__name__} cannot read the gradient of "
                     f"parameter {loc.flat.slots[loc.slot].qualname!r}: the wrapped model keeps "
-                    "its gradients on NVMe (grad_tier='nvme'), so p.grad is None. Use "
+                    f"its gradients on NVMe (grad_tier='nvme') and a {p.dtype} parameter's "
+                    "p.grad cannot view the fp32 gradient file, so p.grad is None. Use "
                     "infinity.optim.AdamW/Adam, or wrap with grad_tier='host' to get p.grad")
 
 

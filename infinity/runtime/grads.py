@@ -19,9 +19,10 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
-import torch
-
 import logging
+
+import numpy as np
+import torch
 
 from .. import io as inf_io
 from ..ops import all_finite
@@ -54,7 +55,6 @@ class GradientSink:
         self.pool: Optional[HostPool] = None
         self._open: Dict[int, Tuple[FlatParam, torch.Tensor]] = {}
         self._writes: List[Tuple["inf_io.IOFuture", torch.Tensor, FlatParam]] = []
-        self._pending_d2h: List[tuple] = []
         self._finite: Dict[int, bool] = {}  # NVMe tier: checked while the buffer was in RAM
         self._norms: Dict[int, List[Optional[torch.Tensor]]] = {}  # per-slot L2 norms, ditto
         self._d2h = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -62,6 +62,7 @@ class GradientSink:
         # (id(flat), slot) -> (flat, slot, tensor given as p.grad, its version, is a view)
         self._exposed: Dict[Tuple[int, int], tuple] = {}
         self._lost: Dict[int, str] = {}  # id(flat) -> why its gradients are gone
+        self._maps: Dict[int, "np.memmap"] = {}  # NVMe tier: maps of the gradient files
         trainable = [f for f in flats if f.trainable]
         if tier is Tier.NVME and trainable:
             if store is None:
@@ -70,6 +71,20 @@ class GradientSink:
             self.pool = HostPool(pool_count, largest, host_budget)
             for f in trainable:
                 store.create(grad_key(f), f.numel * 4)
+        # CUDA: device->host copies land in a fixed ring of pinned staging buffers (bounded
+        # whatever the model size), drained into the accumulators when it is full
+        from . import pinned as pinned_mod
+        self._staging: Optional["pinned_mod.StagingRing"] = None
+        if trainable and pinned_mod.pin_for_dma(device):
+            largest_grad = max(f.compute_nbytes for f in trainable)
+            try:
+                self._staging = pinned_mod.StagingRing(
+                    pinned_mod.D2H_STAGING_BUFFERS, largest_grad, host_budget, pin=True,
+                    consume=self._accumulate_staged, what="device->host gradient staging")
+            except BaseException:
+                if self.pool is not None:
+                    self.pool.close()
+                raise
 
     # ---- accumulation ------------------------------------------------------------------
     def add(self, flat: FlatParam, index: int, grad: torch.Tensor) -> None:
@@ -77,13 +92,18 @@ class GradientSink:
             raise TypeError(f"{flat.slots[index].qualname}: sparse gradients are not supported")
         self._open_flat(flat)
         if grad.is_cuda:
-            staging = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
+            if self._staging is None or self._d2h is None:
+                raise RuntimeError(f"{flat.slots[index].qualname}: a CUDA gradient reached an "
+                                   f"engine computing on {self.device}")
+            # room in the staging ring; when it is full its oldest copies are waited for and
+            # accumulated first, so pinned memory in flight stays bounded
+            staging = self._staging.take(grad.numel(), grad.dtype)
             self._d2h.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._d2h):
-                staging.copy_(grad, non_blocking=True)
+                staging.view(grad.shape).copy_(grad, non_blocking=True)
                 grad.record_stream(self._d2h)
                 event = self._d2h.record_event()
-            self._pending_d2h.append((event, staging, flat, index))
+            self._staging.commit((flat, index), staging, event)
         else:
             self._accumulate(flat, index, grad)
         self.stats.add_moved("device_to_host", grad.numel() * grad.element_size())
@@ -96,11 +116,14 @@ class GradientSink:
             view.copy_(grad)
             flat.grad_ready[index] = True
 
+    def _accumulate_staged(self, item: Tuple[FlatParam, int], staging: torch.Tensor) -> None:
+        flat, index = item
+        self._accumulate(flat, index, staging.view(flat.slots[index].shape))
+
     def _drain_d2h(self) -> None:
-        for event, staging, flat, index in self._pending_d2h:
-            event.synchronize()
-            self._accumulate(flat, index, staging)
-        self._pending_d2h.clear()
+        """Waits for every device->host copy in flight and accumulates it, oldest first."""
+        if self._staging is not None:
+            self._staging.drain()
 
     # ---- buffers -------------------------------------------------------------------------
     def _open_flat(self, flat: FlatParam) -> None:
@@ -166,8 +189,7 @@ class GradientSink:
         """The flat's gradients for this backward are complete (NVMe: start writing them)."""
         if self.tier is Tier.HOST or id(flat) not in self._open:
             return
-        if self._pending_d2h:
-            self._drain_d2h()
+        self._drain_d2h()
         flat, buf = self._open.pop(id(flat))
         # measured now, while the buffer is in RAM, so the optimizer need not read it back for
         # the inf/nan check or for clipping: per-slot L2 norms (computed exactly as
@@ -207,6 +229,7 @@ class GradientSink:
     def expose(self) -> None:
         """After backward: each ready slot's gradient becomes its parameter's ``.grad``."""
         if self.tier is not Tier.HOST:
+            self._expose_nvme()
             return
         for flat in self._flats:
             if flat.grad is None:
@@ -222,10 +245,42 @@ class GradientSink:
                 p.grad = g
                 self._exposed[(id(flat), i)] = (flat, i, g, g._version, is_view)
 
+    def _expose_nvme(self) -> None:
+        """NVMe tier: fp32 CPU parameters get ``p.grad`` = a view of a shared memory map of the
+        flat's gradient swap file (reads page in through the OS cache; in-place changes reach
+        the file and are taken in by :meth:`reconcile`). Other dtypes keep ``p.grad = None``."""
+        for flat in self._flats:
+            if not flat.trainable or id(flat) in self._lost or not any(flat.grad_ready):
+                continue
+            mapped = None
+            for i, slot in enumerate(flat.slots):
+                p = slot.param
+                if (not flat.grad_ready[i] or not slot.trainable or p.dtype != torch.float32
+                        or p.device.type != "cpu"):
+                    continue
+                if mapped is None:
+                    mapped = self._grad_map(flat)
+                part = mapped[slot.offset * 4:(slot.offset + slot.numel) * 4]
+                g = torch.from_numpy(part).view(torch.float32).view(slot.shape)
+                p.grad = g
+                self._exposed[(id(flat), i)] = (flat, i, g, g._version, True)
+
+    def _grad_map(self, flat: FlatParam):
+        mapped = self._maps.get(id(flat))
+        if mapped is None:
+            mapped = np.memmap(self.store.path(grad_key(flat)), dtype=np.uint8, mode="r+",
+                               shape=(flat.numel * 4,))
+            self._maps[id(flat)] = mapped
+        return mapped
+
     def reconcile(self, *, detach: bool) -> None:
         """Takes in what the user did to the exposed ``p.grad``: None forgets the slot, a new
-        tensor replaces it, an in-place change to a copy is copied back. ``detach`` also sets
-        ``p.grad = None`` (before autograd accumulates the next backward)."""
+        tensor replaces it, an in-place change to a copy is copied back (NVMe: a change made
+        through the memory map is re-checksummed). ``detach`` also sets ``p.grad = None``
+        (before autograd accumulates the next backward)."""
+        nvme = self.tier is Tier.NVME
+        rewrite: Dict[int, FlatParam] = {}
+        rehash: Dict[int, FlatParam] = {}
         for key, (flat, i, given, version, is_view) in list(self._exposed.items()):
             p = flat.slots[i].param
             current = p.grad
@@ -235,8 +290,13 @@ class GradientSink:
                 self._open_flat(flat)
                 flat.grad_view(i).copy_(current.detach().reshape(flat.slots[i].shape))
                 flat.grad_ready[i] = True
-            elif not is_view and given._version != version:
-                flat.grad_view(i).copy_(given)
+                if nvme:
+                    rewrite[id(flat)] = flat
+            elif given._version != version:
+                if nvme:
+                    rehash[id(flat)] = flat
+                elif not is_view:
+                    flat.grad_view(i).copy_(given)
             if detach:
                 p.grad = None
                 del self._exposed[key]
@@ -244,6 +304,24 @@ class GradientSink:
                 self._exposed[key] = (flat, i, given, given._version, is_view)
             else:
                 del self._exposed[key]
+        for flat in rehash.values():
+            if id(flat) not in rewrite:
+                self._rehash(flat)
+        for flat in rewrite.values():  # written out (norms measured again) by close()
+            self.close(flat)
+        if rewrite:
+            self._reap(block=True)
+
+    def _rehash(self, flat: FlatParam) -> None:
+        """The gradient file was changed through its memory map: new checksum, and the norms
+        and finiteness measured when it was written no longer hold."""
+        self._norms.pop(id(flat), None)
+        self._finite.pop(id(flat), None)
+        buf = self._acquire_buffer()
+        try:
+            self.store.rehash(grad_key(flat), buf[:flat.numel * 4].view(torch.float32))
+        finally:
+            self.pool.release(buf)
 
     def zero_grad(self) -> None:
         """Forgets every accumulated gradient (set_to_none semantics) and lost marks."""
@@ -291,12 +369,29 @@ class GradientSink:
         s = flat.slots[index]
         return full[s.offset:s.offset + s.numel].view(s.shape).clone()
 
+    # ---- the optimizer's view (a narrow protocol: no flat-buffer internals) --------------
+    @property
+    def on_nvme(self) -> bool:
+        return self.tier is Tier.NVME
+
+    def ready(self, flat: FlatParam, index: int) -> bool:
+        """Whether slot ``index`` of ``flat`` has a gradient for the next step."""
+        return flat.grad_ready[index] and (flat.grad is not None or self.tier is Tier.NVME)
+
+    def in_ram(self, flat: FlatParam) -> Optional[torch.Tensor]:
+        """The flat's accumulated gradients when they are in RAM (host tier), else None
+        (read them with :meth:`read`)."""
+        return flat.grad
+
     def host_bytes(self) -> int:
         if self.tier is Tier.NVME:
             return self.pool.count * self.pool.nbytes if self.pool is not None else 0
         return 0  # host accumulators are counted with the flats
 
     def shutdown(self) -> None:
+        if self._staging is not None:  # copies in flight land before the buffers are freed
+            self._staging.close()
+            self._staging = None
         self._reap(block=True)
         if self.pool is not None:
             self.pool.close()

@@ -109,7 +109,8 @@ class HostHome(Home):
         return flat.home.view(torch.uint8).numpy()
 
     def fetch_into(self, flat: FlatParam, dst: torch.Tensor, non_blocking: bool) -> None:
-        dst.copy_(flat.home, non_blocking=non_blocking)
+        from .pinned import upload  # on CUDA: a DMA from the pinned home, any cast on the GPU
+        upload(dst, flat.home, non_blocking)
 
     def snapshot(self, flat: FlatParam) -> torch.Tensor:
         return flat.home.clone()
@@ -209,16 +210,23 @@ class NvmeHome(Home):
             self.pool.release(buf)
 
     def fetch_into(self, flat: FlatParam, dst: torch.Tensor, non_blocking: bool) -> None:
+        """Reads the swap file into a pinned staging buffer and uploads it on the current
+        (transfer) stream. The buffer goes back to the pool once an event recorded after the
+        upload has completed: nothing here waits on the GPU."""
+        from .pinned import upload
         buf = self.pool.acquire()
+        uploading = False
         try:
             staging = self._staging(buf, flat)
             self._read(flat, staging)
-            dst.copy_(staging, non_blocking=non_blocking)
+            uploading = True
+            upload(dst, staging, non_blocking)
             self.stats.add_moved("host_to_device", flat.home_nbytes)
-            if non_blocking:  # the staging buffer is reused: wait for this copy to leave it
-                torch.cuda.current_stream(dst.device).synchronize()
         finally:
-            self.pool.release(buf)
+            event = None
+            if uploading and non_blocking and dst.device.type == "cuda":
+                event = torch.cuda.current_stream(dst.device).record_event()
+            self.pool.release_after(buf, event)
 
     def close(self) -> None:
         self._maps.clear()  # the parameters' views keep their own map alive until replaced

@@ -1,49 +1,140 @@
 from __future__ import annotations
 
-import queue
-from typing import List
+import collections
+import threading
+import time
+from typing import Any, Deque, List, Optional, Tuple
 
 import torch
 
 from .. import io as inf_io
+from ..io.buffers import PinnedRegions, pin_tensors
 from .budget import ByteBudget
+
+_POLL_FIRST_S = 50e-6   # waiting for a DMA to leave a buffer: first poll interval,
+_POLL_MAX_S = 2e-3      # doubled up to this
 
 
 class HostPool:
-    """A fixed set of reusable, 4 KiB-aligned (pinned where CUDA exists) staging buffers.
+    """A fixed set of reusable, 4 KiB-aligned host staging buffers within the host budget.
 
-    Sized once from the largest block, so no allocation happens per step. ``acquire`` blocks
+    Sized once from the largest block, so no allocation happens per step. ``acquire`` waits
     until a buffer is free, with a timeout that raises instead of hanging.
+
+    Pinned (registered for DMA) with ``pin=True`` or later by :meth:`pin`: exactly
+    ``count * nbytes`` bytes, the bytes the budget counts. A buffer that an asynchronous copy
+    may still read is given back with :meth:`release_after` and an event recorded after that
+    copy: it becomes free once ``event.query()`` says the copy has finished, which later
+    ``acquire`` calls check. Nothing waits on the device while another buffer is free, and no
+    thread ever synchronizes a stream.
     """
 
-    def __init__(self, count: int, nbytes: int, budget: ByteBudget, *, timeout_s: float = 600.0):
+    def __init__(self, count: int, nbytes: int, budget: ByteBudget, *, pin: bool = False,
+                 timeout_s: float = 600.0):
         if count < 1 or nbytes < 1:
             raise ValueError(f"HostPool needs count >= 1 and nbytes >= 1, got {count}, {nbytes}")
         self.nbytes = nbytes
         self._budget = budget
         self._timeout_s = timeout_s
-        budget.acquire(count * nbytes, what=f"{count} host staging buffer(s) of {nbytes:,} bytes")
-        self._buffers: List[torch.Tensor] = [inf_io.aligned_empty(nbytes) for _ in range(count)]
-        self._free: "queue.Queue[torch.Tensor]" = queue.Queue()
-        for buf in self._buffers:
-            self._free.put(buf)
+        self._what = f"{count} host staging buffer(s) of {nbytes:,} bytes"
+        budget.acquire(count * nbytes, what=self._what)
+        self._buffers: List[torch.Tensor] = []
+        self._pinned: Optional[PinnedRegions] = None
+        try:
+            # touched now, so the pool's memory is committed at construction (not at the
+            # first transfer) and a host that cannot hold it fails here, not mid-step
+            self._buffers = [inf_io.aligned_empty(nbytes).zero_() for _ in range(count)]
+            if pin:
+                self.pin()
+        except BaseException:
+            self._buffers = []
+            budget.release(count * nbytes)
+            raise
+        self._cond = threading.Condition()
+        self._free: Deque[torch.Tensor] = collections.deque(self._buffers)
+        self._deferred: Deque[Tuple[Any, torch.Tensor]] = collections.deque()
 
     @property
     def count(self) -> int:
         return len(self._buffers)
 
+    @property
+    def pinned_nbytes(self) -> int:
+        """Bytes of this pool registered for DMA (0 or count * nbytes)."""
+        return self._pinned.nbytes if self._pinned is not None else 0
+
+    def pin(self) -> None:
+        """Registers every buffer for DMA (all or nothing, RLIMIT_MEMLOCK checked first)."""
+        if self._pinned is None and self._buffers:
+            self._pinned = pin_tensors(self._buffers, what=self._what)
+
+    # ---- handing buffers out and back -----------------------------------------------------
     def acquire(self) -> torch.Tensor:
-        try:
-            return self._free.get(timeout=self._timeout_s)
-        except queue.Empty:
-            raise RuntimeError(f"no host staging buffer was freed within {self._timeout_s} s; "
-                               "a transfer is stuck") from None
+        deadline = time.monotonic() + self._timeout_s
+        poll = _POLL_FIRST_S
+        with self._cond:
+            while True:
+                self._reap_locked()
+                if self._free:
+                    return self._free.popleft()
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise RuntimeError(f"no host staging buffer was freed within "
+                                       f"{self._timeout_s} s; a transfer is stuck")
+                if self._deferred:  # a copy still reads one: look again shortly
+                    self._cond.wait(min(poll, remaining))
+                    poll = min(2 * poll, _POLL_MAX_S)
+                else:
+                    self._cond.wait(remaining)
 
     def release(self, buf: torch.Tensor) -> None:
-        self._free.put(buf)
+        with self._cond:
+            self._free.append(buf)
+            self._cond.notify()
+
+    def release_after(self, buf: torch.Tensor, event: Any) -> None:
+        """Gives ``buf`` back once ``event`` (recorded after the last copy that reads or
+        writes it) has completed; ``None`` gives it back now."""
+        if event is None:
+            self.release(buf)
+            return
+        with self._cond:
+            self._deferred.append((event, buf))
+            self._cond.notify()
+
+    def _reap_locked(self) -> None:
+        kept: Deque[Tuple[Any, torch.Tensor]] = collections.deque()
+        for event, buf in self._deferred:
+            if event.query():
+                self._free.append(buf)
+            else:
+                kept.append((event, buf))
+        self._deferred = kept
+
+    @property
+    def in_flight(self) -> int:
+        """Buffers given back with an event that has not completed (as of the last check)."""
+        with self._cond:
+            self._reap_locked()
+            return len(self._deferred)
+
+    def drain(self) -> None:
+        """Waits until no copy reads or writes a buffer any more (for close, not the I/O
+        path: it blocks on the device)."""
+        with self._cond:
+            while self._deferred:
+                event, buf = self._deferred.popleft()
+                event.synchronize()
+                self._free.append(buf)
+            self._cond.notify_all()
 
     def close(self) -> None:
         if self._buffers:
+            self.drain()
+            if self._pinned is not None:
+                self._pinned.release()
+                self._pinned = None
             self._budget.release(len(self._buffers) * self.nbytes)
             self._buffers = []
-            self._free = queue.Queue()
+            with self._cond:
+                self._free = collections.deque()
