@@ -1,19 +1,26 @@
-"""Engine: one per wrapped model. Owns the blocks, pools, swap store, schedule, transfers, stats.
+"""Engine: one per wrapped model. Owns the blocks, homes, pools, swap store, schedule,
+transfers and stats; builds them at wrap (streaming, block by block) and takes them down at
+unwrap.
 
-Hook handlers live here because they are the engine's state machine; hooks.py only wires them.
-Every state change happens on the thread running forward/backward, under one lock; the transfer
-thread only copies bytes and completes futures.
+Its behaviour is split by concern, one file each, all sharing the Engine's state:
+    residence.py   fetch / release under the device budget (the residency state machine)
+    outside.py     parameters outside forward: views of the homes, writes through them
+    lifecycle.py   the forward/backward hook handlers, recovery after an exception
+    homes.py       the tier of each home (host / NVMe / device)
+    grads.py       where gradients go (GradientSink), also the optimizer's gradient source
+The optimizer sees only: quiesce()/resume() around its step, engine.grads (ready, in_ram,
+read/verify, finite, slot_norms, lost), engine.home (read_into, write_from, working_buffer),
+take_user_writes(), attach_optimizer(), working_copy_staged. Every state change happens on the
+thread running forward/backward (or the optimizer), under one lock; transfer threads only copy
+bytes and complete futures.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
-import sys
 import threading
-import time
-import weakref
 from collections import defaultdict
-from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 from torch import nn
@@ -24,12 +31,17 @@ from ..policy import OffloadPolicy
 from ..tiers import BudgetExceededError, ByteBudget, HostPool, SwapStore, Tier
 from . import hooks as hooks_mod
 from .block import Block
-from .flat import Binding, FlatParam
+from .device import resolve_device
+from .flat import FlatParam
+from .guard import guard_foreign_optimizers
 from .grads import GradientSink
 from .homes import DeviceHome, Home, HostHome, NvmeHome
 from .host_malloc import return_freed_buffers_to_os, trim_heap
 from .partition import partition
-from .residency import Residency, ResidencyError
+from .lifecycle import HookHandlers
+from .outside import OutsideWrites
+from .registry import _ENGINE_ATTR, _ENGINES, ParamLocation, engine_of, locate  # noqa: F401 (re-exported)
+from .residence import Residence
 from .schedule import Schedule
 from .sources import (InitSource, ParamSource, materialize_meta_buffers, param_owners,
                       replace_param)
@@ -39,42 +51,11 @@ from .transfer import Transfers
 logger = logging.getLogger(__name__)
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_ENGINE_ATTR = "_infinity_engine"
+class Engine(Residence, OutsideWrites, HookHandlers):
+    """One per wrapped model: owns the blocks, homes, pools, swap store, schedule, transfers
+    and stats. Its behaviour is split by concern: fetch/release (residence.py), parameters
+    outside forward (outside.py) and the forward/backward hook handlers (lifecycle.py)."""
 
-
-def engine_of(model: nn.Module) -> Optional["Engine"]:
-    return getattr(model, _ENGINE_ATTR, None)
-
-
-class ParamLocation(NamedTuple):
-    engine: "Engine"
-    block: Block
-    flat: FlatParam
-    slot: int
-
-
-_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
-
-
-def locate(param: torch.Tensor) -> Optional[ParamLocation]:
-    """Where a wrapped parameter lives (engine, block, flat buffer, slot), or None if the
-    parameter does not belong to a wrapped model."""
-    for engine in list(_ENGINES):
-        loc = engine._locations.get(id(param))
-        if loc is not None and loc.flat.slots[loc.slot].param is param:
-            return loc
-    return None
-
-
-def _graph_task_id() -> int:
-    return torch._C._current_graph_task_id()
-
-
-def _queue_callback(fn) -> None:
-    torch.autograd.Variable._execution_engine.queue_callback(fn)
-
-
-class Engine:
     def __init__(self, model: nn.Module, policy: OffloadPolicy,
                  source: Optional[ParamSource] = None) -> None:
         if not isinstance(model, nn.Module):
@@ -369,12 +350,6 @@ class Engine:
             flat.free_storage()
         self._bind_outside(flat)
 
-    def _bind_outside(self, flat: FlatParam) -> None:
-        home_bytes = self.home.outside_bytes(flat)
-        if home_bytes is None:  # a device-tier home on CUDA: the compute buffer is the home
-            flat.bind_views(flat.compute)
-        else:
-            flat.bind_outside(home_bytes)
 
     def _move_buffers(self) -> None:
         if self.device.type == "cpu":
@@ -387,420 +362,43 @@ class Engine:
     # =====================================================================================
     # fetch / release
     # =====================================================================================
-    def _fetch(self, block: Block, *, required: bool) -> bool:
-        """Starts a fetch. Prefetches (required=False) only start when the budget has room."""
-        if block.state not in (Residency.ON_HOST, Residency.ON_NVME):
-            return True
-        nbytes = block.compute_nbytes
-        if required:
-            if not self.device_budget.fits(nbytes):
-                self._make_room(nbytes, keep=block)
-            self.device_budget.acquire(nbytes, what=f"block {block.name!r}")
-        elif not self.device_budget.try_acquire(nbytes):
-            return False
-        try:
-            for flat in block.flats:
-                flat.alloc_storage()
-            block.future = self.transfers.fetch(block.flats)
-        except BaseException:
-            for flat in block.flats:
-                flat.free_storage()
-            self.device_budget.release(nbytes)
-            raise
-        block.transition(Residency.FETCHING)
-        block.prefetched = not required
-        self.stats.fetches += 1
-        return True
 
-    def _complete(self, block: Block) -> bool:
-        """Waits for an in-flight fetch and makes its data visible to the compute stream;
-        from here on the parameters view the compute buffer. Returns False (and drops the
-        fetch) when the parameters were written through their outside views meanwhile: the
-        fetched bytes are stale."""
-        if any(f.binding is Binding.OUTSIDE and f.written_slots() for f in block.flats):
-            self.sync_outside_writes()  # takes the writes in and discards this fetch
-            return False
-        future = block.future
-        block.future = None
-        try:
-            event = future.result()
-        except BaseException:
-            self._drop_compute(block)  # a failed fetch leaves nothing materialized
-            raise
-        if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
-        block.transition(Residency.ON_DEVICE)
-        for flat in block.flats:
-            flat.bind_views(flat.compute)
-        return True
 
-    def _drop_compute(self, block: Block) -> None:
-        """Frees the compute buffers of a fetching or fetched block without looking at them and
-        points the parameters back at their homes."""
-        for flat in block.flats:
-            flat.free_storage()
-            self._bind_outside(flat)
-        self.device_budget.release(block.compute_nbytes)
-        block.prefetched = False
-        block.to_home_state()
 
-    def _ensure_on_device(self, block: Block) -> None:
-        if block.state in (Residency.RESIDENT, Residency.ON_DEVICE):
-            if block.prefetched:
-                self.stats.prefetch_hits += 1
-                block.prefetched = False
-            return
-        if block.state is Residency.FETCHING:
-            hit = block.future.done()
-            block.prefetched = False
-            t0 = time.perf_counter()
-            try:
-                completed = self._complete(block)
-            except Exception as exc:  # noqa: BLE001 - a prefetch failed: fetch on demand
-                logger.warning("infinity: prefetch of block %s failed (%s); fetching it "
-                               "again", block.name, exc)
-                completed = False
-            self.stats.stall_seconds += time.perf_counter() - t0
-            if completed:
-                if hit:
-                    self.stats.prefetch_hits += 1
-                else:
-                    self.stats.prefetch_misses += 1
-                return
-        self.stats.prefetch_misses += 1
-        self.stats.on_demand_fetches += 1
-        t0 = time.perf_counter()
-        self._fetch(block, required=True)
-        block.prefetched = False
-        self._complete(block)
-        self.stats.stall_seconds += time.perf_counter() - t0
 
-    def _write_back(self, block: Block) -> None:
-        """Parameters changed in place while they viewed the compute buffer (inside
-        ``materialized()``, or a block kept materialized after an inference forward) reach the
-        home before the buffer is freed. Raises (leaving everything as it was) if the home
-        cannot be written."""
-        for flat in block.flats:
-            if flat.binding is not Binding.COMPUTE:
-                continue
-            written = flat.written_slots()
-            if not written:
-                continue
-            src = flat.compute.detach()
-            if src.device.type != "cpu" or src.dtype != flat.home_dtype:
-                src = src.to("cpu", flat.home_dtype)
-            self.home.write_slots(flat, src, written)
-            flat.user_written.update(written)
-            flat.record_versions()
 
-    def _release(self, block: Block) -> None:
-        """Frees a block's compute buffer (no-op when resident or not materialized)."""
-        if block.state in (Residency.RESIDENT, Residency.ON_HOST, Residency.ON_NVME):
-            return
-        if block.active_forward > 0:
-            raise ResidencyError(f"block {block.name!r} is being released while its forward "
-                                 "runs (engine bug)")
-        if block.state is Residency.FETCHING:
-            try:
-                if not self._complete(block):
-                    return  # stale: already dropped
-            except Exception as exc:  # noqa: BLE001 - a failed prefetch: nothing to release
-                logger.warning("infinity: prefetch of block %s failed (%s); it is fetched "
-                               "again when needed", block.name, exc)
-                return
-        self._write_back(block)
-        self._drop_compute(block)
-        self.stats.releases += 1
 
-    def _discard(self, block: Block) -> None:
-        """Drops a fetch whose data went stale (its home was written meanwhile)."""
-        if block.state is Residency.FETCHING:
-            future, block.future = block.future, None
-            try:
-                future.result()
-            except BaseException as exc:  # noqa: BLE001 - the data is thrown away anyway
-                logger.debug("infinity: discarded fetch of %s failed: %s", block.name, exc)
-            self._drop_compute(block)
-        elif block.state is Residency.ON_DEVICE and block.active_forward == 0:
-            self._release(block)
 
-    def _make_room(self, nbytes: int, keep: Block) -> None:
-        """Releases materialized blocks that no running forward/backward needs, oldest first."""
-        for other in self.blocks:
-            if self.device_budget.fits(nbytes):
-                return
-            if (other is keep or other.is_root or not other.materialized or other.resident
-                    or other.active_forward > 0 or other is self._last_backward_block):
-                continue
-            self._release(other)
 
-    def _prefetch(self, indices: Sequence[int]) -> None:
-        for i in indices:
-            if not self._fetch(self.blocks[i], required=False):
-                break
 
-    def release_all(self) -> None:
-        """Frees every compute buffer (e.g. before the optimizer updates the home copies)."""
-        with self._lock:
-            for block in self.blocks:
-                if block.active_forward == 0:
-                    self._release(block)
 
     # =====================================================================================
     # writes through the parameters outside forward
     # =====================================================================================
-    def sync_outside_writes(self) -> None:
-        """Finds parameters changed in place outside forward (``load_state_dict``, a torch
-        optimizer, an EMA copied back, ``p.mul_()`` under no_grad) and makes every copy agree:
-        the NVMe home is re-checksummed, stale prefetched copies are dropped, and the slots are
-        marked for the optimizer's master weights (``flat.user_written``)."""
-        with self._lock:
-            stale = []
-            for block in self.blocks:
-                for flat in block.flats:
-                    if flat.binding is Binding.COMPUTE:
-                        if block.state is Residency.ON_DEVICE and block.active_forward == 0:
-                            self._write_back(block)
-                        continue
-                    written = flat.written_slots()
-                    if not written:
-                        continue
-                    rebound = flat.rebound_slots()
-                    self.home.after_outside_write(flat)  # writes through the views, first
-                    if rebound:  # p.data = t: the new values go home, the views come back
-                        self._take_rebound(flat, rebound)
-                    flat.user_written.update(written)
-                    flat.record_versions()
-                    if block not in stale:
-                        stale.append(block)
-            for block in stale:
-                if not block.resident:
-                    self._discard(block)
 
-    def _take_rebound(self, flat: FlatParam, slots: List[int]) -> None:
-        src = torch.empty(flat.numel, dtype=flat.home_dtype)
-        for i in slots:
-            s = flat.slots[i]
-            value = s.param.detach()
-            if value.shape != s.shape:
-                raise RuntimeError(f"infinity: parameter {s.qualname!r} was given a tensor of "
-                                   f"shape {tuple(value.shape)} (p.data = ...); a wrapped "
-                                   f"parameter keeps its shape {tuple(s.shape)}")
-            src[s.offset:s.offset + s.numel].copy_(value.reshape(-1))
-        self.home.write_slots(flat, src, slots)
-        self._bind_outside(flat)
 
-    def mark_written(self, flat: FlatParam, slot: int) -> None:
-        """Tells the engine that ``slot``'s parameter was written (by a torch optimizer)."""
-        flat.forced_written.add(slot)
 
-    def assume_all_written(self) -> None:
-        """After code that wrote parameters in a way the engine cannot see (in place through
-        ``p.data``, e.g. PEFT's merge): every parameter's current value is taken in."""
-        with self._lock:
-            for flat in self.flats:
-                flat.forced_written.update(range(len(flat.slots)))
-            self.sync_outside_writes()
 
     # =====================================================================================
     # recovery after an exception in forward or backward
     # =====================================================================================
-    def _recover_failed_backward(self) -> None:
-        """A backward that raised never reached its end callback: forget its bookkeeping
-        (its partial gradients stay accumulated, as in PyTorch: call zero_grad before
-        retrying) and free what it had materialized."""
-        if self._callback_task == -1:
-            return
-        logger.warning("infinity: the previous backward did not finish (it raised); resetting "
-                       "the engine's backward state")
-        self._callback_task = -1
-        self._last_backward_block = None
-        self.schedule.abort("backward")
-        try:
-            self.grads.abort_backward()
-        finally:
-            for block in self.blocks:
-                block.reset_backward()
-                if block.active_forward == 0:
-                    self._discard(block) if block.state is Residency.FETCHING \
-                        else self._release(block)
 
-    def _recover_failed_forward(self) -> None:
-        """A forward that raised left blocks counted as running: release them."""
-        for block in self.blocks:
-            if block.active_forward > 0 and block.pins == 0:
-                block.active_forward = 0
-                self._release(block)
 
     # =====================================================================================
     # hooks (called from hooks.py)
     # =====================================================================================
-    def _in_backward(self) -> bool:
-        return _graph_task_id() != -1
 
-    def _visit(self, block: Block, phase: str) -> None:
-        _, newly_deviated, upcoming = self.schedule.visit(phase, block.index)
-        if newly_deviated:
-            self.stats.schedule_deviations += 1
-            logger.debug("schedule deviation at block %s in %s; fetching on demand",
-                         block.name, phase)
-        self._prefetch(upcoming)
 
-    def on_model_pre_forward(self, module: nn.Module, args) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            if not self._in_backward():
-                self._recover_failed_backward()
-                if self._model_forward_depth == 0:
-                    self._recover_failed_forward()
-                    self.sync_outside_writes()
-                    if torch.is_grad_enabled():
-                        self.grads.reconcile(detach=True)
-                self.schedule.begin("forward")
-                self._prefetch(self.schedule.upcoming("forward"))
-            self._model_forward_depth += 1
-            for block in self.blocks:
-                if block.is_root:
-                    self._ensure_on_device(block)
 
-    def on_model_post_forward(self, module: nn.Module, args, output) -> None:
-        with self._lock:
-            self._model_forward_depth = max(0, self._model_forward_depth - 1)
-            if self._closed or self._in_backward():
-                return
-            if _raised(output):
-                self.schedule.abort("forward")
-                return
-            self.schedule.end("forward")
-            root = next((b for b in self.blocks if b.is_root), None)
-            if torch.is_grad_enabled() and hooks_mod.output_tensors(output):
-                if root is not None:
-                    hooks_mod.register_pre_backward(
-                        output, lambda: self.on_pre_backward(root))
-                # the first blocks of backward are the last of forward: start fetching them
-                self._prefetch(self.schedule.upcoming("backward"))
-            elif self._model_forward_depth == 0 and self._callback_task == -1:
-                # no backward follows (inference): outside forward again, so the parameters
-                # view their homes (the root block is not kept materialized)
-                for block in self.blocks:
-                    if block.active_forward == 0:
-                        self._release(block)
 
-    def on_block_pre_forward(self, block: Block, module: nn.Module, args) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            # Activation checkpointing recomputes inside backward. A recompute is not counted
-            # in active_forward: non-reentrant checkpointing stops it early by raising inside
-            # the forward, so its post-forward bookkeeping may never run. The block is held
-            # as the running backward block instead.
-            recompute = self._in_backward()
-            if recompute:
-                self._start_backward_if_needed()
-                self._visit(block, "backward")
-                self._last_backward_block = block
-            else:
-                self._visit(block, "forward")
-            self._ensure_on_device(block)
-            if not recompute:
-                block.active_forward += 1
-            if block.needs_input_signal and torch.is_grad_enabled():
-                hooks_mod.register_post_backward(args, lambda: self.on_inputs_grad(block))
 
-    def on_inputs_grad(self, block: Block) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            block.inputs_done = True
-            self._release_if_backward_done(block)
 
-    def _release_if_backward_done(self, block: Block) -> None:
-        if block.is_root or not block.backward_done():
-            return
-        block.grads_seen.clear()
-        block.inputs_done = False
-        if block is self._last_backward_block:
-            self._last_backward_block = None
-        for flat in block.flats:
-            self.grads.close(flat)
-        self._release(block)
 
-    def on_block_post_forward(self, block: Block, module: nn.Module, args, output) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            if not self._in_backward():
-                block.active_forward = max(0, block.active_forward - 1)
-            if _raised(output):  # the forward raised: nothing will use this block's output
-                if block.active_forward == 0 and not self._in_backward():
-                    self._release(block)
-                return
-            needs_backward = torch.is_grad_enabled() and bool(hooks_mod.output_tensors(output))
-            if needs_backward:
-                hooks_mod.register_pre_backward(output, lambda: self.on_pre_backward(block))
-            if self._in_backward():
-                return  # recomputed for backward: its backward comes next
-            first_backward = self.schedule.upcoming("backward", 1)
-            if needs_backward and first_backward == [block.index]:
-                return  # the last block of forward is the first of backward: keep it
-            if block.active_forward == 0:
-                self._release(block)
 
-    def _start_backward_if_needed(self) -> None:
-        task = _graph_task_id()
-        if task == -1 or task == self._callback_task:
-            return
-        self._callback_task = task
-        self.schedule.begin("backward")
-        self.grads.reconcile(detach=True)
-        _queue_callback(self._on_backward_end)
 
-    def on_pre_backward(self, block: Block) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._start_backward_if_needed()
-            task = _graph_task_id()
-            if block.backward_task == task and block.materialized:
-                return
-            block.backward_task = task
-            if not block.is_root:
-                self._visit(block, "backward")
-                self._last_backward_block = block
-            self._ensure_on_device(block)
 
-    def on_grad_ready(self, block: Block, flat_index: int, slot_index: int,
-                      param: torch.Tensor) -> None:
-        with self._lock:
-            self._start_backward_if_needed()
-            grad = param.grad
-            if grad is None:
-                return
-            self.grads.add(block.flats[flat_index], slot_index, grad)
-            param.grad = None
-            block.grads_seen.add((flat_index, slot_index))
-            self._release_if_backward_done(block)
 
-    def _on_backward_end(self) -> None:
-        with self._lock:
-            self._callback_task = -1
-            self.schedule.end("backward")
-            try:
-                self.grads.finish_backward()
-            finally:
-                for block in self.blocks:
-                    block.reset_backward()
-                    if block.active_forward == 0:
-                        self._release(block)
-                self._last_backward_block = None
-            self.grads.expose()
-            if not self.optimizer_attached:
-                self._prefetch_for_forward()
 
-    def _prefetch_for_forward(self) -> None:
-        root = [b.index for b in self.blocks if b.is_root]
-        self._prefetch(root + self.schedule.upcoming("forward"))
 
     # =====================================================================================
     # the optimizer's side: quiesce / resume around a step
@@ -835,11 +433,6 @@ class Engine:
         with self._lock:
             self.grads.reconcile(detach=False)
 
-    def note_home_written(self, flat: FlatParam, slots: Sequence[int]) -> None:
-        """``slots`` of ``flat``'s home were written directly (a checkpoint load): an
-        optimizer's master weights follow them at its next step."""
-        with self._lock:
-            flat.user_written.update(slots)
 
     def attach_optimizer(self) -> None:
         """An optimizer that changes the homes in its step steps this engine: the next
@@ -852,11 +445,6 @@ class Engine:
         home (an NVMe swap file) instead of being written in place."""
         return isinstance(self.home, NvmeHome)
 
-    def take_user_writes(self, flat: FlatParam) -> List[int]:
-        """Slots of ``flat`` written through their parameter since the last call."""
-        written = sorted(flat.user_written)
-        flat.user_written.clear()
-        return written
 
     # =====================================================================================
     # gradients
@@ -1004,86 +592,3 @@ Engine.__deepcopy__ = _no_deepcopy_of_engine  # a deepcopy of a wrapped model is
 Engine.__reduce__ = _no_pickling_of_engine
 
 
-def _raised(output: Any) -> bool:
-    """In an ``always_call`` forward hook: True when the module's forward raised."""
-    return output is None and sys.exc_info()[1] is not None
-
-
-DEVICE_ENV = "INFINITY_DEVICE"
-
-
-def resolve_device(device: Any) -> torch.device:
-    """The policy's ``device``, checked. None: the ``INFINITY_DEVICE`` environment variable
-    when set (e.g. ``cpu`` to keep a GPU machine's tests on the CPU), else CUDA when
-    available, else the CPU."""
-    import os  # local: this function is the only user
-    origin = f"device={device!r}"
-    if device is None:
-        env = os.environ.get(DEVICE_ENV, "").strip()
-        if not env:
-            if torch.cuda.is_available():
-                return torch.device("cuda", torch.cuda.current_device())
-            return torch.device("cpu")
-        device, origin = env, f"{DEVICE_ENV}={env!r}"
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"{origin} is not a device: {exc}") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"{origin} but CUDA is not available; use 'cpu'")
-        index = dev.index if dev.index is not None else torch.cuda.current_device()
-        if index >= torch.cuda.device_count():
-            raise ValueError(f"{origin} but only {torch.cuda.device_count()} CUDA device(s) "
-                             "are visible")
-        return torch.device("cuda", index)
-    if dev.type != "cpu":
-        raise ValueError(f"{origin} is not supported; use 'cuda', 'cuda:N' or 'cpu'")
-    return dev
-
-
-# ---- torch optimizers that cannot see the engine's gradients --------------------------------
-_GUARD_HANDLE: Any = None
-
-
-def _check_foreign_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if getattr(optimizer, "_infinity_reads_engine_gradients", False):
-        return
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            loc = locate(p)
-            if loc is None or loc.engine.grad_tier is not Tier.NVME or p.grad is not None:
-                continue
-            loc.engine.sync_gradients()
-            if loc.flat.slots[loc.slot].trainable and loc.flat.grad_ready[loc.slot]:
-                raise RuntimeError(
-                    f"infinity: {type(optimizer).__name__} cannot read the gradient of "
-                    f"parameter {loc.flat.slots[loc.slot].qualname!r}: the wrapped model keeps "
-                    f"its gradients on NVMe (grad_tier='nvme') and a {p.dtype} parameter's "
-                    "p.grad cannot view the fp32 gradient file, so p.grad is None. Use "
-                    "infinity.optim.AdamW/Adam, or wrap with grad_tier='host' to get p.grad")
-
-
-def _note_foreign_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """After a torch optimizer's step: its parameters were written in place, maybe by a fused
-    kernel that does not bump version counters; the engine re-reads them before their next
-    use."""
-    if getattr(optimizer, "_infinity_reads_engine_gradients", False):
-        return
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            loc = locate(p)
-            if loc is not None:
-                loc.engine.mark_written(loc.flat, loc.slot)
-
-
-def guard_foreign_optimizers() -> None:
-    """Registers (once) global optimizer step hooks: before a torch optimizer's step, fail
-    loudly (instead of training nothing) when it steps parameters whose gradients it cannot
-    see; after it, note the parameters it wrote."""
-    global _GUARD_HANDLE
-    if _GUARD_HANDLE is None:
-        from torch.optim.optimizer import (register_optimizer_step_post_hook,
-                                           register_optimizer_step_pre_hook)
-        _GUARD_HANDLE = (register_optimizer_step_pre_hook(_check_foreign_optimizer),
-                         register_optimizer_step_post_hook(_note_foreign_step))

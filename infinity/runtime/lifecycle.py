@@ -1,0 +1,228 @@
+"""The forward/backward state machine driven by the module and tensor hooks (hooks.py wires
+them): what to fetch, prefetch and release at each point of a step, and recovery when a
+forward or backward raised. Part of the Engine."""
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import hooks as hooks_mod
+from .block import Block
+from .residency import Residency
+
+logger = logging.getLogger("infinity.runtime.engine")
+
+
+def _graph_task_id() -> int:
+    return torch._C._current_graph_task_id()
+
+
+def _queue_callback(fn) -> None:
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def _raised(output: Any) -> bool:
+    """In an ``always_call`` forward hook: True when the module's forward raised."""
+    return output is None and sys.exc_info()[1] is not None
+
+
+class HookHandlers:
+    """Part of :class:`~infinity.runtime.engine.Engine` (its state lives there)."""
+
+    def _recover_failed_backward(self) -> None:
+        """A backward that raised never reached its end callback: forget its bookkeeping
+        (its partial gradients stay accumulated, as in PyTorch: call zero_grad before
+        retrying) and free what it had materialized."""
+        if self._callback_task == -1:
+            return
+        logger.warning("infinity: the previous backward did not finish (it raised); resetting "
+                       "the engine's backward state")
+        self._callback_task = -1
+        self._last_backward_block = None
+        self.schedule.abort("backward")
+        try:
+            self.grads.abort_backward()
+        finally:
+            for block in self.blocks:
+                block.reset_backward()
+                if block.active_forward == 0:
+                    self._discard(block) if block.state is Residency.FETCHING \
+                        else self._release(block)
+
+    def _recover_failed_forward(self) -> None:
+        """A forward that raised left blocks counted as running: release them."""
+        for block in self.blocks:
+            if block.active_forward > 0 and block.pins == 0:
+                block.active_forward = 0
+                self._release(block)
+
+    def _in_backward(self) -> bool:
+        return _graph_task_id() != -1
+
+    def _visit(self, block: Block, phase: str) -> None:
+        _, newly_deviated, upcoming = self.schedule.visit(phase, block.index)
+        if newly_deviated:
+            self.stats.schedule_deviations += 1
+            logger.debug("schedule deviation at block %s in %s; fetching on demand",
+                         block.name, phase)
+        self._prefetch(upcoming)
+
+    def on_model_pre_forward(self, module: nn.Module, args) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            if not self._in_backward():
+                self._recover_failed_backward()
+                if self._model_forward_depth == 0:
+                    self._recover_failed_forward()
+                    self.sync_outside_writes()
+                    if torch.is_grad_enabled():
+                        self.grads.reconcile(detach=True)
+                self.schedule.begin("forward")
+                self._prefetch(self.schedule.upcoming("forward"))
+            self._model_forward_depth += 1
+            for block in self.blocks:
+                if block.is_root:
+                    self._ensure_on_device(block)
+
+    def on_model_post_forward(self, module: nn.Module, args, output) -> None:
+        with self._lock:
+            self._model_forward_depth = max(0, self._model_forward_depth - 1)
+            if self._closed or self._in_backward():
+                return
+            if _raised(output):
+                self.schedule.abort("forward")
+                return
+            self.schedule.end("forward")
+            root = next((b for b in self.blocks if b.is_root), None)
+            if torch.is_grad_enabled() and hooks_mod.output_tensors(output):
+                if root is not None:
+                    hooks_mod.register_pre_backward(
+                        output, lambda: self.on_pre_backward(root))
+                # the first blocks of backward are the last of forward: start fetching them
+                self._prefetch(self.schedule.upcoming("backward"))
+            elif self._model_forward_depth == 0 and self._callback_task == -1:
+                # no backward follows (inference): outside forward again, so the parameters
+                # view their homes (the root block is not kept materialized)
+                for block in self.blocks:
+                    if block.active_forward == 0:
+                        self._release(block)
+
+    def on_block_pre_forward(self, block: Block, module: nn.Module, args) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            # Activation checkpointing recomputes inside backward. A recompute is not counted
+            # in active_forward: non-reentrant checkpointing stops it early by raising inside
+            # the forward, so its post-forward bookkeeping may never run. The block is held
+            # as the running backward block instead.
+            recompute = self._in_backward()
+            if recompute:
+                self._start_backward_if_needed()
+                self._visit(block, "backward")
+                self._last_backward_block = block
+            else:
+                self._visit(block, "forward")
+            self._ensure_on_device(block)
+            if not recompute:
+                block.active_forward += 1
+            if block.needs_input_signal and torch.is_grad_enabled():
+                hooks_mod.register_post_backward(args, lambda: self.on_inputs_grad(block))
+
+    def on_inputs_grad(self, block: Block) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            block.inputs_done = True
+            self._release_if_backward_done(block)
+
+    def _release_if_backward_done(self, block: Block) -> None:
+        if block.is_root or not block.backward_done():
+            return
+        block.grads_seen.clear()
+        block.inputs_done = False
+        if block is self._last_backward_block:
+            self._last_backward_block = None
+        for flat in block.flats:
+            self.grads.close(flat)
+        self._release(block)
+
+    def on_block_post_forward(self, block: Block, module: nn.Module, args, output) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            if not self._in_backward():
+                block.active_forward = max(0, block.active_forward - 1)
+            if _raised(output):  # the forward raised: nothing will use this block's output
+                if block.active_forward == 0 and not self._in_backward():
+                    self._release(block)
+                return
+            needs_backward = torch.is_grad_enabled() and bool(hooks_mod.output_tensors(output))
+            if needs_backward:
+                hooks_mod.register_pre_backward(output, lambda: self.on_pre_backward(block))
+            if self._in_backward():
+                return  # recomputed for backward: its backward comes next
+            first_backward = self.schedule.upcoming("backward", 1)
+            if needs_backward and first_backward == [block.index]:
+                return  # the last block of forward is the first of backward: keep it
+            if block.active_forward == 0:
+                self._release(block)
+
+    def _start_backward_if_needed(self) -> None:
+        task = _graph_task_id()
+        if task == -1 or task == self._callback_task:
+            return
+        self._callback_task = task
+        self.schedule.begin("backward")
+        self.grads.reconcile(detach=True)
+        _queue_callback(self._on_backward_end)
+
+    def on_pre_backward(self, block: Block) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._start_backward_if_needed()
+            task = _graph_task_id()
+            if block.backward_task == task and block.materialized:
+                return
+            block.backward_task = task
+            if not block.is_root:
+                self._visit(block, "backward")
+                self._last_backward_block = block
+            self._ensure_on_device(block)
+
+    def on_grad_ready(self, block: Block, flat_index: int, slot_index: int,
+                      param: torch.Tensor) -> None:
+        with self._lock:
+            self._start_backward_if_needed()
+            grad = param.grad
+            if grad is None:
+                return
+            self.grads.add(block.flats[flat_index], slot_index, grad)
+            param.grad = None
+            block.grads_seen.add((flat_index, slot_index))
+            self._release_if_backward_done(block)
+
+    def _on_backward_end(self) -> None:
+        with self._lock:
+            self._callback_task = -1
+            self.schedule.end("backward")
+            try:
+                self.grads.finish_backward()
+            finally:
+                for block in self.blocks:
+                    block.reset_backward()
+                    if block.active_forward == 0:
+                        self._release(block)
+                self._last_backward_block = None
+            self.grads.expose()
+            if not self.optimizer_attached:
+                self._prefetch_for_forward()
+
+    def _prefetch_for_forward(self) -> None:
+        root = [b.index for b in self.blocks if b.is_root]
+        self._prefetch(root + self.schedule.upcoming("forward"))

@@ -1,0 +1,89 @@
+"""Parameters outside forward: they view their home, and writes made through them (in place,
+by a torch optimizer, or by rebinding ``p.data``) are found and taken in. Part of the Engine."""
+from __future__ import annotations
+
+import logging
+from typing import List, Sequence
+
+import torch
+
+from .flat import Binding, FlatParam
+from .residency import Residency
+
+logger = logging.getLogger("infinity.runtime.engine")
+
+
+class OutsideWrites:
+    """Part of :class:`~infinity.runtime.engine.Engine` (its state lives there)."""
+
+    def _bind_outside(self, flat: FlatParam) -> None:
+        home_bytes = self.home.outside_bytes(flat)
+        if home_bytes is None:  # a device-tier home on CUDA: the compute buffer is the home
+            flat.bind_views(flat.compute)
+        else:
+            flat.bind_outside(home_bytes)
+
+    def sync_outside_writes(self) -> None:
+        """Finds parameters changed in place outside forward (``load_state_dict``, a torch
+        optimizer, an EMA copied back, ``p.mul_()`` under no_grad) and makes every copy agree:
+        the NVMe home is re-checksummed, stale prefetched copies are dropped, and the slots are
+        marked for the optimizer's master weights (``flat.user_written``)."""
+        with self._lock:
+            stale = []
+            for block in self.blocks:
+                for flat in block.flats:
+                    if flat.binding is Binding.COMPUTE:
+                        if block.state is Residency.ON_DEVICE and block.active_forward == 0:
+                            self._write_back(block)
+                        continue
+                    written = flat.written_slots()
+                    if not written:
+                        continue
+                    rebound = flat.rebound_slots()
+                    self.home.after_outside_write(flat)  # writes through the views, first
+                    if rebound:  # p.data = t: the new values go home, the views come back
+                        self._take_rebound(flat, rebound)
+                    flat.user_written.update(written)
+                    flat.record_versions()
+                    if block not in stale:
+                        stale.append(block)
+            for block in stale:
+                if not block.resident:
+                    self._discard(block)
+
+    def _take_rebound(self, flat: FlatParam, slots: List[int]) -> None:
+        src = torch.empty(flat.numel, dtype=flat.home_dtype)
+        for i in slots:
+            s = flat.slots[i]
+            value = s.param.detach()
+            if value.shape != s.shape:
+                raise RuntimeError(f"infinity: parameter {s.qualname!r} was given a tensor of "
+                                   f"shape {tuple(value.shape)} (p.data = ...); a wrapped "
+                                   f"parameter keeps its shape {tuple(s.shape)}")
+            src[s.offset:s.offset + s.numel].copy_(value.reshape(-1))
+        self.home.write_slots(flat, src, slots)
+        self._bind_outside(flat)
+
+    def mark_written(self, flat: FlatParam, slot: int) -> None:
+        """Tells the engine that ``slot``'s parameter was written (by a torch optimizer)."""
+        flat.forced_written.add(slot)
+
+    def assume_all_written(self) -> None:
+        """After code that wrote parameters in a way the engine cannot see (in place through
+        ``p.data``, e.g. PEFT's merge): every parameter's current value is taken in."""
+        with self._lock:
+            for flat in self.flats:
+                flat.forced_written.update(range(len(flat.slots)))
+            self.sync_outside_writes()
+
+    def note_home_written(self, flat: FlatParam, slots: Sequence[int]) -> None:
+        """``slots`` of ``flat``'s home were written directly (a checkpoint load): an
+        optimizer's master weights follow them at its next step."""
+        with self._lock:
+            flat.user_written.update(slots)
+
+    def take_user_writes(self, flat: FlatParam) -> List[int]:
+        """Slots of ``flat`` written through their parameter since the last call."""
+        written = sorted(flat.user_written)
+        flat.user_written.clear()
+        return written
