@@ -10,6 +10,10 @@ parameter's home (host), into a staging buffer written to the parameter swap fil
 into the resident buffer (device). Parameters that are not wrapped are stepped one by one with
 the same kernel and per-parameter state, like torch.
 
+Opt-in compact states (``states="bf16"`` or ``"8bit"``) shrink the two moments to 4 or ~2.03
+bytes per parameter (master weights stay fp32); see :class:`OffloadedAdam` and
+:class:`.state_store.StateLayout`.
+
 Semantics follow torch.optim.AdamW / Adam: per-parameter step counts (a parameter without a
 gradient in a step is left alone and its step does not advance), hyper-parameters read from each
 param group at every step (LR schedulers work), ``state_dict`` in torch's format plus an fp32
@@ -27,11 +31,12 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 import torch
 
 from .. import io as inf_io
-from ..ops import cpu_adam_step
+from ..ops import (cpu_adam_step, cpu_adam_step_8bit, cpu_adam_step_bf16_moments,
+                   dequantize_8bit, new_8bit_state)
 from ..runtime.engine import Engine, locate
 from . import clip as clip_mod
-from .state_store import (HostStates, NvmeStates, OptimizerStateIOError, Shard, choose_tier,
-                          init_states, state_nbytes, states_of)
+from .state_store import (HostStates, NvmeStates, OptimizerStateIOError, Shard,
+                          check_states, choose_tier, init_states, quantize_exact, state_nbytes)
 from .swapper import BufferSets, StepStats, run_pipeline
 
 logger = logging.getLogger(__name__)
@@ -43,7 +48,8 @@ States = Union[HostStates, NvmeStates]
 class ShardState:
     """One wrapped shard's committed optimizer states, as streamed by
     :meth:`OffloadedAdam.shard_states` (tensors are views, valid until the next item).
-    ``master``/``exp_avg``/``exp_avg_sq`` are None while the shard has no state yet."""
+    ``master``/``exp_avg``/``exp_avg_sq`` are None while the shard has no state yet; they are
+    fp32 in every state format (compact moments dequantized), ``states`` names the format."""
 
     key: str
     flat: Any
@@ -52,16 +58,20 @@ class ShardState:
     exp_avg_sq: Optional[torch.Tensor]
     steps: Tuple[int, ...]
     groups: Tuple[Optional[int], ...]
+    states: str = "fp32"
 
 
 @dataclass(frozen=True)
 class _Run:
-    """Contiguous elements [start, end) of a shard that share a param group and a step."""
+    """Contiguous elements [start, end) of a shard that share a param group and a step: the
+    slots ``first..last`` (inclusive) and the padding between them."""
 
     start: int
     end: int
     group: int
     step: int
+    first: int = 0
+    last: int = -1
 
 
 # ---- validation ---------------------------------------------------------------------------
@@ -118,6 +128,16 @@ class OffloadedAdam(torch.optim.Optimizer):
             True: always (one extra read pass over gradients in RAM); False: never, like
             torch.optim. A step found to have inf/nan gradients is not applied: it is
             skipped, logged and counted in ``skipped_steps``.
+        states: the format of the moments (master weights stay fp32 in every format):
+            "fp32" (default; 12 bytes per parameter with the master), "bf16" (bf16 moments,
+            rounded to nearest even after each step; 8 B/param) or "8bit" (block-wise 8-bit
+            moments with a dynamic map, as bitsandbytes' 8-bit Adam: 256-element blocks per
+            parameter, one fp32 absmax each; ~6.03 B/param). The update itself is the fp32
+            kernel's, from the widened moments (``infinity.ops.adam_compact``). Applies to
+            wrapped shards (host and NVMe; NVMe extents and transfers shrink with it) and to
+            unwrapped parameters. ``state_dict`` always holds fp32 moments (plus a top-level
+            ``"states"`` entry); loading re-quantizes them, bitwise for moments that came from
+            the same format.
 
     The tier of the states of each wrapped model is chosen by ``choose_tier`` (from the
     model's ``optimizer_tier`` policy) at the first step. After each step,
@@ -131,7 +151,8 @@ class OffloadedAdam(torch.optim.Optimizer):
     def __init__(self, params, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, *, adamw: bool = True,
                  amsgrad: bool = False, maximize: bool = False,
-                 check_finite: Union[bool, str] = "auto") -> None:
+                 check_finite: Union[bool, str] = "auto", states: str = "fp32") -> None:
+        self.states_format = check_states(states)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         amsgrad=amsgrad, maximize=maximize)
         _check_hyper(defaults)
@@ -192,10 +213,11 @@ class OffloadedAdam(torch.optim.Optimizer):
         if store is None:
             flats = [s.flat for s in self._shards.values() if s.engine is engine
                      and any(g is not None for g in s.groups)]
-            tier = choose_tier(engine, flats)
-            store = NvmeStates(engine) if tier == "nvme" else HostStates(engine)
-            logger.info("infinity.optim: %s bytes of optimizer states on %s",
-                        f"{sum(state_nbytes(f) for f in flats):,}", tier)
+            fmt = self.states_format
+            tier = choose_tier(engine, flats, fmt)
+            store = NvmeStates(engine, fmt) if tier == "nvme" else HostStates(engine, fmt)
+            logger.info("infinity.optim: %s bytes of %s optimizer states on %s",
+                        f"{sum(state_nbytes(f, fmt) for f in flats):,}", fmt, tier)
             self._stores[id(engine)] = store
         return store
 
@@ -401,13 +423,13 @@ class OffloadedAdam(torch.optim.Optimizer):
             return
         store = self._store(engine)
         flat = shard.flat
+        if not store.layout(shard).with_master:
+            return  # host states of an fp32 host home: the home is the master
         if isinstance(store, HostStates):
             buf = store.buffer(shard)
         else:
             buf = self._read_committed(shard)
-        if buf.numel() == 2 * shard.numel:
-            return  # host states of an fp32 host home: the home is the master
-        master, _, _ = states_of(shard, buf)
+        master = store.views(shard, buf).master
         home = torch.empty(flat.numel, dtype=flat.home_dtype)
         engine.read_home(flat, home)
         for i in written:
@@ -429,9 +451,10 @@ class OffloadedAdam(torch.optim.Optimizer):
             last = runs[-1] if runs else None
             if (last is not None and last.group == group and last.step == step
                     and self._ready(shard, i - 1)):
-                runs[-1] = _Run(last.start, slot.offset + slot.numel, group, step)
+                runs[-1] = _Run(last.start, slot.offset + slot.numel, group, step,
+                                last.first, i)
             else:
-                runs.append(_Run(slot.offset, slot.offset + slot.numel, group, step))
+                runs.append(_Run(slot.offset, slot.offset + slot.numel, group, step, i, i))
         return runs
 
     def _commit_steps(self, shard: Shard) -> None:
@@ -450,35 +473,56 @@ class OffloadedAdam(torch.optim.Optimizer):
     def _apply(self, shard: Shard, runs: List[_Run], buf: torch.Tensor,
                staging: Optional[torch.Tensor], multiplier: float,
                grad: Optional[torch.Tensor] = None) -> None:
-        """One shard: the kernel over each run, working copy written in the same pass.
-        ``grad``: the shard's gradients when they were read from NVMe (else those in RAM)."""
+        """One shard: the kernel of the state format over each run, working copy written in
+        the same pass. ``grad``: the shard's gradients when they were read from NVMe (else
+        those in RAM).
+
+        fp32 and bf16 moments are element-wise: one kernel call per run. 8-bit moments are
+        quantized in 256-element blocks that start at each slot's first element (see
+        ``StateLayout``), so the 8-bit kernel runs slot by slot over the run's slots: every
+        block it re-quantizes belongs to a slot that takes this step, and a slot that does not
+        (no gradient, frozen, not ours) keeps its codes, scales and step untouched."""
         flat = shard.flat
         grad = shard.engine.grads.in_ram(flat) if grad is None else grad
-        master, exp_avg, exp_avg_sq = states_of(shard, buf)
+        views = self._stores[id(shard.engine)].views(shard, buf)
+        master, fmt = views.master, views.layout.fmt
         out = self._working_out(shard, staging)
-        in_place = master is out  # fp32 home is the master: updated in place, no copy out
+        in_place = not views.layout.with_master  # fp32 home is the master: updated in place
         if in_place:
             out = None
+        written: List[Tuple[int, int]] = []
         for r in runs:
             group = self.param_groups[r.group]
             beta1, beta2 = group["betas"]
-            cpu_adam_step(master[r.start:r.end], grad[r.start:r.end],
-                          exp_avg[r.start:r.end], exp_avg_sq[r.start:r.end], step=r.step,
-                          lr=_float(group["lr"]), beta1=_float(beta1), beta2=_float(beta2),
-                          eps=_float(group["eps"]), weight_decay=_float(group["weight_decay"]),
-                          adamw=self._adamw,
-                          out=out[r.start:r.end] if out is not None else None,
-                          grad_multiplier=multiplier)
+            hyper = dict(step=r.step, lr=_float(group["lr"]), beta1=_float(beta1),
+                         beta2=_float(beta2), eps=_float(group["eps"]),
+                         weight_decay=_float(group["weight_decay"]), adamw=self._adamw,
+                         grad_multiplier=multiplier)
+            if fmt == "8bit":
+                for i in range(r.first, r.last + 1):
+                    s = flat.slots[i]
+                    sl, b = slice(s.offset, s.offset + s.numel), views.blocks_of(flat, i)
+                    cpu_adam_step_8bit(master[sl], grad[sl], views.exp_avg[sl],
+                                       views.exp_avg_absmax[b], views.exp_avg_sq[sl],
+                                       views.exp_avg_sq_absmax[b],
+                                       out=out[sl] if out is not None else None, **hyper)
+                    written.append((sl.start, sl.stop))
+                continue
+            kernel = cpu_adam_step if fmt == "fp32" else cpu_adam_step_bf16_moments
+            sl = slice(r.start, r.end)
+            kernel(master[sl], grad[sl], views.exp_avg[sl], views.exp_avg_sq[sl],
+                   out=out[sl] if out is not None else None, **hyper)
+            written.append((r.start, r.end))
         if out is None and not in_place:  # a device home on CUDA: copied over afterwards
             shard.engine.home.write_from(flat, master)
         if shard.engine.working_copy_staged:
-            # the whole working copy goes to the swap file: fill what the runs did not touch
-            # from the masters (home == round(master) holds for every slot)
+            # the whole working copy goes to the swap file: fill what the kernels did not
+            # write from the masters (home == round(master) holds for every slot)
             pos = 0
-            for r in runs + [_Run(flat.numel, flat.numel, -1, 0)]:
-                if r.start > pos:
-                    out[pos:r.start].copy_(master[pos:r.start])
-                pos = r.end
+            for start, end in written + [(flat.numel, flat.numel)]:
+                if start > pos:
+                    out[pos:start].copy_(master[pos:start])
+                pos = end
 
     def _home_staging(self, engine: Engine) -> torch.Tensor:
         """Host states with parameters homed on NVMe: one aligned buffer (the largest working
@@ -498,7 +542,7 @@ class OffloadedAdam(torch.optim.Optimizer):
             engine = shard.engine
             staging = self._home_staging(engine) if engine.working_copy_staged else None
             if not shard.initialized:
-                init_states(shard, buf, staging)
+                init_states(shard, store.views(shard, buf), staging)
                 shard.initialized = True
             grad = None
             if engine.grads.in_ram(shard.flat) is None:
@@ -532,13 +576,14 @@ class OffloadedAdam(torch.optim.Optimizer):
     def _sets_for(self, engine: Engine, shards: List[Shard]) -> BufferSets:
         staging = engine.working_copy_staged
         grads = engine.grads.on_nvme
+        store = self._stores[id(engine)]
         sets = self._sets.get(id(engine))
-        if sets is not None and not sets.fits(shards, staging, grads):
+        if sets is not None and not sets.fits(store, shards, staging, grads):
             sets.close()
             sets = None
         if sets is None:
-            sets = BufferSets(engine, [s for s in self._shards.values()
-                                       if s.engine is engine], staging, grads)
+            sets = BufferSets(store, [s for s in self._shards.values()
+                                      if s.engine is engine], staging, grads)
             self._sets[id(engine)] = sets
         return sets
 
@@ -546,8 +591,9 @@ class OffloadedAdam(torch.optim.Optimizer):
         """First use of a shard: states from the home copy, written and committed at once, so
         every later step has a committed state to fall back to."""
         store.create(shard)
-        buf = sets.state_view(0, shard)
-        init_states(shard, buf, sets.staging[0] if sets.staging[0] is not None
+        buf = sets.state_view(0, store, shard)
+        init_states(shard, store.views(shard, buf),
+                    sets.staging[0] if sets.staging[0] is not None
                     else inf_io.aligned_empty(shard.flat.home_nbytes))
         store.write_and_commit(shard, buf, "initializing")
         shard.initialized = True
@@ -602,11 +648,10 @@ class OffloadedAdam(torch.optim.Optimizer):
             if isinstance(store, HostStates):
                 buf = store.buffer(shard)
             else:
-                buf = inf_io.aligned_empty(3 * shard.numel, torch.float32)
+                buf = store.empty(shard)
                 store.read(shard, buf).wait()
                 store.verify(shard, buf)
-            master, _, _ = states_of(shard, buf)
-            engine.home.write_from(shard.flat, master)
+            engine.home.write_from(shard.flat, store.views(shard, buf).master)
             del self._dirty[key]
 
     # ---- unwrapped parameters ---------------------------------------------------------------
@@ -630,12 +675,12 @@ class OffloadedAdam(torch.optim.Optimizer):
                 grad = p.grad.detach()
                 if grad.device.type != "cpu" or not grad.is_contiguous():
                     grad = grad.to("cpu").contiguous()
-                cpu_adam_step(target, grad, state["exp_avg"], state["exp_avg_sq"],
-                              step=int(state["step"].item()), lr=_float(group["lr"]),
-                              beta1=_float(beta1), beta2=_float(beta2),
-                              eps=_float(group["eps"]),
-                              weight_decay=_float(group["weight_decay"]), adamw=self._adamw,
-                              out=out, grad_multiplier=multiplier)
+                self._param_kernel(state, target, grad, out,
+                                   step=int(state["step"].item()), lr=_float(group["lr"]),
+                                   beta1=_float(beta1), beta2=_float(beta2),
+                                   eps=_float(group["eps"]),
+                                   weight_decay=_float(group["weight_decay"]),
+                                   adamw=self._adamw, grad_multiplier=multiplier)
                 if master is not None and out is None:
                     p.data.copy_(master.view_as(p))
                 stats.params += p.numel()
@@ -644,13 +689,51 @@ class OffloadedAdam(torch.optim.Optimizer):
     def _needs_master(p: torch.Tensor) -> bool:
         return p.dtype != torch.float32 or p.device.type != "cpu" or not p.is_contiguous()
 
+    def _param_kernel(self, state: Dict[str, Any], target: torch.Tensor, grad: torch.Tensor,
+                      out: Optional[torch.Tensor], **hyper: Any) -> None:
+        """One unwrapped parameter's step in the optimizer's state format (its 8-bit blocks
+        start at the parameter's first element, as a wrapped slot's)."""
+        flat = [target.view(-1), grad.reshape(-1)]
+        out = out.view(-1) if out is not None else None
+        if self.states_format == "fp32":
+            cpu_adam_step(*flat, state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1),
+                          out=out, **hyper)
+        elif self.states_format == "bf16":
+            cpu_adam_step_bf16_moments(*flat, state["exp_avg"].view(-1),
+                                       state["exp_avg_sq"].view(-1), out=out, **hyper)
+        else:
+            cpu_adam_step_8bit(*flat, state["exp_avg_codes"], state["exp_avg_absmax"],
+                               state["exp_avg_sq_codes"], state["exp_avg_sq_absmax"], out=out,
+                               **hyper)
+
+    def _new_moments(self, p: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """Zero moments of an unwrapped parameter in the state format."""
+        if self.states_format == "8bit":
+            return new_8bit_state(p.numel())
+        dtype = torch.float32 if self.states_format == "fp32" else torch.bfloat16
+        return {"exp_avg": torch.zeros(p.shape, dtype=dtype),
+                "exp_avg_sq": torch.zeros(p.shape, dtype=dtype)}
+
     def _new_param_state(self, p: torch.Tensor) -> Dict[str, torch.Tensor]:
-        state = {"step": torch.tensor(0.0),
-                 "exp_avg": torch.zeros(p.shape, dtype=torch.float32),
-                 "exp_avg_sq": torch.zeros(p.shape, dtype=torch.float32)}
+        state = {"step": torch.tensor(0.0), **self._new_moments(p)}
         if self._needs_master(p):
             state["master"] = p.detach().to("cpu", torch.float32, copy=True).contiguous()
         return state
+
+    def _param_state_to_torch(self, p: torch.Tensor, state: Dict[str, Any]) -> Dict[str, Any]:
+        """An unwrapped parameter's state in torch's format (fp32 moments, dequantized)."""
+        out = {k: (t.clone() if isinstance(t, torch.Tensor) else t) for k, t in state.items()
+               if k in ("step", "master")}
+        if self.states_format == "8bit":
+            out["exp_avg"] = dequantize_8bit(state["exp_avg_codes"], state["exp_avg_absmax"],
+                                             signed=True).view(p.shape)
+            out["exp_avg_sq"] = dequantize_8bit(state["exp_avg_sq_codes"],
+                                                state["exp_avg_sq_absmax"],
+                                                signed=False).view(p.shape)
+        else:
+            out["exp_avg"] = state["exp_avg"].to(torch.float32, copy=True)
+            out["exp_avg_sq"] = state["exp_avg_sq"].to(torch.float32, copy=True)
+        return out
 
     # =====================================================================================
     # zero_grad
@@ -681,7 +764,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         store = self._stores[id(shard.engine)]
         if isinstance(store, HostStates):
             return store.buffer(shard)
-        buf = inf_io.aligned_empty(3 * shard.numel, torch.float32)
+        buf = store.empty(shard)
         try:
             store.read(shard, buf).wait()
         except inf_io.InfinityIOError as exc:
@@ -699,9 +782,11 @@ class OffloadedAdam(torch.optim.Optimizer):
             buf = self._read_committed(shard)
             master = m = v = None
             if buf is not None:
-                master, m, v = states_of(shard, buf)
+                views = self._stores[id(shard.engine)].views(shard, buf)
+                master = views.master
+                m, v = views.moments_fp32(shard.flat)  # compact moments: dequantized copies
             yield ShardState(shard.key, shard.flat, master, m, v, tuple(shard.steps),
-                             tuple(shard.groups))
+                             tuple(shard.groups), self.states_format)
 
     def load_shard_state(self, key: str, per_slot: Dict[int, Dict[str, Any]]) -> None:
         """Loads one shard's states: ``per_slot[slot index] = {"step", "exp_avg",
@@ -714,8 +799,10 @@ class OffloadedAdam(torch.optim.Optimizer):
 
     def state_dict(self, *, wrapped: bool = True) -> Dict[str, Any]:
         """torch's format: ``{"state": {index: {"step", "exp_avg", "exp_avg_sq", "master"}},
-        "param_groups": [...]}``; ``master`` is the fp32 master weight (for unwrapped fp32 CPU
-        parameters the parameter itself is the master and no entry is stored).
+        "param_groups": [...], "states": "fp32" | "bf16" | "8bit"}``; ``master`` is the fp32
+        master weight (for unwrapped fp32 CPU parameters the parameter itself is the master and
+        no entry is stored); the moments are fp32 in every state format (compact ones
+        dequantized: exactly the values the next step starts from).
         ``wrapped=False`` leaves out the wrapped models' shards (see :meth:`shard_states`)."""
         for engine in self._engines():
             engine.quiesce()
@@ -733,26 +820,29 @@ class OffloadedAdam(torch.optim.Optimizer):
             buf = self._read_committed(shard)
             if buf is None:
                 continue
-            master, m, v = states_of(shard, buf)
+            views = self._stores[id(shard.engine)].views(shard, buf)
             for i, slot in enumerate(shard.flat.slots):
                 if shard.groups[i] is None or shard.steps[i] == 0:
                     continue
                 sl = slice(slot.offset, slot.offset + slot.numel)
+                m, v = views.slot_moments(shard.flat, i)
                 state[index[id(slot.param)]] = {
                     "step": torch.tensor(float(shard.steps[i])),
-                    "exp_avg": m[sl].view(slot.shape).clone(),
-                    "exp_avg_sq": v[sl].view(slot.shape).clone(),
-                    "master": master[sl].view(slot.shape).clone()}
+                    "exp_avg": m.view(slot.shape).clone(),
+                    "exp_avg_sq": v.view(slot.shape).clone(),
+                    "master": views.master[sl].view(slot.shape).clone()}
         for p in params:
             if not self._is_wrapped(p) and self.state.get(p):
-                state[index[id(p)]] = {k: (t.clone() if isinstance(t, torch.Tensor) else t)
-                                       for k, t in self.state[p].items()}
-        return {"state": state, "param_groups": groups}
+                state[index[id(p)]] = self._param_state_to_torch(p, self.state[p])
+        return {"state": state, "param_groups": groups, "states": self.states_format}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Loads a state from :meth:`state_dict` (or torch.optim.Adam/AdamW's: without a
-        ``master`` the current parameter value is the master). A state of another model (other
-        number of groups/parameters or shapes) raises ValueError and changes nothing."""
+        ``master`` the current parameter value is the master). The fp32 moments are stored in
+        this optimizer's state format, whatever the saved ``"states"`` was (bf16: rounded;
+        8bit: quantized; moments saved from the same format come back bitwise). A state of
+        another model (other number of groups/parameters or shapes) raises ValueError and
+        changes nothing."""
         entries = self._check_loadable(state_dict)
         params = self._param_index()
         for g, saved in zip(self.param_groups, state_dict["param_groups"]):
@@ -811,10 +901,15 @@ class OffloadedAdam(torch.optim.Optimizer):
         return entries
 
     def _param_state_from(self, p: torch.Tensor, entry: Dict[str, Any]) -> Dict[str, Any]:
-        state = {"step": torch.tensor(_float(entry["step"])),
-                 "exp_avg": entry["exp_avg"].detach().to("cpu", torch.float32, copy=True),
-                 "exp_avg_sq": entry["exp_avg_sq"].detach().to("cpu", torch.float32,
-                                                                copy=True)}
+        state = {"step": torch.tensor(_float(entry["step"])), **self._new_moments(p)}
+        m = entry["exp_avg"].detach().to("cpu", torch.float32).reshape(-1).contiguous()
+        v = entry["exp_avg_sq"].detach().to("cpu", torch.float32).reshape(-1).contiguous()
+        if self.states_format == "8bit":
+            quantize_exact(m, True, state["exp_avg_codes"], state["exp_avg_absmax"])
+            quantize_exact(v, False, state["exp_avg_sq_codes"], state["exp_avg_sq_absmax"])
+        else:  # fp32: a copy; bf16: rounded to nearest even
+            state["exp_avg"].view(-1).copy_(m)
+            state["exp_avg_sq"].view(-1).copy_(v)
         if self._needs_master(p):
             src = entry.get("master")
             src = p.detach() if src is None else src
@@ -839,19 +934,18 @@ class OffloadedAdam(torch.optim.Optimizer):
             buf = store.buffer(shard)
         else:
             store.create(shard)
-            buf = inf_io.aligned_empty(3 * shard.numel, torch.float32)
+            buf = store.empty(shard)
         scratch = inf_io.aligned_empty(shard.flat.home_nbytes) \
             if engine.working_copy_staged else None
-        init_states(shard, buf, scratch)
-        master, m, v = states_of(shard, buf)
+        views = store.views(shard, buf)
+        init_states(shard, views, scratch)
         for i, (slot, entry) in enumerate(zip(slots, loaded)):
             if entry is None:
                 continue
             sl = slice(slot.offset, slot.offset + slot.numel)
-            m[sl].copy_(entry["exp_avg"].reshape(-1))
-            v[sl].copy_(entry["exp_avg_sq"].reshape(-1))
+            views.set_slot_moments(shard.flat, i, entry["exp_avg"], entry["exp_avg_sq"])
             if entry.get("master") is not None:
-                master[sl].copy_(entry["master"].reshape(-1))
+                views.master[sl].copy_(entry["master"].reshape(-1))
             shard.steps[i] = int(_float(entry["step"]))
         if isinstance(store, NvmeStates):
             store.write_and_commit(shard, buf, "loading")

@@ -1,8 +1,10 @@
-"""Where the optimizer's per-shard states live: fp32 master, exp_avg and exp_avg_sq.
+"""Where the optimizer's per-shard states live, and how they are laid out.
 
-One *shard* is one FlatParam (one block's parameters of one dtype). Its three fp32 states are
-stored back to back in one buffer of ``3 * flat.numel`` elements ([master | exp_avg |
-exp_avg_sq]) so a shard moves to or from NVMe as one aligned sequential transfer.
+One *shard* is one FlatParam (one block's parameters of one dtype). Its states are one aligned
+byte buffer ([master | exp_avg | exp_avg_sq] in the format's types, see :class:`StateLayout`)
+so a shard moves to or from NVMe as one aligned sequential transfer. The format is chosen on the
+optimizer (``states=``): "fp32" (12 B/param), "bf16" moments (8 B/param) or "8bit" block-wise
+quantized moments (~6.03 B/param); master weights are fp32 in every format.
 
 - :class:`HostStates`: the buffers stay in host RAM (counted in the engine's host budget).
 - :class:`NvmeStates`: the buffers live in the optimizer's own SwapStore (a private directory
@@ -17,11 +19,14 @@ from __future__ import annotations
 import errno as errno_mod
 import logging
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
 from .. import io as inf_io
+from ..ops import dequantize_8bit, dynamic_map, quantize_8bit
+from ..ops.adam_compact import BLOCK_SIZE, num_blocks
 from ..runtime.engine import Engine
 from ..runtime.flat import FlatParam
 from ..runtime.homes import master_is_home
@@ -29,7 +34,8 @@ from ..tiers import SwapStore
 
 logger = logging.getLogger(__name__)
 
-STATE_TENSORS = 3  # master, exp_avg, exp_avg_sq
+STATE_FORMATS = ("fp32", "bf16", "8bit")
+_MOMENT_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "8bit": torch.uint8}
 _FULL_DISK = (errno_mod.ENOSPC, errno_mod.EFBIG, errno_mod.EDQUOT)
 
 
@@ -38,20 +44,233 @@ class OptimizerStateIOError(inf_io.InfinityIOError):
     successful step stay valid; the step that failed was not applied."""
 
 
-def state_nbytes(flat: FlatParam) -> int:
-    return STATE_TENSORS * flat.numel * 4
+def check_states(states: object) -> str:
+    """Validates the ``states=`` argument of the optimizer; returns the format name."""
+    if not isinstance(states, str) or states not in STATE_FORMATS:
+        raise ValueError(
+            f"infinity.optim: states must be 'fp32' (default: fp32 moments, 12 bytes per "
+            f"parameter with the fp32 master), 'bf16' (bf16 moments, 8 B/param) or '8bit' "
+            f"(block-wise 8-bit moments, ~6.03 B/param); got {states!r}")
+    return states
 
 
-def choose_tier(engine: Engine, flats: List[FlatParam]) -> str:
+def _round_page(nbytes: int) -> int:
+    return -(-nbytes // inf_io.ALIGNMENT) * inf_io.ALIGNMENT
+
+
+# ---- layout ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StateLayout:
+    """Byte layout of one shard's state buffer (all offsets 4-byte aligned; the size is rounded
+    up to 4096 bytes for O_DIRECT):
+
+    - fp32: ``[master f32 | exp_avg f32 | exp_avg_sq f32]``           12 B/param
+    - bf16: ``[master f32 | exp_avg bf16 | exp_avg_sq bf16]``          8 B/param
+    - 8bit: ``[master f32 | exp_avg absmax f32 | exp_avg_sq absmax f32 | exp_avg codes u8 |
+      exp_avg_sq codes u8]``                                           4 + 2 + 8/256 B/param
+
+    ``master`` is left out when the master is the home copy itself (``with_master=False``: fp32
+    parameters homed in host RAM with host states). 8-bit blocks are **per slot**: each
+    parameter's moments are quantized in blocks of 256 starting at its own first element (as
+    bitsandbytes quantizes each tensor), ``block_start[i]`` is the index of slot i's first
+    absmax. So every parameter's quantized state is self-contained: a step runs the kernel on
+    whole slots, a slot that is not stepped (no gradient, frozen, another optimizer's) shares
+    no block with one that is and stays bit for bit unchanged, and state_dict entries per
+    parameter carry exactly that parameter's state."""
+
+    fmt: str
+    numel: int
+    with_master: bool
+    block_start: Tuple[int, ...] = ()
+    blocks: int = 0
+
+    @property
+    def moment_nbytes(self) -> int:
+        """Bytes of exp_avg + exp_avg_sq (absmax scales included)."""
+        size = torch.empty((), dtype=_MOMENT_DTYPE[self.fmt]).element_size()
+        return 2 * self.numel * size + (2 * self.blocks * 4 if self.fmt == "8bit" else 0)
+
+    @property
+    def nbytes(self) -> int:
+        return _round_page((4 * self.numel if self.with_master else 0) + self.moment_nbytes)
+
+
+def layout_for(flat: FlatParam, fmt: str, with_master: bool) -> StateLayout:
+    if fmt != "8bit":
+        return StateLayout(fmt, flat.numel, with_master)
+    starts, total = [], 0
+    for slot in flat.slots:
+        starts.append(total)
+        total += num_blocks(slot.numel)
+    return StateLayout(fmt, flat.numel, with_master, tuple(starts), total)
+
+
+def state_nbytes(flat: FlatParam, fmt: str = "fp32") -> int:
+    """Bytes of one shard's states with its master (as held on NVMe, per extent)."""
+    return layout_for(flat, fmt, True).nbytes
+
+
+@dataclass
+class StateViews:
+    """Typed views of one shard's state buffer (or the home copy for ``master``).
+    fp32/bf16: ``exp_avg``/``exp_avg_sq`` are the moments; 8bit: they are the uint8 codes and
+    ``*_absmax`` the per-block scales."""
+
+    layout: StateLayout
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    exp_avg_absmax: Optional[torch.Tensor] = None
+    exp_avg_sq_absmax: Optional[torch.Tensor] = None
+
+    def blocks_of(self, flat: FlatParam, i: int) -> slice:
+        """Slot i's absmax range (8bit)."""
+        start = self.layout.block_start[i]
+        return slice(start, start + num_blocks(flat.slots[i].numel))
+
+    def zero_moments(self) -> None:
+        """Zero moments (8bit: zero codes with zero scales are a zero state)."""
+        for t in (self.exp_avg, self.exp_avg_sq, self.exp_avg_absmax, self.exp_avg_sq_absmax):
+            if t is not None:
+                t.zero_()
+
+    def slot_moments(self, flat: FlatParam, i: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Slot i's moments in fp32 (views for fp32 states, dequantized copies otherwise)."""
+        s = flat.slots[i]
+        sl = slice(s.offset, s.offset + s.numel)
+        if self.layout.fmt == "fp32":
+            return self.exp_avg[sl], self.exp_avg_sq[sl]
+        if self.layout.fmt == "bf16":
+            return self.exp_avg[sl].float(), self.exp_avg_sq[sl].float()
+        b = self.blocks_of(flat, i)
+        return (dequantize_8bit(self.exp_avg[sl], self.exp_avg_absmax[b], signed=True),
+                dequantize_8bit(self.exp_avg_sq[sl], self.exp_avg_sq_absmax[b], signed=False))
+
+    def set_slot_moments(self, flat: FlatParam, i: int, exp_avg: torch.Tensor,
+                         exp_avg_sq: torch.Tensor) -> None:
+        """Stores fp32 moments of slot i in this format (bf16: round to nearest even; 8bit:
+        :func:`quantize_exact`, so moments that came from an 8-bit state come back bitwise)."""
+        s = flat.slots[i]
+        sl = slice(s.offset, s.offset + s.numel)
+        m = exp_avg.detach().reshape(-1).to(torch.float32)
+        v = exp_avg_sq.detach().reshape(-1).to(torch.float32)
+        if self.layout.fmt != "8bit":
+            self.exp_avg[sl].copy_(m)
+            self.exp_avg_sq[sl].copy_(v)
+            return
+        b = self.blocks_of(flat, i)
+        quantize_exact(m.contiguous(), True, self.exp_avg[sl], self.exp_avg_absmax[b])
+        quantize_exact(v.contiguous(), False, self.exp_avg_sq[sl], self.exp_avg_sq_absmax[b])
+
+    def moments_fp32(self, flat: FlatParam) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The whole shard's moments in fp32 (views for fp32 states; else new tensors, zero
+        between slots)."""
+        if self.layout.fmt == "fp32":
+            return self.exp_avg, self.exp_avg_sq
+        if self.layout.fmt == "bf16":
+            return self.exp_avg.float(), self.exp_avg_sq.float()
+        m = torch.zeros(self.layout.numel, dtype=torch.float32)
+        v = torch.zeros(self.layout.numel, dtype=torch.float32)
+        for i, s in enumerate(flat.slots):
+            sl = slice(s.offset, s.offset + s.numel)
+            m[sl], v[sl] = self.slot_moments(flat, i)
+        return m, v
+
+
+def state_views(layout: StateLayout, buf: torch.Tensor,
+                home_master: Optional[torch.Tensor] = None) -> StateViews:
+    """Typed views of ``buf`` (uint8, at least ``layout.nbytes``). ``home_master``: the home
+    copy, which is the master when the layout holds none."""
+    n, pos = layout.numel, 0
+
+    def take(count: int, dtype: torch.dtype) -> torch.Tensor:
+        nonlocal pos
+        size = torch.empty((), dtype=dtype).element_size()
+        out = buf[pos:pos + count * size].view(dtype)
+        pos += count * size
+        return out
+
+    if layout.with_master:
+        master = take(n, torch.float32)
+    else:
+        if home_master is None:
+            raise RuntimeError("this state layout has no master: pass the home copy")
+        master = home_master
+    if layout.fmt == "8bit":
+        m_abs, v_abs = take(layout.blocks, torch.float32), take(layout.blocks, torch.float32)
+        m, v = take(n, torch.uint8), take(n, torch.uint8)
+        return StateViews(layout, master, m, v, m_abs, v_abs)
+    dtype = _MOMENT_DTYPE[layout.fmt]
+    return StateViews(layout, master, take(n, dtype), take(n, dtype))
+
+
+# ---- 8-bit load: quantization that reproduces dequantized values -----------------------------
+def quantize_exact(x: torch.Tensor, signed: bool, codes: torch.Tensor,
+                   absmax: torch.Tensor) -> None:
+    """``quantize_8bit(x)`` into ``codes``/``absmax``, except that a block whose values are
+    exactly the dequantized values of some 8-bit block gets codes and a scale that dequantize to
+    them again, bit for bit (state_dict/checkpoints store dequantized fp32 moments; loading must
+    resume exactly).
+
+    Why the plain rule is not enough: quantize takes the block's largest magnitude as its scale,
+    so that value maps to +-1. The unsigned map (exp_avg_sq) and the signed map's positive side
+    contain 1.0, so dequantize gives back the scale exactly and quantize(dequantize(q)) == q.
+    The signed map's lowest entry is -0.99297 (there is no -1.0): when a block's largest
+    magnitude is negative, its dequantized values have a largest magnitude of 0.99297 * scale,
+    and re-quantizing would pick that smaller scale and shift every value. For such blocks the
+    scale is recovered as ``|largest| / 0.99297`` (or an fp32 neighbour) and kept when it
+    reproduces the block exactly; any other block keeps the plain quantization."""
+    n = x.numel()
+    quantize_8bit(x, signed=signed, codes=codes, absmax=absmax)
+    if not signed or n == 0:
+        return
+    nb = num_blocks(n)
+    pad = nb * BLOCK_SIZE - n
+    back = dequantize_8bit(codes, absmax, signed=True)
+    xs, ys = F.pad(x, (0, pad)).view(nb, BLOCK_SIZE), F.pad(back, (0, pad)).view(nb, BLOCK_SIZE)
+    bad = (xs != ys).any(dim=1)
+    if not bool(bad.any()):
+        return
+    rows = bad.nonzero().squeeze(1)
+    block = xs[rows]
+    col = torch.where(block < 0, -block, 0).argmax(dim=1)  # a most negative element
+    arange = torch.arange(len(rows))
+    largest = block[arange, col]
+    candidate = (largest < 0) & (-largest == block.abs().amax(dim=1))
+    low = dynamic_map(True)[0]  # -0.99297: the signed map's lowest entry
+    guess = largest / low
+    codes_p = F.pad(codes, (0, pad)).view(nb, BLOCK_SIZE)
+    fixed = torch.zeros(len(rows), dtype=torch.bool)
+    for scale in (guess, torch.nextafter(guess, torch.full_like(guess, float("inf"))),
+                  torch.nextafter(guess, torch.zeros_like(guess))):
+        trial = block.clone()
+        trial[arange, col] = scale  # the largest magnitude of the block: quantize's scale
+        c, a = quantize_8bit(trial.view(-1), signed=True)
+        c = c.view(-1, BLOCK_SIZE)
+        c[arange, col] = 0  # the lowest code, whose value is low * scale
+        again = dequantize_8bit(c.view(-1), a, signed=True).view(-1, BLOCK_SIZE)
+        ok = (again == block).all(dim=1) & candidate & ~fixed
+        if bool(ok.any()):
+            codes_p[rows[ok]] = c[ok]
+            absmax[rows[ok]] = a[ok]
+            fixed |= ok
+        if bool(fixed.all()):
+            break
+    codes.view(-1).copy_(codes_p.view(-1)[:n])
+
+
+# ---- tier -----------------------------------------------------------------------------------
+def choose_tier(engine: Engine, flats: List[FlatParam], fmt: str = "fp32") -> str:
     """The one place the optimizer-state tier is chosen, from ``engine.policy.optimizer_tier``:
     "host" or "nvme" as given; "auto" = "nvme" when ``nvme_path`` is set and (no
-    ``host_budget`` is set, or the states do not fit in what is left of it), else "host"."""
+    ``host_budget`` is set, or the states (in format ``fmt``) do not fit in what is left of
+    it), else "host"."""
     policy = engine.policy
     if policy.optimizer_tier in ("host", "nvme"):
         return policy.optimizer_tier
     if policy.nvme_path is None:
         return "host"
-    need = sum(state_nbytes(f) for f in flats)
+    need = sum(state_nbytes(f, fmt) for f in flats)
     if policy.host_budget is None or not engine.host_budget.fits(need):
         return "nvme"
     return "host"
@@ -80,69 +299,88 @@ class Shard:
         return self.flat.numel
 
 
-def split_states(buf: torch.Tensor, numel: int) -> tuple:
-    """(master, exp_avg, exp_avg_sq) views of one shard's state buffer."""
-    return buf[:numel], buf[numel:2 * numel], buf[2 * numel:3 * numel]
-
-
 def master_in_home(shard: Shard) -> bool:
-    """fp32 parameters homed in host RAM are their own master weights: the optimizer keeps
-    only the two moments and updates the home copy in place (no second fp32 copy, 4 bytes per
-    parameter less to store and to write each step), as torch.optim does for fp32 params."""
+    """fp32 parameters homed in host RAM are their own master weights: with host states the
+    optimizer keeps only the moments and updates the home copy in place (no second fp32 copy,
+    4 bytes per parameter less to store and to write each step), as torch.optim does for fp32
+    params. The same holds for every state format (the kernels take an fp32 ``param``)."""
     return master_is_home(shard.engine.home, shard.flat)
 
 
-def states_of(shard: Shard, buf: torch.Tensor) -> tuple:
-    """(master, exp_avg, exp_avg_sq) of a shard: the buffer holds all three, or only the
-    moments when the master is the home copy itself (HostStates, :func:`master_in_home`)."""
-    n = shard.numel
-    if buf.numel() == 2 * n:
-        return shard.engine.home.working_buffer(shard.flat), buf[:n], buf[n:]
-    return split_states(buf, n)
-
-
-def init_states(shard: Shard, buf: torch.Tensor, scratch: Optional[torch.Tensor]) -> None:
-    """Fills ``buf`` with the shard's initial states: master = the home copy, moments = 0.
+def init_states(shard: Shard, views: StateViews, scratch: Optional[torch.Tensor]) -> None:
+    """Fills the states with the shard's initial values: master = the home copy, moments = 0.
     ``scratch``: an aligned buffer of at least home_nbytes bytes, needed when params live on
     NVMe (the home copy is read through it)."""
     flat, engine = shard.flat, shard.engine
-    master, m, v = states_of(shard, buf)
-    if buf.numel() == 2 * shard.numel:
+    if not views.layout.with_master:
         pass  # the home copy is the master (HostStates of an fp32 host home)
     elif engine.working_copy_staged:
         if scratch is None:
             raise RuntimeError("init_states needs a scratch buffer for NVMe-homed parameters")
         home = scratch[:flat.home_nbytes].view(flat.home_dtype)
         engine.read_home(flat, home)
-        master.copy_(home)
+        views.master.copy_(home)
     else:
-        engine.read_home(flat, master)  # host / device homes: a plain converting copy
-    m.zero_()
-    v.zero_()
+        engine.read_home(flat, views.master)  # host / device homes: a plain converting copy
+    views.zero_moments()
 
 
-class HostStates:
+class _Store:
+    """What both tiers share: the state format and each shard's layout."""
+
+    tier = ""
+
+    def __init__(self, engine: Engine, fmt: str) -> None:
+        self.engine = engine
+        self.fmt = check_states(fmt)
+        self._layouts: Dict[str, StateLayout] = {}
+
+    def _with_master(self, shard: Shard) -> bool:
+        return True
+
+    def layout(self, shard: Shard) -> StateLayout:
+        layout = self._layouts.get(shard.key)
+        if layout is None:
+            layout = layout_for(shard.flat, self.fmt, self._with_master(shard))
+            self._layouts[shard.key] = layout
+        return layout
+
+    def views(self, shard: Shard, buf: torch.Tensor) -> StateViews:
+        """Typed views of a state buffer of ``shard`` (as :meth:`layout` says)."""
+        layout = self.layout(shard)
+        home = None if layout.with_master else shard.engine.home.working_buffer(shard.flat)
+        return state_views(layout, buf, home)
+
+    def empty(self, shard: Shard) -> torch.Tensor:
+        """A new aligned buffer for one copy of the shard's states."""
+        return inf_io.aligned_empty(self.layout(shard).nbytes)
+
+
+class HostStates(_Store):
     """Shard states in host RAM, allocated at a shard's first step."""
 
     tier = "host"
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, engine: Engine, fmt: str = "fp32") -> None:
+        super().__init__(engine, fmt)
         self._bufs: Dict[str, torch.Tensor] = {}
         self._held = 0
+
+    def _with_master(self, shard: Shard) -> bool:
+        return not master_in_home(shard)
 
     def has(self, shard: Shard) -> bool:
         return shard.key in self._bufs
 
     def buffer(self, shard: Shard) -> torch.Tensor:
-        """The shard's state buffer, created (and budgeted) on first use."""
+        """The shard's state buffer (uint8, :meth:`views` types it), created (and budgeted)
+        on first use."""
         buf = self._bufs.get(shard.key)
         if buf is None:
-            tensors = STATE_TENSORS - 1 if master_in_home(shard) else STATE_TENSORS
-            nbytes = tensors * shard.numel * 4
+            nbytes = self.layout(shard).nbytes
             self.engine.host_budget.acquire(nbytes, what=f"optimizer states of {shard.key}")
             self._held += nbytes
-            buf = inf_io.aligned_empty(tensors * shard.numel, torch.float32)
+            buf = self.empty(shard)
             self._bufs[shard.key] = buf
         return buf
 
@@ -157,13 +395,14 @@ class HostStates:
             self._held = 0
 
 
-class NvmeStates:
-    """Shard states in two extents per shard (A/B) of the optimizer's own SwapStore."""
+class NvmeStates(_Store):
+    """Shard states in two extents per shard (A/B) of the optimizer's own SwapStore (each
+    extent the size of the shard's layout: compact formats shrink both)."""
 
     tier = "nvme"
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, engine: Engine, fmt: str = "fp32") -> None:
+        super().__init__(engine, fmt)
         self.nvme_path = engine.policy.nvme_path
         self.store = SwapStore(self.nvme_path, require_direct=engine.policy.require_direct_io,
                                verify=engine.policy.verify_checksums)
@@ -179,7 +418,7 @@ class NvmeStates:
 
     def create(self, shard: Shard) -> None:
         """Preallocates both extents (ENOSPC surfaces here, before any state exists)."""
-        nbytes = state_nbytes(shard.flat)
+        nbytes = self.layout(shard).nbytes
         for which in (0, 1):
             name = self.extent(shard.key, which)
             try:
@@ -190,7 +429,7 @@ class NvmeStates:
                 raise self.wrap_error(exc, shard, "preallocating") from exc
 
     def read(self, shard: Shard, buf: torch.Tensor) -> "inf_io.IOFuture":
-        """Starts reading the committed states of ``shard`` into ``buf`` (3*numel fp32)."""
+        """Starts reading the committed states of ``shard`` into ``buf`` (layout.nbytes)."""
         return self.store.read(self.extent(shard.key, self.committed[shard.key]), buf)
 
     def verify(self, shard: Shard, buf: torch.Tensor) -> None:

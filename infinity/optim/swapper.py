@@ -16,8 +16,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from .. import io as inf_io
-from ..runtime.engine import Engine
-from .state_store import STATE_TENSORS, NvmeStates, Shard, state_nbytes
+from .state_store import NvmeStates, Shard
 
 logger = logging.getLogger(__name__)
 
@@ -99,33 +98,38 @@ class IOClock:
 
 
 class BufferSets:
-    """Three sets of aligned host buffers: fp32 states (3 * largest shard) and, when the
-    parameters are homed on NVMe, a staging buffer for the updated working copy."""
+    """Three sets of aligned host buffers: states (the largest shard's layout in the store's
+    format: 12, 8 or ~6 B/param) and, when the parameters are homed on NVMe, a staging buffer
+    for the updated working copy, and fp32 gradients when those are on NVMe."""
 
-    def __init__(self, engine: Engine, shards: List[Shard], staging: bool, grads: bool) -> None:
+    def __init__(self, states: NvmeStates, shards: List[Shard], staging: bool,
+                 grads: bool) -> None:
+        engine = states.engine
         self.engine = engine
+        self.fmt = states.fmt
         max_numel = max(s.numel for s in shards)
-        self.states_nbytes = STATE_TENSORS * max_numel * 4
+        self.states_nbytes = max(states.layout(s).nbytes for s in shards)
         self.staging_nbytes = max(s.flat.home_nbytes for s in shards) if staging else 0
         self.grad_numel = max_numel if grads else 0
         self.nbytes = SETS * (self.states_nbytes + self.staging_nbytes + self.grad_numel * 4)
         engine.host_budget.acquire(self.nbytes, what=f"{SETS} optimizer swap buffer sets")
-        self.states = [inf_io.aligned_empty(STATE_TENSORS * max_numel, torch.float32)
-                       for _ in range(SETS)]
+        self.states = [inf_io.aligned_empty(self.states_nbytes) for _ in range(SETS)]
         self.staging = [inf_io.aligned_empty(self.staging_nbytes) if staging else None
                         for _ in range(SETS)]
         self.grads = [inf_io.aligned_empty(self.grad_numel, torch.float32) if grads else None
                       for _ in range(SETS)]
         self._closed = False
 
-    def fits(self, shards: List[Shard], staging: bool, grads: bool) -> bool:
-        return (all(state_nbytes(s.flat) <= self.states_nbytes for s in shards)
+    def fits(self, states: NvmeStates, shards: List[Shard], staging: bool, grads: bool) -> bool:
+        return (states.fmt == self.fmt
+                and all(states.layout(s).nbytes <= self.states_nbytes for s in shards)
                 and (not staging or all(s.flat.home_nbytes <= self.staging_nbytes
                                         for s in shards))
                 and (not grads or all(s.numel <= self.grad_numel for s in shards)))
 
-    def state_view(self, k: int, shard: Shard) -> torch.Tensor:
-        return self.states[k][:STATE_TENSORS * shard.numel]
+    def state_view(self, k: int, states: NvmeStates, shard: Shard) -> torch.Tensor:
+        """Set k's state buffer cut to ``shard``'s layout (uint8; ``states.views`` types it)."""
+        return self.states[k][:states.layout(shard).nbytes]
 
     def close(self) -> None:
         if not self._closed:
@@ -163,9 +167,10 @@ def run_pipeline(shards: List[Shard], states: NvmeStates, sets: BufferSets, comp
         k = i % SETS
         drain(k)
         shard = shards[i]
-        reads[i] = clock.submitted(states.read(shard, sets.state_view(k, shard)))
-        stats.bytes_read += state_nbytes(shard.flat)
-        engine.stats.add_moved("nvme_to_host", state_nbytes(shard.flat))
+        nbytes = states.layout(shard).nbytes
+        reads[i] = clock.submitted(states.read(shard, sets.state_view(k, states, shard)))
+        stats.bytes_read += nbytes
+        engine.stats.add_moved("nvme_to_host", nbytes)
         if engine.grads.in_ram(shard.flat) is None and sets.grads[k] is not None:  # on NVMe
             grad_reads[i] = clock.submitted(
                 engine.grads.read(shard.flat, sets.grads[k][:shard.numel]))
@@ -178,7 +183,7 @@ def run_pipeline(shards: List[Shard], states: NvmeStates, sets: BufferSets, comp
             k = i % SETS
             if i + 1 < len(shards):
                 issue_read(i + 1)
-            buf = sets.state_view(k, shard)
+            buf = sets.state_view(k, states, shard)
             try:
                 clock.wait(reads[i])
             except inf_io.InfinityIOError as exc:
@@ -201,8 +206,8 @@ def run_pipeline(shards: List[Shard], states: NvmeStates, sets: BufferSets, comp
             stats.compute_s += time.perf_counter() - t0
             clock.poll()
             writes[k].append((clock.submitted(states.write(shard, buf)), shard, "writing"))
-            stats.bytes_written += state_nbytes(shard.flat)
-            engine.stats.add_moved("host_to_nvme", state_nbytes(shard.flat))
+            stats.bytes_written += states.layout(shard).nbytes
+            engine.stats.add_moved("host_to_nvme", states.layout(shard).nbytes)
             if write_home:
                 home = sets.staging[k][:shard.flat.home_nbytes].view(shard.flat.home_dtype)
                 writes[k].append((clock.submitted(engine.write_home(shard.flat, home)), shard,
