@@ -22,11 +22,8 @@ param group at every step (LR schedulers work), ``state_dict`` in torch's format
 from __future__ import annotations
 
 import logging
-import math
-import numbers
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -34,87 +31,16 @@ from .. import io as inf_io
 from ..ops import (cpu_adam_step, cpu_adam_step_8bit, cpu_adam_step_bf16_moments,
                    dequantize_8bit, new_8bit_state)
 from ..runtime.engine import Engine, locate
-from . import clip as clip_mod
 from .state_store import (HostStates, NvmeStates, OptimizerStateIOError, Shard,
-                          check_states, choose_tier, init_states, quantize_exact, state_nbytes)
+                          check_states, choose_tier, init_states, state_nbytes)
+from ._common import ShardState, States, _check_hyper, _float, _read_grads, _Run  # noqa: F401 (ShardState re-exported)
+from .grad_checks import GradientChecks
+from .state_dicts import StateDicts
 from .swapper import BufferSets, StepStats, run_pipeline
 
 logger = logging.getLogger(__name__)
 
-States = Union[HostStates, NvmeStates]
-
-
-@dataclass(frozen=True)
-class ShardState:
-    """One wrapped shard's committed optimizer states, as streamed by
-    :meth:`OffloadedAdam.shard_states` (tensors are views, valid until the next item).
-    ``master``/``exp_avg``/``exp_avg_sq`` are None while the shard has no state yet; they are
-    fp32 in every state format (compact moments dequantized), ``states`` names the format."""
-
-    key: str
-    flat: Any
-    master: Optional[torch.Tensor]
-    exp_avg: Optional[torch.Tensor]
-    exp_avg_sq: Optional[torch.Tensor]
-    steps: Tuple[int, ...]
-    groups: Tuple[Optional[int], ...]
-    states: str = "fp32"
-
-
-@dataclass(frozen=True)
-class _Run:
-    """Contiguous elements [start, end) of a shard that share a param group and a step: the
-    slots ``first..last`` (inclusive) and the padding between them."""
-
-    start: int
-    end: int
-    group: int
-    step: int
-    first: int = 0
-    last: int = -1
-
-
-# ---- validation ---------------------------------------------------------------------------
-
-def _number(name: str, value: object, *, low: float = 0.0, high: Optional[float] = None
-            ) -> None:
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
-    if not math.isfinite(float(value)) or value < low or (high is not None and value >= high):
-        bound = f"in [{low}, {high})" if high is not None else f">= {low}"
-        raise ValueError(f"Invalid {name}: {value!r} (must be finite and {bound})")
-
-
-def _check_hyper(group: Dict[str, Any]) -> None:
-    _number("learning rate (lr)", group["lr"])
-    _number("epsilon (eps)", group["eps"])
-    _number("weight_decay", group["weight_decay"])
-    betas = group["betas"]
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise TypeError(f"betas must be a pair (beta1, beta2), got {betas!r}")
-    _number("beta1 (betas[0])", betas[0], high=1.0)
-    _number("beta2 (betas[1])", betas[1], high=1.0)
-    for flag in ("amsgrad", "maximize"):
-        if group.get(flag):
-            raise NotImplementedError(f"infinity.optim does not support {flag}=True")
-
-
-def _read_grads(shard: Shard, dst: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The shard's accumulated gradients, read from the engine's gradient swap file."""
-    if dst is None:
-        dst = inf_io.aligned_empty(shard.numel, torch.float32)
-    shard.engine.grads.read(shard.flat, dst).wait()
-    shard.engine.grads.verify(shard.flat, dst)
-    return dst
-
-
-def _float(value: object) -> float:
-    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
-
-
-class OffloadedAdam(torch.optim.Optimizer):
+class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
     """Adam / AdamW with states in HOST or NVMe; see the module docstring.
 
     Args:
@@ -239,115 +165,13 @@ class OffloadedAdam(torch.optim.Optimizer):
     # =====================================================================================
     # gradients: finiteness, clipping, multipliers
     # =====================================================================================
-    def _grads(self, skip_checked: bool = False) -> Iterator[torch.Tensor]:
-        """Every gradient the next step applies (NVMe-held ones are read shard by shard;
-        with ``skip_checked``, not those whose finiteness the engine already knows)."""
-        for shard in self._shards.values():
-            ready = [i for i in range(len(shard.flat.slots)) if self._ready(shard, i)]
-            if not ready:
-                continue
-            if skip_checked and shard.engine.grads.finite(shard.flat) is not None:
-                continue
-            grad = shard.engine.grads.in_ram(shard.flat)
-            grad = grad if grad is not None else _read_grads(shard)
-            for i in ready:
-                s = shard.flat.slots[i]
-                yield grad[s.offset:s.offset + s.numel]
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None and not self._is_wrapped(p):
-                    yield p.grad
 
-    def _grad_norms(self, norm_type: float) -> List[torch.Tensor]:
-        """Per-parameter gradient norms in param-group order (torch's order, so the global
-        norm rounds exactly as torch.nn.utils.clip_grad_norm_'s); shards are read once."""
-        wrapped: Dict[int, torch.Tensor] = {}
-        for shard in self._shards.values():
-            ready = [i for i in range(len(shard.flat.slots)) if self._ready(shard, i)]
-            if not ready:
-                continue
-            known = shard.engine.grads.slot_norms(shard.flat) if norm_type == 2.0 else None
-            if known is not None and all(known[i] is not None for i in ready):
-                for i in ready:  # measured by the engine before the gradients went to NVMe
-                    wrapped[id(shard.flat.slots[i].param)] = known[i]
-                continue
-            grad = shard.engine.grads.in_ram(shard.flat)
-            grad = grad if grad is not None else _read_grads(shard)
-            for i in ready:
-                s = shard.flat.slots[i]
-                wrapped[id(s.param)] = clip_mod.tensor_norm(
-                    grad[s.offset:s.offset + s.numel], norm_type)
-        norms = []
-        for group in self.param_groups:
-            for p in group["params"]:
-                if self._is_wrapped(p):
-                    if id(p) in wrapped:
-                        norms.append(wrapped[id(p)])
-                elif p.grad is not None:
-                    norms.append(clip_mod.tensor_norm(p.grad, norm_type))
-        return norms
 
-    def _known_finite(self) -> Optional[bool]:
-        """False when a gradient the engine already checked (NVMe tier) holds an inf/nan."""
-        for shard in self._shards.values():
-            if (shard.engine.grads.finite(shard.flat) is False
-                    and any(self._ready(shard, i) for i in range(len(shard.flat.slots)))):
-                return False
-        return None
 
-    def grads_finite(self) -> bool:
-        """True when no gradient this optimizer would apply holds an inf or nan. Gradients on
-        NVMe were checked by the engine while they were in RAM, so they are not read back."""
-        for shard in self._shards.values():
-            if (shard.engine.grads.finite(shard.flat) is False
-                    and any(self._ready(shard, i) for i in range(len(shard.flat.slots)))):
-                return False
-        return clip_mod.all_finite(self._grads(skip_checked=True))
 
-    def set_grad_multiplier(self, factor: float, *, finite: Optional[bool] = None,
-                            source: str = "") -> None:
-        """Multiplies every gradient by ``factor`` in the next step (inside the kernel; the
-        stored gradients are not changed). ``finite``: the caller already checked them."""
-        self._multiplier *= float(factor)
-        if finite is not None:
-            self._finite = finite if self._finite is None else (self._finite and finite)
 
-    def discard_pending_step(self) -> None:
-        """Forgets multipliers and checks meant for a step that will not happen."""
-        self._multiplier = 1.0
-        self._finite = None
 
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clips the gradients of the next step by their global norm; returns that norm.
 
-        Computed over every gradient this optimizer will apply: the ready slots of the wrapped
-        models' offloaded gradients (``flat.grad``) and ``p.grad`` of unwrapped parameters,
-        like ``torch.nn.utils.clip_grad_norm_`` (norm of per-tensor norms, coefficient
-        ``min(1, max_norm / (norm + 1e-6))``). The coefficient is applied inside the next
-        ``step()`` through the kernel's grad multiplier, so no extra pass rewrites the
-        gradients (they read unclipped until then). Note: ``torch.nn.utils.clip_grad_norm_(
-        model.parameters())`` does not work on a wrapped model: its parameters have
-        ``p.grad = None`` (the gradients live only in the engine's buffers). A non-finite
-        norm marks the next step to be skipped. After ``LossScaler.unscale_`` the norm is
-        that of the unscaled gradients.
-        """
-        _number("max_norm", max_norm)
-        norm_type = float(norm_type)
-        for engine in self._engines():
-            engine.sync_gradients()
-        raw = clip_mod.norm_of_norms(self._grad_norms(norm_type), norm_type)
-        norm = raw * self._multiplier if self._multiplier != 1.0 else raw
-        finite = math.isfinite(float(norm))
-        if finite:
-            self._multiplier *= clip_mod.clip_coefficient(norm, max_norm)
-        self._finite = finite if self._finite is None else (self._finite and finite)
-        return norm
-
-    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Alias of :meth:`clip_grad_norm_`, the name trainers (HF Trainer, accelerate) look
-        for on an optimizer that clips its own gradients."""
-        return self.clip_grad_norm_(max_norm, norm_type)
 
     # =====================================================================================
     # step
@@ -404,14 +228,6 @@ class OffloadedAdam(torch.optim.Optimizer):
         stats.step_s = time.perf_counter() - t0
         return loss
 
-    def _check_lost_gradients(self) -> None:
-        for shard in self._shards.values():
-            why = shard.engine.grads.lost(shard.flat)
-            if why is not None:
-                raise RuntimeError(
-                    f"infinity.optim: the gradients of {shard.key} were lost when writing them "
-                    f"to NVMe failed ({why}); no step was taken. Call zero_grad() and run the "
-                    "backward of this batch again")
 
     def _sync_user_writes(self, shard: Shard) -> None:
         """Parameters written outside forward (load_state_dict, an EMA copied back, a user's
@@ -754,202 +570,15 @@ class OffloadedAdam(torch.optim.Optimizer):
     # =====================================================================================
     # state_dict
     # =====================================================================================
-    def _param_index(self) -> List[torch.Tensor]:
-        return [p for g in self.param_groups for p in g["params"]]
 
-    def _read_committed(self, shard: Shard) -> Optional[torch.Tensor]:
-        """The shard's committed state buffer (a copy for NVMe), or None without states."""
-        if not shard.initialized:
-            return None
-        store = self._stores[id(shard.engine)]
-        if isinstance(store, HostStates):
-            return store.buffer(shard)
-        buf = store.empty(shard)
-        try:
-            store.read(shard, buf).wait()
-        except inf_io.InfinityIOError as exc:
-            raise store.wrap_error(exc, shard, "reading") from exc
-        store.verify(shard, buf)
-        return buf
 
     # ---- streaming access (checkpoints that never hold the whole model in RAM) -------------
-    def shard_states(self) -> Iterator[ShardState]:
-        """Each wrapped shard's committed states, one shard in RAM at a time."""
-        for engine in self._engines():
-            engine.quiesce()
-        for shard in self._shards.values():
-            self._sync_user_writes(shard)
-            buf = self._read_committed(shard)
-            master = m = v = None
-            if buf is not None:
-                views = self._stores[id(shard.engine)].views(shard, buf)
-                master = views.master
-                m, v = views.moments_fp32(shard.flat)  # compact moments: dequantized copies
-            yield ShardState(shard.key, shard.flat, master, m, v, tuple(shard.steps),
-                             tuple(shard.groups), self.states_format)
 
-    def load_shard_state(self, key: str, per_slot: Dict[int, Dict[str, Any]]) -> None:
-        """Loads one shard's states: ``per_slot[slot index] = {"step", "exp_avg",
-        "exp_avg_sq", "master" (optional)}``; slots not given start without state."""
-        shard = next((s for s in self._shards.values() if s.key == key), None)
-        if shard is None:
-            raise KeyError(f"this optimizer has no wrapped shard {key!r}")
-        by_param = {id(shard.flat.slots[i].param): e for i, e in per_slot.items()}
-        self._load_shard(shard, by_param)
 
-    def state_dict(self, *, wrapped: bool = True) -> Dict[str, Any]:
-        """torch's format: ``{"state": {index: {"step", "exp_avg", "exp_avg_sq", "master"}},
-        "param_groups": [...], "states": "fp32" | "bf16" | "8bit"}``; ``master`` is the fp32
-        master weight (for unwrapped fp32 CPU parameters the parameter itself is the master and
-        no entry is stored); the moments are fp32 in every state format (compact ones
-        dequantized: exactly the values the next step starts from).
-        ``wrapped=False`` leaves out the wrapped models' shards (see :meth:`shard_states`)."""
-        for engine in self._engines():
-            engine.quiesce()
-        for shard in self._shards.values():
-            self._sync_user_writes(shard)
-        params = self._param_index()
-        index = {id(p): i for i, p in enumerate(params)}
-        groups = []
-        for g in self.param_groups:
-            packed = {k: v for k, v in g.items() if k != "params"}
-            packed["params"] = [index[id(p)] for p in g["params"]]
-            groups.append(packed)
-        state: Dict[int, Dict[str, Any]] = {}
-        for shard in (self._shards.values() if wrapped else ()):
-            buf = self._read_committed(shard)
-            if buf is None:
-                continue
-            views = self._stores[id(shard.engine)].views(shard, buf)
-            for i, slot in enumerate(shard.flat.slots):
-                if shard.groups[i] is None or shard.steps[i] == 0:
-                    continue
-                sl = slice(slot.offset, slot.offset + slot.numel)
-                m, v = views.slot_moments(shard.flat, i)
-                state[index[id(slot.param)]] = {
-                    "step": torch.tensor(float(shard.steps[i])),
-                    "exp_avg": m.view(slot.shape).clone(),
-                    "exp_avg_sq": v.view(slot.shape).clone(),
-                    "master": views.master[sl].view(slot.shape).clone()}
-        for p in params:
-            if not self._is_wrapped(p) and self.state.get(p):
-                state[index[id(p)]] = self._param_state_to_torch(p, self.state[p])
-        return {"state": state, "param_groups": groups, "states": self.states_format}
 
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Loads a state from :meth:`state_dict` (or torch.optim.Adam/AdamW's: without a
-        ``master`` the current parameter value is the master). The fp32 moments are stored in
-        this optimizer's state format, whatever the saved ``"states"`` was (bf16: rounded;
-        8bit: quantized; moments saved from the same format come back bitwise). A state of
-        another model (other number of groups/parameters or shapes) raises ValueError and
-        changes nothing."""
-        entries = self._check_loadable(state_dict)
-        params = self._param_index()
-        for g, saved in zip(self.param_groups, state_dict["param_groups"]):
-            for k, v in saved.items():
-                if k != "params":
-                    g[k] = v
-        for group in self.param_groups:
-            _check_hyper(group)
-        self.discard_pending_step()
-        self.state.clear()
-        for i, p in enumerate(params):
-            if not self._is_wrapped(p) and i in entries:
-                self.state[p] = self._param_state_from(p, entries[i])
-        by_param = {id(params[i]): e for i, e in entries.items()}
-        for shard in self._shards.values():
-            self._load_shard(shard, by_param)
 
-    def _check_loadable(self, state_dict: Dict[str, Any]) -> Dict[int, Dict[str, Any]]:
-        if not isinstance(state_dict, dict) or "state" not in state_dict \
-                or "param_groups" not in state_dict:
-            raise ValueError("load_state_dict expects a dict with 'state' and 'param_groups' "
-                             "(from optimizer.state_dict())")
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(f"the loaded optimizer state has {len(saved_groups)} param groups "
-                             f"but this optimizer has {len(self.param_groups)}: it was saved "
-                             "for a different model or optimizer setup")
-        for n, (g, sg) in enumerate(zip(self.param_groups, saved_groups)):
-            if len(g["params"]) != len(sg["params"]):
-                raise ValueError(f"param group {n} of the loaded optimizer state has "
-                                 f"{len(sg['params'])} parameters but this optimizer's has "
-                                 f"{len(g['params'])}: it was saved for a different model")
-        params = self._param_index()
-        remap: Dict[Any, int] = {}
-        for g, sg in zip(self.param_groups, saved_groups):
-            for p, saved_id in zip(g["params"], sg["params"]):
-                remap[saved_id] = len(remap)
-        entries: Dict[int, Dict[str, Any]] = {}
-        for saved_id, entry in state_dict["state"].items():
-            if saved_id not in remap:
-                raise ValueError(f"the loaded optimizer state has an entry for parameter "
-                                 f"{saved_id!r}, which no param group lists")
-            i = remap[saved_id]
-            p = params[i]
-            for name in ("exp_avg", "exp_avg_sq", "master"):
-                t = entry.get(name)
-                if name != "master" and t is None:
-                    raise ValueError(f"the loaded state of parameter {i} has no {name!r}")
-                if t is not None and tuple(t.shape) != tuple(p.shape):
-                    raise ValueError(f"the loaded {name} of parameter {i} has shape "
-                                     f"{tuple(t.shape)} but the parameter has {tuple(p.shape)}: "
-                                     "the optimizer state was saved for a different model")
-            if "step" not in entry:
-                raise ValueError(f"the loaded state of parameter {i} has no 'step'")
-            entries[i] = entry
-        return entries
 
-    def _param_state_from(self, p: torch.Tensor, entry: Dict[str, Any]) -> Dict[str, Any]:
-        state = {"step": torch.tensor(_float(entry["step"])), **self._new_moments(p)}
-        m = entry["exp_avg"].detach().to("cpu", torch.float32).reshape(-1).contiguous()
-        v = entry["exp_avg_sq"].detach().to("cpu", torch.float32).reshape(-1).contiguous()
-        if self.states_format == "8bit":
-            quantize_exact(m, True, state["exp_avg_codes"], state["exp_avg_absmax"])
-            quantize_exact(v, False, state["exp_avg_sq_codes"], state["exp_avg_sq_absmax"])
-        else:  # fp32: a copy; bf16: rounded to nearest even
-            state["exp_avg"].view(-1).copy_(m)
-            state["exp_avg_sq"].view(-1).copy_(v)
-        if self._needs_master(p):
-            src = entry.get("master")
-            src = p.detach() if src is None else src
-            state["master"] = src.detach().to("cpu", torch.float32, copy=True).contiguous()
-        elif entry.get("master") is not None:
-            p.data.copy_(entry["master"])
-        return state
 
-    def _load_shard(self, shard: Shard, by_param: Dict[int, Dict[str, Any]]) -> None:
-        slots = shard.flat.slots
-        loaded = [by_param.get(id(s.param)) if shard.groups[i] is not None else None
-                  for i, s in enumerate(slots)]
-        shard.steps = [0] * len(slots)
-        if not any(e is not None for e in loaded):
-            shard.initialized = False  # states are recreated from the home copy when needed
-            return
-        engine = shard.engine
-        engine.quiesce()
-        engine.take_user_writes(shard.flat)  # the loaded (or current) values are the masters
-        store = self._store(engine)
-        if isinstance(store, HostStates):
-            buf = store.buffer(shard)
-        else:
-            store.create(shard)
-            buf = store.empty(shard)
-        scratch = inf_io.aligned_empty(shard.flat.home_nbytes) \
-            if engine.working_copy_staged else None
-        views = store.views(shard, buf)
-        init_states(shard, views, scratch)
-        for i, (slot, entry) in enumerate(zip(slots, loaded)):
-            if entry is None:
-                continue
-            sl = slice(slot.offset, slot.offset + slot.numel)
-            views.set_slot_moments(shard.flat, i, entry["exp_avg"], entry["exp_avg_sq"])
-            if entry.get("master") is not None:
-                views.master[sl].copy_(entry["master"].reshape(-1))
-            shard.steps[i] = int(_float(entry["step"]))
-        if isinstance(store, NvmeStates):
-            store.write_and_commit(shard, buf, "loading")
-        shard.initialized = True
 
     # =====================================================================================
     # lifetime

@@ -1,0 +1,137 @@
+"""Gradient norms, clipping, inf/nan checks and grad multipliers of the offloaded optimizer,
+read through the engine's gradient source (norms measured on the way where it has them)."""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Dict, Iterator, List, Optional
+
+import torch
+
+from . import clip as clip_mod
+from ._common import _number, _read_grads
+
+logger = logging.getLogger("infinity.optim")
+
+
+class GradientChecks:
+    """Part of :class:`~infinity.optim.offloaded_adam.OffloadedAdam` (its state lives there)."""
+
+    def _grads(self, skip_checked: bool = False) -> Iterator[torch.Tensor]:
+        """Every gradient the next step applies (NVMe-held ones are read shard by shard;
+        with ``skip_checked``, not those whose finiteness the engine already knows)."""
+        for shard in self._shards.values():
+            ready = [i for i in range(len(shard.flat.slots)) if self._ready(shard, i)]
+            if not ready:
+                continue
+            if skip_checked and shard.engine.grads.finite(shard.flat) is not None:
+                continue
+            grad = shard.engine.grads.in_ram(shard.flat)
+            grad = grad if grad is not None else _read_grads(shard)
+            for i in ready:
+                s = shard.flat.slots[i]
+                yield grad[s.offset:s.offset + s.numel]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and not self._is_wrapped(p):
+                    yield p.grad
+
+    def _grad_norms(self, norm_type: float) -> List[torch.Tensor]:
+        """Per-parameter gradient norms in param-group order (torch's order, so the global
+        norm rounds exactly as torch.nn.utils.clip_grad_norm_'s); shards are read once."""
+        wrapped: Dict[int, torch.Tensor] = {}
+        for shard in self._shards.values():
+            ready = [i for i in range(len(shard.flat.slots)) if self._ready(shard, i)]
+            if not ready:
+                continue
+            known = shard.engine.grads.slot_norms(shard.flat) if norm_type == 2.0 else None
+            if known is not None and all(known[i] is not None for i in ready):
+                for i in ready:  # measured by the engine before the gradients went to NVMe
+                    wrapped[id(shard.flat.slots[i].param)] = known[i]
+                continue
+            grad = shard.engine.grads.in_ram(shard.flat)
+            grad = grad if grad is not None else _read_grads(shard)
+            for i in ready:
+                s = shard.flat.slots[i]
+                wrapped[id(s.param)] = clip_mod.tensor_norm(
+                    grad[s.offset:s.offset + s.numel], norm_type)
+        norms = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if self._is_wrapped(p):
+                    if id(p) in wrapped:
+                        norms.append(wrapped[id(p)])
+                elif p.grad is not None:
+                    norms.append(clip_mod.tensor_norm(p.grad, norm_type))
+        return norms
+
+    def _known_finite(self) -> Optional[bool]:
+        """False when a gradient the engine already checked (NVMe tier) holds an inf/nan."""
+        for shard in self._shards.values():
+            if (shard.engine.grads.finite(shard.flat) is False
+                    and any(self._ready(shard, i) for i in range(len(shard.flat.slots)))):
+                return False
+        return None
+
+    def grads_finite(self) -> bool:
+        """True when no gradient this optimizer would apply holds an inf or nan. Gradients on
+        NVMe were checked by the engine while they were in RAM, so they are not read back."""
+        for shard in self._shards.values():
+            if (shard.engine.grads.finite(shard.flat) is False
+                    and any(self._ready(shard, i) for i in range(len(shard.flat.slots)))):
+                return False
+        return clip_mod.all_finite(self._grads(skip_checked=True))
+
+    def set_grad_multiplier(self, factor: float, *, finite: Optional[bool] = None,
+                            source: str = "") -> None:
+        """Multiplies every gradient by ``factor`` in the next step (inside the kernel; the
+        stored gradients are not changed). ``finite``: the caller already checked them."""
+        self._multiplier *= float(factor)
+        if finite is not None:
+            self._finite = finite if self._finite is None else (self._finite and finite)
+
+    def discard_pending_step(self) -> None:
+        """Forgets multipliers and checks meant for a step that will not happen."""
+        self._multiplier = 1.0
+        self._finite = None
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clips the gradients of the next step by their global norm; returns that norm.
+
+        Computed over every gradient this optimizer will apply: the ready slots of the wrapped
+        models' offloaded gradients (``flat.grad``) and ``p.grad`` of unwrapped parameters,
+        like ``torch.nn.utils.clip_grad_norm_`` (norm of per-tensor norms, coefficient
+        ``min(1, max_norm / (norm + 1e-6))``). The coefficient is applied inside the next
+        ``step()`` through the kernel's grad multiplier, so no extra pass rewrites the
+        gradients (they read unclipped until then). Note: ``torch.nn.utils.clip_grad_norm_(
+        model.parameters())`` does not work on a wrapped model: its parameters have
+        ``p.grad = None`` (the gradients live only in the engine's buffers). A non-finite
+        norm marks the next step to be skipped. After ``LossScaler.unscale_`` the norm is
+        that of the unscaled gradients.
+        """
+        _number("max_norm", max_norm)
+        norm_type = float(norm_type)
+        for engine in self._engines():
+            engine.sync_gradients()
+        raw = clip_mod.norm_of_norms(self._grad_norms(norm_type), norm_type)
+        norm = raw * self._multiplier if self._multiplier != 1.0 else raw
+        finite = math.isfinite(float(norm))
+        if finite:
+            self._multiplier *= clip_mod.clip_coefficient(norm, max_norm)
+        self._finite = finite if self._finite is None else (self._finite and finite)
+        return norm
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Alias of :meth:`clip_grad_norm_`, the name trainers (HF Trainer, accelerate) look
+        for on an optimizer that clips its own gradients."""
+        return self.clip_grad_norm_(max_norm, norm_type)
+
+    def _check_lost_gradients(self) -> None:
+        for shard in self._shards.values():
+            why = shard.engine.grads.lost(shard.flat)
+            if why is not None:
+                raise RuntimeError(
+                    f"infinity.optim: the gradients of {shard.key} were lost when writing them "
+                    f"to NVMe failed ({why}); no step was taken. Call zero_grad() and run the "
+                    "backward of this batch again")

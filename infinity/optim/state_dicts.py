@@ -1,0 +1,214 @@
+"""state_dict / load_state_dict of the offloaded optimizer in torch's format, and the streamed
+per-shard access that checkpoints use (one shard in RAM at a time)."""
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, Iterator, List, Optional
+
+import torch
+
+from .. import io as inf_io
+from .state_store import HostStates, NvmeStates, Shard, init_states, quantize_exact
+from ._common import ShardState, _check_hyper, _float
+
+logger = logging.getLogger("infinity.optim")
+
+
+class StateDicts:
+    """Part of :class:`~infinity.optim.offloaded_adam.OffloadedAdam` (its state lives there)."""
+
+    def _param_index(self) -> List[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def _read_committed(self, shard: Shard) -> Optional[torch.Tensor]:
+        """The shard's committed state buffer (a copy for NVMe), or None without states."""
+        if not shard.initialized:
+            return None
+        store = self._stores[id(shard.engine)]
+        if isinstance(store, HostStates):
+            return store.buffer(shard)
+        buf = store.empty(shard)
+        try:
+            store.read(shard, buf).wait()
+        except inf_io.InfinityIOError as exc:
+            raise store.wrap_error(exc, shard, "reading") from exc
+        store.verify(shard, buf)
+        return buf
+
+    def shard_states(self) -> Iterator[ShardState]:
+        """Each wrapped shard's committed states, one shard in RAM at a time."""
+        for engine in self._engines():
+            engine.quiesce()
+        for shard in self._shards.values():
+            self._sync_user_writes(shard)
+            buf = self._read_committed(shard)
+            master = m = v = None
+            if buf is not None:
+                views = self._stores[id(shard.engine)].views(shard, buf)
+                master = views.master
+                m, v = views.moments_fp32(shard.flat)  # compact moments: dequantized copies
+            yield ShardState(shard.key, shard.flat, master, m, v, tuple(shard.steps),
+                             tuple(shard.groups), self.states_format)
+
+    def load_shard_state(self, key: str, per_slot: Dict[int, Dict[str, Any]]) -> None:
+        """Loads one shard's states: ``per_slot[slot index] = {"step", "exp_avg",
+        "exp_avg_sq", "master" (optional)}``; slots not given start without state."""
+        shard = next((s for s in self._shards.values() if s.key == key), None)
+        if shard is None:
+            raise KeyError(f"this optimizer has no wrapped shard {key!r}")
+        by_param = {id(shard.flat.slots[i].param): e for i, e in per_slot.items()}
+        self._load_shard(shard, by_param)
+
+    def state_dict(self, *, wrapped: bool = True) -> Dict[str, Any]:
+        """torch's format: ``{"state": {index: {"step", "exp_avg", "exp_avg_sq", "master"}},
+        "param_groups": [...], "states": "fp32" | "bf16" | "8bit"}``; ``master`` is the fp32
+        master weight (for unwrapped fp32 CPU parameters the parameter itself is the master and
+        no entry is stored); the moments are fp32 in every state format (compact ones
+        dequantized: exactly the values the next step starts from).
+        ``wrapped=False`` leaves out the wrapped models' shards (see :meth:`shard_states`)."""
+        for engine in self._engines():
+            engine.quiesce()
+        for shard in self._shards.values():
+            self._sync_user_writes(shard)
+        params = self._param_index()
+        index = {id(p): i for i, p in enumerate(params)}
+        groups = []
+        for g in self.param_groups:
+            packed = {k: v for k, v in g.items() if k != "params"}
+            packed["params"] = [index[id(p)] for p in g["params"]]
+            groups.append(packed)
+        state: Dict[int, Dict[str, Any]] = {}
+        for shard in (self._shards.values() if wrapped else ()):
+            buf = self._read_committed(shard)
+            if buf is None:
+                continue
+            views = self._stores[id(shard.engine)].views(shard, buf)
+            for i, slot in enumerate(shard.flat.slots):
+                if shard.groups[i] is None or shard.steps[i] == 0:
+                    continue
+                sl = slice(slot.offset, slot.offset + slot.numel)
+                m, v = views.slot_moments(shard.flat, i)
+                state[index[id(slot.param)]] = {
+                    "step": torch.tensor(float(shard.steps[i])),
+                    "exp_avg": m.view(slot.shape).clone(),
+                    "exp_avg_sq": v.view(slot.shape).clone(),
+                    "master": views.master[sl].view(slot.shape).clone()}
+        for p in params:
+            if not self._is_wrapped(p) and self.state.get(p):
+                state[index[id(p)]] = self._param_state_to_torch(p, self.state[p])
+        return {"state": state, "param_groups": groups, "states": self.states_format}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Loads a state from :meth:`state_dict` (or torch.optim.Adam/AdamW's: without a
+        ``master`` the current parameter value is the master). The fp32 moments are stored in
+        this optimizer's state format, whatever the saved ``"states"`` was (bf16: rounded;
+        8bit: quantized; moments saved from the same format come back bitwise). A state of
+        another model (other number of groups/parameters or shapes) raises ValueError and
+        changes nothing."""
+        entries = self._check_loadable(state_dict)
+        params = self._param_index()
+        for g, saved in zip(self.param_groups, state_dict["param_groups"]):
+            for k, v in saved.items():
+                if k != "params":
+                    g[k] = v
+        for group in self.param_groups:
+            _check_hyper(group)
+        self.discard_pending_step()
+        self.state.clear()
+        for i, p in enumerate(params):
+            if not self._is_wrapped(p) and i in entries:
+                self.state[p] = self._param_state_from(p, entries[i])
+        by_param = {id(params[i]): e for i, e in entries.items()}
+        for shard in self._shards.values():
+            self._load_shard(shard, by_param)
+
+    def _check_loadable(self, state_dict: Dict[str, Any]) -> Dict[int, Dict[str, Any]]:
+        if not isinstance(state_dict, dict) or "state" not in state_dict \
+                or "param_groups" not in state_dict:
+            raise ValueError("load_state_dict expects a dict with 'state' and 'param_groups' "
+                             "(from optimizer.state_dict())")
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"the loaded optimizer state has {len(saved_groups)} param groups "
+                             f"but this optimizer has {len(self.param_groups)}: it was saved "
+                             "for a different model or optimizer setup")
+        for n, (g, sg) in enumerate(zip(self.param_groups, saved_groups)):
+            if len(g["params"]) != len(sg["params"]):
+                raise ValueError(f"param group {n} of the loaded optimizer state has "
+                                 f"{len(sg['params'])} parameters but this optimizer's has "
+                                 f"{len(g['params'])}: it was saved for a different model")
+        params = self._param_index()
+        remap: Dict[Any, int] = {}
+        for g, sg in zip(self.param_groups, saved_groups):
+            for p, saved_id in zip(g["params"], sg["params"]):
+                remap[saved_id] = len(remap)
+        entries: Dict[int, Dict[str, Any]] = {}
+        for saved_id, entry in state_dict["state"].items():
+            if saved_id not in remap:
+                raise ValueError(f"the loaded optimizer state has an entry for parameter "
+                                 f"{saved_id!r}, which no param group lists")
+            i = remap[saved_id]
+            p = params[i]
+            for name in ("exp_avg", "exp_avg_sq", "master"):
+                t = entry.get(name)
+                if name != "master" and t is None:
+                    raise ValueError(f"the loaded state of parameter {i} has no {name!r}")
+                if t is not None and tuple(t.shape) != tuple(p.shape):
+                    raise ValueError(f"the loaded {name} of parameter {i} has shape "
+                                     f"{tuple(t.shape)} but the parameter has {tuple(p.shape)}: "
+                                     "the optimizer state was saved for a different model")
+            if "step" not in entry:
+                raise ValueError(f"the loaded state of parameter {i} has no 'step'")
+            entries[i] = entry
+        return entries
+
+    def _param_state_from(self, p: torch.Tensor, entry: Dict[str, Any]) -> Dict[str, Any]:
+        state = {"step": torch.tensor(_float(entry["step"])), **self._new_moments(p)}
+        m = entry["exp_avg"].detach().to("cpu", torch.float32).reshape(-1).contiguous()
+        v = entry["exp_avg_sq"].detach().to("cpu", torch.float32).reshape(-1).contiguous()
+        if self.states_format == "8bit":
+            quantize_exact(m, True, state["exp_avg_codes"], state["exp_avg_absmax"])
+            quantize_exact(v, False, state["exp_avg_sq_codes"], state["exp_avg_sq_absmax"])
+        else:  # fp32: a copy; bf16: rounded to nearest even
+            state["exp_avg"].view(-1).copy_(m)
+            state["exp_avg_sq"].view(-1).copy_(v)
+        if self._needs_master(p):
+            src = entry.get("master")
+            src = p.detach() if src is None else src
+            state["master"] = src.detach().to("cpu", torch.float32, copy=True).contiguous()
+        elif entry.get("master") is not None:
+            p.data.copy_(entry["master"])
+        return state
+
+    def _load_shard(self, shard: Shard, by_param: Dict[int, Dict[str, Any]]) -> None:
+        slots = shard.flat.slots
+        loaded = [by_param.get(id(s.param)) if shard.groups[i] is not None else None
+                  for i, s in enumerate(slots)]
+        shard.steps = [0] * len(slots)
+        if not any(e is not None for e in loaded):
+            shard.initialized = False  # states are recreated from the home copy when needed
+            return
+        engine = shard.engine
+        engine.quiesce()
+        engine.take_user_writes(shard.flat)  # the loaded (or current) values are the masters
+        store = self._store(engine)
+        if isinstance(store, HostStates):
+            buf = store.buffer(shard)
+        else:
+            store.create(shard)
+            buf = store.empty(shard)
+        scratch = inf_io.aligned_empty(shard.flat.home_nbytes) \
+            if engine.working_copy_staged else None
+        views = store.views(shard, buf)
+        init_states(shard, views, scratch)
+        for i, (slot, entry) in enumerate(zip(slots, loaded)):
+            if entry is None:
+                continue
+            sl = slice(slot.offset, slot.offset + slot.numel)
+            views.set_slot_moments(shard.flat, i, entry["exp_avg"], entry["exp_avg_sq"])
+            if entry.get("master") is not None:
+                views.master[sl].copy_(entry["master"].reshape(-1))
+            shard.steps[i] = int(_float(entry["step"]))
+        if isinstance(store, NvmeStates):
+            store.write_and_commit(shard, buf, "loading")
+        shard.initialized = True
