@@ -19,6 +19,7 @@ import errno
 import glob
 import json
 import os
+import pathlib
 import random
 import signal
 import subprocess
@@ -451,3 +452,42 @@ def test_hf_from_pretrained_of_consolidated_checkpoint(tmp_path, build):
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert type(loaded) is type(model)
     assert_bitwise(weights(loaded), trained, "from_pretrained")
+
+
+# ---- NVMe states reused by a kernel-side copy -------------------------------------------------
+def test_nvme_states_are_copied_by_the_kernel_and_resume_bitwise(tmp_path, monkeypatch):
+    from safetensors.numpy import load_file
+
+    from infinity.optim.state_dicts import StateDicts
+    model, opt, sched, scaler = setup(tmp_path, "nvme")
+    for b in DATA[:K]:
+        train_step(model, opt, sched, scaler, b)
+
+    def no_reading(self, shard):
+        raise AssertionError("NVMe optimizer states were read into RAM for the checkpoint")
+
+    with monkeypatch.context() as m:
+        m.setattr(StateDicts, "_read_committed", no_reading)
+        ckpt = infinity.save_checkpoint(tmp_path / "ckpt", model, opt, scheduler=sched,
+                                        scaler=scaler, rng=True)
+    rest = [train_step(model, opt, sched, scaler, b) for b in DATA[K:]]
+    states = sorted(glob.glob(os.path.join(ckpt, "optimizer", "*.states.safetensors")))
+    assert states, "no reused-extent state file was written"
+    for path in states:  # real safetensors, data at 4096, gaps covered by __pad__ tensors
+        raw = pathlib.Path(path).read_bytes()
+        assert 8 + int.from_bytes(raw[:8], "little") == 4096
+        names = load_file(path).keys()
+        assert any(n.endswith("::exp_avg_sq") for n in names)
+    model2, opt2, sched2, scaler2 = setup(tmp_path, "nvme", seed=7)
+    infinity.load_checkpoint(ckpt, model2, opt2, scheduler=sched2, scaler=scaler2, rng=True)
+    assert [train_step(model2, opt2, sched2, scaler2, b) for b in DATA[K:]] == rest
+    assert_bitwise(weights(model2), weights(model))
+    infinity.consolidate(ckpt, tmp_path / "out")  # ignores the optimizer files
+
+    target = pathlib.Path(states[0])
+    original = target.read_bytes()
+    for pos in (100, 4096 + 8, len(original) - 1):  # header, data, padding tail
+        target.write_bytes(original)
+        _flip(target, pos)
+        with pytest.raises(CorruptCheckpointError, match=target.name):
+            infinity.load_checkpoint(ckpt, model2, opt2)

@@ -8,6 +8,7 @@ The files are ordinary safetensors: ``safetensors.torch.load_file`` and transfor
 """
 from __future__ import annotations
 
+import errno as errno_mod
 import json
 import math
 import os
@@ -165,6 +166,84 @@ def write_tensor_file(path: str, items: Iterable[Tuple[str, torch.Tensor]],
         raise
 
 
+EXTENT_DATA_OFFSET = 4096  # data section of a reused-extent file: page aligned
+PAD_PREFIX = "__pad__."   # tensors covering gaps in a reused-extent file; readers skip them
+_COPY_FALLBACK = {errno_mod.EXDEV, errno_mod.ENOSYS, errno_mod.EOPNOTSUPP, errno_mod.EINVAL,
+                  errno_mod.EBADF}
+
+
+def _kernel_copy(src: int, dst: int, nbytes: int, dst_offset: int, progress: Any) -> None:
+    """Copies ``nbytes`` from offset 0 of ``src`` to ``dst_offset`` of ``dst`` inside the
+    kernel: copy_file_range (a reflink on XFS/btrfs), else sendfile; never through Python."""
+    done = 0
+    use_cfr = hasattr(os, "copy_file_range")
+    while done < nbytes:
+        step = min(nbytes - done, 1 << 30)
+        n = 0
+        if use_cfr:
+            try:
+                n = os.copy_file_range(src, dst, step, done, dst_offset + done)
+            except OSError as exc:
+                if exc.errno not in _COPY_FALLBACK:
+                    raise
+                use_cfr = False
+        if not use_cfr:
+            os.lseek(dst, dst_offset + done, os.SEEK_SET)
+            n = os.sendfile(dst, src, done, step)
+        if n <= 0:
+            raise OSError(errno_mod.EIO, f"the state file ended after {done} of {nbytes} bytes")
+        done += n
+        if progress is not None:
+            progress.update(n)
+
+
+def write_extent_file(path: str, src_path: str, nbytes: int,
+                      tensors: Sequence[Tuple[str, torch.dtype, Tuple[int, ...], int]],
+                      metadata: Optional[Dict[str, str]] = None, progress: Any = None
+                      ) -> Tuple[int, int]:
+    """A safetensors file whose data section is the ``nbytes`` of ``src_path``, copied by the
+    kernel: ``tensors`` (name, dtype, shape, byte offset in the data) describe it, gaps and the
+    tail are covered by ``__pad__.N`` U8 tensors, the JSON header is padded with spaces so the
+    data starts at byte 4096. Returns (file size, CRC32C of the first 4096*k header bytes)."""
+    header: Dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    pos, pads = 0, 0
+    for name, dtype, shape, offset in sorted(tensors, key=lambda t: t[3]):
+        if offset < pos or offset % _itemsize(dtype):
+            raise ValueError(f"{path}: tensor {name!r} overlaps or is misaligned at {offset}")
+        if offset > pos:
+            header[f"{PAD_PREFIX}{pads}"] = {"dtype": "U8", "shape": [offset - pos],
+                                             "data_offsets": [pos, offset]}
+            pads += 1
+        end = offset + nbytes_of(dtype, shape)
+        header[name] = {"dtype": _ST_NAMES[dtype], "shape": list(shape),
+                        "data_offsets": [offset, end]}
+        pos = end
+    if pos > nbytes:
+        raise ValueError(f"{path}: tensors end at {pos}, past the {nbytes} bytes of the data")
+    if pos < nbytes:
+        header[f"{PAD_PREFIX}{pads}"] = {"dtype": "U8", "shape": [nbytes - pos],
+                                         "data_offsets": [pos, nbytes]}
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    start = -(-(8 + len(raw)) // EXTENT_DATA_OFFSET) * EXTENT_DATA_OFFSET
+    raw += b" " * (start - 8 - len(raw))
+    head = np.frombuffer(struct.pack("<Q", len(raw)) + raw, dtype=np.uint8)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
+                 0o644)
+    try:
+        _write_bytes(fd, memoryview(head))
+        src = os.open(src_path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            _kernel_copy(src, fd, nbytes, start, progress)
+        finally:
+            os.close(src)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return start + nbytes, inf_io.crc32c(head)
+
+
 class TensorFile:
     """A verified safetensors file held in memory: ``get(name)`` gives a tensor over its bytes."""
 
@@ -196,8 +275,10 @@ class TensorFile:
 
 
 def read_tensor_file(path: str, label: str, size: Optional[int] = None,
-                     crc: Optional[int] = None) -> TensorFile:
-    """Reads ``path`` and checks it against the manifest's ``size`` and ``crc`` before parsing;
+                     crc: Optional[int] = None,
+                     parts: Sequence[Tuple[int, int, int]] = ()) -> TensorFile:
+    """Reads ``path`` and checks it against the manifest's ``size`` and ``crc`` (of the whole
+    file) or ``parts`` ((start, end, crc32c) of byte ranges covering it) before parsing;
     errors name ``label`` (the file's name in the checkpoint) and the path."""
     try:
         actual = os.path.getsize(path)
@@ -216,7 +297,16 @@ def read_tensor_file(path: str, label: str, size: Optional[int] = None,
             if not n:
                 raise CorruptCheckpointError(f"checkpoint file {label} ended early ({path})")
             done += n
-    if crc is not None and inf_io.crc32c(buf) != crc:
+    covered = 0
+    for start, end, part_crc in parts:
+        if start != covered or end > actual or inf_io.crc32c(buf[start:end]) != part_crc:
+            crc = -1  # reported below
+            break
+        covered = end
+    else:
+        if parts and covered != actual:
+            crc = -1
+    if crc is not None and (crc < 0 or (not parts and inf_io.crc32c(buf) != crc)):
         raise CorruptCheckpointError(f"checkpoint file {label} is corrupted: its CRC32C does "
                                      f"not match the manifest ({path}). Restore it from a copy "
                                      "or use another checkpoint")

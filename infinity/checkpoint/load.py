@@ -48,7 +48,14 @@ class Reader:
         if info is None:
             raise CorruptCheckpointError(f"checkpoint {self.root}: the manifest refers to "
                                          f"{rel}, which it does not list among its files")
-        tf = read_tensor_file(os.path.join(self.root, rel), rel, info["size"], info["crc32c"])
+        if "crc32c" in info:
+            tf = read_tensor_file(os.path.join(self.root, rel), rel, info["size"],
+                                  info["crc32c"])
+        else:  # a reused-extent file: its header and its data section, checked apart
+            start = info["data_offset"]
+            tf = read_tensor_file(os.path.join(self.root, rel), rel, info["size"], parts=[
+                (0, start, info["header_crc32c"]),
+                (start, info["size"], info["data_crc32c"])])
         if self.progress is not None:
             self.progress.update(info["size"])
         self._cache[rel] = tf

@@ -29,7 +29,7 @@ import torch
 from .. import io as inf_io
 
 FORMAT = "infinity-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: optimizer states may be reused-extent files (header/data CRCs)
 MANIFEST = "manifest.json"
 _CRC_KEY = "manifest_crc32c"
 

@@ -39,6 +39,21 @@ class _Writer:
         self.progress = progress
         self.files: Dict[str, Dict[str, int]] = {}
 
+    def write_extent(self, rel: str, src: Tuple[str, int, int],
+                     tensors: List[Tuple[str, torch.dtype, Tuple[int, ...], int]],
+                     metadata: Dict[str, str]) -> str:
+        """A file whose data section is the file ``src`` = (path, nbytes, crc32c), copied by the
+        kernel; the manifest records the header's and the data's CRC32C apart."""
+        path = os.path.join(self.root, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        src_path, nbytes, data_crc = src
+        size, header_crc = files_mod.write_extent_file(path, src_path, nbytes, tensors,
+                                                       {"format": "pt", **metadata},
+                                                       self.progress)
+        self.files[rel] = {"size": size, "data_offset": size - nbytes,
+                           "header_crc32c": header_crc, "data_crc32c": data_crc}
+        return rel
+
     def write(self, rel: str, items: List[Tuple[str, torch.Tensor]],
               metadata: Optional[Dict[str, str]] = None) -> str:
         path = os.path.join(self.root, rel)
@@ -103,6 +118,33 @@ def _add_shard_slot(items: List[Tuple[str, torch.Tensor]], opt_states: Dict[str,
                         "tensors": {k: rel for k in tensors}}
 
 
+def _save_extent(out: _Writer, optimizer: Any, shard: Any, opt_names: Dict[int, str],
+                 opt_states: Dict[str, Any]) -> bool:
+    """The shard's committed fp32 states on NVMe, as ``optimizer/<key>.states.safetensors``
+    whose data section is the extent file itself (copied by the kernel, not through RAM):
+    [master | exp_avg | exp_avg_sq], each ``flat.numel`` fp32. False when not applicable."""
+    src = optimizer.committed_extent(shard.key) \
+        if hasattr(optimizer, "committed_extent") else None
+    if src is None:
+        return False
+    rel = f"optimizer/{shard.key}.states.safetensors"
+    numel = shard.flat.numel
+    tensors: List[Tuple[str, torch.dtype, Tuple[int, ...], int]] = []
+    for i, slot in enumerate(shard.flat.slots):
+        if shard.groups[i] is None or shard.steps[i] == 0:
+            continue
+        name = opt_names[id(slot.param)]
+        for k, key in enumerate(("master", "exp_avg", "exp_avg_sq")):
+            tensors.append((f"{name}::{key}", torch.float32, tuple(slot.shape),
+                            4 * (k * numel + slot.offset)))
+        opt_states[name] = {"values": {"step": int(shard.steps[i])},
+                            "tensors": {"master": rel, "exp_avg": rel, "exp_avg_sq": rel}}
+    if tensors:
+        out.write_extent(rel, src, tensors, {"infinity_flat": shard.key,
+                                             "infinity_states": "fp32"})
+    return True
+
+
 def _save_wrapped(out: _Writer, names: ModelNames, optimizer: Any,
                   opt_names: Dict[int, str], meta: Dict[str, Any],
                   opt_states: Dict[str, Any]) -> None:
@@ -111,11 +153,17 @@ def _save_wrapped(out: _Writer, names: ModelNames, optimizer: Any,
     own = {id(f) for f in engine.flats}
     done = set()
     if optimizer is not None and hasattr(optimizer, "shard_states"):
-        for shard in optimizer.shard_states():  # one shard's states in RAM at a time
+        extents = hasattr(optimizer, "committed_extent")
+        # one shard's states in RAM at a time; NVMe fp32 states are not read at all
+        for shard in (optimizer.shard_states(skip_extents=True) if extents
+                      else optimizer.shard_states()):
+            reused = shard.master is None and _save_extent(out, optimizer, shard, opt_names,
+                                                           opt_states)
             if id(shard.flat) in own:
-                _save_flat(out, engine, shard.flat, names, opt_names, shard, meta, opt_states)
+                _save_flat(out, engine, shard.flat, names, opt_names,
+                           None if reused else shard, meta, opt_states)
                 done.add(id(shard.flat))
-            else:  # a block of another wrapped model stepped by this optimizer
+            elif not reused:  # a block of another wrapped model stepped by this optimizer
                 rel = f"optimizer/{shard.key}.safetensors"
                 items: List[Tuple[str, torch.Tensor]] = []
                 for i in range(len(shard.flat.slots)):
@@ -277,6 +325,8 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim
             body["optimizer"] = _save_optimizer(out, optimizer, names, opt_names, opt_states) \
                 if optimizer is not None else None
             body["files"] = out.files
+            if not any("data_offset" in f for f in out.files.values()):
+                body["version"] = 1  # readable by infinity versions without reused extents
             _write_manifest(tmp, body)
     except OSError as exc:
         if exc.errno in _FULL_DISK:

@@ -3,7 +3,7 @@ per-shard access that checkpoints use (one shard in RAM at a time)."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -35,12 +35,29 @@ class StateDicts:
         store.verify(shard, buf)
         return buf
 
-    def shard_states(self) -> Iterator[ShardState]:
-        """Each wrapped shard's committed states, one shard in RAM at a time."""
+    def committed_extent(self, key: str) -> Optional[Tuple[str, int, int]]:
+        """(path, nbytes, crc32c) of the NVMe file holding shard ``key``'s committed fp32
+        states (layout [master | exp_avg | exp_avg_sq], fp32, ``flat.numel`` each), for a
+        kernel-side copy; None where the states are not such a file (host or compact states,
+        no state yet, no recorded checksum). Valid until the next step."""
+        shard = next((s for s in self._shards.values() if s.key == key), None)
+        if shard is None or not shard.initialized or self.states_format != "fp32":
+            return None
+        store = self._stores[id(shard.engine)]
+        return store.committed_extent(shard) if isinstance(store, NvmeStates) else None
+
+    def shard_states(self, skip_extents: bool = False) -> Iterator[ShardState]:
+        """Each wrapped shard's committed states, one shard in RAM at a time.
+        ``skip_extents``: shards for which :meth:`committed_extent` gives a file are yielded
+        without reading their states (master/exp_avg/exp_avg_sq None)."""
         for engine in self._engines():
             engine.quiesce()
         for shard in self._shards.values():
             self._sync_user_writes(shard)
+            if skip_extents and self.committed_extent(shard.key) is not None:
+                yield ShardState(shard.key, shard.flat, None, None, None, tuple(shard.steps),
+                                 tuple(shard.groups), self.states_format)
+                continue
             buf = self._read_committed(shard)
             master = m = v = None
             if buf is not None:

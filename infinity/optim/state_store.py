@@ -435,6 +435,19 @@ class NvmeStates(_Store):
     def verify(self, shard: Shard, buf: torch.Tensor) -> None:
         self.store.verify_read(self.extent(shard.key, self.committed[shard.key]), buf)
 
+    def committed_extent(self, shard: Shard) -> Optional[Tuple[str, int, int]]:
+        """(path, nbytes, crc32c) of the file holding the shard's committed states, for a
+        kernel-side copy (checkpoints); None without committed states or a recorded checksum
+        (``verify_checksums=False``, or the last write failed)."""
+        which = self.committed.get(shard.key)
+        if which is None:
+            return None
+        name = self.extent(shard.key, which)
+        crc = self.store.recorded_crc(name)
+        if crc is None:
+            return None
+        return self.store.path(name), self.store.nbytes(name), crc
+
     def write(self, shard: Shard, buf: torch.Tensor) -> "inf_io.IOFuture":
         """Starts writing ``buf`` to the shard's inactive extent; visible after commit()."""
         target = 1 - self.committed[shard.key] if shard.key in self.committed else 0

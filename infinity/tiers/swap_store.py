@@ -358,6 +358,13 @@ class SwapStore:
         self.read(key, buf).wait()
         self.verify_read(key, buf)
 
+    def recorded_crc(self, key: str) -> Optional[int]:
+        """The CRC32C of the key's last completed write (waits for a write in flight); None
+        without one (never written, a failed write, or verify=False)."""
+        entry = self._entry(key)
+        self._settle(entry)
+        return entry.crc
+
     def rehash(self, key: str, scratch: torch.Tensor) -> None:
         """The key's file was changed outside this store (through a memory map of it): reads it
         into ``scratch`` (aligned, the file's size) and records its checksum as the valid one."""
