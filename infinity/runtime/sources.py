@@ -1,3 +1,7 @@
+    def value(self, names: List[str], shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        key = self._key(names, shape)
+        return self._where[key].get_tensor(key).to(dtype)
+
 """Where the values of a model built on the meta device come from, one block at a time.
 
 ``infinity.wrap(meta_model, source=...)`` never materializes the whole model: before a block's
