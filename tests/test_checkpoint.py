@@ -176,8 +176,8 @@ import pathlib, sys, time
 import infinity
 import infinity.checkpoint.files as files
 from test_checkpoint import DATA, K, setup, train_step
-ckpt, tmp = sys.argv[1], sys.argv[2]
-model, opt, sched, scaler = setup(pathlib.Path(tmp), "nvme")
+ckpt, tmp, tier = sys.argv[1], sys.argv[2], sys.argv[3]
+model, opt, sched, scaler = setup(pathlib.Path(tmp), tier)
 for b in DATA[:K]:
     train_step(model, opt, sched, scaler, b)
 infinity.save_checkpoint(ckpt, model, opt, scheduler=sched, scaler=scaler, step=K)
@@ -193,13 +193,14 @@ infinity.save_checkpoint(ckpt, model, opt, scheduler=sched, scaler=scaler, step=
 """
 
 
-def test_resume_after_kill9_during_a_later_save(tmp_path):
-    """Parameters and optimizer states on NVMe; the killed child's swap files are left behind
-    too (the engine removes them)."""
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+def test_resume_after_kill9_during_a_later_save(tmp_path, tier):
+    """Parameters and optimizer states on host, and on NVMe (there the killed child's swap
+    files are left behind too; the engine removes them)."""
     ckpt = tmp_path / "ckpt"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
-    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(ckpt), str(tmp_path)],
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(ckpt), str(tmp_path), tier],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     watchdog = threading.Timer(60, child.kill)
     watchdog.start()
@@ -216,10 +217,10 @@ def test_resume_after_kill9_during_a_later_save(tmp_path):
         child.stderr.close()
 
     # the uninterrupted run, in this process
-    model, opt, sched, scaler = setup(tmp_path, "nvme")
+    model, opt, sched, scaler = setup(tmp_path, tier)
     losses = [train_step(model, opt, sched, scaler, b) for b in DATA]
     # resumed from what the killed process left
-    model2, opt2, sched2, scaler2 = setup(tmp_path, "nvme", seed=7)
+    model2, opt2, sched2, scaler2 = setup(tmp_path, tier, seed=7)
     extra = infinity.load_checkpoint(ckpt, model2, opt2, scheduler=sched2, scaler=scaler2)
     assert extra == {"step": K}
     assert [train_step(model2, opt2, sched2, scaler2, b) for b in DATA[K:]] == losses[K:]
