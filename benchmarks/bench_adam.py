@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import json
 import logging
 import os
 import platform
@@ -32,6 +31,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import _common  # noqa: E402  (benchmarks/, this script's folder)
 from infinity import ops  # noqa: E402
 
 logger = logging.getLogger("bench_adam")
@@ -209,12 +209,8 @@ def print_table(results: List[dict], targets: List[dict]) -> None:
 
 
 def plot(results: List[dict], path: Path) -> Optional[str]:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.info("matplotlib not installed: no plot (pip install matplotlib)")
+    plt = _common.pyplot(logger, " (pip install matplotlib)")
+    if plt is None:
         return None
     configs = sorted({(r["n"], r["threads"]) for r in results})
     cases = list(dict.fromkeys(r["case"] for r in results))
@@ -233,9 +229,7 @@ def plot(results: List[dict], path: Path) -> Optional[str]:
     ax.set_ylabel("G params/s (elements/s for add)")
     ax.set_title("CPU Adam: medians")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _common.save_figure(fig, path, dpi=110)
     return str(path)
 
 
@@ -290,8 +284,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "targets": targets,
         "notes": notes,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(data, indent=2))
+    _common.write_json(args.out, data)
     print(f"wrote {args.out}")
     if not args.no_plot:
         png = plot(results, args.out.with_suffix(".png"))

@@ -20,13 +20,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import json
 import logging
 import os
-import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +35,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
+import _common  # noqa: E402  (benchmarks/, this script's folder)
 import infinity  # noqa: E402
 from infinity.models import GPTConfig, TinyGPT, lm_loss, synthetic_batch  # noqa: E402
 
@@ -124,37 +122,9 @@ def print_table(rows: List[Dict]) -> None:
               f"{r['save_MBps']:>9.0f} {r['load_MBps']:>9.0f}")
 
 
-def machine() -> Dict:
-    info = {"machine": f"{platform.machine()} {os.cpu_count()} cores",
-            "python": platform.python_version(), "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(), "kernel": platform.release()}
-    info["loadavg_1_5_15"] = os.getloadavg()  # this machine is shared: how busy it was
-    try:  # the code measured: HEAD, and whether the tree had uncommitted changes
-        git = ["git", "-C", ROOT]
-        info["commit"] = subprocess.run(git + ["rev-parse", "--short", "HEAD"],
-                                        capture_output=True, text=True).stdout.strip()
-        info["tree_dirty"] = bool(subprocess.run(git + ["status", "--porcelain", "-uno"],
-                                                 capture_output=True, text=True).stdout.strip())
-    except OSError:
-        pass
-    try:
-        with open("/proc/meminfo") as fh:
-            info["mem_total_gib"] = round(int(fh.readline().split()[1]) / (1 << 20), 1)
-        with open("/proc/cpuinfo") as fh:
-            info["cpu"] = next(ln.split(":", 1)[1].strip() for ln in fh
-                               if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return info
-
-
 def plot(rows: List[Dict], path: str) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.info("matplotlib not installed: no plot")
+    plt = _common.pyplot(logger)
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 3))
     w = 0.27
@@ -168,9 +138,7 @@ def plot(rows: List[Dict], path: str) -> None:
     ax.set_title(f"{rows[0]['params'] / 1e6:.0f}M params fp32, checkpoint "
                  f"{rows[0]['checkpoint_bytes'] / 1e9:.2f} GB", fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    _common.save_figure(fig, path)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -224,10 +192,11 @@ def main(argv: Optional[List[str]] = None) -> int:
               "params": n_params, "config": {"vocab_size": cfg.vocab_size,
                                              "d_model": cfg.d_model, "n_layers": cfg.n_layers,
                                              "n_heads": cfg.n_heads},
-              "batch": batch, "seq": seq, "rounds": rounds, **machine(), "rows": rows}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+              "batch": batch, "seq": seq, "rounds": rounds,
+              **_common.machine_info({"torch": torch.__version__,
+                                      "torch_threads": torch.get_num_threads()}),
+              "rows": rows}
+    _common.write_json(args.out, result)
     if not args.no_plot:
         plot(rows, os.path.splitext(args.out)[0] + ".png")
     return 0

@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import logging
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -39,6 +37,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import _common  # noqa: E402  (benchmarks/, this script's folder)
 import infinity  # noqa: E402
 from infinity.models import GPTConfig, TinyGPT, lm_loss, synthetic_batch  # noqa: E402
 from infinity.runtime import engine_of  # noqa: E402
@@ -226,12 +225,8 @@ def print_tables(n_params: int, rows: List[Dict], conv: List[Dict]) -> None:
 
 
 def plot(conv: List[Dict], path: str) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.info("matplotlib not installed: no plot")
+    plt = _common.pyplot(logger)
+    if plt is None:
         return
     fig, axes = plt.subplots(1, len(conv), figsize=(5 * len(conv), 3.5))
     for ax, c in zip(axes if len(conv) > 1 else [axes], conv):
@@ -246,9 +241,7 @@ def plot(conv: List[Dict], path: str) -> None:
         ax.set_ylabel(f"loss ({min(10, c['steps'])}-step mean)")
         ax.set_yscale("log")
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _common.save_figure(fig, path, dpi=100)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -277,13 +270,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             for task in ("demo", "llama")]
     print_tables(n_params, rows, conv)
     result = {"date": time.strftime("%Y-%m-%d"), "params": n_params,
-              "machine": f"{platform.machine()} {os.cpu_count()} cores",
+              "machine": _common.cores(),
               "torch_threads": torch.get_num_threads(),
               "command": " ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),
               "total_s": time.perf_counter() - t0, "nvme_step": rows, "convergence": conv}
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=1)
+    _common.write_json(args.json, result, indent=1)
     if not args.no_plot:
         plot(conv, os.path.splitext(args.json)[0] + ".png")
     return 0

@@ -36,6 +36,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
+import _common  # noqa: E402  (benchmarks/, this script's folder)
 import infinity.io as io  # noqa: E402
 
 MiB = 1 << 20
@@ -271,15 +272,9 @@ def measure(method, direction: str, path: str, size: int) -> Dict[str, float]:
 
 
 def machine_info(directory: str) -> Dict[str, str]:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+    cpu = _common.cpu_model()
+    if cpu is None:
+        cpu = platform.processor()
     fs = ""
     try:
         fs = subprocess.run(["findmnt", "-n", "-o", "SOURCE,FSTYPE", "--target", directory],
@@ -291,11 +286,8 @@ def machine_info(directory: str) -> Dict[str, str]:
 
 
 def plot(result: dict, path: str) -> Optional[str]:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = _common.pyplot()
+    if plt is None:
         return None
     rows = result["results"]
     methods = sorted({r["method"] for r in rows}, key=[r["method"] for r in rows].index)
@@ -310,9 +302,8 @@ def plot(result: dict, path: str) -> Optional[str]:
     ax.set_ylabel("GB/s (median)")
     ax.set_title(f"Sequential I/O, {result['size_bytes'] / (1 << 30):.2f} GiB file, cold reads")
     ax.legend()
-    fig.tight_layout()
     png = os.path.splitext(path)[0] + ".png"
-    fig.savefig(png, dpi=100)
+    _common.save_figure(fig, png, dpi=100)
     return png
 
 
@@ -407,9 +398,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"{k}: {v:.2f}x")
     for k, v in skipped.items():
         print(f"skipped {k}: {v}")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump(result, fh, indent=2)
+    _common.write_json(args.out, result)
     if not args.no_plot:
         png = plot(result, args.out)
         if png:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import shutil
@@ -30,6 +29,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
+import _common  # noqa: E402  (benchmarks/, this script's folder)
 import infinity  # noqa: E402
 from infinity.models import GPTConfig, TinyGPT, lm_loss, synthetic_batch  # noqa: E402
 
@@ -134,13 +134,9 @@ def main(argv=None) -> int:
                   "batch": args.batch, "seq": args.seq},
         "quick": args.quick, "results": rows,
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump(out, fh, indent=2)
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    _common.write_json(args.out, out)
+    plt = _common.pyplot()
+    if plt is not None:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         names = [r["config"] for r in rows]
         stalled = [r["step_s_median"] * r.get("stall_fraction", 0) for r in rows]
@@ -150,10 +146,7 @@ def main(argv=None) -> int:
         ax.set_ylabel("forward+backward step (s)")
         ax.set_title(f"{rows[0]['params'] / 1e6:.0f}M-param GPT, parameters offloaded")
         ax.legend()
-        fig.tight_layout()
-        fig.savefig(os.path.splitext(args.out)[0] + ".png", dpi=110)
-    except ImportError:
-        pass
+        _common.save_figure(fig, os.path.splitext(args.out)[0] + ".png", dpi=110)
     print(f"saved {args.out}")
     return 0
 

@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import logging
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -28,6 +26,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import _common  # noqa: E402  (benchmarks/, this script's folder)
 import infinity  # noqa: E402
 from infinity.runtime import engine_of  # noqa: E402
 
@@ -130,19 +129,13 @@ def print_table(rows: List[Dict], ref: float) -> None:
 
 
 def plot(rows: List[Dict], path: str) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.info("matplotlib not installed: no plot")
+    plt = _common.pyplot(logger)
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 3))
     ax.barh([r["name"] for r in rows], [r["params_per_s"] / 1e6 for r in rows])
     ax.set_xlabel("M params / s (optimizer step)")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    _common.save_figure(fig, path)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -179,12 +172,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     print_table(rows, rows[0]["step_s_median"])
     result = {"date": time.strftime("%Y-%m-%d"), "params": n_params, "layers": layers,
               "width": width, "dtype": args.dtype, "steps": args.steps,
-              "machine": f"{platform.machine()} {os.cpu_count()} cores",
+              "machine": _common.cores(),
               "command": " ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),
               "rows": rows}
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=2)
+    _common.write_json(args.json, result)
     if not args.no_plot:
         plot(rows, os.path.splitext(args.json)[0] + ".png")
     return 0

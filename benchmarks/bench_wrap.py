@@ -31,7 +31,6 @@ import datetime
 import json
 import logging
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -44,6 +43,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 # a child of the --old-tree case imports infinity from that tree instead of this one
 sys.path.insert(0, os.environ.get("BENCH_WRAP_TREE") or ROOT)
+
+import _common  # noqa: E402  (benchmarks/, this script's folder)
 
 logger = logging.getLogger("bench_wrap")
 
@@ -157,29 +158,6 @@ def run_child(args: List[str], tree: Optional[str] = None, timeout: float = 1800
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def machine() -> Dict:
-    info = {"machine": f"{platform.machine()} {os.cpu_count()} cores",
-            "python": platform.python_version(), "kernel": platform.release()}
-    info["loadavg_1_5_15"] = os.getloadavg()  # this machine is shared: how busy it was
-    try:  # the code measured: HEAD, and whether the tree had uncommitted changes
-        git = ["git", "-C", ROOT]
-        info["commit"] = subprocess.run(git + ["rev-parse", "--short", "HEAD"],
-                                        capture_output=True, text=True).stdout.strip()
-        info["tree_dirty"] = bool(subprocess.run(git + ["status", "--porcelain", "-uno"],
-                                                 capture_output=True, text=True).stdout.strip())
-    except OSError:
-        pass
-    try:
-        with open("/proc/meminfo") as fh:
-            info["mem_total_gib"] = round(int(fh.readline().split()[1]) / (1 << 20), 1)
-        with open("/proc/cpuinfo") as fh:
-            info["cpu"] = next(ln.split(":", 1)[1].strip() for ln in fh
-                               if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return info
-
-
 def summarize(case: str, rows: List[Dict]) -> Dict:
     out = {"case": case, "runs": rows, "params": rows[0]["params"],
            "model_bytes": rows[0]["model_bytes"], "native": rows[0]["native"],
@@ -201,12 +179,8 @@ def print_table(rows: List[Dict]) -> None:
 
 
 def plot(rows: List[Dict], path: str) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.info("matplotlib not installed: no plot")
+    plt = _common.pyplot(logger)
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 3.2))
     names = [r["case"] for r in rows]
@@ -223,9 +197,7 @@ def plot(rows: List[Dict], path: str) -> None:
     ax.set_title(f"infinity.wrap onto NVMe, {rows[0]['params'] / 1e9:.2f}B params "
                  f"({rows[0]['model_bytes'] / 1e9:.2f} GB)", fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    _common.save_figure(fig, path)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -280,11 +252,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     print_table(rows)
     result = {"date": datetime.date.today().isoformat(),
               "command": " ".join(["python", "benchmarks/bench_wrap.py"] + argv),
-              "config": cfg_kw, "repeats": repeats, **machine(),
+              "config": cfg_kw, "repeats": repeats, **_common.machine_info(),
               "torch": rows[0]["runs"][0]["torch"], "rows": rows}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    _common.write_json(args.out, result)
     if not args.no_plot:
         plot(rows, os.path.splitext(args.out)[0] + ".png")
     return 0

@@ -32,41 +32,44 @@
 #include <vector>
 
 #include "common.h"
+#include "adam_common.h"
 #include "cpu_adam_threadpool.h"
-
-#define INF_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
-#define INF_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
 
 namespace {
 
-// ---- public enums (mirrored in infinity/ops/_adam_native.py) ---------------------------------
-enum Dtype : int { kNone = -1, kF32 = 0, kBF16 = 1, kF16 = 2 };
-enum Capability : int { kScalar = 0, kAVX2 = 1, kAVX512 = 2 };
-enum Error : int {
-  kOk = 0,
-  kErrNullPointer = -1,
-  kErrGradDtype = -2,
-  kErrOutDtype = -3,
-  kErrNegativeLength = -4,
-  kErrCapabilityUnsupported = -5,
-  kErrCapabilityInvalid = -6,
-};
-
-// Host-side scalars, computed once per call in double and rounded to fp32 like torch does.
-struct Coeffs {
-  float grad_multiplier;
-  float decay;        // 1 - lr*wd (AdamW)
-  float weight_decay; // wd (classic Adam)
-  float lerp_coeff;   // 1 - beta1, or (1 - beta1) - 1 when that weight is >= 0.5
-  bool lerp_small;    // |1 - beta1| < 0.5: m + w*(g - m), else g + (w - 1)*(g - m)
-  float beta2;
-  float one_minus_beta2;
-  float bc2_sqrt;
-  float eps;
-  float step_size;    // lr / bias_correction1
-  bool adamw;
-  bool has_weight_decay;
-};
+using inf_adam::Capability;
+using inf_adam::Coeffs;
+using inf_adam::Dtype;
+using inf_adam::Error;
+using inf_adam::V256;
+using inf_adam::V512;
+using inf_adam::avx2_adam;
+using inf_adam::avx2_load_grad;
+using inf_adam::avx2_store_out;
+using inf_adam::avx512_adam;
+using inf_adam::avx512_load_grad;
+using inf_adam::avx512_store_out;
+using inf_adam::dtype_size;
+using inf_adam::make_coeffs;
+using inf_adam::make_v256;
+using inf_adam::make_v512;
+using inf_adam::scalar_adam;
+using inf_adam::scalar_load_grad;
+using inf_adam::scalar_store_out;
+using inf_adam::kNone;
+using inf_adam::kF32;
+using inf_adam::kBF16;
+using inf_adam::kF16;
+using inf_adam::kScalar;
+using inf_adam::kAVX2;
+using inf_adam::kAVX512;
+using inf_adam::kOk;
+using inf_adam::kErrNullPointer;
+using inf_adam::kErrGradDtype;
+using inf_adam::kErrOutDtype;
+using inf_adam::kErrNegativeLength;
+using inf_adam::kErrCapabilityUnsupported;
+using inf_adam::kErrCapabilityInvalid;
 
 struct Job {
   float* p;
@@ -79,68 +82,7 @@ struct Job {
   std::vector<int64_t> bounds;  // task t runs [bounds[t], bounds[t+1])
 };
 
-// ---- scalar conversions (portable; used by the scalar path) ----------------------------------
-inline uint32_t f32_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-inline float bits_f32(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline float bf16_to_f32(uint16_t h) { return bits_f32(static_cast<uint32_t>(h) << 16); }
-inline uint16_t f32_to_bf16(float f) {  // round to nearest even; NaN -> quiet NaN (as c10)
-  if (std::isnan(f)) return 0x7FC0;
-  const uint32_t u = f32_bits(f);
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-// IEEE half <-> float, exact and round-to-nearest-even (after Maratyszcza's FP16 library).
-inline float f16_to_f32(uint16_t h) {
-  const uint32_t w = static_cast<uint32_t>(h) << 16;
-  const uint32_t sign = w & 0x80000000u;
-  const uint32_t two_w = w + w;
-  const float exp_scale = bits_f32(0x7800000u);  // 2^-112
-  const float normalized = bits_f32((two_w >> 4) + (0xE0u << 23)) * exp_scale;
-  const float denormalized = bits_f32((two_w >> 17) | (126u << 23)) - 0.5f;
-  const uint32_t result =
-      sign | (two_w < (1u << 27) ? f32_bits(denormalized) : f32_bits(normalized));
-  return bits_f32(result);
-}
-inline uint16_t f32_to_f16(float f) {
-  const float scale_to_inf = bits_f32(0x77800000u);   // 2^112
-  const float scale_to_zero = bits_f32(0x08800000u);  // 2^-110
-  float base = (std::fabs(f) * scale_to_inf) * scale_to_zero;
-  const uint32_t w = f32_bits(f);
-  const uint32_t shl1_w = w + w;
-  const uint32_t sign = w & 0x80000000u;
-  uint32_t bias = shl1_w & 0xFF000000u;
-  if (bias < 0x71000000u) bias = 0x71000000u;
-  base = bits_f32((bias >> 1) + 0x07800000u) + base;
-  const uint32_t bits = f32_bits(base);
-  const uint32_t exp_bits = (bits >> 13) & 0x00007C00u;
-  const uint32_t mantissa_bits = bits & 0x00000FFFu;
-  const uint32_t nonsign = exp_bits + mantissa_bits;
-  return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
-}
-
 // ---- scalar kernel ----------------------------------------------------------------------------
-template <int GD>
-inline float scalar_load_grad(const void* g, int64_t i) {
-  if constexpr (GD == kF32) return static_cast<const float*>(g)[i];
-  if constexpr (GD == kBF16) return bf16_to_f32(static_cast<const uint16_t*>(g)[i]);
-  if constexpr (GD == kF16) return f16_to_f32(static_cast<const uint16_t*>(g)[i]);
-  return 0.f;
-}
-
-template <int OD>
-inline void scalar_store_out(void* out, int64_t i, float x) {
-  if constexpr (OD == kF32) static_cast<float*>(out)[i] = x;
-  if constexpr (OD == kBF16) static_cast<uint16_t*>(out)[i] = f32_to_bf16(x);
-  if constexpr (OD == kF16) static_cast<uint16_t*>(out)[i] = f32_to_f16(x);
-}
-
 template <int GD, int OD, bool NT>
 void scalar_chunk(const Job& job, int64_t begin, int64_t end) {
   const Coeffs c = job.c;
@@ -148,23 +90,8 @@ void scalar_chunk(const Job& job, int64_t begin, int64_t end) {
   float* __restrict m = job.m;
   float* __restrict v = job.v;
   for (int64_t i = begin; i < end; ++i) {
-    float grad = scalar_load_grad<GD>(job.g, i) * c.grad_multiplier;
-    float param = p[i];
-    if (c.has_weight_decay) {
-      if (c.adamw) {
-        param = param * c.decay;
-      } else {
-        grad = std::fma(param, c.weight_decay, grad);
-      }
-    }
-    const float mi = m[i];
-    const float diff = grad - mi;
-    const float mo = c.lerp_small ? std::fma(c.lerp_coeff, diff, mi)
-                                  : std::fma(c.lerp_coeff, diff, grad);
-    const float vo = std::fma(c.one_minus_beta2 * grad, grad, v[i] * c.beta2);
-    const float denom = std::sqrt(vo) / c.bc2_sqrt + c.eps;
-    const float update = (c.step_size * mo) / denom;
-    param = param - update;
+    float mo, vo;
+    const float param = scalar_adam(c, scalar_load_grad<GD>(job.g, i), p[i], m[i], v[i], mo, vo);
     m[i] = mo;
     v[i] = vo;
     p[i] = param;
@@ -173,96 +100,18 @@ void scalar_chunk(const Job& job, int64_t begin, int64_t end) {
 }
 
 // ---- AVX-512 kernel ---------------------------------------------------------------------------
-struct V512 {
-  __m512 gmul, decay, wd, lerp, b2, omb2, bc2s, eps, step;
-};
-
-INF_TARGET_AVX512 inline V512 make_v512(const Coeffs& c) {
-  return V512{_mm512_set1_ps(c.grad_multiplier), _mm512_set1_ps(c.decay),
-              _mm512_set1_ps(c.weight_decay),    _mm512_set1_ps(c.lerp_coeff),
-              _mm512_set1_ps(c.beta2),           _mm512_set1_ps(c.one_minus_beta2),
-              _mm512_set1_ps(c.bc2_sqrt),        _mm512_set1_ps(c.eps),
-              _mm512_set1_ps(c.step_size)};
-}
-
-INF_TARGET_AVX512 inline __m256i avx512_f32_to_bf16(__m512 x) {
-  const __m512i bits = _mm512_castps_si512(x);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb);
-  r = _mm512_srli_epi32(r, 16);
-  const __mmask16 ordered = _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q);
-  r = _mm512_mask_blend_epi32(ordered, _mm512_set1_epi32(0x7FC0), r);
-  return _mm512_cvtepi32_epi16(r);
-}
-
-template <int GD, bool MASKED>
-INF_TARGET_AVX512 inline __m512 avx512_load_grad(const void* g, int64_t i, __mmask16 k) {
-  if constexpr (GD == kF32) {
-    const float* src = static_cast<const float*>(g) + i;
-    return MASKED ? _mm512_maskz_loadu_ps(k, src) : _mm512_loadu_ps(src);
-  } else {
-    const uint16_t* src = static_cast<const uint16_t*>(g) + i;
-    const __m256i h = MASKED ? _mm256_maskz_loadu_epi16(k, src)
-                             : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-    if constexpr (GD == kBF16) {
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    } else {
-      return _mm512_cvtph_ps(h);
-    }
-  }
-}
-
-template <int OD, bool MASKED, bool NT>
-INF_TARGET_AVX512 inline void avx512_store_out(void* out, int64_t i, __mmask16 k, __m512 x) {
-  if constexpr (OD == kF32) {
-    float* dst = static_cast<float*>(out) + i;
-    if constexpr (MASKED) {
-      _mm512_mask_storeu_ps(dst, k, x);
-    } else if constexpr (NT) {
-      _mm512_stream_ps(dst, x);
-    } else {
-      _mm512_storeu_ps(dst, x);
-    }
-  } else if constexpr (OD == kBF16 || OD == kF16) {
-    uint16_t* dst = static_cast<uint16_t*>(out) + i;
-    __m256i h;
-    if constexpr (OD == kBF16) {
-      h = avx512_f32_to_bf16(x);
-    } else {
-      h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    }
-    if constexpr (MASKED) {
-      _mm256_mask_storeu_epi16(dst, k, h);
-    } else if constexpr (NT) {
-      _mm256_stream_si256(reinterpret_cast<__m256i*>(dst), h);
-    } else {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), h);
-    }
-  }
-}
-
 template <int GD, int OD, bool MASKED, bool NT>
 INF_TARGET_AVX512 inline void avx512_block(const Job& job, const V512& c, int64_t i,
                                            __mmask16 k) {
   float* pp = job.p + i;
   float* mp = job.m + i;
   float* vp = job.v + i;
-  __m512 grad = _mm512_mul_ps(avx512_load_grad<GD, MASKED>(job.g, i, k), c.gmul);
-  __m512 param = MASKED ? _mm512_maskz_loadu_ps(k, pp) : _mm512_loadu_ps(pp);
-  if (job.c.has_weight_decay) {
-    if (job.c.adamw) {
-      param = _mm512_mul_ps(param, c.decay);
-    } else {
-      grad = _mm512_fmadd_ps(param, c.wd, grad);
-    }
-  }
+  const __m512 grad = avx512_load_grad<GD, MASKED>(job.g, i, k);
+  const __m512 pi = MASKED ? _mm512_maskz_loadu_ps(k, pp) : _mm512_loadu_ps(pp);
   const __m512 mi = MASKED ? _mm512_maskz_loadu_ps(k, mp) : _mm512_loadu_ps(mp);
   const __m512 vi = MASKED ? _mm512_maskz_loadu_ps(k, vp) : _mm512_loadu_ps(vp);
-  const __m512 diff = _mm512_sub_ps(grad, mi);
-  const __m512 mo = _mm512_fmadd_ps(c.lerp, diff, job.c.lerp_small ? mi : grad);
-  const __m512 vo = _mm512_fmadd_ps(_mm512_mul_ps(c.omb2, grad), grad, _mm512_mul_ps(vi, c.b2));
-  const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vo), c.bc2s), c.eps);
-  param = _mm512_sub_ps(param, _mm512_div_ps(_mm512_mul_ps(c.step, mo), denom));
+  __m512 mo, vo;
+  const __m512 param = avx512_adam(job.c, c, grad, pi, mi, vi, mo, vo);
   if constexpr (MASKED) {
     _mm512_mask_storeu_ps(mp, k, mo);
     _mm512_mask_storeu_ps(vp, k, vo);
@@ -275,8 +124,6 @@ INF_TARGET_AVX512 inline void avx512_block(const Job& job, const V512& c, int64_
   if constexpr (OD != kNone) avx512_store_out<OD, MASKED, NT>(job.out, i, k, param);
 }
 
-constexpr int out_size(int od) { return od == kF32 ? 4 : (od == kNone ? 0 : 2); }
-
 template <int GD, int OD, bool NT>
 INF_TARGET_AVX512 void avx512_chunk(const Job& job, int64_t begin, int64_t end) {
   constexpr int64_t W = 16;
@@ -284,10 +131,10 @@ INF_TARGET_AVX512 void avx512_chunk(const Job& job, int64_t begin, int64_t end) 
   int64_t i = begin;
   if constexpr (NT) {
     // Peel a masked head so the streaming stores of `out` are vector aligned.
-    constexpr uintptr_t align = W * out_size(OD);
-    const uintptr_t addr = reinterpret_cast<uintptr_t>(job.out) + i * out_size(OD);
+    constexpr uintptr_t align = W * dtype_size(OD);
+    const uintptr_t addr = reinterpret_cast<uintptr_t>(job.out) + i * dtype_size(OD);
     const int64_t head = std::min<int64_t>(
-        end - i, static_cast<int64_t>(((align - addr % align) % align) / out_size(OD)));
+        end - i, static_cast<int64_t>(((align - addr % align) % align) / dtype_size(OD)));
     if (head > 0) {
       avx512_block<GD, OD, true, false>(job, c, i, static_cast<__mmask16>((1u << head) - 1));
       i += head;
@@ -302,85 +149,13 @@ INF_TARGET_AVX512 void avx512_chunk(const Job& job, int64_t begin, int64_t end) 
 }
 
 // ---- AVX2 kernel ------------------------------------------------------------------------------
-struct V256 {
-  __m256 gmul, decay, wd, lerp, b2, omb2, bc2s, eps, step;
-};
-
-INF_TARGET_AVX2 inline V256 make_v256(const Coeffs& c) {
-  return V256{_mm256_set1_ps(c.grad_multiplier), _mm256_set1_ps(c.decay),
-              _mm256_set1_ps(c.weight_decay),    _mm256_set1_ps(c.lerp_coeff),
-              _mm256_set1_ps(c.beta2),           _mm256_set1_ps(c.one_minus_beta2),
-              _mm256_set1_ps(c.bc2_sqrt),        _mm256_set1_ps(c.eps),
-              _mm256_set1_ps(c.step_size)};
-}
-
-INF_TARGET_AVX2 inline __m128i avx2_f32_to_bf16(__m256 x) {
-  const __m256i bits = _mm256_castps_si256(x);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), lsb);
-  r = _mm256_srli_epi32(r, 16);
-  const __m256i ordered = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_ORD_Q));
-  r = _mm256_blendv_epi8(_mm256_set1_epi32(0x7FC0), r, ordered);
-  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-}
-
-template <int GD>
-INF_TARGET_AVX2 inline __m256 avx2_load_grad(const void* g) {
-  if constexpr (GD == kF32) {
-    return _mm256_loadu_ps(static_cast<const float*>(g));
-  } else {
-    const __m128i h = _mm_loadu_si128(static_cast<const __m128i*>(g));
-    if constexpr (GD == kBF16) {
-      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    } else {
-      return _mm256_cvtph_ps(h);
-    }
-  }
-}
-
-template <int OD, bool NT>
-INF_TARGET_AVX2 inline void avx2_store_out(void* out, __m256 x) {
-  if constexpr (OD == kF32) {
-    if constexpr (NT) {
-      _mm256_stream_ps(static_cast<float*>(out), x);
-    } else {
-      _mm256_storeu_ps(static_cast<float*>(out), x);
-    }
-  } else if constexpr (OD == kBF16 || OD == kF16) {
-    __m128i h;
-    if constexpr (OD == kBF16) {
-      h = avx2_f32_to_bf16(x);
-    } else {
-      h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    }
-    if constexpr (NT) {
-      _mm_stream_si128(static_cast<__m128i*>(out), h);
-    } else {
-      _mm_storeu_si128(static_cast<__m128i*>(out), h);
-    }
-  }
-}
-
 // 8 elements at explicit addresses (the arrays, or padded stack copies for heads and tails).
 template <int GD, int OD, bool NT>
 INF_TARGET_AVX2 inline void avx2_block(const Coeffs& s, const V256& c, float* pp, const void* gp,
                                        float* mp, float* vp, void* op) {
-  __m256 grad = _mm256_mul_ps(avx2_load_grad<GD>(gp), c.gmul);
-  __m256 param = _mm256_loadu_ps(pp);
-  if (s.has_weight_decay) {
-    if (s.adamw) {
-      param = _mm256_mul_ps(param, c.decay);
-    } else {
-      grad = _mm256_fmadd_ps(param, c.wd, grad);
-    }
-  }
-  const __m256 mi = _mm256_loadu_ps(mp);
-  const __m256 vi = _mm256_loadu_ps(vp);
-  const __m256 diff = _mm256_sub_ps(grad, mi);
-  const __m256 mo = _mm256_fmadd_ps(c.lerp, diff, s.lerp_small ? mi : grad);
-  const __m256 vo = _mm256_fmadd_ps(_mm256_mul_ps(c.omb2, grad), grad, _mm256_mul_ps(vi, c.b2));
-  const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vo), c.bc2s), c.eps);
-  param = _mm256_sub_ps(param, _mm256_div_ps(_mm256_mul_ps(c.step, mo), denom));
+  __m256 mo, vo;
+  const __m256 param = avx2_adam(s, c, avx2_load_grad<GD>(gp), _mm256_loadu_ps(pp),
+                                 _mm256_loadu_ps(mp), _mm256_loadu_ps(vp), mo, vo);
   _mm256_storeu_ps(mp, mo);
   _mm256_storeu_ps(vp, vo);
   _mm256_storeu_ps(pp, param);
@@ -421,7 +196,7 @@ template <int GD, int OD, bool NT>
 INF_TARGET_AVX2 void avx2_chunk(const Job& job, int64_t begin, int64_t end) {
   constexpr int64_t W = 8;
   constexpr int gsize = GD == kF32 ? 4 : 2;
-  constexpr int osize = out_size(OD);
+  constexpr int osize = dtype_size(OD);
   const V256 c = make_v256(job.c);
   int64_t i = begin;
   if constexpr (NT) {
@@ -626,25 +401,11 @@ INF_API int inf_adam_step(float* p, const void* g, int g_dtype, float* m, float*
   job.m = m;
   job.v = v;
   job.out = out;
-  Coeffs& c = job.c;
-  c.grad_multiplier = static_cast<float>(grad_multiplier);
-  c.decay = static_cast<float>(1.0 - lr * weight_decay);
-  c.weight_decay = static_cast<float>(weight_decay);
-  const double lerp_weight = 1.0 - beta1;
-  c.lerp_small = std::fabs(lerp_weight) < 0.5;
-  // torch: coeff = w (or w - 1) rounded to fp32 (ATen computes w - 1 on the fp32 vector).
-  c.lerp_coeff = c.lerp_small ? static_cast<float>(lerp_weight)
-                              : static_cast<float>(lerp_weight) - 1.0f;
-  c.beta2 = static_cast<float>(beta2);
-  c.one_minus_beta2 = static_cast<float>(1.0 - beta2);
-  c.bc2_sqrt = static_cast<float>(bias_correction2_sqrt);
-  c.eps = static_cast<float>(eps);
-  c.step_size = static_cast<float>(lr / bias_correction1);
-  c.adamw = adamw != 0;
-  c.has_weight_decay = weight_decay != 0.0;
+  job.c = make_coeffs(lr, beta1, beta2, eps, weight_decay, adamw, bias_correction1,
+                      bias_correction2_sqrt, grad_multiplier);
 
   const bool nt = out_dtype != kNone && n >= kStreamingFrom &&
-                  reinterpret_cast<uintptr_t>(out) % out_size(out_dtype) == 0;
+                  reinterpret_cast<uintptr_t>(out) % dtype_size(out_dtype) == 0;
   job.chunk = select_chunk(cap, g_dtype, out_dtype, nt);
 
   int tasks = 1;

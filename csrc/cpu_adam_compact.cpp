@@ -31,66 +31,51 @@
 #include <limits>
 #include <vector>
 
+#include "adam_common.h"
 #include "common.h"
-
-#define INF_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
-#define INF_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
 
 namespace {
 
-// ---- enums (same values as csrc/cpu_adam.cpp and infinity/ops/_adam_native.py) ---------------
-enum Dtype : int { kNone = -1, kF32 = 0, kBF16 = 1, kF16 = 2 };
-enum Capability : int { kScalar = 0, kAVX2 = 1, kAVX512 = 2 };
-enum Error : int {
-  kOk = 0,
-  kErrNullPointer = -1,
-  kErrGradDtype = -2,
-  kErrOutDtype = -3,
-  kErrNegativeLength = -4,
-};
+// ---- shared with csrc/cpu_adam.cpp (csrc/adam_common.h) -----------------------------------------
+using inf_adam::Coeffs;
+using inf_adam::V256;
+using inf_adam::V512;
+using inf_adam::avx2_adam;
+using inf_adam::avx2_f32_to_bf16;
+using inf_adam::avx2_load_grad;
+using inf_adam::avx2_store_out;
+using inf_adam::avx512_adam;
+using inf_adam::avx512_f32_to_bf16;
+using inf_adam::avx512_load_grad;
+using inf_adam::avx512_store_out;
+using inf_adam::bf16_to_f32;
+using inf_adam::dtype_size;
+using inf_adam::f32_to_bf16;
+using inf_adam::make_coeffs;
+using inf_adam::make_v256;
+using inf_adam::make_v512;
+using inf_adam::scalar_adam;
+using inf_adam::scalar_load_grad;
+using inf_adam::scalar_store_out;
+using inf_adam::kNone;
+using inf_adam::kF32;
+using inf_adam::kBF16;
+using inf_adam::kF16;
+using inf_adam::kScalar;
+using inf_adam::kAVX2;
+using inf_adam::kAVX512;
+using inf_adam::kOk;
+using inf_adam::kErrNullPointer;
+using inf_adam::kErrGradDtype;
+using inf_adam::kErrOutDtype;
+using inf_adam::kErrNegativeLength;
+
 enum Kernel : int { kKernelBF16Moments = 0, kKernel8bit = 1 };
 enum Signedness : int { kUnsigned = 0, kSigned = 1 };  // index into QMaps tables
 
 constexpr int kBlock = 256;                      // quantization block (elements)
 constexpr int64_t kSingleThreadBelow = 1 << 16;  // elements
 constexpr int64_t kMinPerThread = 1 << 15;       // elements
-
-// Host-side scalars: exactly those of inf_adam_step (see csrc/cpu_adam.cpp).
-struct Coeffs {
-  float grad_multiplier;
-  float decay;         // 1 - lr*wd (AdamW)
-  float weight_decay;  // wd (classic Adam)
-  float lerp_coeff;    // 1 - beta1, or (1 - beta1) - 1 when that weight is >= 0.5
-  bool lerp_small;
-  float beta2;
-  float one_minus_beta2;
-  float bc2_sqrt;
-  float eps;
-  float step_size;  // lr / bias_correction1
-  bool adamw;
-  bool has_weight_decay;
-};
-
-Coeffs make_coeffs(double lr, double beta1, double beta2, double eps, double weight_decay,
-                   int adamw, double bias_correction1, double bias_correction2_sqrt,
-                   double grad_multiplier) {
-  Coeffs c;
-  c.grad_multiplier = static_cast<float>(grad_multiplier);
-  c.decay = static_cast<float>(1.0 - lr * weight_decay);
-  c.weight_decay = static_cast<float>(weight_decay);
-  const double lerp_weight = 1.0 - beta1;
-  c.lerp_small = std::fabs(lerp_weight) < 0.5;
-  c.lerp_coeff = c.lerp_small ? static_cast<float>(lerp_weight)
-                              : static_cast<float>(lerp_weight) - 1.0f;
-  c.beta2 = static_cast<float>(beta2);
-  c.one_minus_beta2 = static_cast<float>(1.0 - beta2);
-  c.bc2_sqrt = static_cast<float>(bias_correction2_sqrt);
-  c.eps = static_cast<float>(eps);
-  c.step_size = static_cast<float>(lr / bias_correction1);
-  c.adamw = adamw != 0;
-  c.has_weight_decay = weight_decay != 0.0;
-  return c;
-}
 
 // ---- dynamic quantization maps ------------------------------------------------------------------
 // Dynamic tree quantization (Dettmers, "8-bit approximations for parallelism in deep learning",
@@ -160,51 +145,6 @@ const QMaps& qmaps() {
   return q;
 }
 
-// ---- scalar conversions (as in csrc/cpu_adam.cpp) -----------------------------------------------
-inline uint32_t f32_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-inline float bits_f32(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline float bf16_to_f32(uint16_t h) { return bits_f32(static_cast<uint32_t>(h) << 16); }
-inline uint16_t f32_to_bf16(float f) {  // round to nearest even; NaN -> quiet NaN (as c10)
-  if (std::isnan(f)) return 0x7FC0;
-  const uint32_t u = f32_bits(f);
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-inline float f16_to_f32(uint16_t h) {
-  const uint32_t w = static_cast<uint32_t>(h) << 16;
-  const uint32_t sign = w & 0x80000000u;
-  const uint32_t two_w = w + w;
-  const float exp_scale = bits_f32(0x7800000u);
-  const float normalized = bits_f32((two_w >> 4) + (0xE0u << 23)) * exp_scale;
-  const float denormalized = bits_f32((two_w >> 17) | (126u << 23)) - 0.5f;
-  const uint32_t result =
-      sign | (two_w < (1u << 27) ? f32_bits(denormalized) : f32_bits(normalized));
-  return bits_f32(result);
-}
-inline uint16_t f32_to_f16(float f) {
-  const float scale_to_inf = bits_f32(0x77800000u);
-  const float scale_to_zero = bits_f32(0x08800000u);
-  float base = (std::fabs(f) * scale_to_inf) * scale_to_zero;
-  const uint32_t w = f32_bits(f);
-  const uint32_t shl1_w = w + w;
-  const uint32_t sign = w & 0x80000000u;
-  uint32_t bias = shl1_w & 0xFF000000u;
-  if (bias < 0x71000000u) bias = 0x71000000u;
-  base = bits_f32((bias >> 1) + 0x07800000u) + base;
-  const uint32_t bits = f32_bits(base);
-  const uint32_t exp_bits = (bits >> 13) & 0x00007C00u;
-  const uint32_t mantissa_bits = bits & 0x00000FFFu;
-  const uint32_t nonsign = exp_bits + mantissa_bits;
-  return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
-}
-
 // ---- jobs ---------------------------------------------------------------------------------------
 // One block (up to 256 elements) at explicit addresses: the arrays, or padded stack copies.
 struct Span {
@@ -248,8 +188,6 @@ struct Job {
       nullptr;
   std::vector<int64_t> bounds;  // task t runs blocks [bounds[t], bounds[t+1])
 };
-
-constexpr int dtype_size(int d) { return d == kF32 ? 4 : (d == kNone ? 0 : 2); }
 
 // The last, partial block: zero-padded stack copies in, the valid elements copied back.
 void step_padded(const Job& job, const Span& s) {
@@ -312,39 +250,6 @@ void run_job(Job& job) {
 }
 
 // ---- scalar path --------------------------------------------------------------------------------
-template <int GD>
-inline float scalar_load_grad(const void* g, int i) {
-  if constexpr (GD == kF32) return static_cast<const float*>(g)[i];
-  if constexpr (GD == kBF16) return bf16_to_f32(static_cast<const uint16_t*>(g)[i]);
-  if constexpr (GD == kF16) return f16_to_f32(static_cast<const uint16_t*>(g)[i]);
-  return 0.f;
-}
-
-template <int OD>
-inline void scalar_store_out(void* out, int i, float x) {
-  if constexpr (OD == kF32) static_cast<float*>(out)[i] = x;
-  if constexpr (OD == kBF16) static_cast<uint16_t*>(out)[i] = f32_to_bf16(x);
-  if constexpr (OD == kF16) static_cast<uint16_t*>(out)[i] = f32_to_f16(x);
-}
-
-// One element of Adam(W), operation by operation as inf_adam_step's scalar path; returns param.
-inline float scalar_adam(const Coeffs& c, float grad, float param, float mi, float vi, float& mo,
-                         float& vo) {
-  grad = grad * c.grad_multiplier;
-  if (c.has_weight_decay) {
-    if (c.adamw) {
-      param = param * c.decay;
-    } else {
-      grad = std::fma(param, c.weight_decay, grad);
-    }
-  }
-  const float diff = grad - mi;
-  mo = c.lerp_small ? std::fma(c.lerp_coeff, diff, mi) : std::fma(c.lerp_coeff, diff, grad);
-  vo = std::fma(c.one_minus_beta2 * grad, grad, vi * c.beta2);
-  const float denom = std::sqrt(vo) / c.bc2_sqrt + c.eps;
-  return param - (c.step_size * mo) / denom;
-}
-
 template <int GD, int OD>
 void scalar_bf16m_block(const Job& job, const Span& s) {
   uint16_t* m = static_cast<uint16_t*>(s.m);
@@ -415,80 +320,26 @@ void scalar_q8_block(const Job& job, const Span& s) {
   std::memcpy(s.v, codes, static_cast<size_t>(s.count));
 }
 
+// ---- vector paths: shared, ISA-independent ------------------------------------------------------
+using QuantizeFn = void (*)(const float*, const QMaps&, int, uint8_t*, float*);
+
+// The end of a vector 8-bit block: the updated fp32 moments of all 256 lanes (mbuf, vbuf) are
+// re-quantized into the block's codes and absmax; padding lanes are zeroed first so they do not
+// enter the absmax.
+template <QuantizeFn QUANTIZE>
+void requantize(const Span& s, const QMaps& q, float* mbuf, float* vbuf) {
+  if (s.count < kBlock) {
+    std::fill(mbuf + s.count, mbuf + kBlock, 0.f);
+    std::fill(vbuf + s.count, vbuf + kBlock, 0.f);
+  }
+  QUANTIZE(mbuf, q, kSigned, static_cast<uint8_t*>(s.m), s.m_scale);
+  QUANTIZE(vbuf, q, kUnsigned, static_cast<uint8_t*>(s.v), s.v_scale);
+}
+
 // ---- AVX-512 path -------------------------------------------------------------------------------
-struct V512 {
-  __m512 gmul, decay, wd, lerp, b2, omb2, bc2s, eps, step;
-};
-
-INF_TARGET_AVX512 inline V512 make_v512(const Coeffs& c) {
-  return V512{_mm512_set1_ps(c.grad_multiplier), _mm512_set1_ps(c.decay),
-              _mm512_set1_ps(c.weight_decay),    _mm512_set1_ps(c.lerp_coeff),
-              _mm512_set1_ps(c.beta2),           _mm512_set1_ps(c.one_minus_beta2),
-              _mm512_set1_ps(c.bc2_sqrt),        _mm512_set1_ps(c.eps),
-              _mm512_set1_ps(c.step_size)};
-}
-
-INF_TARGET_AVX512 inline __m256i avx512_f32_to_bf16(__m512 x) {
-  const __m512i bits = _mm512_castps_si512(x);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb);
-  r = _mm512_srli_epi32(r, 16);
-  const __mmask16 ordered = _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q);
-  r = _mm512_mask_blend_epi32(ordered, _mm512_set1_epi32(0x7FC0), r);
-  return _mm512_cvtepi32_epi16(r);
-}
-
 INF_TARGET_AVX512 inline __m512 avx512_bf16_to_f32(const uint16_t* src) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-template <int GD>
-INF_TARGET_AVX512 inline __m512 avx512_load_grad(const void* g, int i) {
-  if constexpr (GD == kF32) {
-    return _mm512_loadu_ps(static_cast<const float*>(g) + i);
-  } else {
-    const __m256i h =
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(g) + i));
-    if constexpr (GD == kBF16) {
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    } else {
-      return _mm512_cvtph_ps(h);
-    }
-  }
-}
-
-template <int OD>
-INF_TARGET_AVX512 inline void avx512_store_out(void* out, int i, __m512 x) {
-  if constexpr (OD == kF32) {
-    _mm512_storeu_ps(static_cast<float*>(out) + i, x);
-  } else if constexpr (OD == kBF16 || OD == kF16) {
-    __m256i h;
-    if constexpr (OD == kBF16) {
-      h = avx512_f32_to_bf16(x);
-    } else {
-      h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    }
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + i), h);
-  }
-}
-
-INF_TARGET_AVX512 inline __m512 avx512_adam(const Coeffs& s, const V512& c, __m512 grad,
-                                            __m512 param, __m512 mi, __m512 vi, __m512& mo,
-                                            __m512& vo) {
-  grad = _mm512_mul_ps(grad, c.gmul);
-  if (s.has_weight_decay) {
-    if (s.adamw) {
-      param = _mm512_mul_ps(param, c.decay);
-    } else {
-      grad = _mm512_fmadd_ps(param, c.wd, grad);
-    }
-  }
-  const __m512 diff = _mm512_sub_ps(grad, mi);
-  mo = _mm512_fmadd_ps(c.lerp, diff, s.lerp_small ? mi : grad);
-  vo = _mm512_fmadd_ps(_mm512_mul_ps(c.omb2, grad), grad, _mm512_mul_ps(vi, c.b2));
-  const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vo), c.bc2s), c.eps);
-  return _mm512_sub_ps(param, _mm512_div_ps(_mm512_mul_ps(c.step, mo), denom));
 }
 
 template <int GD, int OD>
@@ -499,12 +350,12 @@ INF_TARGET_AVX512 void avx512_bf16m_block(const Job& job, const Span& s) {
   for (int i = 0; i < kBlock; i += 16) {
     __m512 mo, vo;
     const __m512 param =
-        avx512_adam(job.c, c, avx512_load_grad<GD>(s.g, i), _mm512_loadu_ps(s.p + i),
+        avx512_adam(job.c, c, avx512_load_grad<GD, false>(s.g, i, 0), _mm512_loadu_ps(s.p + i),
                     avx512_bf16_to_f32(m + i), avx512_bf16_to_f32(v + i), mo, vo);
     _mm512_storeu_ps(s.p + i, param);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(m + i), avx512_f32_to_bf16(mo));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(v + i), avx512_f32_to_bf16(vo));
-    if constexpr (OD != kNone) avx512_store_out<OD>(s.out, i, param);
+    if constexpr (OD != kNone) avx512_store_out<OD, false, false>(s.out, i, 0, param);
   }
 }
 
@@ -591,111 +442,38 @@ INF_TARGET_AVX512 void avx512_q8_block(const Job& job, const Span& s) {
     const __m512 mi = _mm512_mul_ps(avx512_lookup256(q.map[kSigned], mc), ma);
     const __m512 vi = _mm512_mul_ps(avx512_lookup256(q.map[kUnsigned], vc), va);
     __m512 mo, vo;
-    const __m512 param = avx512_adam(job.c, c, avx512_load_grad<GD>(s.g, i),
+    const __m512 param = avx512_adam(job.c, c, avx512_load_grad<GD, false>(s.g, i, 0),
                                      _mm512_loadu_ps(s.p + i), mi, vi, mo, vo);
     _mm512_storeu_ps(s.p + i, param);
     _mm512_store_ps(mbuf + i, mo);
     _mm512_store_ps(vbuf + i, vo);
-    if constexpr (OD != kNone) avx512_store_out<OD>(s.out, i, param);
+    if constexpr (OD != kNone) avx512_store_out<OD, false, false>(s.out, i, 0, param);
   }
-  if (s.count < kBlock) {  // padding lanes must not enter the absmax
-    std::fill(mbuf + s.count, mbuf + kBlock, 0.f);
-    std::fill(vbuf + s.count, vbuf + kBlock, 0.f);
-  }
-  avx512_quantize_block(mbuf, q, kSigned, static_cast<uint8_t*>(s.m), s.m_scale);
-  avx512_quantize_block(vbuf, q, kUnsigned, static_cast<uint8_t*>(s.v), s.v_scale);
+  requantize<&avx512_quantize_block>(s, q, mbuf, vbuf);
 }
 
 // ---- AVX2 path ----------------------------------------------------------------------------------
-struct V256 {
-  __m256 gmul, decay, wd, lerp, b2, omb2, bc2s, eps, step;
-};
-
-INF_TARGET_AVX2 inline V256 make_v256(const Coeffs& c) {
-  return V256{_mm256_set1_ps(c.grad_multiplier), _mm256_set1_ps(c.decay),
-              _mm256_set1_ps(c.weight_decay),    _mm256_set1_ps(c.lerp_coeff),
-              _mm256_set1_ps(c.beta2),           _mm256_set1_ps(c.one_minus_beta2),
-              _mm256_set1_ps(c.bc2_sqrt),        _mm256_set1_ps(c.eps),
-              _mm256_set1_ps(c.step_size)};
-}
-
-INF_TARGET_AVX2 inline __m128i avx2_f32_to_bf16(__m256 x) {
-  const __m256i bits = _mm256_castps_si256(x);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), lsb);
-  r = _mm256_srli_epi32(r, 16);
-  const __m256i ordered = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_ORD_Q));
-  r = _mm256_blendv_epi8(_mm256_set1_epi32(0x7FC0), r, ordered);
-  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-}
-
 INF_TARGET_AVX2 inline __m256 avx2_bf16_to_f32(const uint16_t* src) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-template <int GD>
-INF_TARGET_AVX2 inline __m256 avx2_load_grad(const void* g, int i) {
-  if constexpr (GD == kF32) {
-    return _mm256_loadu_ps(static_cast<const float*>(g) + i);
-  } else {
-    const __m128i h =
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(g) + i));
-    if constexpr (GD == kBF16) {
-      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    } else {
-      return _mm256_cvtph_ps(h);
-    }
-  }
-}
-
-template <int OD>
-INF_TARGET_AVX2 inline void avx2_store_out(void* out, int i, __m256 x) {
-  if constexpr (OD == kF32) {
-    _mm256_storeu_ps(static_cast<float*>(out) + i, x);
-  } else if constexpr (OD == kBF16 || OD == kF16) {
-    __m128i h;
-    if constexpr (OD == kBF16) {
-      h = avx2_f32_to_bf16(x);
-    } else {
-      h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    }
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(out) + i), h);
-  }
-}
-
-INF_TARGET_AVX2 inline __m256 avx2_adam(const Coeffs& s, const V256& c, __m256 grad,
-                                        __m256 param, __m256 mi, __m256 vi, __m256& mo,
-                                        __m256& vo) {
-  grad = _mm256_mul_ps(grad, c.gmul);
-  if (s.has_weight_decay) {
-    if (s.adamw) {
-      param = _mm256_mul_ps(param, c.decay);
-    } else {
-      grad = _mm256_fmadd_ps(param, c.wd, grad);
-    }
-  }
-  const __m256 diff = _mm256_sub_ps(grad, mi);
-  mo = _mm256_fmadd_ps(c.lerp, diff, s.lerp_small ? mi : grad);
-  vo = _mm256_fmadd_ps(_mm256_mul_ps(c.omb2, grad), grad, _mm256_mul_ps(vi, c.b2));
-  const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vo), c.bc2s), c.eps);
-  return _mm256_sub_ps(param, _mm256_div_ps(_mm256_mul_ps(c.step, mo), denom));
-}
-
 template <int GD, int OD>
 INF_TARGET_AVX2 void avx2_bf16m_block(const Job& job, const Span& s) {
   const V256 c = make_v256(job.c);
+  const char* g = static_cast<const char*>(s.g);
+  char* out = static_cast<char*>(s.out);
   uint16_t* m = static_cast<uint16_t*>(s.m);
   uint16_t* v = static_cast<uint16_t*>(s.v);
   for (int i = 0; i < kBlock; i += 8) {
     __m256 mo, vo;
-    const __m256 param =
-        avx2_adam(job.c, c, avx2_load_grad<GD>(s.g, i), _mm256_loadu_ps(s.p + i),
-                  avx2_bf16_to_f32(m + i), avx2_bf16_to_f32(v + i), mo, vo);
+    const __m256 param = avx2_adam(job.c, c, avx2_load_grad<GD>(g + i * dtype_size(GD)),
+                                   _mm256_loadu_ps(s.p + i), avx2_bf16_to_f32(m + i),
+                                   avx2_bf16_to_f32(v + i), mo, vo);
     _mm256_storeu_ps(s.p + i, param);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(m + i), avx2_f32_to_bf16(mo));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(v + i), avx2_f32_to_bf16(vo));
-    if constexpr (OD != kNone) avx2_store_out<OD>(s.out, i, param);
+    if constexpr (OD != kNone) avx2_store_out<OD, false>(out + i * dtype_size(OD), param);
   }
 }
 
@@ -756,6 +534,8 @@ INF_TARGET_AVX2 void avx2_quantize_block(const float* buf, const QMaps& q, int s
 template <int GD, int OD>
 INF_TARGET_AVX2 void avx2_q8_block(const Job& job, const Span& s) {
   const V256 c = make_v256(job.c);
+  const char* g = static_cast<const char*>(s.g);
+  char* out = static_cast<char*>(s.out);
   const QMaps& q = *job.q;
   const uint8_t* mq = static_cast<const uint8_t*>(s.m);
   const uint8_t* vq = static_cast<const uint8_t*>(s.v);
@@ -771,19 +551,14 @@ INF_TARGET_AVX2 void avx2_q8_block(const Job& job, const Span& s) {
     const __m256 mi = _mm256_mul_ps(_mm256_i32gather_ps(q.map[kSigned], mc, 4), ma);
     const __m256 vi = _mm256_mul_ps(_mm256_i32gather_ps(q.map[kUnsigned], vc, 4), va);
     __m256 mo, vo;
-    const __m256 param = avx2_adam(job.c, c, avx2_load_grad<GD>(s.g, i),
+    const __m256 param = avx2_adam(job.c, c, avx2_load_grad<GD>(g + i * dtype_size(GD)),
                                    _mm256_loadu_ps(s.p + i), mi, vi, mo, vo);
     _mm256_storeu_ps(s.p + i, param);
     _mm256_store_ps(mbuf + i, mo);
     _mm256_store_ps(vbuf + i, vo);
-    if constexpr (OD != kNone) avx2_store_out<OD>(s.out, i, param);
+    if constexpr (OD != kNone) avx2_store_out<OD, false>(out + i * dtype_size(OD), param);
   }
-  if (s.count < kBlock) {  // padding lanes must not enter the absmax
-    std::fill(mbuf + s.count, mbuf + kBlock, 0.f);
-    std::fill(vbuf + s.count, vbuf + kBlock, 0.f);
-  }
-  avx2_quantize_block(mbuf, q, kSigned, static_cast<uint8_t*>(s.m), s.m_scale);
-  avx2_quantize_block(vbuf, q, kUnsigned, static_cast<uint8_t*>(s.v), s.v_scale);
+  requantize<&avx2_quantize_block>(s, q, mbuf, vbuf);
 }
 
 // ---- dispatch -----------------------------------------------------------------------------------
@@ -818,8 +593,6 @@ BlockFn select_block(int cap, int gd, int od) {
     default: return pick_out<K, kF16>(cap, od);
   }
 }
-
-using QuantizeFn = void (*)(const float*, const QMaps&, int, uint8_t*, float*);
 
 QuantizeFn select_quantize(int cap) {
   if (cap == kAVX512) return &avx512_quantize_block;

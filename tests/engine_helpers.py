@@ -49,3 +49,16 @@ def assert_grads_equal(ref, wrapped, rtol: float = 1e-6, atol: float = 1e-7) -> 
 
 def loss_of(model, x, y) -> torch.Tensor:
     return lm_loss(model(x), y)
+
+
+def assert_tensors_equal(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tensor]) -> None:
+    """Each tensor of ``got`` is bitwise equal to ``want``'s of the same name."""
+    for k, v in got.items():
+        assert torch.equal(v, want[k]), k
+
+
+def assert_optimizer_states_equal(want: Dict, got: Dict) -> None:
+    """Each state tensor of optimizer state_dict ``want`` is bitwise equal in ``got``."""
+    for i, e in want["state"].items():
+        for name, t in e.items():
+            assert torch.equal(t, got["state"][i][name]), (i, name)

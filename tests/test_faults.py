@@ -27,6 +27,7 @@ from infinity.runtime.engine import Engine, engine_of, locate
 from infinity.runtime.flat import FlatParam
 from infinity.runtime.grads import GradientWriteError
 from infinity.tiers import HostPool, SwapStore
+from engine_helpers import assert_optimizer_states_equal, assert_tensors_equal
 
 CFG = GPTConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=2, max_seq=16)
 STEPS = 5
@@ -292,8 +293,7 @@ def test_exception_in_forward_skipped_micro_batch(tmp_path):
         runs.append((losses, _finish(model, opt)))
     assert trigger.fired == 1
     assert runs[0][0] == runs[1][0]
-    for k, v in runs[0][1].items():
-        assert torch.equal(v, runs[1][1][k]), k
+    assert_tensors_equal(runs[0][1], runs[1][1])
 
 
 def test_exception_in_block_forward_then_evaluation_sees_new_weights(tmp_path):
@@ -377,8 +377,7 @@ def test_failed_materialized_releases_what_it_fetched(tmp_path, swap_io):
             with infinity.materialized(model, pairs):
                 inside = {k: v.detach().clone() for k, v in pairs.named_parameters()}
             assert outside.keys() == inside.keys()
-            for k, v in inside.items():
-                assert torch.equal(v, outside[k]), k
+            assert_tensors_equal(inside, outside)
             with infinity.materialized(model, nn.ModuleList([second, model.layers[2]])):
                 pass
             assert engine.device_budget.used == used
@@ -537,8 +536,7 @@ def test_failed_gradient_write_in_second_micro_batch(tmp_path):
             assert _all_buffers_free(engine.grads.pool)
         runs.append((losses, _finish(model, opt)))
     assert runs[0][0] == runs[1][0]
-    for k, v in runs[0][1].items():
-        assert torch.equal(v, runs[1][1][k]), k
+    assert_tensors_equal(runs[0][1], runs[1][1])
 
 
 # ---- 6. a failed write of the optimizer states -----------------------------------------------
@@ -563,12 +561,9 @@ def test_io_error_during_state_write_keeps_previous_states(tmp_path):
             message = str(info.value)
             assert "EIO" in message and "block" in message and str(tmp_path) in message
             assert "disk full" not in message
-            for k, v in _weights(model).items():
-                assert torch.equal(v, before[k]), k
+            assert_tensors_equal(_weights(model), before)
             sd_after = opt.state_dict()
-            for i, e in sd_before["state"].items():
-                for name, t in e.items():
-                    assert torch.equal(t, sd_after["state"][i][name]), (i, name)
+            assert_optimizer_states_equal(sd_before, sd_after)
         opt.step()  # the gradients are still there: retry the step
         opt.zero_grad()
     _assert_same_run(tmp_path, losses, _finish(model, opt), **settings)

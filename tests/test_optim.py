@@ -24,6 +24,7 @@ from torch import nn
 import infinity
 from infinity.models import GPTConfig, TinyGPT, lm_loss, synthetic_batch
 from infinity.optim import LossScaler, OptimizerStateIOError
+from engine_helpers import assert_optimizer_states_equal, assert_tensors_equal
 
 CFG = GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq=16)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -234,8 +235,7 @@ def test_state_dict_round_trip_is_bitwise(tmp_path, tiers):
     infinity.unwrap(model2)
     opt2.close()
     assert losses_a == losses_b
-    for k, v in _weights(model2).items():
-        assert torch.equal(v, weights_a[k]), k
+    assert_tensors_equal(_weights(model2), weights_a)
 
 
 def test_state_dict_torch_format_and_frozen_params_get_no_state():
@@ -375,20 +375,16 @@ def test_disk_full_during_state_write_keeps_previous_states(tmp_path, param_tier
             assert str(tmp_path) in str(info.value) and "block" in str(info.value)
             if param_tier == "host":
                 with infinity.materialized(model):
-                    for k, v in _weights(model).items():
-                        assert torch.equal(v, before[k]), k
+                    assert_tensors_equal(_weights(model), before)
             sd_after = opt.state_dict()
-            for i, e in sd_before["state"].items():
-                for name, t in e.items():
-                    assert torch.equal(t, sd_after["state"][i][name]), (i, name)
+            assert_optimizer_states_equal(sd_before, sd_after)
         opt.step()  # the gradients are still there: retry the step
         opt.zero_grad()
     infinity.unwrap(model)
     opt.close()
     assert losses == ref_losses
     ref_weights = _weights(ref_model)
-    for k, v in _weights(model).items():
-        assert torch.equal(v, ref_weights[k]), k
+    assert_tensors_equal(_weights(model), ref_weights)
 
 
 def test_nonfinite_gradients_skip_the_step(caplog):
@@ -406,8 +402,7 @@ def test_nonfinite_gradients_skip_the_step(caplog):
     assert opt.skipped_steps == 1 and opt.last_step_stats.skipped
     assert "inf/nan" in caplog.text
     with infinity.materialized(model):
-        for k, v in _weights(model).items():
-            assert torch.equal(v, before[k]), k
+        assert_tensors_equal(_weights(model), before)
     flat.grad[5] = float("inf")
     norm = opt.clip_grad_norm_(1.0)
     assert not math.isfinite(norm.item())
@@ -432,8 +427,7 @@ def test_nonfinite_gradients_on_nvme_skip_the_step_without_reading_them(tmp_path
     assert opt.skipped_steps == 1
     assert infinity.stats(model)["moved"]["nvme_to_host"] == moved  # nothing read back
     with infinity.materialized(model):
-        for k, v in _weights(model).items():
-            assert torch.equal(v, before[k]), k
+        assert_tensors_equal(_weights(model), before)
     opt.zero_grad()
     _train(model, opt, 1)  # and training goes on
     assert opt.skipped_steps == 1

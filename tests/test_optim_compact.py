@@ -25,6 +25,7 @@ from infinity.models import GPTConfig, TinyGPT, lm_loss, synthetic_batch
 from infinity.ops import adam_compact
 from infinity.optim.state_store import (STATE_FORMATS, layout_for, quantize_exact,
                                         state_views)
+from engine_helpers import assert_tensors_equal
 
 CFG = GPTConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=2, max_seq=16)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -279,8 +280,7 @@ def test_state_dict_round_trip_is_bitwise(tmp_path, fmt, tier):
     infinity.unwrap(model2)
     opt2.close()
     assert losses_a == losses_b
-    for k, v in _weights(model2).items():
-        assert torch.equal(v, weights_a[k]), k
+    assert_tensors_equal(_weights(model2), weights_a)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "8bit"])
@@ -305,8 +305,7 @@ def test_checkpoint_round_trip_resumes_bitwise(tmp_path, fmt):
     infinity.unwrap(model2)
     opt2.close()
     assert losses_a == losses_b
-    for k, v in _weights(model2).items():
-        assert torch.equal(v, weights_a[k]), k
+    assert_tensors_equal(_weights(model2), weights_a)
 
 
 def test_load_fp32_state_into_8bit_optimizer(tmp_path):

@@ -1,0 +1,85 @@
+"""Helpers the benchmark scripts share: the machine description, JSON output, matplotlib.
+
+Kept free of torch and infinity imports: bench_wrap's parent process uses it without either.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import subprocess
+from typing import Any, Dict, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cores() -> str:
+    """``"<arch> <n> cores"``, the short machine line of the JSON results."""
+    return f"{platform.machine()} {os.cpu_count()} cores"
+
+
+def cpu_model() -> Optional[str]:
+    """The ``model name`` line of /proc/cpuinfo, or None where there is none."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            return next(ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        return None
+
+
+def machine_info(extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """Machine, load and code version (commit, dirty tree) of a run; ``extra`` keys follow
+    ``python`` in the result."""
+    info: Dict[str, Any] = {"machine": cores(), "python": platform.python_version()}
+    info.update(extra or {})
+    info["kernel"] = platform.release()
+    info["loadavg_1_5_15"] = os.getloadavg()  # this machine is shared: how busy it was
+    try:  # the code measured: HEAD, and whether the tree had uncommitted changes
+        git = ["git", "-C", ROOT]
+        info["commit"] = subprocess.run(git + ["rev-parse", "--short", "HEAD"],
+                                        capture_output=True, text=True).stdout.strip()
+        info["tree_dirty"] = bool(subprocess.run(git + ["status", "--porcelain", "-uno"],
+                                                 capture_output=True, text=True).stdout.strip())
+    except OSError:
+        pass
+    try:
+        with open("/proc/meminfo") as fh:
+            info["mem_total_gib"] = round(int(fh.readline().split()[1]) / (1 << 20), 1)
+    except OSError:
+        pass
+    cpu = cpu_model()
+    if cpu is not None:
+        info["cpu"] = cpu
+    return info
+
+
+def write_json(path: "os.PathLike[str] | str", data: Any, indent: int = 2) -> None:
+    """Write ``data`` to ``path``, creating its folder."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as fh:
+        json.dump(data, fh, indent=indent)
+
+
+def pyplot(logger: Optional[logging.Logger] = None, hint: str = ""):
+    """matplotlib.pyplot on the Agg backend, or None (logged to ``logger``) without it."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        if logger is not None:
+            logger.info("matplotlib not installed: no plot%s", hint)
+        return None
+    return plt
+
+
+def save_figure(fig, path: "os.PathLike[str] | str", dpi: Optional[int] = None) -> None:
+    """tight_layout, save to ``path`` and close ``fig``."""
+    import matplotlib.pyplot as plt
+    fig.tight_layout()
+    if dpi is None:
+        fig.savefig(path)
+    else:
+        fig.savefig(path, dpi=dpi)
+    plt.close(fig)
