@@ -91,7 +91,11 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 def stats(model: nn.Module, *, reset: bool = False) -> Dict[str, Any]:
     """Bytes per tier (now and peak), bytes moved per direction, prefetch hits and misses,
-    seconds stalled waiting for data. ``reset=True`` starts a new measurement period."""
+    seconds stalled waiting for data. ``time``: seconds spent since the last reset in compute
+    (forward+backward less the waits), ``fetch_wait``, ``grad_offload`` and the optimizer
+    (``cpu_adam``, ``nvme_wait``, ``nvme_busy``, ``total``); ``nvme_bytes_written``: bytes written
+    to NVMe in the last optimizer step and in all steps (SSD wear). ``reset=True`` starts a new
+    measurement period."""
     engine = _engine(model)
     s = engine.stats
     out = {
@@ -107,6 +111,9 @@ def stats(model: nn.Module, *, reset: bool = False) -> Dict[str, Any]:
         "releases": s.releases,
         "schedule_deviations": s.schedule_deviations,
         "blocks": len(engine.blocks),
+        "time": s.time_breakdown(),
+        "nvme_bytes_written": {"last_step": s.nvme_written_last_step,
+                               "total": s.nvme_written_total},
     }
     if reset:
         s.reset()

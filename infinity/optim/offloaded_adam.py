@@ -226,6 +226,8 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
         for engine in self._engines():
             engine.resume()
         stats.step_s = time.perf_counter() - t0
+        for engine in self._engines():
+            engine.record_optimizer_step(stats)
         return loss
 
 

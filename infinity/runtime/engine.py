@@ -428,6 +428,10 @@ class Engine(Residence, OutsideWrites, HookHandlers):
 
     after_step = resume
 
+    def record_optimizer_step(self, step) -> None:
+        """An optimizer reports what its step did here (its StepStats), for ``infinity.stats``."""
+        self.stats.record_optimizer_step(step)
+
     def sync_gradients(self) -> None:
         """Takes in the user's changes to the exposed ``p.grad`` (zero_grad, reassignment)."""
         with self._lock:

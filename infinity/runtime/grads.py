@@ -17,7 +17,9 @@ NVMe-tier gradients are not exposed (``p.grad`` stays None; a torch optimizer re
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+import contextlib
+import time
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import logging
 
@@ -50,6 +52,7 @@ class GradientSink:
         self.tier = tier
         self.device = device
         self.stats = stats
+        self._timing = False  # inside a timed add/close/finish_backward (see _timed)
         self.host_budget = host_budget
         self.store = store
         self.pool: Optional[HostPool] = None
@@ -87,7 +90,26 @@ class GradientSink:
                 raise
 
     # ---- accumulation ------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _timed(self) -> Iterator[None]:
+        """Time spent offloading gradients (accumulating, handing them to NVMe), counted once
+        when add/close/finish_backward nest."""
+        if self._timing:
+            yield
+            return
+        self._timing = True
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._timing = False
+            self.stats.grad_offload_seconds += time.perf_counter() - t0
+
     def add(self, flat: FlatParam, index: int, grad: torch.Tensor) -> None:
+        with self._timed():
+            self._add(flat, index, grad)
+
+    def _add(self, flat: FlatParam, index: int, grad: torch.Tensor) -> None:
         if grad.is_sparse:
             raise TypeError(f"{flat.slots[index].qualname}: sparse gradients are not supported")
         self._open_flat(flat)
@@ -189,6 +211,10 @@ class GradientSink:
         """The flat's gradients for this backward are complete (NVMe: start writing them)."""
         if self.tier is Tier.HOST or id(flat) not in self._open:
             return
+        with self._timed():
+            self._close(flat)
+
+    def _close(self, flat: FlatParam) -> None:
         self._drain_d2h()
         flat, buf = self._open.pop(id(flat))
         # measured now, while the buffer is in RAM, so the optimizer need not read it back for
@@ -208,10 +234,11 @@ class GradientSink:
 
     def finish_backward(self) -> None:
         """End of backward: every gradient accumulated and, on NVMe, durably written."""
-        self._drain_d2h()
-        for flat, _ in list(self._open.values()):
-            self.close(flat)
-        self._reap(block=True)
+        with self._timed():
+            self._drain_d2h()
+            for flat, _ in list(self._open.values()):
+                self.close(flat)
+            self._reap(block=True)
 
     def abort_backward(self) -> None:
         """After a backward that raised: settle what it left in flight (its partial sums are

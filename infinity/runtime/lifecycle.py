@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from typing import Any
 
 import torch
@@ -43,6 +44,7 @@ class HookHandlers:
                        "the engine's backward state")
         self._callback_task = -1
         self._last_backward_block = None
+        self.stats.forward_backward_aborted()
         self.schedule.abort("backward")
         try:
             self.grads.abort_backward()
@@ -78,6 +80,7 @@ class HookHandlers:
             if not self._in_backward():
                 self._recover_failed_backward()
                 if self._model_forward_depth == 0:
+                    self.stats.forward_started(time.perf_counter())
                     self._recover_failed_forward()
                     self.sync_outside_writes()
                     if torch.is_grad_enabled():
@@ -96,6 +99,8 @@ class HookHandlers:
                 return
             if _raised(output):
                 self.schedule.abort("forward")
+                if self._model_forward_depth == 0 and self._callback_task == -1:
+                    self.stats.forward_backward_ended(time.perf_counter())
                 return
             self.schedule.end("forward")
             root = next((b for b in self.blocks if b.is_root), None)
@@ -108,6 +113,7 @@ class HookHandlers:
             elif self._model_forward_depth == 0 and self._callback_task == -1:
                 # no backward follows (inference): outside forward again, so the parameters
                 # view their homes (the root block is not kept materialized)
+                self.stats.forward_backward_ended(time.perf_counter())
                 for block in self.blocks:
                     if block.active_forward == 0:
                         self._release(block)
@@ -219,6 +225,7 @@ class HookHandlers:
                     if block.active_forward == 0:
                         self._release(block)
                 self._last_backward_block = None
+                self.stats.forward_backward_ended(time.perf_counter())
             self.grads.expose()
             if not self.optimizer_attached:
                 self._prefetch_for_forward()

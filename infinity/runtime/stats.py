@@ -1,9 +1,11 @@
-"""Counters the engine keeps: bytes per tier now and at peak, bytes moved, prefetch, stalls."""
+"""Counters the engine keeps: bytes per tier now and at peak, bytes moved, prefetch, stalls,
+and where the time of a training step went (forward+backward wall time, gradient offload,
+the optimizer's StepStats) with the bytes written to NVMe per optimizer step (SSD wear)."""
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Dict
+from typing import Dict, Optional
 
 DIRECTIONS = ("nvme_to_host", "host_to_nvme", "host_to_device", "device_to_host")
 
@@ -18,6 +20,19 @@ class Stats:
     fetches: int = 0
     releases: int = 0
     schedule_deviations: int = 0
+    # time attribution (seconds since the last reset)
+    forward_backward_seconds: float = 0.0   # wall time, model pre-forward -> end of backward
+    grad_offload_seconds: float = 0.0       # inside GradientSink.add/close/finish_backward
+    optimizer_cpu_adam_seconds: float = 0.0
+    optimizer_nvme_wait_seconds: float = 0.0
+    optimizer_nvme_busy_seconds: float = 0.0
+    optimizer_total_seconds: float = 0.0
+    optimizer_steps: int = 0
+    # bytes written to NVMe (host_to_nvme), cut at each optimizer step
+    nvme_written_last_step: int = 0
+    nvme_written_total: int = 0
+    _nvme_written_mark: int = field(default=0, repr=False)
+    _fb_t0: Optional[float] = field(default=None, repr=False)  # forward+backward in progress
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add_moved(self, direction: str, nbytes: int) -> None:
@@ -30,6 +45,58 @@ class Stats:
             self.prefetch_hits = self.prefetch_misses = self.on_demand_fetches = 0
             self.stall_seconds = 0.0
             self.fetches = self.releases = self.schedule_deviations = 0
+            self.forward_backward_seconds = self.grad_offload_seconds = 0.0
+            self.optimizer_cpu_adam_seconds = self.optimizer_nvme_wait_seconds = 0.0
+            self.optimizer_nvme_busy_seconds = self.optimizer_total_seconds = 0.0
+            self.optimizer_steps = 0
+            self.nvme_written_last_step = self.nvme_written_total = 0
+            self._nvme_written_mark = 0
+            self._fb_t0 = None
+
+    def forward_started(self, now: float) -> None:
+        if self._fb_t0 is None:
+            self._fb_t0 = now
+
+    def forward_backward_ended(self, now: float) -> None:
+        """End of a backward (or of a forward no backward follows): the time since the first
+        forward still counted is forward+backward wall time."""
+        t0, self._fb_t0 = self._fb_t0, None
+        if t0 is not None:
+            self.forward_backward_seconds += max(0.0, now - t0)
+
+    def forward_backward_aborted(self) -> None:
+        self._fb_t0 = None
+
+    def record_optimizer_step(self, step) -> None:
+        """One optimizer step went through this engine: ``step`` is its StepStats (any object
+        with step_s, compute_s, io_wait_s, io_busy_s). Also closes the NVMe-written period."""
+        with self._lock:
+            self.optimizer_cpu_adam_seconds += float(step.compute_s)
+            self.optimizer_nvme_wait_seconds += float(step.io_wait_s)
+            self.optimizer_nvme_busy_seconds += float(step.io_busy_s)
+            self.optimizer_total_seconds += float(step.step_s)
+            self.optimizer_steps += 1
+            written = self.moved["host_to_nvme"]
+            self.nvme_written_last_step = max(0, written - self._nvme_written_mark)
+            self.nvme_written_total += self.nvme_written_last_step
+            self._nvme_written_mark = written
+
+    def time_breakdown(self) -> Dict[str, object]:
+        """Seconds since the last reset. ``compute`` = forward+backward wall time less the
+        waits for parameters (``fetch_wait``) and the gradient offload (``grad_offload``)."""
+        fb, fetch, grad = (self.forward_backward_seconds, self.stall_seconds,
+                           self.grad_offload_seconds)
+        return {
+            "compute": max(0.0, fb - fetch - grad),
+            "fetch_wait": float(fetch),
+            "grad_offload": float(grad),
+            "optimizer": {
+                "cpu_adam": float(self.optimizer_cpu_adam_seconds),
+                "nvme_wait": float(self.optimizer_nvme_wait_seconds),
+                "nvme_busy": float(self.optimizer_nvme_busy_seconds),
+                "total": float(self.optimizer_total_seconds),
+            },
+        }
 
     @property
     def hit_rate(self) -> float:
