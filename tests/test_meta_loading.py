@@ -173,7 +173,7 @@ def test_meta_buffers_without_values_are_refused(tmp_path):
 
 
 _BEYOND_BUDGET = textwrap.dedent(r"""
-    import json, sys, torch, infinity
+    import json, sys, threading, time, torch, infinity
     from infinity.models import GPTConfig, TinyGPT, lm_loss, synthetic_batch
 
     def hwm():
@@ -182,6 +182,19 @@ _BEYOND_BUDGET = textwrap.dedent(r"""
                 if line.startswith(("VmHWM", "VmRSS")):
                     yield line.split()[0], int(line.split()[1]) * 1024
 
+    def anon():
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("RssAnon"):
+                    return int(line.split()[1]) * 1024
+        return 0
+
+    peak_anon = [0]
+    def sample():  # the kernel keeps no anonymous-memory peak: sample it
+        while True:
+            peak_anon[0] = max(peak_anon[0], anon())
+            time.sleep(0.002)
+
     cfg = GPTConfig(**json.loads(sys.argv[1]))
     nvme, source, budget = sys.argv[2], sys.argv[3], int(sys.argv[4])
     with infinity.empty_init():
@@ -189,6 +202,8 @@ _BEYOND_BUDGET = textwrap.dedent(r"""
     x, y = synthetic_batch(cfg, 1, 8, torch.Generator().manual_seed(1))
     open("/proc/self/clear_refs", "w").write("5")  # VmHWM := VmRSS (Linux >= 4.0)
     base = dict(hwm())["VmRSS:"]
+    base_anon = anon()
+    threading.Thread(target=sample, daemon=True).start()
     infinity.wrap(model, nvme_path=nvme, source=source, param_tier="nvme",
                   grad_tier="nvme", optimizer_tier="nvme", host_budget=budget)
     after_wrap = dict(hwm())["VmHWM:"] - base
@@ -202,7 +217,9 @@ _BEYOND_BUDGET = textwrap.dedent(r"""
         losses.append(loss.item())
     peak = dict(hwm())["VmHWM:"]
     host_peak = infinity.stats(model)["tiers"]["host"]["peak"]
-    print(json.dumps({"losses": losses, "after_wrap": after_wrap, "growth": peak - base, "base": base,
+    time.sleep(0.01)
+    print(json.dumps({"losses": losses, "after_wrap": after_wrap, "growth": peak - base,
+                      "anon_growth": peak_anon[0] - base_anon, "base": base,
                       "host_peak": host_peak}))
 """)
 
@@ -211,7 +228,7 @@ def test_model_three_times_the_host_budget_loads_from_meta_and_trains(tmp_path):
     """Built on meta, loaded from safetensors into NVMe tiers with a host_budget of a third of
     the fp32 weights, trained 2 steps: peak RSS growth stays below half the model's bytes, and
     the losses equal the same model loaded normally."""
-    kw = dict(vocab_size=256, d_model=192, n_layers=80, n_heads=4, max_seq=16)
+    kw = dict(vocab_size=256, d_model=320, n_layers=80, n_heads=4, max_seq=16)
     cfg = GPTConfig(**kw)
     ref = _reference(cfg)
     model_bytes = sum(p.numel() * 4 for p in ref.parameters())
@@ -236,14 +253,15 @@ def test_model_three_times_the_host_budget_loads_from_meta_and_trains(tmp_path):
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["losses"] == ref_losses
     assert res["host_peak"] <= budget
-    # Measured for this 136 MiB model (4 runs): 14-15 MiB during wrap; 75-87 MiB at the peak
-    # of training = the engine's budgeted buffers (36 MiB: staging, gradient pool, 3 optimizer
-    # buffer sets) + 40-50 MiB the process needs anyway (activations and autograd graph of 80
-    # layers, I/O thread stacks, allocator slack). Neither grows with the model's size; the
-    # bounds leave room for the allocator's run-to-run variation.
-    assert res["after_wrap"] < 0.2 * model_bytes, (res, model_bytes)
-    assert res["growth"] < res["host_peak"] + 72 * 2**20, (res, model_bytes)
-    assert res["growth"] < 0.8 * model_bytes, (res, model_bytes)
+    # Measured for this 377 MiB model: ~15 MiB during wrap; ~153 MiB (0.41x) at the peak of
+    # training = the engine's budgeted buffers (~100 MiB: staging, gradient pool, 3 optimizer
+    # buffer sets) + what the process needs anyway (activations and autograd graph of 80
+    # layers, thread stacks, allocator slack). Neither grows with the model's size. (Before
+    # released compute buffers were trimmed from glibc's heap, a third of the runs kept ~60% of
+    # the model in the heap after the first forward.)
+    assert res["after_wrap"] < 0.1 * model_bytes, (res, model_bytes)
+    assert res["growth"] < res["host_peak"] + 128 * 2**20, (res, model_bytes)
+    assert res["growth"] < 0.65 * model_bytes, (res, model_bytes)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])

@@ -10,6 +10,7 @@ import torch
 
 from .block import Block
 from .flat import Binding
+from .host_malloc import trim_heap
 from .residency import Residency, ResidencyError
 
 logger = logging.getLogger("infinity.runtime.engine")
@@ -71,6 +72,8 @@ class Residence:
         for flat in block.flats:
             flat.free_storage()
             self._bind_outside(flat)
+        if self.device.type == "cpu":
+            trim_heap()
         self.device_budget.release(block.compute_nbytes)
         block.prefetched = False
         block.to_home_state()
