@@ -44,15 +44,8 @@ def cpu_adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
             working copy. It may be the very same tensor as ``grad`` when dtypes match.
         grad_multiplier: applied to the gradient first (loss-scale unscaling, clipping).
     """
-    lr = _real("lr", lr, low=0.0)
-    beta1 = _real("beta1", beta1, low=0.0, high=1.0, high_open=True)
-    beta2 = _real("beta2", beta2, low=0.0, high=1.0, high_open=True)
-    eps = _real("eps", eps, low=0.0)
-    weight_decay = _real("weight_decay", weight_decay, low=0.0)
-    grad_multiplier = _real("grad_multiplier", grad_multiplier)
-    step = _step(step)
-    if not isinstance(adamw, bool):
-        raise TypeError(f"adamw must be a bool (True: AdamW, False: Adam), got {adamw!r}")
+    step, lr, beta1, beta2, eps, weight_decay, adamw, grad_multiplier = check_hyper(
+        step, lr, beta1, beta2, eps, weight_decay, adamw, grad_multiplier)
     n = _check_tensors(param, grad, exp_avg, exp_avg_sq, out)
     if n == 0:
         return
@@ -70,6 +63,21 @@ def cpu_adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
     if code != 0:
         raise RuntimeError(f"native cpu adam step failed: {_an.strerror(lib, code)} "
                            f"(code {code})")
+
+
+def check_hyper(step, lr, beta1, beta2, eps, weight_decay, adamw, grad_multiplier) -> tuple:
+    """Validates an Adam step's scalars (shared by every kernel's wrapper); returns them as
+    Python numbers."""
+    lr = _real("lr", lr, low=0.0)
+    beta1 = _real("beta1", beta1, low=0.0, high=1.0, high_open=True)
+    beta2 = _real("beta2", beta2, low=0.0, high=1.0, high_open=True)
+    eps = _real("eps", eps, low=0.0)
+    weight_decay = _real("weight_decay", weight_decay, low=0.0)
+    grad_multiplier = _real("grad_multiplier", grad_multiplier)
+    step = _step(step)
+    if not isinstance(adamw, bool):
+        raise TypeError(f"adamw must be a bool (True: AdamW, False: Adam), got {adamw!r}")
+    return step, lr, beta1, beta2, eps, weight_decay, adamw, grad_multiplier
 
 
 # ---- pure-PyTorch fallback ----------------------------------------------------------------------

@@ -54,7 +54,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from infinity.ops import _adam_native as _an
-from infinity.ops.adam import (GRAD_DTYPES, OUT_DTYPES, _check_tensor, _overlap, _real, _step,
+from infinity.ops.adam import (GRAD_DTYPES, OUT_DTYPES, _check_tensor, _overlap, check_hyper,
                                _torch_adam_step, bias_corrections)
 from infinity.ops.cpu import use_torch_fallback
 
@@ -299,17 +299,7 @@ def _signed(signed: object) -> bool:
     return signed
 
 
-def _hyper(step, lr, beta1, beta2, eps, weight_decay, adamw, grad_multiplier) -> tuple:
-    lr = _real("lr", lr, low=0.0)
-    beta1 = _real("beta1", beta1, low=0.0, high=1.0, high_open=True)
-    beta2 = _real("beta2", beta2, low=0.0, high=1.0, high_open=True)
-    eps = _real("eps", eps, low=0.0)
-    weight_decay = _real("weight_decay", weight_decay, low=0.0)
-    grad_multiplier = _real("grad_multiplier", grad_multiplier)
-    step = _step(step)
-    if not isinstance(adamw, bool):
-        raise TypeError(f"adamw must be a bool (True: AdamW, False: Adam), got {adamw!r}")
-    return step, lr, beta1, beta2, eps, weight_decay, adamw, grad_multiplier
+_hyper = check_hyper
 
 
 def _check_all(named: Sequence[Tuple[str, object, Tuple[torch.dtype, ...], int]],
