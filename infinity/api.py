@@ -15,7 +15,8 @@ from .runtime.sources import CheckpointSource, Init, InitSource
 
 def wrap(model: nn.Module, nvme_path: Optional[str] = None, *,
          policy: Optional[OffloadPolicy] = None, source: Optional[Union[str, os.PathLike]] = None,
-         init: Optional[Init] = None, **settings: Any) -> nn.Module:
+         init: Optional[Init] = None, process_group: Any = None,
+         **settings: Any) -> nn.Module:
     """Returns ``model`` itself with its parameters moved to their offload tier.
 
     Settings are the fields of :class:`OffloadPolicy` (param_tier, grad_tier, optimizer_tier,
@@ -27,6 +28,9 @@ def wrap(model: nn.Module, nvme_path: Optional[str] = None, *,
     ``*.safetensors.index.json`` or a Hugging Face model folder; converted to the model's
     dtypes) or by ``init`` (``"reset_parameters"`` or a function ``init(module)``, run module by
     module in ``named_modules()`` order under the current RNG state).
+
+    ``process_group``: shard over this ProcessGroup or DeviceMesh (2-D: replicate x shard)
+    instead of the default group; see the ``shard`` setting and docs/zero3.md.
     """
     if source is not None and init is not None:
         raise TypeError("pass either source= (a checkpoint) or init=, not both")
@@ -45,7 +49,7 @@ def wrap(model: nn.Module, nvme_path: Optional[str] = None, *,
     elif init is not None:
         values = InitSource(init)
     try:
-        Engine(model, policy, values)
+        Engine(model, policy, values, process_group)
     finally:
         if values is not None:
             values.close()

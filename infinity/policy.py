@@ -46,6 +46,13 @@ class OffloadPolicy:
     require_direct_io: refuse a filesystem without O_DIRECT instead of warning and using the
         page cache.
     verify_checksums: CRC32C every swap file write and check it on every read.
+    shard: ZeRO sharding over torch.distributed ranks (see docs/zero3.md): "zero3"
+        (parameters, gradients and optimizer states), "zero2" (gradients and states),
+        "zero1" (states), "none", or "auto" (zero3 when torch.distributed is initialised
+        with more than one rank or a process group / DeviceMesh is given, else none).
+    collective_timeout: seconds a collective may wait for the other ranks before failing
+        (ranks that diverged or died); applies to the group infinity makes from the default
+        one (a group or mesh passed to wrap keeps its own timeout).
     """
 
     param_tier: str = "auto"
@@ -60,6 +67,8 @@ class OffloadPolicy:
     device: Optional[Union[str, torch.device]] = None
     require_direct_io: bool = False
     verify_checksums: bool = True
+    shard: str = "auto"
+    collective_timeout: float = 600.0
 
     def __post_init__(self) -> None:
         if self.param_tier != "auto":
@@ -90,6 +99,14 @@ class OffloadPolicy:
             if dev.type not in ("cpu", "cuda"):
                 raise ValueError(f"device={self.device!r} is not supported; use 'cuda', "
                                  "'cuda:N' or 'cpu'")
+        if self.shard not in ("auto", "none", "zero1", "zero2", "zero3"):
+            raise ValueError(f"shard={self.shard!r}; use 'zero3', 'zero2', 'zero1', 'none' "
+                             "or 'auto'")
+        if (isinstance(self.collective_timeout, bool)
+                or not isinstance(self.collective_timeout, numbers.Real)
+                or not self.collective_timeout > 0):
+            raise ValueError(f"collective_timeout must be a positive number of seconds, got "
+                             f"{self.collective_timeout!r}")
         rule = self.block_rule
         if rule is not None and not callable(rule):
             if (not isinstance(rule, (list, tuple)) or not rule

@@ -76,11 +76,38 @@ class GradientChecks:
     def grads_finite(self) -> bool:
         """True when no gradient this optimizer would apply holds an inf or nan. Gradients on
         NVMe were checked by the engine while they were in RAM, so they are not read back."""
-        for shard in self._shards.values():
-            if (shard.engine.grads.finite(shard.flat) is False
-                    and any(self._ready(shard, i) for i in range(len(shard.flat.slots)))):
-                return False
-        return clip_mod.all_finite(self._grads(skip_checked=True))
+        finite = not any(shard.engine.grads.finite(shard.flat) is False
+                         and any(self._ready(shard, i) for i in range(len(shard.flat.slots)))
+                         for shard in self._shards.values())
+        finite = finite and clip_mod.all_finite(self._grads(skip_checked=True))
+        return bool(self._agree_finite(finite))
+
+    # ---- ZeRO: each rank holds part of the gradients; global values are all-reduced ------
+    def _partitioner(self):
+        for engine in self._engines():
+            if engine.partitioner is not None:
+                return engine.partitioner
+        return None
+
+    def _agree_finite(self, finite: Optional[bool]) -> Optional[bool]:
+        """Sharded: False on every rank when any rank found an inf/nan (every rank then
+        skips the step together)."""
+        part = self._partitioner()
+        if part is None:
+            return finite
+        ok = part.all_reduce(0.0 if finite is False else 1.0, "min")
+        return False if ok < 1.0 else finite
+
+    def _global_norm(self, local: torch.Tensor, norm_type: float) -> torch.Tensor:
+        """Sharded: the norm over every rank's part (summation order differs from one
+        process: equal within fp32 rounding, not bitwise)."""
+        part = self._partitioner()
+        if part is None:
+            return local
+        if math.isinf(norm_type):
+            return torch.tensor(part.all_reduce(float(local), "max"), dtype=torch.float32)
+        total = part.all_reduce(float(local) ** norm_type, "sum")
+        return torch.tensor(total ** (1.0 / norm_type), dtype=torch.float32)
 
     def set_grad_multiplier(self, factor: float, *, finite: Optional[bool] = None,
                             source: str = "") -> None:
@@ -114,7 +141,8 @@ class GradientChecks:
         norm_type = float(norm_type)
         for engine in self._engines():
             engine.sync_gradients()
-        raw = clip_mod.norm_of_norms(self._grad_norms(norm_type), norm_type)
+        raw = self._global_norm(clip_mod.norm_of_norms(self._grad_norms(norm_type), norm_type),
+                                norm_type)
         norm = raw * self._multiplier if self._multiplier != 1.0 else raw
         finite = math.isfinite(float(norm))
         if finite:

@@ -87,6 +87,8 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
             raise ValueError(f"check_finite must be True, False or 'auto', got {check_finite!r}")
         self.check_finite = check_finite
         self._shards: Dict[int, Shard] = {}       # id(flat) -> shard, in registration order
+        self._sharded_engines: Dict[int, Engine] = {}  # ZeRO: engines, with or without shards
+        self._elsewhere: set = set()  # ZeRO: ids of parameters other ranks step
         self._wrapped: Dict[int, Tuple[Shard, int]] = {}  # id(param) -> (shard, slot)
         self._stores: Dict[int, States] = {}      # id(engine) -> its state store
         self._sets: Dict[int, BufferSets] = {}    # id(engine) -> NVMe buffer sets
@@ -109,6 +111,12 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
         index = len(self.param_groups) - 1
         for p in group["params"]:
             loc = locate(p)
+            if loc is not None and loc.engine.partitioner is not None:
+                loc.engine.attach_optimizer()  # stepped even where this rank holds no part
+                self._sharded_engines.setdefault(id(loc.engine), loc.engine)
+                loc = loc.engine.partitioner.location(loc)  # this rank's part (or none)
+                if loc is None:  # another rank steps it: never an unwrapped parameter here
+                    self._elsewhere.add(id(p))
             if loc is None:
                 continue
             shard = self._shards.get(id(loc.flat))
@@ -120,11 +128,13 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
             loc.engine.attach_optimizer()  # the engine prefetches after our step
 
     def _is_wrapped(self, p: torch.Tensor) -> bool:
+        if id(p) in self._elsewhere:
+            return True
         return id(p) in self._wrapped and self._wrapped[id(p)][0].flat.slots[
             self._wrapped[id(p)][1]].param is p
 
     def _engines(self) -> List[Engine]:
-        seen: Dict[int, Engine] = {}
+        seen: Dict[int, Engine] = dict(self._sharded_engines)
         for shard in self._shards.values():
             seen.setdefault(id(shard.engine), shard.engine)
         return list(seen.values())
@@ -196,6 +206,7 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
             finite = self.grads_finite()
         elif finite is None and self.check_finite == "auto":
             finite = self._known_finite()
+        finite = self._agree_finite(finite)  # sharded: every rank skips, or none
         if finite is False:
             self.skipped_steps += 1
             stats.skipped = True

@@ -405,7 +405,8 @@ class NvmeStates(_Store):
         super().__init__(engine, fmt)
         self.nvme_path = engine.policy.nvme_path
         self.store = SwapStore(self.nvme_path, require_direct=engine.policy.require_direct_io,
-                               verify=engine.policy.verify_checksums)
+                               verify=engine.policy.verify_checksums,
+                               tag=getattr(engine, "swap_tag", ""))
         self.committed: Dict[str, int] = {}  # shard key -> 0 (A) or 1 (B)
         self._pending: Dict[str, int] = {}   # written this step, flipped by commit()
 

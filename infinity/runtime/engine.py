@@ -38,6 +38,7 @@ from .grads import GradientSink
 from .homes import DeviceHome, Home, HostHome, NvmeHome
 from .host_malloc import return_freed_buffers_to_os, trim_heap
 from .partition import partition
+from ..dist.partitioner import make_partitioner
 from .lifecycle import HookHandlers
 from .outside import OutsideWrites
 from .registry import _ENGINE_ATTR, _ENGINES, ParamLocation, engine_of, locate  # noqa: F401 (re-exported)
@@ -57,7 +58,7 @@ class Engine(Residence, OutsideWrites, HookHandlers):
     outside forward (outside.py) and the forward/backward hook handlers (lifecycle.py)."""
 
     def __init__(self, model: nn.Module, policy: OffloadPolicy,
-                 source: Optional[ParamSource] = None) -> None:
+                 source: Optional[ParamSource] = None, process_group=None) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"infinity.wrap expects an nn.Module, got {type(model).__name__}")
         if engine_of(model) is not None:
@@ -73,6 +74,9 @@ class Engine(Residence, OutsideWrites, HookHandlers):
         self.store: Optional[SwapStore] = None
         self.pool: Optional[HostPool] = None
         self.home: Optional[Home] = None
+        # ZeRO sharding over torch.distributed ranks (None: single process, code unchanged)
+        self.partitioner = make_partitioner(process_group, policy.shard,
+                                            policy.collective_timeout, self.device)
 
         specs = partition(model, policy.block_rule)
         if not specs:
@@ -83,6 +87,8 @@ class Engine(Residence, OutsideWrites, HookHandlers):
         self.device_budget = ByteBudget("device", policy.device_budget)
         self.host_budget = ByteBudget("host", policy.host_budget)
         self.blocks = self._plan_blocks(specs)
+        if self.partitioner is not None:
+            self.partitioner.attach(self.blocks)
         self._check_budgets()
         self.schedule = Schedule(policy.prefetch_window)
         self._callback_task = -1
@@ -92,13 +98,16 @@ class Engine(Residence, OutsideWrites, HookHandlers):
         # next forward's blocks are prefetched after the step (resume), not after backward.
         self.optimizer_attached = False
         self.grad_tier = self._choose_grad_tier()
+        if self.partitioner is not None:
+            self.partitioner.check_tiers(self.param_tier, self.grad_tier)
         self._original_devices = {
             id(s.param): (torch.device("cpu") if s.param.is_meta else s.param.device)
             for b in self.blocks for f in b.flats for s in f.slots}
         if self.device.type == "cpu" and any(not b.resident for b in self.blocks):
             return_freed_buffers_to_os()
         self._materialize_homes()
-        self.transfers = Transfers(self.device, self.stats, self.home, self.pool, self.flats)
+        self.transfers = Transfers(self.device, self.stats, self.home, self.pool,
+                                   self.home_flats)
         self._hooks = hooks_mod.register(self)
         self._locations: Dict[int, ParamLocation] = {
             id(slot.param): ParamLocation(self, block, flat, i)
@@ -164,11 +173,14 @@ class Engine(Residence, OutsideWrites, HookHandlers):
             flats = []
             for dtype, entries in by_dtype.items():
                 key = f"block{index:04d}.{str(dtype).replace('torch.', '')}"
+                pad = self.partitioner.pad_multiple(dtype) if self.partitioner else 0
                 flats.append(FlatParam(key, entries, dtype, self._compute_dtype(dtype),
-                                       self.device))
+                                       self.device, pad))
             resident = self.param_tier is Tier.DEVICE or (
                 self.param_tier is Tier.HOST and self.device.type == "cpu"
                 and all(f.compute_dtype == f.home_dtype for f in flats))
+            if self.partitioner is not None and self.partitioner.shards_params:
+                resident = False  # a rank's home holds only its part: always all-gathered
             blocks.append(Block(index, spec.name, spec.module, spec.is_root, flats,
                                 self.param_tier, resident))
         return blocks
@@ -199,8 +211,10 @@ class Engine(Residence, OutsideWrites, HookHandlers):
         if self.param_tier is Tier.DEVICE:
             return DeviceHome(self.device_budget, self.device)
         if self.param_tier is Tier.HOST:
-            return HostHome(self.host_budget)
-        return NvmeHome(self.store, self.pool, self.stats)
+            home: Home = HostHome(self.host_budget)
+        else:
+            home = NvmeHome(self.store, self.pool, self.stats)
+        return self.partitioner.wrap_home(home) if self.partitioner else home
 
     def _materialize_homes(self) -> None:
         """Moves every block's parameters to their home tier. On any error, the model is put
@@ -212,10 +226,10 @@ class Engine(Residence, OutsideWrites, HookHandlers):
             if Tier.NVME in (self.param_tier, self.grad_tier):
                 self.store = SwapStore(self.policy.nvme_path,
                                        require_direct=self.policy.require_direct_io,
-                                       verify=self.policy.verify_checksums)
+                                       verify=self.policy.verify_checksums, tag=self.swap_tag)
             streamed = [b for b in self.blocks if not b.resident]
             if self.param_tier is Tier.NVME and streamed:
-                largest = max(f.home_nbytes for b in streamed for f in b.flats)
+                largest = max(self._home_flat(f).home_nbytes for b in streamed for f in b.flats)
                 count = max(1, min(2, self.policy.prefetch_window))
                 self.pool = HostPool(count, largest, self.host_budget)
             self.home = self._make_home()
@@ -225,12 +239,15 @@ class Engine(Residence, OutsideWrites, HookHandlers):
                 def fill(block: Block) -> None:
                     for flat in block.flats:
                         self.home.fill(flat)
+                        if self.partitioner is not None:
+                            self.partitioner.after_fill(flat)
                         filled.append(flat)
                         self._bind_initial(block, flat)
                         bar.update(flat.home_nbytes)
                 self._fill_blocks(fill)
             self.grads = GradientSink(self.grad_tier, self.device, self.stats, self.host_budget,
-                                      self.store, self.flats, self.policy.prefetch_window + 2)
+                                      self.store, self._sink_flats(),
+                                      self.policy.prefetch_window + 2)
         except BaseException as failure:
             self._unfill(originals, filled, failure)
             if self.home is not None:
@@ -417,11 +434,15 @@ class Engine(Residence, OutsideWrites, HookHandlers):
             self.sync_outside_writes()
             self.release_all()
             self.grads.reconcile(detach=False)
+            if self.partitioner is not None:
+                self.partitioner.sync_zero1_views()
 
     def resume(self) -> None:
         """After an optimizer updated the homes: start fetching what the next forward needs."""
         with self._lock:
             if not self._closed:
+                if self.partitioner is not None:  # zero1/2: all-gather the updated parts
+                    self.partitioner.after_step()
                 if self.device.type == "cpu" and self.param_tier is not Tier.HOST:
                     trim_heap()  # the step's temporaries go back to the OS, not to RSS
                 self._prefetch_for_forward()
@@ -447,7 +468,7 @@ class Engine(Residence, OutsideWrites, HookHandlers):
     def working_copy_staged(self) -> bool:
         """True when an updated working copy must pass through a staging buffer to reach its
         home (an NVMe swap file) instead of being written in place."""
-        return isinstance(self.home, NvmeHome)
+        return self.home.tier is Tier.NVME
 
 
     # =====================================================================================
@@ -457,6 +478,8 @@ class Engine(Residence, OutsideWrites, HookHandlers):
         """Forgets accumulated gradients (set_to_none semantics: the next one overwrites)."""
         with self._lock:
             self.grads.zero_grad()
+            if self.partitioner is not None:
+                self.partitioner.sync_zero1_views()
 
     # =====================================================================================
     # for the optimizer and users
@@ -464,6 +487,26 @@ class Engine(Residence, OutsideWrites, HookHandlers):
     @property
     def flats(self) -> List[FlatParam]:
         return [f for b in self.blocks for f in b.flats]
+
+    # ---- ZeRO sharding: what this rank keeps (the whole flats without a partitioner) ------
+    @property
+    def home_flats(self) -> List[FlatParam]:
+        """The flat buffers whose homes this rank keeps: each flat's part on this rank with
+        shard='zero3' (or zero1/2: views of the replicated home), else the flats."""
+        return self.partitioner.home_flats() if self.partitioner else self.flats
+
+    def _home_flat(self, flat: FlatParam) -> FlatParam:
+        p = self.partitioner
+        return p.local(flat) if p is not None and p.shards_params else flat
+
+    def _sink_flats(self) -> List[FlatParam]:
+        p = self.partitioner
+        return p.home_flats() if p is not None and p.shards_grads else self.flats
+
+    @property
+    def swap_tag(self) -> str:
+        """Prefix of this engine's swap directories (host and rank when sharded)."""
+        return self.partitioner.swap_tag if self.partitioner is not None else ""
 
     def block_of_flat(self, flat: FlatParam) -> Block:
         for b in self.blocks:
@@ -473,7 +516,7 @@ class Engine(Residence, OutsideWrites, HookHandlers):
 
     def write_home(self, flat: FlatParam, src: torch.Tensor) -> "inf_io.IOFuture":
         """Starts writing an updated working copy (home dtype, aligned) to the NVMe home."""
-        if not isinstance(self.home, NvmeHome):
+        if self.home.tier is not Tier.NVME:
             raise RuntimeError("write_home is only for parameters homed on NVMe")
         return self.home.write_async(flat, src)
 
@@ -523,8 +566,10 @@ class Engine(Residence, OutsideWrites, HookHandlers):
             raise failure
 
     def tier_bytes(self) -> Dict[str, Dict[str, int]]:
-        host_homes = sum(f.home_nbytes for f in self.flats if f.home is not None)
-        grads = (sum(f.numel * 4 for f in self.flats if f.grad is not None)
+        mine = self._sink_flats() if self.partitioner is not None else self.flats
+        host_homes = sum(self._home_flat(f).home_nbytes for f in self.flats
+                         if self._home_flat(f).home is not None)
+        grads = (sum(f.numel * 4 for f in mine if f.grad is not None)
                  if self.grad_tier is Tier.HOST else self.grads.host_bytes())
         staging = self.pool.count * self.pool.nbytes if self.pool is not None else 0
         nvme = self.store.total_bytes if self.store is not None else 0
@@ -569,7 +614,7 @@ class Engine(Residence, OutsideWrites, HookHandlers):
                             s.shape).to(device, copy=True)
                         if grad is not None:
                             s.param.grad = grad.detach().to(device, copy=True)
-            for flat in self.flats:
+            for flat in self.flats + (self.home_flats if self.partitioner else []):
                 flat.compute = None
                 flat.home = None
                 flat.grad = None

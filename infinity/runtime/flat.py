@@ -49,7 +49,8 @@ class ParamSlot:
 
 class FlatParam:
     def __init__(self, key: str, params: List[tuple], home_dtype: torch.dtype,
-                 compute_dtype: torch.dtype, device: torch.device) -> None:
+                 compute_dtype: torch.dtype, device: torch.device, pad_multiple: int = 0
+                 ) -> None:
         self.key = key
         self.home_dtype = home_dtype
         self.compute_dtype = compute_dtype
@@ -62,7 +63,8 @@ class FlatParam:
                                         param.shape, param.requires_grad))
             offset += param.numel()
         elems_per_page = max(1, inf_io.ALIGNMENT // torch.empty((), dtype=home_dtype).element_size())
-        self.numel = max(_round_up(offset, elems_per_page), elems_per_page)
+        multiple = pad_multiple or elems_per_page  # ZeRO: world * page (a Partitioner's)
+        self.numel = max(_round_up(offset, multiple), multiple)
         self.used_numel = offset
         self.home: Optional[torch.Tensor] = None     # host home copy (HOST tier)
         self.compute: Optional[torch.Tensor] = None  # the buffer parameters view into

@@ -46,6 +46,8 @@ class HookHandlers:
         self._last_backward_block = None
         self.stats.forward_backward_aborted()
         self.schedule.abort("backward")
+        if self.partitioner is not None:
+            self.partitioner.drop_grads()
         try:
             self.grads.abort_backward()
         finally:
@@ -154,7 +156,10 @@ class HookHandlers:
         if block is self._last_backward_block:
             self._last_backward_block = None
         for flat in block.flats:
-            self.grads.close(flat)
+            if self.partitioner is not None:  # reduce(-scatter) now, in backward order
+                self.partitioner.reduce_grads(flat, self.grads)
+            else:
+                self.grads.close(flat)
         self._release(block)
 
     def on_block_post_forward(self, block: Block, module: nn.Module, args, output) -> None:
@@ -208,7 +213,10 @@ class HookHandlers:
             grad = param.grad
             if grad is None:
                 return
-            self.grads.add(block.flats[flat_index], slot_index, grad)
+            if self.partitioner is not None:  # reduced once the block's backward is over
+                self.partitioner.add_grad(block.flats[flat_index], slot_index, grad)
+            else:
+                self.grads.add(block.flats[flat_index], slot_index, grad)
             param.grad = None
             block.grads_seen.add((flat_index, slot_index))
             self._release_if_backward_done(block)
@@ -218,6 +226,8 @@ class HookHandlers:
             self._callback_task = -1
             self.schedule.end("backward")
             try:
+                if self.partitioner is not None:
+                    self.partitioner.flush_grads(self.grads)
                 self.grads.finish_backward()
             finally:
                 for block in self.blocks:
@@ -226,7 +236,10 @@ class HookHandlers:
                         self._release(block)
                 self._last_backward_block = None
                 self.stats.forward_backward_ended(time.perf_counter())
-            self.grads.expose()
+            if self.partitioner is None or not self.partitioner.shards_grads:
+                self.grads.expose()  # a rank's part of a gradient is not a p.grad
+            if self.partitioner is not None:
+                self.partitioner.sync_zero1_views()
             if not self.optimizer_attached:
                 self._prefetch_for_forward()
 

@@ -17,6 +17,9 @@ class OutsideWrites:
     """Part of :class:`~infinity.runtime.engine.Engine` (its state lives there)."""
 
     def _bind_outside(self, flat: FlatParam) -> None:
+        if self.partitioner is not None and self.partitioner.shards_params:
+            self.partitioner.bind_outside(flat)  # ZeRO-3: no rank holds the whole home
+            return
         home_bytes = self.home.outside_bytes(flat)
         if home_bytes is None:  # a device-tier home on CUDA: the compute buffer is the home
             flat.bind_views(flat.compute)
@@ -40,6 +43,8 @@ class OutsideWrites:
                     if not written:
                         continue
                     rebound = flat.rebound_slots()
+                    if self.partitioner is not None and self.partitioner.shards_params:
+                        self.partitioner.refuse_inplace_outside(flat, written, rebound)
                     self.home.after_outside_write(flat)  # writes through the views, first
                     if rebound:  # p.data = t: the new values go home, the views come back
                         self._take_rebound(flat, rebound)
@@ -84,6 +89,8 @@ class OutsideWrites:
 
     def take_user_writes(self, flat: FlatParam) -> List[int]:
         """Slots of ``flat`` written through their parameter since the last call."""
+        if self.partitioner is not None:  # the optimizer names a rank's part
+            return self.partitioner.take_user_writes(flat)
         written = sorted(flat.user_written)
         flat.user_written.clear()
         return written

@@ -72,6 +72,8 @@ class Residence:
         for flat in block.flats:
             flat.free_storage()
             self._bind_outside(flat)
+        if self.partitioner is not None:
+            self.partitioner.dropped(block)
         if self.device.type == "cpu":
             trim_heap()
         self.device_budget.release(block.compute_nbytes)
@@ -79,6 +81,11 @@ class Residence:
         block.to_home_state()
 
     def _ensure_on_device(self, block: Block) -> None:
+        self._ensure_fetched(block)
+        if self.partitioner is not None:  # ZeRO-3: the other ranks' parts, in model order
+            self.partitioner.gather_if_needed(block)
+
+    def _ensure_fetched(self, block: Block) -> None:
         if block.state in (Residency.RESIDENT, Residency.ON_DEVICE):
             if block.prefetched:
                 self.stats.prefetch_hits += 1

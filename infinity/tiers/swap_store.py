@@ -119,12 +119,13 @@ class SwapStore:
     deletes other directories, and says so once in the log.
     """
 
-    def __init__(self, nvme_path: str, *, require_direct: bool = False, verify: bool = True):
+    def __init__(self, nvme_path: str, *, require_direct: bool = False, verify: bool = True,
+                 tag: str = ""):
         self._closed = True  # until set up: a half-built store's __del__ does nothing
         self._lock_fd: Optional[int] = None
         self._owner_pid = os.getpid()  # a forked child's copy must not remove the directory
         base = validate_nvme_path(nvme_path)
-        self.directory, self._lock_fd = self._create_locked_directory(base)
+        self.directory, self._lock_fd = self._create_locked_directory(base, tag=tag)
         self.verify = verify
         self._require_direct = require_direct
         self._entries: Dict[str, _Entry] = {}
@@ -142,7 +143,8 @@ class SwapStore:
 
     # ---- setup -------------------------------------------------------------------------
     @staticmethod
-    def _create_locked_directory(base: str, attempts: int = 8) -> "tuple[str, Optional[int]]":
+    def _create_locked_directory(base: str, attempts: int = 8, tag: str = ""
+                                 ) -> "tuple[str, Optional[int]]":
         """Creates this store's directory and its lock file and takes the lock. Returns the
         directory and the lock's fd (None where the filesystem cannot lock).
 
@@ -150,7 +152,9 @@ class SwapStore:
         lock and delete the (young, still unlocked) directory; then the lock is either refused
         here or taken on an unlinked file, and a fresh directory is made."""
         for _ in range(attempts):
-            directory = os.path.join(base, f"{_DIR_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            # tag: "<host>-rank<k>-" for a ZeRO rank (ranks and nodes never collide)
+            directory = os.path.join(
+                base, f"{_DIR_PREFIX}{tag}{os.getpid()}-{uuid.uuid4().hex[:8]}")
             os.mkdir(directory)
             lock_path = os.path.join(directory, _LOCK_NAME)
             try:

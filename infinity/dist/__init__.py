@@ -1,0 +1,9 @@
+"""ZeRO sharding over torch.distributed: each rank keeps, offloads and steps only its part of
+every block's flat buffer (see docs/zero3.md). Enabled by ``infinity.wrap`` when
+torch.distributed is initialised (``shard='auto'``) or a process group / DeviceMesh is
+given."""
+from .collectives import CollectiveTimeoutError, RanksDivergedError
+from .group import DistGroups
+from .partitioner import Partitioner
+
+__all__ = ["CollectiveTimeoutError", "DistGroups", "Partitioner", "RanksDivergedError"]

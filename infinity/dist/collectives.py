@@ -1,0 +1,212 @@
+"""Every collective of a sharded engine, issued from one place (the thread running forward,
+backward or the optimizer) in schedule order, each preceded by a small header exchange that
+checks all ranks are at the same collective for the same block.
+
+Ranks that diverge (one skips a block, runs another, or raised and went on) are told at the
+next header: every rank raises :class:`RanksDivergedError` naming the ranks and blocks. A rank
+that stops issuing collectives altogether (it raised out of the loop, or exited) makes the
+others' next collective fail after the group's timeout (or at once when its process is gone),
+raised as :class:`CollectiveTimeoutError` naming the collective and block. After either, the
+engine refuses further collectives: the ranks no longer agree on what comes next.
+
+gloo lacks some collectives on some builds; each is tried once and replaced by a correct
+equivalent (all_gather into a list, all_reduce then slice) if it is missing.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .group import DistGroups
+
+logger = logging.getLogger(__name__)
+
+KINDS = {1: "all-gather of parameters", 2: "reduce-scatter of gradients",
+         3: "all-reduce of gradients", 4: "all-reduce of a scalar",
+         5: "all-gather of a home copy", 6: "all-gather of updated parameters"}
+
+
+class RanksDivergedError(RuntimeError):
+    """Ranks reached different collectives: they did not run the same blocks in order."""
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective did not complete: another rank never joined it."""
+
+
+class Collectives:
+    def __init__(self, groups: DistGroups, device: torch.device,
+                 block_name: Callable[[int], str]) -> None:
+        self.g = groups
+        self.device = device
+        self._block_name = block_name
+        self._seq = 0
+        self._broken: Optional[str] = None
+        self._have_gather_base = True
+        self._have_reduce_scatter = True
+        self.seconds = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0}
+        self.bytes = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+        self.calls = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+
+    # ---- the header ------------------------------------------------------------------------
+    def _phase(self) -> str:
+        if torch._C._current_graph_task_id() != -1:
+            return "backward"
+        return "forward" if torch.is_grad_enabled() else "outside forward / no_grad"
+
+    def _describe(self, kind: int, block: int) -> str:
+        name = self._block_name(block) if block >= 0 else "-"
+        return f"the {KINDS.get(kind, kind)} of block {name!r}"
+
+    def check(self, kind: int, block: int, group=None) -> None:
+        """Exchanges (kind, block, sequence number) with every rank of ``group``; raises
+        RanksDivergedError on all of them when they differ."""
+        if self._broken is not None:
+            raise RanksDivergedError(f"infinity: collectives are disabled after an earlier "
+                                     f"failure ({self._broken}); restart the job")
+        group = self.g.shard if group is None else group
+        self._seq += 1
+        phase = self._phase()
+        mine = torch.tensor([kind, block, self._seq], dtype=torch.int64, device=self.device)
+        world = dist.get_world_size(group)
+        out = torch.empty(world * 3, dtype=torch.int64, device=self.device)
+        what = self._describe(kind, block)
+        self._run(lambda: self._gather(out, mine, group), f"{what} ({phase})")
+        rows = out.view(world, 3).tolist()
+        if all(r == rows[0] for r in rows):
+            return
+        me = dist.get_rank(group)
+        parts = []
+        for r, (k, b, s) in enumerate(rows):
+            parts.append(f"rank {dist.get_global_rank(group, r) if group is not None else r}: "
+                         f"{self._describe(int(k), int(b))} (collective #{s})")
+        msg = (f"infinity: ranks diverged at rank {self.g.global_rank}'s collective "
+               f"#{self._seq} ({phase}): " + "; ".join(parts)
+               + ". Every rank must run the same blocks in the same order (same code path, "
+               "same number of forward/backward passes and optimizer steps); a rank that "
+               f"skips or adds a block breaks ZeRO-3. (this is local shard rank {me})")
+        self._broken = "ranks diverged"
+        raise RanksDivergedError(msg)
+
+    def _run(self, fn: Callable[[], None], what: str) -> None:
+        try:
+            fn()
+        except RanksDivergedError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - gloo/NCCL errors are RuntimeError/DistError
+            self._broken = f"{what} failed"
+            raise CollectiveTimeoutError(
+                f"infinity: rank {self.g.global_rank} could not complete {what} (collective "
+                f"#{self._seq}; group timeout {self.g.timeout_s:.0f} s): another rank did "
+                "not join it -- it skipped this block, raised, or exited. Every rank must run "
+                f"the same blocks in the same order. Cause: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    # ---- raw collectives with fallbacks ---------------------------------------------------
+    def _gather(self, out: torch.Tensor, inp: torch.Tensor, group) -> None:
+        if self._have_gather_base:
+            try:
+                dist.all_gather_into_tensor(out, inp, group=group)
+                return
+            except (NotImplementedError, RuntimeError) as exc:
+                if "not supported" not in str(exc).lower() and not isinstance(
+                        exc, NotImplementedError):
+                    raise
+                logger.info("infinity: all_gather_into_tensor unavailable (%s); using "
+                            "all_gather into a list", exc)
+                self._have_gather_base = False
+        world = dist.get_world_size(group)
+        parts = list(out.chunk(world))
+        if inp.data_ptr() in [p.data_ptr() for p in parts]:
+            inp = inp.clone()
+        dist.all_gather(parts, inp, group=group)
+
+    def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group) -> None:
+        if self._have_reduce_scatter:
+            try:
+                dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.SUM, group=group)
+                return
+            except (NotImplementedError, RuntimeError) as exc:
+                if "not supported" not in str(exc).lower() and not isinstance(
+                        exc, NotImplementedError):
+                    raise
+                logger.info("infinity: reduce_scatter_tensor unavailable (%s); using "
+                            "all_reduce and keeping this rank's part", exc)
+                self._have_reduce_scatter = False
+        dist.all_reduce(inp, op=dist.ReduceOp.SUM, group=group)
+        rank = dist.get_rank(group)
+        out.copy_(inp.chunk(dist.get_world_size(group))[rank])
+
+    # ---- the engine's collectives ---------------------------------------------------------
+    def all_gather(self, out: torch.Tensor, local: torch.Tensor, block: int,
+                   kind: int = 1) -> None:
+        """Every rank's ``local`` (its part) into ``out`` (the whole, rank order)."""
+        self.check(kind, block)
+        t0 = time.perf_counter()
+        self._run(lambda: self._gather(out, local, self.g.shard),
+                  f"{self._describe(kind, block)} ({self._phase()})")
+        self._count("all_gather", t0, out)
+
+    def reduce_scatter_avg(self, out: torch.Tensor, full: torch.Tensor, block: int) -> None:
+        """The average over all ranks (replicas included) of ``full``, this rank's part into
+        ``out``. ``full`` is clobbered."""
+        self.check(2, block)
+        t0 = time.perf_counter()
+        self._run(lambda: self._reduce_scatter(out, full, self.g.shard),
+                  f"{self._describe(2, block)} ({self._phase()})")
+        self._count("reduce_scatter", t0, full)
+        if self.g.replicate is not None:
+            self.check(3, block, self.g.replicate)
+            t0 = time.perf_counter()
+            self._run(lambda: dist.all_reduce(out, op=dist.ReduceOp.SUM,
+                                              group=self.g.replicate),
+                      f"{self._describe(3, block)} across replicas")
+            self._count("all_reduce", t0, out)
+        out.div_(self.g.total)
+
+    def all_reduce_avg(self, full: torch.Tensor, block: int) -> None:
+        """ZeRO-1/2 path for replicated gradients: the average over all ranks, in place."""
+        self.check(3, block)
+        t0 = time.perf_counter()
+        self._run(lambda: dist.all_reduce(full, op=dist.ReduceOp.SUM, group=self.g.shard),
+                  f"{self._describe(3, block)} ({self._phase()})")
+        if self.g.replicate is not None:
+            self._run(lambda: dist.all_reduce(full, op=dist.ReduceOp.SUM,
+                                              group=self.g.replicate),
+                      f"{self._describe(3, block)} across replicas")
+        self._count("all_reduce", t0, full)
+        full.div_(self.g.total)
+
+    def all_reduce_scalar(self, value: float, op: str, *, replicas: bool = False) -> float:
+        """``op`` ('sum', 'max', 'min') of one float over the shard group (and the replicas
+        with ``replicas``)."""
+        self.check(4, -1)
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        rop = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+               "min": dist.ReduceOp.MIN}[op]
+        t0 = time.perf_counter()
+        self._run(lambda: dist.all_reduce(t, op=rop, group=self.g.shard),
+                  "an all-reduce of a gradient statistic")
+        if replicas and self.g.replicate is not None:
+            self._run(lambda: dist.all_reduce(t, op=rop, group=self.g.replicate),
+                      "an all-reduce of a gradient statistic across replicas")
+        self._count("all_reduce", t0, t)
+        return float(t.item())
+
+    def _count(self, name: str, t0: float, t: torch.Tensor) -> None:
+        self.seconds[name] += time.perf_counter() - t0
+        self.bytes[name] += t.numel() * t.element_size()
+        self.calls[name] += 1
+
+    def reset_counters(self) -> None:
+        for d in (self.seconds, self.bytes, self.calls):
+            for k in d:
+                d[k] = 0 if d is not self.seconds else 0.0
+
+
+def chunks(t: torch.Tensor, world: int) -> List[torch.Tensor]:
+    return list(t.chunk(world))

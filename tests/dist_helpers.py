@@ -1,0 +1,203 @@
+"""Helpers for the ZeRO tests: launch N ranks (gloo, CPU) as subprocesses of this file, each
+running one scenario, and collect what each rank saved.
+
+    results = run_ranks("train", world=2, opts={...}, tmp=tmp_path)
+
+A scenario runs with ``world=1`` without torch.distributed at all (the single-process
+reference). Every rank uses one CPU thread (the test machine has two cores).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(scenario: str, world: int, opts: Dict[str, Any], tmp: Path,
+              timeout: float = 120.0, dist: bool = True) -> List[Dict[str, Any]]:
+    """Runs ``scenario`` on ``world`` ranks; returns each rank's saved dict (torch.load).
+    Raises with every rank's stderr tail when one fails or the time runs out."""
+    import torch
+    out = Path(tmp) / f"{scenario}-{world}-{int(time.time() * 1e6)}"
+    out.mkdir(parents=True)
+    port = free_port()
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               WORLD_SIZE=str(world), OMP_NUM_THREADS="1", INFINITY_DEVICE="cpu",
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    procs = []
+    for rank in range(world):
+        env_r = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
+        cmd = [sys.executable, str(Path(__file__).resolve()), scenario, str(out),
+               json.dumps(opts), "1" if dist else "0"]
+        err = open(out / f"stderr{rank}.txt", "w")
+        procs.append((subprocess.Popen(cmd, env=env_r, cwd=str(ROOT), stdout=err,
+                                       stderr=subprocess.STDOUT), err))
+    deadline = time.monotonic() + timeout
+    codes = []
+    for p, err in procs:
+        try:
+            codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            for q, _ in procs:
+                q.kill()
+            codes.append(None)
+        err.close()
+    tails = "\n".join(f"--- rank {r} (exit {c}) ---\n"
+                      + (out / f"stderr{r}.txt").read_text()[-3000:]
+                      for r, c in enumerate(codes))
+    if any(c is None for c in codes):
+        raise TimeoutError(f"ranks did not finish within {timeout} s\n{tails}")
+    results = []
+    for r in range(world):
+        f = out / f"rank{r}.pt"
+        if not f.exists():
+            raise RuntimeError(f"rank {r} saved nothing\n{tails}")
+        results.append(torch.load(f, weights_only=False))
+    for r, res in enumerate(results):
+        res["exit_code"] = codes[r]
+        res["log"] = (out / f"stderr{r}.txt").read_text()
+    return results
+
+
+# ==========================================================================================
+# inside a rank
+# ==========================================================================================
+def _model(width: int = 24, hidden: int = 37, layers: int = 3, big: int = 0):
+    import torch
+    from torch import nn
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up = nn.Linear(width, hidden)
+            self.down = nn.Linear(hidden, width)
+
+        def forward(self, x):
+            return x + self.down(torch.tanh(self.up(x)))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Linear(8, width)
+            self.layers = nn.ModuleList(Layer() for _ in range(layers))
+            self.head = nn.Linear(width, 4)
+            self.skip: List[int] = []  # layers this rank skips (divergence test)
+
+        def forward(self, x):
+            h = self.embed(x)
+            for i, layer in enumerate(self.layers):
+                if i not in self.skip:
+                    h = layer(h)
+            return self.head(h)
+
+    if big:
+        width, hidden = big, big
+    return Net()
+
+
+def _scenario_train(rank: int, world: int, out: Path, opts: Dict[str, Any]) -> Dict[str, Any]:
+    import resource
+
+    import torch
+    import torch.distributed as dist
+
+    import infinity
+    from infinity.runtime.engine import engine_of
+
+    steps = opts.get("steps", 10)
+    torch.manual_seed(0)
+    model = _model(layers=opts.get("layers", 3), big=opts.get("big", 0))
+    batch = opts.get("batch", 6)
+    xs = torch.randn(steps, batch, 8, generator=torch.Generator().manual_seed(1))
+    ys = torch.randn(steps, batch, 4, generator=torch.Generator().manual_seed(2))
+    settings = dict(opts.get("settings", {}))
+    nvme = settings.pop("nvme", False)
+    if world == 1:
+        settings.pop("shard", None)  # the single-process reference
+    if nvme:
+        settings["nvme_path"] = str(out)
+    pg = None
+    if opts.get("mesh") and world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        pg = init_device_mesh("cpu", tuple(opts["mesh"]), mesh_dim_names=("rep", "shard"))
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    infinity.wrap(model, process_group=pg, **settings)
+    engine = engine_of(model)
+    opt = infinity.optim.AdamW(model.parameters(), lr=opts.get("lr", 1e-2),
+                               weight_decay=0.01)
+    per = batch // world
+    losses = []
+    for step in range(steps):
+        x = xs[step, rank * per:(rank + 1) * per]
+        y = ys[step, rank * per:(rank + 1) * per]
+        if rank in opts.get("skip_ranks", []) and step == opts.get("skip_step", 0):
+            model.skip = [opts.get("skip_layer", 1)]
+        if rank in opts.get("raise_ranks", []) and step == opts.get("raise_step", 0):
+            raise RuntimeError(f"boom on rank {rank}")
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        if opts.get("clip"):
+            opt.clip_grad_norm_(opts["clip"])
+        opt.step()
+        opt.zero_grad()
+        value = loss.detach().clone()
+        if world > 1 and dist.is_initialized():
+            dist.all_reduce(value)
+            value /= world
+        losses.append(float(value))
+    result: Dict[str, Any] = {
+        "losses": losses,
+        "tiers": engine.tier_bytes(),
+        "state_bytes": opt.state_bytes,
+        "stats": infinity.stats(model),
+        "partition": engine.partitioner.stats() if engine.partitioner is not None else None,
+        "swap_dirs": sorted(os.listdir(out)) if nvme else [],
+        "rss_growth_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0,
+    }
+    infinity.unwrap(model)  # sharded: every rank gets the whole parameters (all-gather)
+    result["params"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return result
+
+
+SCENARIOS = {"train": _scenario_train}
+
+
+def _main() -> None:
+    import torch
+    scenario, out, opts, use_dist = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3]), \
+        sys.argv[4] == "1"
+    torch.set_num_threads(1)
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if use_dist and world > 1:
+        import datetime
+
+        import torch.distributed as dist
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=opts.get("pg_timeout", 60)))
+    try:
+        result = SCENARIOS[scenario](rank, world, out, opts)
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        import traceback
+        traceback.print_exc()
+        result = {"error": f"{type(exc).__name__}: {exc}"}
+    torch.save(result, out / f"rank{rank}.pt")
+    sys.stdout.flush()
+    os._exit(0)  # no teardown hang when a peer died
+
+
+if __name__ == "__main__":
+    _main()
