@@ -172,7 +172,72 @@ def _scenario_train(rank: int, world: int, out: Path, opts: Dict[str, Any]) -> D
     return result
 
 
-SCENARIOS = {"train": _scenario_train}
+def _scenario_save_full(rank: int, world: int, out: Path, opts: Dict[str, Any]
+                        ) -> Dict[str, Any]:
+    """Trains 3 steps, then: the whole state dict on rank 0 (saved to opts["file"]), a
+    forward on a fixed input, and what the unsupported sharded checkpoints say."""
+    import torch
+
+    import infinity
+    from infinity.dist import full_state_dict
+    torch.manual_seed(0)
+    model = _model()
+    infinity.wrap(model)
+    opt = infinity.optim.AdamW(model.parameters(), lr=1e-2)
+    per = 4 // world
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        y = torch.randn(4, 4, generator=torch.Generator().manual_seed(100 + step))
+        torch.nn.functional.mse_loss(model(x[rank * per:(rank + 1) * per]),
+                                     y[rank * per:(rank + 1) * per]).backward()
+        opt.step()
+        opt.zero_grad()
+    result: Dict[str, Any] = {}
+    sd = full_state_dict(model)
+    if rank == 0:
+        torch.save(sd, opts["file"])
+    result["keys"] = sorted(sd)
+    with torch.no_grad():
+        result["output"] = model(torch.ones(2, 8)).clone()
+    for what, fn in (("save_checkpoint", lambda: infinity.save_checkpoint(str(out / "ck"),
+                                                                          model, opt)),
+                     ("optimizer.state_dict", opt.state_dict)):
+        try:
+            fn()
+            result[what] = "no error"
+        except RuntimeError as exc:
+            result[what] = str(exc)
+    return result
+
+
+def _scenario_load_full(rank: int, world: int, out: Path, opts: Dict[str, Any]
+                        ) -> Dict[str, Any]:
+    """A fresh model (other seed) loads the whole state dict on ``world`` ranks, trains one
+    step from there with a fresh optimizer, and reports its forward outputs."""
+    import torch
+
+    import infinity
+    from infinity.dist import load_full_state_dict
+    torch.manual_seed(123)
+    model = _model()
+    infinity.wrap(model)
+    load_full_state_dict(model, torch.load(opts["file"]))
+    with torch.no_grad():
+        loaded = model(torch.ones(2, 8)).clone()
+    opt = infinity.optim.AdamW(model.parameters(), lr=1e-2)
+    per = 12 // world
+    x = torch.randn(12, 8, generator=torch.Generator().manual_seed(7))
+    y = torch.randn(12, 4, generator=torch.Generator().manual_seed(8))
+    torch.nn.functional.mse_loss(model(x[rank * per:(rank + 1) * per]),
+                                 y[rank * per:(rank + 1) * per]).backward()
+    opt.step()
+    with torch.no_grad():
+        after = model(torch.ones(2, 8)).clone()
+    return {"loaded": loaded, "after": after}
+
+
+SCENARIOS = {"train": _scenario_train, "save_full": _scenario_save_full,
+             "load_full": _scenario_load_full}
 
 
 def _main() -> None:

@@ -177,3 +177,25 @@ def test_peak_rss_per_rank_about_half(tmp_path):
                    + largest_block_grad + (32 << 20))
         assert growth <= allowed, (growth, allowed, ref["rss_growth_kb"] * 1024)
         assert growth < 0.8 * ref["rss_growth_kb"] * 1024
+
+
+def test_full_state_dict_from_two_ranks_loads_on_one_and_three(tmp_path):
+    """Resharding of model weights: the whole state dict gathered on rank 0 of 2 ranks loads
+    on 1 rank (no torch.distributed) and on 3 ranks with the same forward outputs, and one
+    more training step from it agrees between 1 and 3 ranks. Sharded checkpoints with
+    optimizer states are refused with a clear error (not built)."""
+    file = str(tmp_path / "full.pt")
+    saved = run_ranks("save_full", 2, {"file": file}, tmp_path)
+    for res in saved:
+        assert "error" not in res, res["log"][-3000:]
+        assert "not built yet" in res["save_checkpoint"]
+        assert "infinity.dist.full_state_dict" in res["optimizer.state_dict"]
+    assert saved[0]["keys"] and saved[1]["keys"] == []  # rank0_only
+    one = run_ranks("load_full", 1, {"file": file}, tmp_path, dist=False)[0]
+    three = run_ranks("load_full", 3, {"file": file}, tmp_path)
+    assert "error" not in one and all("error" not in r for r in three), three[0]["log"]
+    assert torch.equal(one["loaded"], saved[0]["output"])
+    for res in three:
+        assert torch.equal(res["loaded"], saved[0]["output"])
+        assert (res["after"] - one["after"]).abs().max().item() <= TOL
+    assert not torch.equal(one["after"], one["loaded"])  # the step changed something

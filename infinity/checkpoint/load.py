@@ -268,6 +268,10 @@ def load_checkpoint(path: str, model: nn.Module,
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"load_checkpoint expects an nn.Module, got {type(model).__name__}")
+    from ..runtime.registry import engine_of as _engine_of
+    if getattr(_engine_of(model), "partitioner", None) is not None:
+        from ..dist.state import refuse_sharded
+        raise refuse_sharded("infinity.load_checkpoint")
     root, manifest = open_checkpoint(path)
     for what, obj, key in (("an optimizer", optimizer, "optimizer"),
                            ("a scheduler", scheduler, "scheduler"),

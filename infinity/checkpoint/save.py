@@ -284,6 +284,10 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"save_checkpoint expects an nn.Module, got {type(model).__name__}")
+    from ..runtime.registry import engine_of as _engine_of
+    if getattr(_engine_of(model), "partitioner", None) is not None:
+        from ..dist.state import refuse_sharded
+        raise refuse_sharded("infinity.save_checkpoint")
     from .. import __version__
     path = os.path.abspath(os.fspath(path))
     body: Dict[str, Any] = {

@@ -5,5 +5,7 @@ given."""
 from .collectives import CollectiveTimeoutError, RanksDivergedError
 from .group import DistGroups
 from .partitioner import Partitioner
+from .state import full_state_dict, load_full_state_dict
 
-__all__ = ["CollectiveTimeoutError", "DistGroups", "Partitioner", "RanksDivergedError"]
+__all__ = ["CollectiveTimeoutError", "DistGroups", "Partitioner", "RanksDivergedError",
+           "full_state_dict", "load_full_state_dict"]

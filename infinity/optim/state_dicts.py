@@ -83,6 +83,9 @@ class StateDicts:
         no entry is stored); the moments are fp32 in every state format (compact ones
         dequantized: exactly the values the next step starts from).
         ``wrapped=False`` leaves out the wrapped models' shards (see :meth:`shard_states`)."""
+        if self._sharded_engines:
+            from ..dist.state import refuse_sharded
+            raise refuse_sharded("optimizer.state_dict()")
         for engine in self._engines():
             engine.quiesce()
         for shard in self._shards.values():
@@ -122,6 +125,9 @@ class StateDicts:
         8bit: quantized; moments saved from the same format come back bitwise). A state of
         another model (other number of groups/parameters or shapes) raises ValueError and
         changes nothing."""
+        if self._sharded_engines:
+            from ..dist.state import refuse_sharded
+            raise refuse_sharded("optimizer.load_state_dict()")
         entries = self._check_loadable(state_dict)
         params = self._param_index()
         for g, saved in zip(self.param_groups, state_dict["param_groups"]):
