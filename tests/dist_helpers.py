@@ -138,9 +138,14 @@ def _scenario_train(rank: int, world: int, out: Path, opts: Dict[str, Any]) -> D
     engine = engine_of(model)
     opt = infinity.optim.AdamW(model.parameters(), lr=opts.get("lr", 1e-2),
                                weight_decay=0.01)
+    if opts.get("load_from"):  # resume from whole state dicts saved by any number of ranks
+        from infinity.dist import load_full_optimizer_state_dict, load_full_state_dict
+        saved = torch.load(opts["load_from"], weights_only=False)
+        load_full_state_dict(model, saved["model"])
+        load_full_optimizer_state_dict(opt, saved["optim"])
     per = batch // world
     losses = []
-    for step in range(steps):
+    for step in range(opts.get("start", 0), opts.get("stop", steps)):
         x = xs[step, rank * per:(rank + 1) * per]
         y = ys[step, rank * per:(rank + 1) * per]
         if rank in opts.get("skip_ranks", []) and step == opts.get("skip_step", 0):
@@ -158,6 +163,11 @@ def _scenario_train(rank: int, world: int, out: Path, opts: Dict[str, Any]) -> D
             dist.all_reduce(value)
             value /= world
         losses.append(float(value))
+    if opts.get("save_to"):
+        from infinity.dist import full_optimizer_state_dict, full_state_dict
+        saved = {"model": full_state_dict(model), "optim": full_optimizer_state_dict(opt)}
+        if rank == 0:
+            torch.save(saved, opts["save_to"])
     result: Dict[str, Any] = {
         "losses": losses,
         "tiers": engine.tier_bytes(),

@@ -88,7 +88,8 @@ def test_zero3_three_ranks_nvme_uneven_parity(reference, tmp_path):
             reference["tiers"]["nvme"]["now"] == 0
 
 
-@pytest.mark.parametrize("stage", ["zero1", "zero2"])
+@pytest.mark.parametrize("stage", [pytest.param("zero1", marks=pytest.mark.slow),
+                                   "zero2"])
 def test_zero1_zero2_parity(reference, tmp_path, stage):
     results = run_ranks("train", 2, _opts(shard=stage), tmp_path)
     _check_parity(reference, results)
@@ -107,6 +108,7 @@ def test_zero1_zero2_parity(reference, tmp_path, stage):
         assert res["tiers"]["host"]["params"] >= reference["tiers"]["host"]["params"]
 
 
+@pytest.mark.slow
 def test_hybrid_2x2_mesh_parity(reference, tmp_path):
     """4 ranks as a 2-D DeviceMesh: shard within pairs, all-reduce across the two replicas."""
     results = run_ranks("train", 4, dict(_opts(), mesh=[2, 2]), tmp_path, timeout=180)
@@ -130,6 +132,7 @@ def test_divergent_rank_fails_fast_with_clear_error(tmp_path):
         assert "'layers.1'" in err and "'layers.2'" in err
 
 
+@pytest.mark.slow
 def test_peer_that_exits_gives_clear_error(tmp_path):
     """Rank 1 raises in its forward and its process ends: rank 0 does not hang; it gets
     an error naming the collective it waited for."""
@@ -155,6 +158,7 @@ def test_shard_setting_validation():
         infinity.wrap(model, shard="zero3")
 
 
+@pytest.mark.slow
 def test_peak_rss_per_rank_about_half(tmp_path):
     """A 16.8M-parameter model (67 MB fp32), host tier: each of 2 ranks' tier accounting is
     half of one process's (homes, gradients, optimizer states; +padding), and its measured
@@ -179,6 +183,7 @@ def test_peak_rss_per_rank_about_half(tmp_path):
         assert growth < 0.8 * ref["rss_growth_kb"] * 1024
 
 
+@pytest.mark.slow
 def test_full_state_dict_from_two_ranks_loads_on_one_and_three(tmp_path):
     """Resharding of model weights: the whole state dict gathered on rank 0 of 2 ranks loads
     on 1 rank (no torch.distributed) and on 3 ranks with the same forward outputs, and one
@@ -199,3 +204,34 @@ def test_full_state_dict_from_two_ranks_loads_on_one_and_three(tmp_path):
         assert torch.equal(res["loaded"], saved[0]["output"])
         assert (res["after"] - one["after"]).abs().max().item() <= TOL
     assert not torch.equal(one["after"], one["loaded"])  # the step changed something
+
+
+@pytest.fixture(scope="module")
+def checkpoint_after_5(tmp_path_factory):
+    """Whole model + optimizer state dicts gathered on rank 0 by 2 ranks after 5 of 10 steps."""
+    tmp = tmp_path_factory.mktemp("ckpt")
+    file = str(tmp / "ckpt.pt")
+    first = run_ranks("train", 2, dict(_opts(), stop=5, save_to=file), tmp)
+    assert all("error" not in r for r in first), first[0]["log"][-3000:]
+    saved = torch.load(file, weights_only=False)
+    assert len(saved["optim"]["state"]) == len(saved["model"]) - 0  # every parameter stepped
+    assert all(int(e["step"]) == 5 for e in saved["optim"]["state"].values())
+    return file
+
+
+@pytest.mark.parametrize("world", [3, pytest.param(1, marks=pytest.mark.slow)])
+def test_resume_from_two_ranks_on_other_world_sizes(reference, checkpoint_after_5, tmp_path,
+                                                     world):
+    """Resharding: the 2-rank checkpoint resumes on 3 ranks (and on 1 process without
+    torch.distributed); the remaining 5 steps end where the uninterrupted single-process run
+    ends (within TOL)."""
+    rest = run_ranks("train", world, dict(_opts(), start=5, load_from=checkpoint_after_5),
+                     tmp_path, dist=world > 1)
+    for r in rest:
+        assert "error" not in r, r["log"][-3000:]
+    diff = (torch.tensor(rest[0]["losses"])
+            - torch.tensor(reference["losses"][5:])).abs().max().item()
+    assert diff <= TOL, (world, diff)
+    for name, ref in reference["params"].items():
+        d = (rest[0]["params"][name] - ref).abs().max().item()
+        assert d <= TOL, (world, name, d)

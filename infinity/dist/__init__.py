@@ -5,7 +5,9 @@ given."""
 from .collectives import CollectiveTimeoutError, RanksDivergedError
 from .group import DistGroups
 from .partitioner import Partitioner
-from .state import full_state_dict, load_full_state_dict
+from .state import (full_optimizer_state_dict, full_state_dict,
+                    load_full_optimizer_state_dict, load_full_state_dict)
 
 __all__ = ["CollectiveTimeoutError", "DistGroups", "Partitioner", "RanksDivergedError",
-           "full_state_dict", "load_full_state_dict"]
+           "full_optimizer_state_dict", "full_state_dict", "load_full_optimizer_state_dict",
+           "load_full_state_dict"]

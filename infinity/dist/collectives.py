@@ -197,6 +197,15 @@ class Collectives:
         self._count("all_reduce", t0, t)
         return float(t.item())
 
+    def all_reduce_tensor(self, t: torch.Tensor, op: str, block: int) -> None:
+        """``op`` ('sum', 'max') of a small tensor over the shard group, in place."""
+        self.check(4, block)
+        rop = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+        t0 = time.perf_counter()
+        self._run(lambda: dist.all_reduce(t, op=rop, group=self.g.shard),
+                  f"an all-reduce for block {self._block_name(block)!r}")
+        self._count("all_reduce", t0, t)
+
     def _count(self, name: str, t0: float, t: torch.Tensor) -> None:
         self.seconds[name] += time.perf_counter() - t0
         self.bytes[name] += t.numel() * t.element_size()

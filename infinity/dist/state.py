@@ -87,3 +87,110 @@ def refuse_sharded(what: str) -> RuntimeError:
 
 
 __all__ = ["full_state_dict", "load_full_state_dict", "refuse_sharded"]
+
+
+# ---- optimizer states ---------------------------------------------------------------------
+def _pack_groups(opt, index) -> list:
+    groups = []
+    for g in opt.param_groups:
+        packed = {k: v for k, v in g.items() if k != "params"}
+        packed["params"] = [index[id(p)] for p in g["params"]]
+        groups.append(packed)
+    return groups
+
+
+@torch.no_grad()
+def full_optimizer_state_dict(opt, *, rank0_only: bool = True) -> Dict:
+    """An infinity optimizer's state over a sharded model in torch's format, as one process
+    would have it (``{"state": {i: {"step", "exp_avg", "exp_avg_sq", "master"}},
+    "param_groups", "states"}``, whole-parameter shapes, fp32): every rank's parts are
+    gathered, shard by shard. Call on every rank; with ``rank0_only`` the others get ``{}``.
+    It loads on any number of ranks with :func:`load_full_optimizer_state_dict` (or, on one
+    process, with ``opt.load_state_dict``)."""
+    part = opt._partitioner()  # noqa: SLF001 - the optimizer's own ZeRO hook
+    if part is None:
+        return opt.state_dict()
+    for engine in opt._engines():  # noqa: SLF001
+        engine.quiesce()
+    for shard in opt._shards.values():  # noqa: SLF001
+        opt._sync_user_writes(shard)  # noqa: SLF001
+    params = opt._param_index()  # noqa: SLF001
+    index = {id(p): i for i, p in enumerate(params)}
+    by_full = {id(s.flat.full): s for s in opt._shards.values()}  # noqa: SLF001
+    state: Dict[int, Dict[str, torch.Tensor]] = {}
+    for engine in opt._engines():  # noqa: SLF001 - same order on every rank
+        ep = engine.partitioner
+        for block in engine.blocks:
+            for flat in block.flats:
+                local = ep.local(flat)
+                n = local.numel
+                seg = torch.zeros(3 * n, dtype=torch.float32)
+                steps = torch.zeros(len(flat.slots), dtype=torch.float64)
+                shard = by_full.get(id(flat))
+                buf = opt._read_committed(shard) if shard is not None else None  # noqa: SLF001
+                if buf is not None:
+                    views = opt._stores[id(engine)].views(shard, buf)  # noqa: SLF001
+                    m, v = views.moments_fp32(local)
+                    seg[:n].copy_(views.master[:n])
+                    seg[n:2 * n].copy_(m[:n])
+                    seg[2 * n:].copy_(v[:n])
+                    for li, s in enumerate(local.slots):
+                        if shard.groups[li] is not None and shard.steps[li] > 0:
+                            steps[s.full_index] = shard.steps[li]
+                out = torch.empty(3 * n * ep.world, dtype=torch.float32)
+                ep.coll.all_gather(out, seg, block.index, kind=5)
+                ep.coll.all_reduce_tensor(steps, "max", block.index)
+                parts = out.view(ep.world, 3, n)
+                whole = [parts[:, k, :].reshape(-1) for k in range(3)]
+                for i, s in enumerate(flat.slots):
+                    if steps[i] <= 0 or id(s.param) not in index:
+                        continue
+                    sl = slice(s.offset, s.offset + s.numel)
+                    state[index[id(s.param)]] = {
+                        "step": torch.tensor(float(steps[i])),
+                        "exp_avg": whole[1][sl].view(s.shape).clone(),
+                        "exp_avg_sq": whole[2][sl].view(s.shape).clone(),
+                        "master": whole[0][sl].view(s.shape).clone()}
+    if rank0_only and part.groups.global_rank != 0:
+        return {}
+    for p in params:
+        if not opt._is_wrapped(p) and opt.state.get(p):  # noqa: SLF001
+            state[index[id(p)]] = opt._param_state_to_torch(p, opt.state[p])  # noqa: SLF001
+    return {"state": state, "param_groups": _pack_groups(opt, index),
+            "states": opt.states_format}
+
+
+@torch.no_grad()
+def load_full_optimizer_state_dict(opt, state_dict: Dict) -> None:
+    """Loads a whole optimizer state (from :func:`full_optimizer_state_dict` saved by any
+    number of ranks, or a single process's ``opt.state_dict()``): each rank keeps the parts of
+    every parameter's states that its shard holds. No collective."""
+    if opt._partitioner() is None:  # noqa: SLF001
+        opt.load_state_dict(state_dict)
+        return
+    entries = opt._check_loadable(state_dict)  # noqa: SLF001 - whole-parameter shapes
+    params = opt._param_index()  # noqa: SLF001
+    for g, saved in zip(opt.param_groups, state_dict["param_groups"]):
+        for k, v in saved.items():
+            if k != "params":
+                g[k] = v
+    opt.discard_pending_step()
+    opt.state.clear()
+    for i, p in enumerate(params):
+        if not opt._is_wrapped(p) and i in entries and p not in opt._elsewhere:  # noqa: SLF001
+            opt.state[p] = opt._param_state_from(p, entries[i])  # noqa: SLF001
+    whole = {id(params[i]): e for i, e in entries.items()}
+    for shard in opt._shards.values():  # noqa: SLF001
+        by_param = {}
+        for s in shard.flat.slots:
+            e = whole.get(id(s.param))
+            if e is None:
+                continue
+            cut = slice(s.param_start, s.param_start + s.numel)
+            by_param[id(s.param)] = {
+                "step": e["step"],
+                "exp_avg": e["exp_avg"].reshape(-1)[cut],
+                "exp_avg_sq": e["exp_avg_sq"].reshape(-1)[cut],
+                "master": (e["master"].reshape(-1)[cut] if e.get("master") is not None
+                           else None)}
+        opt._load_shard(shard, by_param)  # noqa: SLF001
