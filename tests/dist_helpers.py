@@ -143,6 +143,9 @@ def _scenario_train(rank: int, world: int, out: Path, opts: Dict[str, Any]) -> D
         saved = torch.load(opts["load_from"], weights_only=False)
         load_full_state_dict(model, saved["model"])
         load_full_optimizer_state_dict(opt, saved["optim"])
+    if opts.get("load_sharded_from"):  # one file per rank, saved by any number of ranks
+        from infinity.dist import load_sharded
+        load_sharded(opts["load_sharded_from"], model, opt)
     per = batch // world
     losses = []
     for step in range(opts.get("start", 0), opts.get("stop", steps)):
@@ -168,6 +171,9 @@ def _scenario_train(rank: int, world: int, out: Path, opts: Dict[str, Any]) -> D
         saved = {"model": full_state_dict(model), "optim": full_optimizer_state_dict(opt)}
         if rank == 0:
             torch.save(saved, opts["save_to"])
+    if opts.get("save_sharded_to"):
+        from infinity.dist import save_sharded
+        save_sharded(opts["save_sharded_to"], model, opt)
     result: Dict[str, Any] = {
         "losses": losses,
         "tiers": engine.tier_bytes(),

@@ -194,7 +194,7 @@ def test_full_state_dict_from_two_ranks_loads_on_one_and_three(tmp_path):
     for res in saved:
         assert "error" not in res, res["log"][-3000:]
         assert "not built yet" in res["save_checkpoint"]
-        assert "infinity.dist.full_state_dict" in res["optimizer.state_dict"]
+        assert "infinity.dist.save_sharded" in res["optimizer.state_dict"]
     assert saved[0]["keys"] and saved[1]["keys"] == []  # rank0_only
     one = run_ranks("load_full", 1, {"file": file}, tmp_path, dist=False)[0]
     three = run_ranks("load_full", 3, {"file": file}, tmp_path)
@@ -208,24 +208,34 @@ def test_full_state_dict_from_two_ranks_loads_on_one_and_three(tmp_path):
 
 @pytest.fixture(scope="module")
 def checkpoint_after_5(tmp_path_factory):
-    """Whole model + optimizer state dicts gathered on rank 0 by 2 ranks after 5 of 10 steps."""
+    """2 ranks after 5 of 10 steps: whole model + optimizer state dicts gathered on rank 0
+    (one file) and a sharded checkpoint (one file per rank)."""
     tmp = tmp_path_factory.mktemp("ckpt")
-    file = str(tmp / "ckpt.pt")
-    first = run_ranks("train", 2, dict(_opts(), stop=5, save_to=file), tmp)
+    files = {"full": str(tmp / "ckpt.pt"), "sharded": str(tmp / "sharded")}
+    first = run_ranks("train", 2, dict(_opts(), stop=5, save_to=files["full"],
+                                       save_sharded_to=files["sharded"]), tmp)
     assert all("error" not in r for r in first), first[0]["log"][-3000:]
-    saved = torch.load(file, weights_only=False)
-    assert len(saved["optim"]["state"]) == len(saved["model"]) - 0  # every parameter stepped
+    saved = torch.load(files["full"], weights_only=False)
+    assert len(saved["optim"]["state"]) == len(saved["model"])  # every parameter stepped
     assert all(int(e["step"]) == 5 for e in saved["optim"]["state"].values())
-    return file
+    import os
+    assert sorted(os.listdir(files["sharded"])) == ["manifest.json", "rank0-of-2.pt",
+                                                     "rank1-of-2.pt"]
+    return files
 
 
-@pytest.mark.parametrize("world", [3, pytest.param(1, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("fmt,world", [
+    ("sharded", 3),
+    pytest.param("sharded", 1, marks=pytest.mark.slow),
+    pytest.param("full", 3, marks=pytest.mark.slow),
+    pytest.param("full", 1, marks=pytest.mark.slow)])
 def test_resume_from_two_ranks_on_other_world_sizes(reference, checkpoint_after_5, tmp_path,
-                                                     world):
-    """Resharding: the 2-rank checkpoint resumes on 3 ranks (and on 1 process without
-    torch.distributed); the remaining 5 steps end where the uninterrupted single-process run
-    ends (within TOL)."""
-    rest = run_ranks("train", world, dict(_opts(), start=5, load_from=checkpoint_after_5),
+                                                     fmt, world):
+    """Resharding: the 2-rank checkpoint (sharded: one file per rank; full: gathered on rank
+    0) resumes on 3 ranks and on 1 process without torch.distributed; the remaining 5 steps
+    end where the uninterrupted single-process run ends (within TOL)."""
+    key = "load_sharded_from" if fmt == "sharded" else "load_from"
+    rest = run_ranks("train", world, dict(_opts(), start=5, **{key: checkpoint_after_5[fmt]}),
                      tmp_path, dist=world > 1)
     for r in rest:
         assert "error" not in r, r["log"][-3000:]

@@ -80,10 +80,11 @@ def load_full_state_dict(model: nn.Module, state: Dict[str, torch.Tensor]) -> No
 def refuse_sharded(what: str) -> RuntimeError:
     return RuntimeError(
         f"infinity: {what} of a sharded model (shard='zero1'/'zero2'/'zero3' over "
-        "torch.distributed) is not built yet. Model weights: use "
-        "infinity.dist.full_state_dict(model) on every rank (whole state dict on rank 0; it "
-        "loads on any number of ranks with infinity.dist.load_full_state_dict). Optimizer "
-        "states of a sharded model cannot be saved yet; see docs/zero3.md")
+        "torch.distributed) is not built yet. Use infinity.dist.save_sharded(path, model, "
+        "optimizer) / load_sharded (one file per rank; loads on any number of ranks), or "
+        "infinity.dist.full_state_dict(model) and full_optimizer_state_dict(optimizer) on "
+        "every rank (whole state dicts on rank 0; load_full_state_dict / "
+        "load_full_optimizer_state_dict on any number of ranks); see docs/zero3.md")
 
 
 __all__ = ["full_state_dict", "load_full_state_dict", "refuse_sharded"]

@@ -1,0 +1,208 @@
+"""Sharded checkpoints: one file per rank, each holding only that rank's part of every flat
+buffer (parameters, and the optimizer's fp32 master/moments and step counts), keyed by
+element ranges of the whole flat buffer. Loading on M ranks (any M, or one process) reads
+the ranges each rank needs from whichever files hold them: a checkpoint saved by N ranks
+resumes on M ranks without ever holding the whole model in one process.
+
+    infinity.dist.save_sharded(path, model, opt)   # every rank; writes path/rank<k>-of-<N>.pt
+    infinity.dist.load_sharded(path, model, opt)   # every rank, any world size
+
+A rank's file is written to a temporary name, fsynced and renamed; rank 0 writes
+``manifest.json`` last, once every rank reported its file written, so a crash leaves no
+manifest that names missing files. Each rank's part is held in RAM while its file is written
+(1/N of the model and states).
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, List, Optional, Tuple  # noqa: F401
+
+import torch
+from torch import nn
+
+from ..runtime.registry import engine_of
+
+FORMAT = "infinity-zero-sharded"
+VERSION = 1
+
+
+def _layout(engine) -> Dict[str, Dict[str, Any]]:
+    """Per flat: its whole (unpadded) layout, the same on any world size."""
+    return {f.key: {"used": f.used_numel, "dtype": str(f.home_dtype),
+                    "slots": [[s.qualname, s.offset, s.numel] for s in f.slots]}
+            for f in engine.flats}
+
+
+def _rank_world(engine) -> Tuple[int, int]:
+    part = engine.partitioner
+    if part is None:
+        return 0, 1
+    return part.rank, part.world
+
+
+def _range(engine, flat) -> Tuple[int, int]:
+    part = engine.partitioner
+    if part is None:
+        return 0, flat.numel
+    local = part.local(flat)
+    return local.start, local.end
+
+
+def _home_values(engine, flat) -> torch.Tensor:
+    """This rank's part of the flat's home (no collective)."""
+    part = engine.partitioner
+    if part is not None and part.shards_params:
+        return engine.home.inner.snapshot(part.local(flat))
+    start, end = _range(engine, flat)
+    return engine.home.snapshot(flat)[start:end]
+
+
+@torch.no_grad()
+def save_sharded(path: str, model: nn.Module, optimizer: Optional[Any] = None) -> str:
+    engine = engine_of(model)
+    if engine is None:
+        raise ValueError("infinity.dist.save_sharded: the model is not wrapped by infinity")
+    rank, world = _rank_world(engine)
+    path = os.path.abspath(os.fspath(path))
+    os.makedirs(path, exist_ok=True)
+    engine.quiesce()
+    shards = {}
+    if optimizer is not None:
+        for e in optimizer._engines():  # noqa: SLF001
+            e.quiesce()
+        for shard in optimizer._shards.values():  # noqa: SLF001
+            optimizer._sync_user_writes(shard)  # noqa: SLF001
+            shards[id(getattr(shard.flat, "full", shard.flat))] = shard
+    body: Dict[str, Any] = {}
+    for flat in engine.flats:
+        start, end = _range(engine, flat)
+        entry: Dict[str, Any] = {"start": start, "end": end,
+                                 "home": _home_values(engine, flat).clone()}
+        shard = shards.get(id(flat))
+        buf = optimizer._read_committed(shard) if shard is not None else None  # noqa: SLF001
+        if buf is not None:
+            views = optimizer._stores[id(shard.engine)].views(shard, buf)  # noqa: SLF001
+            m, v = views.moments_fp32(shard.flat)
+            n = end - start
+            entry["master"] = views.master[:n].clone()
+            entry["exp_avg"] = m[:n].clone()
+            entry["exp_avg_sq"] = v[:n].clone()
+            full_index = [getattr(s, "full_index", i) for i, s in enumerate(shard.flat.slots)]
+            entry["steps"] = {full_index[i]: shard.steps[i]
+                              for i in range(len(shard.flat.slots))
+                              if shard.groups[i] is not None and shard.steps[i] > 0}
+        body[flat.key] = entry
+    extra: Dict[str, Any] = {}
+    if optimizer is not None:
+        extra["param_groups"] = [{k: v for k, v in g.items() if k != "params"}
+                                 for g in optimizer.param_groups]
+    name = f"rank{rank}-of-{world}.pt"
+    tmp = os.path.join(path, f".{name}.tmp")
+    torch.save({"flats": body, **extra}, tmp)
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, os.path.join(path, name))
+    if engine.partitioner is not None:  # every rank's file is in place before the manifest
+        done = engine.partitioner.all_reduce(1.0, "sum")
+        if int(done) != world:
+            raise RuntimeError(f"infinity.dist.save_sharded: {int(done)} of {world} ranks "
+                               "wrote their file")
+    if rank == 0:
+        manifest = {"format": FORMAT, "version": VERSION, "world": world,
+                    "files": [f"rank{r}-of-{world}.pt" for r in range(world)],
+                    "layout": _layout(engine), "optimizer": optimizer is not None}
+        tmp = os.path.join(path, ".manifest.json.tmp")
+        with open(tmp, "w") as fh:
+            json.dump(manifest, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, os.path.join(path, "manifest.json"))
+    if engine.partitioner is not None:
+        engine.partitioner.all_reduce(1.0, "sum")  # the manifest exists when save returns
+    return path
+
+
+def _assemble(files: List[Dict[str, Any]], key: str, name: str, start: int, end: int,
+              dtype: torch.dtype) -> torch.Tensor:
+    """Elements [start, end) of ``name`` of flat ``key`` from the files that hold them (zero
+    where none does: padding, which another world size lays out differently)."""
+    out = torch.zeros(end - start, dtype=dtype)
+    for f in files:
+        e = f["flats"][key]
+        if name not in e:
+            continue
+        lo, hi = max(start, e["start"]), min(end, e["end"])
+        if hi > lo:
+            out[lo - start:hi - start].copy_(e[name][lo - e["start"]:hi - e["start"]])
+    return out
+
+
+@torch.no_grad()
+def load_sharded(path: str, model: nn.Module, optimizer: Optional[Any] = None) -> None:
+    """Loads a :func:`save_sharded` checkpoint saved by any number of ranks into this model
+    (and optimizer) on any number of ranks. Every rank reads the files that hold its ranges.
+    The model must have the same parameters (names, shapes, dtypes, blocks)."""
+    engine = engine_of(model)
+    if engine is None:
+        raise ValueError("infinity.dist.load_sharded: the model is not wrapped by infinity")
+    mpath = os.path.join(path, "manifest.json")
+    if not os.path.exists(mpath):
+        raise FileNotFoundError(f"infinity.dist.load_sharded: {mpath} does not exist (not a "
+                                "sharded checkpoint, or its save did not finish)")
+    with open(mpath) as fh:
+        manifest = json.load(fh)
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"infinity.dist.load_sharded: {path} is not a sharded infinity "
+                         "checkpoint")
+    mine = _layout(engine)
+    if manifest["layout"] != mine:
+        diff = sorted(k for k in set(mine) | set(manifest["layout"])
+                      if mine.get(k) != manifest["layout"].get(k))
+        raise ValueError(f"infinity.dist.load_sharded: the checkpoint's parameters differ "
+                         f"from this model's in {diff[:3]} (other model, block_rule or dtype): "
+                         "it cannot be loaded here")
+    files = [torch.load(os.path.join(path, f), weights_only=False) for f in manifest["files"]]
+    engine.quiesce()
+    part = engine.partitioner
+    shards = {}
+    if optimizer is not None:
+        if not manifest["optimizer"]:
+            raise ValueError("infinity.dist.load_sharded: the checkpoint has no optimizer "
+                             "states")
+        for g, saved in zip(optimizer.param_groups, files[0].get("param_groups", [])):
+            g.update(saved)
+        optimizer.discard_pending_step()
+        for shard in optimizer._shards.values():  # noqa: SLF001
+            shards[id(getattr(shard.flat, "full", shard.flat))] = shard
+    for flat in engine.flats:
+        start, end = _range(engine, flat)
+        home = _assemble(files, flat.key, "home", start, end, flat.home_dtype)
+        if part is not None and part.shards_params:
+            engine.home.inner.write_from(part.local(flat), home)
+        else:
+            full = _assemble(files, flat.key, "home", 0, flat.numel, flat.home_dtype)
+            engine.home.write_from(flat, full)
+        engine.note_home_written(flat, range(len(flat.slots)))
+        shard = shards.get(id(flat))
+        if shard is None:
+            continue
+        seg = {n: _assemble(files, flat.key, n, start, end, torch.float32)
+               for n in ("master", "exp_avg", "exp_avg_sq")}
+        steps: Dict[int, int] = {}
+        for f in files:
+            steps.update(f["flats"][flat.key].get("steps", {}))
+        by_param = {}
+        if any("master" in f["flats"][flat.key] for f in files):
+            for i, s in enumerate(shard.flat.slots):
+                fi = getattr(s, "full_index", i)
+                if fi not in steps:
+                    continue
+                sl = slice(s.offset, s.offset + s.numel)
+                by_param[id(s.param)] = {"step": steps[fi], "master": seg["master"][sl],
+                                         "exp_avg": seg["exp_avg"][sl],
+                                         "exp_avg_sq": seg["exp_avg_sq"][sl]}
+        optimizer._load_shard(shard, by_param)  # noqa: SLF001
+
+
+__all__ = ["save_sharded", "load_sharded"]
