@@ -119,6 +119,10 @@ def stats(model: nn.Module, *, reset: bool = False) -> Dict[str, Any]:
         "nvme_bytes_written": {"last_step": s.nvme_written_last_step,
                                "total": s.nvme_written_total},
     }
+    if engine.partitioner is not None:  # ZeRO: stage, rank, collective calls/bytes/seconds
+        out["zero"] = engine.partitioner.stats()
+        if reset:
+            engine.partitioner.coll.reset_counters()
     if reset:
         s.reset()
         engine.device_budget.reset_peak()
