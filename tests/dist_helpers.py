@@ -125,6 +125,8 @@ def _scenario_train(rank: int, world: int, out: Path, opts: Dict[str, Any]) -> D
     ys = torch.randn(steps, batch, 4, generator=torch.Generator().manual_seed(2))
     settings = dict(opts.get("settings", {}))
     nvme = settings.pop("nvme", False)
+    if isinstance(settings.get("compute_dtype"), str):
+        settings["compute_dtype"] = getattr(torch, settings["compute_dtype"])
     if world == 1:
         settings.pop("shard", None)  # the single-process reference
     if nvme:
@@ -155,8 +157,12 @@ def _scenario_train(rank: int, world: int, out: Path, opts: Dict[str, Any]) -> D
             model.skip = [opts.get("skip_layer", 1)]
         if rank in opts.get("raise_ranks", []) and step == opts.get("raise_step", 0):
             raise RuntimeError(f"boom on rank {rank}")
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
+        micro = opts.get("micro", 1)  # gradient accumulation over micro-batches
+        loss = 0.0
+        for xm, ym in zip(x.chunk(micro), y.chunk(micro)):
+            part = torch.nn.functional.mse_loss(model(xm), ym) / micro
+            part.backward()
+            loss = loss + part.detach()
         if opts.get("clip"):
             opt.clip_grad_norm_(opts["clip"])
         opt.step()

@@ -76,9 +76,10 @@ def test_zero3_two_ranks_host_parity_and_memory(reference, tmp_path):
 def test_zero3_three_ranks_nvme_uneven_parity(reference, tmp_path):
     """World size 3: every block's flat buffer (1,837 / 316 elements) does not divide by 3 and
     parameters straddle the parts; parameters, gradients and states on NVMe; swap directories
-    named per host and rank."""
-    results = run_ranks("train", 3, _opts(nvme=True, param_tier="nvme", grad_tier="nvme",
-                                          optimizer_tier="nvme"), tmp_path)
+    named per host and rank. Each rank accumulates 2 micro-batches per step (its NVMe
+    gradient file is read back and added to)."""
+    results = run_ranks("train", 3, dict(_opts(nvme=True, param_tier="nvme", grad_tier="nvme",
+                                               optimizer_tier="nvme"), micro=2), tmp_path)
     _check_parity(reference, results)
     dirs = [d for d in results[0]["swap_dirs"] if d.startswith("infinity-swap-")]
     for rank in range(3):
