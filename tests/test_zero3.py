@@ -62,6 +62,8 @@ def test_zero3_two_ranks_host_parity_and_memory(reference, tmp_path):
     # per block per step: an all-gather in forward and backward, a reduce-scatter
     assert part["calls"]["all_gather"] >= 2 * STEPS * 3
     assert part["calls"]["reduce_scatter"] == STEPS * 4  # 3 layers + the root block
+    # once the schedule is recorded, the next block's all-gather starts during this one's
+    assert part["early_gathers"] >= (STEPS - 1) * 4
     # each rank keeps about half of the homes, gradients and optimizer states
     ref_host = reference["tiers"]["host"]
     for res in results:

@@ -151,6 +151,30 @@ class Collectives:
                   f"{self._describe(kind, block)} ({self._phase()})")
         self._count("all_gather", t0, out)
 
+    def all_gather_async(self, out: torch.Tensor, local: torch.Tensor, block: int):
+        """As :meth:`all_gather`, started asynchronously (the header is checked first, in
+        order); returns a handle for :meth:`wait`."""
+        self.check(1, block)
+        t0 = time.perf_counter()
+        holder = {}
+
+        def start() -> None:
+            if self._have_gather_base:
+                holder["work"] = dist.all_gather_into_tensor(out, local, group=self.g.shard,
+                                                             async_op=True)
+            else:
+                holder["work"] = dist.all_gather(list(out.chunk(self.g.world)), local,
+                                                 group=self.g.shard, async_op=True)
+        self._run(start, f"{self._describe(1, block)} ({self._phase()}, started early)")
+        self._count("all_gather", t0, out)
+        return holder["work"], local, out
+
+    def wait(self, handle, block: int) -> None:
+        work, _local, _out = handle  # the input stays alive until the gather completed
+        t0 = time.perf_counter()
+        self._run(work.wait, f"{self._describe(1, block)} (started early)")
+        self.seconds["all_gather"] += time.perf_counter() - t0
+
     def reduce_scatter_avg(self, out: torch.Tensor, full: torch.Tensor, block: int) -> None:
         """The average over all ranks (replicas included) of ``full``, this rank's part into
         ``out``. ``full`` is clobbered."""

@@ -52,6 +52,8 @@ class Partitioner:
         self._local: Dict[int, ShardFlat] = {}
         self._block_of: Dict[int, int] = {}
         self._gathered: Set[int] = set()
+        self._early: Dict[int, list] = {}  # block index -> in-flight all-gathers
+        self.early_gathers = 0
         self._grad_bufs: Dict[int, torch.Tensor] = {}
         self._grad_seen: Dict[int, Set[int]] = {}
         self.coll = Collectives(groups, coll_device, self._block_name)
@@ -171,6 +173,9 @@ class Partitioner:
         needed: all-gathers the other ranks' parts into its compute buffers."""
         if not self.shards_params or block.index in self._gathered:
             return
+        if block.index in self._early:
+            self._finish_early(block)
+            return
         for flat in block.flats:
             local = self.local(flat)
             compute = flat.compute
@@ -180,8 +185,36 @@ class Partitioner:
             self.coll.all_gather(compute, part.clone(), block.index)
         self._gathered.add(block.index)
 
+    def wants_early_gather(self, block) -> bool:
+        return block.index not in self._gathered and block.index not in self._early
+
+    def start_gather(self, block) -> None:
+        """Starts the block's all-gather asynchronously (its part already fetched): it
+        overlaps the running block's compute; :meth:`gather_if_needed` waits for it."""
+        works = []
+        for flat in block.flats:
+            local = self.local(flat)
+            works.append(self.coll.all_gather_async(flat.compute,
+                                                    flat.compute[local.start:local.end].clone(),
+                                                    block.index))
+        self._early[block.index] = works
+        self.early_gathers += 1
+
+    def _finish_early(self, block) -> None:
+        works = self._early.pop(block.index)
+        for work in works:
+            self.coll.wait(work, block.index)
+        self._gathered.add(block.index)
+
     def dropped(self, block) -> None:
+        if block.index in self._early:  # never free a buffer a collective still writes
+            self._finish_early(block)
         self._gathered.discard(block.index)
+
+    def drain(self) -> None:
+        """Waits for every early all-gather still in flight (close, recovery)."""
+        for index in list(self._early):
+            self._finish_early(self.blocks[index])
 
     def gather_home(self, flat: FlatParam, local_values: torch.Tensor) -> torch.Tensor:
         """The whole flat buffer (home dtype, CPU) from every rank's home part."""
@@ -270,6 +303,7 @@ class Partitioner:
 
     def stats(self) -> Dict[str, object]:
         return {"stage": self.stage, "rank": self.rank, "world": self.world,
+                "early_gathers": self.early_gathers,
                 "replicas": self.groups.replicas,
                 "seconds": dict(self.coll.seconds), "bytes": dict(self.coll.bytes),
                 "calls": dict(self.coll.calls)}

@@ -597,6 +597,8 @@ class Engine(Residence, OutsideWrites, HookHandlers):
                 self.grads.reconcile(detach=False)
                 for flat in self.flats:
                     values[flat.key] = self.home.snapshot(flat)
+            if self.partitioner is not None:
+                self.partitioner.drain()  # early all-gathers land before buffers go
             # ---- commit: nothing below reads a home
             self._closed = True
             self._hooks.remove_all()

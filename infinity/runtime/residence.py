@@ -69,11 +69,11 @@ class Residence:
     def _drop_compute(self, block: Block) -> None:
         """Frees the compute buffers of a fetching or fetched block without looking at them and
         points the parameters back at their homes."""
+        if self.partitioner is not None:  # an early all-gather lands before the free
+            self.partitioner.dropped(block)
         for flat in block.flats:
             flat.free_storage()
             self._bind_outside(flat)
-        if self.partitioner is not None:
-            self.partitioner.dropped(block)
         if self.device.type == "cpu":
             trim_heap()
         self.device_budget.release(block.compute_nbytes)
@@ -84,6 +84,26 @@ class Residence:
         self._ensure_fetched(block)
         if self.partitioner is not None:  # ZeRO-3: the other ranks' parts, in model order
             self.partitioner.gather_if_needed(block)
+            self._start_next_gather()
+
+    def _start_next_gather(self) -> None:
+        """ZeRO-3: starts the all-gather of the block the schedule runs next (asynchronous,
+        overlapping this block's compute). Decided only from the recorded schedule and the
+        budget, which every rank shares, so every rank starts the same one."""
+        part = self.partitioner
+        if not part.shards_params or self.policy.prefetch_window == 0:
+            return
+        index = self.schedule.next_on_trace("backward" if self._in_backward() else "forward")
+        if index is None:
+            return
+        nxt = self.blocks[index]
+        if not part.wants_early_gather(nxt):
+            return
+        if nxt.state in (Residency.ON_HOST, Residency.ON_NVME) and \
+                not self.device_budget.fits(nxt.compute_nbytes):
+            return  # fetching it would release others: it is gathered when needed
+        self._ensure_fetched(nxt)
+        part.start_gather(nxt)
 
     def _ensure_fetched(self, block: Block) -> None:
         if block.state in (Residency.RESIDENT, Residency.ON_DEVICE):

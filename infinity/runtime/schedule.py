@@ -51,6 +51,16 @@ class Schedule:
             return []
         return rec[:self.window if count is None else count]
 
+    def next_on_trace(self, phase: str) -> Optional[int]:
+        """The block the recorded ``phase`` runs after the last visit, while the open pass
+        follows the record (None otherwise). The same on every rank that ran the same blocks:
+        ZeRO-3 starts that block's all-gather early."""
+        rec = self.recorded[phase]
+        if not self._open[phase] or self._deviated[phase] or rec is None:
+            return None
+        pos = len(self._current[phase])
+        return rec[pos] if pos < len(rec) else None
+
     def abort(self, phase: str) -> None:
         """Closes a pass that did not finish (it raised): its partial order is not recorded."""
         self._open[phase] = False
