@@ -156,5 +156,9 @@ def gradient(param: torch.Tensor) -> Optional[torch.Tensor]:
     loc = locate(param)
     if loc is None:
         return param.grad
+    if loc.engine.partitioner is not None and loc.engine.partitioner.shards_grads:
+        raise RuntimeError("infinity.gradient: with shard='zero2'/'zero3' each rank holds only "
+                           "its part of a gradient (reduce-scattered); there is no whole "
+                           "gradient to return. Use shard='zero1' to keep whole gradients")
     loc.engine.sync_gradients()
     return loc.engine.grads.gradient(loc.flat, loc.slot)

@@ -189,6 +189,13 @@ def _scenario_train(rank: int, world: int, out: Path, opts: Dict[str, Any]) -> D
         "swap_dirs": sorted(os.listdir(out)) if nvme else [],
         "rss_growth_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0,
     }
+    if opts.get("probe"):  # what ordinary PyTorch code sees on a sharded model
+        result["state_dict"] = {k: v.clone() for k, v in model.state_dict().items()}
+        try:
+            torch.optim.SGD(model.parameters(), lr=0.1).step()
+            result["torch_optimizer"] = "no error"
+        except RuntimeError as exc:
+            result["torch_optimizer"] = str(exc)
     infinity.unwrap(model)  # sharded: every rank gets the whole parameters (all-gather)
     result["params"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return result

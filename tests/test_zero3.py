@@ -55,8 +55,14 @@ def _opts(**settings):
 
 
 def test_zero3_two_ranks_host_parity_and_memory(reference, tmp_path):
-    results = run_ranks("train", 2, _opts(), tmp_path)
+    results = run_ranks("train", 2, dict(_opts(), probe=True), tmp_path)
     _check_parity(reference, results)
+    for res in results:
+        # model.state_dict() gathers the whole parameters (not the NaN outside views)
+        for name, value in res["params"].items():
+            assert torch.equal(res["state_dict"][name], value), name
+        # a torch optimizer cannot see a rank's part of a gradient: a clear error
+        assert "infinity.optim.AdamW" in res["torch_optimizer"]
     part = results[0]["partition"]
     assert part["stage"] == "zero3" and part["world"] == 2
     # per block per step: an all-gather in forward and backward, a reduce-scatter

@@ -77,6 +77,24 @@ def load_full_state_dict(model: nn.Module, state: Dict[str, torch.Tensor]) -> No
             b.copy_(state[name])
 
 
+@torch.no_grad()
+def fill_state_dict(engine, state_dict: Dict, prefix: str) -> None:
+    """Replaces the (NaN) outside views of a zero3 model's parameters in ``state_dict`` by
+    their whole values, gathered flat by flat."""
+    names: Dict[int, list] = {}
+    for name, p in engine.model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(prefix + name)
+    with engine._lock:  # noqa: SLF001
+        engine.quiesce()
+        for flat in engine.flats:
+            full = engine.home.snapshot(flat)
+            for s in flat.slots:
+                value = full[s.offset:s.offset + s.numel].view(s.shape)
+                for key in names.get(id(s.param), []):
+                    if key in state_dict:
+                        state_dict[key] = value.clone()
+
+
 def refuse_sharded(what: str) -> RuntimeError:
     return RuntimeError(
         f"infinity: {what} of a sharded model (shard='zero1'/'zero2'/'zero3' over "

@@ -109,6 +109,10 @@ class Engine(Residence, OutsideWrites, HookHandlers):
         self.transfers = Transfers(self.device, self.stats, self.home, self.pool,
                                    self.home_flats)
         self._hooks = hooks_mod.register(self)
+        if self.partitioner is not None and self.partitioner.shards_params:
+            # model.state_dict() gathers the whole parameters (every rank must call it)
+            self._hooks.add(model._register_state_dict_hook(
+                hooks_mod.EngineHook(self, "on_state_dict")))
         self._locations: Dict[int, ParamLocation] = {
             id(slot.param): ParamLocation(self, block, flat, i)
             for block in self.blocks for flat in block.flats

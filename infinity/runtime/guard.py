@@ -19,6 +19,12 @@ def _check_foreign_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs
     for group in optimizer.param_groups:
         for p in group["params"]:
             loc = locate(p)
+            part = loc.engine.partitioner if loc is not None else None
+            if part is not None and part.shards_grads:
+                raise RuntimeError(
+                    f"infinity: {type(optimizer).__name__} cannot step a model sharded with "
+                    f"shard={part.stage!r}: each rank holds only its part of every gradient "
+                    "(p.grad is None). Use infinity.optim.AdamW/Adam, or shard='zero1'")
             if loc is None or loc.engine.grad_tier is not Tier.NVME or p.grad is not None:
                 continue
             loc.engine.sync_gradients()

@@ -87,6 +87,12 @@ class OutsideWrites:
         with self._lock:
             flat.user_written.update(slots)
 
+    def on_state_dict(self, module, state_dict, prefix, local_metadata) -> None:
+        """ZeRO-3: ``model.state_dict()`` holds the whole parameters, all-gathered from every
+        rank's part (as FSDP's full state dict: every rank must call it)."""
+        from ..dist.state import fill_state_dict
+        fill_state_dict(self, state_dict, prefix)
+
     def take_user_writes(self, flat: FlatParam) -> List[int]:
         """Slots of ``flat`` written through their parameter since the last call."""
         if self.partitioner is not None:  # the optimizer names a rank's part
