@@ -7,9 +7,10 @@ resumes on M ranks without ever holding the whole model in one process.
     infinity.dist.save_sharded(path, model, opt)   # every rank; writes path/rank<k>-of-<N>.pt
     infinity.dist.load_sharded(path, model, opt)   # every rank, any world size
 
-A rank's file is written to a temporary name, fsynced and renamed; rank 0 writes
-``manifest.json`` last, once every rank reported its file written, so a crash leaves no
-manifest that names missing files. Each rank's part is held in RAM while its file is written
+A rank's file is written to a temporary name, fsynced and renamed; rank 0 removes an old
+``manifest.json`` first and writes the new one last, once every rank reported its file
+written, so a crash never leaves a manifest over missing or mixed files (it leaves no
+loadable checkpoint at ``path``: save each checkpoint to a new path to keep the previous). Each rank's part is held in RAM while its file is written
 (1/N of the model and states).
 """
 from __future__ import annotations
@@ -66,6 +67,11 @@ def save_sharded(path: str, model: nn.Module, optimizer: Optional[Any] = None) -
     rank, world = _rank_world(engine)
     path = os.path.abspath(os.fspath(path))
     os.makedirs(path, exist_ok=True)
+    manifest_path = os.path.join(path, "manifest.json")
+    if rank == 0 and os.path.exists(manifest_path):
+        os.remove(manifest_path)  # a crash below leaves no manifest naming mixed files
+    if engine.partitioner is not None:
+        engine.partitioner.all_reduce(1.0, "sum")  # nobody writes before it is gone
     engine.quiesce()
     shards = {}
     if optimizer is not None:
