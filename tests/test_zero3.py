@@ -254,3 +254,38 @@ def test_resume_from_two_ranks_on_other_world_sizes(reference, checkpoint_after_
     for name, ref in reference["params"].items():
         d = (rest[0]["params"][name] - ref).abs().max().item()
         assert d <= TOL, (world, name, d)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_shard_flat_parts_cover_the_flat_buffer(world):
+    """Layout alone (no processes): parts are equal, page-aligned and, concatenated in rank
+    order, give the whole (padded) flat buffer; a parameter straddling parts is clipped on
+    each rank, with param_start saying where its piece begins."""
+    from torch import nn
+
+    from infinity.dist.shard_flat import ShardFlat
+    from infinity.runtime.flat import FlatParam
+    torch.manual_seed(0)
+    mods = [nn.Linear(37, 29), nn.Linear(29, 3)]
+    entries = [(f"m{i}.{n}", m, n, p) for i, m in enumerate(mods)
+               for n, p in m.named_parameters()]
+    flat = FlatParam("blk", entries, torch.float32, torch.float32, torch.device("cpu"),
+                     pad_multiple=world * 1024)
+    assert flat.numel % (world * 1024) == 0
+    whole = torch.empty(flat.numel)
+    flat.gather_into(whole)
+    n = flat.numel // world
+    parts, straddling = [], 0
+    for rank in range(world):
+        local = ShardFlat(flat, rank * n, (rank + 1) * n, rank, world)
+        assert local.numel == n and (local.start * 4) % 4096 == 0
+        buf = torch.empty(n)
+        local.gather_into(buf)
+        parts.append(buf)
+        for s in local.slots:
+            full = flat.slots[s.full_index]
+            assert local.local_index(s.full_index) is not None
+            assert full.offset + s.param_start == local.start + s.offset
+            straddling += not s.whole
+    assert torch.equal(torch.cat(parts), whole)
+    assert straddling >= 2  # m0.weight (elements 0..1072) crosses the first part boundary
