@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, List, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -239,7 +239,3 @@ class Collectives:
         for d in (self.seconds, self.bytes, self.calls):
             for k in d:
                 d[k] = 0 if d is not self.seconds else 0.0
-
-
-def chunks(t: torch.Tensor, world: int) -> List[torch.Tensor]:
-    return list(t.chunk(world))

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 import socket
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import torch
 import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
@@ -106,8 +104,4 @@ def stage_of(shard: str) -> str:
     return "zero3" if shard == "auto" else shard
 
 
-def local_rank() -> int:
-    return int(os.environ.get("LOCAL_RANK", "0"))
-
-
-__all__ = ["DistGroups", "SHARD_STAGES", "resolve", "stage_of", "local_rank"]
+__all__ = ["DistGroups", "SHARD_STAGES", "resolve", "stage_of"]

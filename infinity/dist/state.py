@@ -37,13 +37,11 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> Dict[str, t
     if not keep:
         return {}
     out: Dict[str, torch.Tensor] = {}
-    params = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     by_param = {id(s.param): s.qualname for f in engine.flats for s in f.slots}
     for name, p in model.named_parameters(remove_duplicate=False):
         out[name] = values[by_param[id(p)]]
     for name, b in model.named_buffers():
         out[name] = b.detach().cpu().clone()
-    del params
     return out
 
 
