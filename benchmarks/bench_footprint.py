@@ -11,7 +11,7 @@ Each measurement runs in a fresh subprocess:
   gradients' bytes = the activations, autograd temporaries and one-time costs of a first
   backward; the per-layer difference extrapolates them to the full depth.
 * ``train``: the model built under ``infinity.empty_init()`` (no parameter bytes in RAM),
-  ``infinity.wrap(..., init="reset_parameters")`` with parameters, gradients and optimizer
+  ``infinity.wrap(..., init=<the model's own init, module by module>)`` with parameters, gradients and optimizer
   states on NVMe and ``host_budget``, ``infinity.optim.AdamW(states=...)``, N steps. The kernel's
   peak RSS counter (VmHWM) is reset (``clear_refs`` 5) just before wrap; RssAnon is sampled
   every 2 ms (the kernel keeps no peak of it).
@@ -109,7 +109,12 @@ _TRAIN = _PRELUDE + textwrap.dedent(r"""
     sampler = Sampler()
     anon0 = status("RssAnon")
     t0 = time.perf_counter()
-    infinity.wrap(model, nvme_path=args["nvme"], init="reset_parameters", param_tier="nvme",
+    def init(module):  # torch's defaults, then the model's own (normal, std 0.02)
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+        TinyGPT._init(module)
+
+    infinity.wrap(model, nvme_path=args["nvme"], init=init, param_tier="nvme",
                   grad_tier="nvme", optimizer_tier="nvme", host_budget=args["budget"],
                   prefetch_window=args["window"])
     wrap_s = time.perf_counter() - t0
