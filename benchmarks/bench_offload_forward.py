@@ -57,20 +57,31 @@ def one_step(name: str, model: torch.nn.Module, x, y) -> Dict:
     else:
         infinity.stats(model, reset=True)
         model._infinity_engine.zero_grad()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     lm_loss(model(x), y).backward()
-    row = {"step_s": time.perf_counter() - t0}
+    row = {"step_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
     if name != "in_memory":
         s = infinity.stats(model)
+        t = s["time"]
         row.update(stall_s=s["stall_seconds"], moved=sum(s["moved"].values()),
-                   hit_rate=s["prefetch_hit_rate"])
+                   hit_rate=s["prefetch_hit_rate"],
+                   time={k: t[k] for k in ATTRIBUTION if k in t})
     return row
+
+
+# where a forward+backward's time went (infinity.stats(model)["time"]); transfer_cpu is the
+# background CPU time of the transfer threads, not part of the wall-time sum
+ATTRIBUTION = ("compute", "fetch_wait", "grad_offload", "engine", "transfer_cpu")
 
 
 def summarize(name: str, n_params: int, rows: List[Dict]) -> Dict:
     times = [r["step_s"] for r in rows]
     result = {"config": name, "params": n_params, "step_s_median": statistics.median(times),
-              "step_s_all": times}
+              "step_s_min": min(times), "step_s_all": times,
+              "cpu_s_median": statistics.median(r["cpu_s"] for r in rows)}
+    if "time" in rows[0]:
+        result["time_median"] = {k: statistics.median(r["time"][k] for r in rows)
+                                 for k in rows[0]["time"]}
     if "stall_s" in rows[0]:
         result.update({
             "stall_s_median": statistics.median(r["stall_s"] for r in rows),
@@ -120,11 +131,26 @@ def main(argv=None) -> int:
     base = rows[0]["step_s_median"]
     for r in rows:
         r["ratio_vs_in_memory"] = r["step_s_median"] / base
-    print("\nconfig      step (s)  x in-memory  stalled  prefetch hits")
+        r["ratio_min_vs_in_memory"] = r["step_s_min"] / rows[0]["step_s_min"]
+        r["cpu_ratio_vs_in_memory"] = r["cpu_s_median"] / rows[0]["cpu_s_median"]
+        # per round (the configurations run back to back): the ratio of each round's steps,
+        # robust to slow phases of a shared machine
+        r["ratio_per_round_median"] = statistics.median(
+            a["step_s"] / b["step_s"] for a, b in zip(per_config[r["config"]],
+                                                      per_config["in_memory"]))
+    print("\nconfig      step (s)  x in-memory  x per round  x best  x cpu  stalled  "
+          "prefetch hits")
     for r in rows:
         print(f"{r['config']:<10} {r['step_s_median']:9.3f}  {r['ratio_vs_in_memory']:10.2f}x"
+              f"  {r['ratio_per_round_median']:10.2f}x {r['ratio_min_vs_in_memory']:6.2f}x"
+              f" {r['cpu_ratio_vs_in_memory']:5.2f}x"
               f"  {100 * r.get('stall_fraction', 0):6.1f}%  "
               f"{100 * r.get('prefetch_hit_rate', 1):6.0f}%")
+    print("\ntime attribution per step (median s): " + ", ".join(ATTRIBUTION))
+    for r in rows:
+        if "time_median" in r:
+            print(f"{r['config']:<10} " + "  ".join(
+                f"{k} {r['time_median'][k]:.3f}" for k in ATTRIBUTION if k in r["time_median"]))
     out = {
         "date": datetime.date.today().isoformat(),
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),

@@ -22,6 +22,9 @@ VmRSS) and read as soon as wrap returns. Reported per case, over the model's fp3
 returns (absolute, and "held": minus the RSS of the process before the model was built), and
 "pools": the engine's own host buffers after wrap (``infinity.stats(model)["tiers"]["host"]``:
 gradient and staging buffers sized from the largest block), which wrap allocates up front.
+After the wrap measurement each child (not --old-tree's) runs one forward+backward from NVMe
+(batch 1 x 16, ``--no-step`` skips it) and the benchmark prints where its time went
+(``infinity.stats(model)["time"]``).
 Results: benchmarks/results/bench_wrap.json (+ .png when matplotlib imports).
 """
 from __future__ import annotations
@@ -93,7 +96,8 @@ def child_write_source(cfg_kw: Dict, folder: str) -> Dict:
     return {"bytes": os.path.getsize(os.path.join(folder, "model.safetensors"))}
 
 
-def child_wrap(case: str, cfg_kw: Dict, nvme: str, source: Optional[str]) -> Dict:
+def child_wrap(case: str, cfg_kw: Dict, nvme: str, source: Optional[str],
+               train_step: bool = True) -> Dict:
     import gc
     import torch
     import infinity
@@ -123,7 +127,18 @@ def child_wrap(case: str, cfg_kw: Dict, nvme: str, source: Optional[str]) -> Dic
     after = _status("VmRSS")
     n_params = sum(p.numel() for p in model.parameters())
     host = infinity.stats(model)["tiers"]["host"]  # the engine's own host buffers (pools)
-    return {"case": case, "infinity_file": infinity.__file__, "native": _native.available(),
+    step = None
+    if train_step:  # then one forward+backward from NVMe: where its time went
+        from infinity.models import lm_loss, synthetic_batch
+        x, y = synthetic_batch(cfg, 1, 16, torch.Generator().manual_seed(1))
+        infinity.stats(model, reset=True)
+        t0 = time.perf_counter()
+        lm_loss(model(x), y).backward()
+        s = infinity.stats(model)
+        step = {"s": time.perf_counter() - t0, "time": s["time"],
+                "peak_rss": _status("VmHWM"), "prefetch_hit_rate": s["prefetch_hit_rate"]}
+    return {"first_step": step,
+            "case": case, "infinity_file": infinity.__file__, "native": _native.available(),
             "torch": torch.__version__,
             "params": n_params, "model_bytes": model_bytes, "wrap_s": wrap_s,
             "rss_empty": empty, "base": base, "peak": peak, "after": after,
@@ -139,7 +154,8 @@ def child_main(argv: List[str]) -> int:
     if what == "write_source":
         out = child_write_source(cfg_kw, argv[2])
     else:
-        out = child_wrap(what, cfg_kw, argv[2], argv[3] if len(argv) > 3 else None)
+        out = child_wrap(what, cfg_kw, argv[2], argv[3] if len(argv) > 3 else None,
+                         train_step="--no-step" not in argv)
     print(json.dumps(out), flush=True)
     return 0
 
@@ -217,6 +233,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                     "folders (default: a temporary directory under /tmp)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "bench_wrap.json"))
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--no-step", action="store_true",
+                    help="skip the forward+backward after wrap (its time attribution)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     repeats = args.repeats or (1 if args.quick else 3)
@@ -239,7 +257,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             for case, tree in cases:
                 swap = tempfile.mkdtemp(prefix="swap-", dir=work)
                 kind = "materialized" if case.startswith("materialized") else case
-                row = run_child([kind, json.dumps(cfg_kw), swap, source], tree=tree)
+                row = run_child([kind, json.dumps(cfg_kw), swap, source]
+                                + (["--no-step"] if args.no_step or tree else []), tree=tree)
                 shutil.rmtree(swap, ignore_errors=True)
                 row["case"] = case
                 per_case[case].append(row)
@@ -250,6 +269,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     rows = [summarize(c, per_case[c]) for c, _ in cases]
     print_table(rows)
+    steps = [(c, r["first_step"]) for c, _ in cases for r in per_case[c][-1:]
+             if r.get("first_step")]
+    if steps:
+        print("\nfirst forward+backward after wrap (last round), time attribution (s):")
+        for case, st in steps:
+            t = st["time"]
+            print(f"{case:<18} {st['s']:6.2f} s: " + " ".join(
+                f"{k} {v:.2f}" for k, v in t.items() if not isinstance(v, dict)))
     result = {"date": datetime.date.today().isoformat(),
               "command": " ".join(["python", "benchmarks/bench_wrap.py"] + argv),
               "config": cfg_kw, "repeats": repeats, **_common.machine_info(),

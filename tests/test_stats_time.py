@@ -36,7 +36,7 @@ def test_time_attribution_and_nvme_bytes_written(tmp_path):
     wall = time.perf_counter() - t0
     s = infinity.stats(model, reset=True)
     t = s["time"]
-    assert set(t) == {"compute", "fetch_wait", "grad_offload", "optimizer"}
+    assert set(t) >= {"compute", "fetch_wait", "grad_offload", "optimizer"}
     assert set(t["optimizer"]) == {"cpu_adam", "nvme_wait", "nvme_busy", "total"}
     for name, v in _leaves(t):
         assert isinstance(v, float) and v >= 0.0, (name, v)

@@ -30,7 +30,9 @@ from .. import io as inf_io
 from ..policy import OffloadPolicy
 from ..tiers import BudgetExceededError, ByteBudget, HostPool, SwapStore, Tier
 from . import hooks as hooks_mod
+from . import compute_pool
 from .block import Block
+from .compute_pool import ComputeBuffers
 from .device import resolve_device
 from .flat import FlatParam
 from .guard import guard_foreign_optimizers
@@ -103,11 +105,11 @@ class Engine(Residence, OutsideWrites, HookHandlers):
         self._original_devices = {
             id(s.param): (torch.device("cpu") if s.param.is_meta else s.param.device)
             for b in self.blocks for f in b.flats for s in f.slots}
-        if self.device.type == "cpu" and any(not b.resident for b in self.blocks):
-            return_freed_buffers_to_os()
+        self.compute_buffers = self._make_compute_buffers()
+        self._compute_reserved = self._check_host_budget()
         self._materialize_homes()
         self.transfers = Transfers(self.device, self.stats, self.home, self.pool,
-                                   self.home_flats)
+                                   self.home_flats, workers=self._transfer_workers())
         self._hooks = hooks_mod.register(self)
         if self.partitioner is not None and self.partitioner.shards_params:
             # model.state_dict() gathers the whole parameters (every rank must call it)
@@ -189,6 +191,89 @@ class Engine(Residence, OutsideWrites, HookHandlers):
                                 self.param_tier, resident))
         return blocks
 
+    def _transfer_workers(self) -> int:
+        """Fetches in flight at once (one transfer thread each)."""
+        return max(1, min(2, self.policy.prefetch_window))
+
+    def _make_compute_buffers(self) -> Optional[ComputeBuffers]:
+        """CPU device: streamed blocks borrow their compute memory from a pool (no mmap, page
+        faults and munmap per fetch; O_DIRECT reads straight into it). Without the torch
+        feature this needs, freed buffers go back to the OS through malloc instead."""
+        streamed = [f for b in self.blocks if not b.resident for f in b.flats]
+        if self.device.type != "cpu" or not streamed:
+            return None
+        # large temporaries (gradients as autograd hands them over, activations) are mmap'ed
+        # and unmapped when freed, so RSS does not keep glibc's heap growth
+        return_freed_buffers_to_os()
+        if not compute_pool.supported():
+            return None
+        buffers = ComputeBuffers(self.device_budget.limit)
+        for flat in streamed:
+            flat.buffers = buffers
+        return buffers
+
+    def _host_needs(self) -> Dict[str, int]:
+        """What the engine itself holds in host RAM (bytes), by purpose, before any optimizer."""
+        streamed = [b for b in self.blocks if not b.resident]
+        trainable = [f for f in self._sink_flats() if f.trainable]
+        needs: Dict[str, int] = {}
+        if self.param_tier is Tier.HOST:
+            needs["parameter homes"] = sum(self._home_flat(f).home_nbytes for f in self.flats)
+        if self.param_tier is Tier.NVME and streamed:
+            count = 1 if self.compute_buffers is not None else self._transfer_workers()
+            needs["staging"] = count * max(self._home_flat(f).home_nbytes
+                                           for b in streamed for f in b.flats)
+        if trainable:
+            if self.grad_tier is Tier.HOST:
+                needs["gradient accumulators"] = sum(f.numel * 4 for f in trainable)
+            else:
+                needs["gradient buffers"] = (self._grad_buffer_count()
+                                             * max(f.numel * 4 for f in trainable))
+        return needs
+
+    def _grad_buffer_count(self) -> int:
+        return self.policy.prefetch_window + 2
+
+    def _check_host_budget(self) -> int:
+        """With a host budget: checks that what the engine holds in host RAM fits, naming the
+        minimum if not; on a CPU device also reserves the compute buffers of the streamed
+        blocks there (they are RAM too): root + (window + 2) x the largest block when it fits,
+        at least root + the largest block. Returns the bytes reserved."""
+        limit = self.host_budget.limit
+        if limit is None:
+            return 0
+        needs = self._host_needs()
+        minimal = comfortable = 0
+        if self.compute_buffers is not None:
+            streamed = [b for b in self.blocks if not b.resident]
+            root = sum(b.compute_nbytes for b in streamed if b.is_root)
+            layers = [b.compute_nbytes for b in streamed if not b.is_root]
+            largest = max(layers, default=0)
+            minimal = root + largest
+            comfortable = min(root + (self.policy.prefetch_window + 2) * largest,
+                              root + sum(layers))
+            if self.device_budget.limit is not None:
+                comfortable = max(minimal, min(comfortable, self.device_budget.limit))
+        fixed = sum(needs.values())
+        if fixed + minimal > limit:
+            parts = dict(needs)
+            if minimal:
+                parts["compute buffers (CPU device: the root block + the largest block)"] = minimal
+            listed = " + ".join(f"{k} {v:,}" for k, v in parts.items())
+            raise BudgetExceededError(
+                f"infinity: host_budget={limit:,} bytes is smaller than what the engine holds in "
+                f"host RAM: {listed} = {fixed + minimal:,} bytes. Raise host_budget to at least "
+                f"{fixed + minimal:,} bytes (an optimizer needs more on top: its states on host, "
+                "or with states on NVMe its buffer sets), or use smaller blocks (block_rule)")
+        if not minimal:
+            return 0
+        reserve = min(comfortable, limit - fixed)
+        self.host_budget.acquire(reserve, what="compute buffers of the streamed blocks (CPU)")
+        if self.device_budget.limit is None or reserve < self.device_budget.limit:
+            self.device_budget = ByteBudget("device", reserve)
+        self.compute_buffers.limit = reserve
+        return reserve
+
     def _check_budgets(self) -> None:
         streamed = [b for b in self.blocks if not b.resident]
         if self.device_budget.limit is None:
@@ -234,7 +319,9 @@ class Engine(Residence, OutsideWrites, HookHandlers):
             streamed = [b for b in self.blocks if not b.resident]
             if self.param_tier is Tier.NVME and streamed:
                 largest = max(self._home_flat(f).home_nbytes for b in streamed for f in b.flats)
-                count = max(1, min(2, self.policy.prefetch_window))
+                # CPU device with pooled compute buffers: fetches read straight into them, so
+                # one staging buffer serves the rest (wrap, partial writes, rehash)
+                count = 1 if self.compute_buffers is not None else self._transfer_workers()
                 self.pool = HostPool(count, largest, self.host_budget)
             self.home = self._make_home()
             total = sum(b.home_nbytes for b in self.blocks)
@@ -251,7 +338,7 @@ class Engine(Residence, OutsideWrites, HookHandlers):
                 self._fill_blocks(fill)
             self.grads = GradientSink(self.grad_tier, self.device, self.stats, self.host_budget,
                                       self.store, self._sink_flats(),
-                                      self.policy.prefetch_window + 2)
+                                      self._grad_buffer_count())
         except BaseException as failure:
             self._unfill(originals, filled, failure)
             if self.home is not None:
@@ -570,6 +657,10 @@ class Engine(Residence, OutsideWrites, HookHandlers):
             raise failure
 
     def tier_bytes(self) -> Dict[str, Dict[str, int]]:
+        """Bytes per tier. Host: everything counted in the host budget (``now``: the engine's
+        and its optimizer's buffers), by purpose; ``compute`` is the RAM reserved for the
+        compute buffers on a CPU device, ``optimizer`` what an optimizer holds (states on host,
+        its NVMe buffer sets, staging). With ZeRO sharding: this rank's parts."""
         mine = self._sink_flats() if self.partitioner is not None else self.flats
         host_homes = sum(self._home_flat(f).home_nbytes for f in self.flats
                          if self._home_flat(f).home is not None)
@@ -577,10 +668,17 @@ class Engine(Residence, OutsideWrites, HookHandlers):
                  if self.grad_tier is Tier.HOST else self.grads.host_bytes())
         staging = self.pool.count * self.pool.nbytes if self.pool is not None else 0
         nvme = self.store.total_bytes if self.store is not None else 0
+        used = self.host_budget.used
+        engine_host = host_homes + grads + staging + self._compute_reserved
+        device = {"now": self.device_budget.used, "peak": self.device_budget.peak}
+        if self.compute_buffers is not None:
+            device["held"] = self.compute_buffers.held  # in use + kept for reuse
         return {
-            "device": {"now": self.device_budget.used, "peak": self.device_budget.peak},
-            "host": {"now": host_homes + grads + staging, "peak": self.host_budget.peak,
-                     "params": host_homes, "grads": grads, "staging": staging},
+            "device": device,
+            "host": {"now": used, "peak": self.host_budget.peak, "limit": self.host_budget.limit,
+                     "params": host_homes, "grads": grads, "staging": staging,
+                     "compute": self._compute_reserved,
+                     "optimizer": max(0, used - engine_host)},
             "nvme": {"now": nvme, "peak": nvme},
         }
 
@@ -625,6 +723,11 @@ class Engine(Residence, OutsideWrites, HookHandlers):
                 flat.home = None
                 flat.grad = None
             self.grads.shutdown()
+            if self.compute_buffers is not None:
+                self.compute_buffers.trim()
+            if self._compute_reserved:
+                self.host_budget.release(self._compute_reserved)
+                self._compute_reserved = 0
             self.home.close()
             if self.pool is not None:
                 self.pool.close()

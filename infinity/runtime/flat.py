@@ -69,6 +69,7 @@ class FlatParam:
         self.home: Optional[torch.Tensor] = None     # host home copy (HOST tier)
         self.compute: Optional[torch.Tensor] = None  # the buffer parameters view into
         self.grad: Optional[torch.Tensor] = None     # fp32 host gradient accumulator
+        self.buffers = None  # ComputeBuffers lending the compute memory (CPU device), or None
         self.grad_ready: List[bool] = [False] * len(self.slots)
         self.binding = Binding.COMPUTE
         self._versions: List[int] = [0] * len(self.slots)
@@ -154,9 +155,14 @@ class FlatParam:
             if storage.size() != 0:
                 raise RuntimeError(f"{self.key}: compute storage has {storage.size()} bytes, "
                                    f"expected 0 or {want}")
-            storage.resize_(want)
+            if self.buffers is not None:
+                self.buffers.attach(self.compute)  # pooled memory, swapped in
+            else:
+                storage.resize_(want)
 
     def free_storage(self) -> None:
+        if self.buffers is not None and self.buffers.detach(self.compute):
+            return
         storage = self.compute.untyped_storage()
         if storage.size() != 0:
             storage.resize_(0)

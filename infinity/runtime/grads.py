@@ -161,8 +161,8 @@ class GradientSink:
         if any(flat.grad_ready):  # accumulating across micro-batches: bring back the sum so far
             self.store.read_sync(grad_key(flat), view)
             self.stats.add_moved("nvme_to_host", flat.numel * 4)
-        else:
-            view.zero_()  # slots without a gradient read as zeros, never as stale bytes
+        # else: the buffer holds stale bytes; every slot that gets a gradient is overwritten
+        # (copy_), and _close zeroes the rest before the write (one pass less over the buffer)
         flat.grad = view
         self._open[id(flat)] = (flat, buf)
 
@@ -214,8 +214,22 @@ class GradientSink:
         with self._timed():
             self._close(flat)
 
+    @staticmethod
+    def _zero_unwritten(flat: FlatParam) -> None:
+        """Zeroes what no gradient was copied into: slots without one, gaps, the padding (so
+        slots without a gradient read as zeros, never as stale bytes)."""
+        pos = 0
+        for i, s in enumerate(flat.slots):
+            if flat.grad_ready[i]:
+                if s.offset > pos:
+                    flat.grad[pos:s.offset].zero_()
+                pos = s.offset + s.numel
+        if pos < flat.numel:
+            flat.grad[pos:].zero_()
+
     def _close(self, flat: FlatParam) -> None:
         self._drain_d2h()
+        self._zero_unwritten(flat)
         flat, buf = self._open.pop(id(flat))
         # measured now, while the buffer is in RAM, so the optimizer need not read it back for
         # the inf/nan check or for clipping: per-slot L2 norms (computed exactly as
@@ -411,9 +425,11 @@ class GradientSink:
         return flat.grad
 
     def host_bytes(self) -> int:
+        """Host bytes of the gradient buffers (NVMe tier) and device->host staging."""
+        ring = self._staging.total_nbytes if self._staging is not None else 0
         if self.tier is Tier.NVME:
-            return self.pool.count * self.pool.nbytes if self.pool is not None else 0
-        return 0  # host accumulators are counted with the flats
+            return ring + (self.pool.count * self.pool.nbytes if self.pool is not None else 0)
+        return ring  # host accumulators are counted with the flats
 
     def shutdown(self) -> None:
         if self._staging is not None:  # copies in flight land before the buffers are freed

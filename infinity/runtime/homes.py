@@ -153,9 +153,16 @@ class NvmeHome(Home):
         self.store.read_sync(flat.key, staging)
         self.stats.add_moved("nvme_to_host", flat.home_nbytes)
 
+    @staticmethod
+    def _direct(flat: FlatParam, dst: torch.Tensor) -> bool:
+        """Whether the swap file can be read straight into ``dst`` (O_DIRECT needs an
+        aligned CPU buffer of the home's dtype and size)."""
+        return (dst.device.type == "cpu" and dst.dtype == flat.home_dtype
+                and dst.is_contiguous() and dst.numel() == flat.numel
+                and inf_io.is_aligned(dst))
+
     def read_into(self, flat: FlatParam, dst: torch.Tensor) -> None:
-        if (dst.dtype == flat.home_dtype and dst.is_contiguous() and dst.numel() == flat.numel
-                and inf_io.is_aligned(dst) and dst.device.type == "cpu"):
+        if self._direct(flat, dst):
             self._read(flat, dst)
             return
         buf = self.pool.acquire()
@@ -214,6 +221,10 @@ class NvmeHome(Home):
         (transfer) stream. The buffer goes back to the pool once an event recorded after the
         upload has completed: nothing here waits on the GPU."""
         from .pinned import upload
+        if self._direct(flat, dst):  # CPU device: straight from the file into the buffer
+            self._read(flat, dst)
+            self.stats.add_moved("host_to_device", flat.home_nbytes)
+            return
         buf = self.pool.acquire()
         uploading = False
         try:

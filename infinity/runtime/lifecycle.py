@@ -3,10 +3,11 @@ them): what to fetch, prefetch and release at each point of a step, and recovery
 forward or backward raised. Part of the Engine."""
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -24,6 +25,19 @@ def _graph_task_id() -> int:
 
 def _queue_callback(fn) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def _timed_hook(handler: Callable) -> Callable:
+    """Counts the wall time of a hook handler (lock wait included) in ``stats.hook_seconds``:
+    the engine's share of a forward+backward (see Stats.time_breakdown)."""
+    @functools.wraps(handler)
+    def timed(self, *args: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return handler(self, *args)
+        finally:
+            self.stats.hook_seconds += time.perf_counter() - t0
+    return timed
 
 
 def _raised(output: Any) -> bool:
@@ -75,6 +89,7 @@ class HookHandlers:
                          block.name, phase)
         self._prefetch(upcoming)
 
+    @_timed_hook
     def on_model_pre_forward(self, module: nn.Module, args) -> None:
         with self._lock:
             if self._closed:
@@ -94,6 +109,7 @@ class HookHandlers:
                 if block.is_root:
                     self._ensure_on_device(block)
 
+    @_timed_hook
     def on_model_post_forward(self, module: nn.Module, args, output) -> None:
         with self._lock:
             self._model_forward_depth = max(0, self._model_forward_depth - 1)
@@ -120,6 +136,7 @@ class HookHandlers:
                     if block.active_forward == 0:
                         self._release(block)
 
+    @_timed_hook
     def on_block_pre_forward(self, block: Block, module: nn.Module, args) -> None:
         with self._lock:
             if self._closed:
@@ -141,6 +158,7 @@ class HookHandlers:
             if block.needs_input_signal and torch.is_grad_enabled():
                 hooks_mod.register_post_backward(args, lambda: self.on_inputs_grad(block))
 
+    @_timed_hook
     def on_inputs_grad(self, block: Block) -> None:
         with self._lock:
             if self._closed:
@@ -162,6 +180,7 @@ class HookHandlers:
                 self.grads.close(flat)
         self._release(block)
 
+    @_timed_hook
     def on_block_post_forward(self, block: Block, module: nn.Module, args, output) -> None:
         with self._lock:
             if self._closed:
@@ -192,6 +211,7 @@ class HookHandlers:
         self.grads.reconcile(detach=True)
         _queue_callback(self._on_backward_end)
 
+    @_timed_hook
     def on_pre_backward(self, block: Block) -> None:
         with self._lock:
             if self._closed:
@@ -206,6 +226,7 @@ class HookHandlers:
                 self._last_backward_block = block
             self._ensure_on_device(block)
 
+    @_timed_hook
     def on_grad_ready(self, block: Block, flat_index: int, slot_index: int,
                       param: torch.Tensor) -> None:
         with self._lock:
@@ -221,6 +242,7 @@ class HookHandlers:
             block.grads_seen.add((flat_index, slot_index))
             self._release_if_backward_done(block)
 
+    @_timed_hook
     def _on_backward_end(self) -> None:
         with self._lock:
             self._callback_task = -1

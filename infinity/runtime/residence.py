@@ -74,8 +74,8 @@ class Residence:
         for flat in block.flats:
             flat.free_storage()
             self._bind_outside(flat)
-        if self.device.type == "cpu":
-            trim_heap()
+        if self.device.type == "cpu" and self.compute_buffers is None:
+            trim_heap()  # freed to malloc (no pool): give it back to the OS
         self.device_budget.release(block.compute_nbytes)
         block.prefetched = False
         block.to_home_state()

@@ -23,6 +23,8 @@ class Stats:
     # time attribution (seconds since the last reset)
     forward_backward_seconds: float = 0.0   # wall time, model pre-forward -> end of backward
     grad_offload_seconds: float = 0.0       # inside GradientSink.add/close/finish_backward
+    hook_seconds: float = 0.0               # inside the engine's forward/backward hooks
+    transfer_cpu_seconds: float = 0.0       # CPU time of the transfer threads (background)
     optimizer_cpu_adam_seconds: float = 0.0
     optimizer_nvme_wait_seconds: float = 0.0
     optimizer_nvme_busy_seconds: float = 0.0
@@ -46,6 +48,7 @@ class Stats:
             self.stall_seconds = 0.0
             self.fetches = self.releases = self.schedule_deviations = 0
             self.forward_backward_seconds = self.grad_offload_seconds = 0.0
+            self.hook_seconds = self.transfer_cpu_seconds = 0.0
             self.optimizer_cpu_adam_seconds = self.optimizer_nvme_wait_seconds = 0.0
             self.optimizer_nvme_busy_seconds = self.optimizer_total_seconds = 0.0
             self.optimizer_steps = 0
@@ -82,14 +85,21 @@ class Stats:
             self._nvme_written_mark = written
 
     def time_breakdown(self) -> Dict[str, object]:
-        """Seconds since the last reset. ``compute`` = forward+backward wall time less the
-        waits for parameters (``fetch_wait``) and the gradient offload (``grad_offload``)."""
+        """Seconds since the last reset. Forward+backward wall time splits into ``compute``
+        (outside the engine's hooks: the model's own math and autograd), ``fetch_wait``
+        (waiting for parameters), ``grad_offload`` (accumulating gradients, handing them to
+        NVMe) and ``engine`` (the rest of the hooks: bookkeeping, releases, locks, Python).
+        ``transfer_cpu``: CPU time the transfer threads used in the background (on a machine
+        without a GPU, taken from the compute's cores; not part of the wall-time sum)."""
         fb, fetch, grad = (self.forward_backward_seconds, self.stall_seconds,
                            self.grad_offload_seconds)
+        hooks = max(min(self.hook_seconds, fb), fetch + grad)
         return {
-            "compute": max(0.0, fb - fetch - grad),
+            "compute": max(0.0, fb - hooks),
             "fetch_wait": float(fetch),
             "grad_offload": float(grad),
+            "engine": max(0.0, hooks - fetch - grad),
+            "transfer_cpu": float(self.transfer_cpu_seconds),
             "optimizer": {
                 "cpu_adam": float(self.optimizer_cpu_adam_seconds),
                 "nvme_wait": float(self.optimizer_nvme_wait_seconds),
@@ -97,6 +107,10 @@ class Stats:
                 "total": float(self.optimizer_total_seconds),
             },
         }
+
+    def add_transfer_cpu(self, seconds: float) -> None:
+        with self._lock:
+            self.transfer_cpu_seconds += seconds
 
     @property
     def hit_rate(self) -> float:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import logging
+import time
 from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple
 
 import torch
@@ -68,7 +69,8 @@ class Fetch:
 
 class Transfers:
     def __init__(self, device: torch.device, stats: Stats, home: Home,
-                 pool: Optional[HostPool], flats: Sequence[FlatParam] = ()) -> None:
+                 pool: Optional[HostPool], flats: Sequence[FlatParam] = (),
+                 workers: Optional[int] = None) -> None:
         self.device = device
         self.stats = stats
         self.home = home
@@ -80,7 +82,8 @@ class Transfers:
         self._waits: Deque[Tuple[Any, Any]] = collections.deque()
         if pinned.pin_for_dma(device):
             self._pin(flats)
-        workers = pool.count if pool is not None else 1
+        if workers is None:
+            workers = pool.count if pool is not None else 1
         self._executor = cf.ThreadPoolExecutor(max_workers=workers,
                                                thread_name_prefix="infinity-transfer")
         self._closed = False
@@ -127,6 +130,13 @@ class Transfers:
         return Fetch(self._executor.submit(self._run_fetch, flats, alloc_event), self._note_wait)
 
     def _run_fetch(self, flats: List[FlatParam], alloc_event):
+        t0 = time.thread_time()
+        try:
+            return self._fetch_flats(flats, alloc_event)
+        finally:
+            self.stats.add_transfer_cpu(time.thread_time() - t0)
+
+    def _fetch_flats(self, flats: List[FlatParam], alloc_event):
         if self._cuda:
             with torch.cuda.stream(self._h2d):
                 self._h2d.wait_event(alloc_event)

@@ -46,9 +46,11 @@ class ByteBudget:
     def acquire(self, nbytes: int, *, what: str) -> None:
         if not self.try_acquire(nbytes):
             raise BudgetExceededError(
-                f"{what} needs {nbytes:,} bytes but the {self.name} budget has "
-                f"{self.limit - self._used:,} of {self.limit:,} bytes free; raise the "
-                f"{self.name} budget or use smaller blocks")
+                f"infinity: {what} needs {nbytes:,} bytes but the {self.name} budget has "
+                f"{self.limit - self._used:,} of {self.limit:,} bytes free ({self._used:,} "
+                f"already held). This needs {self.name}_budget >= {self._used + nbytes:,} "
+                f"bytes (more if later allocations follow); raise {self.name}_budget to at "
+                f"least that, or use smaller blocks (block_rule)")
 
     def release(self, nbytes: int) -> None:
         with self._lock:
