@@ -6,6 +6,7 @@
 from .api import (empty_init, gradient, materialized, parameters_changed, stats, unwrap,
                   wrap)
 from .checkpoint import consolidate, load_checkpoint, save_checkpoint
+from .plan import PlanError, estimate, explain, plan, probe
 from .policy import OffloadPolicy
 from .tiers import Tier
 
@@ -15,6 +16,7 @@ __all__ = ["wrap", "unwrap", "stats", "materialized", "gradient", "empty_init",
            "parameters_changed", "OffloadPolicy",
            "Tier", "__version__"]
 __all__ += ["save_checkpoint", "load_checkpoint", "consolidate"]
+__all__ += ["probe", "estimate", "plan", "explain", "PlanError"]
 
 
 def __getattr__(name: str):

@@ -46,6 +46,10 @@ class OffloadPolicy:
     require_direct_io: refuse a filesystem without O_DIRECT instead of warning and using the
         page cache.
     verify_checksums: CRC32C every swap file write and check it on every read.
+    placement: None (the rules above resolve each "auto") or "auto": the planner
+        (``infinity.plan``) picks the tiers left "auto" and, when prefetch_window is left at
+        its default, the window, from the budgets and the probed machine; see
+        ``infinity.explain(model)``.
     """
 
     param_tier: str = "auto"
@@ -60,6 +64,7 @@ class OffloadPolicy:
     device: Optional[Union[str, torch.device]] = None
     require_direct_io: bool = False
     verify_checksums: bool = True
+    placement: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.param_tier != "auto":
@@ -72,6 +77,8 @@ class OffloadPolicy:
         for name in ("param_tier", "grad_tier", "optimizer_tier"):
             if getattr(self, name) == "nvme" and self.nvme_path is None:
                 raise ValueError(f"{name}='nvme' needs nvme_path=<a directory on a fast disk>")
+        if self.placement not in (None, "auto"):
+            raise ValueError(f"placement={self.placement!r}; use 'auto' (the planner) or None")
         _check_bytes("device_budget", self.device_budget)
         _check_bytes("host_budget", self.host_budget)
         if (isinstance(self.prefetch_window, bool)
