@@ -92,7 +92,7 @@ def add_bench(p: argparse.ArgumentParser) -> None:
 def run_bench_cli(args: argparse.Namespace) -> int:
     import shutil
     from . import BenchConfig, report, run_bench, save
-    from .models import DEFAULT_LADDER, QUICK_LADDER
+    from .models import DEFAULT_LADDER, QUICK_LADDER, QUICK_PLACEMENTS
     from ..plan.shape import parse_bytes
     if args.load:
         with open(args.load) as fh:
@@ -110,6 +110,8 @@ def run_bench_cli(args: argparse.Namespace) -> int:
                           timeout_s=args.timeout, quick_probe=args.quick)
         if args.placement:
             cfg.placements = args.placement
+        elif args.quick:
+            cfg.placements = QUICK_PLACEMENTS
         result = run_bench(cfg)
     except ValueError as exc:
         sys.stderr.write(f"infinity bench: {exc}\n")

@@ -9,7 +9,8 @@ from ..models import GPTConfig, TinyGPT
 from ..plan.shape import parse_count
 
 VOCAB = 8192
-QUICK_LADDER = ("tiny", "small")
+QUICK_LADDER = ("tiny",)
+QUICK_PLACEMENTS = ("device", "host", "nvme")
 DEFAULT_LADDER = ("25M", "125M", "350M", "1B", "2B")  # the last rungs exceed 24 GiB of RAM+states
 
 
