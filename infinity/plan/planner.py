@@ -92,6 +92,8 @@ def _fits(e: Estimate, pl: Placement, b: Dict[str, Optional[int]], cuda: bool) -
     elif e.device_bytes + e.host_bytes > b["host"]:
         return (f"RAM needs {fmt_bytes(e.device_bytes + e.host_bytes)} > "
                 f"{fmt_bytes(b['host'])}")
+    elif e.device_bytes > b["device"]:  # a device_budget given on a CPU-only machine
+        return f"device needs {fmt_bytes(e.device_bytes)} > {fmt_bytes(b['device'])}"
     if pl.uses_nvme:
         if b["disk"] is None:
             return "no nvme_path"
