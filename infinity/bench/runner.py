@@ -79,6 +79,7 @@ def run_bench(cfg: BenchConfig, probe: Optional[ProbeResult] = None,
     cuda = pr.device == "cuda"
     rows: List[Dict[str, Any]] = []
     jobs = []
+    job_models = []
     for size in cfg.sizes:
         shape = _shape(size, cfg.seq)
         compute_s = calibrated_compute(shape, cfg.batch, cfg.seq) if cfg.calibrate else None
@@ -120,6 +121,7 @@ def run_bench(cfg: BenchConfig, probe: Optional[ProbeResult] = None,
                 continue
             rows.append(row)
             jobs.append(row)
+            job_models.append((shape, pl, window))
     if importlib.util.find_spec("deepspeed") is None:
         rows.append({"size": "*", "placement": "deepspeed", "ok": False,
                      "skipped": "DeepSpeed is not installed (pip install deepspeed)"})
@@ -127,6 +129,7 @@ def run_bench(cfg: BenchConfig, probe: Optional[ProbeResult] = None,
         rows.append({"size": "*", "placement": "deepspeed", "ok": False,
                      "skipped": "DeepSpeed ZeRO-Infinity comparison is not built yet"})
     results: Dict[int, List[Dict[str, Any]]] = {id(r): [] for r in jobs}
+    models = {id(r): m for r, m in zip(jobs, job_models)}
     env = dict(cfg.extra_env)
     with tqdm(total=len(jobs) * cfg.repeats, desc="infinity bench", unit="run") as bar:
         for rep in range(cfg.repeats):
@@ -135,7 +138,7 @@ def run_bench(cfg: BenchConfig, probe: Optional[ProbeResult] = None,
                 spec = {"size": row["size"], "placement": row["placement"],
                         "batch": cfg.batch, "seq": cfg.seq, "steps": cfg.steps,
                         "warmup": cfg.warmup, "nvme_path": cfg.nvme_path,
-                        "host_budget": cfg.ram_budget}
+                        "host_budget": cfg.ram_budget, "calibrate": cfg.calibrate}
                 results[id(row)].append(_run_worker(spec, cfg.timeout_s, env))
                 bar.update(1)
     for row in jobs:
@@ -150,6 +153,18 @@ def run_bench(cfg: BenchConfig, probe: Optional[ProbeResult] = None,
         row["step_s"] = med
         row["step_s_runs"] = [r["step_s"] for r in good]
         row["tokens_per_s"] = cfg.batch * cfg.seq / med
+        calibrated = [r["compute_calibrated_s"] for r in good if "compute_calibrated_s" in r]
+        if calibrated:  # predicted from compute timed in the run's own process, same load
+            shape, pl, window = models[id(row)]
+            planned = good[0].get("planned")
+            if row["placement"] == "planner" and planned and planned != pl.name:
+                pl = get_placement(planned)  # the run's own plan decides what is predicted
+            row["pred_step_s_start"] = row["pred_step_s"]
+            e = estimate_one(shape, pl, pr, batch=cfg.batch, seq=cfg.seq,
+                             compute_s=statistics.median(calibrated), prefetch_window=window)
+            row.update({"pred_step_s": e.step_s, "pred_compute_s": e.compute_s,
+                        "pred_fetch_s": e.fetch_s, "pred_grad_offload_s": e.grad_offload_s,
+                        "pred_optimizer_s": e.optimizer_s})
         row["pred_error"] = row["pred_step_s"] / med - 1.0
         for key in ("peak_rss_bytes", "rss_start_bytes", "peak_device_bytes",
                     "nvme_bytes_per_step", "host_peak_bytes", "nvme_disk_bytes", "build_s",

@@ -54,6 +54,17 @@ def run(spec: Dict[str, Any]) -> Dict[str, Any]:
     batch, seq, steps = spec["batch"], spec["seq"], spec["steps"]
     name = spec["placement"]
     cuda = torch.cuda.is_available()
+    calibrations = []
+
+    def calibrate() -> None:
+        # forward + backward of one layer and of the head at this shape, just before and just
+        # after the run: the prediction sees the same machine load as the measurement
+        if spec.get("calibrate"):
+            from infinity.plan.probe import measure_gpt_parts
+            parts = measure_gpt_parts(cfg.d_model, cfg.n_heads, cfg.vocab_size, batch, seq,
+                                      reps=3)
+            calibrations.append(cfg.n_layers * parts["layer_s"] + parts["head_s"])
+    calibrate()
     rss_start = _rss_kib()
     _reset_peak_rss()
     out: Dict[str, Any] = {"size": spec["size"], "placement": name, "d_model": cfg.d_model,
@@ -107,6 +118,9 @@ def run(spec: Dict[str, Any]) -> Dict[str, Any]:
         times.append(time.perf_counter() - t)
         losses.append(float(loss))
     measured = times[spec["warmup"]:]
+    calibrate()
+    if calibrations:
+        out["compute_calibrated_s"] = statistics.mean(calibrations)
     step = statistics.median(measured)
     out.update({"step_s": step, "step_s_all": measured, "tokens_per_s": batch * seq / step,
                 "loss_first": losses[0], "loss_last": losses[-1],
