@@ -44,7 +44,7 @@ def add_estimate(p: argparse.ArgumentParser) -> None:
 
 
 def run_estimate(args: argparse.Namespace) -> int:
-    from ..plan import PlanError, estimate, plan
+    from ..plan import estimate, plan
     from ..plan.probe import ProbeError, probe
     from ..plan.shape import parse_bytes, shape_of_count, parse_count
     try:

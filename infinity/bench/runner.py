@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from tqdm.auto import tqdm
 
-from ..plan.estimate import calibrated_compute, estimate_one, model_flops
+from ..plan.estimate import calibrated_compute, estimate_one
 from ..plan.placements import PLACEMENTS, placement as get_placement
 from ..plan.planner import PlanError, _fits, budgets, plan
 from ..plan.probe import ProbeResult, probe as run_probe

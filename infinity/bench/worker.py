@@ -57,14 +57,15 @@ def run(spec: Dict[str, Any]) -> Dict[str, Any]:
     calibrations = []
 
     def calibrate() -> None:
-        # forward + backward of one layer and of the head at this shape, just before and just
-        # after the run: the prediction sees the same machine load as the measurement
+        # forward + backward of one layer and of the head at this shape, right after the
+        # measured steps, in the same process: the prediction sees the same machine load and
+        # process state (a cold process runs its first seconds of compute several times
+        # slower on this VM, so a calibration before the run is not representative)
         if spec.get("calibrate"):
             from infinity.plan.probe import measure_gpt_parts
             parts = measure_gpt_parts(cfg.d_model, cfg.n_heads, cfg.vocab_size, batch, seq,
                                       reps=3)
             calibrations.append(cfg.n_layers * parts["layer_s"] + parts["head_s"])
-    calibrate()
     rss_start = _rss_kib()
     _reset_peak_rss()
     out: Dict[str, Any] = {"size": spec["size"], "placement": name, "d_model": cfg.d_model,
@@ -120,7 +121,7 @@ def run(spec: Dict[str, Any]) -> Dict[str, Any]:
     measured = times[spec["warmup"]:]
     calibrate()
     if calibrations:
-        out["compute_calibrated_s"] = statistics.mean(calibrations)
+        out["compute_calibrated_s"] = calibrations[-1]
     step = statistics.median(measured)
     out.update({"step_s": step, "step_s_all": measured, "tokens_per_s": batch * seq / step,
                 "loss_first": losses[0], "loss_last": losses[-1],

@@ -19,7 +19,7 @@ computes its own batch; collectives are not modelled (and multi-rank runs are no
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Union
+from typing import List, Optional, Sequence, Union
 
 from torch import nn
 

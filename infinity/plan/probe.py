@@ -144,7 +144,7 @@ def measure_compute(shapes, device: torch.device, reps: int = 2) -> Dict[str, fl
                 torch.cuda.synchronize(device)
         t = _median_time(step, reps)
         out[str(d)] = layer_flops(d, batch * seq, seq) / t
-        del layer, x
+
     return out
 
 
@@ -165,7 +165,7 @@ def measure_gpt_parts(d_model: int, n_heads: int, vocab: int, batch: int, seq: i
         layer(x).sum().backward()
         sync()
     layer_s = _median_time(layer_step, reps)
-    del layer, x
+
     head = TinyGPT(cfg).to(device)
     idx = torch.randint(0, vocab, (batch, seq), device=device)
 
