@@ -43,13 +43,17 @@ def wrap(model: nn.Module, nvme_path: Optional[str] = None, *,
             raise TypeError(f"unknown infinity.wrap setting(s) {unknown}; valid settings are "
                             f"{list(OffloadPolicy.field_names())}")
         policy = OffloadPolicy(nvme_path=nvme_path, **settings)
+    plan = None
+    if policy.placement == "auto":
+        from .plan.planner import apply_plan
+        policy, plan = apply_plan(model, policy)
     values = None
     if source is not None:
         values = CheckpointSource(source)
     elif init is not None:
         values = InitSource(init)
     try:
-        Engine(model, policy, values, process_group)
+        Engine(model, policy, values, process_group).plan = plan
     finally:
         if values is not None:
             values.close()

@@ -1,4 +1,5 @@
-"""The ``infinity`` command line: ``infinity demo`` (and ``python -m infinity demo``)."""
+"""The ``infinity`` command line (also ``python -m infinity``): demo, info, consolidate, probe,
+estimate, explain and bench."""
 from __future__ import annotations
 
 import argparse
@@ -26,6 +27,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                       help="cast floating-point weights (default: as saved)")
     cons.add_argument("--max-shard-size", default="5GB",
                       help="split into shards above this size, e.g. 5GB (default) or 500MB")
+    from .bench import cli as bench_cli
+    bench_cli.add_probe(sub.add_parser("probe", help="measure this machine: memory, "
+                                                    "host<->device, swap disk, CPU Adam"))
+    bench_cli.add_estimate(sub.add_parser("estimate", help="bytes per tier and predicted step "
+                                                          "time of a model, per placement"))
+    bench_cli.add_bench(sub.add_parser("bench", help="the GPT offload benchmark: a ladder of "
+                                                    "sizes x placements, tokens/s, memory"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
@@ -49,4 +57,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 1
         sys.stdout.write("".join(f"wrote {p}\n" for p in written))
         return 0
+    if args.command == "probe":
+        return bench_cli.run_probe(args)
+    if args.command == "estimate":
+        return bench_cli.run_estimate(args)
+    if args.command == "bench":
+        return bench_cli.run_bench_cli(args)
     return 2

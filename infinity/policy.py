@@ -53,6 +53,10 @@ class OffloadPolicy:
     collective_timeout: seconds a collective may wait for the other ranks before failing
         (ranks that diverged or died); applies to the group infinity makes from the default
         one (a group or mesh passed to wrap keeps its own timeout).
+    placement: None (the rules above resolve each "auto") or "auto": the planner
+        (``infinity.plan``) picks the tiers left "auto" and, when prefetch_window is left at
+        its default, the window, from the budgets and the probed machine; see
+        ``infinity.explain(model)``.
     """
 
     param_tier: str = "auto"
@@ -69,6 +73,7 @@ class OffloadPolicy:
     verify_checksums: bool = True
     shard: str = "auto"
     collective_timeout: float = 600.0
+    placement: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.param_tier != "auto":
@@ -81,6 +86,8 @@ class OffloadPolicy:
         for name in ("param_tier", "grad_tier", "optimizer_tier"):
             if getattr(self, name) == "nvme" and self.nvme_path is None:
                 raise ValueError(f"{name}='nvme' needs nvme_path=<a directory on a fast disk>")
+        if self.placement not in (None, "auto"):
+            raise ValueError(f"placement={self.placement!r}; use 'auto' (the planner) or None")
         _check_bytes("device_budget", self.device_budget)
         _check_bytes("host_budget", self.host_budget)
         if (isinstance(self.prefetch_window, bool)

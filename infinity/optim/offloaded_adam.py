@@ -28,6 +28,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 
 from .. import io as inf_io
+from .. import trace_events
 from ..ops import (cpu_adam_step, cpu_adam_step_8bit, cpu_adam_step_bf16_moments,
                    dequantize_8bit, new_8bit_state)
 from ..runtime.engine import Engine, locate
@@ -237,6 +238,7 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
         for engine in self._engines():
             engine.resume()
         stats.step_s = time.perf_counter() - t0
+        trace_events.span("optimizer_step", "step", stats.bytes_written, t0)
         for engine in self._engines():
             engine.record_optimizer_step(stats)
         return loss
@@ -380,6 +382,7 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
             t0 = time.perf_counter()
             self._apply(shard, runs, buf, staging, multiplier, grad)
             stats.compute_s += time.perf_counter() - t0
+            trace_events.span("optimizer_compute", shard.key, shard.numel, t0)
             self._commit_steps(shard)
             self._done[shard.key] = shard
             if staging is not None:  # the updated working copy goes to the parameter swap file

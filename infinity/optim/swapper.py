@@ -16,6 +16,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from .. import io as inf_io
+from .. import trace_events
 from .state_store import NvmeStates, Shard
 
 logger = logging.getLogger(__name__)
@@ -60,16 +61,23 @@ class IOClock:
     def __init__(self) -> None:
         self.wait_s = 0.0
         self._open: Dict[int, Tuple["inf_io.IOFuture", float]] = {}
+        self._labels: Dict[int, Tuple[str, str, int]] = {}  # for infinity.trace
         self._intervals: List[Tuple[float, float]] = []
 
-    def submitted(self, future: "inf_io.IOFuture") -> "inf_io.IOFuture":
+    def submitted(self, future: "inf_io.IOFuture", kind: str = "", name: str = "",
+                  nbytes: int = 0) -> "inf_io.IOFuture":
         self._open[id(future)] = (future, time.perf_counter())
+        if kind and trace_events.active():
+            self._labels[id(future)] = (kind, name, nbytes)
         return future
 
     def _close(self, future: "inf_io.IOFuture", now: float) -> None:
         entry = self._open.pop(id(future), None)
         if entry is not None:
             self._intervals.append((entry[1], now))
+            label = self._labels.pop(id(future), None)
+            if label is not None:
+                trace_events.span(label[0], label[1], label[2], entry[1], now)
 
     def poll(self) -> None:
         now = time.perf_counter()
@@ -168,7 +176,8 @@ def run_pipeline(shards: List[Shard], states: NvmeStates, sets: BufferSets, comp
         drain(k)
         shard = shards[i]
         nbytes = states.layout(shard).nbytes
-        reads[i] = clock.submitted(states.read(shard, sets.state_view(k, states, shard)))
+        reads[i] = clock.submitted(states.read(shard, sets.state_view(k, states, shard)),
+                                   "optimizer_read", shard.key, nbytes)
         stats.bytes_read += nbytes
         engine.stats.add_moved("nvme_to_host", nbytes)
         if engine.grads.in_ram(shard.flat) is None and sets.grads[k] is not None:  # on NVMe
@@ -204,13 +213,18 @@ def run_pipeline(shards: List[Shard], states: NvmeStates, sets: BufferSets, comp
             computed.append(shard)
             compute(shard, buf, sets.staging[k], grad)
             stats.compute_s += time.perf_counter() - t0
+            trace_events.span("optimizer_compute", shard.key, shard.numel, t0)
             clock.poll()
-            writes[k].append((clock.submitted(states.write(shard, buf)), shard, "writing"))
+            writes[k].append((clock.submitted(states.write(shard, buf), "optimizer_write",
+                                              shard.key, states.layout(shard).nbytes),
+                              shard, "writing"))
             stats.bytes_written += states.layout(shard).nbytes
             engine.stats.add_moved("host_to_nvme", states.layout(shard).nbytes)
             if write_home:
                 home = sets.staging[k][:shard.flat.home_nbytes].view(shard.flat.home_dtype)
-                writes[k].append((clock.submitted(engine.write_home(shard.flat, home)), shard,
+                writes[k].append((clock.submitted(engine.write_home(shard.flat, home),
+                                                  "optimizer_write", shard.flat.key,
+                                                  shard.flat.home_nbytes), shard,
                                   "writing the parameters updated with the"))
         for k in range(SETS):
             drain(k)

@@ -26,6 +26,7 @@ import logging
 import numpy as np
 import torch
 
+from .. import trace_events
 from .. import io as inf_io
 from ..ops import all_finite
 from ..tiers import ByteBudget, HostPool, SwapStore, Tier
@@ -106,8 +107,11 @@ class GradientSink:
             self.stats.grad_offload_seconds += time.perf_counter() - t0
 
     def add(self, flat: FlatParam, index: int, grad: torch.Tensor) -> None:
+        t0 = time.perf_counter()
         with self._timed():
             self._add(flat, index, grad)
+        trace_events.span("grad_offload", flat.slots[index].qualname,
+                   grad.numel() * grad.element_size(), t0)
 
     def _add(self, flat: FlatParam, index: int, grad: torch.Tensor) -> None:
         if grad.is_sparse:
@@ -211,8 +215,10 @@ class GradientSink:
         """The flat's gradients for this backward are complete (NVMe: start writing them)."""
         if self.tier is Tier.HOST or id(flat) not in self._open:
             return
+        t0 = time.perf_counter()
         with self._timed():
             self._close(flat)
+        trace_events.span("grad_write", flat.key, flat.numel * 4, t0)
 
     @staticmethod
     def _zero_unwritten(flat: FlatParam) -> None:

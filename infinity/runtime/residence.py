@@ -8,6 +8,7 @@ from typing import Sequence
 
 import torch
 
+from .. import trace_events
 from .block import Block
 from .flat import Binding
 from .host_malloc import trim_heap
@@ -169,9 +170,11 @@ class Residence:
                 logger.warning("infinity: prefetch of block %s failed (%s); it is fetched "
                                "again when needed", block.name, exc)
                 return
+        t0 = time.perf_counter()
         self._write_back(block)
         self._drop_compute(block)
         self.stats.releases += 1
+        trace_events.span("release", block.name, block.compute_nbytes, t0)
 
     def _discard(self, block: Block) -> None:
         """Drops a fetch whose data went stale (its home was written meanwhile)."""

@@ -20,6 +20,7 @@ from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple
 
 import torch
 
+from .. import trace_events
 from ..io.buffers import PinnedRegions, check_memlock, pin_tensors
 from ..tiers import HostPool, Tier
 from . import pinned
@@ -150,7 +151,9 @@ class Transfers:
         return None
 
     def _fetch_one(self, flat: FlatParam) -> None:
+        t0 = time.perf_counter()
         self.home.fetch_into(flat, flat.compute, self._cuda)
+        trace_events.span("fetch", flat.key, flat.home_nbytes, t0)
         if self.home.tier is Tier.HOST:
             self.stats.add_moved("host_to_device", flat.home_nbytes)
 

@@ -1,0 +1,127 @@
+"""Arguments and main of ``infinity probe``, ``infinity estimate`` and ``infinity bench``."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+
+def add_probe(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nvme-path", default=None, help="the swap directory to measure")
+    p.add_argument("--quick", action="store_true", help="small buffers: seconds, rougher")
+    p.add_argument("--refresh", action="store_true", help="measure again even if cached")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def run_probe(args: argparse.Namespace) -> int:
+    from ..plan.probe import ProbeError, format_probe, probe
+    try:
+        r = probe(args.nvme_path, quick=args.quick, refresh=args.refresh)
+    except ProbeError as exc:
+        sys.stderr.write(f"{exc}\n")
+        return 1
+    sys.stdout.write(json.dumps(r.to_json(), indent=1) + "\n" if args.json else format_probe(r))
+    return 0
+
+
+def add_estimate(p: argparse.ArgumentParser) -> None:
+    p.add_argument("params", help="parameter count, e.g. 125M, 2B, 1.3e9")
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--d-model", type=int, default=None)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--ranks", type=int, default=1, help="rows for 1..N ranks")
+    p.add_argument("--nvme-path", default=None)
+    p.add_argument("--placement", action="append", default=None,
+                   help="only this placement (repeatable)")
+    p.add_argument("--quick-probe", action="store_true")
+    p.add_argument("--calibrate", action="store_true",
+                   help="time one layer + head at this shape instead of the probe's FLOP rate")
+    p.add_argument("--plan", action="store_true", help="also show the planner's choice")
+    p.add_argument("--ram-budget", default=None, help="host budget for --plan, e.g. 8GiB")
+
+
+def run_estimate(args: argparse.Namespace) -> int:
+    from ..plan import estimate, plan
+    from ..plan.probe import ProbeError, probe
+    from ..plan.shape import parse_bytes, shape_of_count, parse_count
+    try:
+        shape = shape_of_count(parse_count(args.params), n_layers=args.layers,
+                               d_model=args.d_model)
+        pr = probe(args.nvme_path, quick=args.quick_probe)
+        table = estimate(shape, batch=args.batch, seq=args.seq, ranks=args.ranks,
+                         placements=args.placement, probe=pr, calibrate=args.calibrate)
+        sys.stdout.write(str(table))
+        if args.plan:
+            budget = parse_bytes(args.ram_budget) if args.ram_budget else None
+            sys.stdout.write(str(plan(shape, probe=pr, nvme_path=args.nvme_path,
+                                      host_budget=budget, batch=args.batch, seq=args.seq)))
+    except (ValueError, ProbeError) as exc:  # PlanError is a ValueError
+        sys.stderr.write(f"{exc}\n")
+        return 1
+    return 0
+
+
+def add_bench(p: argparse.ArgumentParser) -> None:
+    from .models import DEFAULT_LADDER
+    p.add_argument("--size", action="append", default=None,
+                   help=f"a ladder rung (repeatable), e.g. 125M, 2B (default: "
+                        f"{' '.join(DEFAULT_LADDER)})")
+    p.add_argument("--placement", action="append", default=None,
+                   help="only this placement (repeatable; default: all)")
+    p.add_argument("--no-planner", action="store_true", help="skip the planner's run")
+    p.add_argument("--nvme-path", default=None,
+                   help="swap directory (default: a new folder in the temp dir, removed after)")
+    p.add_argument("--ram-budget", default=None,
+                   help="host RAM budget, e.g. 8GiB (the engine's host_budget)")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=1, help="runs per cell (median)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
+    p.add_argument("--out", default="infinity_bench", help="output directory")
+    p.add_argument("--report", action="store_true", help="print a pasteable summary")
+    p.add_argument("--load", default=None, help="report on a saved bench.json, no run")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny models, quick probe: a smoke test in well under a minute")
+
+
+def run_bench_cli(args: argparse.Namespace) -> int:
+    import shutil
+    from . import BenchConfig, report, run_bench, save
+    from .models import DEFAULT_LADDER, QUICK_LADDER, QUICK_PLACEMENTS
+    from ..plan.shape import parse_bytes
+    if args.load:
+        with open(args.load) as fh:
+            sys.stdout.write(report(json.load(fh)))
+        return 0
+    own = args.nvme_path is None
+    path = tempfile.mkdtemp(prefix="infinity-bench-") if own else args.nvme_path
+    try:
+        sizes = args.size or list(QUICK_LADDER if args.quick else DEFAULT_LADDER)
+        cfg = BenchConfig(sizes=sizes, nvme_path=path, planner=not args.no_planner,
+                          batch=2 if args.quick and args.batch == 4 else args.batch,
+                          seq=32 if args.quick and args.seq == 128 else args.seq,
+                          steps=args.steps, warmup=args.warmup, repeats=args.repeats,
+                          ram_budget=parse_bytes(args.ram_budget) if args.ram_budget else None,
+                          timeout_s=args.timeout, quick_probe=args.quick)
+        if args.placement:
+            cfg.placements = args.placement
+        elif args.quick:
+            cfg.placements = QUICK_PLACEMENTS
+        result = run_bench(cfg)
+    except ValueError as exc:
+        sys.stderr.write(f"infinity bench: {exc}\n")
+        return 1
+    finally:
+        if own:
+            shutil.rmtree(path, ignore_errors=True)
+    for f in save(result, args.out):
+        sys.stdout.write(f"wrote {os.path.abspath(f)}\n")
+    if args.report:
+        sys.stdout.write(report(result))
+    failed = [r for r in result["rows"] if r.get("error")]
+    return 1 if failed else 0

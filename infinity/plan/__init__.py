@@ -1,0 +1,40 @@
+"""Know your machine: probe it, estimate a model on it, plan a placement, explain the plan."""
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+from torch import nn
+
+from .estimate import Estimate, EstimateTable, estimate
+from .placements import PLACEMENTS, Placement
+from .planner import Plan, PlanError, plan
+from .probe import ProbeError, ProbeResult, format_probe, probe
+from .shape import ModelShape, describe
+
+
+def explain(model: Union[nn.Module, int, float], *, show: bool = True, **settings: Any) -> Plan:
+    """The plan for ``model``, with its reasons: for a model wrapped with
+    ``placement="auto"`` the plan it got; otherwise the plan ``wrap(model,
+    placement="auto", **settings)`` would choose (nothing is allocated or written).
+    ``show``: also print it (to stdout)."""
+    result: Optional[Plan] = None
+    if isinstance(model, nn.Module):
+        from ..runtime.registry import engine_of
+        engine = engine_of(model)
+        if engine is not None:
+            result = getattr(engine, "plan", None)
+            if result is None:
+                raise ValueError("infinity.explain: this model was wrapped with explicit tiers "
+                                 "(placement=None), not planned; unwrap it and call "
+                                 "infinity.explain(model, nvme_path=...) to see a plan")
+    if result is None:
+        settings.pop("placement", None)
+        result = plan(model, **settings)
+    if show:
+        print(result, end="")  # noqa: T201 - explain's job is to show the plan
+    return result
+
+
+__all__ = ["Estimate", "EstimateTable", "ModelShape", "PLACEMENTS", "Placement", "Plan",
+           "PlanError", "ProbeError", "ProbeResult", "describe", "estimate", "explain",
+           "format_probe", "plan", "probe"]

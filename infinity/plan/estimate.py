@@ -1,0 +1,201 @@
+"""``infinity.estimate``: for each placement and rank count, the bytes per tier, the predicted
+step time (from the probe's bandwidths and the model's FLOPs) and the NVMe bytes written per
+step. The cost model, term by term:
+
+- compute: 6·N·tokens + 12·layers·tokens·seq·d (attention) FLOPs at the probe's measured rate
+  for a GPT layer of the model's width, on the compute device;
+- gradient offload: each gradient is added into an fp32 host buffer (12 bytes/param of memory
+  traffic on the CPU; on a GPU the device->host copy at the pinned bandwidth, overlapped with
+  backward);
+- parameter fetch from NVMe: every block read twice a step (forward, backward) at the O_DIRECT
+  read rate, gradients written once, overlapped with compute by the prefetch (the longer of the
+  two counts);
+- optimizer: CPU Adam at the probed params/s, states streamed from/to NVMe where they live
+  there (read(i+1) | compute(i) | write(i-1): the longer of compute and I/O counts).
+
+With R ranks each holds 1/R of the homes, gradients and states (ZeRO-3 partitioning) and
+computes its own batch; collectives are not modelled (and multi-rank runs are not built yet).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Union
+
+from torch import nn
+
+from .placements import PLACEMENTS, Placement, placement as get_placement, state_bytes_per_param
+from .probe import ProbeResult, probe as run_probe
+from .shape import ModelShape, describe
+
+# Per block and step: forward + backward hooks, fetch/release bookkeeping (CPU seconds).
+BLOCK_OVERHEAD_S = 2e-4
+
+
+@dataclass(frozen=True)
+class Estimate:
+    placement: str
+    ranks: int
+    device_bytes: int
+    host_bytes: int
+    nvme_bytes: int
+    step_s: float
+    compute_s: float
+    fetch_s: float
+    grad_offload_s: float
+    optimizer_s: float
+    nvme_written_per_step: int
+    tokens_per_step: int
+    what: str = ""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_s if self.step_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class EstimateTable:
+    shape: ModelShape
+    rows: List[Estimate]
+    batch: int
+    seq: int
+    device: str
+    notes: List[str] = field(default_factory=list)
+
+    def row(self, placement: str, ranks: int = 1) -> Estimate:
+        for r in self.rows:
+            if r.placement == placement and r.ranks == ranks:
+                return r
+        raise KeyError((placement, ranks))
+
+    def __str__(self) -> str:
+        from .explain import format_estimates
+        return format_estimates(self)
+
+
+def model_flops(shape: ModelShape, tokens: int, seq: int) -> float:
+    return 6.0 * shape.params * tokens + 12.0 * shape.n_layers * tokens * seq * shape.d_model
+
+
+def calibrated_compute(shape: ModelShape, batch: int, seq: int, reps: int = 3) -> float:
+    """Seconds of forward + backward measured at this model's exact shape: one GPT layer and
+    the embeddings + head, timed separately (``layers * layer + head``)."""
+    from .probe import measure_gpt_parts
+    parts = measure_gpt_parts(shape.d_model, shape.n_heads or max(1, shape.d_model // 64),
+                              shape.vocab_size or 50304, batch, seq, reps=reps)
+    return shape.n_layers * parts["layer_s"] + parts["head_s"]
+
+
+def estimate_one(shape: ModelShape, pl: Placement, pr: ProbeResult, *, batch: int, seq: int,
+                 ranks: int = 1, prefetch_window: int = 2,
+                 compute_bytes_per_param: Optional[float] = None,
+                 compute_s: Optional[float] = None) -> Estimate:
+    n = shape.params / ranks              # parameters this rank holds (homes, grads, states)
+    pbytes = shape.param_bytes / ranks    # their home bytes
+    bpp = shape.bytes_per_param
+    cbpp = compute_bytes_per_param or bpp
+    tokens = batch * seq
+    cuda = pr.device == "cuda"
+    mem = pr.mem_bps
+    largest = shape.largest_block_params
+    layer_bytes = shape.layer_block_bytes * cbpp / bpp
+    root_bytes = shape.root_bytes * cbpp / bpp
+    window_bytes = root_bytes + (prefetch_window + 1) * layer_bytes
+    compute = (compute_s if compute_s is not None
+               else model_flops(shape, tokens, seq) / pr.flops_at(shape.d_model))
+    blocks = len(shape.block_bytes)
+    overhead = blocks * BLOCK_OVERHEAD_S
+    adam_rate = pr.adam8_params_per_s if pl.states == "8bit" else pr.adam_params_per_s
+    s = state_bytes_per_param(pl.states)
+    fetch = grad = opt = 0.0
+    written = 0.0
+    if pl.plain:
+        device = shape.param_bytes * 2 + 8 * shape.params
+        host = nvme = 0.0
+        opt = (28.0 * shape.params / pr.device_mem_bps) if cuda and pr.device_mem_bps else \
+            shape.params / pr.adam_params_per_s
+        overhead = 0.0
+    else:
+        if cuda:
+            grad = 4.0 * n / (pr.d2h_pinned_bps or mem)
+        else:
+            grad = 12.0 * n / mem
+        if pl.param_tier == "device":
+            device = shape.param_bytes + 4.0 * largest
+            host = 4.0 * n + s * n
+            nvme = 0.0
+            opt = n / adam_rate + ((pbytes / pr.h2d_pinned_bps) if cuda else 0.0)
+        elif pl.param_tier == "host":
+            master_in_home = bpp == 4 and pl.optimizer_tier == "host"
+            device = window_bytes if cuda else 0.0
+            host = pbytes + 4.0 * n
+            if cuda:
+                fetch = max(0.0, 2 * shape.param_bytes / pr.h2d_pinned_bps - compute)
+            if pl.optimizer_tier == "host":
+                host += state_bytes_per_param(pl.states, not master_in_home) * n
+                nvme = 0.0
+                opt = n / adam_rate
+            else:
+                host += 3 * largest * s
+                nvme = 2 * s * n
+                io = s * n / pr.disk.read_bps + s * n / pr.disk.write_bps
+                opt = max(n / adam_rate, io)
+                written = s * n
+        else:  # nvme
+            device = window_bytes
+            pool = min(2, max(1, prefetch_window))
+            host = (pool * shape.layer_block_bytes + (prefetch_window + 2) * 4.0 * largest
+                    + 3 * largest * (s + bpp + 4.0))
+            nvme = pbytes + 4.0 * n + 2 * s * n
+            disk = pr.disk
+            io_fb = 2 * pbytes / disk.read_bps + 4.0 * n / disk.write_bps
+            if cuda:
+                io_fb += 0.0  # uploads overlap with the disk reads
+            fetch = max(0.0, io_fb - compute - grad)
+            io_opt = (s + 4.0) * n / disk.read_bps + (s * n + pbytes) / disk.write_bps
+            opt = max(n / adam_rate, io_opt)
+            written = 4.0 * n + s * n + pbytes
+    step = compute + fetch + grad + opt + overhead
+    return Estimate(pl.name, ranks, int(device), int(host), int(nvme), step, compute, fetch,
+                    grad, opt, int(written), tokens, pl.what)
+
+
+def estimate(model_or_count: Union[nn.Module, int, float, str, ModelShape], *,
+             batch: int = 4, seq: int = 128, ranks: Union[int, Sequence[int]] = 1,
+             placements: Optional[Sequence[str]] = None, nvme_path: Optional[str] = None,
+             probe: Optional[ProbeResult] = None, prefetch_window: int = 2,
+             n_layers: Optional[int] = None, d_model: Optional[int] = None,
+             quick_probe: bool = False, calibrate: bool = False) -> EstimateTable:
+    """Predicts, before anything is allocated, what each placement needs and how fast a step
+    runs. ``model_or_count``: an nn.Module (built on the meta device is fine), a parameter
+    count (``2e9`` or ``"2B"``; a GPT shape is assumed, ``n_layers``/``d_model`` refine it).
+    ``ranks``: an int N (rows for 1..N ranks) or a list of rank counts. NVMe placements need
+    the disk figures: pass ``nvme_path`` (probed) or a ``probe`` result with a disk.
+    ``calibrate``: time forward + backward of one layer and of the head at this exact shape
+    (seconds for large models) instead of using the probe's FLOP rate."""
+    from .shape import parse_count
+    if isinstance(model_or_count, str):
+        model_or_count = parse_count(model_or_count)
+    shape = describe(model_or_count, n_layers=n_layers, d_model=d_model)
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch <= 0 or \
+            not isinstance(seq, int) or seq <= 0:
+        raise ValueError(f"infinity.estimate: batch and seq must be positive ints, got "
+                         f"{batch!r}, {seq!r}")
+    pr = probe if probe is not None else run_probe(nvme_path, quick=quick_probe)
+    rank_list = list(range(1, ranks + 1)) if isinstance(ranks, int) else list(ranks)
+    if not rank_list or any((not isinstance(r, int)) or r < 1 for r in rank_list):
+        raise ValueError(f"infinity.estimate: ranks must be >= 1, got {ranks!r}")
+    chosen = [get_placement(p) for p in placements] if placements else list(PLACEMENTS)
+    notes = []
+    if pr.disk is None and any(p.uses_nvme for p in chosen):
+        notes.append("no nvme_path given: NVMe placements left out (pass nvme_path=...)")
+        chosen = [p for p in chosen if not p.uses_nvme]
+    if max(rank_list) > 1:
+        notes.append("ranks > 1: ZeRO-3 partitioning of homes, gradients and states; "
+                     "collectives not modelled; multi-rank training is not built yet")
+    compute_s = calibrated_compute(shape, batch, seq) if calibrate else None
+    if calibrate:
+        notes.append("compute timed at this shape (one layer + head)")
+    rows = [estimate_one(shape, p, pr, batch=batch, seq=seq, ranks=r,
+                         prefetch_window=prefetch_window, compute_s=compute_s)
+            for r in rank_list for p in chosen if not (p.plain and r > 1)]
+    return EstimateTable(shape, rows, batch, seq, pr.device, notes)

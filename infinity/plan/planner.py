@@ -1,0 +1,207 @@
+"""The planner: ``infinity.wrap(model, placement="auto")`` picks where parameters, gradients and
+optimizer states live, the prefetch window and the buffer counts, from the budgets (device
+memory, a share of the available RAM, free disk at ``nvme_path``) and the probed bandwidths:
+the placement with the shortest predicted step among those that fit. Tiers the user set
+explicitly are kept as given; the planner decides only what was left "auto".
+
+The engine keeps one tier per kind of state for the whole model (it has no per-block homes), so
+plans are whole-model: "first blocks on host, the rest on NVMe" is not offered.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import shutil
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import psutil
+from torch import nn
+
+from ..policy import OffloadPolicy
+from .estimate import Estimate, estimate_one, model_flops
+from .explain import fmt_bytes, fmt_s, format_plan
+from .placements import PLACEMENTS, Placement
+from .probe import ProbeResult, probe as run_probe
+from .shape import ModelShape, describe
+
+RAM_SHARE = 0.7        # of the available RAM, when no host_budget is given
+DEVICE_SHARE = 0.9     # of a GPU's memory, when no device_budget is given
+DISK_MARGIN = 0.95     # of the free disk space the swap files may take
+MAX_WINDOW = 4
+_DEFAULT_WINDOW = OffloadPolicy().prefetch_window
+
+
+class PlanError(ValueError):
+    """No placement fits the budgets (the message names what is short, by how many bytes)."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    placement: str
+    param_tier: str
+    grad_tier: str
+    optimizer_tier: str
+    prefetch_window: int
+    staging_buffers: int
+    grad_buffers: int
+    budgets: Dict[str, Optional[int]]
+    estimate: Estimate
+    reasons: Tuple[str, ...]
+    candidates: Tuple[Tuple[str, float, bool, str], ...]  # name, predicted step, fits, why not
+
+    def policy_changes(self) -> Dict[str, Any]:
+        return {"param_tier": self.param_tier, "grad_tier": self.grad_tier,
+                "optimizer_tier": self.optimizer_tier, "prefetch_window": self.prefetch_window}
+
+    def __str__(self) -> str:
+        return format_plan(self)
+
+
+def budgets(policy: OffloadPolicy, pr: ProbeResult, ram_share: float = RAM_SHARE
+            ) -> Dict[str, Optional[int]]:
+    host = policy.host_budget
+    if host is None:
+        host = int(ram_share * psutil.virtual_memory().available)
+    if pr.device == "cuda":
+        device = policy.device_budget or int(DEVICE_SHARE * (pr.device_memory_bytes or 0))
+    else:
+        device = policy.device_budget or host  # the device tier is the same RAM
+    disk = shutil.disk_usage(policy.nvme_path).free if policy.nvme_path else None
+    return {"device": device, "host": host, "disk": disk}
+
+
+def _window(shape: ModelShape, pr: ProbeResult, pl: Placement, batch: int, seq: int) -> int:
+    """Enough blocks in flight that a block's read from NVMe hides behind the compute of the
+    blocks before it (at least 1, at most MAX_WINDOW)."""
+    if pl.param_tier != "nvme" or pr.disk is None:
+        return _DEFAULT_WINDOW
+    per_block_compute = model_flops(shape, batch * seq, seq) / pr.flops_at(shape.d_model) \
+        / max(1, len(shape.block_bytes))
+    per_block_read = shape.layer_block_bytes / pr.disk.read_bps
+    return max(1, min(MAX_WINDOW, math.ceil(per_block_read / max(per_block_compute, 1e-9)) + 1))
+
+
+def _fits(e: Estimate, pl: Placement, b: Dict[str, Optional[int]], cuda: bool) -> str:
+    """'' when it fits, else why not."""
+    if cuda:
+        if e.device_bytes > b["device"]:
+            return f"device needs {fmt_bytes(e.device_bytes)} > {fmt_bytes(b['device'])}"
+        if e.host_bytes > b["host"]:
+            return f"host needs {fmt_bytes(e.host_bytes)} > {fmt_bytes(b['host'])}"
+    elif e.device_bytes + e.host_bytes > b["host"]:
+        return (f"RAM needs {fmt_bytes(e.device_bytes + e.host_bytes)} > "
+                f"{fmt_bytes(b['host'])}")
+    elif e.device_bytes > b["device"]:  # a device_budget given on a CPU-only machine
+        return f"device needs {fmt_bytes(e.device_bytes)} > {fmt_bytes(b['device'])}"
+    if pl.uses_nvme:
+        if b["disk"] is None:
+            return "no nvme_path"
+        if e.nvme_bytes > DISK_MARGIN * b["disk"]:
+            return (f"disk needs {fmt_bytes(e.nvme_bytes)} > {fmt_bytes(DISK_MARGIN * b['disk'])}"
+                    f" ({DISK_MARGIN:.0%} of the free space)")
+    return ""
+
+
+def plan(model: Union[nn.Module, ModelShape, int, float], policy: Optional[OffloadPolicy] = None,
+         *, probe: Optional[ProbeResult] = None, states: str = "fp32", batch: int = 4,
+         seq: int = 128, ram_share: float = RAM_SHARE, **settings: Any) -> Plan:
+    """The placement ``wrap(model, placement="auto", ...)`` would use, with its reasons.
+    ``states``: the optimizer's moment format you will use ("fp32", "bf16", "8bit");
+    ``batch``/``seq``: the step the speed predictions are for."""
+    if policy is None:
+        policy = OffloadPolicy(**settings)
+    elif settings:
+        raise TypeError("pass either policy= or keyword settings, not both")
+    shape = describe(model, block_rule=policy.block_rule)
+    pr = probe if probe is not None else run_probe(policy.nvme_path, quick=True)
+    if policy.nvme_path is not None and pr.disk is None:
+        pr = run_probe(policy.nvme_path, quick=True)
+    cuda = pr.device == "cuda"
+    b = budgets(policy, pr, ram_share)
+    explicit = {k: getattr(policy, k) for k in ("param_tier", "grad_tier", "optimizer_tier")
+                if getattr(policy, k) != "auto"}
+    pool: List[Placement] = []
+    for pl in PLACEMENTS:
+        if pl.plain or pl.states != "fp32":
+            continue
+        if not cuda and pl.param_tier == "device":
+            continue  # on a CPU the device tier is the host RAM: "host" is the same, in place
+        pl = dataclasses.replace(pl, states=states)
+        if any(getattr(pl, k) != v for k, v in explicit.items()):
+            continue
+        pool.append(pl)
+    if not pool:  # an explicit combination none of the named placements has: honour it
+        t = {k: explicit.get(k, "host") for k in ("param_tier", "grad_tier", "optimizer_tier")}
+        pool.append(Placement("custom", t["param_tier"], t["grad_tier"], t["optimizer_tier"],
+                              states, "as set"))
+    rows = []
+    for pl in pool:
+        w = (policy.prefetch_window if policy.prefetch_window != _DEFAULT_WINDOW
+             else _window(shape, pr, pl, batch, seq))
+        if pl.uses_nvme and pr.disk is None:
+            rows.append((pl, None, w, "no nvme_path"))
+            continue
+        e = estimate_one(shape, pl, pr, batch=batch, seq=seq, prefetch_window=w)
+        while True:
+            why = _fits(e, pl, b, cuda)
+            if not why or w <= 1 or pl.param_tier != "nvme":
+                break
+            w -= 1  # a smaller window may fit where a deeper one does not
+            e = estimate_one(shape, pl, pr, batch=batch, seq=seq, prefetch_window=w)
+        rows.append((pl, e, w, why))
+    fitting = [(pl, e, w) for pl, e, w, why in rows if not why]
+    candidates = tuple((pl.name, e.step_s if e else float("nan"), not why, why)
+                       for pl, e, w, why in rows)
+    if not fitting:
+        raise PlanError(_no_fit_message(shape, policy, b, rows, cuda))
+    pl, e, w = min(fitting, key=lambda r: r[1].step_s)
+    reasons = [f"{pl.name} ({pl.what}) has the shortest predicted step, {fmt_s(e.step_s)}, "
+               "of the placements that fit"]
+    if explicit:
+        reasons.append("kept as you set: " + ", ".join(f"{k}={v}" for k, v in explicit.items()))
+    for name, step, ok, why in candidates:
+        if name == pl.name:
+            continue
+        reasons.append(f"{name}: " + (f"fits, predicted {fmt_s(step)}" if ok else
+                                      f"does not fit: {why}"))
+    if pl.param_tier == "nvme":
+        reasons.append(f"prefetch window {w}: a block's read "
+                       f"({fmt_s(shape.layer_block_bytes / pr.disk.read_bps)}) hides behind "
+                       f"the compute of the {w} blocks before it")
+    return Plan(pl.name, pl.param_tier, pl.grad_tier, pl.optimizer_tier, w,
+                max(1, min(2, w)), w + 2, b, e, tuple(reasons), candidates)
+
+
+def _no_fit_message(shape: ModelShape, policy: OffloadPolicy, b: Dict[str, Optional[int]],
+                    rows, cuda: bool) -> str:
+    block = shape.largest_block_bytes
+    if b["device"] is not None and block > b["device"]:
+        return (f"infinity: the device budget ({b['device']:,} bytes) cannot hold the largest "
+                f"block ({block:,} bytes); raise device_budget or split blocks with block_rule")
+    if block > b["host"]:
+        return (f"infinity: the host budget ({b['host']:,} bytes) cannot hold the largest "
+                f"block ({block:,} bytes); raise host_budget or split blocks with block_rule")
+    nvme_rows = [(pl, e) for pl, e, w, why in rows if pl.uses_nvme and e is not None]
+    ram_ok = [(pl, e) for pl, e in nvme_rows
+              if not _fits(e, pl, {**b, "disk": float("inf")}, cuda)]
+    if ram_ok and b["disk"] is not None:
+        pl, e = min(ram_ok, key=lambda r: r[1].nvme_bytes)
+        return (f"infinity: nvme_path {policy.nvme_path!r} is too small: placement {pl.name!r} "
+                f"needs {e.nvme_bytes:,} bytes of swap files, {b['disk']:,} bytes are free "
+                f"({DISK_MARGIN:.0%} usable); free space there, point nvme_path at a larger "
+                "disk, or use compact optimizer states (states='8bit')")
+    if policy.nvme_path is None:
+        return (f"infinity: the model ({shape.param_bytes:,} bytes of parameters) does not fit "
+                f"in the host budget ({b['host']:,} bytes) with its gradients and optimizer "
+                "states; pass nvme_path=<a directory on a fast disk> to offload to NVMe")
+    why = "; ".join(f"{pl.name}: {w}" for pl, e, _, w in rows)
+    return (f"infinity: no placement fits the budgets (device {b['device']:,}, host "
+            f"{b['host']:,}, disk {b['disk']:,} bytes): {why}. Raise host_budget, or split "
+            "blocks with block_rule so the staging buffers shrink")
+
+
+def apply_plan(model: nn.Module, policy: OffloadPolicy) -> Tuple[OffloadPolicy, Plan]:
+    """The policy ``wrap`` uses for ``placement="auto"``: the planner's tiers and window."""
+    p = plan(model, policy)
+    return dataclasses.replace(policy, **p.policy_changes()), p

@@ -1,0 +1,390 @@
+"""``infinity.probe()``: measures what the planner and the estimates need, once per machine.
+
+- memory bandwidth (an in-place update pass over a large fp32 buffer: read + write);
+- host<->device bandwidth (pinned and pageable) when there is a CUDA GPU;
+- O_DIRECT read and write bandwidth of the swap directory, with :mod:`infinity.io`;
+- free space there (read fresh every time, never cached);
+- CPU Adam parameters/s (fp32 states; 8-bit states too);
+- the compute device's rate on a GPT layer (forward + backward) of a few widths, in FLOP/s.
+
+Results are cached as JSON (``$INFINITY_CACHE_DIR`` or ``~/.cache/infinity``/probe.json) with
+the machine's identity (CPU model, RAM, GPU, torch) and, for the disk figures, the identity of
+the block device behind the path. A cache written on another machine, or for another disk, is
+not used: the machine is measured again.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+from .machine import disk_identity, key_of, machine_identity
+
+logger = logging.getLogger(__name__)
+
+CACHE_VERSION = 1
+# (d_model, batch, seq) of the GPT layers timed for the compute rate
+FULL_SHAPES = ((128, 4, 128), (256, 4, 128), (512, 4, 128), (1024, 4, 128), (2048, 2, 128))
+QUICK_SHAPES = ((64, 2, 64), (128, 2, 64))
+
+
+class ProbeError(RuntimeError):
+    """A measurement could not be made (e.g. the swap directory does not exist)."""
+
+
+@dataclass(frozen=True)
+class DiskProbe:
+    path: str
+    identity: Dict[str, Any]
+    direct: bool
+    read_bps: float
+    write_bps: float
+    free_bytes: int
+    test_bytes: int
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    identity: Dict[str, Any]
+    quick: bool
+    measured_at: float
+    mem_bps: float                     # bytes/s of an in-place update (read + write counted)
+    adam_params_per_s: float           # fp32 states
+    adam8_params_per_s: float          # 8-bit states
+    device: str                        # "cuda" or "cpu": where the compute rates were measured
+    flops: Dict[str, float]            # str(d_model) -> FLOP/s of a GPT layer fwd+bwd
+    h2d_pinned_bps: Optional[float] = None
+    h2d_pageable_bps: Optional[float] = None
+    d2h_pinned_bps: Optional[float] = None
+    d2h_pageable_bps: Optional[float] = None
+    device_memory_bytes: Optional[int] = None
+    device_mem_bps: Optional[float] = None   # in-place update on the GPU
+    disk: Optional[DiskProbe] = None
+    from_cache: bool = False
+    notes: List[str] = field(default_factory=list)
+
+    def flops_at(self, d_model: int) -> float:
+        """The measured rate at the nearest width (log-linear between two measured widths)."""
+        pts = sorted((int(k), v) for k, v in self.flops.items())
+        if d_model <= pts[0][0]:
+            return pts[0][1]
+        if d_model >= pts[-1][0]:
+            return pts[-1][1]
+        import math
+        for (d0, r0), (d1, r1) in zip(pts, pts[1:]):
+            if d0 <= d_model <= d1:
+                w = (math.log(d_model) - math.log(d0)) / (math.log(d1) - math.log(d0))
+                return r0 + w * (r1 - r0)
+        return pts[-1][1]
+
+    def to_json(self) -> Dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_json(data: Dict[str, Any]) -> "ProbeResult":
+        data = dict(data)
+        disk = data.pop("disk", None)
+        return ProbeResult(disk=DiskProbe(**disk) if disk else None, **data)
+
+
+def _median_time(fn: Callable[[], None], reps: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_memory(nbytes: int, reps: int = 5) -> float:
+    x = torch.ones(nbytes // 4)
+    t = _median_time(lambda: x.mul_(1.0000001), reps)
+    return 2 * x.numel() * 4 / t
+
+
+def measure_adam(numel: int, reps: int = 3) -> Dict[str, float]:
+    from ..ops import cpu_adam_step, cpu_adam_step_8bit, new_8bit_state
+    p, g = torch.zeros(numel), torch.full((numel,), 1e-3)
+    m, v = torch.zeros(numel), torch.zeros(numel)
+    t = _median_time(lambda: cpu_adam_step(p, g, m, v, step=1, lr=1e-3), reps)
+    s8 = new_8bit_state(numel)
+    t8 = _median_time(lambda: cpu_adam_step_8bit(
+        p, g, s8["exp_avg_codes"], s8["exp_avg_absmax"], s8["exp_avg_sq_codes"],
+        s8["exp_avg_sq_absmax"], step=1, lr=1e-3), reps)
+    return {"fp32": numel / t, "8bit": numel / t8}
+
+
+def layer_flops(d_model: int, tokens: int, seq: int) -> float:
+    """FLOPs of one GPT layer's forward + backward: 6 x params x tokens for the matrices, plus
+    the attention scores and mixing (12 x tokens x seq x d_model)."""
+    params = 12 * d_model * d_model + 13 * d_model
+    return 6.0 * params * tokens + 12.0 * tokens * seq * d_model
+
+
+def measure_compute(shapes, device: torch.device, reps: int = 2) -> Dict[str, float]:
+    from ..models import Block, GPTConfig
+    out: Dict[str, float] = {}
+    for d, batch, seq in shapes:
+        cfg = GPTConfig(d_model=d, n_heads=max(1, d // 64), max_seq=seq)
+        layer = Block(cfg).to(device)
+        x = torch.randn(batch, seq, d, device=device, requires_grad=True)
+
+        def step() -> None:
+            layer(x).sum().backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        t = _median_time(step, reps)
+        out[str(d)] = layer_flops(d, batch * seq, seq) / t
+
+    return out
+
+
+def measure_gpt_parts(d_model: int, n_heads: int, vocab: int, batch: int, seq: int,
+                      device: Optional[torch.device] = None, reps: int = 3) -> Dict[str, float]:
+    """Seconds of forward + backward of one GPT layer (``layer_s``) and of the rest of the
+    model with no layer (embeddings, final norm, tied head, loss: ``head_s``), at exactly this
+    shape: the compute of an L-layer model is ``L * layer_s + head_s``."""
+    from ..models import Block, GPTConfig, TinyGPT, lm_loss
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = GPTConfig(vocab_size=vocab, d_model=d_model, n_layers=0, n_heads=n_heads,
+                    max_seq=seq)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    layer = Block(cfg).to(device)
+    x = torch.randn(batch, seq, d_model, device=device, requires_grad=True)
+
+    def layer_step() -> None:
+        layer(x).sum().backward()
+        sync()
+    layer_s = _median_time(layer_step, reps)
+
+    head = TinyGPT(cfg).to(device)
+    idx = torch.randint(0, vocab, (batch, seq), device=device)
+
+    def head_step() -> None:
+        lm_loss(head(idx), idx).backward()
+        sync()
+    head_s = _median_time(head_step, reps)
+    return {"layer_s": layer_s, "head_s": head_s}
+
+
+def measure_transfers(nbytes: int, reps: int = 3) -> Dict[str, float]:
+    dev = torch.device("cuda")
+    d = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    out: Dict[str, float] = {}
+    for pinned in (True, False):
+        h = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        tag = "pinned" if pinned else "pageable"
+
+        def up() -> None:
+            d.copy_(h, non_blocking=pinned)
+            torch.cuda.synchronize()
+
+        def down() -> None:
+            h.copy_(d, non_blocking=pinned)
+            torch.cuda.synchronize()
+        out[f"h2d_{tag}"] = nbytes / _median_time(up, reps)
+        out[f"d2h_{tag}"] = nbytes / _median_time(down, reps)
+    return out
+
+
+def measure_disk(path: str, nbytes: int, reps: int = 3) -> DiskProbe:
+    """O_DIRECT write (an overwrite of an allocated file, as the swap extents are rewritten)
+    and read of ``nbytes`` in one request each (the I/O engine splits it across its workers)."""
+    from .. import io as inf_io
+    if not os.path.isdir(path):
+        raise ProbeError(f"infinity.probe: nvme_path {path!r} is not an existing directory")
+    free = shutil.disk_usage(path).free
+    nbytes = max(inf_io.ALIGNMENT, min(nbytes, (free // 4) // inf_io.ALIGNMENT * inf_io.ALIGNMENT))
+    buf = inf_io.aligned_empty(nbytes)
+    buf.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
+    fd, name = tempfile.mkstemp(prefix=".infinity-probe-", dir=path)
+    os.close(fd)
+    try:
+        with inf_io.FileHandle(name, "r+") as fh:
+            direct = fh.direct
+            fh.allocate(nbytes)
+            write = _median_time(lambda: fh.pwrite(buf).wait(), reps)
+            read = _median_time(lambda: fh.pread(buf).wait(), reps)
+    finally:
+        os.unlink(name)
+    return DiskProbe(path=os.path.abspath(path), identity=disk_identity(path), direct=direct,
+                     read_bps=nbytes / read, write_bps=nbytes / write, free_bytes=free,
+                     test_bytes=nbytes)
+
+
+# ---- the cache ------------------------------------------------------------------------------
+def cache_path() -> str:
+    root = os.environ.get("INFINITY_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "infinity")
+    return os.path.join(root, "probe.json")
+
+
+def _load_cache(path: str) -> Dict[str, Any]:
+    try:
+        with open(path) as fh:
+            data = json.load(fh)
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        logger.warning("infinity.probe: ignoring unreadable cache %s (%s)", path, exc)
+        return {}
+    if not isinstance(data, dict) or data.get("version") != CACHE_VERSION:
+        return {}
+    return data
+
+
+def _save_cache(path: str, data: Dict[str, Any]) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as fh:
+        json.dump(data, fh, indent=1)
+    os.replace(tmp, path)
+
+
+def probe(nvme_path: Optional[str] = None, *, quick: bool = False, refresh: bool = False,
+          cache: Optional[str] = None) -> ProbeResult:
+    """Measures this machine (or returns the cached figures for it) and, when ``nvme_path`` is
+    given, the disk behind it. ``quick``: small buffers, a few seconds (a cached full probe is
+    also accepted). ``refresh``: measure again even when cached. ``cache``: the JSON file
+    (default :func:`cache_path`; ``""`` disables caching)."""
+    cache = cache_path() if cache is None else cache
+    ident = machine_identity()
+    data = _load_cache(cache) if cache else {}
+    notes: List[str] = []
+    machine = None
+    if data and not refresh:
+        if data.get("identity_key") != key_of(ident):
+            diff = sorted(k for k in ident if data.get("identity", {}).get(k) != ident[k])
+            notes.append(f"probe cache {cache} is from another machine (differs in "
+                         f"{', '.join(diff) or 'identity'}); measured again")
+            logger.warning("infinity.probe: %s", notes[-1])
+            data = {}
+        else:
+            cached = data.get("machine")
+            if cached and (quick or not cached.get("quick")):
+                machine = cached
+    if not data:
+        data = {"version": CACHE_VERSION, "identity": ident, "identity_key": key_of(ident),
+                "disks": {}}
+    from_cache = machine is not None
+    if machine is None:
+        machine = _measure_machine(quick)
+        data["machine"] = machine
+    disk = None
+    if nvme_path is not None:
+        disk = _disk(nvme_path, quick, refresh, data, notes)
+        from_cache = from_cache and disk.identity.get("cached", False)
+    if cache:
+        try:
+            _save_cache(cache, data)
+        except OSError as exc:
+            logger.warning("infinity.probe: could not write the cache %s (%s)", cache, exc)
+    if disk is not None and "cached" in disk.identity:
+        ident_d = dict(disk.identity)
+        ident_d.pop("cached")
+        disk = DiskProbe(**{**asdict(disk), "identity": ident_d})
+    return ProbeResult(identity=ident, from_cache=from_cache, notes=notes, disk=disk, **machine)
+
+
+def _disk(path: str, quick: bool, refresh: bool, data: Dict[str, Any],
+          notes: List[str]) -> DiskProbe:
+    if not os.path.isdir(path):
+        raise ProbeError(f"infinity.probe: nvme_path {path!r} is not an existing directory; "
+                         "create it (on the disk that will hold the swap files) first")
+    ident = disk_identity(path)
+    key = key_of(ident)
+    cached = data.get("disks", {}).get(key)
+    free = shutil.disk_usage(path).free
+    if cached and not refresh and (quick or not cached.get("quick")):
+        return DiskProbe(path=os.path.abspath(path), identity={**ident, "cached": True},
+                         direct=cached["direct"], read_bps=cached["read_bps"],
+                         write_bps=cached["write_bps"], free_bytes=free,
+                         test_bytes=cached["test_bytes"])
+    result = measure_disk(path, (32 << 20) if quick else (1 << 30), reps=2 if quick else 3)
+    data.setdefault("disks", {})[key] = {"identity": ident, "quick": quick,
+                                         "direct": result.direct, "read_bps": result.read_bps,
+                                         "write_bps": result.write_bps,
+                                         "test_bytes": result.test_bytes}
+    if not result.direct:
+        notes.append(f"{path}: no O_DIRECT (e.g. tmpfs); swap files go through the page cache")
+    return result
+
+
+def _measure_machine(quick: bool) -> Dict[str, Any]:
+    t0 = time.perf_counter()
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
+    adam = measure_adam((1 << 20) if quick else (16 << 20))
+    out: Dict[str, Any] = {
+        "quick": quick, "measured_at": time.time(),
+        "mem_bps": measure_memory((32 << 20) if quick else (512 << 20)),
+        "adam_params_per_s": adam["fp32"], "adam8_params_per_s": adam["8bit"],
+        "device": dev.type,
+        "flops": measure_compute(QUICK_SHAPES if quick else FULL_SHAPES, dev),
+    }
+    if cuda:
+        out.update({f"{k}_bps": v for k, v in
+                    measure_transfers((64 << 20) if quick else (512 << 20)).items()})
+        out["device_memory_bytes"] = int(torch.cuda.get_device_properties(0).total_memory)
+        x = torch.ones((256 << 20) // 4, device=dev)
+
+        def update() -> None:
+            x.mul_(1.0000001)
+            torch.cuda.synchronize()
+        out["device_mem_bps"] = 2 * x.numel() * 4 / _median_time(update, 5)
+        del x
+    logger.info("infinity.probe: measured the machine in %.1f s", time.perf_counter() - t0)
+    return out
+
+
+def _fmt_rate(v: Optional[float], unit: str = "B/s") -> str:
+    if v is None:
+        return "-"
+    for prefix, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if v >= scale:
+            return f"{v / scale:.2f} {prefix}{unit}"
+    return f"{v:.0f} {unit}"
+
+
+def format_probe(r: ProbeResult) -> str:
+    """The probe as a table a person reads in a glance."""
+    rows = [
+        ("machine", f"{r.identity['cpu']}, {r.identity['cpus']} CPUs, "
+                    f"{r.identity['ram_bytes'] / (1 << 30):.1f} GiB RAM, "
+                    f"GPU: {r.identity['gpu'] or 'none (the CPU is the device tier)'}"),
+        ("memory bandwidth (in-place update)", _fmt_rate(r.mem_bps)
+         + (f"; GPU {_fmt_rate(r.device_mem_bps)}" if r.device_mem_bps else "")),
+        ("host->device pinned / pageable",
+         f"{_fmt_rate(r.h2d_pinned_bps)} / {_fmt_rate(r.h2d_pageable_bps)}"),
+        ("device->host pinned / pageable",
+         f"{_fmt_rate(r.d2h_pinned_bps)} / {_fmt_rate(r.d2h_pageable_bps)}"),
+        ("CPU Adam fp32 / 8-bit states",
+         f"{_fmt_rate(r.adam_params_per_s, 'params/s')} / "
+         f"{_fmt_rate(r.adam8_params_per_s, 'params/s')}"),
+        (f"{r.device} GPT layer fwd+bwd", ", ".join(
+            f"d={k}: {_fmt_rate(v, 'FLOP/s')}" for k, v in
+            sorted(r.flops.items(), key=lambda kv: int(kv[0])))),
+    ]
+    if r.disk is not None:
+        d = r.disk
+        rows += [
+            ("swap dir", f"{d.path} on {d.identity.get('name') or d.identity['dev']} "
+                         f"({d.identity.get('fs')}), O_DIRECT {'yes' if d.direct else 'NO'}"),
+            ("swap read / write (O_DIRECT)", f"{_fmt_rate(d.read_bps)} / {_fmt_rate(d.write_bps)}"),
+            ("swap free space", f"{d.free_bytes / (1 << 30):.1f} GiB"),
+        ]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    lines.append(f"({'cached' if r.from_cache else 'measured'}"
+                 f"{', quick' if r.quick else ''})")
+    lines += [f"note: {n}" for n in r.notes]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,122 @@
+"""The planner: wrap(placement="auto") picks tiers and window from budgets and the probe;
+explicit tiers are kept; too-small nvme_path / budgets are refused before anything is written."""
+import os
+
+import pytest
+import torch
+
+import infinity
+from infinity.models import GPTConfig, TinyGPT, lm_loss
+from infinity.plan import PlanError, plan
+from infinity.plan import planner as planner_mod
+from infinity.plan.probe import probe
+
+CFG = GPTConfig(vocab_size=512, d_model=128, n_layers=16, n_heads=2, max_seq=32)
+N = CFG.approx_params
+
+
+@pytest.fixture(autouse=True)
+def probe_cache(tmp_path_factory, monkeypatch):
+    # one quick probe for the whole module, in a private cache
+    d = tmp_path_factory.getbasetemp() / "planner_probe"
+    d.mkdir(exist_ok=True)
+    monkeypatch.setenv("INFINITY_CACHE_DIR", str(d))
+
+
+@pytest.fixture
+def pr(tmp_path):
+    return probe(str(tmp_path), quick=True)
+
+
+def test_ample_ram_plans_host_small_budget_plans_nvme(tmp_path, pr):
+    roomy = plan(TinyGPT(CFG), probe=pr, nvme_path=str(tmp_path), host_budget=1 << 30)
+    assert (roomy.param_tier, roomy.grad_tier, roomy.optimizer_tier) == ("host",) * 3
+    # too little RAM for the homes + states, enough for NVMe's staging buffers
+    tight = plan(TinyGPT(CFG), probe=pr, nvme_path=str(tmp_path), host_budget=8 * N)
+    assert tight.param_tier == "nvme" or tight.optimizer_tier == "nvme"
+    assert tight.estimate.host_bytes <= 12 * N
+    text = str(tight)
+    assert "why:" in text and "does not fit" in text and "host" in text
+
+
+def test_explicit_tiers_are_kept(tmp_path, pr):
+    p = plan(TinyGPT(CFG), probe=pr, nvme_path=str(tmp_path), param_tier="nvme",
+             host_budget=1 << 30)
+    assert p.param_tier == "nvme"
+    assert any("kept as you set: param_tier=nvme" in r for r in p.reasons)
+    p = plan(TinyGPT(CFG), probe=pr, nvme_path=str(tmp_path), optimizer_tier="nvme",
+             host_budget=1 << 30)
+    assert p.optimizer_tier == "nvme" and p.param_tier == "host"
+
+
+def test_wrap_auto_uses_the_plan_and_trains_like_torch(tmp_path):
+    torch.manual_seed(0)
+    ref = TinyGPT(CFG)
+    model = TinyGPT(CFG)
+    model.load_state_dict(ref.state_dict())
+    infinity.wrap(model, nvme_path=str(tmp_path), placement="auto", host_budget=8 * N)
+    p = infinity.explain(model, show=False)
+    eng = infinity.api._engine(model)
+    assert eng.param_tier.value == p.param_tier and eng.grad_tier.value == p.grad_tier
+    assert eng.policy.optimizer_tier == p.optimizer_tier
+    assert eng.policy.prefetch_window == p.prefetch_window
+    opt = infinity.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    x = torch.randint(0, CFG.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            lm_loss(m(x), x).backward()
+            o.step()
+            o.zero_grad()
+    with torch.no_grad():
+        assert torch.allclose(model(x), ref(x), atol=1e-5)
+    infinity.unwrap(model)
+
+
+def test_explain_unwrapped_model_prints_the_plan(tmp_path, capsys):
+    p = infinity.explain(TinyGPT(CFG), nvme_path=str(tmp_path))
+    out = capsys.readouterr().out
+    assert out.startswith("infinity plan: ") and p.placement in out
+    wrapped = infinity.wrap(TinyGPT(CFG), param_tier="host")
+    with pytest.raises(ValueError, match="explicit tiers"):
+        infinity.explain(wrapped)
+    infinity.unwrap(wrapped)
+
+
+def test_nvme_path_too_small_is_refused_before_writing(tmp_path, monkeypatch):
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    real = planner_mod.shutil.disk_usage
+
+    def tiny_disk(path):
+        u = real(path)
+        return type(u)(u.total, u.total - 1 << 20, 1 << 20)  # 1 MiB free
+    monkeypatch.setattr(planner_mod.shutil, "disk_usage", tiny_disk)
+    model = TinyGPT(CFG)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(PlanError, match=r"too small.*needs [\d,]+ bytes.*1,048,576 bytes are "
+                                        r"free"):
+        infinity.wrap(model, nvme_path=str(swap), placement="auto", host_budget=8 * N)
+    assert [f for f in os.listdir(swap) if not f.startswith(".infinity-probe")] == []
+    assert infinity.runtime.engine.engine_of(model) is None
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n])
+
+
+def test_budget_below_the_largest_block_is_a_clear_error(tmp_path, pr):
+    block = 4 * (12 * CFG.d_model ** 2 + 13 * CFG.d_model)
+    with pytest.raises(PlanError, match="cannot hold the largest block"):
+        plan(TinyGPT(CFG), probe=pr, nvme_path=str(tmp_path), host_budget=block // 2)
+    with pytest.raises(PlanError, match="device budget .* cannot hold the largest block"):
+        plan(TinyGPT(CFG), probe=pr, nvme_path=str(tmp_path), device_budget=block // 2,
+             host_budget=1 << 30, param_tier="nvme")
+
+
+def test_no_nvme_path_and_no_room_names_the_remedy(pr):
+    with pytest.raises(PlanError, match="pass nvme_path"):
+        plan(TinyGPT(CFG), probe=pr, host_budget=3 * N)
+
+
+def test_placement_value_is_checked():
+    with pytest.raises(ValueError, match="placement="):
+        infinity.wrap(TinyGPT(CFG), placement="fastest")

@@ -1,0 +1,75 @@
+"""infinity.probe: measures, caches per machine, re-probes a cache from another machine."""
+import json
+import os
+import time
+
+import pytest
+
+import infinity
+from infinity.plan.probe import ProbeError, format_probe, probe
+
+
+@pytest.fixture(scope="module")
+def cached(tmp_path_factory):
+    d = tmp_path_factory.mktemp("probe")
+    cache = str(d / "probe.json")
+    first = probe(str(d), quick=True, cache=cache)
+    return d, cache, first
+
+
+def test_probe_measures_this_machine(cached):
+    d, cache, r = cached
+    assert not r.from_cache
+    assert r.mem_bps > 1e8 and r.adam_params_per_s > 1e5 and r.adam8_params_per_s > 1e5
+    assert r.flops and all(v > 1e6 for v in r.flops.values())
+    assert r.disk is not None and r.disk.read_bps > 1e6 and r.disk.write_bps > 1e6
+    assert r.disk.free_bytes > 0 and r.disk.identity["dev"]
+    assert not [f for f in os.listdir(d) if f.startswith(".infinity-probe")]  # test file gone
+    text = format_probe(r)
+    for row in ("memory bandwidth", "CPU Adam", "swap read / write", "swap free space"):
+        assert row in text
+    if r.identity["gpu"] is None:
+        assert r.h2d_pinned_bps is None
+
+
+def test_probe_uses_its_cache_on_the_same_machine(cached):
+    d, cache, first = cached
+    t0 = time.perf_counter()
+    again = probe(str(d), quick=True, cache=cache)
+    assert time.perf_counter() - t0 < 1.0
+    assert again.from_cache and again.mem_bps == first.mem_bps
+    assert again.disk.read_bps == first.disk.read_bps
+
+
+def test_cache_from_another_machine_is_measured_again(cached, tmp_path):
+    d, cache, first = cached
+    with open(cache) as fh:
+        data = json.load(fh)
+    data["identity"]["cpu"] = "Some Other CPU 9000"
+    data["identity_key"] = "0" * 16
+    data["machine"]["mem_bps"] = 1.0  # a figure no real machine has
+    other = str(tmp_path / "copied.json")
+    with open(other, "w") as fh:
+        json.dump(data, fh)
+    r = probe(quick=True, cache=other)
+    assert not r.from_cache and r.mem_bps > 1e8
+    assert any("another machine" in n and "cpu" in n for n in r.notes)
+    with open(other) as fh:  # the cache now describes this machine
+        assert json.load(fh)["identity"] == r.identity
+
+
+def test_missing_nvme_path_is_a_clear_error(tmp_path):
+    with pytest.raises(ProbeError, match="not an existing directory"):
+        probe(str(tmp_path / "nope"), quick=True, cache="")
+
+
+def test_probe_cli(tmp_path, monkeypatch, capsys):
+    from infinity.cli import main
+    monkeypatch.setenv("INFINITY_CACHE_DIR", str(tmp_path / "c"))
+    assert main(["probe", "--quick", "--nvme-path", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "swap read / write" in out and "(measured, quick)" in out
+    assert main(["probe", "--quick", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["from_cache"] is True
+    assert os.path.exists(tmp_path / "c" / "probe.json")
+    assert infinity.probe is probe
