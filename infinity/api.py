@@ -115,6 +115,8 @@ def stats(model: nn.Module, *, reset: bool = False) -> Dict[str, Any]:
         "nvme_bytes_written": {"last_step": s.nvme_written_last_step,
                                "total": s.nvme_written_total},
     }
+    if engine.activations is not None:
+        out["activations"] = engine.activations.report(reset=reset)
     if reset:
         s.reset()
         engine.device_budget.reset_peak()

@@ -38,6 +38,7 @@ from .grads import GradientSink
 from .homes import DeviceHome, Home, HostHome, NvmeHome
 from .host_malloc import return_freed_buffers_to_os, trim_heap
 from .partition import partition
+from .activations import make_activation_offloader
 from .lifecycle import HookHandlers
 from .outside import OutsideWrites
 from .registry import _ENGINE_ATTR, _ENGINES, ParamLocation, engine_of, locate  # noqa: F401 (re-exported)
@@ -97,7 +98,14 @@ class Engine(Residence, OutsideWrites, HookHandlers):
             for b in self.blocks for f in b.flats for s in f.slots}
         if self.device.type == "cpu" and any(not b.resident for b in self.blocks):
             return_freed_buffers_to_os()
-        self._materialize_homes()
+        self.activations = make_activation_offloader(policy, self.device, self.host_budget,
+                                                     self.stats, self._owned_storages)
+        try:
+            self._materialize_homes()
+        except BaseException:
+            if self.activations is not None:
+                self.activations.close()
+            raise
         self.transfers = Transfers(self.device, self.stats, self.home, self.pool, self.flats)
         self._hooks = hooks_mod.register(self)
         self._locations: Dict[int, ParamLocation] = {
@@ -116,6 +124,11 @@ class Engine(Residence, OutsideWrites, HookHandlers):
     @staticmethod
     def _numel_bytes(p: torch.Tensor) -> int:
         return p.numel() * p.element_size()
+
+    def _owned_storages(self) -> set:
+        """Storages of the parameters' buffers (saved activations never offload these)."""
+        return {t.untyped_storage()._cdata for f in self.flats for t in (f.compute, f.home)
+                if isinstance(t, torch.Tensor)}
 
     def _check_params(self, specs) -> None:
         for spec in specs:
@@ -556,6 +569,8 @@ class Engine(Residence, OutsideWrites, HookHandlers):
             self._closed = True
             self._hooks.remove_all()
             self.transfers.close()
+            if self.activations is not None:
+                self.activations.close()
             _ENGINES.discard(self)
             self._locations.clear()
             if restore:

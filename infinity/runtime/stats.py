@@ -28,6 +28,10 @@ class Stats:
     optimizer_nvme_busy_seconds: float = 0.0
     optimizer_total_seconds: float = 0.0
     optimizer_steps: int = 0
+    # activation offload (runtime/activations.py): bytes moved, waits in forward/backward
+    activation_bytes_offloaded: int = 0
+    activation_bytes_fetched: int = 0
+    activation_wait_seconds: float = 0.0
     # bytes written to NVMe (host_to_nvme), cut at each optimizer step
     nvme_written_last_step: int = 0
     nvme_written_total: int = 0
@@ -49,6 +53,8 @@ class Stats:
             self.optimizer_cpu_adam_seconds = self.optimizer_nvme_wait_seconds = 0.0
             self.optimizer_nvme_busy_seconds = self.optimizer_total_seconds = 0.0
             self.optimizer_steps = 0
+            self.activation_bytes_offloaded = self.activation_bytes_fetched = 0
+            self.activation_wait_seconds = 0.0
             self.nvme_written_last_step = self.nvme_written_total = 0
             self._nvme_written_mark = 0
             self._fb_t0 = None
@@ -83,13 +89,18 @@ class Stats:
 
     def time_breakdown(self) -> Dict[str, object]:
         """Seconds since the last reset. ``compute`` = forward+backward wall time less the
-        waits for parameters (``fetch_wait``) and the gradient offload (``grad_offload``)."""
+        waits for parameters (``fetch_wait``), the gradient offload (``grad_offload``) and
+        offloaded activations (``activation_wait``)."""
         fb, fetch, grad = (self.forward_backward_seconds, self.stall_seconds,
                            self.grad_offload_seconds)
+        act = self.activation_wait_seconds
         return {
-            "compute": max(0.0, fb - fetch - grad),
+            "compute": max(0.0, fb - fetch - grad - act),
             "fetch_wait": float(fetch),
             "grad_offload": float(grad),
+            "activation_wait": float(act),
+            "activation_bytes": {"offloaded": self.activation_bytes_offloaded,
+                                 "fetched": self.activation_bytes_fetched},
             "optimizer": {
                 "cpu_adam": float(self.optimizer_cpu_adam_seconds),
                 "nvme_wait": float(self.optimizer_nvme_wait_seconds),

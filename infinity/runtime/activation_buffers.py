@@ -1,0 +1,208 @@
+"""Buffers for activation offload: reusable aligned host buffers (by size), scratch swap-file
+slots on NVMe, and tensors that view a pooled buffer and give it back when autograd drops them.
+
+- :class:`BufferPool`: 4 KiB-aligned host buffers handed out as :class:`Lease` objects, counted
+  in a :class:`~infinity.tiers.ByteBudget`. A buffer whose lease dies goes back to a free list of
+  its size and is reused by the next step (steps repeat their shapes, so after the first step no
+  allocation happens); free buffers above ``keep_bytes`` are freed instead.
+- :class:`ScratchFiles`: swap files of a :class:`~infinity.tiers.SwapStore`, one per size,
+  reused step after step (never fsynced: scratch, not durable state).
+- :func:`owned_view`: a tensor over a lease's bytes whose storage keeps the lease alive; when
+  the last view dies (autograd freed the saved tensor) the lease ends and ``on_free`` runs.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Callable, Deque, Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from .. import io as inf_io
+from ..tiers import BudgetExceededError, ByteBudget, SwapStore
+
+
+def round_up(nbytes: int) -> int:
+    a = inf_io.ALIGNMENT
+    return max(a, (nbytes + a - 1) // a * a)
+
+
+class Lease:
+    """One pooled buffer on loan; goes back to its pool when released or garbage collected."""
+
+    __slots__ = ("buf", "nbytes", "_pool", "_on_release", "__weakref__")
+
+    def __init__(self, pool: "BufferPool", buf: torch.Tensor) -> None:
+        self.buf = buf
+        self.nbytes = buf.numel()
+        self._pool: Optional[BufferPool] = pool
+        self._on_release: List[Callable[[], None]] = []
+
+    def on_release(self, fn: Callable[[], None]) -> None:
+        self._on_release.append(fn)
+
+    def release(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        callbacks, self._on_release = self._on_release, []
+        pool._give_back(self.buf)
+        for fn in callbacks:
+            fn()
+
+    def __del__(self) -> None:
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+class BufferPool:
+    """Aligned host buffers by size, within ``budget``; see the module docstring."""
+
+    def __init__(self, budget: ByteBudget, what: str, keep_bytes: Optional[int] = None,
+                 pin: bool = False) -> None:
+        self._budget = budget
+        self._what = what
+        self._keep = keep_bytes
+        self._pin = pin
+        self._free: Dict[int, Deque[torch.Tensor]] = collections.defaultdict(collections.deque)
+        self._cached = 0
+        self._lock = threading.Lock()
+        self._closed = False
+        self.allocations = 0  # buffers allocated so far (stays flat once steps repeat)
+
+    @property
+    def cached_bytes(self) -> int:
+        return self._cached
+
+    def acquire(self, nbytes: int) -> Lease:
+        size = round_up(nbytes)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"infinity: the {self._what} pool is closed")
+            free = self._free.get(size)
+            if free:
+                self._cached -= size
+                return Lease(self, free.popleft())
+            self._evict_locked(size)
+            self._budget.acquire(size, what=f"a {self._what} buffer")
+        try:
+            buf = inf_io.aligned_empty(size, pin=self._pin, what=f"a {self._what} buffer")
+        except BaseException:
+            self._budget.release(size)
+            raise
+        self.allocations += 1
+        return Lease(self, buf)
+
+    def _evict_locked(self, size: int) -> None:
+        """Frees cached buffers of other sizes until ``size`` more bytes fit the budget."""
+        for other in list(self._free):
+            while self._free[other] and not self._budget.fits(size):
+                self._free[other].popleft()
+                self._cached -= other
+                self._budget.release(other)
+
+    def _give_back(self, buf: torch.Tensor) -> None:
+        size = buf.numel()
+        with self._lock:
+            if self._closed or (self._keep is not None and self._cached + size > self._keep):
+                self._budget.release(size)
+                return
+            self._free[size].append(buf)
+            self._cached += size
+
+    def close(self) -> None:
+        """Frees the cached buffers; leases still out release their bytes when they end."""
+        with self._lock:
+            self._closed = True
+            self._budget.release(self._cached)
+            self._cached = 0
+            self._free.clear()
+
+
+class Slot:
+    """One scratch swap file on loan (key, size); back to the free list when it dies."""
+
+    __slots__ = ("key", "nbytes", "_files", "__weakref__")
+
+    def __init__(self, files: "ScratchFiles", key: str, nbytes: int) -> None:
+        self.key = key
+        self.nbytes = nbytes
+        self._files: Optional[ScratchFiles] = files
+
+    def __del__(self) -> None:
+        files, self._files = self._files, None
+        if files is not None:
+            try:
+                files._give_back(self.key, self.nbytes)
+            except Exception:  # noqa: BLE001 - interpreter shutdown
+                pass
+
+
+class ScratchFiles:
+    """Swap files of ``store`` reused by size: ``acquire(nbytes)`` hands out a free file of
+    exactly that (aligned) size, creating one (preallocated) only when none is free."""
+
+    def __init__(self, store: SwapStore) -> None:
+        self.store = store
+        self._free: Dict[int, List[str]] = collections.defaultdict(list)
+        self._count = 0
+        self._lock = threading.Lock()
+
+    @property
+    def files(self) -> int:
+        return self._count
+
+    def acquire(self, nbytes: int) -> Slot:
+        size = round_up(nbytes)
+        with self._lock:
+            free = self._free.get(size)
+            if free:
+                return Slot(self, free.pop(), size)
+            key = f"activation{self._count:06d}"
+            self._count += 1
+        self.store.create(key, size)
+        return Slot(self, key, size)
+
+    def _give_back(self, key: str, nbytes: int) -> None:
+        with self._lock:
+            self._free[nbytes].append(key)
+
+
+class _Owner:
+    """The numpy base of an :func:`owned_view`: keeps the lease; runs ``on_free`` at death."""
+
+    def __init__(self, lease: Lease, nbytes: int, on_free: Optional[Callable[[], None]]) -> None:
+        self.lease = lease
+        self.on_free = on_free
+        self.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
+                                    "data": (lease.buf.data_ptr(), False), "version": 3}
+
+    def __del__(self) -> None:
+        fn, self.on_free = self.on_free, None
+        self.lease = None
+        if fn is not None:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - interpreter shutdown
+                pass
+
+
+def strided_view(buf: torch.Tensor, dtype: torch.dtype, size: Sequence[int],
+                 stride: Sequence[int], nbytes: int) -> torch.Tensor:
+    """``buf``'s first ``nbytes`` bytes as a tensor of ``size``/``stride``/``dtype``."""
+    return buf[:nbytes].view(dtype).as_strided(size, stride)
+
+
+def owned_view(lease: Lease, dtype: torch.dtype, size: Sequence[int], stride: Sequence[int],
+               nbytes: int, on_free: Optional[Callable[[], None]] = None) -> torch.Tensor:
+    """A tensor over ``lease``'s bytes that owns the lease: the buffer returns to its pool
+    (and ``on_free`` runs) only when every view of this tensor's storage is gone."""
+    flat = torch.from_numpy(np.asarray(_Owner(lease, nbytes, on_free)))
+    return strided_view(flat, dtype, size, stride, nbytes)
+
+
+__all__ = ["BufferPool", "Lease", "ScratchFiles", "Slot", "owned_view", "round_up",
+           "strided_view", "BudgetExceededError"]
