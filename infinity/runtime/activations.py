@@ -87,7 +87,7 @@ class _Entry:
     """One offloaded saved tensor: where its bytes are and what becomes of its fetch."""
 
     __slots__ = ("step", "segment", "where", "dtype", "size", "stride", "nbytes", "version",
-                 "src", "host", "slot", "stored", "error", "fetch", "__weakref__")
+                 "src", "host", "slot", "stored", "error", "fetch", "used", "__weakref__")
 
     def __init__(self, step: "_Step", segment: int, where: str, t: torch.Tensor,
                  stride, nbytes: int) -> None:
@@ -105,6 +105,7 @@ class _Entry:
         self.stored: Optional[cf.Future] = None  # the copy/write (worker)
         self.error: Optional[BaseException] = None
         self.fetch: Optional[cf.Future] = None   # nvme: read in flight or done -> Lease
+        self.used = False                        # handed to autograd (this backward)
 
 
 class _Step:
@@ -169,6 +170,7 @@ class ActivationOffloader:
         self._owned: Set[int] = set()
         self.schedule = Schedule(window)
         self._schedule_step: Optional[_Step] = None
+        self._plan: List[int] = []  # segments backward needs now and next (recorded order)
         self.deviations = 0
         self.prefetched = 0
         self.prefetch_hits = 0
@@ -258,20 +260,20 @@ class ActivationOffloader:
     # =====================================================================================
     # pack (forward) and the worker's copy / write
     # =====================================================================================
-    def _offloadable(self, t: torch.Tensor, nbytes: int) -> bool:
-        if (nbytes < self.min_bytes or nbytes == 0 or t.layout is not torch.strided
-                or t.device != self.device or isinstance(t, nn.Parameter)
-                or (t.is_leaf and t.requires_grad) or t.is_quantized):
-            return False
-        return t.untyped_storage()._cdata not in self._owned
+    def _is_parameter(self, t: torch.Tensor) -> bool:
+        """A parameter, or a view of a buffer the engine owns (the parameters' flat buffers)."""
+        return (isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad)
+                or (t.layout is torch.strided and t.untyped_storage()._cdata in self._owned))
 
     def _pack(self, t: torch.Tensor) -> Any:
         step = self._step
         nbytes = t.numel() * t.element_size()
-        if step is None or not self._offloadable(t, nbytes):
-            if step is not None:
-                step.kept_bytes += nbytes
-                step.kept_tensors += 1
+        if step is None or self._is_parameter(t):
+            return _Kept(t.detach(), t._version)
+        if (nbytes < self.min_bytes or nbytes == 0 or t.layout is not torch.strided
+                or t.device != self.device or t.is_quantized):
+            step.kept_bytes += nbytes
+            step.kept_tensors += 1
             return _Kept(t.detach(), t._version)
         failed = step.failure
         if failed is not None:
@@ -379,6 +381,7 @@ class ActivationOffloader:
                     f"version {t._version}; expected version {packed.version} instead")
             return t
         entry: _Entry = packed
+        entry.used = True
         self._visit(entry)
         step = entry.step
         t0 = time.perf_counter()
@@ -421,19 +424,26 @@ class ActivationOffloader:
         step = entry.step
         with self._lock:
             if entry.segment in step.touched:
-                return
+                plan = self._plan if self._schedule_step is step else []
+            else:
+                plan = None
+        if plan is not None:
+            self._prefetch(step, plan)  # top up the window as entries are used
+            return
+        with self._lock:
             step.touched.add(entry.segment)
             if self._schedule_step is not step:
                 if self._schedule_step is not None:
                     self.schedule.end(_PHASE)
                 self.schedule.begin(_PHASE)
                 self._schedule_step = step
-            _, newly, upcoming = self.schedule.visit(_PHASE, entry.segment)
+            on_trace, newly, upcoming = self.schedule.visit(_PHASE, entry.segment)
             if newly:
                 self.deviations += 1
                 logger.debug("infinity: activation schedule deviation at segment %d; fetching "
                              "on demand", entry.segment)
-        self._prefetch(step, upcoming)
+            self._plan = [entry.segment] + upcoming if on_trace else []
+        self._prefetch(step, self._plan)
 
     def _prefetch(self, step: _Step, segments: List[int]) -> None:
         if self.tier != "nvme":
@@ -441,12 +451,14 @@ class ActivationOffloader:
         for seg in segments:
             if seg >= len(step.segments):
                 continue
-            for ref in step.segments[seg]:
+            for ref in reversed(step.segments[seg]):  # backward uses them last-saved first
                 entry = ref()
-                if entry is None or entry.fetch is not None or entry.error is not None:
+                if (entry is None or entry.used or entry.fetch is not None
+                        or entry.error is not None):
                     continue
-                if self._fetched_now + entry.nbytes > self.prefetch_bytes:
-                    return
+                if (self._fetched_now and
+                        self._fetched_now + entry.nbytes > self.prefetch_bytes):
+                    return  # (one entry larger than the window still goes alone)
                 entry.fetch = self._start_fetch(entry)
                 self.prefetched += 1
 
