@@ -54,6 +54,7 @@ from torch import nn
 from ..tiers import BudgetExceededError, ByteBudget, SwapStore
 from .activation_buffers import (BufferPool, Lease, ScratchFiles, Slot, owned_view, round_up,
                                  strided_view)
+from .host_malloc import return_freed_buffers_to_os
 from .schedule import Schedule
 from .stats import Stats
 
@@ -154,6 +155,9 @@ class ActivationOffloader:
                 "infinity: activation offload is built for the CPU device tier only so far; "
                 f"the engine computes on {device}. Use activation_tier=None there (or "
                 "torch.utils.checkpoint to save activation memory)")
+        # the originals are freed as soon as they are copied out: their memory must go back
+        # to the OS, not stay in glibc's heap (runtime/host_malloc.py)
+        return_freed_buffers_to_os()
         self.tier = tier
         self.min_bytes = min_bytes
         self.device = device
