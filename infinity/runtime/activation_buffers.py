@@ -72,10 +72,16 @@ class BufferPool:
         self._lock = threading.Lock()
         self._closed = False
         self.allocations = 0  # buffers allocated so far (stays flat once steps repeat)
+        self._held = 0        # bytes of this pool's buffers, on loan or cached
 
     @property
     def cached_bytes(self) -> int:
         return self._cached
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of this pool's buffers that exist now (on loan or kept for reuse)."""
+        return self._held
 
     def acquire(self, nbytes: int) -> Lease:
         size = round_up(nbytes)
@@ -88,9 +94,12 @@ class BufferPool:
                 return Lease(self, free.popleft())
             self._evict_locked(size)
             self._budget.acquire(size, what=f"a {self._what} buffer")
+            self._held += size
         try:
             buf = inf_io.aligned_empty(size, pin=self._pin, what=f"a {self._what} buffer")
         except BaseException:
+            with self._lock:
+                self._held -= size
             self._budget.release(size)
             raise
         self.allocations += 1
@@ -102,12 +111,14 @@ class BufferPool:
             while self._free[other] and not self._budget.fits(size):
                 self._free[other].popleft()
                 self._cached -= other
+                self._held -= other
                 self._budget.release(other)
 
     def _give_back(self, buf: torch.Tensor) -> None:
         size = buf.numel()
         with self._lock:
             if self._closed or (self._keep is not None and self._cached + size > self._keep):
+                self._held -= size
                 self._budget.release(size)
                 return
             self._free[size].append(buf)
@@ -118,6 +129,7 @@ class BufferPool:
         with self._lock:
             self._closed = True
             self._budget.release(self._cached)
+            self._held -= self._cached
             self._cached = 0
             self._free.clear()
 

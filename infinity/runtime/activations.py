@@ -46,7 +46,7 @@ import logging
 import threading
 import time
 import weakref
-from typing import Any, Deque, Dict, List, Optional, Set, Tuple
+from typing import Any, Deque, Dict, List, Optional, Set
 
 import torch
 from torch import nn
@@ -88,7 +88,8 @@ class _Entry:
     """One offloaded saved tensor: where its bytes are and what becomes of its fetch."""
 
     __slots__ = ("step", "segment", "where", "dtype", "size", "stride", "nbytes", "version",
-                 "src", "host", "slot", "stored", "error", "fetch", "used", "__weakref__")
+                 "src", "ready", "host", "slot", "stored", "error", "fetch", "used",
+                 "uncount", "__weakref__")
 
     def __init__(self, step: "_Step", segment: int, where: str, t: torch.Tensor,
                  stride, nbytes: int) -> None:
@@ -101,12 +102,14 @@ class _Entry:
         self.nbytes = nbytes
         self.version = t._version
         self.src: Optional[torch.Tensor] = t.detach()
+        self.ready: Any = None                 # CUDA: event after the op that saved it
         self.host: Optional[Lease] = None      # tier host: the copy
         self.slot: Optional[Slot] = None       # tier nvme: the scratch file
         self.stored: Optional[cf.Future] = None  # the copy/write (worker)
         self.error: Optional[BaseException] = None
         self.fetch: Optional[cf.Future] = None   # nvme: read in flight or done -> Lease
         self.used = False                        # handed to autograd (this backward)
+        self.uncount: Any = None                 # CUDA: ends the fetch's accounting once
 
 
 class _Step:
@@ -150,15 +153,18 @@ class ActivationOffloader:
                  verify_checksums: bool = True, owned_storages=lambda: ()) -> None:
         if tier not in ("host", "nvme"):
             raise ValueError(f"infinity: activation_tier={tier!r}; use None, 'host' or 'nvme'")
-        if device.type != "cpu":
-            raise NotImplementedError(
-                "infinity: activation offload is built for the CPU device tier only so far; "
-                f"the engine computes on {device}. Use activation_tier=None there (or "
-                "torch.utils.checkpoint to save activation memory)")
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"infinity: activation offload needs a CPU or CUDA device, got "
+                             f"{device}")
         # the originals are freed as soon as they are copied out: their memory must go back
         # to the OS, not stay in glibc's heap (runtime/host_malloc.py)
         return_freed_buffers_to_os()
         self.tier = tier
+        # CUDA: copies on two side streams from/to pinned host buffers (not run in this
+        # project's CI: no GPU there; tests/test_activation_offload_gpu.py covers it)
+        self._cuda = device.type == "cuda"
+        self._d2h = torch.cuda.Stream(device) if self._cuda else None
+        self._h2d = torch.cuda.Stream(device) if self._cuda else None
         self.min_bytes = min_bytes
         self.device = device
         self.prefetch_bytes = prefetch_bytes
@@ -180,14 +186,14 @@ class ActivationOffloader:
         self.prefetch_hits = 0
         self._fetched_now = 0  # NVMe bytes fetched and not yet freed (the prefetch window)
         self._storing = 0      # bytes whose original is held until its copy is done
-        self._pending: Deque[Tuple[cf.Future, _Entry]] = collections.deque()
+        self._pending: Deque[cf.Future] = collections.deque()  # stores, oldest first
         self.store: Optional[SwapStore] = None
         self.files: Optional[ScratchFiles] = None
         self.staging: Optional[BufferPool] = None
         self.fetch_pool: Optional[BufferPool] = None
         self.host_pool: Optional[BufferPool] = None
         if tier == "host":
-            self.host_pool = BufferPool(host_budget, "host activation")
+            self.host_pool = BufferPool(host_budget, "host activation", pin=self._cuda)
         else:
             if nvme_path is None:
                 raise ValueError("infinity: activation_tier='nvme' needs nvme_path=<a directory "
@@ -196,10 +202,12 @@ class ActivationOffloader:
                                    verify=verify_checksums)
             self.files = ScratchFiles(self.store)
             self.staging = BufferPool(host_budget, "activation write staging",
-                                      keep_bytes=_STAGING_KEEP_BYTES)
-            # on the CPU device tier, fetched activations live in these: "device" memory
-            self.fetch_pool = BufferPool(ByteBudget("activation fetch", None),
-                                         "activation fetch", keep_bytes=prefetch_bytes)
+                                      keep_bytes=_STAGING_KEEP_BYTES, pin=self._cuda)
+            # on the CPU device tier, fetched activations live in these ("device" memory); on
+            # CUDA they are the pinned buffers the reads land in before the upload
+            self.fetch_pool = BufferPool(
+                host_budget if self._cuda else ByteBudget("activation fetch", None),
+                "activation fetch", keep_bytes=prefetch_bytes, pin=self._cuda)
         # FIFO: an entry's read is queued after its store, so with two workers a read starts
         # once its store has started and may wait for it (never the other way round)
         self._worker = cf.ThreadPoolExecutor(max_workers=1 if tier == "host" else 2,
@@ -308,8 +316,10 @@ class ActivationOffloader:
         self.resident.acquire(nbytes, what="a saved activation")
         with self._lock:
             self._storing += nbytes
+        if self._cuda:
+            entry.ready = torch.cuda.current_stream(self.device).record_event()
         entry.stored = self._worker.submit(self._store, entry)
-        self._pending.append((entry.stored, entry))
+        self._pending.append(entry.stored)
         step.segments[segment].append(weakref.ref(entry))
         step.offloaded_bytes += nbytes
         step.offloaded_tensors += 1
@@ -320,13 +330,13 @@ class ActivationOffloader:
         """Forward waits while more than ``prefetch_bytes`` of originals are still being
         copied (backpressure: the device tier holds at most that much in flight)."""
         pending = self._pending
-        while pending and pending[0][0].done():
+        while pending and pending[0].done():
             pending.popleft()
         if self._storing <= self.prefetch_bytes:
             return
         t0 = time.perf_counter()
         while pending and self._storing > self.prefetch_bytes:
-            future, _ = pending.popleft()
+            future = pending.popleft()
             try:
                 future.result()
             except BaseException:  # noqa: BLE001 - the entry keeps its error
@@ -343,7 +353,14 @@ class ActivationOffloader:
             else:
                 staging = self.staging.acquire(entry.nbytes)
                 dst = staging.buf
-            strided_view(dst, entry.dtype, entry.size, entry.stride, entry.nbytes).copy_(src)
+            view = strided_view(dst, entry.dtype, entry.size, entry.stride, entry.nbytes)
+            if self._cuda:
+                with torch.cuda.stream(self._d2h):
+                    self._d2h.wait_event(entry.ready)
+                    view.copy_(src, non_blocking=True)
+                    self._d2h.synchronize()  # the worker's own stream; src is then free
+            else:
+                view.copy_(src)
             if src._version != entry.version:
                 raise RuntimeError(
                     "one of the variables needed for gradient computation has been modified by "
@@ -395,7 +412,7 @@ class ActivationOffloader:
             if step.failure is entry:
                 step.failure = None
             raise self._error(entry, "offloading")
-        if self.tier == "host":
+        if self.tier == "host" and not self._cuda:
             self._account_wait(step, t0, waited)
             self.resident.acquire(entry.nbytes, what="a saved activation")
             return owned_view(entry.host, entry.dtype, entry.size, entry.stride, entry.nbytes,
@@ -409,13 +426,17 @@ class ActivationOffloader:
         else:
             waited = True
         try:
-            lease = future.result()
+            fetched = future.result()
         except BaseException as exc:  # noqa: BLE001
             entry.error = exc
             raise self._error(entry, "reading back") from exc
         finally:
             self._account_wait(step, t0, waited)
-        return owned_view(lease, entry.dtype, entry.size, entry.stride, entry.nbytes)
+        if isinstance(fetched, torch.Tensor):  # CUDA: uploaded on the h2d stream
+            fetched.record_stream(torch.cuda.current_stream(self.device))
+            entry.uncount()  # the engine cannot see it freed: counted up to here
+            return fetched
+        return owned_view(fetched, entry.dtype, entry.size, entry.stride, entry.nbytes)
 
     def _account_wait(self, step: _Step, t0: float, waited: bool) -> None:
         if waited:
@@ -450,7 +471,7 @@ class ActivationOffloader:
         self._prefetch(step, self._plan)
 
     def _prefetch(self, step: _Step, segments: List[int]) -> None:
-        if self.tier != "nvme":
+        if self.tier != "nvme" and not self._cuda:
             return  # host copies are used in place on the CPU device tier
         for seg in segments:
             if seg >= len(step.segments):
@@ -474,28 +495,53 @@ class ActivationOffloader:
         entry.step.fetched_bytes += nbytes
         self.stats.activation_bytes_fetched += nbytes
 
-        def done() -> None:
-            with self._lock:
-                self._fetched_now -= nbytes
-            self.resident.release(nbytes)
+        if self._cuda:  # a device tensor: counted until handed over (or the entry dies)
+            done = entry.uncount = weakref.finalize(entry, self._fetched_done, nbytes)
+        else:
+            def done() -> None:
+                self._fetched_done(nbytes)
 
-        def read() -> Lease:
+        def read():
+            lease = None
             try:
                 entry.stored.result()
                 if entry.error is not None:
                     raise entry.error
-                lease = self.fetch_pool.acquire(nbytes)
+                if self.tier == "nvme":
+                    lease = self.fetch_pool.acquire(nbytes)
+                    if not self._cuda:  # counted until autograd frees the tensor
+                        lease.on_release(done)
+                    key = entry.slot.key
+                    self.store.read(key, lease.buf).wait()
+                    self.store.verify_read(key, lease.buf)
+                    self.stats.add_moved("nvme_to_host", lease.nbytes)
+                if not self._cuda:
+                    return lease
+                return self._upload(entry, lease.buf if lease is not None else entry.host.buf)
             except BaseException:
-                done()
+                if self._cuda or lease is None:
+                    done()
                 raise
-            lease.on_release(done)
-            key = entry.slot.key
-            self.store.read(key, lease.buf).wait()
-            self.store.verify_read(key, lease.buf)
-            self.stats.add_moved("nvme_to_host", lease.nbytes)
-            return lease
+            finally:
+                if self._cuda and lease is not None:
+                    lease.release()
 
         return self._worker.submit(read)
+
+    def _upload(self, entry: _Entry, host: torch.Tensor) -> torch.Tensor:
+        """CUDA, on the worker: a device tensor holding ``host``'s copy, complete on return."""
+        with torch.cuda.stream(self._h2d):
+            dev = torch.empty_strided(entry.size, entry.stride, dtype=entry.dtype,
+                                      device=self.device)
+            dev.copy_(strided_view(host, entry.dtype, entry.size, entry.stride, entry.nbytes),
+                      non_blocking=True)
+            self._h2d.synchronize()
+        return dev
+
+    def _fetched_done(self, nbytes: int) -> None:
+        with self._lock:
+            self._fetched_now -= nbytes
+        self.resident.release(nbytes)
 
     def _error(self, entry: _Entry, doing: str) -> ActivationOffloadError:
         cause = entry.error
@@ -525,7 +571,9 @@ class ActivationOffloader:
             "min_bytes": self.min_bytes,
             "last_step": last.summary() if last is not None else _Step(0).summary(),
             "device": {"now": self.resident.used, "peak": self.resident.peak},
-            "host": {"now": (self.host_pool._budget.used if self.host_pool else 0)},
+            # host buffers of this offloader (copies, or NVMe write staging), in host_budget
+            "host": {"now": sum(p.held_bytes for p in (self.host_pool, self.staging)
+                                if p is not None)},
             "prefetched": self.prefetched,
             "prefetch_hits": self.prefetch_hits,
             "schedule_deviations": self.deviations,

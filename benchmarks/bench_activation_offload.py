@@ -1,0 +1,178 @@
+"""Step time (forward + backward) of a long-sequence GPT with its saved activations offloaded to
+host RAM and to NVMe, against the same wrapped model without activation offload, in one run.
+
+    python benchmarks/bench_activation_offload.py           # 4096 tokens, 5 measured steps each
+    python benchmarks/bench_activation_offload.py --quick   # tiny, smoke test (CI)
+
+Every configuration wraps the model the same way (parameters on host); only
+``activation_tier`` differs. The models live at once and the measured steps go round-robin
+over them, so a noisy phase of this shared machine hits each alike. Per configuration: median
+step time over the measured steps (after one warm-up step that records the backward order),
+the ratio to no offload, the seconds forward/backward waited for activations (copies out,
+reads back), the bytes offloaded and fetched per step, and the engine's peak of activation
+bytes resident on the device tier (offloaded ones only; the rest stays as in PyTorch).
+On a CPU-only machine the "device" is the CPU: host offload copies each saved tensor into a
+pooled host buffer and hands that buffer back to backward in place; NVMe offload writes it to
+a scratch file with O_DIRECT and reads it back ahead of its use.
+Results: benchmarks/results/bench_activation_offload.json (+ .png when matplotlib is installed).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Dict, List
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+import _common  # noqa: E402  (benchmarks/, this script's folder)
+import infinity  # noqa: E402
+from infinity.models import GPTConfig, TinyGPT, lm_loss, synthetic_batch  # noqa: E402
+
+CONFIGS = ("none", "host", "nvme")
+
+
+def config(quick: bool, seq: int) -> GPTConfig:
+    if quick:
+        return GPTConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, max_seq=seq)
+    return GPTConfig(vocab_size=512, d_model=128, n_layers=6, n_heads=4, max_seq=seq)
+
+
+def build(name: str, cfg: GPTConfig, args, swap_dir: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = TinyGPT(cfg)
+    kw = {}
+    if name != "none":
+        kw = dict(activation_tier=name, activation_min_bytes=args.min_bytes,
+                  activation_prefetch_bytes=args.window_mib << 20)
+    infinity.wrap(model, nvme_path=swap_dir, param_tier="host", **kw)
+    return model
+
+
+def one_step(name: str, model: torch.nn.Module, x, y) -> Dict:
+    infinity.stats(model, reset=True)
+    model._infinity_engine.zero_grad()
+    t0 = time.perf_counter()
+    loss = lm_loss(model(x), y)
+    loss.backward()
+    row = {"step_s": time.perf_counter() - t0, "loss": loss.item()}
+    s = infinity.stats(model)
+    act = s.get("activations")
+    if act is not None:
+        row.update(wait_s=s["time"]["activation_wait"],
+                   offloaded=act["last_step"]["offloaded_bytes"],
+                   fetched=act["last_step"]["fetched_bytes"],
+                   kept=act["last_step"]["kept_bytes"],
+                   on_demand=act["last_step"]["on_demand_fetches"],
+                   device_peak=act["device"]["peak"])
+    return row
+
+
+def summarize(name: str, rows: List[Dict]) -> Dict:
+    times = [r["step_s"] for r in rows]
+    out = {"config": name, "step_s_median": statistics.median(times), "step_s_all": times,
+           "losses": [r["loss"] for r in rows]}
+    if "wait_s" in rows[0]:
+        med = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731
+        out.update(activation_wait_s_median=med("wait_s"),
+                   wait_fraction=statistics.median(r["wait_s"] / r["step_s"] for r in rows),
+                   offloaded_bytes_per_step=med("offloaded"),
+                   fetched_bytes_per_step=med("fetched"), kept_bytes_per_step=med("kept"),
+                   on_demand_fetches=med("on_demand"),
+                   device_peak_bytes=max(r["device_peak"] for r in rows))
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--steps", type=int, default=None, help="measured steps per configuration")
+    p.add_argument("--seq", type=int, default=None, help="tokens per sequence")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--min-bytes", type=int, default=1 << 16, help="activation_min_bytes")
+    p.add_argument("--window-mib", type=int, default=64, help="activation_prefetch_bytes, MiB")
+    p.add_argument("--nvme-path", default=None, help="swap directory (default: temp dir)")
+    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
+                                                  "bench_activation_offload.json"))
+    args = p.parse_args(argv)
+    args.steps = args.steps or (1 if args.quick else 5)
+    args.seq = args.seq or (256 if args.quick else 4096)
+    cfg = config(args.quick, args.seq)
+    x, y = synthetic_batch(cfg, args.batch, args.seq, torch.Generator().manual_seed(1))
+    swap_dir = args.nvme_path or tempfile.mkdtemp(prefix="bench-act-", dir=tempfile.gettempdir())
+    models = {name: build(name, cfg, args, swap_dir) for name in CONFIGS}
+    n_params = sum(q.numel() for q in models["none"].parameters())
+    per_config: Dict[str, List[Dict]] = {name: [] for name in CONFIGS}
+    try:
+        for step in range(args.steps + 1):  # step 0 is the warm-up (records the order)
+            for name, model in models.items():
+                row = one_step(name, model, x, y)
+                if step:
+                    per_config[name].append(row)
+            if step:
+                print(f"step {step}: " + "  ".join(
+                    f"{n} {per_config[n][-1]['step_s']:.3f}s" for n in CONFIGS), flush=True)
+        rows = [summarize(name, per_config[name]) for name in CONFIGS]
+        for model in models.values():
+            infinity.unwrap(model)
+    finally:
+        if args.nvme_path is None:
+            shutil.rmtree(swap_dir, ignore_errors=True)
+    base = rows[0]["step_s_median"]
+    for r in rows:
+        r["ratio_vs_none"] = r["step_s_median"] / base
+        # paired: each round's step over the no-offload step of the same round (run next to
+        # it), so slow phases of a shared machine cancel out
+        r["paired_ratio_median"] = statistics.median(
+            a["step_s"] / b["step_s"] for a, b in zip(per_config[r["config"]],
+                                                      per_config["none"]))
+        r["same_losses_as_none"] = r["losses"] == rows[0]["losses"]
+    print("\nconfig  step (s)  x none  paired  act. wait  offloaded/step  device peak  same losses")
+    for r in rows:
+        print(f"{r['config']:<6} {r['step_s_median']:9.3f}  {r['ratio_vs_none']:5.2f}x"
+              f"  {r['paired_ratio_median']:5.2f}x"
+              f"  {r.get('activation_wait_s_median', 0):8.3f}s"
+              f"  {r.get('offloaded_bytes_per_step', 0) / 2**20:10.1f} MiB"
+              f"  {r.get('device_peak_bytes', 0) / 2**20:8.1f} MiB  {r['same_losses_as_none']}")
+    out = {
+        "date": datetime.date.today().isoformat(),
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "machine": _common.machine_info({"torch": torch.__version__,
+                                         "cuda": torch.cuda.is_available(),
+                                         "torch_threads": torch.get_num_threads()}),
+        "model": {"params": n_params, "d_model": cfg.d_model, "n_layers": cfg.n_layers,
+                  "vocab": cfg.vocab_size, "batch": args.batch, "seq": args.seq},
+        "settings": {"activation_min_bytes": args.min_bytes,
+                     "activation_prefetch_bytes": args.window_mib << 20},
+        "quick": args.quick, "results": rows,
+    }
+    _common.write_json(args.out, out)
+    plt = _common.pyplot()
+    if plt is not None:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        names = [r["config"] for r in rows]
+        wait = [r.get("activation_wait_s_median", 0.0) for r in rows]
+        rest = [r["step_s_median"] - w for r, w in zip(rows, wait)]
+        ax.bar(names, rest, label="compute (incl. hidden copies)")
+        ax.bar(names, wait, bottom=rest, label="waited for activations")
+        for i, r in enumerate(rows):
+            ax.text(i, r["step_s_median"], f"{r['ratio_vs_none']:.2f}x", ha="center",
+                    va="bottom")
+        ax.set_ylabel("forward+backward step (s)")
+        ax.set_title(f"GPT {cfg.n_layers}x{cfg.d_model}, {args.seq} tokens: activation offload")
+        ax.legend(loc="lower right")
+        _common.save_figure(fig, os.path.splitext(args.out)[0] + ".png", dpi=110)
+    print(f"saved {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
