@@ -169,6 +169,7 @@ class ActivationOffloader:
         self.device = device
         self.prefetch_bytes = prefetch_bytes
         self.stats = stats
+        stats.activations_offloaded = True
         self._owned_storages = owned_storages
         self.resident = ByteBudget("activations on the device tier", None)
         self._lock = threading.RLock()

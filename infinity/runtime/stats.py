@@ -32,6 +32,7 @@ class Stats:
     activation_bytes_offloaded: int = 0
     activation_bytes_fetched: int = 0
     activation_wait_seconds: float = 0.0
+    activations_offloaded: bool = False  # set when activation_tier is on: adds them to time
     # bytes written to NVMe (host_to_nvme), cut at each optimizer step
     nvme_written_last_step: int = 0
     nvme_written_total: int = 0
@@ -90,17 +91,15 @@ class Stats:
     def time_breakdown(self) -> Dict[str, object]:
         """Seconds since the last reset. ``compute`` = forward+backward wall time less the
         waits for parameters (``fetch_wait``), the gradient offload (``grad_offload``) and
-        offloaded activations (``activation_wait``)."""
+        offloaded activations (``activation_wait``, present with activation_tier on, as is
+        ``activation_bytes``: offloaded and fetched)."""
         fb, fetch, grad = (self.forward_backward_seconds, self.stall_seconds,
                            self.grad_offload_seconds)
         act = self.activation_wait_seconds
-        return {
+        out: Dict[str, object] = {
             "compute": max(0.0, fb - fetch - grad - act),
             "fetch_wait": float(fetch),
             "grad_offload": float(grad),
-            "activation_wait": float(act),
-            "activation_bytes": {"offloaded": self.activation_bytes_offloaded,
-                                 "fetched": self.activation_bytes_fetched},
             "optimizer": {
                 "cpu_adam": float(self.optimizer_cpu_adam_seconds),
                 "nvme_wait": float(self.optimizer_nvme_wait_seconds),
@@ -108,6 +107,11 @@ class Stats:
                 "total": float(self.optimizer_total_seconds),
             },
         }
+        if self.activations_offloaded:  # activation_tier is on
+            out["activation_wait"] = float(act)
+            out["activation_bytes"] = {"offloaded": self.activation_bytes_offloaded,
+                                       "fetched": self.activation_bytes_fetched}
+        return out
 
     @property
     def hit_rate(self) -> float:
