@@ -20,7 +20,8 @@ def wrap(model: nn.Module, nvme_path: Optional[str] = None, *,
 
     Settings are the fields of :class:`OffloadPolicy` (param_tier, grad_tier, optimizer_tier,
     device_budget, host_budget, prefetch_window, block_rule, compute_dtype, device,
-    require_direct_io, verify_checksums), given as keywords or as a ready ``policy``.
+    require_direct_io, verify_checksums, activation_tier, activation_min_bytes,
+    activation_prefetch_bytes), given as keywords or as a ready ``policy``.
 
     A model built on the meta device (``with infinity.empty_init(): model = ...``) is filled one
     block at a time, never whole in RAM, from ``source`` (a ``.safetensors`` file, a sharded

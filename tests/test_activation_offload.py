@@ -343,3 +343,23 @@ def test_failed_activation_io_raises_and_the_next_step_is_exact(op, fail_after, 
     infinity.unwrap(model)
     opt.close()
     _assert_same(want, (losses, weights))
+
+
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+def test_retain_graph_second_backward_reads_back_again(tier, tmp_path):
+    torch.manual_seed(0)
+    ref = TinyGPT(CFG)
+    model = infinity.wrap(copy.deepcopy(ref), nvme_path=str(tmp_path), activation_tier=tier,
+                          activation_min_bytes=MIN_BYTES)
+    (x, y), = _batches(1)
+    want = lm_loss(ref(x), y)
+    want.backward(retain_graph=True)
+    want.backward()
+    loss = lm_loss(model(x), y)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(infinity.gradient(p), q.grad), name
+    step = infinity.stats(model)["activations"]["last_step"]
+    if tier == "nvme":
+        assert step["fetched_bytes"] == 2 * step["offloaded_bytes"]
