@@ -124,6 +124,25 @@ def worker(name: str, args) -> int:
     return 0
 
 
+def plot(rows: List[Dict], title: str, path: str) -> None:
+    plt = _common.pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    names = [r["config"] for r in rows]
+    wait = [r.get("activation_wait_s_median", 0.0) for r in rows]
+    rest = [r["step_s_median"] - w for r, w in zip(rows, wait)]
+    ax.bar(names, rest, label="compute (incl. hidden copies)")
+    ax.bar(names, wait, bottom=rest, label="waited for activations")
+    for i, r in enumerate(rows):
+        ax.text(i, r["step_s_median"], f"{r['ratio_vs_none']:.2f}x", ha="center", va="bottom")
+    ax.set_ylim(0, 1.15 * max(r["step_s_median"] for r in rows))
+    ax.set_ylabel("forward+backward step (s)")
+    ax.set_title(title)
+    ax.legend(loc="lower right")
+    _common.save_figure(fig, path, dpi=110)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true")
@@ -213,21 +232,8 @@ def main(argv=None) -> int:
         "quick": args.quick, "results": rows,
     }
     _common.write_json(args.out, out)
-    plt = _common.pyplot()
-    if plt is not None:
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        names = [r["config"] for r in rows]
-        wait = [r.get("activation_wait_s_median", 0.0) for r in rows]
-        rest = [r["step_s_median"] - w for r, w in zip(rows, wait)]
-        ax.bar(names, rest, label="compute (incl. hidden copies)")
-        ax.bar(names, wait, bottom=rest, label="waited for activations")
-        for i, r in enumerate(rows):
-            ax.text(i, r["step_s_median"], f"{r['ratio_vs_none']:.2f}x", ha="center",
-                    va="bottom")
-        ax.set_ylabel("forward+backward step (s)")
-        ax.set_title(f"GPT {cfg.n_layers}x{cfg.d_model}, {args.seq} tokens: activation offload")
-        ax.legend(loc="lower right")
-        _common.save_figure(fig, os.path.splitext(args.out)[0] + ".png", dpi=110)
+    plot(rows, f"GPT {cfg.n_layers}x{cfg.d_model}, {args.seq} tokens: activation offload",
+         os.path.splitext(args.out)[0] + ".png")
     print(f"saved {args.out}")
     return 0
 
