@@ -35,8 +35,11 @@ Failures. A failed copy or write (ENOSPC...) is kept with its entry: the next pa
 forward raises :class:`ActivationOffloadError`, else the unpack of that entry in backward does.
 Nothing else is changed, so the engine takes the next step normally.
 
-Device: the CPU device tier (host buffers used in place) is what is built and tested here; on
-CUDA the engine refuses activation offload at wrap with a clear error (not built yet).
+Device: on the CPU device tier (tested) host copies are used in place and NVMe reads land in
+pooled buffers handed to autograd. On CUDA, copies run on two side streams (device->host after
+an event recorded where the tensor was saved; host->device into a fresh tensor that is
+``record_stream``-ed on the compute stream) from/to pinned pooled buffers; that path has not
+run in this project's CI (no GPU there): tests/test_activation_offload_gpu.py covers it.
 """
 from __future__ import annotations
 
