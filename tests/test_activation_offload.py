@@ -14,6 +14,7 @@ import infinity
 from infinity.io import clear_faults, inject_fault
 from infinity.models import GPTConfig, TinyGPT, lm_loss, synthetic_batch
 from infinity.runtime.activations import ActivationOffloadError
+from infinity.runtime.registry import _ENGINES
 
 CFG = GPTConfig(vocab_size=128, d_model=32, n_layers=3, n_heads=4, max_seq=64)
 B, T = 2, 64
@@ -56,9 +57,13 @@ def _assert_same(run_a, run_b) -> None:
 
 
 @pytest.fixture(autouse=True)
-def _no_faults():
+def _no_faults_and_no_engines_left():
+    """Clears injected faults; closes the engines a test left wrapped (their files)."""
+    before = set(_ENGINES)
     yield
     clear_faults()
+    for engine in set(_ENGINES) - before:
+        engine.close(restore=False)
 
 
 @pytest.mark.parametrize("tier", ["host", "nvme"])
@@ -83,8 +88,9 @@ def test_training_is_bitwise_the_same_with_activations_offloaded(tier, tmp_path)
         assert first["last_step"]["on_demand_fetches"] == first["last_step"]["offloaded_tensors"]
         assert step["on_demand_fetches"] == 0 and last["schedule_deviations"] == 0
         assert last["prefetch_hits"] > 0
-        # scratch files are reused: as many as one step's offloaded tensors, not more
-        assert last["nvme_files"] == step["offloaded_tensors"]
+        # scratch extents are reused step after step, in a few files (not one per tensor)
+        assert last["nvme_files"] == first["nvme_files"] <= step["offloaded_tensors"] / 4
+        assert last["nvme_bytes"] == first["nvme_bytes"] >= step["offloaded_bytes"]
         assert offl[2][-1]["moved"]["host_to_nvme"] >= step["offloaded_bytes"]
     else:
         assert step["fetched_bytes"] == 0  # used in place on the CPU device tier

@@ -5,14 +5,16 @@ slots on NVMe, and tensors that view a pooled buffer and give it back when autog
   in a :class:`~infinity.tiers.ByteBudget`. A buffer whose lease dies goes back to a free list of
   its size and is reused by the next step (steps repeat their shapes, so after the first step no
   allocation happens); free buffers above ``keep_bytes`` are freed instead.
-- :class:`ScratchFiles`: swap files of a :class:`~infinity.tiers.SwapStore`, one per size,
-  reused step after step (never fsynced: scratch, not durable state).
+- :class:`ScratchFiles`: extents of a few scratch files (one set per size) in the directory of
+  a :class:`~infinity.tiers.SwapStore`, reused step after step (never fsynced: scratch, not
+  durable state), CRC32C-checked like swap files.
 - :func:`owned_view`: a tensor over a lease's bytes whose storage keeps the lease alive; when
   the last view dies (autograd freed the saved tensor) the lease ends and ``on_free`` runs.
 """
 from __future__ import annotations
 
 import collections
+import os
 import threading
 from typing import Callable, Deque, Dict, List, Optional, Sequence
 
@@ -20,7 +22,7 @@ import numpy as np
 import torch
 
 from .. import io as inf_io
-from ..tiers import BudgetExceededError, ByteBudget, SwapStore
+from ..tiers import BudgetExceededError, ByteBudget, SwapCorruptionError, SwapStore
 
 
 def round_up(nbytes: int) -> int:
@@ -135,52 +137,110 @@ class BufferPool:
 
 
 class Slot:
-    """One scratch swap file on loan (key, size); back to the free list when it dies."""
+    """One extent of a scratch file on loan; back to the free list when it dies. ``crc`` is
+    the CRC32C of its last completed write (None: none completed, e.g. it failed)."""
 
-    __slots__ = ("key", "nbytes", "_files", "__weakref__")
+    __slots__ = ("handle", "offset", "nbytes", "crc", "_files", "__weakref__")
 
-    def __init__(self, files: "ScratchFiles", key: str, nbytes: int) -> None:
-        self.key = key
+    def __init__(self, files: "ScratchFiles", handle: "inf_io.FileHandle", offset: int,
+                 nbytes: int) -> None:
+        self.handle = handle
+        self.offset = offset
         self.nbytes = nbytes
+        self.crc: Optional[int] = None
         self._files: Optional[ScratchFiles] = files
+
+    @property
+    def where(self) -> str:
+        return f"{self.handle.path!r} at offset {self.offset:,}"
 
     def __del__(self) -> None:
         files, self._files = self._files, None
         if files is not None:
             try:
-                files._give_back(self.key, self.nbytes)
+                files._give_back(self.handle, self.offset, self.nbytes)
             except Exception:  # noqa: BLE001 - interpreter shutdown
                 pass
 
 
 class ScratchFiles:
-    """Swap files of ``store`` reused by size: ``acquire(nbytes)`` hands out a free file of
-    exactly that (aligned) size, creating one (preallocated) only when none is free."""
+    """Scratch extents in the swap directory of ``store``, reused by size: files of one size
+    class hold many extents (about ``file_bytes`` each), so a step with thousands of saved
+    tensors opens a few files, not thousands. Preallocated; written without fsync; closed (and
+    removed with the directory) at close."""
 
-    def __init__(self, store: SwapStore) -> None:
+    def __init__(self, store: SwapStore, *, verify: bool, require_direct: bool,
+                 file_bytes: int = 64 << 20, max_extents: int = 256) -> None:
         self.store = store
-        self._free: Dict[int, List[str]] = collections.defaultdict(list)
-        self._count = 0
+        self.verify = verify
+        self._require_direct = require_direct
+        self._file_bytes = file_bytes
+        self._max_extents = max_extents
+        self._free: Dict[int, List[tuple]] = collections.defaultdict(list)
+        self._handles: List[inf_io.FileHandle] = []
+        self._total = 0
         self._lock = threading.Lock()
 
     @property
     def files(self) -> int:
-        return self._count
+        return len(self._handles)
+
+    @property
+    def total_bytes(self) -> int:
+        return self._total
 
     def acquire(self, nbytes: int) -> Slot:
         size = round_up(nbytes)
         with self._lock:
             free = self._free.get(size)
             if free:
-                return Slot(self, free.pop(), size)
-            key = f"activation{self._count:06d}"
-            self._count += 1
-        self.store.create(key, size)
-        return Slot(self, key, size)
+                handle, offset = free.pop()
+                return Slot(self, handle, offset, size)
+            count = max(1, min(self._max_extents, self._file_bytes // size))
+            path = os.path.join(self.store.directory,
+                                f"activations-{size}-{len(self._handles):04d}.swp")
+            handle = inf_io.FileHandle(path, "w+", require_direct=self._require_direct)
+            try:
+                handle.allocate(count * size)
+            except BaseException:
+                handle.close()
+                os.unlink(path)
+                raise
+            self._handles.append(handle)
+            self._total += count * size
+            self._free[size].extend((handle, i * size) for i in range(count - 1, 0, -1))
+        return Slot(self, handle, 0, size)
 
-    def _give_back(self, key: str, nbytes: int) -> None:
+    def _give_back(self, handle: "inf_io.FileHandle", offset: int, nbytes: int) -> None:
         with self._lock:
-            self._free[nbytes].append(key)
+            self._free[nbytes].append((handle, offset))
+
+    def write(self, slot: Slot, buf: torch.Tensor) -> None:
+        """Writes ``buf`` (the slot's size) to the slot and waits; records its CRC."""
+        slot.crc = None
+        future = slot.handle.pwrite(buf, slot.offset, crc=self.verify)
+        future.wait()
+        if self.verify:
+            slot.crc = future.crc32c()
+
+    def read(self, slot: Slot, buf: torch.Tensor) -> None:
+        """Reads the slot into ``buf`` and waits; checks the CRC of its last write."""
+        if self.verify and slot.crc is None:
+            raise SwapCorruptionError(f"scratch extent {slot.where} holds no completed write")
+        future = slot.handle.pread(buf, slot.offset, crc=self.verify)
+        future.wait()
+        if self.verify and future.crc32c() != slot.crc:
+            raise SwapCorruptionError(
+                f"scratch extent {slot.where} is corrupted: CRC32C {future.crc32c():#010x} "
+                f"does not match {slot.crc:#010x} recorded when it was written (the disk or "
+                "another process changed it)")
+
+    def close(self) -> None:
+        with self._lock:
+            handles, self._handles = self._handles, []
+            self._free.clear()
+        for h in handles:
+            h.close()
 
 
 class _Owner:

@@ -14,8 +14,8 @@ caller's context) are offloaded; the recomputation runs in backward, where nothi
 Pack. A saved tensor of at least ``min_bytes`` that is not a parameter (nor a view of an
 engine-owned parameter buffer) gets an :class:`_Entry`; a worker thread copies it into a host
 buffer from a pool inside ``host_budget`` (tier "host") or into a staging buffer and from there
-with O_DIRECT into a scratch swap file (tier "nvme", files reused step after step, never
-fsynced), then drops the reference to the original, whose memory autograd no longer holds.
+with O_DIRECT into an extent of a scratch file (tier "nvme", a few files per size, extents
+reused step after step, never fsynced), then drops the reference to the original, whose memory autograd no longer holds.
 Smaller tensors are kept as autograd would keep them.
 
 Unpack. Backward asks for entries segment by segment. The order of first use of segments is
@@ -49,7 +49,7 @@ import logging
 import threading
 import time
 import weakref
-from typing import Any, Deque, Dict, List, Optional, Set
+from typing import Any, Deque, Dict, List, Optional, Sequence, Set
 
 import torch
 from torch import nn
@@ -153,7 +153,8 @@ class ActivationOffloader:
     def __init__(self, *, tier: str, min_bytes: int, device: torch.device, window: int,
                  prefetch_bytes: int, host_budget: ByteBudget, stats: Stats,
                  nvme_path: Optional[str] = None, require_direct_io: bool = False,
-                 verify_checksums: bool = True, owned_storages=lambda: ()) -> None:
+                 verify_checksums: bool = True, owned_storages=lambda: (),
+                 block_names: Sequence[str] = ()) -> None:
         if tier not in ("host", "nvme"):
             raise ValueError(f"infinity: activation_tier={tier!r}; use None, 'host' or 'nvme'")
         if device.type not in ("cpu", "cuda"):
@@ -174,6 +175,7 @@ class ActivationOffloader:
         self.stats = stats
         stats.activations_offloaded = True
         self._owned_storages = owned_storages
+        self._block_names = list(block_names)
         self.resident = ByteBudget("activations on the device tier", None)
         self._lock = threading.RLock()
         self._frames: List[_Frame] = []
@@ -204,7 +206,8 @@ class ActivationOffloader:
                                  "on a fast disk>")
             self.store = SwapStore(nvme_path, require_direct=require_direct_io,
                                    verify=verify_checksums)
-            self.files = ScratchFiles(self.store)
+            self.files = ScratchFiles(self.store, verify=verify_checksums,
+                                      require_direct=require_direct_io)
             self.staging = BufferPool(host_budget, "activation write staging",
                                       keep_bytes=_STAGING_KEEP_BYTES, pin=self._cuda)
             # on the CPU device tier, fetched activations live in these ("device" memory); on
@@ -297,8 +300,12 @@ class ActivationOffloader:
             raise self._error(failed, "offloading")
         segment = len(step.segments) - 1
         frame = self._frames[-1] if self._frames else None
-        where = "the root block" if frame is None or frame.block is None \
-            else f"block {frame.block}"
+        if frame is None or frame.block is None:
+            where = "the model outside its blocks"
+        elif frame.block < len(self._block_names):
+            where = f"block {self._block_names[frame.block]!r}"
+        else:
+            where = f"block {frame.block}"
         stride = torch.empty_like(t, device="meta").stride()
         entry = _Entry(step, segment, where, t, stride, nbytes)
         try:
@@ -373,7 +380,7 @@ class ActivationOffloader:
                     "(infinity's activation offload saw the change)")
             self._drop_source(entry)
             if staging is not None:
-                self.store.write(entry.slot.key, staging.buf).wait()  # scratch: no fsync
+                self.files.write(entry.slot, staging.buf)  # scratch: no fsync
                 self.stats.add_moved("host_to_nvme", staging.nbytes)
         except BaseException as exc:  # noqa: BLE001 - kept with the entry, raised later
             entry.error = exc
@@ -515,9 +522,7 @@ class ActivationOffloader:
                     lease = self.fetch_pool.acquire(nbytes)
                     if not self._cuda:  # counted until autograd frees the tensor
                         lease.on_release(done)
-                    key = entry.slot.key
-                    self.store.read(key, lease.buf).wait()
-                    self.store.verify_read(key, lease.buf)
+                    self.files.read(entry.slot, lease.buf)
                     self.stats.add_moved("nvme_to_host", lease.nbytes)
                 if not self._cuda:
                     return lease
@@ -549,7 +554,7 @@ class ActivationOffloader:
 
     def _error(self, entry: _Entry, doing: str) -> ActivationOffloadError:
         cause = entry.error
-        where = (f"to the scratch swap file {self.store.path(entry.slot.key)!r}"
+        where = (f"to the scratch file {entry.slot.where}"
                  if self.tier == "nvme" and entry.slot is not None else "to host memory")
         if doing == "reading back":
             where = where.replace("to the", "from the")
@@ -582,7 +587,7 @@ class ActivationOffloader:
             "prefetch_hits": self.prefetch_hits,
             "schedule_deviations": self.deviations,
             "nvme_files": self.files.files if self.files is not None else 0,
-            "nvme_bytes": self.store.total_bytes if self.store is not None else 0,
+            "nvme_bytes": self.files.total_bytes if self.files is not None else 0,
         }
         if reset:
             self.resident.reset_peak()
@@ -601,12 +606,15 @@ class ActivationOffloader:
         for pool in (self.host_pool, self.staging, self.fetch_pool):
             if pool is not None:
                 pool.close()
+        if self.files is not None:
+            self.files.close()
         if self.store is not None:
             self.store.close()
 
 
 def make_activation_offloader(policy, device: torch.device, host_budget: ByteBudget,
-                              stats: Stats, owned_storages) -> Optional[ActivationOffloader]:
+                              stats: Stats, owned_storages,
+                              block_names: Sequence[str] = ()) -> Optional[ActivationOffloader]:
     """The policy's activation offloader, or None when ``activation_tier`` is None."""
     if policy.activation_tier is None:
         return None
@@ -619,4 +627,5 @@ def make_activation_offloader(policy, device: torch.device, host_budget: ByteBud
                         else int(policy.activation_prefetch_bytes)),
         host_budget=host_budget, stats=stats,
         nvme_path=policy.nvme_path, require_direct_io=policy.require_direct_io,
-        verify_checksums=policy.verify_checksums, owned_storages=owned_storages)
+        verify_checksums=policy.verify_checksums, owned_storages=owned_storages,
+        block_names=block_names)

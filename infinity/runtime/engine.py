@@ -99,7 +99,8 @@ class Engine(Residence, OutsideWrites, HookHandlers):
         if self.device.type == "cpu" and any(not b.resident for b in self.blocks):
             return_freed_buffers_to_os()
         self.activations = make_activation_offloader(policy, self.device, self.host_budget,
-                                                     self.stats, self._owned_storages)
+                                                     self.stats, self._owned_storages,
+                                                     [b.name for b in self.blocks])
         try:
             self._materialize_homes()
         except BaseException:
