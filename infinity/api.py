@@ -21,7 +21,8 @@ def wrap(model: nn.Module, nvme_path: Optional[str] = None, *,
 
     Settings are the fields of :class:`OffloadPolicy` (param_tier, grad_tier, optimizer_tier,
     device_budget, host_budget, prefetch_window, block_rule, compute_dtype, device,
-    require_direct_io, verify_checksums), given as keywords or as a ready ``policy``.
+    require_direct_io, verify_checksums, activation_tier, activation_min_bytes,
+    activation_prefetch_bytes), given as keywords or as a ready ``policy``.
 
     A model built on the meta device (``with infinity.empty_init(): model = ...``) is filled one
     block at a time, never whole in RAM, from ``source`` (a ``.safetensors`` file, a sharded
@@ -127,6 +128,8 @@ def stats(model: nn.Module, *, reset: bool = False) -> Dict[str, Any]:
         out["zero"] = engine.partitioner.stats()
         if reset:
             engine.partitioner.coll.reset_counters()
+    if engine.activations is not None:
+        out["activations"] = engine.activations.report(reset=reset)
     if reset:
         s.reset()
         engine.device_budget.reset_peak()

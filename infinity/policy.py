@@ -57,6 +57,16 @@ class OffloadPolicy:
         (``infinity.plan``) picks the tiers left "auto" and, when prefetch_window is left at
         its default, the window, from the budgets and the probed machine; see
         ``infinity.explain(model)``.
+    activation_tier: where the tensors autograd saves for backward go during forward: None
+        (they stay on the device, as in plain PyTorch), "host" (a pool of host buffers inside
+        host_budget) or "nvme" (scratch swap files under nvme_path). See
+        docs/activation_offload.md.
+    activation_min_bytes: only saved tensors of at least this many bytes are offloaded
+        (None: 1 MiB). Needs activation_tier.
+    activation_prefetch_bytes: the activation window: at most this many bytes of offloaded
+        activations are fetched back ahead of their use in backward (up to ``prefetch_window``
+        segments ahead), and forward waits while more than this many bytes of saved tensors
+        are still being copied out (None: 256 MiB). Needs activation_tier.
     """
 
     param_tier: str = "auto"
@@ -74,6 +84,9 @@ class OffloadPolicy:
     shard: str = "auto"
     collective_timeout: float = 600.0
     placement: Optional[str] = None
+    activation_tier: Optional[str] = None
+    activation_min_bytes: Optional[int] = None
+    activation_prefetch_bytes: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.param_tier != "auto":
@@ -114,12 +127,35 @@ class OffloadPolicy:
                 or not self.collective_timeout > 0):
             raise ValueError(f"collective_timeout must be a positive number of seconds, got "
                              f"{self.collective_timeout!r}")
+        self._check_activations()
         rule = self.block_rule
         if rule is not None and not callable(rule):
             if (not isinstance(rule, (list, tuple)) or not rule
                     or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in rule)):
                 raise TypeError("block_rule must be None, a sequence of nn.Module subclasses, "
                                 f"or a callable (name, module) -> bool; got {rule!r}")
+
+    def _check_activations(self) -> None:
+        tier = self.activation_tier
+        if tier is not None and tier not in ("host", "nvme"):
+            hint = (" (activations already live on the device without offload: use None)"
+                    if tier == "device" else "")
+            raise ValueError(f"infinity: activation_tier={tier!r} is not supported; use None "
+                             f"(no activation offload), 'host' or 'nvme'{hint}")
+        if tier == "nvme" and self.nvme_path is None:
+            raise ValueError("infinity: activation_tier='nvme' needs nvme_path=<a directory on "
+                             "a fast disk> for the activations' scratch swap files")
+        for name in ("activation_min_bytes", "activation_prefetch_bytes"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if tier is None:
+                raise ValueError(f"infinity: {name}={value!r} has no effect without "
+                                 "activation_tier; pass activation_tier='host' or 'nvme' too")
+            low = 0 if name == "activation_min_bytes" else 1
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+                raise ValueError(f"infinity: {name} must be an integer number of bytes >= {low}, "
+                                 f"got {value!r}")
 
     @classmethod
     def field_names(cls) -> tuple:

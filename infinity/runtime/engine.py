@@ -41,6 +41,7 @@ from .homes import DeviceHome, Home, HostHome, NvmeHome
 from .host_malloc import return_freed_buffers_to_os, trim_heap
 from .partition import partition
 from ..dist.partitioner import make_partitioner
+from .activations import make_activation_offloader
 from .lifecycle import HookHandlers
 from .outside import OutsideWrites
 from .registry import _ENGINE_ATTR, _ENGINES, ParamLocation, engine_of, locate  # noqa: F401 (re-exported)
@@ -106,8 +107,16 @@ class Engine(Residence, OutsideWrites, HookHandlers):
             id(s.param): (torch.device("cpu") if s.param.is_meta else s.param.device)
             for b in self.blocks for f in b.flats for s in f.slots}
         self.compute_buffers = self._make_compute_buffers()
-        self._compute_reserved = self._check_host_budget()
-        self._materialize_homes()
+        self.activations = make_activation_offloader(policy, self.device, self.host_budget,
+                                                     self.stats, self._owned_storages,
+                                                     [b.name for b in self.blocks])
+        try:
+            self._compute_reserved = self._check_host_budget()
+            self._materialize_homes()
+        except BaseException:
+            if self.activations is not None:
+                self.activations.close()
+            raise
         self.transfers = Transfers(self.device, self.stats, self.home, self.pool,
                                    self.home_flats, workers=self._transfer_workers())
         self._hooks = hooks_mod.register(self)
@@ -131,6 +140,11 @@ class Engine(Residence, OutsideWrites, HookHandlers):
     @staticmethod
     def _numel_bytes(p: torch.Tensor) -> int:
         return p.numel() * p.element_size()
+
+    def _owned_storages(self) -> set:
+        """Storages of the parameters' buffers (saved activations never offload these)."""
+        return {t.untyped_storage()._cdata for f in self.flats for t in (f.compute, f.home)
+                if isinstance(t, torch.Tensor)}
 
     def _check_params(self, specs) -> None:
         for spec in specs:
@@ -223,6 +237,8 @@ class Engine(Residence, OutsideWrites, HookHandlers):
             count = 1 if self.compute_buffers is not None else self._transfer_workers()
             needs["staging"] = count * max(self._home_flat(f).home_nbytes
                                            for b in streamed for f in b.flats)
+        if self.activations is not None:  # taken lazily, at least one window's worth
+            needs["activation window"] = self.activations.prefetch_bytes
         if trainable:
             if self.grad_tier is Tier.HOST:
                 needs["gradient accumulators"] = sum(f.numel * 4 for f in trainable)
@@ -705,6 +721,8 @@ class Engine(Residence, OutsideWrites, HookHandlers):
             self._closed = True
             self._hooks.remove_all()
             self.transfers.close()
+            if self.activations is not None:
+                self.activations.close()
             _ENGINES.discard(self)
             self._locations.clear()
             if restore:

@@ -108,11 +108,15 @@ class HookHandlers:
             for block in self.blocks:
                 if block.is_root:
                     self._ensure_on_device(block)
+            if self.activations is not None and not self._in_backward():
+                self.activations.enter(None, model_level=True)
 
     @_timed_hook
     def on_model_post_forward(self, module: nn.Module, args, output) -> None:
         with self._lock:
             self._model_forward_depth = max(0, self._model_forward_depth - 1)
+            if self.activations is not None and not self._in_backward():
+                self.activations.exit(None)
             if self._closed or self._in_backward():
                 return
             if _raised(output):
@@ -128,6 +132,8 @@ class HookHandlers:
                         output, lambda: self.on_pre_backward(root))
                 # the first blocks of backward are the last of forward: start fetching them
                 self._prefetch(self.schedule.upcoming("backward"))
+                if self.activations is not None:
+                    self.activations.forward_done()
             elif self._model_forward_depth == 0 and self._callback_task == -1:
                 # no backward follows (inference): outside forward again, so the parameters
                 # view their homes (the root block is not kept materialized)
@@ -155,6 +161,8 @@ class HookHandlers:
             self._ensure_on_device(block)
             if not recompute:
                 block.active_forward += 1
+                if self.activations is not None:
+                    self.activations.enter(block.index)
             if block.needs_input_signal and torch.is_grad_enabled():
                 hooks_mod.register_post_backward(args, lambda: self.on_inputs_grad(block))
 
@@ -187,6 +195,8 @@ class HookHandlers:
                 return
             if not self._in_backward():
                 block.active_forward = max(0, block.active_forward - 1)
+                if self.activations is not None:
+                    self.activations.exit(block.index)
             if _raised(output):  # the forward raised: nothing will use this block's output
                 if block.active_forward == 0 and not self._in_backward():
                     self._release(block)

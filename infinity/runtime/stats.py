@@ -30,6 +30,11 @@ class Stats:
     optimizer_nvme_busy_seconds: float = 0.0
     optimizer_total_seconds: float = 0.0
     optimizer_steps: int = 0
+    # activation offload (runtime/activations.py): bytes moved, waits in forward/backward
+    activation_bytes_offloaded: int = 0
+    activation_bytes_fetched: int = 0
+    activation_wait_seconds: float = 0.0
+    activations_offloaded: bool = False  # set when activation_tier is on: adds them to time
     # bytes written to NVMe (host_to_nvme), cut at each optimizer step
     nvme_written_last_step: int = 0
     nvme_written_total: int = 0
@@ -52,6 +57,8 @@ class Stats:
             self.optimizer_cpu_adam_seconds = self.optimizer_nvme_wait_seconds = 0.0
             self.optimizer_nvme_busy_seconds = self.optimizer_total_seconds = 0.0
             self.optimizer_steps = 0
+            self.activation_bytes_offloaded = self.activation_bytes_fetched = 0
+            self.activation_wait_seconds = 0.0
             self.nvme_written_last_step = self.nvme_written_total = 0
             self._nvme_written_mark = 0
             self._fb_t0 = None
@@ -88,14 +95,17 @@ class Stats:
         """Seconds since the last reset. Forward+backward wall time splits into ``compute``
         (outside the engine's hooks: the model's own math and autograd), ``fetch_wait``
         (waiting for parameters), ``grad_offload`` (accumulating gradients, handing them to
-        NVMe) and ``engine`` (the rest of the hooks: bookkeeping, releases, locks, Python).
+        NVMe), ``activation_wait`` (waiting for offloaded activations; present with
+        activation_tier on, as is ``activation_bytes``: offloaded and fetched) and ``engine``
+        (the rest of the hooks: bookkeeping, releases, locks, Python).
         ``transfer_cpu``: CPU time the transfer threads used in the background (on a machine
         without a GPU, taken from the compute's cores; not part of the wall-time sum)."""
         fb, fetch, grad = (self.forward_backward_seconds, self.stall_seconds,
                            self.grad_offload_seconds)
+        act = self.activation_wait_seconds
         hooks = max(min(self.hook_seconds, fb), fetch + grad)
-        return {
-            "compute": max(0.0, fb - hooks),
+        out: Dict[str, object] = {
+            "compute": max(0.0, fb - hooks - act),
             "fetch_wait": float(fetch),
             "grad_offload": float(grad),
             "engine": max(0.0, hooks - fetch - grad),
@@ -107,6 +117,11 @@ class Stats:
                 "total": float(self.optimizer_total_seconds),
             },
         }
+        if self.activations_offloaded:  # activation_tier is on
+            out["activation_wait"] = float(act)
+            out["activation_bytes"] = {"offloaded": self.activation_bytes_offloaded,
+                                       "fetched": self.activation_bytes_fetched}
+        return out
 
     def add_transfer_cpu(self, seconds: float) -> None:
         with self._lock:
