@@ -279,8 +279,11 @@ def test_bad_settings_are_refused_with_a_clear_error(settings, match, tmp_path):
 def test_host_budget_too_small_for_host_activations(tmp_path):
     torch.manual_seed(0)
     model = TinyGPT(CFG)
-    params = sum(p.numel() * 4 for p in model.parameters())
-    infinity.wrap(model, param_tier="host", host_budget=params + 2 * 4096 + 8 * ACT,
+    # what the engine itself holds on host (parameter homes and gradient accumulators)
+    sizing = infinity.wrap(copy.deepcopy(model), param_tier="host")
+    held = sum(infinity.api._engine(sizing)._host_needs().values())
+    infinity.unwrap(sizing)
+    infinity.wrap(model, param_tier="host", host_budget=held + 8 * ACT,
                   activation_tier="host", activation_min_bytes=MIN_BYTES)
     (x, y), = _batches(1)
     with pytest.raises(infinity.tiers.BudgetExceededError, match="host_budget") as info:

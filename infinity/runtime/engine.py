@@ -237,8 +237,6 @@ class Engine(Residence, OutsideWrites, HookHandlers):
             count = 1 if self.compute_buffers is not None else self._transfer_workers()
             needs["staging"] = count * max(self._home_flat(f).home_nbytes
                                            for b in streamed for f in b.flats)
-        if self.activations is not None:  # taken lazily, at least one window's worth
-            needs["activation window"] = self.activations.prefetch_bytes
         if trainable:
             if self.grad_tier is Tier.HOST:
                 needs["gradient accumulators"] = sum(f.numel * 4 for f in trainable)
