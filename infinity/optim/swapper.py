@@ -1,9 +1,13 @@
-"""The NVMe state pipeline: read(i+1) | compute(i) | write(i-1) over shards, with three sets of
-aligned host buffers, and the clock that measures how much of the I/O was hidden.
+"""The NVMe state pipeline: read(i+1..i+D) | compute(i) | write(i-1) over shards, with S >= 3
+sets of aligned host buffers (D = S - 2 shards read ahead), and the clock that measures how much
+of the I/O was hidden.
 
-Set ``k = i % 3`` serves shard i. Before shard i+1's read goes into its set, the writes issued
-from that set (shard i-2) must have finished, so at any moment one set is being read into, one
-computed on and one written from. Nothing here decides *what* a step computes: the caller passes
+Set ``k = i % S`` serves shard i. Before shard j's read goes into its set, the writes issued
+from that set (shard j - S, written at least two iterations earlier) must have finished, so at
+any moment up to D sets are being read into, one computed on and one written from. The number
+of sets is chosen so that about :func:`read_ahead_bytes` of reads are in flight while a shard
+computes (small shards: deeper read-ahead keeps the disk's queue full; large ones: 3 sets), as
+far as the host budget allows. Nothing here decides *what* a step computes: the caller passes
 ``compute(shard, states_buf, staging)``.
 """
 from __future__ import annotations
@@ -20,7 +24,27 @@ from .state_store import NvmeStates, Shard
 
 logger = logging.getLogger(__name__)
 
-SETS = 3
+SETS = 3            # the minimum: one set read into, one computed on, one written from
+MAX_SETS = 16
+
+
+def read_ahead_bytes() -> int:
+    """Bytes of reads to keep in flight ahead of the shard being computed: enough chunks for
+    every I/O worker (``num_threads x chunk_bytes`` of :func:`infinity.io.get_config`). More
+    made the step slower on the test VM (reads of later shards competing with the writes)."""
+    cfg = inf_io.get_config()
+    return cfg.num_threads * cfg.chunk_bytes
+
+
+def choose_sets(set_nbytes: int, budget_left: Optional[int]) -> int:
+    """Number of buffer sets: 2 + enough read-ahead sets for :func:`read_ahead_bytes` (at least 1),
+    at most MAX_SETS; with a host budget, the sets beyond the minimum of 3 take at most half of
+    ``budget_left`` (None: no limit), leaving room for what the engine allocates later."""
+    ahead = max(1, -(-read_ahead_bytes() // max(1, set_nbytes)))
+    count = min(MAX_SETS, 2 + ahead)
+    if budget_left is not None:
+        count = min(count, max(SETS, budget_left // 2 // max(1, set_nbytes)))
+    return count
 
 
 @dataclass
@@ -98,12 +122,13 @@ class IOClock:
 
 
 class BufferSets:
-    """Three sets of aligned host buffers: states (the largest shard's layout in the store's
-    format: 12, 8 or ~6 B/param) and, when the parameters are homed on NVMe, a staging buffer
-    for the updated working copy, and fp32 gradients when those are on NVMe."""
+    """``count`` (>= 3, see :func:`choose_sets`) sets of aligned host buffers: states (the
+    largest shard's layout in the store's format: 12, 8 or ~6 B/param) and, when the
+    parameters are homed on NVMe, a staging buffer for the updated working copy, and fp32
+    gradients when those are on NVMe."""
 
     def __init__(self, states: NvmeStates, shards: List[Shard], staging: bool,
-                 grads: bool) -> None:
+                 grads: bool, count: Optional[int] = None) -> None:
         engine = states.engine
         self.engine = engine
         self.fmt = states.fmt
@@ -111,13 +136,22 @@ class BufferSets:
         self.states_nbytes = max(states.layout(s).nbytes for s in shards)
         self.staging_nbytes = max(s.flat.home_nbytes for s in shards) if staging else 0
         self.grad_numel = max_numel if grads else 0
-        self.nbytes = SETS * (self.states_nbytes + self.staging_nbytes + self.grad_numel * 4)
-        engine.host_budget.acquire(self.nbytes, what=f"{SETS} optimizer swap buffer sets")
-        self.states = [inf_io.aligned_empty(self.states_nbytes) for _ in range(SETS)]
+        set_nbytes = self.states_nbytes + self.staging_nbytes + self.grad_numel * 4
+        if count is None:
+            budget = engine.host_budget
+            left = None if budget.limit is None else budget.limit - budget.used
+            count = choose_sets(set_nbytes, left)
+        if not isinstance(count, int) or count < SETS:
+            raise ValueError(f"infinity.optim: the NVMe state pipeline needs at least {SETS} "
+                             f"buffer sets, got {count!r}")
+        self.count = count
+        self.nbytes = count * set_nbytes
+        engine.host_budget.acquire(self.nbytes, what=f"{count} optimizer swap buffer sets")
+        self.states = [inf_io.aligned_empty(self.states_nbytes) for _ in range(count)]
         self.staging = [inf_io.aligned_empty(self.staging_nbytes) if staging else None
-                        for _ in range(SETS)]
+                        for _ in range(count)]
         self.grads = [inf_io.aligned_empty(self.grad_numel, torch.float32) if grads else None
-                      for _ in range(SETS)]
+                      for _ in range(count)]
         self._closed = False
 
     def fits(self, states: NvmeStates, shards: List[Shard], staging: bool, grads: bool) -> bool:
@@ -150,9 +184,11 @@ def run_pipeline(shards: List[Shard], states: NvmeStates, sets: BufferSets, comp
     may already have been updated (the caller restores them)."""
     engine = states.engine
     clock = IOClock()
+    count = sets.count
+    ahead = count - 2
     reads: List[Optional["inf_io.IOFuture"]] = [None] * len(shards)
     grad_reads: List[Optional["inf_io.IOFuture"]] = [None] * len(shards)
-    writes: List[List[Pending]] = [[] for _ in range(SETS)]
+    writes: List[List[Pending]] = [[] for _ in range(count)]
 
     def drain(k: int) -> None:
         pending, writes[k] = writes[k], []
@@ -164,7 +200,7 @@ def run_pipeline(shards: List[Shard], states: NvmeStates, sets: BufferSets, comp
                 raise states.wrap_error(exc, shard, what) from exc
 
     def issue_read(i: int) -> None:
-        k = i % SETS
+        k = i % count
         drain(k)
         shard = shards[i]
         nbytes = states.layout(shard).nbytes
@@ -177,12 +213,12 @@ def run_pipeline(shards: List[Shard], states: NvmeStates, sets: BufferSets, comp
             stats.bytes_read += shard.numel * 4
 
     try:
-        if shards:
-            issue_read(0)
+        issued = 0
         for i, shard in enumerate(shards):
-            k = i % SETS
-            if i + 1 < len(shards):
-                issue_read(i + 1)
+            k = i % count
+            while issued < len(shards) and issued <= i + ahead:
+                issue_read(issued)
+                issued += 1
             buf = sets.state_view(k, states, shard)
             try:
                 clock.wait(reads[i])
@@ -212,7 +248,7 @@ def run_pipeline(shards: List[Shard], states: NvmeStates, sets: BufferSets, comp
                 home = sets.staging[k][:shard.flat.home_nbytes].view(shard.flat.home_dtype)
                 writes[k].append((clock.submitted(engine.write_home(shard.flat, home)), shard,
                                   "writing the parameters updated with the"))
-        for k in range(SETS):
+        for k in range(count):
             drain(k)
     except BaseException:
         _settle(reads + grad_reads, writes)
