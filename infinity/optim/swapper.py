@@ -13,9 +13,10 @@ far as the host budget allows. Nothing here decides *what* a step computes: the 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -62,12 +63,19 @@ class StepStats:
     shards: int = 0
     params: int = 0
     skipped: bool = False
+    overlapped_shards: int = 0    # shards whose update ran during backward and was kept
+    overlap_s: float = 0.0        # time those updates took on the worker (behind backward)
 
     @property
     def hidden_fraction(self) -> Optional[float]:
         if self.io_busy_s <= 0.0:
             return None
         return max(0.0, min(1.0, 1.0 - self.io_wait_s / self.io_busy_s))
+
+    def merge(self, other: "StepStats") -> None:
+        """Adds the bytes and times of work done for this step elsewhere (during backward)."""
+        for name in ("compute_s", "io_wait_s", "io_busy_s", "bytes_read", "bytes_written"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def as_dict(self) -> Dict[str, object]:
         out = dict(self.__dict__)
@@ -176,18 +184,56 @@ Compute = Callable[[Shard, torch.Tensor, Optional[torch.Tensor], Optional[torch.
 Pending = Tuple["inf_io.IOFuture", Shard, str]
 
 
-def run_pipeline(shards: List[Shard], states: NvmeStates, sets: BufferSets, compute: Compute,
-                 write_home: bool, stats: StepStats, computed: List[Shard]) -> None:
+class ShardFeed:
+    """The shards one pipeline steps, in order. Built from a list (a step after backward), or
+    filled while backward runs (:meth:`put` as each block's gradients are complete, then
+    :meth:`close`); the pipeline reads ahead only into shards already given."""
+
+    def __init__(self, shards: Optional[List[Shard]] = None) -> None:
+        self._items: List[Shard] = list(shards) if shards is not None else []
+        self._closed = shards is not None
+        self._cond = threading.Condition()
+
+    def put(self, shard: Shard) -> None:
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("infinity.optim: shard given to a closed pipeline feed")
+            self._items.append(shard)
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def get(self, i: int, block: bool) -> Optional[Shard]:
+        """Shard i; None when there is none yet (``block=False``) or none will come."""
+        with self._cond:
+            while block and i >= len(self._items) and not self._closed:
+                self._cond.wait()
+            return self._items[i] if i < len(self._items) else None
+
+    @property
+    def items(self) -> List[Shard]:
+        with self._cond:
+            return list(self._items)
+
+
+def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets: BufferSets,
+                 compute: Compute, write_home: bool, stats: StepStats,
+                 computed: List[Shard]) -> None:
     """Reads, computes and writes every shard; returns once every write finished. On error,
     waits for everything in flight, aborts the pending extents and raises an
     OptimizerStateIOError naming the shard; ``computed`` lists the shards whose working copy
-    may already have been updated (the caller restores them)."""
+    may already have been updated (the caller restores them). A gradient read waits for the
+    write of those gradients first (in a feed filled during backward it may still run)."""
+    feed = shards if isinstance(shards, ShardFeed) else ShardFeed(shards)
     engine = states.engine
     clock = IOClock()
     count = sets.count
     ahead = count - 2
-    reads: List[Optional["inf_io.IOFuture"]] = [None] * len(shards)
-    grad_reads: List[Optional["inf_io.IOFuture"]] = [None] * len(shards)
+    reads: Dict[int, "inf_io.IOFuture"] = {}
+    grad_reads: Dict[int, "inf_io.IOFuture"] = {}
     writes: List[List[Pending]] = [[] for _ in range(count)]
 
     def drain(k: int) -> None:
@@ -199,41 +245,48 @@ def run_pipeline(shards: List[Shard], states: NvmeStates, sets: BufferSets, comp
                 writes[k] = pending[i + 1:]
                 raise states.wrap_error(exc, shard, what) from exc
 
-    def issue_read(i: int) -> None:
+    def issue_read(i: int, shard: Shard) -> None:
         k = i % count
         drain(k)
-        shard = shards[i]
         nbytes = states.layout(shard).nbytes
         reads[i] = clock.submitted(states.read(shard, sets.state_view(k, states, shard)))
         stats.bytes_read += nbytes
         engine.stats.add_moved("nvme_to_host", nbytes)
         if engine.grads.in_ram(shard.flat) is None and sets.grads[k] is not None:  # on NVMe
+            engine.grads.wait_written(shard.flat)
             grad_reads[i] = clock.submitted(
                 engine.grads.read(shard.flat, sets.grads[k][:shard.numel]))
             stats.bytes_read += shard.numel * 4
 
     try:
         issued = 0
-        for i, shard in enumerate(shards):
+        i = 0
+        while True:
+            shard = feed.get(i, block=True)
+            if shard is None:
+                break
             k = i % count
-            while issued < len(shards) and issued <= i + ahead:
-                issue_read(issued)
+            while issued <= i + ahead:
+                nxt = feed.get(issued, block=False)
+                if nxt is None:
+                    break
+                issue_read(issued, nxt)
                 issued += 1
             buf = sets.state_view(k, states, shard)
             try:
                 clock.wait(reads[i])
             except inf_io.InfinityIOError as exc:
                 raise states.wrap_error(exc, shard, "reading") from exc
-            reads[i] = None
+            del reads[i]
             states.verify(shard, buf)
             grad = None
-            if grad_reads[i] is not None:
+            if i in grad_reads:
                 grad = sets.grads[k][:shard.numel]
                 try:
                     clock.wait(grad_reads[i])
                 except inf_io.InfinityIOError as exc:
                     raise states.wrap_error(exc, shard, "reading the gradients for the") from exc
-                grad_reads[i] = None
+                del grad_reads[i]
                 engine.grads.verify(shard.flat, grad)
             clock.poll()
             t0 = time.perf_counter()
@@ -248,10 +301,11 @@ def run_pipeline(shards: List[Shard], states: NvmeStates, sets: BufferSets, comp
                 home = sets.staging[k][:shard.flat.home_nbytes].view(shard.flat.home_dtype)
                 writes[k].append((clock.submitted(engine.write_home(shard.flat, home)), shard,
                                   "writing the parameters updated with the"))
+            i += 1
         for k in range(count):
             drain(k)
     except BaseException:
-        _settle(reads + grad_reads, writes)
+        _settle(list(reads.values()) + list(grad_reads.values()), writes)
         states.abort()
         raise
     finally:

@@ -20,7 +20,7 @@ import contextlib
 import logging
 import threading
 from collections import defaultdict
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 from torch import nn
@@ -91,6 +91,9 @@ class Engine(Residence, OutsideWrites, HookHandlers):
         # Set by an optimizer over this engine: it changes the home copies in step(), so the
         # next forward's blocks are prefetched after the step (resume), not after backward.
         self.optimizer_attached = False
+        # optimizers overlapping their step with backward: grads_complete(engine, flat) when a
+        # block's gradients are complete, forward_started(engine) when a forward begins
+        self.backward_listeners: List[Any] = []
         self.grad_tier = self._choose_grad_tier()
         self._original_devices = {
             id(s.param): (torch.device("cpu") if s.param.is_meta else s.param.device)

@@ -83,6 +83,8 @@ class HookHandlers:
                     self.stats.forward_started(time.perf_counter())
                     self._recover_failed_forward()
                     self.sync_outside_writes()
+                    for listener in self.backward_listeners:
+                        listener.forward_started(self)
                     if torch.is_grad_enabled():
                         self.grads.reconcile(detach=True)
                 self.schedule.begin("forward")
@@ -156,6 +158,9 @@ class HookHandlers:
         for flat in block.flats:
             self.grads.close(flat)
         self._release(block)
+        for listener in self.backward_listeners:
+            for flat in block.flats:
+                listener.grads_complete(self, flat)
 
     def on_block_post_forward(self, block: Block, module: nn.Module, args, output) -> None:
         with self._lock:
