@@ -139,13 +139,15 @@ class Case:
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--params", type=float, default=100e6)
+    ap.add_argument("--width", type=int, default=4096, help="Linear(width, width) layers: one "
+                    "shard each (4096: 201 MB of fp32 states per shard; 1024: 12.6 MB)")
     ap.add_argument("--quick", action="store_true", help="~8M params, 2 rounds (CI)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=2, help="timed steps per round and format")
     ap.add_argument("--formats", default="fp32,8bit")
     ap.add_argument("--compare-sets", type=int, default=None, metavar="N",
-                    help="also run the first format with a pipeline of N buffer sets (3: "
-                         "one shard read ahead, the pipeline before the read-ahead change)")
+                    help="also run the first format with a pipeline of N buffer sets (N - 2 "
+                         "shards read ahead; the default is 3)")
     ap.add_argument("--all-nvme", action="store_true",
                     help="parameters and gradients on NVMe too (their bytes count as well)")
     ap.add_argument("--nvme-path", default=None, help="directory (default: a temporary one "
@@ -154,7 +156,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     formats = [f for f in args.formats.split(",") if f]
-    width = 1024 if args.quick else 4096
+    width = 1024 if args.quick else args.width
     n_target = 8e6 if args.quick else args.params
     layers = max(2, round(n_target / (width * width)))
     rounds = 2 if args.quick else args.rounds

@@ -16,15 +16,14 @@ from test_optim import _model, _train
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_choose_sets_reads_ahead_for_small_shards_only():
-    ahead = swapper.read_ahead_bytes()
-    assert swapper.choose_sets(ahead * 4, None) == 3           # large shards: the minimum
-    assert swapper.choose_sets(ahead // 4, None) == 6          # 4 shards read ahead
-    assert swapper.choose_sets(1, None) == swapper.MAX_SETS
+def test_choose_sets_depth_and_budget():
+    mib = 1 << 20
+    assert swapper.choose_sets(200 * mib, None) == 3                  # default: 1 ahead
+    assert swapper.choose_sets(200 * mib, None, read_ahead=4) == 6
+    assert swapper.choose_sets(1, None, read_ahead=100) == swapper.MAX_SETS
     # with a budget, extra sets take at most half of what is left; never fewer than 3
-    assert swapper.choose_sets(ahead // 4, budget_left=ahead) == 3
-    assert swapper.choose_sets(ahead // 8, budget_left=ahead) == 4
-    assert swapper.choose_sets(ahead // 4, budget_left=0) == 3
+    assert swapper.choose_sets(10 * mib, 80 * mib, read_ahead=8) == 4
+    assert swapper.choose_sets(10 * mib, 0, read_ahead=8) == 3
 
 
 def _states(opt):

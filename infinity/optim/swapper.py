@@ -1,14 +1,11 @@
 """The NVMe state pipeline: read(i+1..i+D) | compute(i) | write(i-1) over shards, with S >= 3
-sets of aligned host buffers (D = S - 2 shards read ahead), and the clock that measures how much
-of the I/O was hidden.
+sets of aligned host buffers (D = S - 2 shards read ahead; S = 3 by default, see
+:func:`choose_sets`), and the clock that measures how much of the I/O was hidden.
 
 Set ``k = i % S`` serves shard i. Before shard j's read goes into its set, the writes issued
 from that set (shard j - S, written at least two iterations earlier) must have finished, so at
-any moment up to D sets are being read into, one computed on and one written from. The number
-of sets is chosen so that about :func:`read_ahead_bytes` of reads are in flight while a shard
-computes (small shards: deeper read-ahead keeps the disk's queue full; large ones: 3 sets), as
-far as the host budget allows. Nothing here decides *what* a step computes: the caller passes
-``compute(shard, states_buf, staging)``.
+any moment up to D sets are being read into, one computed on and one written from. Nothing
+here decides *what* a step computes: the caller passes ``compute(shard, states_buf, staging)``.
 """
 from __future__ import annotations
 
@@ -29,20 +26,22 @@ SETS = 3            # the minimum: one set read into, one computed on, one writt
 MAX_SETS = 16
 
 
-def read_ahead_bytes() -> int:
-    """Bytes of reads to keep in flight ahead of the shard being computed: enough chunks for
-    every I/O worker (``num_threads x chunk_bytes`` of :func:`infinity.io.get_config`). More
-    made the step slower on the test VM (reads of later shards competing with the writes)."""
-    cfg = inf_io.get_config()
-    return cfg.num_threads * cfg.chunk_bytes
+READ_AHEAD_SHARDS = 1  # default depth: shards read ahead of the one being computed
 
 
-def choose_sets(set_nbytes: int, budget_left: Optional[int]) -> int:
-    """Number of buffer sets: 2 + enough read-ahead sets for :func:`read_ahead_bytes` (at least 1),
-    at most MAX_SETS; with a host budget, the sets beyond the minimum of 3 take at most half of
-    ``budget_left`` (None: no limit), leaving room for what the engine allocates later."""
-    ahead = max(1, -(-read_ahead_bytes() // max(1, set_nbytes)))
-    count = min(MAX_SETS, 2 + ahead)
+def choose_sets(set_nbytes: int, budget_left: Optional[int],
+                read_ahead: Optional[int] = None) -> int:
+    """Number of buffer sets: 2 + ``read_ahead`` (default :data:`READ_AHEAD_SHARDS`), at most
+    MAX_SETS; with a host budget, the sets beyond the minimum of 3 take at most half of
+    ``budget_left`` (None: no limit), leaving room for what the engine allocates later.
+
+    Why one shard ahead by default: on the test VM (bench_nvme_step, 100M parameters, same
+    run) reading 2 or 11 shards ahead was 5-15% *slower* than 1, with 201 MB and with 12.6 MB
+    shards alike (more reads queued ahead of the writes of computed shards), and no faster
+    on the 8M-parameter quick case within noise; one 201 MB shard ahead already keeps every
+    I/O worker busy."""
+    ahead = READ_AHEAD_SHARDS if read_ahead is None else read_ahead
+    count = min(MAX_SETS, 2 + max(1, ahead))
     if budget_left is not None:
         count = min(count, max(SETS, budget_left // 2 // max(1, set_nbytes)))
     return count
