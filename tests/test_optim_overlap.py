@@ -195,3 +195,26 @@ def test_auto_backs_off_when_updates_keep_being_redone(base, tmp_path):
     _assert_same(got[1], ref[1])
     # armed at steps 3, 5 and 8 (1-based) only: 3 rollbacks of the non-root shards
     assert got[2] == 0 and 0 < got[3] <= 3 * len(got[1][0]), got[3]
+
+
+def test_unwrap_between_backward_and_step_gives_the_weights_before_the_step(base, tmp_path):
+    def loop(model, opt, steps):
+        losses = _train(model, opt, steps)
+        x, y = synthetic_batch(CFG, 2, 8, torch.Generator().manual_seed(9))
+        lm_loss(model(x), y).backward()  # armed: updates run, then no step
+        return losses
+
+    ref_model = _wrap(base, tmp_path / "ref")
+    ref_opt = infinity.optim.AdamW(ref_model.parameters(), lr=1e-3, overlap=False)
+    loop(ref_model, ref_opt, 3)
+    ref_opt.close()
+    infinity.unwrap(ref_model)
+    model = _wrap(base, tmp_path / "ov")
+    opt = infinity.optim.AdamW(model.parameters(), lr=1e-3, overlap=True)
+    loop(model, opt, 3)
+    assert opt._overlap.pending  # speculative updates exist
+    infinity.unwrap(model)  # before opt.close(): the engine undoes them itself
+    assert opt._overlap.rolled_back_total > 0 and not opt._overlap.pending
+    opt.close()
+    for (n, a), b in zip(ref_model.named_parameters(), model.parameters()):
+        assert torch.equal(a, b), n

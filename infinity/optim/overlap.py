@@ -306,6 +306,10 @@ class BackwardOverlap:
                 st.backoff = 0
             st.kept = False
 
+    def engine_closing(self, engine: "Engine") -> None:
+        """unwrap() between backward and step: the parameters go back without that step."""
+        self.rollback_engine(engine, "the model is being unwrapped")
+
     def close(self) -> None:
         self.rollback_all("the optimizer is closing")
 

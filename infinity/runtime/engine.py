@@ -92,7 +92,8 @@ class Engine(Residence, OutsideWrites, HookHandlers):
         # next forward's blocks are prefetched after the step (resume), not after backward.
         self.optimizer_attached = False
         # optimizers overlapping their step with backward: grads_complete(engine, flat) when a
-        # block's gradients are complete, forward_started(engine) when a forward begins
+        # block's gradients are complete, forward_started(engine) when a forward begins,
+        # engine_closing(engine) at close
         self.backward_listeners: List[Any] = []
         self.grad_tier = self._choose_grad_tier()
         self._original_devices = {
@@ -546,6 +547,8 @@ class Engine(Residence, OutsideWrites, HookHandlers):
         with self._lock:
             if self._closed:
                 return
+            for listener in list(self.backward_listeners):
+                listener.engine_closing(self)  # an update overlapping backward is undone
             values: Dict[str, torch.Tensor] = {}
             if restore:
                 if not self._in_backward():
