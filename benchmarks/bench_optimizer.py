@@ -75,6 +75,20 @@ def bench_torch(layers: int, width: int, dtype: torch.dtype, steps: int) -> Dict
     return {"name": "torch_fused_adamw", "times": times}
 
 
+def bench_plain(layers: int, width: int, dtype: torch.dtype, steps: int) -> Dict:
+    """infinity.optim.AdamW on an unwrapped model's plain parameters (per-parameter state)."""
+    model = LinearStack(layers, width, dtype)
+    gen = torch.Generator().manual_seed(0)
+    for p in model.parameters():
+        p.grad = torch.empty_like(p).uniform_(-1e-3, 1e-3, generator=gen)
+    opt = infinity.optim.AdamW(model.parameters(), lr=1e-4)
+    opt.step()  # warm-up: allocates the states
+    times = timed_steps(opt.step, steps)
+    del opt, model
+    gc.collect()
+    return {"name": "infinity_plain", "times": times}
+
+
 def bench_infinity(layers: int, width: int, dtype: torch.dtype, steps: int, tier: str,
                    nvme_path: Optional[str]) -> Dict:
     model = LinearStack(layers, width, dtype)
@@ -147,6 +161,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--nvme-path", default=None, help="directory for the state files "
                     "(default: a temporary directory under /tmp)")
     ap.add_argument("--json", default=os.path.join(HERE, "results", "bench_optimizer.json"))
+    ap.add_argument("--no-nvme", action="store_true", help="skip the NVMe-states row")
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -163,11 +178,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         # torch's baseline runs before and after ours (this shared machine drifts): its
         # median is over both runs
         before = bench_torch(layers, width, dtype, args.steps)
+        plain = bench_plain(layers, width, dtype, args.steps)
         host = bench_infinity(layers, width, dtype, args.steps, "host", None)
-        on_nvme = bench_infinity(layers, width, dtype, args.steps, "nvme", nvme)
+        rows = [before, plain, host]
+        if not args.no_nvme:
+            rows.append(bench_infinity(layers, width, dtype, args.steps, "nvme", nvme))
         after = bench_torch(layers, width, dtype, args.steps)
         before["times"] = before["times"] + after["times"]
-        rows = [before, host, on_nvme]
     rows = [summarize(r, n_params) for r in rows]
     print_table(rows, rows[0]["step_s_median"])
     result = {"date": time.strftime("%Y-%m-%d"), "params": n_params, "layers": layers,

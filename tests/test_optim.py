@@ -642,7 +642,7 @@ def test_benchmark_quick_runs(tmp_path):
     import json
     res = json.loads(out.read_text())
     names = {r["name"] for r in res["rows"]}
-    assert {"torch_fused_adamw", "infinity_host", "infinity_nvme"} <= names
+    assert {"torch_fused_adamw", "infinity_plain", "infinity_host", "infinity_nvme"} <= names
     assert all(r["step_s_median"] > 0 for r in res["rows"])
 
 

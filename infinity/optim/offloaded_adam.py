@@ -36,6 +36,7 @@ from .state_store import (HostStates, NvmeStates, OptimizerStateIOError, Shard,
                           check_states, choose_tier, init_states, state_nbytes)
 from ._common import ShardState, States, _check_hyper, _float, _read_grads, _Run  # noqa: F401 (ShardState re-exported)
 from .grad_checks import GradientChecks
+from .overlap import BackwardOverlap
 from .state_dicts import StateDicts
 from .swapper import BufferSets, StepStats, run_pipeline
 
@@ -65,6 +66,12 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
             unwrapped parameters. ``state_dict`` always holds fp32 moments (plus a top-level
             ``"states"`` entry); loading re-quantizes them, bitwise for moments that came from
             the same format.
+        overlap: whether a block's update may start during backward, as soon as its gradients
+            are complete (:mod:`infinity.optim.overlap`): "auto" (default) once the loop has
+            stepped after every backward for two steps, True for every backward, False never.
+            Only models whose gradients and states are on NVMe. Exact in every case: an update
+            that differs from what ``step()`` computes (clipping that triggers, loss scaling,
+            an lr change, gradient accumulation) is rolled back and redone.
 
     The tier of the states of each wrapped model is chosen by ``choose_tier`` (from the
     model's ``optimizer_tier`` policy) at the first step. After each step,
@@ -78,8 +85,10 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
     def __init__(self, params, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, *, adamw: bool = True,
                  amsgrad: bool = False, maximize: bool = False,
-                 check_finite: Union[bool, str] = "auto", states: str = "fp32") -> None:
+                 check_finite: Union[bool, str] = "auto", states: str = "fp32",
+                 overlap: Union[bool, str] = "auto") -> None:
         self.states_format = check_states(states)
+        self._overlap = BackwardOverlap(self, overlap)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         amsgrad=amsgrad, maximize=maximize)
         _check_hyper(defaults)
@@ -127,6 +136,8 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
             shard.groups[loc.slot] = index
             self._wrapped[id(p)] = (shard, loc.slot)
             loc.engine.attach_optimizer()  # the engine prefetches after our step
+            if self._overlap not in loc.engine.backward_listeners:
+                loc.engine.backward_listeners.append(self._overlap)
 
     def _is_wrapped(self, p: torch.Tensor) -> bool:
         if id(p) in self._elsewhere:
@@ -198,23 +209,40 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
         self.discard_pending_step()
         stats = StepStats()
         self.last_step_stats = stats
-        for group in self.param_groups:
-            _check_hyper(group)
-        for engine in self._engines():
-            engine.quiesce()
-        self._check_lost_gradients()
-        if finite is None and self.check_finite is True:
-            finite = self.grads_finite()
-        elif finite is None and self.check_finite == "auto":
-            finite = self._known_finite()
-        finite = self._agree_finite(finite)  # sharded: every rank skips, or none
+        overlap = self._overlap
+        overlap.join()  # updates started during backward: done before anything else runs
+        try:
+            for group in self.param_groups:
+                _check_hyper(group)
+            for engine in self._engines():
+                engine.quiesce()
+            self._check_lost_gradients()
+            if finite is None and self.check_finite is True:
+                finite = self.grads_finite()
+            elif finite is None and self.check_finite == "auto":
+                finite = self._known_finite()
+            finite = self._agree_finite(finite)  # sharded: every rank skips, or none
+        except BaseException:
+            overlap.rollback_all("the step raised before applying them")
+            raise
         if finite is False:
+            overlap.rollback_all("the gradients hold inf/nan")
+            overlap.step_finished()
             self.skipped_steps += 1
             stats.skipped = True
             logger.warning("infinity.optim: gradients contain inf/nan; step skipped "
                            "(%d skipped so far)", self.skipped_steps)
             return loss
         try:
+            if overlap.pending:
+                kept, done_early = overlap.settle(multiplier)
+                stats.merge(done_early)
+                stats.overlapped_shards = len(kept)
+                stats.overlap_s = done_early.compute_s + done_early.io_wait_s
+                for shard in kept.values():
+                    self._done[shard.key] = shard
+                    stats.shards += 1
+                    stats.params += sum(s.numel for s in shard.flat.slots)
             self._restore_dirty()
             for shard in self._shards.values():
                 self._sync_user_writes(shard)
@@ -235,6 +263,7 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
             self._multiplier, self._finite = multiplier, finite
             raise
         self._done.clear()
+        overlap.step_finished()
         for engine in self._engines():
             engine.resume()
         stats.step_s = time.perf_counter() - t0
@@ -293,6 +322,15 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
             if self._ready(shard, i):
                 shard.steps[i] += 1
 
+    def _hyper(self, run: _Run, multiplier: float) -> Dict[str, Any]:
+        """The kernel's scalars for one run, from its param group now."""
+        group = self.param_groups[run.group]
+        beta1, beta2 = group["betas"]
+        return dict(step=run.step, lr=_float(group["lr"]), beta1=_float(beta1),
+                    beta2=_float(beta2), eps=_float(group["eps"]),
+                    weight_decay=_float(group["weight_decay"]), adamw=self._adamw,
+                    grad_multiplier=multiplier)
+
     def _working_out(self, shard: Shard, staging: Optional[torch.Tensor]
                      ) -> Optional[torch.Tensor]:
         """Where the kernel writes the updated working copy (None: copied afterwards)."""
@@ -303,10 +341,12 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
 
     def _apply(self, shard: Shard, runs: List[_Run], buf: torch.Tensor,
                staging: Optional[torch.Tensor], multiplier: float,
-               grad: Optional[torch.Tensor] = None) -> None:
+               grad: Optional[torch.Tensor] = None,
+               hypers: Optional[List[Dict[str, Any]]] = None) -> None:
         """One shard: the kernel of the state format over each run, working copy written in
         the same pass. ``grad``: the shard's gradients when they were read from NVMe (else
-        those in RAM).
+        those in RAM). ``hypers``: the kernel's scalars per run (default: from the param
+        groups now; an update overlapping backward passes those it will be checked against).
 
         fp32 and bf16 moments are element-wise: one kernel call per run. 8-bit moments are
         quantized in 256-element blocks that start at each slot's first element (see
@@ -322,13 +362,8 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
         if in_place:
             out = None
         written: List[Tuple[int, int]] = []
-        for r in runs:
-            group = self.param_groups[r.group]
-            beta1, beta2 = group["betas"]
-            hyper = dict(step=r.step, lr=_float(group["lr"]), beta1=_float(beta1),
-                         beta2=_float(beta2), eps=_float(group["eps"]),
-                         weight_decay=_float(group["weight_decay"]), adamw=self._adamw,
-                         grad_multiplier=multiplier)
+        for j, r in enumerate(runs):
+            hyper = hypers[j] if hypers is not None else self._hyper(r, multiplier)
             if fmt == "8bit":
                 for i in range(r.first, r.last + 1):
                     s = flat.slots[i]
@@ -575,6 +610,7 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
         accumulated gradients are forgotten; the next backward overwrites them -- with
         ``set_to_none=False`` too, where a parameter without a new gradient is then skipped
         rather than stepped with a zero gradient). Unwrapped parameters: as torch."""
+        self._overlap.rollback_all("zero_grad() before opt.step()")
         if self._done:
             logger.warning("infinity.optim: zero_grad() after a failed step that %d shard(s) had "
                            "already taken; the others skip it", len(self._done))
@@ -602,6 +638,12 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
     def close(self) -> None:
         """Releases host buffers and removes the NVMe state files (the optimizer is unusable
         afterwards)."""
+        overlap = self.__dict__.get("_overlap")
+        if overlap is not None:
+            overlap.close()
+            for engine in self._engines():
+                if overlap in engine.backward_listeners:
+                    engine.backward_listeners.remove(overlap)
         for sets in self._sets.values():
             sets.close()
         self._sets.clear()

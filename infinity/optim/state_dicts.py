@@ -50,6 +50,7 @@ class StateDicts:
         """Each wrapped shard's committed states, one shard in RAM at a time.
         ``skip_extents``: shards for which :meth:`committed_extent` gives a file are yielded
         without reading their states (master/exp_avg/exp_avg_sq None)."""
+        self._overlap.rollback_all("shard_states() before opt.step()")
         for engine in self._engines():
             engine.quiesce()
         for shard in self._shards.values():
@@ -70,6 +71,7 @@ class StateDicts:
     def load_shard_state(self, key: str, per_slot: Dict[int, Dict[str, Any]]) -> None:
         """Loads one shard's states: ``per_slot[slot index] = {"step", "exp_avg",
         "exp_avg_sq", "master" (optional)}``; slots not given start without state."""
+        self._overlap.rollback_all("load_shard_state() before opt.step()")
         shard = next((s for s in self._shards.values() if s.key == key), None)
         if shard is None:
             raise KeyError(f"this optimizer has no wrapped shard {key!r}")
@@ -83,6 +85,7 @@ class StateDicts:
         no entry is stored); the moments are fp32 in every state format (compact ones
         dequantized: exactly the values the next step starts from).
         ``wrapped=False`` leaves out the wrapped models' shards (see :meth:`shard_states`)."""
+        self._overlap.rollback_all("state_dict() before opt.step()")
         if self._sharded_engines:
             from ..dist.state import refuse_sharded
             raise refuse_sharded("optimizer.state_dict()")
@@ -125,6 +128,7 @@ class StateDicts:
         8bit: quantized; moments saved from the same format come back bitwise). A state of
         another model (other number of groups/parameters or shapes) raises ValueError and
         changes nothing."""
+        self._overlap.rollback_all("load_state_dict() before opt.step()")
         if self._sharded_engines:
             from ..dist.state import refuse_sharded
             raise refuse_sharded("optimizer.load_state_dict()")

@@ -474,6 +474,19 @@ class NvmeStates(_Store):
         """Forgets the writes of a failed step: the committed extents stay as they were."""
         self._pending.clear()
 
+    def abort_shard(self, shard: Shard) -> None:
+        """Forgets one shard's pending write (a speculative update rolled back)."""
+        self._pending.pop(shard.key, None)
+
+    def commit_shards(self, shards: List[Shard]) -> None:
+        """Commits the pending writes of these shards only (speculative updates kept)."""
+        for shard in shards:
+            which = self._pending.pop(shard.key, None)
+            if which is None:
+                raise RuntimeError(f"infinity.optim: no pending state write of {shard.key} to "
+                                   "commit")
+            self.committed[shard.key] = which
+
     def wrap_error(self, exc: BaseException, shard: Shard, doing: str) -> OptimizerStateIOError:
         err = getattr(exc, "errno", None) or errno_mod.EIO
         what = ("disk full: the disk under nvme_path has no space left" if err in _FULL_DISK

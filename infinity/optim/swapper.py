@@ -1,17 +1,19 @@
-"""The NVMe state pipeline: read(i+1) | compute(i) | write(i-1) over shards, with three sets of
-aligned host buffers, and the clock that measures how much of the I/O was hidden.
+"""The NVMe state pipeline: read(i+1..i+D) | compute(i) | write(i-1) over shards, with S >= 3
+sets of aligned host buffers (D = S - 2 shards read ahead; S = 3 by default, see
+:func:`choose_sets`), and the clock that measures how much of the I/O was hidden.
 
-Set ``k = i % 3`` serves shard i. Before shard i+1's read goes into its set, the writes issued
-from that set (shard i-2) must have finished, so at any moment one set is being read into, one
-computed on and one written from. Nothing here decides *what* a step computes: the caller passes
-``compute(shard, states_buf, staging)``.
+Set ``k = i % S`` serves shard i. Before shard j's read goes into its set, the writes issued
+from that set (shard j - S, written at least two iterations earlier) must have finished, so at
+any moment up to D sets are being read into, one computed on and one written from. Nothing
+here decides *what* a step computes: the caller passes ``compute(shard, states_buf, staging)``.
 """
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -21,7 +23,29 @@ from .state_store import NvmeStates, Shard
 
 logger = logging.getLogger(__name__)
 
-SETS = 3
+SETS = 3            # the minimum: one set read into, one computed on, one written from
+MAX_SETS = 16
+
+
+READ_AHEAD_SHARDS = 1  # default depth: shards read ahead of the one being computed
+
+
+def choose_sets(set_nbytes: int, budget_left: Optional[int],
+                read_ahead: Optional[int] = None) -> int:
+    """Number of buffer sets: 2 + ``read_ahead`` (default :data:`READ_AHEAD_SHARDS`), at most
+    MAX_SETS; with a host budget, the sets beyond the minimum of 3 take at most half of
+    ``budget_left`` (None: no limit), leaving room for what the engine allocates later.
+
+    Why one shard ahead by default: on the test VM (bench_nvme_step, 100M parameters, same
+    run) reading 2 or 11 shards ahead was 5-15% *slower* than 1, with 201 MB and with 12.6 MB
+    shards alike (more reads queued ahead of the writes of computed shards), and no faster
+    on the 8M-parameter quick case within noise; one 201 MB shard ahead already keeps every
+    I/O worker busy."""
+    ahead = READ_AHEAD_SHARDS if read_ahead is None else read_ahead
+    count = min(MAX_SETS, 2 + max(1, ahead))
+    if budget_left is not None:
+        count = min(count, max(SETS, budget_left // 2 // max(1, set_nbytes)))
+    return count
 
 
 @dataclass
@@ -39,12 +63,19 @@ class StepStats:
     shards: int = 0
     params: int = 0
     skipped: bool = False
+    overlapped_shards: int = 0    # shards whose update ran during backward and was kept
+    overlap_s: float = 0.0        # time those updates took on the worker (behind backward)
 
     @property
     def hidden_fraction(self) -> Optional[float]:
         if self.io_busy_s <= 0.0:
             return None
         return max(0.0, min(1.0, 1.0 - self.io_wait_s / self.io_busy_s))
+
+    def merge(self, other: "StepStats") -> None:
+        """Adds the bytes and times of work done for this step elsewhere (during backward)."""
+        for name in ("compute_s", "io_wait_s", "io_busy_s", "bytes_read", "bytes_written"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def as_dict(self) -> Dict[str, object]:
         out = dict(self.__dict__)
@@ -106,12 +137,13 @@ class IOClock:
 
 
 class BufferSets:
-    """Three sets of aligned host buffers: states (the largest shard's layout in the store's
-    format: 12, 8 or ~6 B/param) and, when the parameters are homed on NVMe, a staging buffer
-    for the updated working copy, and fp32 gradients when those are on NVMe."""
+    """``count`` (>= 3, see :func:`choose_sets`) sets of aligned host buffers: states (the
+    largest shard's layout in the store's format: 12, 8 or ~6 B/param) and, when the
+    parameters are homed on NVMe, a staging buffer for the updated working copy, and fp32
+    gradients when those are on NVMe."""
 
     def __init__(self, states: NvmeStates, shards: List[Shard], staging: bool,
-                 grads: bool) -> None:
+                 grads: bool, count: Optional[int] = None) -> None:
         engine = states.engine
         self.engine = engine
         self.fmt = states.fmt
@@ -119,13 +151,22 @@ class BufferSets:
         self.states_nbytes = max(states.layout(s).nbytes for s in shards)
         self.staging_nbytes = max(s.flat.home_nbytes for s in shards) if staging else 0
         self.grad_numel = max_numel if grads else 0
-        self.nbytes = SETS * (self.states_nbytes + self.staging_nbytes + self.grad_numel * 4)
-        engine.host_budget.acquire(self.nbytes, what=f"{SETS} optimizer swap buffer sets")
-        self.states = [inf_io.aligned_empty(self.states_nbytes) for _ in range(SETS)]
+        set_nbytes = self.states_nbytes + self.staging_nbytes + self.grad_numel * 4
+        if count is None:
+            budget = engine.host_budget
+            left = None if budget.limit is None else budget.limit - budget.used
+            count = choose_sets(set_nbytes, left)
+        if not isinstance(count, int) or count < SETS:
+            raise ValueError(f"infinity.optim: the NVMe state pipeline needs at least {SETS} "
+                             f"buffer sets, got {count!r}")
+        self.count = count
+        self.nbytes = count * set_nbytes
+        engine.host_budget.acquire(self.nbytes, what=f"{count} optimizer swap buffer sets")
+        self.states = [inf_io.aligned_empty(self.states_nbytes) for _ in range(count)]
         self.staging = [inf_io.aligned_empty(self.staging_nbytes) if staging else None
-                        for _ in range(SETS)]
+                        for _ in range(count)]
         self.grads = [inf_io.aligned_empty(self.grad_numel, torch.float32) if grads else None
-                      for _ in range(SETS)]
+                      for _ in range(count)]
         self._closed = False
 
     def fits(self, states: NvmeStates, shards: List[Shard], staging: bool, grads: bool) -> bool:
@@ -150,17 +191,57 @@ Compute = Callable[[Shard, torch.Tensor, Optional[torch.Tensor], Optional[torch.
 Pending = Tuple["inf_io.IOFuture", Shard, str]
 
 
-def run_pipeline(shards: List[Shard], states: NvmeStates, sets: BufferSets, compute: Compute,
-                 write_home: bool, stats: StepStats, computed: List[Shard]) -> None:
+class ShardFeed:
+    """The shards one pipeline steps, in order. Built from a list (a step after backward), or
+    filled while backward runs (:meth:`put` as each block's gradients are complete, then
+    :meth:`close`); the pipeline reads ahead only into shards already given."""
+
+    def __init__(self, shards: Optional[List[Shard]] = None) -> None:
+        self._items: List[Shard] = list(shards) if shards is not None else []
+        self._closed = shards is not None
+        self._cond = threading.Condition()
+
+    def put(self, shard: Shard) -> None:
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("infinity.optim: shard given to a closed pipeline feed")
+            self._items.append(shard)
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def get(self, i: int, block: bool) -> Optional[Shard]:
+        """Shard i; None when there is none yet (``block=False``) or none will come."""
+        with self._cond:
+            while block and i >= len(self._items) and not self._closed:
+                self._cond.wait()
+            return self._items[i] if i < len(self._items) else None
+
+    @property
+    def items(self) -> List[Shard]:
+        with self._cond:
+            return list(self._items)
+
+
+def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets: BufferSets,
+                 compute: Compute, write_home: bool, stats: StepStats,
+                 computed: List[Shard]) -> None:
     """Reads, computes and writes every shard; returns once every write finished. On error,
     waits for everything in flight, aborts the pending extents and raises an
     OptimizerStateIOError naming the shard; ``computed`` lists the shards whose working copy
-    may already have been updated (the caller restores them)."""
+    may already have been updated (the caller restores them). A gradient read waits for the
+    write of those gradients first (in a feed filled during backward it may still run)."""
+    feed = shards if isinstance(shards, ShardFeed) else ShardFeed(shards)
     engine = states.engine
     clock = IOClock()
-    reads: List[Optional["inf_io.IOFuture"]] = [None] * len(shards)
-    grad_reads: List[Optional["inf_io.IOFuture"]] = [None] * len(shards)
-    writes: List[List[Pending]] = [[] for _ in range(SETS)]
+    count = sets.count
+    ahead = count - 2
+    reads: Dict[int, "inf_io.IOFuture"] = {}
+    grad_reads: Dict[int, "inf_io.IOFuture"] = {}
+    writes: List[List[Pending]] = [[] for _ in range(count)]
 
     def drain(k: int) -> None:
         pending, writes[k] = writes[k], []
@@ -171,42 +252,49 @@ def run_pipeline(shards: List[Shard], states: NvmeStates, sets: BufferSets, comp
                 writes[k] = pending[i + 1:]
                 raise states.wrap_error(exc, shard, what) from exc
 
-    def issue_read(i: int) -> None:
-        k = i % SETS
+    def issue_read(i: int, shard: Shard) -> None:
+        k = i % count
         drain(k)
-        shard = shards[i]
         nbytes = states.layout(shard).nbytes
         reads[i] = clock.submitted(states.read(shard, sets.state_view(k, states, shard)),
                                    "optimizer_read", shard.key, nbytes)
         stats.bytes_read += nbytes
         engine.stats.add_moved("nvme_to_host", nbytes)
         if engine.grads.in_ram(shard.flat) is None and sets.grads[k] is not None:  # on NVMe
+            engine.grads.wait_written(shard.flat)
             grad_reads[i] = clock.submitted(
                 engine.grads.read(shard.flat, sets.grads[k][:shard.numel]))
             stats.bytes_read += shard.numel * 4
 
     try:
-        if shards:
-            issue_read(0)
-        for i, shard in enumerate(shards):
-            k = i % SETS
-            if i + 1 < len(shards):
-                issue_read(i + 1)
+        issued = 0
+        i = 0
+        while True:
+            shard = feed.get(i, block=True)
+            if shard is None:
+                break
+            k = i % count
+            while issued <= i + ahead:
+                nxt = feed.get(issued, block=False)
+                if nxt is None:
+                    break
+                issue_read(issued, nxt)
+                issued += 1
             buf = sets.state_view(k, states, shard)
             try:
                 clock.wait(reads[i])
             except inf_io.InfinityIOError as exc:
                 raise states.wrap_error(exc, shard, "reading") from exc
-            reads[i] = None
+            del reads[i]
             states.verify(shard, buf)
             grad = None
-            if grad_reads[i] is not None:
+            if i in grad_reads:
                 grad = sets.grads[k][:shard.numel]
                 try:
                     clock.wait(grad_reads[i])
                 except inf_io.InfinityIOError as exc:
                     raise states.wrap_error(exc, shard, "reading the gradients for the") from exc
-                grad_reads[i] = None
+                del grad_reads[i]
                 engine.grads.verify(shard.flat, grad)
             clock.poll()
             t0 = time.perf_counter()
@@ -226,10 +314,11 @@ def run_pipeline(shards: List[Shard], states: NvmeStates, sets: BufferSets, comp
                                                   "optimizer_write", shard.flat.key,
                                                   shard.flat.home_nbytes), shard,
                                   "writing the parameters updated with the"))
-        for k in range(SETS):
+            i += 1
+        for k in range(count):
             drain(k)
     except BaseException:
-        _settle(reads + grad_reads, writes)
+        _settle(list(reads.values()) + list(grad_reads.values()), writes)
         states.abort()
         raise
     finally:

@@ -20,7 +20,7 @@ import contextlib
 import logging
 import threading
 from collections import defaultdict
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 from torch import nn
@@ -100,6 +100,10 @@ class Engine(Residence, OutsideWrites, HookHandlers):
         # Set by an optimizer over this engine: it changes the home copies in step(), so the
         # next forward's blocks are prefetched after the step (resume), not after backward.
         self.optimizer_attached = False
+        # optimizers overlapping their step with backward: grads_complete(engine, flat) when a
+        # block's gradients are complete, forward_started(engine) when a forward begins,
+        # engine_closing(engine) at close
+        self.backward_listeners: List[Any] = []
         self.grad_tier = self._choose_grad_tier()
         if self.partitioner is not None:
             self.partitioner.check_tiers(self.param_tier, self.grad_tier)
@@ -704,6 +708,8 @@ class Engine(Residence, OutsideWrites, HookHandlers):
         with self._lock:
             if self._closed:
                 return
+            for listener in list(self.backward_listeners):
+                listener.engine_closing(self)  # an update overlapping backward is undone
             values: Dict[str, torch.Tensor] = {}
             if restore:
                 if not self._in_backward():

@@ -388,6 +388,14 @@ class GradientSink:
         self.stats.add_moved("nvme_to_host", flat.numel * 4)
         return future
 
+    def wait_written(self, flat: FlatParam) -> None:
+        """Waits until the flat's gradients closed in this backward are written (NVMe tier; a
+        no-op once reaped). Safe from another thread (an optimizer step overlapping backward);
+        a failed write raises here too, and is reported by the sink as usual."""
+        for future, _buf, f in list(self._writes):
+            if f is flat:
+                future.wait()
+
     def finite(self, flat: FlatParam) -> Optional[bool]:
         """NVMe tier: whether the flat's accumulated gradients are all finite, as checked when
         they were last written (None: unknown, read them to check)."""

@@ -100,6 +100,8 @@ class HookHandlers:
                     self.stats.forward_started(time.perf_counter())
                     self._recover_failed_forward()
                     self.sync_outside_writes()
+                    for listener in self.backward_listeners:
+                        listener.forward_started(self)
                     if torch.is_grad_enabled():
                         self.grads.reconcile(detach=True)
                 self.schedule.begin("forward")
@@ -187,6 +189,9 @@ class HookHandlers:
             else:
                 self.grads.close(flat)
         self._release(block)
+        for listener in self.backward_listeners:
+            for flat in block.flats:
+                listener.grads_complete(self, flat)
 
     @_timed_hook
     def on_block_post_forward(self, block: Block, module: nn.Module, args, output) -> None:

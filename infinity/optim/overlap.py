@@ -1,0 +1,320 @@
+"""The optimizer step hidden behind backward: speculate per block, verify at ``opt.step()``.
+
+When a block's gradients are complete during backward (the engine calls
+:meth:`BackwardOverlap.grads_complete` right after it wrote them to NVMe and released the
+block), its update starts at once on a worker thread: read its committed states, CPU Adam,
+write the states to the shard's *inactive* A/B extent and the updated working copy to the
+parameter home, through the same pipeline as a step (:func:`.swapper.run_pipeline`, fed while
+backward goes on). Nothing is committed then. ``opt.step()`` waits for the worker and keeps a
+block's speculative update only when it is exactly the one the step would compute:
+
+- the same runs (slots with gradients, param groups, step counts) and hyper-parameters
+  (lr, betas, eps, weight decay: an LR scheduler or a manual change in between is seen);
+- grad multiplier 1 (no clipping that triggered, no loss-scale unscaling; clipping whose
+  coefficient is 1.0 keeps the update), gradients found finite where they are checked;
+- the gradients unchanged since (the engine's per-slot norm record is the same object: a
+  change through ``p.grad`` re-measures it) and no parameter written by the user since.
+
+Otherwise the block is **rolled back** (its pending extent is forgotten: the committed one
+still holds the previous states, and its parameters are rewritten from the committed master)
+and stepped normally. So the result is bitwise the step after backward in every case; what
+the mode decides is only how often the work done during backward is kept.
+
+Gradient accumulation: an update may start only during the last backward before the step. The
+optimizer cannot know that in advance, so a forward (or ``zero_grad``, ``state_dict``,
+``load_state_dict``) that comes before ``opt.step()`` while speculative updates exist rolls
+them back first: a micro-batch never sees updated parameters. ``overlap="auto"`` (the default)
+therefore arms only after it saw ``AUTO_AFTER`` consecutive steps with exactly one backward
+each (and disarms at the first accumulation), so accumulating loops pay at most one rollback;
+after a step whose updates had to be redone (clipping that triggers, a loss scaler) "auto"
+sits out 1, 2, 4 .. 64 steps before it speculates again. ``overlap=True`` arms for every
+backward (for loops that step after each backward);
+``overlap=False`` never. Only engines whose gradients *and* optimizer states are on NVMe are
+armed (gradients in RAM can be changed in place through ``p.grad`` without trace, and host
+states have no second extent to fall back to), after the first step (states exist).
+
+Limit: between the end of backward and ``opt.step()``, an armed model's parameters hold the
+speculatively updated values: reading them there (``state_dict()``, a logged weight) shows
+them, and a write there is taken in relative to them (the step then redoes the block from its
+committed states). The optimizer's own ``state_dict``/checkpoint calls roll back first. Use
+``overlap=False`` for loops that touch parameters between backward and step. Parameters
+written before the forward (``load_state_dict``, an EMA copied back) keep the step after that
+forward from speculating.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
+
+import torch
+
+from ._common import _Run
+from .state_store import NvmeStates, Shard
+from .swapper import ShardFeed, StepStats, run_pipeline
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..runtime.engine import Engine
+    from .offloaded_adam import OffloadedAdam
+
+logger = logging.getLogger(__name__)
+
+OVERLAP_MODES = ("auto", True, False)
+AUTO_AFTER = 2  # consecutive steps with exactly one backward each before "auto" arms
+
+
+def check_overlap(value: object) -> Union[str, bool]:
+    if not any(value is m or (isinstance(m, str) and value == m) for m in OVERLAP_MODES):
+        raise ValueError(f"infinity.optim: overlap must be 'auto' (default: overlap the step "
+                         f"with backward once the loop steps after every backward), True "
+                         f"(always) or False (never); got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """What one speculative update computed from: compared with the step's view at step()."""
+
+    shard: Shard
+    runs: Tuple[_Run, ...]
+    hypers: Tuple[Tuple[Tuple[str, Any], ...], ...]
+    norms: Any  # the gradient sink's per-slot norm list the update saw (compared by identity)
+
+
+class _Worker:
+    """One engine's speculative pipeline: a thread running run_pipeline over a feed that
+    backward fills."""
+
+    def __init__(self, opt: "OffloadedAdam", engine: "Engine", store: NvmeStates) -> None:
+        self.engine = engine
+        self.store = store
+        self.feed = ShardFeed()
+        self.specs: Dict[str, _Spec] = {}
+        self.computed: List[Shard] = []
+        self.stats = StepStats()
+        self.error: Optional[BaseException] = None
+        self.poisoned: Optional[str] = None
+        sets = opt._sets_for(engine, [s for s in opt._shards.values() if s.engine is engine])
+
+        def compute(shard: Shard, buf: torch.Tensor, staging: Optional[torch.Tensor],
+                    grad: Optional[torch.Tensor]) -> None:
+            spec = self.specs[shard.key]
+            opt._apply(shard, list(spec.runs), buf, staging, 1.0, grad,
+                       hypers=[dict(h) for h in spec.hypers])
+
+        def run() -> None:
+            try:
+                run_pipeline(self.feed, store, sets, compute, engine.working_copy_staged,
+                             self.stats, self.computed)
+            except BaseException as exc:  # noqa: BLE001 - reported at step(), then rolled back
+                self.error = exc
+
+        self.thread = threading.Thread(target=run, name="infinity-optim-overlap", daemon=True)
+        self.thread.start()
+
+    def put(self, spec: _Spec) -> None:
+        self.specs[spec.shard.key] = spec
+        self.feed.put(spec.shard)
+
+    def join(self) -> None:
+        self.feed.close()
+        self.thread.join()
+
+
+class _EngineState:
+    __slots__ = ("backwards", "good_steps", "armed", "mismatch", "kept", "backoff", "wait")
+
+    def __init__(self) -> None:
+        self.backwards = 0     # forwards with grad enabled since the last step
+        self.good_steps = 0    # consecutive steps that had exactly one
+        self.armed = False
+        self.mismatch = False  # this step rolled back speculative updates that differed
+        self.kept = False      # this step kept speculative updates (and rolled back none)
+        self.backoff = 0       # "auto": steps to sit out after the next mismatch / 2
+        self.wait = 0          # "auto": steps left to sit out
+
+
+class BackwardOverlap:
+    """Part of OffloadedAdam: the engine's backward listener (``grads_complete``,
+    ``forward_started``) and the verification at step()."""
+
+    def __init__(self, opt: "OffloadedAdam", mode: Union[str, bool]) -> None:
+        self.opt = opt
+        self.mode = check_overlap(mode)
+        self._engines: Dict[int, _EngineState] = {}
+        self._workers: Dict[int, _Worker] = {}
+        self.kept_total = 0
+        self.rolled_back_total = 0
+
+    def _state(self, engine: "Engine") -> _EngineState:
+        return self._engines.setdefault(id(engine), _EngineState())
+
+    # ---- engine callbacks (under the engine's lock) ----------------------------------------
+    def forward_started(self, engine: "Engine") -> None:
+        st = self._state(engine)
+        if id(engine) in self._workers:
+            # another forward before opt.step(): gradient accumulation (or evaluation) --
+            # nothing of this backward may reach the parameters the next forward reads
+            self.rollback_engine(engine, "a forward ran before opt.step()")
+            st.good_steps = 0
+        if not torch.is_grad_enabled():
+            st.armed = False
+            return
+        st.backwards += 1
+        st.armed = self._may_arm(engine, st)
+
+    def _may_arm(self, engine: "Engine", st: _EngineState) -> bool:
+        opt = self.opt
+        if self.mode is False or opt._dirty or opt._done:
+            return False
+        if self.mode == "auto" and (st.good_steps < AUTO_AFTER or st.backwards != 1
+                                    or st.wait > 0):
+            return False
+        if self.mode is True and st.backwards != 1:
+            return False
+        if getattr(engine, "partitioner", None) is not None:
+            return False  # ZeRO: the norm and inf/nan check are all-reduced at step() (not built)
+        store = opt._stores.get(id(engine))
+        if not isinstance(store, NvmeStates) or not engine.grads.on_nvme:
+            return False
+        if opt._multiplier != 1.0 or opt._finite is not None:
+            return False  # a multiplier was set before backward: the step will not use 1.0
+        shards = [s for s in opt._shards.values() if s.engine is engine]
+        # parameters written since the last step (load_state_dict, an EMA copied back): the
+        # step first takes them into the master weights, which a speculative update cannot
+        return all(s.initialized and not s.flat.user_written for s in shards)
+
+    def grads_complete(self, engine: "Engine", flat: Any) -> None:
+        st = self._engines.get(id(engine))
+        if st is None or not st.armed:
+            return
+        opt = self.opt
+        shard = opt._shards.get(id(flat))
+        if shard is None:
+            return
+        worker = self._workers.get(id(engine))
+        if worker is not None and shard.key in worker.specs:
+            # the block's backward completed twice in one pass (a block run twice): the first
+            # update saw part of its gradients
+            worker.poisoned = f"{shard.key} completed its backward twice"
+            return
+        runs = opt._runs(shard)
+        norms = engine.grads.slot_norms(flat)
+        if not runs or norms is None:
+            return
+        if worker is None:
+            store = opt._stores[id(engine)]
+            worker = _Worker(opt, engine, store)
+            self._workers[id(engine)] = worker
+        worker.put(_Spec(shard, tuple(runs), tuple(_freeze(opt._hyper(r, 1.0)) for r in runs),
+                         norms))
+
+    # ---- step side ---------------------------------------------------------------------------
+    @property
+    def pending(self) -> bool:
+        return bool(self._workers)
+
+    def join(self) -> None:
+        """Waits for every speculative update in flight (before anything else touches the
+        states, the homes or the buffer sets)."""
+        for worker in self._workers.values():
+            worker.join()
+
+    def rollback_engine(self, engine: "Engine", why: str) -> None:
+        worker = self._workers.pop(id(engine), None)
+        if worker is None:
+            return
+        worker.join()
+        self._rollback(worker, list(worker.computed), why)
+        self._state(engine).armed = False
+
+    def rollback_all(self, why: str) -> None:
+        for worker in list(self._workers.values()):
+            self.rollback_engine(worker.engine, why)
+
+    def _rollback(self, worker: _Worker, shards: List[Shard], why: str,
+                  keep_home: Tuple[Shard, ...] = ()) -> None:
+        """Forgets the shards' pending state writes and rewrites their parameters from the
+        committed masters -- except ``keep_home``: shards the step redoes at once, over the
+        same slots, whose parameters the user wrote after backward (the step takes those
+        writes in first, then rewrites every stepped slot)."""
+        if not shards:
+            return
+        logger.debug("infinity.optim: rolling back %d speculative shard update(s): %s",
+                     len(shards), why)
+        for shard in shards:
+            worker.store.abort_shard(shard)
+            if shard not in keep_home:
+                self.opt._dirty[shard.key] = shard
+        self.rolled_back_total += len(shards)
+        self.opt._restore_dirty()
+
+    def settle(self, multiplier: float) -> Tuple[Dict[str, Shard], StepStats]:
+        """At step() (workers joined, engines quiesced): commits the speculative updates that
+        match this step exactly (their steps counted), rolls back the others; returns the kept
+        shards and what the workers did."""
+        kept: Dict[str, Shard] = {}
+        stats = StepStats()
+        opt = self.opt
+        for key in list(self._workers):
+            worker = self._workers.pop(key)
+            worker.join()
+            stats.merge(worker.stats)
+            if worker.error is not None or worker.poisoned is not None:
+                why = worker.poisoned or f"the update failed ({worker.error})"
+                self._rollback(worker, list(worker.computed), why)
+                continue
+            good, bad = [], []
+            for shard in worker.computed:
+                spec = worker.specs[shard.key]
+                runs = opt._runs(shard)
+                same = (multiplier == 1.0 and tuple(runs) == spec.runs
+                        and tuple(_freeze(opt._hyper(r, 1.0)) for r in runs) == spec.hypers
+                        and worker.engine.grads.slot_norms(shard.flat) is spec.norms
+                        and not shard.flat.user_written)
+                (good if same else bad).append(shard)
+            if bad:
+                self._state(worker.engine).mismatch = True
+            elif good:
+                self._state(worker.engine).kept = True
+            written = tuple(s for s in bad if s.flat.user_written
+                            and tuple(opt._runs(s)) == worker.specs[s.key].runs)
+            self._rollback(worker, bad, "the step differs from what backward computed "
+                                        "(clipping, loss scale, lr, gradients or parameters "
+                                        "changed)", keep_home=written)
+            worker.store.commit_shards(good)
+            for shard in good:
+                opt._commit_steps(shard)
+                kept[shard.key] = shard
+            self.kept_total += len(good)
+        return kept, stats
+
+    def step_finished(self) -> None:
+        """After a step: counts backwards per step for "auto", and backs off exponentially
+        (1, 2, 4 .. 64 steps) after steps whose speculative updates had to be redone (a loss
+        scaler's multiplier, clipping that keeps triggering), so such loops do not pay a
+        rollback every step."""
+        for st in self._engines.values():
+            st.good_steps = st.good_steps + 1 if st.backwards == 1 else 0
+            st.backwards = 0
+            st.armed = False
+            st.wait = max(0, st.wait - 1)
+            if st.mismatch:
+                st.backoff = min(64, max(1, 2 * st.backoff))
+                st.wait = st.backoff
+                st.mismatch = False
+            elif st.kept:
+                st.backoff = 0
+            st.kept = False
+
+    def engine_closing(self, engine: "Engine") -> None:
+        """unwrap() between backward and step: the parameters go back without that step."""
+        self.rollback_engine(engine, "the model is being unwrapped")
+
+    def close(self) -> None:
+        self.rollback_all("the optimizer is closing")
+
+
+def _freeze(hyper: Dict[str, Any]) -> Tuple[Tuple[str, Any], ...]:
+    return tuple(sorted(hyper.items()))
