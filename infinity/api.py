@@ -101,7 +101,8 @@ def unwrap(model: nn.Module) -> nn.Module:
 def stats(model: nn.Module, *, reset: bool = False) -> Dict[str, Any]:
     """Bytes per tier (now and peak), bytes moved per direction, prefetch hits and misses,
     seconds stalled waiting for data. ``time``: seconds spent since the last reset in compute
-    (forward+backward less the waits), ``fetch_wait``, ``grad_offload`` and the optimizer
+    (forward+backward outside the engine's hooks), ``fetch_wait``, ``grad_offload``, ``engine``
+    (the rest of the hooks), ``transfer_cpu`` (transfer threads' CPU time) and the optimizer
     (``cpu_adam``, ``nvme_wait``, ``nvme_busy``, ``total``); ``nvme_bytes_written``: bytes written
     to NVMe in the last optimizer step and in all steps (SSD wear). ``reset=True`` starts a new
     measurement period."""

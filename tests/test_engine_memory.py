@@ -65,9 +65,11 @@ def test_forward_backward_from_nvme_peak_rss(tmp_path):
     """A 32-layer model (228 MB fp32) ~10x the device budget runs three forward+backward steps
     from NVMe (parameters and gradients both streamed). Bound: the real peak RSS growth over
     those steps (kernel VmHWM, reset right after wrap) stays below 30% of the model's size;
-    measured here: 12-14% over runs (engine buffers: 2 staging + 3 gradient + up to 3 device
-    blocks, plus activations). Without the engine's fixed glibc mmap threshold
-    (runtime/host_malloc.py) it was 29-58%: freed block buffers stayed in the heap."""
+    measured here: 22-23% over runs (engine buffers: 1 staging + 3 gradient + the pooled
+    compute buffers, which are kept for reuse up to the device budget (9% of the model here)
+    instead of being unmapped at each release, plus activations); 12-14% before the pool.
+    Without the engine's fixed glibc mmap threshold (runtime/host_malloc.py) and without the
+    pool it was 29-58%: freed block buffers stayed in the heap."""
     out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, str(tmp_path)], capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -187,3 +187,22 @@ def test_originals_are_freed_once_offloaded(tmp_path):
     # gradient pools are touched at construction): held <= budgeted + 32 MiB of small change
     assert held <= r["host"] + (32 << 20), (held, r)
     assert held < 0.5 * r["model_bytes"], (held, r)
+
+
+def test_time_attribution_splits_forward_backward(tmp_path):
+    """compute + fetch_wait + grad_offload + engine = the forward+backward wall time; the
+    transfer threads' CPU time is reported beside it."""
+    torch.manual_seed(0)
+    model = TinyGPT(SMALL)
+    infinity.wrap(model, nvme_path=str(tmp_path), param_tier="nvme", grad_tier="nvme")
+    engine = model._infinity_engine
+    for x, y in batches(SMALL, 2):
+        engine.zero_grad()
+        loss_of(model, x, y).backward()
+    fb = engine.stats.forward_backward_seconds
+    t = infinity.stats(model)["time"]
+    parts = t["compute"] + t["fetch_wait"] + t["grad_offload"] + t["engine"]
+    assert abs(parts - fb) < 1e-6, (t, fb)
+    assert t["engine"] > 0 and t["grad_offload"] > 0 and t["compute"] > 0
+    assert t["transfer_cpu"] > 0  # the blocks were read from NVMe by the transfer threads
+    infinity.unwrap(model)
