@@ -218,3 +218,16 @@ def test_unwrap_between_backward_and_step_gives_the_weights_before_the_step(base
     opt.close()
     for (n, a), b in zip(ref_model.named_parameters(), model.parameters()):
         assert torch.equal(a, b), n
+
+
+def test_a_dropped_optimizer_is_freed_at_once(base, tmp_path):
+    """The engine holds the overlap listener, not the optimizer: an optimizer dropped without
+    close() is freed by reference counting (its state files closed), as before."""
+    import weakref
+    model = _wrap(base, tmp_path / "m")
+    opt = infinity.optim.AdamW(model.parameters(), lr=1e-3)
+    _train(model, opt, 1)
+    ref = weakref.ref(opt)
+    del opt
+    assert ref() is None
+    infinity.unwrap(model)

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
 
@@ -140,7 +141,9 @@ class BackwardOverlap:
     ``forward_started``) and the verification at step()."""
 
     def __init__(self, opt: "OffloadedAdam", mode: Union[str, bool]) -> None:
-        self.opt = opt
+        # weak: the engine holds this listener, and an optimizer dropped without close() must
+        # still be freed (and its state files closed) by reference counting
+        self._opt = weakref.ref(opt)
         self.mode = check_overlap(mode)
         self._engines: Dict[int, _EngineState] = {}
         self._workers: Dict[int, _Worker] = {}
@@ -164,9 +167,16 @@ class BackwardOverlap:
         st.backwards += 1
         st.armed = self._may_arm(engine, st)
 
+    @property
+    def opt(self) -> "OffloadedAdam":
+        opt = self._opt()
+        if opt is None:
+            raise RuntimeError("infinity.optim: the optimizer of this overlap is gone")
+        return opt
+
     def _may_arm(self, engine: "Engine", st: _EngineState) -> bool:
-        opt = self.opt
-        if self.mode is False or opt._dirty or opt._done:
+        opt = self._opt()
+        if opt is None or self.mode is False or opt._dirty or opt._done:
             return False
         if self.mode == "auto" and (st.good_steps < AUTO_AFTER or st.backwards != 1
                                     or st.wait > 0):
@@ -187,9 +197,9 @@ class BackwardOverlap:
 
     def grads_complete(self, engine: "Engine", flat: Any) -> None:
         st = self._engines.get(id(engine))
-        if st is None or not st.armed:
+        opt = self._opt()
+        if st is None or not st.armed or opt is None:
             return
-        opt = self.opt
         shard = opt._shards.get(id(flat))
         if shard is None:
             return
