@@ -6,7 +6,7 @@
 from .api import (empty_init, gradient, materialized, parameters_changed, stats, unwrap,
                   wrap)
 from .checkpoint import consolidate, load_checkpoint, save_checkpoint
-from .plan import PlanError, estimate, explain, plan, probe
+from .plan import PlanError, estimate, explain, probe
 from .policy import OffloadPolicy
 from .trace_events import trace
 from .tiers import Tier
@@ -17,7 +17,7 @@ __all__ = ["wrap", "unwrap", "stats", "materialized", "gradient", "empty_init",
            "parameters_changed", "OffloadPolicy",
            "Tier", "__version__"]
 __all__ += ["save_checkpoint", "load_checkpoint", "consolidate"]
-__all__ += ["probe", "estimate", "plan", "explain", "PlanError", "trace"]
+__all__ += ["probe", "estimate", "explain", "PlanError", "trace"]
 
 
 def __getattr__(name: str):

@@ -35,10 +35,11 @@ def test_trace_records_each_kind_with_bytes_matching_stats(tmp_path):
     for r in rows:
         # (a prefetch issued just before the trace began starts at a negative time)
         assert r["end_s"] >= r["start_s"] and r["end_s"] >= 0 and r["bytes"] >= 0
-    blocks = len(infinity.api._engine(model).blocks)
-    for step in (0, 1):
-        fetched = {r["name"] for r in rows if r["step"] == step and r["kind"] == "fetch"}
-        assert len(fetched) == blocks  # every block's flat was fetched
+    # every block's flat was fetched (a prefetch issued after an optimizer step may complete
+    # before or after that step's event, so fetches are not checked per step)
+    keys = {f.key for f in infinity.api._engine(model).flats}
+    assert {r["name"] for r in rows if r["kind"] == "fetch"} == keys
+    assert sum(r["kind"] == "fetch" for r in rows) >= len(keys)
     # bytes written to NVMe in the last step: trace and engine stats agree
     last = [r for r in rows if r["step"] == 1]
     written = sum(r["bytes"] for r in last if r["kind"] in ("grad_write", "optimizer_write"))
