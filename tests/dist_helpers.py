@@ -146,8 +146,8 @@ def _scenario_train(rank: int, world: int, out: Path, opts: Dict[str, Any]) -> D
         load_full_state_dict(model, saved["model"])
         load_full_optimizer_state_dict(opt, saved["optim"])
     if opts.get("load_sharded_from"):  # one file per rank, saved by any number of ranks
-        from infinity.dist import load_sharded
-        load_sharded(opts["load_sharded_from"], model, opt)
+        # infinity.load_checkpoint dispatches to infinity.dist.load_sharded for these
+        infinity.load_checkpoint(opts["load_sharded_from"], model, opt)
     per = batch // world
     losses = []
     for step in range(opts.get("start", 0), opts.get("stop", steps)):
@@ -178,8 +178,8 @@ def _scenario_train(rank: int, world: int, out: Path, opts: Dict[str, Any]) -> D
         if rank == 0:
             torch.save(saved, opts["save_to"])
     if opts.get("save_sharded_to"):
-        from infinity.dist import save_sharded
-        save_sharded(opts["save_sharded_to"], model, opt)
+        # infinity.save_checkpoint of a sharded model: infinity.dist.save_sharded
+        infinity.save_checkpoint(opts["save_sharded_to"], model, opt)
     result: Dict[str, Any] = {
         "losses": losses,
         "tiers": engine.tier_bytes(),

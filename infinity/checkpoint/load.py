@@ -269,9 +269,21 @@ def load_checkpoint(path: str, model: nn.Module,
     if not isinstance(model, nn.Module):
         raise TypeError(f"load_checkpoint expects an nn.Module, got {type(model).__name__}")
     from ..runtime.registry import engine_of as _engine_of
+    from ..dist.checkpoint import is_sharded_checkpoint, load_sharded
+    if is_sharded_checkpoint(path):  # saved by ranks (any number) into any number of ranks
+        if scheduler is not None or scaler is not None or rng:
+            raise RuntimeError(
+                f"infinity.load_checkpoint: {path} was saved by sharded ranks and holds only "
+                "the model and the optimizer; load the scheduler / scaler / rng you saved "
+                "yourself")
+        load_sharded(path, model, optimizer)
+        return {}
     if getattr(_engine_of(model), "partitioner", None) is not None:
-        from ..dist.state import refuse_sharded
-        raise refuse_sharded("infinity.load_checkpoint")
+        raise ValueError(f"infinity.load_checkpoint: {path} is a single-process checkpoint; a "
+                         "sharded model loads checkpoints saved by save_checkpoint on sharded "
+                         "ranks (consolidate is not needed for those). Load it on one process "
+                         "and save it again from the sharded ranks, or use "
+                         "infinity.dist.load_full_state_dict with a whole state dict")
     root, manifest = open_checkpoint(path)
     for what, obj, key in (("an optimizer", optimizer, "optimizer"),
                            ("a scheduler", scheduler, "scheduler"),

@@ -286,8 +286,15 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim
         raise TypeError(f"save_checkpoint expects an nn.Module, got {type(model).__name__}")
     from ..runtime.registry import engine_of as _engine_of
     if getattr(_engine_of(model), "partitioner", None) is not None:
-        from ..dist.state import refuse_sharded
-        raise refuse_sharded("infinity.save_checkpoint")
+        # sharded (ZeRO over torch.distributed): one file per rank, loadable on any world size
+        if scheduler is not None or scaler is not None or rng or extra:
+            raise RuntimeError(
+                "infinity.save_checkpoint of a sharded model saves the model and the optimizer "
+                "(one file per rank, see infinity.dist.save_sharded); scheduler=, scaler=, "
+                "rng= and extra entries are not built for it yet: save them with torch.save "
+                "on rank 0 next to the checkpoint")
+        from ..dist.checkpoint import save_sharded
+        return save_sharded(path, model, optimizer)
     from .. import __version__
     path = os.path.abspath(os.fspath(path))
     body: Dict[str, Any] = {

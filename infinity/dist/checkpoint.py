@@ -145,6 +145,18 @@ def _assemble(files: List[Dict[str, Any]], key: str, name: str, start: int, end:
 
 
 @torch.no_grad()
+def is_sharded_checkpoint(path: str) -> bool:
+    """True when ``path`` is a directory written by :func:`save_sharded`."""
+    mpath = os.path.join(os.fspath(path), "manifest.json")
+    if not os.path.isfile(mpath):
+        return False
+    try:
+        with open(mpath) as fh:
+            return json.load(fh).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def load_sharded(path: str, model: nn.Module, optimizer: Optional[Any] = None) -> None:
     """Loads a :func:`save_sharded` checkpoint saved by any number of ranks into this model
     (and optimizer) on any number of ranks. Every rank reads the files that hold its ranges.
@@ -211,4 +223,4 @@ def load_sharded(path: str, model: nn.Module, optimizer: Optional[Any] = None) -
         optimizer._load_shard(shard, by_param)  # noqa: SLF001
 
 
-__all__ = ["save_sharded", "load_sharded"]
+__all__ = ["save_sharded", "load_sharded", "is_sharded_checkpoint"]
