@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Any, Callable, List
 import torch
 from torch.utils._pytree import tree_flatten
 
+from .block import Block
+
 if TYPE_CHECKING:
     from .engine import Engine
 
@@ -39,6 +41,13 @@ def _no_op(*args: Any, **kwargs: Any) -> None:
     return None
 
 
+class _BlockIndex:
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
 class EngineHook:
     """A hook that calls ``engine.<method>(*bound, *args)``. It holds the engine weakly, and a
     copy of the module (``copy.deepcopy``) gets a no-op in its place: the copy is a plain
@@ -49,13 +58,18 @@ class EngineHook:
     def __init__(self, engine: "Engine", method: str, *bound: Any) -> None:
         self._engine = weakref.ref(engine)
         self._method = method
-        self._bound = bound
+        # a Block is bound by its index, not held: a parameter's gradient hook lives in C++
+        # (invisible to the garbage collector), and a Block reaches the model and so the
+        # engine -- holding it would keep every engine never unwrapped alive, swap files open
+        self._bound = tuple(_BlockIndex(b.index) if isinstance(b, Block) else b for b in bound)
 
     def __call__(self, *args: Any) -> Any:
         engine = self._engine()
         if engine is None:
             return None
-        return getattr(engine, self._method)(*self._bound, *args)
+        bound = tuple(engine.blocks[b.index] if isinstance(b, _BlockIndex) else b
+                      for b in self._bound)
+        return getattr(engine, self._method)(*bound, *args)
 
     def __deepcopy__(self, memo: dict) -> Callable[..., None]:
         return _no_op
