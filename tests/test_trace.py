@@ -31,7 +31,11 @@ def test_trace_records_each_kind_with_bytes_matching_stats(tmp_path):
     kinds = {r["kind"] for r in rows}
     assert kinds == {"fetch", "release", "grad_offload", "grad_write", "optimizer_read",
                      "optimizer_compute", "optimizer_write", "optimizer_step"}
-    assert {r["step"] for r in rows} == {0, 1}
+    # events carry the index of the step they finished in; a prefetch the last step's
+    # opt.step() issued for the next forward may finish after it (step 2): only fetches may
+    steps = {r["step"] for r in rows}
+    assert {0, 1} <= steps <= {0, 1, 2}
+    assert {r["kind"] for r in rows if r["step"] == 2} <= {"fetch"}
     for r in rows:
         # (a prefetch issued just before the trace began starts at a negative time)
         assert r["end_s"] >= r["start_s"] and r["end_s"] >= 0 and r["bytes"] >= 0
