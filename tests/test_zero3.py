@@ -289,3 +289,33 @@ def test_shard_flat_parts_cover_the_flat_buffer(world):
             straddling += not s.whole
     assert torch.equal(torch.cat(parts), whole)
     assert straddling >= 2  # m0.weight (elements 0..1072) crosses the first part boundary
+
+
+def test_load_checkpoint_recognises_sharded_checkpoints_and_refuses_what_it_lacks(tmp_path):
+    """infinity.load_checkpoint on a directory written by sharded ranks goes to load_sharded;
+    what such a checkpoint does not hold (a scheduler) and a checkpoint of another model are
+    refused with clear errors, and the model is left as it was."""
+    import json
+
+    import infinity
+    from infinity.dist.checkpoint import FORMAT, is_sharded_checkpoint
+
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    assert not is_sharded_checkpoint(str(ck))
+    (ck / "manifest.json").write_text("{not json")
+    assert not is_sharded_checkpoint(str(ck))
+    (ck / "manifest.json").write_text(json.dumps({"format": FORMAT, "version": 1, "world": 2,
+                                                  "files": [], "layout": {"other": {}},
+                                                  "optimizer": False}))
+    assert is_sharded_checkpoint(str(ck))
+    model = infinity.wrap(torch.nn.Sequential(torch.nn.Linear(4, 4)), param_tier="host")
+    before = [p.detach().clone() for p in model.parameters()]
+    sched = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([torch.zeros(1)], lr=1.0),
+                                              lambda s: 1.0)
+    with pytest.raises(RuntimeError, match="saved by sharded ranks"):
+        infinity.load_checkpoint(str(ck), model, scheduler=sched)
+    with pytest.raises(ValueError, match="differ from this model"):
+        infinity.load_checkpoint(str(ck), model)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    infinity.unwrap(model)

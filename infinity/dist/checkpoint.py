@@ -144,7 +144,6 @@ def _assemble(files: List[Dict[str, Any]], key: str, name: str, start: int, end:
     return out
 
 
-@torch.no_grad()
 def is_sharded_checkpoint(path: str) -> bool:
     """True when ``path`` is a directory written by :func:`save_sharded`."""
     mpath = os.path.join(os.fspath(path), "manifest.json")
@@ -157,6 +156,7 @@ def is_sharded_checkpoint(path: str) -> bool:
         return False
 
 
+@torch.no_grad()
 def load_sharded(path: str, model: nn.Module, optimizer: Optional[Any] = None) -> None:
     """Loads a :func:`save_sharded` checkpoint saved by any number of ranks into this model
     (and optimizer) on any number of ranks. Every rank reads the files that hold its ranges.
@@ -180,7 +180,9 @@ def load_sharded(path: str, model: nn.Module, optimizer: Optional[Any] = None) -
         raise ValueError(f"infinity.dist.load_sharded: the checkpoint's parameters differ "
                          f"from this model's in {diff[:3]} (other model, block_rule or dtype): "
                          "it cannot be loaded here")
-    files = [torch.load(os.path.join(path, f), weights_only=False) for f in manifest["files"]]
+    # memory-mapped: a rank reads only the pages of the ranges it copies out (_assemble)
+    files = [torch.load(os.path.join(path, f), weights_only=False, mmap=True)
+             for f in manifest["files"]]
     engine.quiesce()
     part = engine.partitioner
     shards = {}
