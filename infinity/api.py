@@ -110,6 +110,7 @@ def stats(model: nn.Module, *, reset: bool = False) -> Dict[str, Any]:
     s = engine.stats
     out = {
         "param_tier": engine.param_tier.value,
+        "param_blocks": {t.value: n for t, n in engine.param_blocks().items()},
         "tiers": engine.tier_bytes(),
         "moved": dict(s.moved),
         "prefetch_hits": s.prefetch_hits,

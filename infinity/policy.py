@@ -28,6 +28,11 @@ class OffloadPolicy:
 
     param_tier: "device" (no offload), "host", "nvme", or "auto": nvme when nvme_path is given
         and the parameters do not fit in host_budget (or no host_budget is set), else host.
+    host_blocks: with parameters on NVMe, the parameters of the first ``host_blocks`` blocks
+        stay in host RAM instead (a per-block split: "the first blocks on host, the rest on
+        NVMe"). Blocks count in the engine's order: the repeated layers in model order, then
+        the root block (the parameters outside them: embeddings, head). None or 0: every
+        block on ``param_tier``. Needs param_tier "nvme" (or "auto" resolving to it).
     grad_tier: where the fp32 gradient accumulators live between backward and the optimizer
         step: "host", "nvme" (a few blocks' worth of host buffers, the rest in swap files), or
         "auto" (nvme when param_tier resolves to nvme, else host).
@@ -87,6 +92,7 @@ class OffloadPolicy:
     activation_tier: Optional[str] = None
     activation_min_bytes: Optional[int] = None
     activation_prefetch_bytes: Optional[int] = None
+    host_blocks: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.param_tier != "auto":
@@ -99,6 +105,7 @@ class OffloadPolicy:
         for name in ("param_tier", "grad_tier", "optimizer_tier"):
             if getattr(self, name) == "nvme" and self.nvme_path is None:
                 raise ValueError(f"{name}='nvme' needs nvme_path=<a directory on a fast disk>")
+        self._check_host_blocks()
         if self.placement not in (None, "auto"):
             raise ValueError(f"placement={self.placement!r}; use 'auto' (the planner) or None")
         _check_bytes("device_budget", self.device_budget)
@@ -134,6 +141,21 @@ class OffloadPolicy:
                     or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in rule)):
                 raise TypeError("block_rule must be None, a sequence of nn.Module subclasses, "
                                 f"or a callable (name, module) -> bool; got {rule!r}")
+
+    def _check_host_blocks(self) -> None:
+        k = self.host_blocks
+        if k is None:
+            return
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
+            raise ValueError(f"infinity: host_blocks must be an integer >= 0 (how many blocks "
+                             f"keep their parameters in host RAM) or None, got {k!r}")
+        if k and self.param_tier not in ("auto", "nvme"):
+            raise ValueError(f"infinity: host_blocks={k} splits parameters between host and "
+                             f"NVMe; it needs param_tier='nvme' (or 'auto'), not "
+                             f"{self.param_tier!r}")
+        if k and self.nvme_path is None:
+            raise ValueError(f"infinity: host_blocks={k} keeps the other blocks' parameters on "
+                             "NVMe: pass nvme_path=<a directory on a fast disk>")
 
     def _check_activations(self) -> None:
         tier = self.activation_tier

@@ -335,7 +335,7 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
                      ) -> Optional[torch.Tensor]:
         """Where the kernel writes the updated working copy (None: copied afterwards)."""
         flat = shard.flat
-        if shard.engine.working_copy_staged:
+        if shard.engine.stages_working_copy(flat):
             return staging[:flat.home_nbytes].view(flat.home_dtype)
         return shard.engine.home.working_buffer(flat)
 
@@ -381,7 +381,7 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
             written.append((r.start, r.end))
         if out is None and not in_place:  # a device home on CUDA: copied over afterwards
             shard.engine.home.write_from(flat, master)
-        if shard.engine.working_copy_staged:
+        if shard.engine.stages_working_copy(flat):
             # the whole working copy goes to the swap file: fill what the kernels did not
             # write from the masters (home == round(master) holds for every slot)
             pos = 0
@@ -406,7 +406,8 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
         for shard, runs in plans:
             buf = store.buffer(shard)
             engine = shard.engine
-            staging = self._home_staging(engine) if engine.working_copy_staged else None
+            staging = (self._home_staging(engine)
+                       if engine.stages_working_copy(shard.flat) else None)
             if not shard.initialized:
                 init_states(shard, store.views(shard, buf), staging)
                 shard.initialized = True

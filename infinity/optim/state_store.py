@@ -314,7 +314,7 @@ def init_states(shard: Shard, views: StateViews, scratch: Optional[torch.Tensor]
     flat, engine = shard.flat, shard.engine
     if not views.layout.with_master:
         pass  # the home copy is the master (HostStates of an fp32 host home)
-    elif engine.working_copy_staged:
+    elif engine.stages_working_copy(flat):
         if scratch is None:
             raise RuntimeError("init_states needs a scratch buffer for NVMe-homed parameters")
         home = scratch[:flat.home_nbytes].view(flat.home_dtype)

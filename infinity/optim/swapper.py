@@ -308,7 +308,7 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
                               shard, "writing"))
             stats.bytes_written += states.layout(shard).nbytes
             engine.stats.add_moved("host_to_nvme", states.layout(shard).nbytes)
-            if write_home:
+            if write_home and engine.stages_working_copy(shard.flat):
                 home = sets.staging[k][:shard.flat.home_nbytes].view(shard.flat.home_dtype)
                 writes[k].append((clock.submitted(engine.write_home(shard.flat, home),
                                                   "optimizer_write", shard.flat.key,

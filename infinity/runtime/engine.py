@@ -37,7 +37,7 @@ from .device import resolve_device
 from .flat import FlatParam
 from .guard import guard_foreign_optimizers
 from .grads import GradientSink
-from .homes import DeviceHome, Home, HostHome, NvmeHome
+from .homes import DeviceHome, Home, HostHome, NvmeHome, TieredHome
 from .host_malloc import return_freed_buffers_to_os, trim_heap
 from .partition import partition
 from ..dist.partitioner import make_partitioner
@@ -76,7 +76,8 @@ class Engine(Residence, OutsideWrites, HookHandlers):
         self._closed = False
         self.store: Optional[SwapStore] = None
         self.pool: Optional[HostPool] = None
-        self.home: Optional[Home] = None
+        self.home: Optional[Home] = None           # routes each flat to its tier's home
+        self.homes: Dict[Tier, Home] = {}          # one home per tier in use
         # ZeRO sharding over torch.distributed ranks (None: single process, code unchanged)
         self.partitioner = make_partitioner(process_group, policy.shard,
                                             policy.collective_timeout, self.device)
@@ -89,7 +90,7 @@ class Engine(Residence, OutsideWrites, HookHandlers):
         self.param_tier = self._choose_param_tier(home_bytes)
         self.device_budget = ByteBudget("device", policy.device_budget)
         self.host_budget = ByteBudget("host", policy.host_budget)
-        self.blocks = self._plan_blocks(specs)
+        self.blocks = self._plan_blocks(specs, self._choose_block_tiers(len(specs)))
         if self.partitioner is not None:
             self.partitioner.attach(self.blocks)
         self._check_budgets()
@@ -136,7 +137,8 @@ class Engine(Residence, OutsideWrites, HookHandlers):
         guard_foreign_optimizers()
         setattr(model, _ENGINE_ATTR, self)
         logger.info("infinity: wrapped %d blocks (%s bytes of parameters) with parameters on %s",
-                    len(self.blocks), f"{home_bytes:,}", self.param_tier.value)
+                    len(self.blocks), f"{home_bytes:,}", ", ".join(
+                        f"{t.value} ({n} blocks)" for t, n in self.param_blocks().items()))
 
     # =====================================================================================
     # construction
@@ -179,6 +181,31 @@ class Engine(Residence, OutsideWrites, HookHandlers):
             return Tier.NVME
         return Tier.HOST
 
+    def _choose_block_tiers(self, n_blocks: int) -> List[Tier]:
+        """Each block's parameter tier: ``param_tier``, except the first ``host_blocks``
+        blocks, whose parameters stay in host RAM."""
+        k = self.policy.host_blocks or 0
+        if k:
+            if self.param_tier is not Tier.NVME:
+                raise ValueError(f"infinity: host_blocks={k} keeps the first blocks on host and "
+                                 f"the rest on NVMe, but param_tier resolved to "
+                                 f"{self.param_tier.value!r}; pass param_tier='nvme'")
+            if k > n_blocks:
+                raise ValueError(f"infinity: host_blocks={k}, but the model has {n_blocks} "
+                                 f"blocks; use at most {n_blocks} (or param_tier='host')")
+            if self.partitioner is not None:
+                raise ValueError("infinity: host_blocks (parameters split between host and "
+                                 "NVMe per block) with shard=zero1/2/3 is not built; use one "
+                                 "param_tier for the whole model")
+        return [Tier.HOST if i < k else self.param_tier for i in range(n_blocks)]
+
+    def param_blocks(self) -> Dict[Tier, int]:
+        """How many blocks keep their parameters in each tier."""
+        counts: Dict[Tier, int] = {}
+        for b in self.blocks:
+            counts[b.home] = counts.get(b.home, 0) + 1
+        return counts
+
     def _choose_grad_tier(self) -> Tier:
         choice = self.policy.grad_tier
         if choice == "auto":
@@ -188,9 +215,9 @@ class Engine(Residence, OutsideWrites, HookHandlers):
     def _compute_dtype(self, home_dtype: torch.dtype) -> torch.dtype:
         return self.policy.compute_dtype or home_dtype
 
-    def _plan_blocks(self, specs) -> List[Block]:
+    def _plan_blocks(self, specs, tiers: List[Tier]) -> List[Block]:
         blocks: List[Block] = []
-        for index, spec in enumerate(specs):
+        for index, (spec, tier) in enumerate(zip(specs, tiers)):
             by_dtype: Dict[torch.dtype, list] = defaultdict(list)
             for entry in spec.params:
                 by_dtype[entry[3].dtype].append(entry)
@@ -200,13 +227,13 @@ class Engine(Residence, OutsideWrites, HookHandlers):
                 pad = self.partitioner.pad_multiple(dtype) if self.partitioner else 0
                 flats.append(FlatParam(key, entries, dtype, self._compute_dtype(dtype),
                                        self.device, pad))
-            resident = self.param_tier is Tier.DEVICE or (
-                self.param_tier is Tier.HOST and self.device.type == "cpu"
+            resident = tier is Tier.DEVICE or (
+                tier is Tier.HOST and self.device.type == "cpu"
                 and all(f.compute_dtype == f.home_dtype for f in flats))
             if self.partitioner is not None and self.partitioner.shards_params:
                 resident = False  # a rank's home holds only its part: always all-gathered
-            blocks.append(Block(index, spec.name, spec.module, spec.is_root, flats,
-                                self.param_tier, resident))
+            blocks.append(Block(index, spec.name, spec.module, spec.is_root, flats, tier,
+                                resident))
         return blocks
 
     def _transfer_workers(self) -> int:
@@ -235,12 +262,14 @@ class Engine(Residence, OutsideWrites, HookHandlers):
         streamed = [b for b in self.blocks if not b.resident]
         trainable = [f for f in self._sink_flats() if f.trainable]
         needs: Dict[str, int] = {}
-        if self.param_tier is Tier.HOST:
-            needs["parameter homes"] = sum(self._home_flat(f).home_nbytes for f in self.flats)
-        if self.param_tier is Tier.NVME and streamed:
+        host_flats = [f for b in self.blocks if b.home is Tier.HOST for f in b.flats]
+        if host_flats:
+            needs["parameter homes"] = sum(self._home_flat(f).home_nbytes for f in host_flats)
+        from_nvme = [b for b in streamed if b.home is Tier.NVME]
+        if from_nvme:
             count = 1 if self.compute_buffers is not None else self._transfer_workers()
             needs["staging"] = count * max(self._home_flat(f).home_nbytes
-                                           for b in streamed for f in b.flats)
+                                           for b in from_nvme for f in b.flats)
         if trainable:
             if self.grad_tier is Tier.HOST:
                 needs["gradient accumulators"] = sum(f.numel * 4 for f in trainable)
@@ -299,7 +328,7 @@ class Engine(Residence, OutsideWrites, HookHandlers):
         root = next((b for b in streamed if b.is_root), None)
         root_bytes = root.compute_nbytes if root is not None else 0
         resident_dev = sum(b.compute_nbytes for b in self.blocks
-                           if b.resident and self.param_tier is Tier.DEVICE)
+                           if b.resident and b.home is Tier.DEVICE)
         layers = [b for b in streamed if not b.is_root]
         largest = max(layers, key=lambda b: b.compute_nbytes, default=None)
         need = resident_dev + root_bytes + (largest.compute_nbytes if largest else 0)
@@ -314,14 +343,24 @@ class Engine(Residence, OutsideWrites, HookHandlers):
                 + f" = {need:,} bytes. Raise device_budget to at least {need:,} or split the "
                   "block with block_rule")
 
-    def _make_home(self) -> Home:
-        if self.param_tier is Tier.DEVICE:
+    def _make_home(self, tier: Tier) -> Home:
+        if tier is Tier.DEVICE:
             return DeviceHome(self.device_budget, self.device)
-        if self.param_tier is Tier.HOST:
+        if tier is Tier.HOST:
             home: Home = HostHome(self.host_budget)
         else:
             home = NvmeHome(self.store, self.pool, self.stats)
         return self.partitioner.wrap_home(home) if self.partitioner else home
+
+    def _make_homes(self) -> Home:
+        """One home per tier the blocks use; with more than one, a TieredHome routes each
+        flat to the home of its block's tier."""
+        for tier in Tier:
+            if any(b.home is tier for b in self.blocks):
+                self.homes[tier] = self._make_home(tier)
+        if len(self.homes) == 1:
+            return next(iter(self.homes.values()))
+        return TieredHome(self.homes, {f.key: b.home for b in self.blocks for f in b.flats})
 
     def _materialize_homes(self) -> None:
         """Moves every block's parameters to their home tier. On any error, the model is put
@@ -330,18 +369,18 @@ class Engine(Residence, OutsideWrites, HookHandlers):
                      for b in self.blocks for f in b.flats for s in f.slots]
         filled: List[FlatParam] = []
         try:
-            if Tier.NVME in (self.param_tier, self.grad_tier):
+            if Tier.NVME in self.param_blocks() or self.grad_tier is Tier.NVME:
                 self.store = SwapStore(self.policy.nvme_path,
                                        require_direct=self.policy.require_direct_io,
                                        verify=self.policy.verify_checksums, tag=self.swap_tag)
-            streamed = [b for b in self.blocks if not b.resident]
-            if self.param_tier is Tier.NVME and streamed:
-                largest = max(self._home_flat(f).home_nbytes for b in streamed for f in b.flats)
+            from_nvme = [b for b in self.blocks if not b.resident and b.home is Tier.NVME]
+            if from_nvme:
+                largest = max(self._home_flat(f).home_nbytes for b in from_nvme for f in b.flats)
                 # CPU device with pooled compute buffers: fetches read straight into them, so
                 # one staging buffer serves the rest (wrap, partial writes, rehash)
                 count = 1 if self.compute_buffers is not None else self._transfer_workers()
                 self.pool = HostPool(count, largest, self.host_budget)
-            self.home = self._make_home()
+            self.home = self._make_homes()
             total = sum(b.home_nbytes for b in self.blocks)
             with tqdm(total=total, unit="B", unit_scale=True, desc="infinity: offloading",
                       disable=total < (1 << 30), leave=False) as bar:
@@ -359,8 +398,8 @@ class Engine(Residence, OutsideWrites, HookHandlers):
                                       self._grad_buffer_count())
         except BaseException as failure:
             self._unfill(originals, filled, failure)
-            if self.home is not None:
-                self.home.close()
+            for home in self.homes.values():
+                home.close()
             if self.pool is not None:
                 self.pool.close()
             if self.store is not None:
@@ -552,7 +591,8 @@ class Engine(Residence, OutsideWrites, HookHandlers):
             if not self._closed:
                 if self.partitioner is not None:  # zero1/2: all-gather the updated parts
                     self.partitioner.after_step()
-                if self.device.type == "cpu" and self.param_tier is not Tier.HOST:
+                if self.device.type == "cpu" and any(b.home is not Tier.HOST
+                                                     for b in self.blocks):
                     trim_heap()  # the step's temporaries go back to the OS, not to RSS
                 self._prefetch_for_forward()
 
@@ -576,8 +616,14 @@ class Engine(Residence, OutsideWrites, HookHandlers):
     @property
     def working_copy_staged(self) -> bool:
         """True when an updated working copy must pass through a staging buffer to reach its
-        home (an NVMe swap file) instead of being written in place."""
-        return self.home.tier is Tier.NVME
+        home (an NVMe swap file) instead of being written in place, for some flat (with
+        host_blocks, only the flats homed on NVMe: :meth:`stages_working_copy`)."""
+        return any(b.home is Tier.NVME for b in self.blocks)
+
+    def stages_working_copy(self, flat: FlatParam) -> bool:
+        """Whether ``flat``'s updated working copy passes through a staging buffer to reach
+        its home (:meth:`write_home`), instead of being written in place."""
+        return self.home.staged(flat)
 
 
     # =====================================================================================
@@ -625,8 +671,9 @@ class Engine(Residence, OutsideWrites, HookHandlers):
 
     def write_home(self, flat: FlatParam, src: torch.Tensor) -> "inf_io.IOFuture":
         """Starts writing an updated working copy (home dtype, aligned) to the NVMe home."""
-        if self.home.tier is not Tier.NVME:
-            raise RuntimeError("write_home is only for parameters homed on NVMe")
+        if self.home.tier_of(flat) is not Tier.NVME:
+            raise RuntimeError(f"write_home is only for parameters homed on NVMe, not "
+                               f"{flat.key!r}")
         return self.home.write_async(flat, src)
 
     def read_home(self, flat: FlatParam, dst: torch.Tensor) -> None:
@@ -686,6 +733,8 @@ class Engine(Residence, OutsideWrites, HookHandlers):
                  if self.grad_tier is Tier.HOST else self.grads.host_bytes())
         staging = self.pool.count * self.pool.nbytes if self.pool is not None else 0
         nvme = self.store.total_bytes if self.store is not None else 0
+        nvme_homes = sum(self._home_flat(f).home_nbytes for b in self.blocks
+                         if b.home is Tier.NVME for f in b.flats)
         used = self.host_budget.used
         engine_host = host_homes + grads + staging + self._compute_reserved
         device = {"now": self.device_budget.used, "peak": self.device_budget.peak}
@@ -697,7 +746,7 @@ class Engine(Residence, OutsideWrites, HookHandlers):
                      "params": host_homes, "grads": grads, "staging": staging,
                      "compute": self._compute_reserved,
                      "optimizer": max(0, used - engine_host)},
-            "nvme": {"now": nvme, "peak": nvme},
+            "nvme": {"now": nvme, "peak": nvme, "params": nvme_homes},
         }
 
     def close(self, *, restore: bool = True) -> None:

@@ -15,6 +15,12 @@ live here, not in ``if param_tier is ...`` branches across the engine and the op
     after_outside_write(flat)  the bytes were changed through those views
     fetch_into(flat, dst)      copy for a fetch (runs on a transfer thread)
     snapshot(flat)             a CPU copy of the whole home, for unwrap
+    tier_of(flat)              the tier holding ``flat``'s home
+    staged(flat)               whether an optimizer's new working copy reaches the home through
+                               a staging buffer (a swap file) instead of in place
+
+An engine whose blocks live in different tiers ("the first blocks on host, the rest on NVMe")
+keeps one home per tier and routes each flat to its own through a :class:`TieredHome`.
 """
 from __future__ import annotations
 
@@ -63,6 +69,12 @@ class Home:
         out = torch.empty(flat.numel, dtype=flat.home_dtype)
         self.read_into(flat, out)
         return out
+
+    def tier_of(self, flat: FlatParam) -> Tier:
+        return self.tier
+
+    def staged(self, flat: FlatParam) -> bool:
+        return self.tier_of(flat) is Tier.NVME
 
     def close(self) -> None:
         pass
@@ -295,9 +307,71 @@ class DeviceHome(Home):
         self._held.clear()
 
 
+class TieredHome(Home):
+    """The homes of an engine whose blocks live in more than one tier: one home per tier, each
+    flat served by the home of its block's tier (``tier_of``: flat key -> tier). Every call is
+    routed as is, so the engine, its optimizer and checkpoints see one Home."""
+
+    tier = None  # type: ignore[assignment]  # per flat: tier_of(flat)
+
+    def __init__(self, homes: Dict[Tier, Home], tier_of: Dict[str, Tier]) -> None:
+        missing = sorted({t.value for t in tier_of.values()} - {t.value for t in homes})
+        if missing:
+            raise ValueError(f"infinity: no home for tier(s) {missing}")
+        self.homes = homes
+        self._tier_of = tier_of
+
+    def _home(self, flat: FlatParam) -> Home:
+        return self.homes[self._tier_of[flat.key]]
+
+    def tier_of(self, flat: FlatParam) -> Tier:
+        return self._tier_of[flat.key]
+
+    def staged(self, flat: FlatParam) -> bool:
+        return self._home(flat).staged(flat)
+
+    def fill(self, flat: FlatParam) -> None:
+        self._home(flat).fill(flat)
+
+    def read_into(self, flat: FlatParam, dst: torch.Tensor) -> None:
+        self._home(flat).read_into(flat, dst)
+
+    def write_from(self, flat: FlatParam, src: torch.Tensor) -> None:
+        self._home(flat).write_from(flat, src)
+
+    def write_async(self, flat: FlatParam, src: torch.Tensor) -> "inf_io.IOFuture":
+        home = self._home(flat)
+        if not isinstance(home, NvmeHome):
+            raise RuntimeError(f"{flat.key}: write_async is only for parameters homed on NVMe")
+        return home.write_async(flat, src)
+
+    def write_slots(self, flat: FlatParam, src: torch.Tensor, slots: Sequence[int]) -> None:
+        self._home(flat).write_slots(flat, src, slots)
+
+    def working_buffer(self, flat: FlatParam) -> Optional[torch.Tensor]:
+        return self._home(flat).working_buffer(flat)
+
+    def outside_bytes(self, flat: FlatParam) -> Optional[np.ndarray]:
+        return self._home(flat).outside_bytes(flat)
+
+    def after_outside_write(self, flat: FlatParam) -> None:
+        self._home(flat).after_outside_write(flat)
+
+    def fetch_into(self, flat: FlatParam, dst: torch.Tensor, non_blocking: bool) -> None:
+        self._home(flat).fetch_into(flat, dst, non_blocking)
+
+    def snapshot(self, flat: FlatParam) -> torch.Tensor:
+        return self._home(flat).snapshot(flat)
+
+    def close(self) -> None:
+        for home in self.homes.values():
+            home.close()
+
+
 def master_is_home(home: Home, flat: FlatParam) -> bool:
     """fp32 parameters homed in host RAM are their own fp32 master weights."""
-    return home.tier is Tier.HOST and flat.home is not None and flat.home_dtype == torch.float32
+    return (home.tier_of(flat) is Tier.HOST and flat.home is not None
+            and flat.home_dtype == torch.float32)
 
 
-__all__ = ["Home", "HostHome", "NvmeHome", "DeviceHome", "master_is_home"]
+__all__ = ["Home", "HostHome", "NvmeHome", "DeviceHome", "TieredHome", "master_is_home"]

@@ -93,8 +93,8 @@ class Transfers:
     def _pin(self, flats: Sequence[FlatParam]) -> None:
         """Registers what the uploads read: the staging pool and the host homes. Checks the
         total against RLIMIT_MEMLOCK before pinning anything; all or nothing."""
-        homes = ([f.home for f in flats if f.home is not None]
-                 if self.home.tier is Tier.HOST else [])
+        homes = [f.home for f in flats
+                 if f.home is not None and self.home.tier_of(f) is Tier.HOST]
         pool_bytes = 0
         if self.pool is not None and not self.pool.pinned_nbytes:
             pool_bytes = self.pool.count * self.pool.nbytes
@@ -154,7 +154,7 @@ class Transfers:
         t0 = time.perf_counter()
         self.home.fetch_into(flat, flat.compute, self._cuda)
         trace_events.span("fetch", flat.key, flat.home_nbytes, t0)
-        if self.home.tier is Tier.HOST:
+        if self.home.tier_of(flat) is Tier.HOST:
             self.stats.add_moved("host_to_device", flat.home_nbytes)
 
     # ---- did the compute stream wait? ------------------------------------------------------
