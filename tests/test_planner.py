@@ -120,3 +120,71 @@ def test_no_nvme_path_and_no_room_names_the_remedy(pr):
 def test_placement_value_is_checked():
     with pytest.raises(ValueError, match="placement="):
         infinity.wrap(TinyGPT(CFG), placement="fastest")
+
+
+def _steady_disk(pr):
+    """The quick probe with round disk figures, so the comparison below does not hang on noise."""
+    import dataclasses
+    return dataclasses.replace(pr, disk=dataclasses.replace(pr.disk, read_bps=1e9,
+                                                            write_bps=1e9))
+
+
+def _half_the_blocks_budget(model, pr):
+    from infinity.plan.placements import placement
+    from infinity.plan.planner import _window, estimate_one
+    from infinity.plan.shape import describe
+    shape = describe(model)
+    pl = placement("nvme")
+    e = estimate_one(shape, pl, pr, batch=4, seq=128,
+                     prefetch_window=_window(shape, pr, pl, 4, 128))
+    return shape, e.host_bytes + e.device_bytes + shape.param_bytes // 2
+
+
+def test_budget_for_half_the_blocks_plans_a_per_block_split(tmp_path, pr):
+    pr = _steady_disk(pr)
+    model = TinyGPT(CFG)
+    shape, budget = _half_the_blocks_budget(model, pr)
+    p = plan(model, probe=pr, nvme_path=str(tmp_path), host_budget=budget)
+    n = len(shape.block_bytes)
+    assert p.param_tier == "nvme" and 0 < p.host_blocks < n
+    # "about half": the blocks are equal layers (and a smaller root, counted last)
+    assert abs(p.host_blocks - n // 2) <= 1, (p.host_blocks, n)
+    assert p.policy_changes()["host_blocks"] == p.host_blocks
+    steps = {name: step for name, step, ok, _ in p.candidates if ok}
+    assert steps[p.placement] < steps["nvme"]
+    assert p.estimate.host_bytes + p.estimate.device_bytes <= budget
+    text = str(p)
+    assert f"parameters of the first {p.host_blocks} of {n} blocks on host" in text
+    assert f"host_blocks={p.host_blocks}:" in text and "host: does not fit" in text
+    # with RAM for everything the whole-model host placement wins; the user's tiers stay
+    assert plan(model, probe=pr, nvme_path=str(tmp_path), host_budget=1 << 30).host_blocks == 0
+    kept = plan(model, probe=pr, nvme_path=str(tmp_path), host_budget=budget,
+                param_tier="nvme")
+    assert kept.host_blocks == 0 and kept.placement == "nvme"
+    given = plan(model, probe=pr, nvme_path=str(tmp_path), host_budget=1 << 30, host_blocks=3)
+    assert given.host_blocks == 3 and given.param_tier == "nvme"
+
+
+def test_wrap_auto_with_a_split_plan_trains_like_torch(tmp_path, pr):
+    torch.manual_seed(0)
+    ref = TinyGPT(CFG)
+    model = TinyGPT(CFG)
+    model.load_state_dict(ref.state_dict())
+    _, budget = _half_the_blocks_budget(model, pr)
+    infinity.wrap(model, nvme_path=str(tmp_path), placement="auto", host_budget=budget)
+    p = infinity.explain(model, show=False)
+    eng = infinity.api._engine(model)
+    assert p.host_blocks > 0 and eng.policy.host_blocks == p.host_blocks
+    assert infinity.stats(model)["param_blocks"] == {"host": p.host_blocks,
+                                                     "nvme": len(eng.blocks) - p.host_blocks}
+    opt = infinity.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    x = torch.randint(0, CFG.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            lm_loss(m(x), x).backward()
+            o.step()
+            o.zero_grad()
+    with torch.no_grad():
+        assert torch.allclose(model(x), ref(x), atol=1e-5)
+    infinity.unwrap(model)

@@ -42,8 +42,12 @@ def format_estimates(t: "EstimateTable") -> str:
 
 
 def format_plan(plan: "Plan") -> str:
+    params = f"parameters on {plan.param_tier}"
+    if plan.host_blocks:
+        params = (f"parameters of the first {plan.host_blocks} of {plan.n_blocks} blocks on "
+                  f"host, the rest on {plan.param_tier}")
     lines: List[str] = [
-        f"infinity plan: {plan.placement} -- parameters on {plan.param_tier}, gradients on "
+        f"infinity plan: {plan.placement} -- {params}, gradients on "
         f"{plan.grad_tier}, optimizer states on {plan.optimizer_tier}; prefetch window "
         f"{plan.prefetch_window} (host staging buffers {plan.staging_buffers}, gradient "
         f"buffers {plan.grad_buffers})",

@@ -4,8 +4,11 @@ memory, a share of the available RAM, free disk at ``nvme_path``) and the probed
 the placement with the shortest predicted step among those that fit. Tiers the user set
 explicitly are kept as given; the planner decides only what was left "auto".
 
-The engine keeps one tier per kind of state for the whole model (it has no per-block homes), so
-plans are whole-model: "first blocks on host, the rest on NVMe" is not offered.
+Parameters may be split per block: when they do not all fit in the host budget but some do,
+the planner also considers "the first K blocks on host, the rest on NVMe" (``host_blocks=K``,
+K as large as fits after the other needs), its step predicted by combining the all-NVMe and
+host-parameter estimates in proportion to the bytes on each tier, and takes it when that is
+the shortest predicted step. Gradients and optimizer states keep one tier for the model.
 """
 from __future__ import annotations
 
@@ -49,10 +52,16 @@ class Plan:
     estimate: Estimate
     reasons: Tuple[str, ...]
     candidates: Tuple[Tuple[str, float, bool, str], ...]  # name, predicted step, fits, why not
+    host_blocks: int = 0      # with param_tier "nvme": the first blocks' parameters on host
+    n_blocks: int = 0
 
     def policy_changes(self) -> Dict[str, Any]:
-        return {"param_tier": self.param_tier, "grad_tier": self.grad_tier,
-                "optimizer_tier": self.optimizer_tier, "prefetch_window": self.prefetch_window}
+        changes: Dict[str, Any] = {
+            "param_tier": self.param_tier, "grad_tier": self.grad_tier,
+            "optimizer_tier": self.optimizer_tier, "prefetch_window": self.prefetch_window}
+        if self.host_blocks:
+            changes["host_blocks"] = self.host_blocks
+        return changes
 
     def __str__(self) -> str:
         return format_plan(self)
@@ -103,6 +112,54 @@ def _fits(e: Estimate, pl: Placement, b: Dict[str, Optional[int]], cuda: bool) -
     return ""
 
 
+def _host_part(e: Estimate, cuda: bool) -> int:
+    """What a placement takes from the host budget (on a CPU the device tier is RAM too)."""
+    return e.host_bytes if cuda else e.host_bytes + e.device_bytes
+
+
+def _split(shape: ModelShape, pr: ProbeResult, nvme_pl: Placement, e_nvme: Estimate, w: int,
+           b: Dict[str, Optional[int]], cuda: bool, batch: int, seq: int,
+           k_given: Optional[int] = None) -> Optional[Tuple[Placement, Estimate, int]]:
+    """"The first K blocks' parameters on host, the rest on NVMe" (gradients and states as in
+    ``nvme_pl``), K as large as the host budget holds after what the NVMe placement needs; None
+    when not even one block fits (or all do: then a host placement is the one to compare).
+    Its step combines the NVMe estimate and the same placement with host parameters in
+    proportion to the parameter bytes on each tier (estimate.py's time model, unchanged).
+    ``k_given``: the user's host_blocks (estimated as given, fitting or not)."""
+    if k_given is not None:
+        k = min(k_given, len(shape.block_bytes))
+        held = sum(shape.block_bytes[:k])
+    else:
+        room = b["host"] - _host_part(e_nvme, cuda)
+        if cuda and b["device"] is not None and e_nvme.device_bytes > b["device"]:
+            return None
+        k, held = 0, 0
+        for nbytes in shape.block_bytes[:-1]:  # engine order: layers, then the root block
+            if held + nbytes > room:
+                break
+            k, held = k + 1, held + nbytes
+        if k >= len(shape.block_bytes):
+            return None
+    if k == 0:
+        return None
+    f = held / max(1, shape.param_bytes)
+    host_pl = Placement("_host_params", "host", "host", nvme_pl.optimizer_tier, nvme_pl.states)
+    e_host = estimate_one(shape, host_pl, pr, batch=batch, seq=seq, prefetch_window=w)
+    fetch = (1 - f) * e_nvme.fetch_s + f * e_host.fetch_s
+    opt = (1 - f) * e_nvme.optimizer_s + f * e_host.optimizer_s
+    step = e_nvme.step_s - e_nvme.fetch_s - e_nvme.optimizer_s + fetch + opt
+    n = len(shape.block_bytes)
+    name = f"{nvme_pl.name}+host{k}"
+    pl = dataclasses.replace(nvme_pl, name=name, what=(
+        f"parameters of the first {k} of {n} blocks on host, the rest on NVMe; gradients on "
+        f"{nvme_pl.grad_tier}, optimizer states on {nvme_pl.optimizer_tier}"))
+    e = dataclasses.replace(
+        e_nvme, placement=name, what=pl.what, host_bytes=e_nvme.host_bytes + held,
+        nvme_bytes=e_nvme.nvme_bytes - held, step_s=step, fetch_s=fetch, optimizer_s=opt,
+        nvme_written_per_step=int(e_nvme.nvme_written_per_step - f * shape.param_bytes))
+    return pl, e, k
+
+
 def plan(model: Union[nn.Module, ModelShape, int, float], policy: Optional[OffloadPolicy] = None,
          *, probe: Optional[ProbeResult] = None, states: str = "fp32", batch: int = 4,
          seq: int = 128, ram_share: float = RAM_SHARE, **settings: Any) -> Plan:
@@ -121,6 +178,9 @@ def plan(model: Union[nn.Module, ModelShape, int, float], policy: Optional[Offlo
     b = budgets(policy, pr, ram_share)
     explicit = {k: getattr(policy, k) for k in ("param_tier", "grad_tier", "optimizer_tier")
                 if getattr(policy, k) != "auto"}
+    given_k = policy.host_blocks or None
+    if given_k:  # the user's split: parameters on NVMe but for the first blocks
+        explicit.setdefault("param_tier", "nvme")
     pool: List[Placement] = []
     for pl in PLACEMENTS:
         if pl.plain or pl.states != "fp32":
@@ -136,6 +196,7 @@ def plan(model: Union[nn.Module, ModelShape, int, float], policy: Optional[Offlo
         pool.append(Placement("custom", t["param_tier"], t["grad_tier"], t["optimizer_tier"],
                               states, "as set"))
     rows = []
+    splits = {}  # placement name -> host_blocks
     for pl in pool:
         w = (policy.prefetch_window if policy.prefetch_window != _DEFAULT_WINDOW
              else _window(shape, pr, pl, batch, seq))
@@ -150,16 +211,35 @@ def plan(model: Union[nn.Module, ModelShape, int, float], policy: Optional[Offlo
             w -= 1  # a smaller window may fit where a deeper one does not
             e = estimate_one(shape, pl, pr, batch=batch, seq=seq, prefetch_window=w)
         rows.append((pl, e, w, why))
+        if pl.param_tier == "nvme" and e is not None and (given_k or (
+                "param_tier" not in explicit and policy.host_blocks is None and not why)):
+            split = _split(shape, pr, pl, e, w, b, cuda, batch, seq, given_k)
+            if split is not None:
+                spl, se, k = split
+                splits[spl.name] = k
+                if given_k:  # only the split the user asked for
+                    rows.pop()
+                rows.append((spl, se, w, _fits(se, spl, b, cuda)))
     fitting = [(pl, e, w) for pl, e, w, why in rows if not why]
     candidates = tuple((pl.name, e.step_s if e else float("nan"), not why, why)
                        for pl, e, w, why in rows)
     if not fitting:
         raise PlanError(_no_fit_message(shape, policy, b, rows, cuda))
     pl, e, w = min(fitting, key=lambda r: r[1].step_s)
+    host_blocks = splits.get(pl.name, 0)
     reasons = [f"{pl.name} ({pl.what}) has the shortest predicted step, {fmt_s(e.step_s)}, "
                "of the placements that fit"]
+    if host_blocks and not given_k:
+        held = sum(shape.block_bytes[:host_blocks])
+        reasons.append(
+            f"host_blocks={host_blocks}: the first {host_blocks} blocks' parameters "
+            f"({fmt_bytes(held)}) fit in the host budget ({fmt_bytes(b['host'])}) next to what "
+            "NVMe offload needs, one more does not; their fetches and working-copy writes "
+            "skip the disk")
     if explicit:
         reasons.append("kept as you set: " + ", ".join(f"{k}={v}" for k, v in explicit.items()))
+    if given_k:
+        reasons[-1] += f", host_blocks={given_k}"
     for name, step, ok, why in candidates:
         if name == pl.name:
             continue
@@ -170,7 +250,8 @@ def plan(model: Union[nn.Module, ModelShape, int, float], policy: Optional[Offlo
                        f"({fmt_s(shape.layer_block_bytes / pr.disk.read_bps)}) hides behind "
                        f"the compute of the {w} blocks before it")
     return Plan(pl.name, pl.param_tier, pl.grad_tier, pl.optimizer_tier, w,
-                max(1, min(2, w)), w + 2, b, e, tuple(reasons), candidates)
+                max(1, min(2, w)), w + 2, b, e, tuple(reasons), candidates, host_blocks,
+                len(shape.block_bytes))
 
 
 def _no_fit_message(shape: ModelShape, policy: OffloadPolicy, b: Dict[str, Optional[int]],
