@@ -44,17 +44,16 @@ def wrap(model: nn.Module, nvme_path: Optional[str] = None, *,
             raise TypeError(f"unknown infinity.wrap setting(s) {unknown}; valid settings are "
                             f"{list(OffloadPolicy.field_names())}")
         policy = OffloadPolicy(nvme_path=nvme_path, **settings)
-    plan = None
-    if policy.placement == "auto":
-        from .plan.planner import apply_plan
-        policy, plan = apply_plan(model, policy)
+    from .plan.planner import apply_plan
+    policy, plan, unplanned = apply_plan(model, policy, process_group)
     values = None
     if source is not None:
         values = CheckpointSource(source)
     elif init is not None:
         values = InitSource(init)
     try:
-        Engine(model, policy, values, process_group).plan = plan
+        engine = Engine(model, policy, values, process_group)
+        engine.plan, engine.unplanned = plan, unplanned
     finally:
         if values is not None:
             values.close()

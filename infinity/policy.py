@@ -26,8 +26,9 @@ def _check_bytes(name: str, value: Optional[int]) -> None:
 class OffloadPolicy:
     """Where each kind of state lives and how much of each tier the engine may use.
 
-    param_tier: "device" (no offload), "host", "nvme", or "auto": nvme when nvme_path is given
-        and the parameters do not fit in host_budget (or no host_budget is set), else host.
+    param_tier: "device" (no offload), "host", "nvme", or "auto": chosen by the planner (see
+        ``placement``); with placement=None, nvme when nvme_path is given and the parameters
+        do not fit in host_budget (or no host_budget is set), else host.
     host_blocks: with parameters on NVMe, the parameters of the first ``host_blocks`` blocks
         stay in host RAM instead (a per-block split: "the first blocks on host, the rest on
         NVMe"). Blocks count in the engine's order: the repeated layers in model order, then
@@ -58,10 +59,13 @@ class OffloadPolicy:
     collective_timeout: seconds a collective may wait for the other ranks before failing
         (ranks that diverged or died); applies to the group infinity makes from the default
         one (a group or mesh passed to wrap keeps its own timeout).
-    placement: None (the rules above resolve each "auto") or "auto": the planner
-        (``infinity.plan``) picks the tiers left "auto" and, when prefetch_window is left at
-        its default, the window, from the budgets and the probed machine; see
-        ``infinity.explain(model)``.
+    placement: "auto" (the default): the planner (``infinity.plan``) picks the tiers left
+        "auto" (per block where that helps: ``host_blocks``) and, when prefetch_window is left
+        at its default, the window, from the budgets (device memory, a share of the available
+        RAM, the free disk at nvme_path) and the probed machine (cached; a quick probe the
+        first time); see ``infinity.explain(model)``. It is skipped, and the rules above
+        resolve each "auto", when all three tiers are set explicitly or the model is sharded
+        over several ranks. None: always the rules.
     activation_tier: where the tensors autograd saves for backward go during forward: None
         (they stay on the device, as in plain PyTorch), "host" (a pool of host buffers inside
         host_budget) or "nvme" (scratch swap files under nvme_path). See
@@ -88,7 +92,7 @@ class OffloadPolicy:
     verify_checksums: bool = True
     shard: str = "auto"
     collective_timeout: float = 600.0
-    placement: Optional[str] = None
+    placement: Optional[str] = "auto"
     activation_tier: Optional[str] = None
     activation_min_bytes: Optional[int] = None
     activation_prefetch_bytes: Optional[int] = None

@@ -5,12 +5,26 @@ one is available. ``INFINITY_DEVICE=cpu`` (read by ``resolve_device`` when the p
 device) keeps them on the CPU, in this process and in the subprocesses some tests start, so
 ``python -m pytest`` passes unchanged on a GPU machine. tests/gpu passes ``device="cuda"``
 explicitly, which the environment variable does not override.
+
+``wrap`` plans placements by default (``placement="auto"``), from the probe cache. The suite
+points that cache (``INFINITY_CACHE_DIR``, inherited by subprocesses) at a directory of its
+own and fills it once with a quick probe of this machine and of the temp directory's disk, so
+no wrap measures anything and the user's own cache is left alone.
 """
 import os
+import tempfile
 
 import pytest
 
 DEVICE_ENV = "INFINITY_DEVICE"
+CACHE_ENV = "INFINITY_CACHE_DIR"
+
+
+def _restore(name, before):
+    if before is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = before
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -18,7 +32,15 @@ def _compute_on_cpu():
     before = os.environ.get(DEVICE_ENV)
     os.environ[DEVICE_ENV] = "cpu"
     yield
-    if before is None:
-        os.environ.pop(DEVICE_ENV, None)
-    else:
-        os.environ[DEVICE_ENV] = before
+    _restore(DEVICE_ENV, before)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _probe_cache(tmp_path_factory, _compute_on_cpu):
+    before = os.environ.get(CACHE_ENV)
+    cache = tmp_path_factory.mktemp("infinity_cache")
+    os.environ[CACHE_ENV] = str(cache)
+    from infinity.plan.probe import probe
+    probe(tempfile.gettempdir(), quick=True)  # the machine and the disk of the tmp dirs
+    yield
+    _restore(CACHE_ENV, before)

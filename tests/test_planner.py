@@ -77,8 +77,13 @@ def test_explain_unwrapped_model_prints_the_plan(tmp_path, capsys):
     p = infinity.explain(TinyGPT(CFG), nvme_path=str(tmp_path))
     out = capsys.readouterr().out
     assert out.startswith("infinity plan: ") and p.placement in out
-    wrapped = infinity.wrap(TinyGPT(CFG), param_tier="host")
-    with pytest.raises(ValueError, match="explicit tiers"):
+    wrapped = infinity.wrap(TinyGPT(CFG), param_tier="host", placement=None)
+    with pytest.raises(ValueError, match="no plan: it was wrapped with placement=None"):
+        infinity.explain(wrapped)
+    infinity.unwrap(wrapped)
+    wrapped = infinity.wrap(TinyGPT(CFG), nvme_path=str(tmp_path), param_tier="host",
+                            grad_tier="host", optimizer_tier="nvme")
+    with pytest.raises(ValueError, match="all set explicitly"):
         infinity.explain(wrapped)
     infinity.unwrap(wrapped)
 
@@ -188,3 +193,40 @@ def test_wrap_auto_with_a_split_plan_trains_like_torch(tmp_path, pr):
     with torch.no_grad():
         assert torch.allclose(model(x), ref(x), atol=1e-5)
     infinity.unwrap(model)
+
+
+def test_the_planner_is_the_default_and_measures_nothing_with_a_cache(tmp_path, pr,
+                                                                    monkeypatch):
+    import importlib
+    probe_mod = importlib.import_module("infinity.plan.probe")
+
+    def no_measuring(*a, **k):
+        raise AssertionError("wrap measured the machine although a cached probe exists")
+    monkeypatch.setattr(probe_mod, "_measure_machine", no_measuring)
+    monkeypatch.setattr(probe_mod, "measure_disk", no_measuring)
+    assert infinity.OffloadPolicy().placement == "auto"
+    model = infinity.wrap(TinyGPT(CFG), nvme_path=str(tmp_path))  # pr filled the cache
+    p = infinity.explain(model, show=False)
+    eng = infinity.api._engine(model)
+    # ample RAM: the planner keeps everything on host although nvme_path is given
+    assert p.param_tier == "host" and eng.param_tier.value == "host"
+    infinity.unwrap(model)
+    # placement=None: the old rules (nvme_path given, no host_budget: NVMe)
+    model = infinity.wrap(TinyGPT(CFG), nvme_path=str(tmp_path), placement=None)
+    assert infinity.api._engine(model).param_tier.value == "nvme"
+    infinity.unwrap(model)
+
+
+def test_sharded_wraps_follow_the_rules_on_every_rank(monkeypatch):
+    import torch.distributed as dist
+    policy = infinity.OffloadPolicy(nvme_path="/tmp")
+    model = TinyGPT(CFG)
+    assert planner_mod.skip_reason(model, policy) is None
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    why = planner_mod.skip_reason(model, policy)
+    assert why is not None and "sharded over 4 ranks" in why
+    out, p, reason = planner_mod.apply_plan(model, policy)
+    assert p is None and out is policy and reason == why
+    # shard="none": each process plans for itself
+    assert planner_mod.skip_reason(model, infinity.OffloadPolicy(shard="none")) is None

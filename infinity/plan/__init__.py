@@ -13,10 +13,9 @@ from .shape import ModelShape, describe
 
 
 def explain(model: Union[nn.Module, int, float], *, show: bool = True, **settings: Any) -> Plan:
-    """The plan for ``model``, with its reasons: for a model wrapped with
-    ``placement="auto"`` the plan it got; otherwise the plan ``wrap(model,
-    placement="auto", **settings)`` would choose (nothing is allocated or written).
-    ``show``: also print it (to stdout)."""
+    """The plan for ``model``, with its reasons: for a wrapped model the plan it got;
+    otherwise the plan ``wrap(model, **settings)`` would choose (nothing is allocated or
+    written). ``show``: also print it (to stdout)."""
     result: Optional[Plan] = None
     if isinstance(model, nn.Module):
         from ..runtime.registry import engine_of
@@ -24,9 +23,10 @@ def explain(model: Union[nn.Module, int, float], *, show: bool = True, **setting
         if engine is not None:
             result = getattr(engine, "plan", None)
             if result is None:
-                raise ValueError("infinity.explain: this model was wrapped with explicit tiers "
-                                 "(placement=None), not planned; unwrap it and call "
-                                 "infinity.explain(model, nvme_path=...) to see a plan")
+                why = getattr(engine, "unplanned", None) or "it was not planned"
+                raise ValueError(f"infinity.explain: this model has no plan: {why}. Unwrap it "
+                                 "and call infinity.explain(model, nvme_path=...) to see the "
+                                 "plan the planner would choose")
     if result is None:
         settings.pop("placement", None)
         result = plan(model, **settings)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import shutil
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
@@ -282,7 +283,49 @@ def _no_fit_message(shape: ModelShape, policy: OffloadPolicy, b: Dict[str, Optio
             "blocks with block_rule so the staging buffers shrink")
 
 
-def apply_plan(model: nn.Module, policy: OffloadPolicy) -> Tuple[OffloadPolicy, Plan]:
-    """The policy ``wrap`` uses for ``placement="auto"``: the planner's tiers and window."""
+_TIERS = ("param_tier", "grad_tier", "optimizer_tier")
+
+
+def _sharded(policy: OffloadPolicy, process_group: Any) -> int:
+    """The ranks a wrap would shard over (0: none), decided from what every rank sees alike
+    (the world size), never from rank-local budgets."""
+    if policy.shard == "none":
+        return 0
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    world = dist.get_world_size()
+    return world if world > 1 else 0
+
+
+def skip_reason(model: Any, policy: OffloadPolicy, process_group: Any = None) -> Optional[str]:
+    """Why ``wrap`` does not run the planner for this policy (None: it does)."""
+    if policy.placement != "auto":
+        return "it was wrapped with placement=None: its tiers follow the rules"
+    if not isinstance(model, nn.Module) or not any(True for _ in model.parameters()):
+        return "there is nothing to plan"
+    if all(getattr(policy, k) != "auto" for k in _TIERS):
+        return ("param_tier, grad_tier and optimizer_tier were all set explicitly: there was "
+                "nothing to place")
+    ranks = _sharded(policy, process_group)
+    if ranks:
+        return (f"it is sharded over {ranks} ranks: every rank must take the same placement "
+                "(a rank-dependent one would hang the collectives), so its tiers follow the "
+                "rules, which see the same inputs on every rank")
+    return None
+
+
+def apply_plan(model: nn.Module, policy: OffloadPolicy, process_group: Any = None
+               ) -> Tuple[OffloadPolicy, Optional[Plan], Optional[str]]:
+    """The policy ``wrap`` uses: with ``placement="auto"`` (the default) the planner's tiers
+    for those left "auto", its window and its per-block split; unchanged when the planner is
+    skipped (returns the reason instead of a plan)."""
+    why = skip_reason(model, policy, process_group)
+    if why is not None:
+        return policy, None, why
+    if policy.nvme_path is not None and not os.path.isdir(policy.nvme_path):
+        raise FileNotFoundError(f"infinity: nvme_path {policy.nvme_path!r} does not exist; "
+                                "create the directory (on the disk that will hold the swap "
+                                "files) first")
     p = plan(model, policy)
-    return dataclasses.replace(policy, **p.policy_changes()), p
+    return dataclasses.replace(policy, **p.policy_changes()), p, None
