@@ -69,7 +69,10 @@ def run(args: argparse.Namespace, write: Write) -> List[float]:
               f"({cfg.n_layers} layers, d_model {cfg.d_model}) on {device}\n")
         write(f"  swap directory: {path}   CPU Adam path: {ops.cpu_capability()}\n")
         dtype = _compute_dtype(args.dtype)
+        # the demo shows offload to NVMe, so its tiers are explicit: the planner (the default)
+        # would rightly keep a model this small in RAM
         api.wrap(model, nvme_path=path, param_tier=args.param_tier,
+                 grad_tier="nvme" if args.param_tier == "nvme" else "host",
                  optimizer_tier=args.optimizer_tier, compute_dtype=dtype)
         opt = AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
