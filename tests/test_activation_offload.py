@@ -150,7 +150,8 @@ def test_with_checkpointing_only_the_boundaries_are_offloaded(tier, reentrant, t
     model = copy.deepcopy(ref)
     # threshold = one (B, T, d) activation: the boundaries are exactly that size
     infinity.wrap(model, nvme_path=str(tmp_path), activation_tier=tier,
-                  activation_min_bytes=ACT)
+                  activation_min_bytes=ACT, param_tier="nvme", grad_tier="nvme",
+                  optimizer_tier="nvme")
     for x, y in _batches(2):
         ref.zero_grad()
         model._infinity_engine.zero_grad()
@@ -283,7 +284,8 @@ def test_host_budget_too_small_for_host_activations(tmp_path):
     sizing = infinity.wrap(copy.deepcopy(model), param_tier="host")
     held = sum(infinity.api._engine(sizing)._host_needs().values())
     infinity.unwrap(sizing)
-    infinity.wrap(model, param_tier="host", host_budget=held + 8 * ACT,
+    infinity.wrap(model, param_tier="host", grad_tier="host", optimizer_tier="host",
+                  host_budget=held + 8 * ACT,
                   activation_tier="host", activation_min_bytes=MIN_BYTES)
     (x, y), = _batches(1)
     with pytest.raises(infinity.tiers.BudgetExceededError, match="host_budget") as info:

@@ -13,6 +13,7 @@ the shortest predicted step. Gradients and optimizer states keep one tier for th
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import shutil
@@ -29,6 +30,8 @@ from .placements import PLACEMENTS, Placement
 from .probe import ProbeResult, probe as run_probe
 from .shape import ModelShape, describe
 
+logger = logging.getLogger(__name__)
+
 RAM_SHARE = 0.7        # of the available RAM, when no host_budget is given
 DEVICE_SHARE = 0.9     # of a GPU's memory, when no device_budget is given
 DISK_MARGIN = 0.95     # of the free disk space the swap files may take
@@ -37,7 +40,12 @@ _DEFAULT_WINDOW = OffloadPolicy().prefetch_window
 
 
 class PlanError(ValueError):
-    """No placement fits the budgets (the message names what is short, by how many bytes)."""
+    """No placement fits the budgets (the message names what is short, by how many bytes).
+    ``disk``: True when what is short is the free space at nvme_path."""
+
+    def __init__(self, message: str, disk: bool = False) -> None:
+        super().__init__(message)
+        self.disk = disk
 
 
 @dataclass(frozen=True)
@@ -225,7 +233,7 @@ def plan(model: Union[nn.Module, ModelShape, int, float], policy: Optional[Offlo
     candidates = tuple((pl.name, e.step_s if e else float("nan"), not why, why)
                        for pl, e, w, why in rows)
     if not fitting:
-        raise PlanError(_no_fit_message(shape, policy, b, rows, cuda))
+        raise PlanError(*_no_fit_message(shape, policy, b, rows, cuda))
     pl, e, w = min(fitting, key=lambda r: r[1].step_s)
     host_blocks = splits.get(pl.name, 0)
     reasons = [f"{pl.name} ({pl.what}) has the shortest predicted step, {fmt_s(e.step_s)}, "
@@ -256,14 +264,16 @@ def plan(model: Union[nn.Module, ModelShape, int, float], policy: Optional[Offlo
 
 
 def _no_fit_message(shape: ModelShape, policy: OffloadPolicy, b: Dict[str, Optional[int]],
-                    rows, cuda: bool) -> str:
+                    rows, cuda: bool) -> Tuple[str, bool]:
     block = shape.largest_block_bytes
     if b["device"] is not None and block > b["device"]:
         return (f"infinity: the device budget ({b['device']:,} bytes) cannot hold the largest "
-                f"block ({block:,} bytes); raise device_budget or split blocks with block_rule")
+                f"block ({block:,} bytes); raise device_budget or split blocks with "
+                "block_rule"), False
     if block > b["host"]:
         return (f"infinity: the host budget ({b['host']:,} bytes) cannot hold the largest "
-                f"block ({block:,} bytes); raise host_budget or split blocks with block_rule")
+                f"block ({block:,} bytes); raise host_budget or split blocks with "
+                "block_rule"), False
     nvme_rows = [(pl, e) for pl, e, w, why in rows if pl.uses_nvme and e is not None]
     ram_ok = [(pl, e) for pl, e in nvme_rows
               if not _fits(e, pl, {**b, "disk": float("inf")}, cuda)]
@@ -272,15 +282,15 @@ def _no_fit_message(shape: ModelShape, policy: OffloadPolicy, b: Dict[str, Optio
         return (f"infinity: nvme_path {policy.nvme_path!r} is too small: placement {pl.name!r} "
                 f"needs {e.nvme_bytes:,} bytes of swap files, {b['disk']:,} bytes are free "
                 f"({DISK_MARGIN:.0%} usable); free space there, point nvme_path at a larger "
-                "disk, or use compact optimizer states (states='8bit')")
+                "disk, or use compact optimizer states (states='8bit')"), True
     if policy.nvme_path is None:
         return (f"infinity: the model ({shape.param_bytes:,} bytes of parameters) does not fit "
                 f"in the host budget ({b['host']:,} bytes) with its gradients and optimizer "
-                "states; pass nvme_path=<a directory on a fast disk> to offload to NVMe")
+                "states; pass nvme_path=<a directory on a fast disk> to offload to NVMe"), False
     why = "; ".join(f"{pl.name}: {w}" for pl, e, _, w in rows)
     return (f"infinity: no placement fits the budgets (device {b['device']:,}, host "
             f"{b['host']:,}, disk {b['disk']:,} bytes): {why}. Raise host_budget, or split "
-            "blocks with block_rule so the staging buffers shrink")
+            "blocks with block_rule so the staging buffers shrink"), False
 
 
 _TIERS = ("param_tier", "grad_tier", "optimizer_tier")
@@ -327,5 +337,16 @@ def apply_plan(model: nn.Module, policy: OffloadPolicy, process_group: Any = Non
         raise FileNotFoundError(f"infinity: nvme_path {policy.nvme_path!r} does not exist; "
                                 "create the directory (on the disk that will hold the swap "
                                 "files) first")
-    p = plan(model, policy)
+    try:
+        p = plan(model, policy)
+    except PlanError as exc:
+        if exc.disk or policy.param_tier == "auto":
+            raise
+        # the parameters' tier was set by hand: the engine checks its own budgets exactly
+        # (the planner's estimates also count the optimizer's states and buffers)
+        logger.warning("infinity: the planner found no placement that fits (%s); keeping "
+                       "param_tier=%r and resolving the rest by the rules", exc,
+                       policy.param_tier)
+        return policy, None, (f"the planner found no placement that fits ({exc}), so the "
+                              "tiers left 'auto' follow the rules")
     return dataclasses.replace(policy, **p.policy_changes()), p, None
