@@ -141,7 +141,9 @@ def estimate_one(shape: ModelShape, pl: Placement, pr: ProbeResult, *, batch: in
         if pl.plain:
             raise ValueError("infinity.estimate: the device placement (plain PyTorch) has no "
                              "choice of optimizer states format; leave states unset")
-        state_bytes_per_param(states)  # validates the name
+        if states not in ("fp32", "bf16", "8bit"):
+            raise ValueError(f"infinity.estimate: states must be 'fp32', 'bf16' or '8bit', "
+                             f"got {states!r}")
         pl = dataclasses.replace(pl, states=states)
     n = shape.params / ranks              # parameters this rank holds (homes, grads, states)
     pbytes = shape.param_bytes / ranks    # their home bytes

@@ -195,14 +195,14 @@ def _tiny_step_s(n_layers: int, layout: Optional[str], nvme_path: Optional[str],
     return min(times)
 
 
-def measure_engine_overhead(layouts, nvme_path: Optional[str] = None,
-                            quick: bool = False) -> Dict[str, Dict[str, float]]:
+def measure_engine_overhead(layouts, nvme_path: Optional[str] = None, quick: bool = False,
+                            depths=OVERHEAD_DEPTHS) -> Dict[str, Dict[str, float]]:
     """For each tier layout: the seconds the engine adds to a plain PyTorch training step,
     per block (``block_s``) and per step (``step_s``), from two tiny GPTs (d_model 64, 2 and 10
     layers: 3 and 11 blocks) whose compute is negligible. ``nvme_path``: a directory on the
     disk to measure (a scratch folder is made in it and removed)."""
-    warmup, steps = (2, 5) if quick else (3, 10)
-    d0, d1 = OVERHEAD_DEPTHS
+    warmup, steps = (1, 3) if quick else (3, 10)
+    d0, d1 = depths
     plain = {d: _tiny_step_s(d, None, None, warmup, steps) for d in (d0, d1)}
     out: Dict[str, Dict[str, float]] = {}
     scratch = tempfile.mkdtemp(prefix=".infinity-probe-engine-", dir=nvme_path) \
