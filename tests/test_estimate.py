@@ -88,3 +88,85 @@ def test_predicted_bytes_match_the_engine(pr, tmp_path, name):
     else:
         assert real["written"] == 0 and e.nvme_written_per_step == 0
         assert e.host_bytes == pytest.approx(real["host"], rel=0.05)
+
+
+# ---- the step-time model's terms (deterministic: figures set on a probe result) -----------
+def _with_overhead(pr, host=(1e-3, 5e-3), nvme=(4e-3, 1e-2), optim_nvme=None):
+    import dataclasses
+    disk_ovh = {"nvme": {"block_s": nvme[0], "step_s": nvme[1]}}
+    if optim_nvme is not None:
+        disk_ovh["optim_nvme"] = {"block_s": optim_nvme[0], "step_s": optim_nvme[1]}
+    return dataclasses.replace(
+        pr, overhead={"host": {"block_s": host[0], "step_s": host[1]}},
+        disk=dataclasses.replace(pr.disk, overhead=disk_ovh))
+
+
+def test_step_is_the_sum_of_its_terms_and_the_engine_cost_is_per_block(pr):
+    from infinity.plan.estimate import estimate_one
+    from infinity.plan.placements import placement
+    from infinity.plan.shape import shape_of
+    shape = shape_of(_meta_model())
+    blocks = len(shape.block_bytes)
+    p2 = _with_overhead(pr)
+    for name in ("host", "optim_nvme", "nvme", "nvme_8bit", "optim_host"):
+        e = estimate_one(shape, placement(name), p2, batch=2, seq=32, compute_s=0.5)
+        assert e.compute_s == 0.5
+        assert e.step_s == pytest.approx(e.compute_s + e.fetch_s + e.grad_offload_s
+                                         + e.optimizer_s + e.engine_s, rel=1e-9)
+    host = estimate_one(shape, placement("host"), p2, batch=2, seq=32, compute_s=0.5)
+    assert host.engine_s == pytest.approx(blocks * 1e-3 + 5e-3)
+    nvme = estimate_one(shape, placement("nvme"), p2, batch=2, seq=32, compute_s=0.5)
+    assert nvme.engine_s == pytest.approx(blocks * 4e-3 + 1e-2)
+    # optim_nvme not measured: at least what the host layout measured
+    mid = estimate_one(shape, placement("optim_nvme"), p2, batch=2, seq=32, compute_s=0.5)
+    assert mid.engine_s == pytest.approx(host.engine_s)
+    # a noisy probe that found NVMe cheaper than RAM does not make it so
+    noisy = _with_overhead(pr, host=(5e-3, 0.0), nvme=(1e-3, 0.0), optim_nvme=(2e-3, 0.0))
+    n2 = estimate_one(shape, placement("nvme"), noisy, batch=2, seq=32, compute_s=0.5)
+    h2 = estimate_one(shape, placement("host"), noisy, batch=2, seq=32, compute_s=0.5)
+    assert n2.engine_s == pytest.approx(h2.engine_s) == pytest.approx(blocks * 5e-3)
+    # plain PyTorch has no engine
+    dev = estimate_one(shape, placement("device"), p2, batch=2, seq=32, compute_s=0.5)
+    assert dev.engine_s == 0 and dev.fetch_s == 0 and dev.grad_offload_s == 0
+    # the old call (the planner's) still works
+    assert estimate_one(shape, placement("host"), p2, batch=2, seq=32,
+                        prefetch_window=3).step_s > 0
+
+
+def test_disk_bound_optimizer_and_fetch_follow_the_probed_bandwidths(pr):
+    import dataclasses
+    from infinity.plan.estimate import estimate_one
+    from infinity.plan.placements import placement
+    from infinity.plan.shape import shape_of
+    shape = shape_of(_meta_model())
+    n, pb = shape.params, shape.param_bytes
+    slow = dataclasses.replace(pr, disk=dataclasses.replace(pr.disk, read_bps=1e6,
+                                                            write_bps=2e6))
+    e = estimate_one(shape, placement("nvme"), slow, batch=2, seq=32, compute_s=0.01)
+    io_opt = 16.0 * n / 1e6 + (12.0 * n + pb) / 2e6
+    assert e.optimizer_s > io_opt  # the disk, not CPU Adam, sets it (+ the pipeline's edges)
+    assert e.optimizer_s < io_opt * 1.5
+    io_fb = 2 * pb / 1e6 + 4.0 * n / 2e6
+    assert e.fetch_s > io_fb - 0.01 - e.grad_offload_s  # the reads do not hide behind compute
+    fast = estimate_one(shape, placement("nvme"), pr, batch=2, seq=32, compute_s=100.0)
+    first = (shape.root_bytes + shape.layer_block_bytes) / pr.disk.read_bps
+    assert fast.fetch_s == pytest.approx(first)  # only the first read is exposed
+    # more optimizer bytes, more time: fp32 > bf16 > 8bit states on a slow disk
+    t = {s: estimate_one(shape, placement("nvme"), slow, batch=2, seq=32, compute_s=0.01,
+                         states=s).optimizer_s for s in ("fp32", "bf16", "8bit")}
+    assert t["fp32"] > t["bf16"] > t["8bit"]
+
+
+def test_states_override_matches_the_named_placement_and_is_checked(pr):
+    from infinity.plan.estimate import estimate_one
+    from infinity.plan.placements import placement
+    from infinity.plan.shape import shape_of
+    shape = shape_of(_meta_model())
+    a = estimate_one(shape, placement("nvme"), pr, batch=2, seq=32, states="8bit")
+    b = estimate_one(shape, placement("nvme_8bit"), pr, batch=2, seq=32)
+    assert (a.nvme_bytes, a.host_bytes, a.nvme_written_per_step) == \
+        (b.nvme_bytes, b.host_bytes, b.nvme_written_per_step)
+    with pytest.raises(ValueError, match="plain PyTorch"):
+        estimate_one(shape, placement("device"), pr, batch=2, seq=32, states="8bit")
+    with pytest.raises(ValueError, match="states must be"):
+        estimate_one(shape, placement("host"), pr, batch=2, seq=32, states="fp8")

@@ -73,3 +73,23 @@ def test_probe_cli(tmp_path, monkeypatch, capsys):
     assert json.loads(capsys.readouterr().out)["from_cache"] is True
     assert os.path.exists(tmp_path / "c" / "probe.json")
     assert infinity.probe is probe
+
+
+def test_quick_probe_times_a_small_request_and_leaves_the_engine_out(cached):
+    d, cache, r = cached
+    assert r.disk.latency_s is not None and 0 < r.disk.latency_s < 1.0
+    assert r.torch_adam_params_per_s > 1e5
+    assert r.overhead == {} and r.disk.overhead == {}  # measured by the full probe only
+    assert r.engine_overhead("nvme") == {"block_s": 0.0, "step_s": 0.0}
+    again = type(r).from_json(json.loads(json.dumps(r.to_json())))
+    assert again.disk.latency_s == r.disk.latency_s and again.overhead == r.overhead
+
+
+def test_engine_overhead_is_measured_per_layout(tmp_path):
+    from infinity.plan.probe import measure_engine_overhead
+    out = measure_engine_overhead(["nvme"], nvme_path=str(tmp_path), quick=True, depths=(1, 2))
+    assert set(out) == {"nvme"}
+    for v in out.values():
+        assert set(v) == {"block_s", "step_s"}
+        assert all(0.0 <= x < 5.0 for x in v.values())
+    assert os.listdir(tmp_path) == []  # its scratch folder is gone

@@ -76,11 +76,19 @@ def add_bench(p: argparse.ArgumentParser) -> None:
                    help="swap directory (default: a new folder in the temp dir, removed after)")
     p.add_argument("--ram-budget", default=None,
                    help="host RAM budget, e.g. 8GiB (the engine's host_budget)")
-    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=1, help="runs per cell (median)")
+    p.add_argument("--steps", type=int, default=4, help="measured steps per run")
+    p.add_argument("--warmup", type=int, default=2, help="unmeasured steps first, per run")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="runs per cell, interleaved (default 2; 1 with --quick); the cell's "
+                        "step time is the median of all their measured steps")
+    p.add_argument("--states", choices=("fp32", "bf16", "8bit"), default=None,
+                   help="optimizer states format of every infinity placement (and the "
+                        "planner's); default: each placement's own (fp32, nvme_bf16, nvme_8bit)")
+    p.add_argument("--calibrate-in-run", action="store_true",
+                   help="also time one layer inside each run (a diagnostic column, not used "
+                        "by the prediction)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     p.add_argument("--out", default="infinity_bench", help="output directory")
     p.add_argument("--report", action="store_true", help="print a pasteable summary")
@@ -103,9 +111,11 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     try:
         sizes = args.size or list(QUICK_LADDER if args.quick else DEFAULT_LADDER)
         cfg = BenchConfig(sizes=sizes, nvme_path=path, planner=not args.no_planner,
-                          batch=2 if args.quick and args.batch == 4 else args.batch,
+                          batch=args.batch,
                           seq=32 if args.quick and args.seq == 128 else args.seq,
-                          steps=args.steps, warmup=args.warmup, repeats=args.repeats,
+                          steps=args.steps, warmup=args.warmup,
+                          repeats=args.repeats or (1 if args.quick else 2), states=args.states,
+                          calibrate_in_run=args.calibrate_in_run,
                           ram_budget=parse_bytes(args.ram_budget) if args.ram_budget else None,
                           timeout_s=args.timeout, quick_probe=args.quick)
         if args.placement:

@@ -11,7 +11,10 @@ from ..plan.shape import parse_count
 VOCAB = 8192
 QUICK_LADDER = ("tiny",)
 QUICK_PLACEMENTS = ("device", "host", "nvme")
-DEFAULT_LADDER = ("25M", "125M", "350M", "1B", "2B")  # the last rungs exceed 24 GiB of RAM+states
+# Steps of 0.3-3 s at batch 2 x seq 128 on a 2-core CPU (long enough to time, against the
+# engine's fixed costs of a few ms per block), the whole ladder (7 placements + the planner,
+# 2 runs each) in about 15 minutes there. Larger rungs: --size 125M --size 1B --size 2B.
+DEFAULT_LADDER = ("10M", "25M", "50M")
 
 
 def config_for(size: str, seq: int) -> GPTConfig:

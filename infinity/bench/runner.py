@@ -2,6 +2,7 @@
 process, next to the estimate's prediction for it; results to JSON, Parquet and a PNG."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -27,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 FIXED = tuple(p.name for p in PLACEMENTS)
 MARKER = "INFINITY_BENCH_RESULT "
+STATES = ("fp32", "bf16", "8bit")
 
 
 @dataclass
@@ -34,16 +36,18 @@ class BenchConfig:
     sizes: Sequence[str]
     placements: Sequence[str] = FIXED
     planner: bool = True
-    batch: int = 4
+    batch: int = 2
     seq: int = 128
-    steps: int = 3
-    warmup: int = 1
-    repeats: int = 1
+    steps: int = 4
+    warmup: int = 2
+    repeats: int = 2
+    states: Optional[str] = None     # optimizer states of every infinity placement (None: own)
     nvme_path: Optional[str] = None
     ram_budget: Optional[int] = None
     timeout_s: float = 1800.0
     quick_probe: bool = False
-    calibrate: bool = True
+    calibrate: bool = True           # compute timed at each rung's shape before the runs
+    calibrate_in_run: bool = False   # also time it inside each run (a diagnostic column)
     extra_env: Dict[str, str] = field(default_factory=dict)
 
 
@@ -72,7 +76,14 @@ def _run_worker(spec: Dict[str, Any], timeout: float, env: Dict[str, str]) -> Di
 def run_bench(cfg: BenchConfig, probe: Optional[ProbeResult] = None,
               write=None) -> Dict[str, Any]:
     """Runs the ladder; returns {"machine": ..., "rows": [...]} (one row per size x
-    placement, medians over ``repeats``)."""
+    placement: the median of every measured step of its ``repeats`` runs). The prediction is
+    made before any run, from the probe and one layer timed at the rung's shape."""
+    if cfg.states is not None and cfg.states not in STATES:
+        raise ValueError(f"--states must be one of {', '.join(STATES)}, got {cfg.states!r}")
+    if cfg.steps < 1 or cfg.warmup < 0 or cfg.repeats < 1:
+        raise ValueError(f"steps >= 1, warmup >= 0 and repeats >= 1 are needed, got "
+                         f"{cfg.steps}, {cfg.warmup}, {cfg.repeats}")
+    load_start = list(os.getloadavg())
     pr = probe or run_probe(cfg.nvme_path, quick=cfg.quick_probe)
     policy = OffloadPolicy(nvme_path=cfg.nvme_path, host_budget=cfg.ram_budget)
     b = budgets(policy, pr)
@@ -80,18 +91,23 @@ def run_bench(cfg: BenchConfig, probe: Optional[ProbeResult] = None,
     rows: List[Dict[str, Any]] = []
     jobs = []
     job_models = []
+    compute_by_size: Dict[str, Optional[float]] = {}
     for size in cfg.sizes:
         shape = _shape(size, cfg.seq)
-        compute_s = calibrated_compute(shape, cfg.batch, cfg.seq) if cfg.calibrate else None
+        compute_s = calibrated_compute(shape, cfg.batch, cfg.seq, reps=5) \
+            if cfg.calibrate else None
+        compute_by_size[size] = compute_s
         names = list(cfg.placements) + (["planner"] if cfg.planner else [])
         for name in names:
             row: Dict[str, Any] = {"size": size, "params": shape.params,
                                    "placement": name, "d_model": shape.d_model,
                                    "n_layers": shape.n_layers, "batch": cfg.batch,
-                                   "seq": cfg.seq, "ok": False, "skipped": None}
+                                   "seq": cfg.seq, "ok": False, "skipped": None,
+                                   "pred_compute_timed": compute_s is not None}
             if name == "planner":
                 try:
-                    p = plan(shape, policy, probe=pr, batch=cfg.batch, seq=cfg.seq)
+                    p = plan(shape, policy, probe=pr, batch=cfg.batch, seq=cfg.seq,
+                             states=cfg.states or "fp32")
                 except PlanError as exc:
                     row["skipped"] = f"planner: {exc}"
                     rows.append(row)
@@ -102,6 +118,14 @@ def run_bench(cfg: BenchConfig, probe: Optional[ProbeResult] = None,
             else:
                 pl = get_placement(name)
                 window = 2
+            if cfg.states and not pl.plain and pl.states != cfg.states:
+                if name != "planner" and pl.states != "fp32":
+                    row["skipped"] = (f"the tiers of another placement with --states "
+                                      f"{cfg.states}: not run twice")
+                    rows.append(row)
+                    continue
+                pl = dataclasses.replace(pl, states=cfg.states)
+            row["states"] = "torch" if pl.plain else pl.states
             if pl.uses_nvme and pr.disk is None:
                 row["skipped"] = "needs --nvme-path"
                 rows.append(row)
@@ -110,7 +134,7 @@ def run_bench(cfg: BenchConfig, probe: Optional[ProbeResult] = None,
                              prefetch_window=window)
             row.update({"pred_step_s": e.step_s, "pred_compute_s": e.compute_s,
                         "pred_fetch_s": e.fetch_s, "pred_grad_offload_s": e.grad_offload_s,
-                        "pred_optimizer_s": e.optimizer_s,
+                        "pred_optimizer_s": e.optimizer_s, "pred_engine_s": e.engine_s,
                         "pred_nvme_bytes_per_step": e.nvme_written_per_step,
                         "pred_host_bytes": e.host_bytes, "pred_device_bytes": e.device_bytes,
                         "pred_nvme_bytes": e.nvme_bytes})
@@ -138,7 +162,8 @@ def run_bench(cfg: BenchConfig, probe: Optional[ProbeResult] = None,
                 spec = {"size": row["size"], "placement": row["placement"],
                         "batch": cfg.batch, "seq": cfg.seq, "steps": cfg.steps,
                         "warmup": cfg.warmup, "nvme_path": cfg.nvme_path,
-                        "host_budget": cfg.ram_budget, "calibrate": cfg.calibrate}
+                        "host_budget": cfg.ram_budget, "states": cfg.states,
+                        "calibrate_in_run": cfg.calibrate_in_run}
                 results[id(row)].append(_run_worker(spec, cfg.timeout_s, env))
                 bar.update(1)
     for row in jobs:
@@ -149,22 +174,30 @@ def run_bench(cfg: BenchConfig, probe: Optional[ProbeResult] = None,
             continue
         row["ok"] = True
         row["repeats"] = len(good)
-        med = statistics.median(r["step_s"] for r in good)
+        # every measured step of every run (warm-up excluded), pooled: the median is the figure
+        row["step_times_s"] = [r.get("step_s_all", [r["step_s"]]) for r in good]
+        row["warmup_times_s"] = [r.get("warmup_s_all", []) for r in good]
+        med = statistics.median(t for ts in row["step_times_s"] for t in ts)
         row["step_s"] = med
         row["step_s_runs"] = [r["step_s"] for r in good]
         row["tokens_per_s"] = cfg.batch * cfg.seq / med
-        calibrated = [r["compute_calibrated_s"] for r in good if "compute_calibrated_s" in r]
-        if calibrated:  # predicted from compute timed in the run's own process, same load
+        row["loadavg"] = [[r.get("loadavg_start"), r.get("loadavg_end")] for r in good]
+        in_run = [r["compute_in_run_s"] for r in good if "compute_in_run_s" in r]
+        if in_run:  # a diagnostic: not used by the prediction
+            row["compute_in_run_s"] = statistics.median(in_run)
+        planned = good[0].get("planned")
+        if row["placement"] == "planner" and planned and planned != row.get("planned"):
+            # the run's own plan differs from the one predicted: predict what ran
             shape, pl, window = models[id(row)]
-            planned = good[0].get("planned")
-            if row["placement"] == "planner" and planned and planned != pl.name:
-                pl = get_placement(planned)  # the run's own plan decides what is predicted
+            pl = get_placement(planned)
+            if cfg.states and not pl.plain:
+                pl = dataclasses.replace(pl, states=cfg.states)
             row["pred_step_s_start"] = row["pred_step_s"]
             e = estimate_one(shape, pl, pr, batch=cfg.batch, seq=cfg.seq,
-                             compute_s=statistics.median(calibrated), prefetch_window=window)
+                             compute_s=compute_by_size.get(row["size"]), prefetch_window=window)
             row.update({"pred_step_s": e.step_s, "pred_compute_s": e.compute_s,
                         "pred_fetch_s": e.fetch_s, "pred_grad_offload_s": e.grad_offload_s,
-                        "pred_optimizer_s": e.optimizer_s})
+                        "pred_optimizer_s": e.optimizer_s, "pred_engine_s": e.engine_s})
         row["pred_error"] = row["pred_step_s"] / med - 1.0
         for key in ("peak_rss_bytes", "rss_start_bytes", "peak_device_bytes",
                     "nvme_bytes_per_step", "host_peak_bytes", "nvme_disk_bytes", "build_s",
@@ -180,7 +213,8 @@ def run_bench(cfg: BenchConfig, probe: Optional[ProbeResult] = None,
         if row["placement"] == "planner":
             row["tiers"] = good[0].get("tiers")
             row["planned"] = good[0].get("planned", row.get("planned"))
-    return {"machine": {"identity": pr.identity, "probe": pr.to_json()},
+    return {"machine": {"identity": pr.identity, "probe": pr.to_json(),
+                        "loadavg_start": load_start, "loadavg_end": list(os.getloadavg())},
             "config": {k: v for k, v in cfg.__dict__.items() if k != "extra_env"},
             "rows": rows, "time": time.time()}
 
@@ -263,13 +297,16 @@ def report(result: Dict[str, Any]) -> str:
         f"Mparams/s" + (f", disk read/write {disk['read_bps'] / 1e9:.2f}/"
                         f"{disk['write_bps'] / 1e9:.2f} GB/s (O_DIRECT "
                         f"{'yes' if disk['direct'] else 'no'})" if disk else ""),
-        f"Batch {c['batch']} x seq {c['seq']}, {c['steps']} steps after {c['warmup']} warm-up, "
-        f"median of {c['repeats']} run(s) each in its own process"
-        + (f"; RAM budget {_gib(c['ram_budget'])} GiB" if c.get("ram_budget") else ""),
+        f"Batch {c['batch']} x seq {c['seq']}, {c['steps']} measured steps after "
+        f"{c['warmup']} warm-up in each of {c['repeats']} run(s), each run its own process; "
+        f"step s = median of all measured steps; optimizer states "
+        f"{c.get('states') or 'the placement own'}"
+        + (f"; RAM budget {_gib(c['ram_budget'])} GiB" if c.get("ram_budget") else "")
+        + _load_line(result),
         "",
         "| size | placement | tokens/s | step s | predicted s | error | compute | fetch wait | "
-        "grad offload | optimizer | peak RSS GiB | NVMe written/step GiB |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "grad offload | engine | optimizer | peak RSS GiB | NVMe written/step GiB |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def f(v: Optional[float], fmt: str = "{:.2f}") -> str:
@@ -282,8 +319,16 @@ def report(result: Dict[str, Any]) -> str:
             f"| {r['size']} | {name} | {r['tokens_per_s']:,.0f} | {r['step_s']:.2f} | "
             f"{r['pred_step_s']:.2f} | {100 * r['pred_error']:+.0f}% | {f(r.get('compute_s'))} | "
             f"{f(r.get('fetch_wait_s'))} | {f(r.get('grad_offload_s'))} | "
+            f"{f(r.get('engine_s'))} | "
             f"{f(r.get('optimizer_s'))} | {_gib(r.get('peak_rss_bytes'))} | "
             f"{_gib(r.get('nvme_bytes_per_step'))} |")
+    ok = [r for r in result["rows"] if r.get("ok")]
+    if ok:
+        within = [r for r in ok if abs(r["pred_error"]) <= 0.30]
+        lines += ["", f"Predicted within 30% of measured: {len(within)} of {len(ok)} cells; "
+                      f"median |error| {100 * statistics.median(abs(r['pred_error']) for r in ok):.0f}%"
+                      " (predicted = compute, engine, gradient, fetch, optimizer terms "
+                      "from the probe and one layer timed at the rung's shape, before the runs)"]
     skipped = [r for r in result["rows"] if not r.get("ok")]
     if skipped:
         lines.append("")
@@ -295,6 +340,17 @@ def report(result: Dict[str, Any]) -> str:
         lines.append("")
         lines += [f"- {v}" for v in verdicts]
     return "\n".join(lines) + "\n"
+
+
+def _load_line(result: Dict[str, Any]) -> str:
+    m = result["machine"]
+    loads = [x for r in result["rows"] for pair in (r.get("loadavg") or []) for x in pair
+             if x is not None]
+    if not loads:
+        return ""
+    return (f". Load average (1 min) over the runs: {min(loads):.1f}-{max(loads):.1f}, median "
+            f"{statistics.median(loads):.1f}"
+            + (f" (at the start {m['loadavg_start'][0]:.1f})" if m.get("loadavg_start") else ""))
 
 
 def planner_verdicts(result: Dict[str, Any]) -> List[str]:

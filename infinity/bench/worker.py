@@ -57,11 +57,10 @@ def run(spec: Dict[str, Any]) -> Dict[str, Any]:
     calibrations = []
 
     def calibrate() -> None:
-        # forward + backward of one layer and of the head at this shape, right after the
-        # measured steps, in the same process: the prediction sees the same machine load and
-        # process state (a cold process runs its first seconds of compute several times
-        # slower on this VM, so a calibration before the run is not representative)
-        if spec.get("calibrate"):
+        # a diagnostic only (never used for the prediction): forward + backward of one layer
+        # and of the head at this shape, timed right after the measured steps in this process,
+        # to tell the machine's load during the run from an error of the model
+        if spec.get("calibrate_in_run"):
             from infinity.plan.probe import measure_gpt_parts
             parts = measure_gpt_parts(cfg.d_model, cfg.n_heads, cfg.vocab_size, batch, seq,
                                       reps=3)
@@ -69,7 +68,8 @@ def run(spec: Dict[str, Any]) -> Dict[str, Any]:
     rss_start = _rss_kib()
     _reset_peak_rss()
     out: Dict[str, Any] = {"size": spec["size"], "placement": name, "d_model": cfg.d_model,
-                           "n_layers": cfg.n_layers, "batch": batch, "seq": seq}
+                           "n_layers": cfg.n_layers, "batch": batch, "seq": seq,
+                           "loadavg_start": os.getloadavg()[0]}
     t0 = time.perf_counter()
     states = "fp32"
     if name == "device":
@@ -83,11 +83,11 @@ def run(spec: Dict[str, Any]) -> Dict[str, Any]:
             settings["host_budget"] = spec["host_budget"]
         if name == "planner":
             settings["placement"] = "auto"
-            states = spec.get("states", "fp32")
+            states = spec.get("states") or "fp32"
         else:
             pl = get_placement(name)
             settings.update(pl.wrap_settings())
-            states = pl.states
+            states = spec.get("states") or pl.states  # --states applies to every placement
             if not pl.uses_nvme:
                 settings["nvme_path"] = None
         with infinity.empty_init():
@@ -117,13 +117,15 @@ def run(spec: Dict[str, Any]) -> Dict[str, Any]:
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     measured = times[spec["warmup"]:]
     calibrate()
     if calibrations:
-        out["compute_calibrated_s"] = calibrations[-1]
+        out["compute_in_run_s"] = calibrations[-1]
     step = statistics.median(measured)
-    out.update({"step_s": step, "step_s_all": measured, "tokens_per_s": batch * seq / step,
+    out.update({"step_s": step, "step_s_all": measured, "warmup_s_all": times[:spec["warmup"]],
+                "states": states if wrapped else "torch", "loadavg_end": os.getloadavg()[0],
+                "tokens_per_s": batch * seq / step,
                 "loss_first": losses[0], "loss_last": losses[-1],
                 "rss_start_bytes": rss_start * 1024, "peak_rss_bytes": _peak_rss_kib() * 1024})
     if cuda:
@@ -133,6 +135,7 @@ def run(spec: Dict[str, Any]) -> Dict[str, Any]:
         t = s["time"]
         out["attribution"] = {"compute": t["compute"] / steps, "fetch_wait": t["fetch_wait"] / steps,
                               "grad_offload": t["grad_offload"] / steps,
+                              "engine": t["engine"] / steps,
                               "optimizer": t["optimizer"]["total"] / steps,
                               "optimizer_cpu_adam": t["optimizer"]["cpu_adam"] / steps,
                               "optimizer_nvme_wait": t["optimizer"]["nvme_wait"] / steps}

@@ -1,23 +1,35 @@
 """``infinity.estimate``: for each placement and rank count, the bytes per tier, the predicted
-step time (from the probe's bandwidths and the model's FLOPs) and the NVMe bytes written per
-step. The cost model, term by term:
+step time (from the probe's measurements and the model's shape) and the NVMe bytes written per
+step. Every rate comes from the probe (or from timing one layer at the model's shape:
+``calibrate``), never from a run of the model itself. The cost model, term by term (n: the
+parameters this rank holds, s: optimizer state bytes per parameter, B: blocks):
 
-- compute: 6·N·tokens + 12·layers·tokens·seq·d (attention) FLOPs at the probe's measured rate
-  for a GPT layer of the model's width, on the compute device;
-- gradient offload: each gradient is added into an fp32 host buffer (12 bytes/param of memory
-  traffic on the CPU; on a GPU the device->host copy at the pinned bandwidth, overlapped with
-  backward);
-- parameter fetch from NVMe: every block read twice a step (forward, backward) at the O_DIRECT
-  read rate, gradients written once, overlapped with compute by the prefetch (the longer of the
-  two counts);
-- optimizer: CPU Adam at the probed params/s, states streamed from/to NVMe where they live
-  there (read(i+1) | compute(i) | write(i-1): the longer of compute and I/O counts).
+- compute: forward + backward, ``6·N·tokens + 12·layers·tokens·seq·d`` FLOPs at the probe's rate
+  for a GPT layer of the model's width (interpolated between the probed widths), or
+  ``layers·layer_s + head_s`` timed at this shape;
+- engine: the fixed cost per block and per step (hooks, fetch issue, gradient hand-off, the
+  optimizer's per-shard bookkeeping, per-request latency on NVMe), ``B·block_s + step_s``,
+  measured by the probe on tiny GPTs for the placement's tier layout (host / optim_nvme / nvme);
+- gradient offload: each gradient added into an fp32 host buffer (12 bytes/param of memory
+  traffic on the CPU; on a GPU the device->host copy at the pinned bandwidth);
+- parameter fetch from NVMe: every block read twice a step (forward, backward) and its gradient
+  written once, overlapped with compute by the prefetch: per step the longer of the two, plus
+  the first blocks' read that nothing hides;
+- optimizer: CPU Adam at the probed params/s (the kernel reads the gradient and writes the
+  master; a working copy that is not the master is one more copy), states streamed from/to NVMe
+  where they live there: read(i+1) | compute(i) | write(i-1), so the longer of CPU Adam and the
+  disk's read + write time, plus the first shard's read and the last one's write;
+- the updates that start during backward when gradients and states are both on NVMe (the
+  optimizer's overlap) are not credited: on a CPU-only machine the same cores compute, and
+  the fetches use the same disk (measured: ``nvme`` steps were not shorter than
+  ``optim_nvme`` ones).
 
 With R ranks each holds 1/R of the homes, gradients and states (ZeRO-3 partitioning) and
 computes its own batch; collectives are not modelled (and multi-rank runs are not built yet).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Union
 
@@ -27,7 +39,7 @@ from .placements import PLACEMENTS, Placement, placement as get_placement, state
 from .probe import ProbeResult, probe as run_probe
 from .shape import ModelShape, describe
 
-# Per block and step: forward + backward hooks, fetch/release bookkeeping (CPU seconds).
+# Per block and step when the probe did not measure the engine's fixed costs (an old result).
 BLOCK_OVERHEAD_S = 2e-4
 
 
@@ -46,6 +58,7 @@ class Estimate:
     nvme_written_per_step: int
     tokens_per_step: int
     what: str = ""
+    engine_s: float = 0.0       # the engine's fixed cost per block and step (in step_s)
 
     @property
     def tokens_per_s(self) -> float:
@@ -85,10 +98,53 @@ def calibrated_compute(shape: ModelShape, batch: int, seq: int, reps: int = 3) -
     return shape.n_layers * parts["layer_s"] + parts["head_s"]
 
 
+def _layout(pl: Placement) -> str:
+    if pl.param_tier == "nvme":
+        return "nvme"
+    return "optim_nvme" if pl.optimizer_tier == "nvme" else "host"
+
+
+LAYOUT_ORDER = ("host", "optim_nvme", "nvme")  # each does the work of the one before, and more
+# NVMe requests per block and step where the probe did not time the engine (a quick probe):
+# states read + written; with parameters there also two reads, a gradient and a working copy
+REQUESTS_PER_BLOCK = {"host": 0, "optim_nvme": 2, "nvme": 6}
+
+
+def engine_overhead_s(pl: Placement, pr: ProbeResult, blocks: int) -> float:
+    """The engine's fixed seconds per step for ``blocks`` blocks in this placement's tier
+    layout, as the probe measured them (:data:`BLOCK_OVERHEAD_S` per block where it did not:
+    a quick probe). A layout costs at least what a layout with less on NVMe measured (noise
+    in the tiny timings must not make NVMe look cheaper than RAM)."""
+    if pl.plain:
+        return 0.0
+    layout = _layout(pl)
+    latency = (pr.disk.latency_s or 0.0) if pr.disk is not None else 0.0
+    best = blocks * (BLOCK_OVERHEAD_S + REQUESTS_PER_BLOCK[layout] * latency)
+    found = False
+    for name in LAYOUT_ORDER[:LAYOUT_ORDER.index(layout) + 1]:
+        if name in pr.overhead or (pr.disk is not None and name in pr.disk.overhead):
+            o = pr.engine_overhead(name)
+            cost = blocks * o["block_s"] + o["step_s"]
+            best = cost if not found else max(best, cost)
+            found = True
+    return best
+
+
 def estimate_one(shape: ModelShape, pl: Placement, pr: ProbeResult, *, batch: int, seq: int,
                  ranks: int = 1, prefetch_window: int = 2,
                  compute_bytes_per_param: Optional[float] = None,
-                 compute_s: Optional[float] = None) -> Estimate:
+                 compute_s: Optional[float] = None, states: Optional[str] = None) -> Estimate:
+    """One placement's bytes per tier and predicted step. ``compute_s``: forward + backward
+    seconds timed at this shape (else from the probe's FLOP rate); ``states``: the optimizer
+    state format, overriding the placement's own."""
+    if states is not None and states != pl.states:
+        if pl.plain:
+            raise ValueError("infinity.estimate: the device placement (plain PyTorch) has no "
+                             "choice of optimizer states format; leave states unset")
+        if states not in ("fp32", "bf16", "8bit"):
+            raise ValueError(f"infinity.estimate: states must be 'fp32', 'bf16' or '8bit', "
+                             f"got {states!r}")
+        pl = dataclasses.replace(pl, states=states)
     n = shape.params / ranks              # parameters this rank holds (homes, grads, states)
     pbytes = shape.param_bytes / ranks    # their home bytes
     bpp = shape.bytes_per_param
@@ -103,7 +159,7 @@ def estimate_one(shape: ModelShape, pl: Placement, pr: ProbeResult, *, batch: in
     compute = (compute_s if compute_s is not None
                else model_flops(shape, tokens, seq) / pr.flops_at(shape.d_model))
     blocks = len(shape.block_bytes)
-    overhead = blocks * BLOCK_OVERHEAD_S
+    overhead = engine_overhead_s(pl, pr, blocks)
     adam_rate = pr.adam8_params_per_s if pl.states == "8bit" else pr.adam_params_per_s
     s = state_bytes_per_param(pl.states)
     fetch = grad = opt = 0.0
@@ -111,9 +167,10 @@ def estimate_one(shape: ModelShape, pl: Placement, pr: ProbeResult, *, batch: in
     if pl.plain:
         device = shape.param_bytes * 2 + 8 * shape.params
         host = nvme = 0.0
+        rate = pr.torch_adam_params_per_s or pr.adam_params_per_s
         opt = (28.0 * shape.params / pr.device_mem_bps) if cuda and pr.device_mem_bps else \
-            shape.params / pr.adam_params_per_s
-        overhead = 0.0
+            shape.params / rate
+        step = compute + opt
     else:
         if cuda:
             grad = 4.0 * n / (pr.d2h_pinned_bps or mem)
@@ -123,22 +180,25 @@ def estimate_one(shape: ModelShape, pl: Placement, pr: ProbeResult, *, batch: in
             device = shape.param_bytes + 4.0 * largest
             host = 4.0 * n + s * n
             nvme = 0.0
-            opt = n / adam_rate + ((pbytes / pr.h2d_pinned_bps) if cuda else 0.0)
+            opt = n / adam_rate + ((pbytes / pr.h2d_pinned_bps) if cuda else 2 * pbytes / mem)
         elif pl.param_tier == "host":
             master_in_home = bpp == 4 and pl.optimizer_tier == "host"
             device = window_bytes if cuda else 0.0
             host = pbytes + 4.0 * n
             if cuda:
                 fetch = max(0.0, 2 * shape.param_bytes / pr.h2d_pinned_bps - compute)
+            copy_back = 0.0 if master_in_home else 2 * pbytes / mem
             if pl.optimizer_tier == "host":
                 host += state_bytes_per_param(pl.states, not master_in_home) * n
                 nvme = 0.0
-                opt = n / adam_rate
+                opt = n / adam_rate + copy_back
             else:
                 host += 3 * largest * s
                 nvme = 2 * s * n
-                io = s * n / pr.disk.read_bps + s * n / pr.disk.write_bps
-                opt = max(n / adam_rate, io)
+                disk = pr.disk
+                io = s * n / disk.read_bps + s * n / disk.write_bps
+                edge = s * largest / disk.read_bps + s * largest / disk.write_bps
+                opt = max(n / adam_rate + copy_back, io) + edge
                 written = s * n
         else:  # nvme
             device = window_bytes
@@ -148,15 +208,20 @@ def estimate_one(shape: ModelShape, pl: Placement, pr: ProbeResult, *, batch: in
             nvme = pbytes + 4.0 * n + 2 * s * n
             disk = pr.disk
             io_fb = 2 * pbytes / disk.read_bps + 4.0 * n / disk.write_bps
-            if cuda:
-                io_fb += 0.0  # uploads overlap with the disk reads
-            fetch = max(0.0, io_fb - compute - grad)
+            first = (root_bytes + layer_bytes) / disk.read_bps
             io_opt = (s + 4.0) * n / disk.read_bps + (s * n + pbytes) / disk.write_bps
-            opt = max(n / adam_rate, io_opt)
+            adam = n / adam_rate + 2 * pbytes / mem     # + the working copy staged for the file
             written = 4.0 * n + s * n + pbytes
-    step = compute + fetch + grad + opt + overhead
+            # the optimizer's pipeline: the longer of CPU Adam and the disk, plus the first
+            # shard's read and the last one's write. Its updates may also start during
+            # backward (gradients and states both on NVMe); that is not credited: on a
+            # CPU-only machine the same cores compute, and the fetches use the same disk
+            edge = (s + 4.0) * largest / disk.read_bps + (s + bpp) * largest / disk.write_bps
+            fetch = max(0.0, io_fb - compute - grad) + first
+            opt = max(adam, io_opt) + edge
+        step = compute + fetch + grad + opt + overhead
     return Estimate(pl.name, ranks, int(device), int(host), int(nvme), step, compute, fetch,
-                    grad, opt, int(written), tokens, pl.what)
+                    grad, opt, int(written), tokens, pl.what, overhead)
 
 
 def estimate(model_or_count: Union[nn.Module, int, float, str, ModelShape], *,

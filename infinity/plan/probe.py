@@ -5,7 +5,13 @@
 - O_DIRECT read and write bandwidth of the swap directory, with :mod:`infinity.io`;
 - free space there (read fresh every time, never cached);
 - CPU Adam parameters/s (fp32 states; 8-bit states too);
-- the compute device's rate on a GPT layer (forward + backward) of a few widths, in FLOP/s.
+- the compute device's rate on a GPT layer (forward + backward) of a few widths, in FLOP/s;
+- torch's own AdamW (the plain-PyTorch ``device`` placement) in parameters/s;
+- the engine's fixed cost per block and per step (hooks, fetch issue, gradient hand-off, the
+  optimizer's per-shard bookkeeping and, on NVMe, the per-request latency): a tiny GPT of two
+  depths trained a few steps plain and wrapped; the slope over blocks of (wrapped - plain) is
+  the per-block cost, its intercept the per-step cost (:func:`measure_engine_overhead`; full
+  probe only, about a minute with a disk).
 
 Results are cached as JSON (``$INFINITY_CACHE_DIR`` or ``~/.cache/infinity``/probe.json) with
 the machine's identity (CPU model, RAM, GPU, torch) and, for the disk figures, the identity of
@@ -30,7 +36,7 @@ from .machine import disk_identity, key_of, machine_identity
 
 logger = logging.getLogger(__name__)
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: engine overhead, torch AdamW rate
 # (d_model, batch, seq) of the GPT layers timed for the compute rate
 FULL_SHAPES = ((128, 4, 128), (256, 4, 128), (512, 4, 128), (1024, 4, 128), (2048, 2, 128))
 QUICK_SHAPES = ((64, 2, 64), (128, 2, 64))
@@ -49,6 +55,9 @@ class DiskProbe:
     write_bps: float
     free_bytes: int
     test_bytes: int
+    # layout -> {"block_s", "step_s"}: the engine's fixed costs with this disk (nvme, optim_nvme)
+    overhead: Dict[str, Dict[str, float]] = field(default_factory=dict)
+    latency_s: Optional[float] = None  # one 4 KiB O_DIRECT request (read and write, mean)
 
 
 @dataclass(frozen=True)
@@ -70,6 +79,17 @@ class ProbeResult:
     disk: Optional[DiskProbe] = None
     from_cache: bool = False
     notes: List[str] = field(default_factory=list)
+    torch_adam_params_per_s: Optional[float] = None  # torch.optim.AdamW (plain PyTorch)
+    # layout -> {"block_s", "step_s"}: the engine's fixed costs without a disk (host)
+    overhead: Dict[str, Dict[str, float]] = field(default_factory=dict)
+
+    def engine_overhead(self, layout: str) -> Dict[str, float]:
+        """``{"block_s", "step_s"}`` for a tier layout (``host``, ``optim_nvme``, ``nvme``):
+        measured by the probe; zeros when it was not (an old result)."""
+        got = self.overhead.get(layout)
+        if got is None and self.disk is not None:
+            got = self.disk.overhead.get(layout)
+        return dict(got) if got else {"block_s": 0.0, "step_s": 0.0}
 
     def flops_at(self, d_model: int) -> float:
         """The measured rate at the nearest width (log-linear between two measured widths)."""
@@ -95,8 +115,9 @@ class ProbeResult:
         return ProbeResult(disk=DiskProbe(**disk) if disk else None, **data)
 
 
-def _median_time(fn: Callable[[], None], reps: int) -> float:
-    fn()  # warm-up
+def _median_time(fn: Callable[[], None], reps: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -121,6 +142,82 @@ def measure_adam(numel: int, reps: int = 3) -> Dict[str, float]:
         p, g, s8["exp_avg_codes"], s8["exp_avg_absmax"], s8["exp_avg_sq_codes"],
         s8["exp_avg_sq_absmax"], step=1, lr=1e-3), reps)
     return {"fp32": numel / t, "8bit": numel / t8}
+
+
+def measure_torch_adam(numel: int, reps: int = 3) -> float:
+    """Parameters/s of ``torch.optim.AdamW`` (fused where torch has it) on one tensor."""
+    p = torch.nn.Parameter(torch.zeros(numel))
+    p.grad = torch.full((numel,), 1e-3)
+    try:
+        opt = torch.optim.AdamW([p], lr=1e-3, fused=True)
+        opt.step()
+    except (RuntimeError, TypeError):
+        opt = torch.optim.AdamW([p], lr=1e-3)
+    return numel / _median_time(opt.step, reps)
+
+
+# (n_layers) of the two tiny GPTs whose difference gives the engine's per-block cost
+OVERHEAD_DEPTHS = (2, 10)
+OVERHEAD_LAYOUTS = {"host": ("host", "host", "host"), "optim_nvme": ("host", "host", "nvme"),
+                    "nvme": ("nvme", "nvme", "nvme")}
+
+
+def _tiny_step_s(n_layers: int, layout: Optional[str], nvme_path: Optional[str],
+                 warmup: int, steps: int) -> float:
+    """Seconds of the fastest training step (forward, backward, optimizer step, zero_grad) of a
+    d_model=64 GPT, plain PyTorch (``layout`` None) or wrapped with a tier layout."""
+    import infinity
+    from ..models import GPTConfig, TinyGPT, lm_loss
+    cfg = GPTConfig(vocab_size=256, d_model=64, n_layers=n_layers, n_heads=1, max_seq=16)
+    torch.manual_seed(0)
+    model = TinyGPT(cfg)
+    if layout is None:
+        opt: Any = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    else:
+        p_t, g_t, o_t = OVERHEAD_LAYOUTS[layout]
+        infinity.wrap(model, nvme_path=nvme_path if "nvme" in (p_t, o_t) else None,
+                      param_tier=p_t, grad_tier=g_t, optimizer_tier=o_t)
+        opt = infinity.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randint(0, cfg.vocab_size, (1, 16))
+    times = []
+    try:
+        for i in range(warmup + steps):
+            t0 = time.perf_counter()
+            lm_loss(model(x), x).backward()
+            opt.step()
+            opt.zero_grad()
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+    finally:
+        if layout is not None:
+            infinity.unwrap(model)
+    # the fastest step: a fixed cost of a few ms is what load adds to, never takes from
+    return min(times)
+
+
+def measure_engine_overhead(layouts, nvme_path: Optional[str] = None, quick: bool = False,
+                            depths=OVERHEAD_DEPTHS) -> Dict[str, Dict[str, float]]:
+    """For each tier layout: the seconds the engine adds to a plain PyTorch training step,
+    per block (``block_s``) and per step (``step_s``), from two tiny GPTs (d_model 64, 2 and 10
+    layers: 3 and 11 blocks) whose compute is negligible. ``nvme_path``: a directory on the
+    disk to measure (a scratch folder is made in it and removed)."""
+    warmup, steps = (1, 3) if quick else (3, 10)
+    d0, d1 = depths
+    plain = {d: _tiny_step_s(d, None, None, warmup, steps) for d in (d0, d1)}
+    out: Dict[str, Dict[str, float]] = {}
+    scratch = tempfile.mkdtemp(prefix=".infinity-probe-engine-", dir=nvme_path) \
+        if nvme_path else None
+    try:
+        for layout in layouts:
+            extra = {d: _tiny_step_s(d, layout, scratch, warmup, steps) - plain[d]
+                     for d in (d0, d1)}
+            block = max(0.0, (extra[d1] - extra[d0]) / (d1 - d0))
+            out[layout] = {"block_s": block,
+                           "step_s": max(0.0, extra[d0] - (d0 + 1) * block)}
+    finally:
+        if scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return out
 
 
 def layer_flops(d_model: int, tokens: int, seq: int) -> float:
@@ -164,7 +261,7 @@ def measure_gpt_parts(d_model: int, n_heads: int, vocab: int, batch: int, seq: i
     def layer_step() -> None:
         layer(x).sum().backward()
         sync()
-    layer_s = _median_time(layer_step, reps)
+    layer_s = _median_time(layer_step, reps, warmup=2)
 
     head = TinyGPT(cfg).to(device)
     idx = torch.randint(0, vocab, (batch, seq), device=device)
@@ -172,7 +269,7 @@ def measure_gpt_parts(d_model: int, n_heads: int, vocab: int, batch: int, seq: i
     def head_step() -> None:
         lm_loss(head(idx), idx).backward()
         sync()
-    head_s = _median_time(head_step, reps)
+    head_s = _median_time(head_step, reps, warmup=2)
     return {"layer_s": layer_s, "head_s": head_s}
 
 
@@ -214,11 +311,14 @@ def measure_disk(path: str, nbytes: int, reps: int = 3) -> DiskProbe:
             fh.allocate(nbytes)
             write = _median_time(lambda: fh.pwrite(buf).wait(), reps)
             read = _median_time(lambda: fh.pread(buf).wait(), reps)
+            small = buf[:inf_io.ALIGNMENT]
+            latency = 0.5 * (_median_time(lambda: fh.pwrite(small).wait(), 5)
+                             + _median_time(lambda: fh.pread(small).wait(), 5))
     finally:
         os.unlink(name)
     return DiskProbe(path=os.path.abspath(path), identity=disk_identity(path), direct=direct,
                      read_bps=nbytes / read, write_bps=nbytes / write, free_bytes=free,
-                     test_bytes=nbytes)
+                     test_bytes=nbytes, latency_s=latency)
 
 
 # ---- the cache ------------------------------------------------------------------------------
@@ -308,12 +408,17 @@ def _disk(path: str, quick: bool, refresh: bool, data: Dict[str, Any],
         return DiskProbe(path=os.path.abspath(path), identity={**ident, "cached": True},
                          direct=cached["direct"], read_bps=cached["read_bps"],
                          write_bps=cached["write_bps"], free_bytes=free,
-                         test_bytes=cached["test_bytes"])
+                         test_bytes=cached["test_bytes"], overhead=cached.get("overhead", {}),
+                         latency_s=cached.get("latency_s"))
     result = measure_disk(path, (32 << 20) if quick else (1 << 30), reps=2 if quick else 3)
+    overhead = {} if quick else measure_engine_overhead(["optim_nvme", "nvme"], nvme_path=path)
+    result = DiskProbe(**{**asdict(result), "overhead": overhead})
     data.setdefault("disks", {})[key] = {"identity": ident, "quick": quick,
                                          "direct": result.direct, "read_bps": result.read_bps,
                                          "write_bps": result.write_bps,
-                                         "test_bytes": result.test_bytes}
+                                         "test_bytes": result.test_bytes,
+                                         "overhead": overhead,
+                                         "latency_s": result.latency_s}
     if not result.direct:
         notes.append(f"{path}: no O_DIRECT (e.g. tmpfs); swap files go through the page cache")
     return result
@@ -330,6 +435,10 @@ def _measure_machine(quick: bool) -> Dict[str, Any]:
         "adam_params_per_s": adam["fp32"], "adam8_params_per_s": adam["8bit"],
         "device": dev.type,
         "flops": measure_compute(QUICK_SHAPES if quick else FULL_SHAPES, dev),
+        "torch_adam_params_per_s": measure_torch_adam((1 << 18) if quick else (16 << 20)),
+        # a quick probe leaves the engine's fixed costs out (tens of seconds on a loaded
+        # 2-core machine); the estimates then assume BLOCK_OVERHEAD_S per block
+        "overhead": {} if quick else measure_engine_overhead(["host"]),
     }
     if cuda:
         out.update({f"{k}_bps": v for k, v in
@@ -370,6 +479,11 @@ def format_probe(r: ProbeResult) -> str:
         ("CPU Adam fp32 / 8-bit states",
          f"{_fmt_rate(r.adam_params_per_s, 'params/s')} / "
          f"{_fmt_rate(r.adam8_params_per_s, 'params/s')}"),
+        ("torch AdamW (plain PyTorch)", _fmt_rate(r.torch_adam_params_per_s, 'params/s')),
+        ("engine overhead per block / step", "; ".join(
+            f"{k}: {1e3 * v['block_s']:.2f} / {1e3 * v['step_s']:.2f} ms" for k, v in
+            list(r.overhead.items()) + list((r.disk.overhead if r.disk else {}).items()))
+         or "-"),
         (f"{r.device} GPT layer fwd+bwd", ", ".join(
             f"d={k}: {_fmt_rate(v, 'FLOP/s')}" for k, v in
             sorted(r.flops.items(), key=lambda kv: int(kv[0])))),
@@ -381,6 +495,7 @@ def format_probe(r: ProbeResult) -> str:
                          f"({d.identity.get('fs')}), O_DIRECT {'yes' if d.direct else 'NO'}"),
             ("swap read / write (O_DIRECT)", f"{_fmt_rate(d.read_bps)} / {_fmt_rate(d.write_bps)}"),
             ("swap free space", f"{d.free_bytes / (1 << 30):.1f} GiB"),
+            ("swap 4 KiB request", "-" if d.latency_s is None else f"{1e6 * d.latency_s:.0f} us"),
         ]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
