@@ -430,16 +430,44 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
             kernel(master[sl], grad[sl], views.exp_avg[sl], views.exp_avg_sq[sl],
                    out=out[sl] if out is not None else None, **hyper)
             written.append((r.start, r.end))
+        # bf16 masters: a slot that did not take this step (frozen, no gradient) keeps its
+        # working copy, which need not be its master's value (it was never rounded)
+        bf16 = master.dtype != torch.float32
         if out is None and not in_place:  # a device home on CUDA: copied over afterwards
-            shard.engine.home.write_from(flat, views.master_value())
+            value = views.master_value()
+            if bf16:
+                value = self._keep_unstepped(shard, written, value)
+            shard.engine.home.write_from(flat, value)
         if shard.engine.working_copy_staged:
             # the whole working copy goes to the swap file: fill what the kernels did not
-            # write from the masters (home == round(master) holds for every slot)
-            pos = 0
+            # write from the masters (home == round(master) holds for every slot; bf16
+            # masters: from the home copy where a slot lies in the gap)
+            gaps, pos = [], 0
             for start, end in written + [(flat.numel, flat.numel)]:
                 if start > pos:
-                    out[pos:start].copy_(views.master_value(slice(pos, start)))
+                    gaps.append((pos, start))
                 pos = end
+            home = None
+            if bf16 and any(s.offset < b and s.offset + s.numel > a for a, b in gaps
+                            for s in flat.slots):
+                home = torch.empty(flat.numel, dtype=flat.home_dtype)
+                shard.engine.read_home(flat, home)
+            for a, b in gaps:
+                out[a:b].copy_(home[a:b] if home is not None
+                               else views.master_value(slice(a, b)))
+
+    @staticmethod
+    def _keep_unstepped(shard: Shard, written: List[Tuple[int, int]],
+                        value: torch.Tensor) -> torch.Tensor:
+        """``value`` (fp32, the whole shard) with the current working copy outside ``written``."""
+        keep = torch.ones(shard.flat.numel, dtype=torch.bool)
+        for a, b in written:
+            keep[a:b] = False
+        if not bool(keep.any()):
+            return value
+        home = torch.empty(shard.flat.numel, dtype=shard.flat.home_dtype)
+        shard.engine.read_home(shard.flat, home)
+        return torch.where(keep, home.float(), value)
 
     def _home_staging(self, engine: Engine) -> torch.Tensor:
         """Host states with parameters homed on NVMe: one aligned buffer (the largest working
