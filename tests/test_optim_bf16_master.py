@@ -365,3 +365,30 @@ def test_benchmark_quick_masters_runs(tmp_path):
     assert {c["task"] for c in res["convergence"]} == {"demo", "llama"}
     for c in res["convergence"]:
         assert set(c["final_loss"]) == set(steps)
+
+
+def test_infinity_checkpoint_resumes_bitwise(tmp_path):
+    """infinity.save_checkpoint / load_checkpoint (streamed per shard: the masters' fp32
+    values) of a bf16_sr optimizer with NVMe states: resuming equals not stopping."""
+    batches = _batches(4)
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+    model = infinity.wrap(_model(), nvme_path=str(tmp_path / "a"), param_tier="host",
+                          optimizer_tier="nvme")
+    opt = infinity.optim.AdamW(_groups(model), lr=1e-2, states="8bit", master="bf16_sr",
+                               sr_seed=SEED)
+    _train(model, opt, batches[:2])
+    infinity.save_checkpoint(str(tmp_path / "ckpt"), model, opt)
+    _train(model, opt, batches[2:])
+    full = _weights(model)
+    opt.close()
+    model2 = infinity.wrap(_model(seed=5), nvme_path=str(tmp_path / "b"), param_tier="host",
+                           optimizer_tier="nvme")
+    opt2 = infinity.optim.AdamW(_groups(model2), lr=1e-2, states="8bit", master="bf16_sr",
+                                sr_seed=SEED)
+    infinity.load_checkpoint(str(tmp_path / "ckpt"), model2, opt2)
+    _train(model2, opt2, batches[2:])
+    resumed = _weights(model2)
+    opt2.close()
+    for k in full:
+        assert torch.equal(full[k], resumed[k]), k

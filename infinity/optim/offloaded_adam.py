@@ -11,8 +11,9 @@ into the resident buffer (device). Parameters that are not wrapped are stepped o
 the same kernel and per-parameter state, like torch.
 
 Opt-in compact states (``states="bf16"`` or ``"8bit"``) shrink the two moments to 4 or ~2.03
-bytes per parameter (master weights stay fp32); see :class:`OffloadedAdam` and
-:class:`.state_store.StateLayout`.
+bytes per parameter; opt-in bf16 master weights (``master="bf16_sr"`` stochastic rounding,
+2 bytes, or ``"bf16_kahan"``, 2 + 2 bytes) shrink the fp32 master too; see
+:class:`OffloadedAdam`, :mod:`infinity.ops.bf16_master` and :class:`.state_store.StateLayout`.
 
 Semantics follow torch.optim.AdamW / Adam: per-parameter step counts (a parameter without a
 gradient in a step is left alone and its step does not advance), hyper-parameters read from each

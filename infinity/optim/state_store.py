@@ -4,7 +4,8 @@ One *shard* is one FlatParam (one block's parameters of one dtype). Its states a
 byte buffer ([master | exp_avg | exp_avg_sq] in the format's types, see :class:`StateLayout`)
 so a shard moves to or from NVMe as one aligned sequential transfer. The format is chosen on the
 optimizer (``states=``): "fp32" (12 B/param), "bf16" moments (8 B/param) or "8bit" block-wise
-quantized moments (~6.03 B/param); master weights are fp32 in every format.
+quantized moments (~6.03 B/param); master weights fp32 (4 B/param) unless ``master=`` asks for
+bf16 masters (``"bf16_sr"`` 2 B/param, ``"bf16_kahan"`` 4 B/param).
 
 - :class:`HostStates`: the buffers stay in host RAM (counted in the engine's host budget).
 - :class:`NvmeStates`: the buffers live in the optimizer's own SwapStore (a private directory
