@@ -3,6 +3,13 @@ optimizer step time and bytes per step, and convergence against fp32 states.
 
     python benchmarks/bench_compact_states.py            # ~100M params, 300 training steps
     python benchmarks/bench_compact_states.py --quick    # seconds (run by the tests)
+    python benchmarks/bench_compact_states.py --masters  # bf16 master weights (master=...)
+
+``--masters`` compares bf16 master weights (``master="bf16_sr"`` stochastic rounding,
+``"bf16_kahan"`` with a compensation term) against fp32 states: the configurations are
+fp32, bf16 (moments), bf16+bf16_sr, bf16+bf16_kahan and 8bit+bf16_sr ("<states>+<master>"),
+results in bench_compact_states_master.json (+ .png). With a bf16 master every parameter's
+master is in the optimizer state (the fp32 model's parameters then hold bf16 values).
 
 (1) NVMe step: bias-free square Linear layers (one block each, ~100M params), parameters and
     gradients in host RAM, states on NVMe (A/B extents). Gradients are random values written
@@ -45,6 +52,13 @@ from infinity.runtime import engine_of  # noqa: E402
 logger = logging.getLogger("bench_compact_states")
 HERE = os.path.dirname(os.path.abspath(__file__))
 FORMATS = ("fp32", "bf16", "8bit")
+MASTER_CONFIGS = ("fp32", "bf16", "bf16+bf16_sr", "bf16+bf16_kahan", "8bit+bf16_sr")
+
+
+def split(config: str) -> tuple:
+    """"<states>[+<master>]" -> (states, master)."""
+    states, _, master = config.partition("+")
+    return states, master or "fp32"
 TAIL = 20  # steps averaged for the "final loss"
 
 
@@ -65,7 +79,7 @@ class StepCase:
     def __init__(self, fmt: str, layers: int, width: int, nvme: str) -> None:
         self.fmt = fmt
         self.model = LinearStack(layers, width)
-        path = os.path.join(nvme, fmt)
+        path = os.path.join(nvme, fmt.replace("+", "_"))
         os.makedirs(path, exist_ok=True)
         infinity.wrap(self.model, nvme_path=path, param_tier="host", grad_tier="host",
                       optimizer_tier="nvme")
@@ -73,7 +87,9 @@ class StepCase:
         for flat in engine_of(self.model).flats:
             flat.ensure_grad_buffer().uniform_(-1e-3, 1e-3, generator=gen)
             flat.grad_ready = [True] * len(flat.slots)
-        self.opt = infinity.optim.AdamW(self.model.parameters(), lr=1e-4, states=fmt)
+        states, master = split(fmt)
+        self.opt = infinity.optim.AdamW(self.model.parameters(), lr=1e-4, states=states,
+                                        master=master)
         self.opt.step()  # warm-up: creates and writes the A/B extents
         self.times: List[float] = []
         self.stats: List = []
@@ -104,7 +120,8 @@ class StepCase:
         gc.collect()
 
 
-def bench_nvme_step(n_target: float, width: int, steps: int, rounds: int, nvme: str) -> tuple:
+def bench_nvme_step(n_target: float, width: int, steps: int, rounds: int, nvme: str,
+                    formats: tuple = FORMATS) -> tuple:
     layers = max(1, round(n_target / (width * width)))
     n_params = layers * width * width
     logger.info("(1) NVMe step: %d x Linear(%d, %d) = %s params, %d rounds x %d steps",
@@ -112,13 +129,13 @@ def bench_nvme_step(n_target: float, width: int, steps: int, rounds: int, nvme: 
     rows = []
     cases = {}
     try:
-        for fmt in FORMATS:  # all three live at once: 3 x states on disk, buffers in RAM
+        for fmt in formats:  # all live at once: their states on disk, buffers in RAM
             cases[fmt] = StepCase(fmt, layers, width, nvme)
         for _ in range(rounds):
-            for fmt in FORMATS:
+            for fmt in formats:
                 for _ in range(steps):
                     cases[fmt].step()
-        rows = [cases[fmt].row(n_params) for fmt in FORMATS]
+        rows = [cases[fmt].row(n_params) for fmt in formats]
     finally:
         for case in cases.values():
             case.close()
@@ -158,7 +175,8 @@ def train(task: str, fmt: str, steps: int, batch: int, quick: bool) -> Dict:
     # host tiers: the states' tier does not change a single bit of the result
     # (tests/test_optim_compact.py), and NVMe latency on this shared disk would double the time
     infinity.wrap(model, param_tier="host", optimizer_tier="host")
-    opt = infinity.optim.AdamW(model.parameters(), states=fmt, **hyper)
+    states, master = split(fmt)
+    opt = infinity.optim.AdamW(model.parameters(), states=states, master=master, **hyper)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
     gen = torch.Generator().manual_seed(1)
     losses = []
@@ -182,15 +200,16 @@ def train(task: str, fmt: str, steps: int, batch: int, quick: bool) -> Dict:
             "state_bytes_held": held}
 
 
-def bench_convergence(task: str, steps: int, batch: int, quick: bool) -> Dict:
-    runs = {fmt: train(task, fmt, steps, batch, quick) for fmt in FORMATS}
+def bench_convergence(task: str, steps: int, batch: int, quick: bool,
+                      formats: tuple = FORMATS) -> Dict:
+    runs = {fmt: train(task, fmt, steps, batch, quick) for fmt in formats}
     tail = min(TAIL, steps)
     final = {fmt: statistics.fmean(r["losses"][-tail:]) for fmt, r in runs.items()}
     out = {"task": task, "steps": steps, "batch": batch, "params": runs["fp32"]["params"],
            "final_loss": final,
            "last_loss": {fmt: r["losses"][-1] for fmt, r in runs.items()},
            "first_loss": runs["fp32"]["losses"][0],
-           "rel_diff_vs_fp32": {fmt: final[fmt] / final["fp32"] - 1.0 for fmt in FORMATS},
+           "rel_diff_vs_fp32": {fmt: final[fmt] / final["fp32"] - 1.0 for fmt in formats},
            "s_per_step": {fmt: r["s_per_step"] for fmt, r in runs.items()},
            "state_bytes_held": {fmt: r["state_bytes_held"] for fmt, r in runs.items()},
            "losses": {fmt: r["losses"] for fmt, r in runs.items()}}
@@ -202,35 +221,36 @@ def bench_convergence(task: str, steps: int, batch: int, quick: bool) -> Dict:
 
 
 # ---- output ------------------------------------------------------------------------------
-def print_tables(n_params: int, rows: List[Dict], conv: List[Dict]) -> None:
+def print_tables(n_params: int, rows: List[Dict], conv: List[Dict],
+                 formats: tuple = FORMATS) -> None:
     lines = [f"(1) NVMe optimizer step, {n_params / 1e6:.0f}M params (params/grads in RAM, "
              "states on NVMe); medians",
-             f"{'states':<6} {'step s':>8} {'vs fp32':>8} {'Adam s':>8} {'I/O wait s':>11} "
+             f"{'states':<15} {'step s':>8} {'vs fp32':>8} {'Adam s':>8} {'I/O wait s':>11} "
              f"{'MB read':>9} {'MB written':>11} {'B/param/way':>12} {'bytes vs fp32':>14}"]
     for r in rows:
-        lines.append(f"{r['states']:<6} {r['step_s_median']:>8.3f} {r['time_vs_fp32']:>7.2f}x "
+        lines.append(f"{r['states']:<15} {r['step_s_median']:>8.3f} {r['time_vs_fp32']:>7.2f}x "
                      f"{r['compute_s_median']:>8.3f} {r['io_wait_s_median']:>11.3f} "
                      f"{r['bytes_read'] / 1e6:>9.0f} {r['bytes_written'] / 1e6:>11.0f} "
                      f"{r['bytes_per_param_each_way']:>12.2f} {r['bytes_vs_fp32']:>13.2f}x")
     lines.append("")
     lines.append(f"(2) convergence: mean loss of the last {TAIL} steps")
     lines.append(f"{'task':<6} {'params':>9} {'steps':>6} " + " ".join(
-        f"{f:>16}" for f in FORMATS) + "  within 2%")
+        f"{f:>18}" for f in formats) + "  within 2%")
     for c in conv:
-        cells = " ".join(f"{c['final_loss'][f]:>8.4f} ({c['rel_diff_vs_fp32'][f]:+.2%})"
-                         for f in FORMATS)
+        cells = " ".join(f"{c['final_loss'][f]:>10.4f} ({c['rel_diff_vs_fp32'][f]:+.2%})"
+                         for f in formats)
         lines.append(f"{c['task']:<6} {c['params']:>9,} {c['steps']:>6} {cells}  "
                      f"{c['within_2pct']}")
     print("\n".join(lines))
 
 
-def plot(conv: List[Dict], path: str) -> None:
+def plot(conv: List[Dict], path: str, formats: tuple = FORMATS) -> None:
     plt = _common.pyplot(logger)
     if plt is None:
         return
     fig, axes = plt.subplots(1, len(conv), figsize=(5 * len(conv), 3.5))
     for ax, c in zip(axes if len(conv) > 1 else [axes], conv):
-        for fmt in FORMATS:
+        for fmt in formats:
             losses = torch.tensor(c["losses"][fmt])
             k = min(10, len(losses))
             smooth = torch.nn.functional.avg_pool1d(losses[None, None], k, 1)[0, 0]
@@ -254,10 +274,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--nvme-path", default=None, help="directory for the state files "
                     "(default: a temporary directory under /tmp)")
-    ap.add_argument("--json", default=os.path.join(HERE, "results",
-                                                   "bench_compact_states.json"))
+    ap.add_argument("--json", default=None, help="results file (default: results/"
+                    "bench_compact_states.json, or bench_compact_states_master.json)")
+    ap.add_argument("--masters", action="store_true",
+                    help="compare bf16 master weights (fp32, bf16, bf16+bf16_sr, "
+                         "bf16+bf16_kahan, 8bit+bf16_sr) instead of the moment formats")
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args(argv)
+    formats = MASTER_CONFIGS if args.masters else FORMATS
+    if args.json is None:
+        args.json = os.path.join(HERE, "results", "bench_compact_states_master.json"
+                                 if args.masters else "bench_compact_states.json")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.quick:
         args.params, args.train_steps, args.rounds, args.batch = 1e6, 10, 1, 2
@@ -265,10 +292,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=args.nvme_path or "/tmp",
                                      prefix="bench-compact-") as nvme:
-        n_params, rows = bench_nvme_step(args.params, width, args.steps, args.rounds, nvme)
-    conv = [bench_convergence(task, args.train_steps, args.batch, args.quick)
+        n_params, rows = bench_nvme_step(args.params, width, args.steps, args.rounds, nvme,
+                                         formats)
+    conv = [bench_convergence(task, args.train_steps, args.batch, args.quick, formats)
             for task in ("demo", "llama")]
-    print_tables(n_params, rows, conv)
+    print_tables(n_params, rows, conv, formats)
     result = {"date": time.strftime("%Y-%m-%d"), "params": n_params,
               "machine": _common.cores(),
               "torch_threads": torch.get_num_threads(),
@@ -276,7 +304,7 @@ def main(argv: Optional[List[str]] = None) -> int:
               "total_s": time.perf_counter() - t0, "nvme_step": rows, "convergence": conv}
     _common.write_json(args.json, result, indent=1)
     if not args.no_plot:
-        plot(conv, os.path.splitext(args.json)[0] + ".png")
+        plot(conv, os.path.splitext(args.json)[0] + ".png", formats)
     return 0
 
 

@@ -3,6 +3,8 @@ from infinity.ops.adam import bias_corrections, cpu_adam_step
 from infinity.ops.adam_compact import (cpu_adam_step_8bit, cpu_adam_step_bf16_moments,
                                        dequantize_8bit, dynamic_map, new_8bit_state,
                                        quantize_8bit)
+from infinity.ops.bf16_master import (cpu_adam_step_bf16_master, round_bf16_master,
+                                      widen_bf16_master)
 from infinity.ops.finite import all_finite
 from infinity.ops.cpu import (available_cpu_capabilities, cpu_capability,
                               cpu_capability_override, get_num_threads, set_cpu_capability,
@@ -14,6 +16,7 @@ __all__ = [
     "bias_corrections",
     "cpu_adam_step",
     "cpu_adam_step_8bit",
+    "cpu_adam_step_bf16_master",
     "cpu_adam_step_bf16_moments",
     "cpu_capability",
     "cpu_capability_override",
@@ -22,6 +25,8 @@ __all__ = [
     "get_num_threads",
     "new_8bit_state",
     "quantize_8bit",
+    "round_bf16_master",
     "set_cpu_capability",
     "set_num_threads",
+    "widen_bf16_master",
 ]

@@ -49,6 +49,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         getattr(lib, name).restype = c_int
     if hasattr(lib, "inf_adam_step_q8"):  # absent from a library built before cpu_adam_compact
         _declare_compact(lib)
+    if hasattr(lib, "inf_bf16_master_round"):  # absent before cpu_bf16_master
+        _declare_bf16_master(lib)
 
 
 # Compact-state kernels (csrc/cpu_adam_compact.cpp): index of inf_adam_compact_calls' kernel.
@@ -76,6 +78,32 @@ def _declare_compact(lib: ctypes.CDLL) -> None:
     lib.inf_q8_dequantize.restype = c_int
     lib.inf_adam_compact_calls.argtypes = [c_int, c_int]
     lib.inf_adam_compact_calls.restype = c_i64
+
+
+# bf16 master-weight kernels (csrc/cpu_bf16_master.cpp): index of inf_bf16_master_calls' kernel
+BF16_MASTER_KERNELS = {"widen": 0, "round": 1}
+BF16_MASTER_MODES = {"sr": 0, "kahan": 1}
+
+
+def _declare_bf16_master(lib: ctypes.CDLL) -> None:
+    c_int, c_i64, c_u64, c_vp = ctypes.c_int, ctypes.c_int64, ctypes.c_uint64, ctypes.c_void_p
+    lib.inf_sr_hash.argtypes = [c_u64, c_u64, c_u64]
+    lib.inf_sr_hash.restype = ctypes.c_uint32
+    lib.inf_bf16_master_widen.argtypes = [c_vp, c_vp, c_vp, c_i64]  # master comp out n
+    lib.inf_bf16_master_widen.restype = c_int
+    lib.inf_bf16_master_round.argtypes = [
+        c_vp, c_vp, c_vp, c_int, c_u64, c_u64, c_u64, c_vp, c_int, c_i64]  # p master comp mode
+    lib.inf_bf16_master_round.restype = c_int                           # seed step index0 out od n
+    lib.inf_bf16_master_calls.argtypes = [c_int, c_int]
+    lib.inf_bf16_master_calls.restype = c_i64
+
+
+def native_bf16_master() -> Optional[ctypes.CDLL]:
+    """Like :func:`native`, and None too when the library predates the bf16-master kernels."""
+    lib = native()
+    if lib is None or not hasattr(lib, "inf_bf16_master_round"):
+        return None
+    return lib
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:

@@ -11,8 +11,9 @@ into the resident buffer (device). Parameters that are not wrapped are stepped o
 the same kernel and per-parameter state, like torch.
 
 Opt-in compact states (``states="bf16"`` or ``"8bit"``) shrink the two moments to 4 or ~2.03
-bytes per parameter (master weights stay fp32); see :class:`OffloadedAdam` and
-:class:`.state_store.StateLayout`.
+bytes per parameter; opt-in bf16 master weights (``master="bf16_sr"`` stochastic rounding,
+2 bytes, or ``"bf16_kahan"``, 2 + 2 bytes) shrink the fp32 master too; see
+:class:`OffloadedAdam`, :mod:`infinity.ops.bf16_master` and :class:`.state_store.StateLayout`.
 
 Semantics follow torch.optim.AdamW / Adam: per-parameter step counts (a parameter without a
 gradient in a step is left alone and its step does not advance), hyper-parameters read from each
@@ -31,6 +32,7 @@ from .. import io as inf_io
 from .. import trace_events
 from ..ops import (cpu_adam_step, cpu_adam_step_8bit, cpu_adam_step_bf16_moments,
                    dequantize_8bit, new_8bit_state)
+from ..ops.bf16_master import check_master, cpu_adam_step_bf16_master
 from ..runtime.engine import Engine, locate
 from .state_store import (HostStates, NvmeStates, OptimizerStateIOError, Shard,
                           check_states, choose_tier, init_states, state_nbytes)
@@ -66,6 +68,19 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
             unwrapped parameters. ``state_dict`` always holds fp32 moments (plus a top-level
             ``"states"`` entry); loading re-quantizes them, bitwise for moments that came from
             the same format.
+        master: the format of the master weights: "fp32" (default, 4 B/param), "bf16_sr"
+            (bf16, each step's fp32 result stochastically rounded: 2 B/param) or
+            "bf16_kahan" (bf16 plus a bf16 compensation term: 4 B/param, deterministic,
+            ~16 significant bits); any moment format (``infinity.ops.bf16_master``). With a
+            bf16 master every parameter has its master in the optimizer state (fp32 params
+            too) and the working copy is written from it, so the model runs on the master's
+            value. ``state_dict`` holds the master's value in fp32 (plus a top-level
+            ``"master"`` entry) and loads into any master format: bf16_sr rounds to nearest
+            even (exact for values saved from a bf16 master), fp32 takes it as is. Not with
+            ZeRO-sharded models (DDP/ZeRO state code reads fp32 masters).
+        sr_seed: seed of the stochastic rounding (bf16_sr): the random bits of an element are
+            a hash of (sr_seed, its step count, its index), reproducible and independent of
+            threads and shard layout. An int in [0, 2**64).
         overlap: whether a block's update may start during backward, as soon as its gradients
             are complete (:mod:`infinity.optim.overlap`): "auto" (default) once the loop has
             stepped after every backward for two steps, True for every backward, False never.
@@ -86,8 +101,16 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
                  eps: float = 1e-8, weight_decay: float = 0.0, *, adamw: bool = True,
                  amsgrad: bool = False, maximize: bool = False,
                  check_finite: Union[bool, str] = "auto", states: str = "fp32",
-                 overlap: Union[bool, str] = "auto") -> None:
+                 overlap: Union[bool, str] = "auto", master: str = "fp32",
+                 sr_seed: int = 0) -> None:
         self.states_format = check_states(states)
+        self.master_format = check_master(master)
+        if isinstance(sr_seed, bool) or not isinstance(sr_seed, int) \
+                or not 0 <= sr_seed < 1 << 64:
+            raise ValueError(f"infinity.optim: sr_seed must be an int in [0, 2**64), got "
+                             f"{sr_seed!r}")
+        self.sr_seed = sr_seed
+        self._element_bases: Optional[Dict[int, int]] = None
         self._overlap = BackwardOverlap(self, overlap)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         amsgrad=amsgrad, maximize=maximize)
@@ -119,8 +142,15 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
         group = self.param_groups[-1]
         _check_hyper(group)
         index = len(self.param_groups) - 1
+        self._element_bases = None
         for p in group["params"]:
             loc = locate(p)
+            if loc is not None and loc.engine.partitioner is not None \
+                    and self.master_format != "fp32":
+                raise ValueError(
+                    f"infinity.optim: master={self.master_format!r} is not supported with "
+                    "ZeRO-sharded models (their state and checkpoint code reads fp32 masters); "
+                    "use master='fp32' (compact moments, states='bf16'/'8bit', still work)")
             if loc is not None and loc.engine.partitioner is not None:
                 loc.engine.attach_optimizer()  # stepped even where this rank holds no part
                 self._sharded_engines.setdefault(id(loc.engine), loc.engine)
@@ -161,11 +191,13 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
         if store is None:
             flats = [s.flat for s in self._shards.values() if s.engine is engine
                      and any(g is not None for g in s.groups)]
-            fmt = self.states_format
-            tier = choose_tier(engine, flats, fmt)
-            store = NvmeStates(engine, fmt) if tier == "nvme" else HostStates(engine, fmt)
-            logger.info("infinity.optim: %s bytes of %s optimizer states on %s",
-                        f"{sum(state_nbytes(f, fmt) for f in flats):,}", fmt, tier)
+            fmt, master = self.states_format, self.master_format
+            tier = choose_tier(engine, flats, fmt, master)
+            store = (NvmeStates(engine, fmt, master) if tier == "nvme"
+                     else HostStates(engine, fmt, master))
+            logger.info("infinity.optim: %s bytes of %s optimizer states (%s master) on %s",
+                        f"{sum(state_nbytes(f, fmt, master) for f in flats):,}", fmt, master,
+                        tier)
             self._stores[id(engine)] = store
         return store
 
@@ -289,15 +321,16 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
             buf = store.buffer(shard)
         else:
             buf = self._read_committed(shard)
-        master = store.views(shard, buf).master
+        views = store.views(shard, buf)
         home = torch.empty(flat.numel, dtype=flat.home_dtype)
         engine.read_home(flat, home)
         for i in written:
             s = flat.slots[i]
             sl = slice(s.offset, s.offset + s.numel)
             new = home[sl]
-            changed = new != master[sl].to(flat.home_dtype)
-            master[sl] = torch.where(changed, new.float(), master[sl])
+            value = views.master_value(sl)
+            changed = new != value.to(flat.home_dtype)
+            views.set_master(torch.where(changed, new.float(), value), sl)
         if isinstance(store, NvmeStates):
             store.write_and_commit(shard, buf, "updating the master weights of")
 
@@ -364,6 +397,25 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
         written: List[Tuple[int, int]] = []
         for j, r in enumerate(runs):
             hyper = hypers[j] if hypers is not None else self._hyper(r, multiplier)
+            if views.master_comp is not None or master.dtype != torch.float32:
+                # bf16 masters: slot by slot (each slot's rounding hash starts at its own
+                # element base, and 8-bit blocks at its first element)
+                for i in range(r.first, r.last + 1):
+                    s = flat.slots[i]
+                    sl = slice(s.offset, s.offset + s.numel)
+                    absmax = {}
+                    if fmt == "8bit":
+                        b = views.blocks_of(flat, i)
+                        absmax = dict(exp_avg_absmax=views.exp_avg_absmax[b],
+                                      exp_avg_sq_absmax=views.exp_avg_sq_absmax[b])
+                    comp = views.master_comp
+                    cpu_adam_step_bf16_master(
+                        master[sl], comp[sl] if comp is not None else None, grad[sl],
+                        views.exp_avg[sl], views.exp_avg_sq[sl], states=fmt, **absmax,
+                        seed=self.sr_seed, index=self._element_base(s.param),
+                        out=out[sl] if out is not None else None, **hyper)
+                    written.append((sl.start, sl.stop))
+                continue
             if fmt == "8bit":
                 for i in range(r.first, r.last + 1):
                     s = flat.slots[i]
@@ -379,16 +431,44 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
             kernel(master[sl], grad[sl], views.exp_avg[sl], views.exp_avg_sq[sl],
                    out=out[sl] if out is not None else None, **hyper)
             written.append((r.start, r.end))
+        # bf16 masters: a slot that did not take this step (frozen, no gradient) keeps its
+        # working copy, which need not be its master's value (it was never rounded)
+        bf16 = master.dtype != torch.float32
         if out is None and not in_place:  # a device home on CUDA: copied over afterwards
-            shard.engine.home.write_from(flat, master)
+            value = views.master_value()
+            if bf16:
+                value = self._keep_unstepped(shard, written, value)
+            shard.engine.home.write_from(flat, value)
         if shard.engine.stages_working_copy(flat):
             # the whole working copy goes to the swap file: fill what the kernels did not
-            # write from the masters (home == round(master) holds for every slot)
-            pos = 0
+            # write from the masters (home == round(master) holds for every slot; bf16
+            # masters: from the home copy where a slot lies in the gap)
+            gaps, pos = [], 0
             for start, end in written + [(flat.numel, flat.numel)]:
                 if start > pos:
-                    out[pos:start].copy_(master[pos:start])
+                    gaps.append((pos, start))
                 pos = end
+            home = None
+            if bf16 and any(s.offset < b and s.offset + s.numel > a for a, b in gaps
+                            for s in flat.slots):
+                home = torch.empty(flat.numel, dtype=flat.home_dtype)
+                shard.engine.read_home(flat, home)
+            for a, b in gaps:
+                out[a:b].copy_(home[a:b] if home is not None
+                               else views.master_value(slice(a, b)))
+
+    @staticmethod
+    def _keep_unstepped(shard: Shard, written: List[Tuple[int, int]],
+                        value: torch.Tensor) -> torch.Tensor:
+        """``value`` (fp32, the whole shard) with the current working copy outside ``written``."""
+        keep = torch.ones(shard.flat.numel, dtype=torch.bool)
+        for a, b in written:
+            keep[a:b] = False
+        if not bool(keep.any()):
+            return value
+        home = torch.empty(shard.flat.numel, dtype=shard.flat.home_dtype)
+        shard.engine.read_home(shard.flat, home)
+        return torch.where(keep, home.float(), value)
 
     def _home_staging(self, engine: Engine) -> torch.Tensor:
         """Host states with parameters homed on NVMe: one aligned buffer (the largest working
@@ -519,7 +599,7 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
                 buf = store.empty(shard)
                 store.read(shard, buf).wait()
                 store.verify(shard, buf)
-            engine.home.write_from(shard.flat, store.views(shard, buf).master)
+            engine.home.write_from(shard.flat, store.views(shard, buf).master_value())
             del self._dirty[key]
 
     # ---- unwrapped parameters ---------------------------------------------------------------
@@ -543,26 +623,66 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
                 grad = p.grad.detach()
                 if grad.device.type != "cpu" or not grad.is_contiguous():
                     grad = grad.to("cpu").contiguous()
-                self._param_kernel(state, target, grad, out,
+                self._param_kernel(state, target, grad, out, param=p,
                                    step=int(state["step"].item()), lr=_float(group["lr"]),
                                    beta1=_float(beta1), beta2=_float(beta2),
                                    eps=_float(group["eps"]),
                                    weight_decay=_float(group["weight_decay"]),
                                    adamw=self._adamw, grad_multiplier=multiplier)
                 if master is not None and out is None:
-                    p.data.copy_(master.view_as(p))
+                    p.data.copy_(self._unwrapped_master_value(state).view_as(p))
                 stats.params += p.numel()
 
+    def _needs_master(self, p: torch.Tensor) -> bool:
+        return (self.master_format != "fp32" or p.dtype != torch.float32
+                or p.device.type != "cpu" or not p.is_contiguous())
+
+    def _element_base(self, p: torch.Tensor) -> int:
+        """Global index of parameter p's first element for the stochastic-rounding hash: its
+        position among this optimizer's parameters * 2**40 (independent of shard layout)."""
+        if self._element_bases is None:
+            self._element_bases = {id(q): i << 40 for i, q in enumerate(self._param_index())}
+        return self._element_bases[id(p)]
+
+    def _new_master(self, value: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """An unwrapped parameter's master entries from fp32-convertible ``value``."""
+        value = value.detach().to("cpu", torch.float32, copy=True).contiguous()
+        if self.master_format == "fp32":
+            return {"master": value}
+        hi = value.to(torch.bfloat16)
+        if self.master_format == "bf16_sr":
+            return {"master": hi}
+        d = value - hi.float()
+        return {"master": hi, "master_comp": torch.where(torch.isfinite(d), d,
+                                                         torch.zeros_like(d)).bfloat16()}
+
     @staticmethod
-    def _needs_master(p: torch.Tensor) -> bool:
-        return p.dtype != torch.float32 or p.device.type != "cpu" or not p.is_contiguous()
+    def _unwrapped_master_value(state: Dict[str, Any]) -> torch.Tensor:
+        value = state["master"].float()
+        comp = state.get("master_comp")
+        return value + comp.float() if comp is not None else value
 
     def _param_kernel(self, state: Dict[str, Any], target: torch.Tensor, grad: torch.Tensor,
-                      out: Optional[torch.Tensor], **hyper: Any) -> None:
+                      out: Optional[torch.Tensor], param: Optional[torch.Tensor] = None,
+                      **hyper: Any) -> None:
         """One unwrapped parameter's step in the optimizer's state format (its 8-bit blocks
         start at the parameter's first element, as a wrapped slot's)."""
         flat = [target.view(-1), grad.reshape(-1)]
         out = out.view(-1) if out is not None else None
+        if self.master_format != "fp32":
+            comp = state.get("master_comp")
+            absmax = {}
+            if self.states_format == "8bit":
+                m, v = state["exp_avg_codes"], state["exp_avg_sq_codes"]
+                absmax = dict(exp_avg_absmax=state["exp_avg_absmax"],
+                              exp_avg_sq_absmax=state["exp_avg_sq_absmax"])
+            else:
+                m, v = state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
+            cpu_adam_step_bf16_master(flat[0], comp.view(-1) if comp is not None else None,
+                                      flat[1], m, v, states=self.states_format, **absmax,
+                                      seed=self.sr_seed, index=self._element_base(param),
+                                      out=out, **hyper)
+            return
         if self.states_format == "fp32":
             cpu_adam_step(*flat, state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1),
                           out=out, **hyper)
@@ -585,13 +705,15 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
     def _new_param_state(self, p: torch.Tensor) -> Dict[str, torch.Tensor]:
         state = {"step": torch.tensor(0.0), **self._new_moments(p)}
         if self._needs_master(p):
-            state["master"] = p.detach().to("cpu", torch.float32, copy=True).contiguous()
+            state.update(self._new_master(p))
         return state
 
     def _param_state_to_torch(self, p: torch.Tensor, state: Dict[str, Any]) -> Dict[str, Any]:
         """An unwrapped parameter's state in torch's format (fp32 moments, dequantized)."""
         out = {k: (t.clone() if isinstance(t, torch.Tensor) else t) for k, t in state.items()
                if k in ("step", "master")}
+        if "master" in state and self.master_format != "fp32":
+            out["master"] = self._unwrapped_master_value(state)  # its value, in fp32
         if self.states_format == "8bit":
             out["exp_avg"] = dequantize_8bit(state["exp_avg_codes"], state["exp_avg_absmax"],
                                              signed=True).view(p.shape)

@@ -41,7 +41,8 @@ class StateDicts:
         kernel-side copy; None where the states are not such a file (host or compact states,
         no state yet, no recorded checksum). Valid until the next step."""
         shard = next((s for s in self._shards.values() if s.key == key), None)
-        if shard is None or not shard.initialized or self.states_format != "fp32":
+        if shard is None or not shard.initialized or self.states_format != "fp32" \
+                or self.master_format != "fp32":
             return None
         store = self._stores[id(shard.engine)]
         return store.committed_extent(shard) if isinstance(store, NvmeStates) else None
@@ -63,7 +64,7 @@ class StateDicts:
             master = m = v = None
             if buf is not None:
                 views = self._stores[id(shard.engine)].views(shard, buf)
-                master = views.master
+                master = views.master_value()  # bf16 masters: their fp32 value (a copy)
                 m, v = views.moments_fp32(shard.flat)  # compact moments: dequantized copies
             yield ShardState(shard.key, shard.flat, master, m, v, tuple(shard.steps),
                              tuple(shard.groups), self.states_format)
@@ -80,7 +81,8 @@ class StateDicts:
 
     def state_dict(self, *, wrapped: bool = True) -> Dict[str, Any]:
         """torch's format: ``{"state": {index: {"step", "exp_avg", "exp_avg_sq", "master"}},
-        "param_groups": [...], "states": "fp32" | "bf16" | "8bit"}``; ``master`` is the fp32
+        "param_groups": [...], "states": "fp32" | "bf16" | "8bit", "master": "fp32" | "bf16_sr" |
+        "bf16_kahan"}``; ``master`` is the fp32 value of the
         master weight (for unwrapped fp32 CPU parameters the parameter itself is the master and
         no entry is stored); the moments are fp32 in every state format (compact ones
         dequantized: exactly the values the next step starts from).
@@ -115,11 +117,12 @@ class StateDicts:
                     "step": torch.tensor(float(shard.steps[i])),
                     "exp_avg": m.view(slot.shape).clone(),
                     "exp_avg_sq": v.view(slot.shape).clone(),
-                    "master": views.master[sl].view(slot.shape).clone()}
+                    "master": views.master_value(sl).view(slot.shape).clone()}
         for p in params:
             if not self._is_wrapped(p) and self.state.get(p):
                 state[index[id(p)]] = self._param_state_to_torch(p, self.state[p])
-        return {"state": state, "param_groups": groups, "states": self.states_format}
+        return {"state": state, "param_groups": groups, "states": self.states_format,
+                "master": self.master_format}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Loads a state from :meth:`state_dict` (or torch.optim.Adam/AdamW's: without a
@@ -202,7 +205,7 @@ class StateDicts:
         if self._needs_master(p):
             src = entry.get("master")
             src = p.detach() if src is None else src
-            state["master"] = src.detach().to("cpu", torch.float32, copy=True).contiguous()
+            state.update(self._new_master(src.reshape(p.shape)))
         elif entry.get("master") is not None:
             p.data.copy_(entry["master"])
         return state
@@ -234,7 +237,7 @@ class StateDicts:
             sl = slice(slot.offset, slot.offset + slot.numel)
             views.set_slot_moments(shard.flat, i, entry["exp_avg"], entry["exp_avg_sq"])
             if entry.get("master") is not None:
-                views.master[sl].copy_(entry["master"].reshape(-1))
+                views.set_master(entry["master"].reshape(-1), sl)
             shard.steps[i] = int(_float(entry["step"]))
         if isinstance(store, NvmeStates):
             store.write_and_commit(shard, buf, "loading")

@@ -4,7 +4,8 @@ One *shard* is one FlatParam (one block's parameters of one dtype). Its states a
 byte buffer ([master | exp_avg | exp_avg_sq] in the format's types, see :class:`StateLayout`)
 so a shard moves to or from NVMe as one aligned sequential transfer. The format is chosen on the
 optimizer (``states=``): "fp32" (12 B/param), "bf16" moments (8 B/param) or "8bit" block-wise
-quantized moments (~6.03 B/param); master weights are fp32 in every format.
+quantized moments (~6.03 B/param); master weights fp32 (4 B/param) unless ``master=`` asks for
+bf16 masters (``"bf16_sr"`` 2 B/param, ``"bf16_kahan"`` 4 B/param).
 
 - :class:`HostStates`: the buffers stay in host RAM (counted in the engine's host budget).
 - :class:`NvmeStates`: the buffers live in the optimizer's own SwapStore (a private directory
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from .. import io as inf_io
 from ..ops import dequantize_8bit, dynamic_map, quantize_8bit
 from ..ops.adam_compact import BLOCK_SIZE, num_blocks
+from ..ops.bf16_master import MASTER_BYTES, check_master
 from ..runtime.engine import Engine
 from ..runtime.flat import FlatParam
 from ..runtime.homes import master_is_home
@@ -69,6 +71,9 @@ class StateLayout:
     - 8bit: ``[master f32 | exp_avg absmax f32 | exp_avg_sq absmax f32 | exp_avg codes u8 |
       exp_avg_sq codes u8]``                                           4 + 2 + 8/256 B/param
 
+    bf16 masters (``master="bf16_sr"``: 2 B/param; ``"bf16_kahan"``: hi and comp, 2 + 2 B/param)
+    replace ``master f32`` by ``[master bf16 | (comp bf16)]``, each part padded to 4 bytes.
+
     ``master`` is left out when the master is the home copy itself (``with_master=False``: fp32
     parameters homed in host RAM with host states). 8-bit blocks are **per slot**: each
     parameter's moments are quantized in blocks of 256 starting at its own first element (as
@@ -83,6 +88,16 @@ class StateLayout:
     with_master: bool
     block_start: Tuple[int, ...] = ()
     blocks: int = 0
+    master: str = "fp32"  # master-weight format (infinity.ops.bf16_master.MASTER_FORMATS)
+
+    @property
+    def master_nbytes(self) -> int:
+        """Bytes of the master weights (0 without; bf16 parts padded to 4 bytes each)."""
+        if not self.with_master:
+            return 0
+        if self.master == "fp32":
+            return 4 * self.numel
+        return (MASTER_BYTES[self.master] // 2) * (-(-2 * self.numel // 4) * 4)
 
     @property
     def moment_nbytes(self) -> int:
@@ -92,22 +107,23 @@ class StateLayout:
 
     @property
     def nbytes(self) -> int:
-        return _round_page((4 * self.numel if self.with_master else 0) + self.moment_nbytes)
+        return _round_page(self.master_nbytes + self.moment_nbytes)
 
 
-def layout_for(flat: FlatParam, fmt: str, with_master: bool) -> StateLayout:
+def layout_for(flat: FlatParam, fmt: str, with_master: bool,
+               master: str = "fp32") -> StateLayout:
     if fmt != "8bit":
-        return StateLayout(fmt, flat.numel, with_master)
+        return StateLayout(fmt, flat.numel, with_master, master=master)
     starts, total = [], 0
     for slot in flat.slots:
         starts.append(total)
         total += num_blocks(slot.numel)
-    return StateLayout(fmt, flat.numel, with_master, tuple(starts), total)
+    return StateLayout(fmt, flat.numel, with_master, tuple(starts), total, master)
 
 
-def state_nbytes(flat: FlatParam, fmt: str = "fp32") -> int:
+def state_nbytes(flat: FlatParam, fmt: str = "fp32", master: str = "fp32") -> int:
     """Bytes of one shard's states with its master (as held on NVMe, per extent)."""
-    return layout_for(flat, fmt, True).nbytes
+    return layout_for(flat, fmt, True, master).nbytes
 
 
 @dataclass
@@ -122,6 +138,24 @@ class StateViews:
     exp_avg_sq: torch.Tensor
     exp_avg_absmax: Optional[torch.Tensor] = None
     exp_avg_sq_absmax: Optional[torch.Tensor] = None
+    master_comp: Optional[torch.Tensor] = None  # bf16_kahan: the compensation term
+
+    def master_value(self, sl: slice = slice(None)) -> torch.Tensor:
+        """The master weights' value in fp32 (a view for fp32 masters; bf16: a new tensor,
+        ``hi + comp`` for Kahan pairs)."""
+        if self.master.dtype == torch.float32:
+            return self.master[sl]
+        value = self.master[sl].float()
+        return value + self.master_comp[sl].float() if self.master_comp is not None else value
+
+    def set_master(self, value: torch.Tensor, sl: slice = slice(None)) -> None:
+        """Stores fp32 values as the master: fp32 copy; bf16_sr round to nearest even (exact
+        for values that came from a bf16 master); bf16_kahan hi = RNE(x), comp = RNE(x - hi)."""
+        value = value.detach().reshape(-1).to(torch.float32)
+        self.master[sl].copy_(value)
+        if self.master_comp is not None:
+            d = value - self.master[sl].float()
+            self.master_comp[sl].copy_(torch.where(torch.isfinite(d), d, torch.zeros_like(d)))
 
     def blocks_of(self, flat: FlatParam, i: int) -> slice:
         """Slot i's absmax range (8bit)."""
@@ -190,7 +224,14 @@ def state_views(layout: StateLayout, buf: torch.Tensor,
         pos += count * size
         return out
 
-    if layout.with_master:
+    comp = None
+    if layout.with_master and layout.master != "fp32":
+        master = take(n, torch.bfloat16)
+        pos = -(-pos // 4) * 4
+        if layout.master == "bf16_kahan":
+            comp = take(n, torch.bfloat16)
+            pos = -(-pos // 4) * 4
+    elif layout.with_master:
         master = take(n, torch.float32)
     else:
         if home_master is None:
@@ -199,9 +240,9 @@ def state_views(layout: StateLayout, buf: torch.Tensor,
     if layout.fmt == "8bit":
         m_abs, v_abs = take(layout.blocks, torch.float32), take(layout.blocks, torch.float32)
         m, v = take(n, torch.uint8), take(n, torch.uint8)
-        return StateViews(layout, master, m, v, m_abs, v_abs)
+        return StateViews(layout, master, m, v, m_abs, v_abs, comp)
     dtype = _MOMENT_DTYPE[layout.fmt]
-    return StateViews(layout, master, take(n, dtype), take(n, dtype))
+    return StateViews(layout, master, take(n, dtype), take(n, dtype), master_comp=comp)
 
 
 # ---- 8-bit load: quantization that reproduces dequantized values -----------------------------
@@ -260,7 +301,8 @@ def quantize_exact(x: torch.Tensor, signed: bool, codes: torch.Tensor,
 
 
 # ---- tier -----------------------------------------------------------------------------------
-def choose_tier(engine: Engine, flats: List[FlatParam], fmt: str = "fp32") -> str:
+def choose_tier(engine: Engine, flats: List[FlatParam], fmt: str = "fp32",
+                master: str = "fp32") -> str:
     """The one place the optimizer-state tier is chosen, from ``engine.policy.optimizer_tier``:
     "host" or "nvme" as given; "auto" = "nvme" when ``nvme_path`` is set and (no
     ``host_budget`` is set, or the states (in format ``fmt``) do not fit in what is left of
@@ -270,7 +312,7 @@ def choose_tier(engine: Engine, flats: List[FlatParam], fmt: str = "fp32") -> st
         return policy.optimizer_tier
     if policy.nvme_path is None:
         return "host"
-    need = sum(state_nbytes(f, fmt) for f in flats)
+    need = sum(state_nbytes(f, fmt, master) for f in flats)
     if policy.host_budget is None or not engine.host_budget.fits(need):
         return "nvme"
     return "host"
@@ -319,7 +361,11 @@ def init_states(shard: Shard, views: StateViews, scratch: Optional[torch.Tensor]
             raise RuntimeError("init_states needs a scratch buffer for NVMe-homed parameters")
         home = scratch[:flat.home_nbytes].view(flat.home_dtype)
         engine.read_home(flat, home)
-        views.master.copy_(home)
+        views.set_master(home)
+    elif views.master.dtype != torch.float32:  # bf16 masters from the home copy
+        home = torch.empty(flat.numel, dtype=flat.home_dtype)
+        engine.read_home(flat, home)
+        views.set_master(home)
     else:
         engine.read_home(flat, views.master)  # host / device homes: a plain converting copy
     views.zero_moments()
@@ -330,9 +376,10 @@ class _Store:
 
     tier = ""
 
-    def __init__(self, engine: Engine, fmt: str) -> None:
+    def __init__(self, engine: Engine, fmt: str, master: str = "fp32") -> None:
         self.engine = engine
         self.fmt = check_states(fmt)
+        self.master = check_master(master)
         self._layouts: Dict[str, StateLayout] = {}
 
     def _with_master(self, shard: Shard) -> bool:
@@ -341,7 +388,7 @@ class _Store:
     def layout(self, shard: Shard) -> StateLayout:
         layout = self._layouts.get(shard.key)
         if layout is None:
-            layout = layout_for(shard.flat, self.fmt, self._with_master(shard))
+            layout = layout_for(shard.flat, self.fmt, self._with_master(shard), self.master)
             self._layouts[shard.key] = layout
         return layout
 
@@ -361,13 +408,13 @@ class HostStates(_Store):
 
     tier = "host"
 
-    def __init__(self, engine: Engine, fmt: str = "fp32") -> None:
-        super().__init__(engine, fmt)
+    def __init__(self, engine: Engine, fmt: str = "fp32", master: str = "fp32") -> None:
+        super().__init__(engine, fmt, master)
         self._bufs: Dict[str, torch.Tensor] = {}
         self._held = 0
 
     def _with_master(self, shard: Shard) -> bool:
-        return not master_in_home(shard)
+        return self.master != "fp32" or not master_in_home(shard)  # bf16 masters: always held
 
     def has(self, shard: Shard) -> bool:
         return shard.key in self._bufs
@@ -401,8 +448,8 @@ class NvmeStates(_Store):
 
     tier = "nvme"
 
-    def __init__(self, engine: Engine, fmt: str = "fp32") -> None:
-        super().__init__(engine, fmt)
+    def __init__(self, engine: Engine, fmt: str = "fp32", master: str = "fp32") -> None:
+        super().__init__(engine, fmt, master)
         self.nvme_path = engine.policy.nvme_path
         self.store = SwapStore(self.nvme_path, require_direct=engine.policy.require_direct_io,
                                verify=engine.policy.verify_checksums,
