@@ -34,6 +34,7 @@
 #include <unordered_map>
 #include <vector>
 #include <chrono>
+#include <time.h>
 
 namespace {
 
@@ -46,6 +47,13 @@ enum Mode { kModeDirect = 0, kModeBounce = 1, kModePlain = 2 };
 // Defined with the CRC32C code below.
 uint32_t crc32c_bytes(const void* data, uint64_t nbytes);
 uint32_t crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
+
+// CLOCK_MONOTONIC in ns (the clock of Python's time.perf_counter/monotonic on Linux).
+int64_t mono_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1000000000ll + ts.tv_nsec;
+}
 
 struct Handle {
   int fd_plain = -1;
@@ -85,6 +93,12 @@ struct Request {
   bool short_read = false;
   bool done = false;
   std::string msg;
+  // timing (CLOCK_MONOTONIC ns): submitted, first chunk taken by a worker, completed; and the
+  // worker time spent on CRC32C (summed over chunks; guarded by m)
+  int64_t t_submit = 0;
+  int64_t t_first = 0;
+  int64_t t_done = 0;
+  int64_t crc_ns = 0;
 };
 
 struct Config {
@@ -305,6 +319,7 @@ void finish_request(Request* r) {
       }
       r->msg = m;
     }
+    r->t_done = mono_ns();
     r->done = true;
   }
   r->cv.notify_all();
@@ -326,6 +341,7 @@ void worker_main() {
       if (e->q.empty()) return;  // stop requested and nothing left
       req = e->q.front();
       idx = req->next++;
+      if (idx == 0) req->t_first = mono_ns();
       if (req->next >= req->nchunks) {
         e->q.pop_front();
         e->qspace.notify_one();
@@ -337,15 +353,25 @@ void worker_main() {
       skip = req->err != 0;  // an earlier chunk failed: do not touch more of the file
     }
     IoRes res;
+    int64_t crc_ns = 0;
     if (!skip) {
       // a write's checksum is of the bytes it sends; a read's of the bytes it received
-      if (req->want_crc && req->op == kWrite) chunk_checksum(req.get(), idx);
+      if (req->want_crc && req->op == kWrite) {
+        int64_t t0 = mono_ns();
+        chunk_checksum(req.get(), idx);
+        crc_ns += mono_ns() - t0;
+      }
       res = run_chunk(req.get(), idx);
-      if (req->want_crc && req->op == kRead && res.err == 0) chunk_checksum(req.get(), idx);
+      if (req->want_crc && req->op == kRead && res.err == 0) {
+        int64_t t0 = mono_ns();
+        chunk_checksum(req.get(), idx);
+        crc_ns += mono_ns() - t0;
+      }
     }
     bool last;
     {
       std::lock_guard<std::mutex> g(req->m);
+      req->crc_ns += crc_ns;
       req->done_bytes += res.done;
       if (res.err != 0 && (req->err == 0 || res.err_off < req->err_off)) {
         req->err = res.err;
@@ -618,6 +644,7 @@ INF_API int64_t inf_aio_submit_ex(int64_t handle, int op, void* buf, int64_t nby
   r->off = offset;
   r->fsync = fsync != 0;
   r->want_crc = (flags & 2) != 0;
+  r->t_submit = mono_ns();
   {
     std::lock_guard<std::mutex> g(e->cfg_m);
     r->chunk = e->cfg.chunk_bytes;
@@ -709,6 +736,23 @@ INF_API int inf_aio_crc(int64_t req, uint32_t* crc) {
   if (!r->done) return 1;
   if (!r->want_crc || r->err != 0) return -2;
   if (crc) *crc = r->crc;
+  return 0;
+}
+
+// Timing of a completed request, CLOCK_MONOTONIC ns: out[0] submitted, out[1] first chunk
+// taken by a worker (0: none), out[2] completed, out[3] worker time spent on CRC32C.
+// Returns 0 done, 1 not done, -1 unknown request.
+INF_API int inf_aio_timing(int64_t req, int64_t* out) {
+  auto r = get_request(req);
+  if (!r) return -1;
+  std::lock_guard<std::mutex> g(r->m);
+  if (!r->done) return 1;
+  if (out) {
+    out[0] = r->t_submit;
+    out[1] = r->t_first;
+    out[2] = r->t_done;
+    out[3] = r->crc_ns;
+  }
   return 0;
 }
 
