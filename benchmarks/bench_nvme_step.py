@@ -137,12 +137,13 @@ class Case:
     """One wrapped model + optimizer with NVMe states in one format."""
 
     def __init__(self, layers: int, width: int, fmt: str, nvme: str, all_nvme: bool,
-                 sets: Optional[int] = None) -> None:
+                 sets: Optional[int] = None, verify: bool = True,
+                 io_only: bool = False) -> None:
         self.fmt = fmt
         self.model = LinearStack(layers, width, torch.float32)
         tiers = "nvme" if all_nvme else "host"
         infinity.wrap(self.model, nvme_path=nvme, optimizer_tier="nvme", param_tier=tiers,
-                      grad_tier=tiers)
+                      grad_tier=tiers, verify_checksums=verify)
         self.engine = engine_of(self.model)
         self.opt = infinity.optim.AdamW(self.model.parameters(), lr=1e-4, states=fmt)
         self.all_nvme = all_nvme
@@ -157,6 +158,8 @@ class Case:
         self.sets = next(iter(self.opt._sets.values())).count
         self._fill_grads()
         self.opt.step()  # and the other extent of each shard
+        if io_only:  # ablation: the same reads and writes, no update (states stay as they are)
+            self.opt._apply = lambda *_a, **_k: None
 
     def _fill_grads(self) -> None:
         gen = torch.Generator().manual_seed(0)
@@ -211,6 +214,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--compare-sets", type=int, default=None, metavar="N",
                     help="also run the first format with a pipeline of N buffer sets (N - 2 "
                          "shards read ahead; the default is 3)")
+    ap.add_argument("--ablate", action="store_true",
+                    help="also run the first format without checksums (verify_checksums=False) "
+                         "and as I/O only (no Adam, no checksums): how much of the step the "
+                         "CPU work running beside the I/O costs")
     ap.add_argument("--all-nvme", action="store_true",
                     help="parameters and gradients on NVMe too (their bytes count as well)")
     ap.add_argument("--nvme-path", default=None, help="directory (default: a temporary one "
@@ -234,6 +241,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             name = f"{formats[0]}/{args.compare_sets}sets"
             cases[name] = Case(layers, width, formats[0], d, args.all_nvme, args.compare_sets)
             per_format[name] = []
+        if args.ablate:
+            for name, kw in ((f"{formats[0]}/no-crc", {"verify": False}),
+                             (f"{formats[0]}/io-only", {"verify": False, "io_only": True})):
+                cases[name] = Case(layers, width, formats[0], d, args.all_nvme, **kw)
+                per_format[name] = []
         probe_bytes = max(c.step()["bytes_written"] for c in cases.values())
         probe = DiskProbe(d, probe_bytes, max(c.largest_request() for c in cases.values()))
         try:

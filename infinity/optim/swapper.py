@@ -353,6 +353,7 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
                                                   "optimizer_write", shard.flat.key,
                                                   shard.flat.home_nbytes), shard,
                                   "writing the parameters updated with the"))
+                stats.bytes_written += shard.flat.home_nbytes  # a disk write of this step too
             i += 1
         for k in range(count):
             drain(k)
