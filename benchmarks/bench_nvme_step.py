@@ -12,7 +12,8 @@ gradients in RAM by default; ``--all-nvme`` puts them on NVMe too), each round:
 2. times ``opt.step()`` (``--steps`` steps per round) with random gradients in the engine's
    buffers, and takes the bytes read and written from ``opt.last_step_stats``.
 
-The ratio reported per round is ``step time / (bytes read / read bw + bytes written / write
+Cases run in a rotating order (round r starts with case r), so none always runs right after
+the disk probe's writes. The ratio reported per round is ``step time / (bytes read / read bw + bytes written / write
 bw)``: 1.0 means the step took exactly the disk time of its bytes. Each round also measures the
 disk *mixed* (the same reads and writes all in flight together, as the pipeline has them), so
 ``step / mixed`` is what the pipeline adds over the disk and ``mixed / disk time`` what the disk
@@ -252,7 +253,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             for r in range(rounds):
                 wbw, rbw = probe.write(), probe.read()
                 mixed_bps = 2 * probe.nbytes / probe.mixed()  # both directions' bytes per s
-                for fmt, case in cases.items():
+                names = list(cases)
+                order = names[r % len(names):] + names[:r % len(names)]  # none always first
+                for fmt in order:
+                    case = cases[fmt]
                     for _ in range(args.steps):
                         m = case.step()
                         disk_s = m["bytes_read"] / rbw + m["bytes_written"] / wbw
