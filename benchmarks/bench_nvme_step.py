@@ -139,8 +139,9 @@ class Case:
 
     def __init__(self, layers: int, width: int, fmt: str, nvme: str, all_nvme: bool,
                  sets: Optional[int] = None, verify: bool = True,
-                 io_only: bool = False) -> None:
+                 io_only: bool = False, io: Optional[Dict[str, int]] = None) -> None:
         self.fmt = fmt
+        self.io = io or {}  # infinity.io settings for this case's steps
         self.model = LinearStack(layers, width, torch.float32)
         tiers = "nvme" if all_nvme else "host"
         infinity.wrap(self.model, nvme_path=nvme, optimizer_tier="nvme", param_tier=tiers,
@@ -179,6 +180,9 @@ class Case:
     def step(self) -> Dict[str, float]:
         if self.all_nvme:  # gradients are consumed by nothing, but keep backward's order
             pass
+        saved = inf_io.get_config()
+        if self.io:
+            inf_io.configure(**self.io)
         swapper.record_requests(True)
         try:
             t0 = time.perf_counter()
@@ -186,6 +190,8 @@ class Case:
             t1 = time.perf_counter()
         finally:
             swapper.record_requests(False)
+            if self.io:
+                inf_io.configure(**{k: getattr(saved, k) for k in self.io})
         s = self.opt.last_step_stats
         out = {"step_s": t1 - t0, "bytes_read": s.bytes_read, "bytes_written": s.bytes_written,
                "compute_s": s.compute_s, "io_wait_s": s.io_wait_s}
@@ -219,6 +225,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="also run the first format without checksums (verify_checksums=False) "
                          "and as I/O only (no Adam, no checksums): how much of the step the "
                          "CPU work running beside the I/O costs")
+    ap.add_argument("--compare-crc-inline", action="store_true",
+                    help="also run the first format with the checksums computed inline by the "
+                         "I/O workers (infinity.io crc_threads=0; the default computes them on "
+                         "separate CRC threads beside the I/O)")
     ap.add_argument("--all-nvme", action="store_true",
                     help="parameters and gradients on NVMe too (their bytes count as well)")
     ap.add_argument("--nvme-path", default=None, help="directory (default: a temporary one "
@@ -241,6 +251,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.compare_sets:
             name = f"{formats[0]}/{args.compare_sets}sets"
             cases[name] = Case(layers, width, formats[0], d, args.all_nvme, args.compare_sets)
+            per_format[name] = []
+        if args.compare_crc_inline:
+            name = f"{formats[0]}/crc-inline"
+            cases[name] = Case(layers, width, formats[0], d, args.all_nvme,
+                               io={"crc_threads": 0})
             per_format[name] = []
         if args.ablate:
             for name, kw in ((f"{formats[0]}/no-crc", {"verify": False}),

@@ -278,6 +278,8 @@ def _configure_native(config: IOConfig) -> None:
     lib = native(ignore_forced=True)
     if lib is not None:
         rc = lib.inf_aio_configure(config.num_threads, config.chunk_bytes, config.queue_depth)
+        if rc == 0 and hasattr(lib, "inf_aio_set_crc_threads"):
+            rc = lib.inf_aio_set_crc_threads(config.crc_threads)
         if rc != 0:
             raise ValueError(f"the native I/O engine refused {config} ({os.strerror(-rc)})")
 

@@ -41,6 +41,8 @@ _SIGNATURES = {
 # declared when the library has them (an older build may not): callers check hasattr
 _OPTIONAL = {
     "inf_aio_timing": (c_int, [c_int64, POINTER(c_int64)]),
+    "inf_aio_set_crc_threads": (c_int, [c_int]),
+    "inf_aio_get_crc_threads": (c_int, []),
 }
 
 
