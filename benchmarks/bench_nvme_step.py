@@ -12,8 +12,19 @@ gradients in RAM by default; ``--all-nvme`` puts them on NVMe too), each round:
 2. times ``opt.step()`` (``--steps`` steps per round) with random gradients in the engine's
    buffers, and takes the bytes read and written from ``opt.last_step_stats``.
 
-The ratio reported per round is ``step time / (bytes read / read bw + bytes written / write
-bw)``: 1.0 means the step took exactly the disk time of its bytes. Rounds alternate between the
+Cases run in a rotating order (round r starts with case r), so none always runs right after
+the disk probe's writes. The ratio reported per round is ``step time / (bytes read / read bw + bytes written / write
+bw)``: 1.0 means the step took exactly the disk time of its bytes. Each round also measures the
+disk *mixed* (the same reads and writes all in flight together, as the pipeline has them), so
+``step / mixed`` is what the pipeline adds over the disk and ``mixed / disk time`` what the disk
+loses (or gains) serving both at once.
+
+Attribution per step (``swapper.record_requests``): the pipeline thread's time blocked on reads
+(``read_wait_s``), on writes before a buffer set is reused (``write_wait_s``), in the CPU Adam
+(``compute_s``), checking checksums (``verify_s``) and the rest (``other_s``: Python, buffer
+views, submits); the I/O workers' CRC32C time (``crc_s``, off the pipeline thread); and from
+the per-request timeline: the time with reads, writes, both or no request in flight
+(``read_busy_s``, ``write_busy_s``, ``both_busy_s``, ``disk_idle_s``). Rounds alternate between the
 state formats (``--formats``), so a disk that drifts is seen by all of them; medians over
 rounds. Results: benchmarks/results/bench_nvme_step.json.
 """
@@ -27,7 +38,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -40,28 +51,37 @@ from infinity.optim import swapper  # noqa: E402
 from infinity.runtime import engine_of  # noqa: E402
 
 logger = logging.getLogger("bench_nvme_step")
+ATTRIBUTION = ("read_wait_s", "write_wait_s", "verify_s", "other_s", "crc_s", "read_busy_s",
+               "write_busy_s", "both_busy_s", "disk_idle_s")
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 class DiskProbe:
-    """Write and cold-read bandwidth of ``infinity.io`` on one preallocated file."""
+    """Write, cold-read and mixed bandwidth of ``infinity.io`` on two preallocated files, in
+    requests of one shard's state size, from/to ``SETS`` distinct buffers used in turn (as the
+    step's buffer sets), every request in flight at once."""
+
+    SETS = 3
 
     def __init__(self, directory: str, nbytes: int, request: int) -> None:
         self.request = max(inf_io.ALIGNMENT, request // inf_io.ALIGNMENT * inf_io.ALIGNMENT)
         self.nbytes = -(-nbytes // self.request) * self.request
-        self.path = os.path.join(directory, "disk-probe.bin")
-        self.buf = inf_io.aligned_empty(self.request)
-        self.buf.fill_(0x5A)
-        with inf_io.FileHandle(self.path, "w+", require_direct=True) as f:
-            f.allocate(self.nbytes)
+        self.paths = [os.path.join(directory, f"disk-probe-{i}.bin") for i in range(2)]
+        self.bufs = [inf_io.aligned_empty(self.request) for _ in range(self.SETS)]
+        for b in self.bufs:
+            b.fill_(0x5A)
+        for path in self.paths:
+            with inf_io.FileHandle(path, "w+", require_direct=True) as f:
+                f.allocate(self.nbytes)
         self.write()  # the step's extents were written before too (no unwritten extents)
+        self._run(True, 1)
 
-    def _run(self, write: bool) -> float:
-        with inf_io.FileHandle(self.path, "r+", require_direct=True) as f:
+    def _run(self, write: bool, which: int = 0) -> float:
+        with inf_io.FileHandle(self.paths[which], "r+", require_direct=True) as f:
             t0 = time.perf_counter()
             op = f.pwrite if write else f.pread
-            futures = [op(self.buf, off, self.request)
-                       for off in range(0, self.nbytes, self.request)]
+            futures = [op(self.bufs[i % self.SETS], off, self.request)
+                       for i, off in enumerate(range(0, self.nbytes, self.request))]
             for fut in futures:
                 fut.wait()
             return self.nbytes / (time.perf_counter() - t0)
@@ -72,20 +92,60 @@ class DiskProbe:
     def read(self) -> float:
         return self._run(False)
 
+    def mixed(self) -> float:
+        """Seconds to read one file and write the other with every request in flight,
+        reads and writes alternating in the queue (the pipeline's order)."""
+        with inf_io.FileHandle(self.paths[0], "r+", require_direct=True) as f, \
+                inf_io.FileHandle(self.paths[1], "r+", require_direct=True) as g:
+            t0 = time.perf_counter()
+            futures = []
+            for i, off in enumerate(range(0, self.nbytes, self.request)):
+                futures.append(f.pread(self.bufs[i % 2], off, self.request))
+                futures.append(g.pwrite(self.bufs[2], off, self.request))
+            for fut in futures:
+                fut.wait()
+            return time.perf_counter() - t0
+
     def close(self) -> None:
-        os.unlink(self.path)
+        for path in self.paths:
+            os.unlink(path)
+
+
+def _union(intervals: List[Tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def attribute(stats: "swapper.StepStats", t0: float, t1: float) -> Dict[str, float]:
+    """Where one step's wall time ``t1 - t0`` went (see the module docstring)."""
+    reqs = stats.requests or []
+    reads = [(r[3] or r[2], r[4]) for r in reqs if r[0] == "read"]
+    writes = [(r[3] or r[2], r[4]) for r in reqs if r[0] == "write"]
+    busy_r, busy_w, busy = _union(reads), _union(writes), _union(reads + writes)
+    pipeline = stats.read_wait_s + stats.write_wait_s + stats.compute_s + stats.verify_s
+    return {"read_wait_s": stats.read_wait_s, "write_wait_s": stats.write_wait_s,
+            "verify_s": stats.verify_s, "other_s": max(0.0, (t1 - t0) - pipeline),
+            "crc_s": stats.crc_s, "read_busy_s": busy_r, "write_busy_s": busy_w,
+            "both_busy_s": busy_r + busy_w - busy, "disk_idle_s": max(0.0, (t1 - t0) - busy)}
 
 
 class Case:
     """One wrapped model + optimizer with NVMe states in one format."""
 
     def __init__(self, layers: int, width: int, fmt: str, nvme: str, all_nvme: bool,
-                 sets: Optional[int] = None) -> None:
+                 sets: Optional[int] = None, verify: bool = True,
+                 io_only: bool = False, io: Optional[Dict[str, int]] = None) -> None:
         self.fmt = fmt
+        self.io = io or {}  # infinity.io settings for this case's steps
         self.model = LinearStack(layers, width, torch.float32)
         tiers = "nvme" if all_nvme else "host"
         infinity.wrap(self.model, nvme_path=nvme, optimizer_tier="nvme", param_tier=tiers,
-                      grad_tier=tiers)
+                      grad_tier=tiers, verify_checksums=verify)
         self.engine = engine_of(self.model)
         self.opt = infinity.optim.AdamW(self.model.parameters(), lr=1e-4, states=fmt)
         self.all_nvme = all_nvme
@@ -100,6 +160,8 @@ class Case:
         self.sets = next(iter(self.opt._sets.values())).count
         self._fill_grads()
         self.opt.step()  # and the other extent of each shard
+        if io_only:  # ablation: the same reads and writes, no update (states stay as they are)
+            self.opt._apply = lambda *_a, **_k: None
 
     def _fill_grads(self) -> None:
         gen = torch.Generator().manual_seed(0)
@@ -118,12 +180,23 @@ class Case:
     def step(self) -> Dict[str, float]:
         if self.all_nvme:  # gradients are consumed by nothing, but keep backward's order
             pass
-        t0 = time.perf_counter()
-        self.opt.step()
-        dt = time.perf_counter() - t0
+        saved = inf_io.get_config()
+        if self.io:
+            inf_io.configure(**self.io)
+        swapper.record_requests(True)
+        try:
+            t0 = time.perf_counter()
+            self.opt.step()
+            t1 = time.perf_counter()
+        finally:
+            swapper.record_requests(False)
+            if self.io:
+                inf_io.configure(**{k: getattr(saved, k) for k in self.io})
         s = self.opt.last_step_stats
-        return {"step_s": dt, "bytes_read": s.bytes_read, "bytes_written": s.bytes_written,
-                "compute_s": s.compute_s, "io_wait_s": s.io_wait_s}
+        out = {"step_s": t1 - t0, "bytes_read": s.bytes_read, "bytes_written": s.bytes_written,
+               "compute_s": s.compute_s, "io_wait_s": s.io_wait_s}
+        out.update(attribute(s, t0, t1))
+        return out
 
     def largest_request(self) -> int:
         store = self.opt._stores[id(self.engine)]
@@ -148,6 +221,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--compare-sets", type=int, default=None, metavar="N",
                     help="also run the first format with a pipeline of N buffer sets (N - 2 "
                          "shards read ahead; the default is 3)")
+    ap.add_argument("--ablate", action="store_true",
+                    help="also run the first format without checksums (verify_checksums=False) "
+                         "and as I/O only (no Adam, no checksums): how much of the step the "
+                         "CPU work running beside the I/O costs")
+    ap.add_argument("--compare-crc-inline", action="store_true",
+                    help="also run the first format with the checksums computed inline by the "
+                         "I/O workers (infinity.io crc_threads=0; the default computes them on "
+                         "separate CRC threads beside the I/O)")
     ap.add_argument("--all-nvme", action="store_true",
                     help="parameters and gradients on NVMe too (their bytes count as well)")
     ap.add_argument("--nvme-path", default=None, help="directory (default: a temporary one "
@@ -171,21 +252,42 @@ def main(argv: Optional[List[str]] = None) -> int:
             name = f"{formats[0]}/{args.compare_sets}sets"
             cases[name] = Case(layers, width, formats[0], d, args.all_nvme, args.compare_sets)
             per_format[name] = []
+        if args.compare_crc_inline:
+            name = f"{formats[0]}/crc-inline"
+            cases[name] = Case(layers, width, formats[0], d, args.all_nvme,
+                               io={"crc_threads": 0})
+            per_format[name] = []
+        if args.ablate:
+            for name, kw in ((f"{formats[0]}/no-crc", {"verify": False}),
+                             (f"{formats[0]}/io-only", {"verify": False, "io_only": True})):
+                cases[name] = Case(layers, width, formats[0], d, args.all_nvme, **kw)
+                per_format[name] = []
         probe_bytes = max(c.step()["bytes_written"] for c in cases.values())
         probe = DiskProbe(d, probe_bytes, max(c.largest_request() for c in cases.values()))
         try:
             for r in range(rounds):
                 wbw, rbw = probe.write(), probe.read()
-                for fmt, case in cases.items():
+                mixed_bps = 2 * probe.nbytes / probe.mixed()  # both directions' bytes per s
+                names = list(cases)
+                order = names[r % len(names):] + names[:r % len(names)]  # none always first
+                for fmt in order:
+                    case = cases[fmt]
                     for _ in range(args.steps):
                         m = case.step()
                         disk_s = m["bytes_read"] / rbw + m["bytes_written"] / wbw
+                        mixed_s = (m["bytes_read"] + m["bytes_written"]) / mixed_bps
                         m.update(read_bw=rbw, write_bw=wbw, disk_s=disk_s,
-                                 ratio=m["step_s"] / disk_s, round=r)
+                                 ratio=m["step_s"] / disk_s, mixed_s=mixed_s,
+                                 vs_mixed=m["step_s"] / mixed_s, round=r)
                         per_format[fmt].append(m)
                         logger.info("round %d %-5s step %.3f s, disk time %.3f s (read %.2f "
-                                    "GB/s, write %.2f GB/s): %.2fx", r, fmt, m["step_s"],
-                                    disk_s, rbw / 1e9, wbw / 1e9, m["ratio"])
+                                    "GB/s, write %.2f GB/s): %.2fx; mixed disk %.3f s: %.2fx | "
+                                    "waits read %.3f write %.3f, Adam %.3f, other %.3f; "
+                                    "worker CRC %.3f; idle disk %.3f", r, fmt, m["step_s"],
+                                    disk_s, rbw / 1e9, wbw / 1e9, m["ratio"], mixed_s,
+                                    m["vs_mixed"], m["read_wait_s"], m["write_wait_s"],
+                                    m["compute_s"], m["other_s"], m["crc_s"],
+                                    m["disk_idle_s"])
         finally:
             probe.close()
             cases_sets = {f: c.sets for f, c in cases.items()}
@@ -194,11 +296,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     rows = []
     for fmt, ms in per_format.items():
         med = lambda k: statistics.median(m[k] for m in ms)  # noqa: E731
-        rows.append({"states": fmt, "sets": cases_sets[fmt], "step_s": med("step_s"), "disk_s": med("disk_s"),
-                     "ratio": med("ratio"), "compute_s": med("compute_s"),
-                     "io_wait_s": med("io_wait_s"), "bytes_read": ms[-1]["bytes_read"],
-                     "bytes_written": ms[-1]["bytes_written"], "read_bw": med("read_bw"),
-                     "write_bw": med("write_bw"), "samples": ms})
+        row = {"states": fmt, "sets": cases_sets[fmt], "step_s": med("step_s"),
+               "disk_s": med("disk_s"), "ratio": med("ratio"), "mixed_s": med("mixed_s"),
+               "vs_mixed": med("vs_mixed"), "compute_s": med("compute_s"),
+               "io_wait_s": med("io_wait_s"), "bytes_read": ms[-1]["bytes_read"],
+               "bytes_written": ms[-1]["bytes_written"], "read_bw": med("read_bw"),
+               "write_bw": med("write_bw")}
+        row.update({k: med(k) for k in ATTRIBUTION})
+        row["samples"] = ms
+        rows.append(row)
     base = rows[0]
     print(f"{'states':<12} {'sets':>4} {'step s':>8} {'disk s':>8} {'step/disk':>10} {'MB/step':>9} "
           f"{'bytes vs ' + base['states']:>14} {'time vs ' + base['states']:>13}")
@@ -208,6 +314,17 @@ def main(argv: Optional[List[str]] = None) -> int:
               f"{moved / 1e6:>9.0f} "
               f"{moved / (base['bytes_read'] + base['bytes_written']):>13.2f}x "
               f"{r['step_s'] / base['step_s']:>12.2f}x")
+    print("\nattribution (medians, s): pipeline thread = read wait + write wait + CPU Adam + "
+          "verify + other; I/O timeline: reads / writes / both in flight, disk idle; worker CRC")
+    print(f"{'states':<12} {'step':>6} {'mixed':>6} {'x mix':>6} {'r.wait':>7} {'w.wait':>7} "
+          f"{'Adam':>6} {'verify':>7} {'other':>6} | {'reads':>6} {'writes':>6} {'both':>6} "
+          f"{'idle':>6} | {'CRC':>6}")
+    for r in rows:
+        print(f"{r['states']:<12} {r['step_s']:>6.3f} {r['mixed_s']:>6.3f} {r['vs_mixed']:>5.2f}x "
+              f"{r['read_wait_s']:>7.3f} {r['write_wait_s']:>7.3f} {r['compute_s']:>6.3f} "
+              f"{r['verify_s']:>7.3f} {r['other_s']:>6.3f} | {r['read_busy_s']:>6.3f} "
+              f"{r['write_busy_s']:>6.3f} {r['both_busy_s']:>6.3f} {r['disk_idle_s']:>6.3f} | "
+              f"{r['crc_s']:>6.3f}")
     result = {"date": time.strftime("%Y-%m-%d"), "params": n_params, "layers": layers,
               "width": width, "all_nvme": args.all_nvme, "rounds": rounds,
               "steps": args.steps, "machine": _common.cores(),

@@ -34,6 +34,7 @@
 #include <unordered_map>
 #include <vector>
 #include <chrono>
+#include <time.h>
 
 namespace {
 
@@ -46,6 +47,13 @@ enum Mode { kModeDirect = 0, kModeBounce = 1, kModePlain = 2 };
 // Defined with the CRC32C code below.
 uint32_t crc32c_bytes(const void* data, uint64_t nbytes);
 uint32_t crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
+
+// CLOCK_MONOTONIC in ns (the clock of Python's time.perf_counter/monotonic on Linux).
+int64_t mono_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1000000000ll + ts.tv_nsec;
+}
 
 struct Handle {
   int fd_plain = -1;
@@ -67,6 +75,7 @@ struct Request {
   int64_t off = 0;
   bool fsync = false;
   bool want_crc = false;            // CRC32C of the transferred bytes, per chunk, in the workers
+  bool crc_async = false;           // ... by the CRC threads, beside the I/O (else inline)
   std::vector<uint32_t> chunk_crc;  // one per chunk (written by the worker that ran it)
   uint32_t crc = 0;                 // the whole request's CRC32C (combined at completion)
   int mode = kModePlain;
@@ -85,12 +94,24 @@ struct Request {
   bool short_read = false;
   bool done = false;
   std::string msg;
+  // timing (CLOCK_MONOTONIC ns): submitted, first chunk taken by a worker, completed; and the
+  // worker time spent on CRC32C (summed over chunks; guarded by m)
+  int64_t t_submit = 0;
+  int64_t t_first = 0;
+  int64_t t_done = 0;
+  int64_t crc_ns = 0;
 };
 
 struct Config {
   int num_threads = 16;
   uint64_t chunk_bytes = 8ull << 20;
   int queue_depth = 256;
+  int crc_threads = 2;  // 0: the I/O worker checksums its chunk itself (inline)
+};
+
+struct CrcTask {
+  std::shared_ptr<Request> req;
+  uint64_t idx;
 };
 
 struct Engine {
@@ -100,6 +121,13 @@ struct Engine {
   std::deque<std::shared_ptr<Request>> q;
   std::vector<std::thread> workers;
   bool stop = false;
+  // CRC threads: checksum chunks off the I/O workers, so a worker goes on with the next
+  // chunk's I/O at once (the disk keeps its queue depth while the CPU checksums)
+  std::mutex cm;
+  std::condition_variable ccv;
+  std::deque<CrcTask> cq;
+  std::vector<std::thread> crc_workers;
+  bool cstop = false;
   Config cfg;
   std::mutex cfg_m;  // serialises configure() / pool start
 
@@ -305,6 +333,7 @@ void finish_request(Request* r) {
       }
       r->msg = m;
     }
+    r->t_done = mono_ns();
     r->done = true;
   }
   r->cv.notify_all();
@@ -313,6 +342,15 @@ void finish_request(Request* r) {
     h->inflight--;
   }
   h->cv.notify_all();
+}
+
+void enqueue_crc(const std::shared_ptr<Request>& req, uint64_t idx) {
+  Engine* e = E();
+  {
+    std::lock_guard<std::mutex> g(e->cm);
+    e->cq.push_back(CrcTask{req, idx});
+  }
+  e->ccv.notify_one();
 }
 
 void worker_main() {
@@ -326,6 +364,7 @@ void worker_main() {
       if (e->q.empty()) return;  // stop requested and nothing left
       req = e->q.front();
       idx = req->next++;
+      if (idx == 0) req->t_first = mono_ns();
       if (req->next >= req->nchunks) {
         e->q.pop_front();
         e->qspace.notify_one();
@@ -337,30 +376,79 @@ void worker_main() {
       skip = req->err != 0;  // an earlier chunk failed: do not touch more of the file
     }
     IoRes res;
-    if (!skip) {
-      // a write's checksum is of the bytes it sends; a read's of the bytes it received
-      if (req->want_crc && req->op == kWrite) chunk_checksum(req.get(), idx);
+    int64_t crc_ns = 0;
+    uint64_t events = 1;  // this chunk's I/O
+    if (!skip && req->crc_async) {
+      // a write's checksum is of the bytes it sends (the buffer must not change while the
+      // request is in flight): computed beside the transfer; a read's after it
+      if (req->op == kWrite) enqueue_crc(req, idx);
       res = run_chunk(req.get(), idx);
-      if (req->want_crc && req->op == kRead && res.err == 0) chunk_checksum(req.get(), idx);
+      if (req->op == kRead) {
+        if (res.err == 0) enqueue_crc(req, idx); else events = 2;  // no checksum to wait for
+      }
+    } else if (!skip) {
+      // a write's checksum is of the bytes it sends; a read's of the bytes it received
+      if (req->want_crc && req->op == kWrite) {
+        int64_t t0 = mono_ns();
+        chunk_checksum(req.get(), idx);
+        crc_ns += mono_ns() - t0;
+      }
+      res = run_chunk(req.get(), idx);
+      if (req->want_crc && req->op == kRead && res.err == 0) {
+        int64_t t0 = mono_ns();
+        chunk_checksum(req.get(), idx);
+        crc_ns += mono_ns() - t0;
+      }
+    } else if (req->crc_async) {
+      events = 2;  // skipped: neither I/O nor checksum
     }
     bool last;
     {
       std::lock_guard<std::mutex> g(req->m);
+      req->crc_ns += crc_ns;
       req->done_bytes += res.done;
       if (res.err != 0 && (req->err == 0 || res.err_off < req->err_off)) {
         req->err = res.err;
         req->err_off = res.err_off;
         req->short_read = res.short_read;
       }
-      last = (--req->remaining == 0);
+      req->remaining -= events;
+      last = (req->remaining == 0);
     }
     if (last) finish_request(req.get());
+  }
+}
+
+void crc_main() {
+  Engine* e = E();
+  for (;;) {
+    CrcTask task;
+    {
+      std::unique_lock<std::mutex> lk(e->cm);
+      e->ccv.wait(lk, [&] { return e->cstop || !e->cq.empty(); });
+      if (e->cq.empty()) return;  // stop requested and nothing left
+      task = std::move(e->cq.front());
+      e->cq.pop_front();
+    }
+    Request* r = task.req.get();
+    int64_t t0 = mono_ns();
+    chunk_checksum(r, task.idx);
+    int64_t dt = mono_ns() - t0;
+    bool last;
+    {
+      std::lock_guard<std::mutex> g(r->m);
+      r->crc_ns += dt;
+      last = (--r->remaining == 0);
+    }
+    if (last) finish_request(r);
   }
 }
 
 // Starts the pool if needed. Caller holds cfg_m.
 void ensure_pool_locked() {
   Engine* e = E();
+  if (e->crc_workers.empty())
+    for (int i = 0; i < e->cfg.crc_threads; ++i) e->crc_workers.emplace_back(crc_main);
   if (!e->workers.empty()) return;
   for (int i = 0; i < e->cfg.num_threads; ++i) e->workers.emplace_back(worker_main);
 }
@@ -374,8 +462,20 @@ void stop_pool_locked() {
   e->qcv.notify_all();
   for (auto& t : e->workers) t.join();
   e->workers.clear();
-  std::lock_guard<std::mutex> g(e->qm);
-  e->stop = false;
+  {
+    std::lock_guard<std::mutex> g(e->qm);
+    e->stop = false;
+  }
+  // no worker left to queue checksums: the CRC threads finish what is queued and stop
+  {
+    std::lock_guard<std::mutex> g(e->cm);
+    e->cstop = true;
+  }
+  e->ccv.notify_all();
+  for (auto& t : e->crc_workers) t.join();
+  e->crc_workers.clear();
+  std::lock_guard<std::mutex> g(e->cm);
+  e->cstop = false;
 }
 
 std::shared_ptr<Handle> get_handle(int64_t id) {
@@ -419,6 +519,25 @@ INF_API int inf_aio_configure(int num_threads, int64_t chunk_bytes, int queue_de
     e->cfg.num_threads = num_threads;
   }
   return 0;
+}
+
+// Threads that checksum chunks beside the I/O workers (0: each I/O worker checksums its own
+// chunk before taking the next). Waits for queued requests when the count changes.
+INF_API int inf_aio_set_crc_threads(int n) {
+  if (n < 0 || n > 64) return -EINVAL;
+  Engine* e = E();
+  std::lock_guard<std::mutex> g(e->cfg_m);
+  if (n != e->cfg.crc_threads) {
+    if (!e->workers.empty() || !e->crc_workers.empty()) stop_pool_locked();
+    e->cfg.crc_threads = n;
+  }
+  return 0;
+}
+
+INF_API int inf_aio_get_crc_threads(void) {
+  Engine* e = E();
+  std::lock_guard<std::mutex> g(e->cfg_m);
+  return e->cfg.crc_threads;
 }
 
 INF_API void inf_aio_get_config(int* num_threads, int64_t* chunk_bytes, int* queue_depth) {
@@ -618,9 +737,11 @@ INF_API int64_t inf_aio_submit_ex(int64_t handle, int op, void* buf, int64_t nby
   r->off = offset;
   r->fsync = fsync != 0;
   r->want_crc = (flags & 2) != 0;
+  r->t_submit = mono_ns();
   {
     std::lock_guard<std::mutex> g(e->cfg_m);
     r->chunk = e->cfg.chunk_bytes;
+    r->crc_async = r->want_crc && e->cfg.crc_threads > 0;
     ensure_pool_locked();
   }
   bool off_aligned = (static_cast<uint64_t>(offset) & (kAlign - 1)) == 0;
@@ -652,7 +773,7 @@ INF_API int64_t inf_aio_submit_ex(int64_t handle, int op, void* buf, int64_t nby
     finish_request(r.get());
     return r->id;
   }
-  r->remaining = r->nchunks;
+  r->remaining = r->nchunks * (r->crc_async ? 2 : 1);  // I/O (+ checksum) of every chunk
   {
     std::unique_lock<std::mutex> lk(e->qm);
     e->qspace.wait(lk, [&] { return static_cast<int>(e->q.size()) < e->cfg.queue_depth; });
@@ -709,6 +830,23 @@ INF_API int inf_aio_crc(int64_t req, uint32_t* crc) {
   if (!r->done) return 1;
   if (!r->want_crc || r->err != 0) return -2;
   if (crc) *crc = r->crc;
+  return 0;
+}
+
+// Timing of a completed request, CLOCK_MONOTONIC ns: out[0] submitted, out[1] first chunk
+// taken by a worker (0: none), out[2] completed, out[3] worker time spent on CRC32C.
+// Returns 0 done, 1 not done, -1 unknown request.
+INF_API int inf_aio_timing(int64_t req, int64_t* out) {
+  auto r = get_request(req);
+  if (!r) return -1;
+  std::lock_guard<std::mutex> g(r->m);
+  if (!r->done) return 1;
+  if (out) {
+    out[0] = r->t_submit;
+    out[1] = r->t_first;
+    out[2] = r->t_done;
+    out[3] = r->crc_ns;
+  }
   return 0;
 }
 

@@ -2,7 +2,8 @@
 
     submit(op, ptr, nbytes, offset, fsync, crc) -> token
     poll(token) -> bool;  wait(token, timeout_s) -> bool
-    result(token) -> (bytes, errno, error_offset, message);  crc(token);  release(token)
+    result(token) -> (bytes, errno, error_offset, message);  crc(token);  timing(token)
+    release(token)
     size(), fsync(), truncate(n), allocate(n), close(), direct
 
 NativeBackend drives csrc/aio.cpp; FallbackBackend does os.pread/os.pwrite on a thread pool
@@ -75,6 +76,18 @@ class NativeBackend:
         if self._lib.inf_aio_crc(token, ctypes.byref(value)) != 0:
             return None
         return int(value.value)
+
+    def timing(self, token: int) -> Optional[Tuple[float, float, float, float]]:
+        """(submitted, first chunk started, completed, worker CRC seconds) of a completed
+        request, the first three on the clock of time.perf_counter (CLOCK_MONOTONIC); None
+        when the library cannot tell."""
+        fn = getattr(self._lib, "inf_aio_timing", None)
+        if fn is None:
+            return None
+        out = (ctypes.c_int64 * 4)()
+        if fn(token, out) != 0:
+            return None
+        return out[0] * 1e-9, out[1] * 1e-9, out[2] * 1e-9, out[3] * 1e-9
 
     def release(self, token: int) -> None:
         self._lib.inf_aio_release(token)
@@ -216,6 +229,9 @@ class FallbackBackend:
     def crc(self, token: concurrent.futures.Future) -> Optional[int]:
         return token.result()[4]
 
+    def timing(self, token: concurrent.futures.Future) -> None:
+        return None
+
     def release(self, token: concurrent.futures.Future) -> None:
         pass
 
@@ -262,6 +278,8 @@ def _configure_native(config: IOConfig) -> None:
     lib = native(ignore_forced=True)
     if lib is not None:
         rc = lib.inf_aio_configure(config.num_threads, config.chunk_bytes, config.queue_depth)
+        if rc == 0 and hasattr(lib, "inf_aio_set_crc_threads"):
+            rc = lib.inf_aio_set_crc_threads(config.crc_threads)
         if rc != 0:
             raise ValueError(f"the native I/O engine refused {config} ({os.strerror(-rc)})")
 

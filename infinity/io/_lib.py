@@ -38,6 +38,12 @@ _SIGNATURES = {
     "inf_crc_crc32c_impl": (c_uint32, [c_void_p, c_int64, c_uint32, c_int]),
     "inf_crc_impl": (c_int, []),
 }
+# declared when the library has them (an older build may not): callers check hasattr
+_OPTIONAL = {
+    "inf_aio_timing": (c_int, [c_int64, POINTER(c_int64)]),
+    "inf_aio_set_crc_threads": (c_int, [c_int]),
+    "inf_aio_get_crc_threads": (c_int, []),
+}
 
 
 def native(ignore_forced: bool = False) -> Optional[ctypes.CDLL]:
@@ -58,5 +64,10 @@ def native(ignore_forced: bool = False) -> Optional[ctypes.CDLL]:
                     fn = getattr(lib, name)
                     fn.restype = restype
                     fn.argtypes = argtypes
+                for name, (restype, argtypes) in _OPTIONAL.items():
+                    fn = getattr(lib, name, None)
+                    if fn is not None:
+                        fn.restype = restype
+                        fn.argtypes = argtypes
                 _declared = True
     return lib

@@ -15,11 +15,17 @@ ALIGNMENT = 4096
 class IOConfig:
     """num_threads: I/O worker threads (the effective device queue depth of one large request).
     chunk_bytes: large requests are split into chunks of this size (multiple of 4096).
-    queue_depth: maximum queued requests; submitting beyond it blocks until one is taken."""
+    queue_depth: maximum queued requests; submitting beyond it blocks until one is taken.
+    crc_threads: threads that compute the CRC32C of requests submitted with ``crc=True``,
+    chunk by chunk beside the I/O workers, so a worker goes on with the next chunk's I/O at
+    once (0: each I/O worker checksums its chunk itself before taking the next one). On the
+    2-core test VM the inline checksums, competing with the optimizer's Adam for the CPU,
+    left the disk with fewer requests in flight (bench_nvme_step, benchmarks/RESULTS.md)."""
 
     num_threads: int = 32
     chunk_bytes: int = 4 << 20  # tuned on bench_io (2 GiB, 2026-11-29): 32 x 4 MiB in flight
     queue_depth: int = 256
+    crc_threads: int = 2
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_threads, int) or not 1 <= self.num_threads <= 1024:
@@ -30,6 +36,9 @@ class IOConfig:
                              f"got {self.chunk_bytes!r}")
         if not isinstance(self.queue_depth, int) or not 1 <= self.queue_depth <= (1 << 20):
             raise ValueError(f"queue_depth must be an int in [1, 2**20], got {self.queue_depth!r}")
+        if (not isinstance(self.crc_threads, int) or isinstance(self.crc_threads, bool)
+                or not 0 <= self.crc_threads <= 64):
+            raise ValueError(f"crc_threads must be an int in [0, 64], got {self.crc_threads!r}")
 
 
 _lock = threading.Lock()

@@ -9,7 +9,7 @@ import tempfile
 import threading
 import time
 import warnings
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 import torch
 
@@ -58,6 +58,7 @@ class IOFuture:
         self._error: Optional[InfinityIOError] = None
         self._want_crc = want_crc
         self._crc: Optional[int] = None
+        self._timing: Optional[Tuple[float, float, float, float]] = None
 
     def _finish(self) -> None:
         """Collects the result of a completed request (idempotent)."""
@@ -67,6 +68,7 @@ class IOFuture:
             nbytes, err, err_off, msg = self._backend.result(self._token)
             if self._want_crc and not err:
                 self._crc = self._backend.crc(self._token)
+            self._timing = self._backend.timing(self._token)
             self._backend.release(self._token)
             self._bytes = nbytes
             if err:
@@ -110,6 +112,20 @@ class IOFuture:
         if not self._want_crc or self._crc is None:
             raise RuntimeError("this request was not submitted with crc=True")
         return self._crc
+
+    def timing(self) -> Optional[Tuple[float, float, float, float]]:
+        """(submitted, first chunk started by a worker, completed, worker seconds spent on
+        CRC32C) of a completed request, times on the clock of ``time.perf_counter``; None
+        while pending or when the backend does not measure (the Python fallback)."""
+        return self._timing if self._finished else None
+
+    @property
+    def op(self) -> str:
+        return self._op
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
 
     def __repr__(self) -> str:
         state = "done" if self._finished else "pending"

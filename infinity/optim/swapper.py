@@ -65,6 +65,15 @@ class StepStats:
     skipped: bool = False
     overlapped_shards: int = 0    # shards whose update ran during backward and was kept
     overlap_s: float = 0.0        # time those updates took on the worker (behind backward)
+    # where the pipeline's own thread spent its time (io_wait_s = read_wait_s + write_wait_s)
+    read_wait_s: float = 0.0      # blocked until a shard's states (and gradients) were read
+    write_wait_s: float = 0.0     # blocked until a set's writes finished (before reusing it)
+    verify_s: float = 0.0         # checking the read checksums (the CRC itself: crc_s)
+    crc_s: float = 0.0            # I/O workers' time computing CRC32C (off this thread)
+    # only while :func:`record_requests` is on: per I/O request ("read"/"write", bytes,
+    # submitted, first chunk started, completed, worker CRC s) and per shard update
+    # ("compute", params, start, start, end, 0.0); times on the time.perf_counter clock
+    requests: Optional[List[Tuple[str, int, float, float, float, float]]] = None
 
     @property
     def hidden_fraction(self) -> Optional[float]:
@@ -74,8 +83,11 @@ class StepStats:
 
     def merge(self, other: "StepStats") -> None:
         """Adds the bytes and times of work done for this step elsewhere (during backward)."""
-        for name in ("compute_s", "io_wait_s", "io_busy_s", "bytes_read", "bytes_written"):
+        for name in ("compute_s", "io_wait_s", "io_busy_s", "bytes_read", "bytes_written",
+                     "read_wait_s", "write_wait_s", "verify_s", "crc_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
+        if other.requests:
+            self.requests = (self.requests or []) + other.requests
 
     def as_dict(self) -> Dict[str, object]:
         out = dict(self.__dict__)
@@ -89,8 +101,11 @@ class IOClock:
     A request's interval runs from submit to the first poll (between shards) or wait that sees
     it done, so busy time is measured at shard granularity."""
 
-    def __init__(self) -> None:
+    def __init__(self, record: bool = False) -> None:
         self.wait_s = 0.0
+        self.crc_s = 0.0
+        self.requests: Optional[List[Tuple[str, int, float, float, float, float]]] = (
+            [] if record else None)
         self._open: Dict[int, Tuple["inf_io.IOFuture", float]] = {}
         self._labels: Dict[int, Tuple[str, str, int]] = {}  # for infinity.trace
         self._intervals: List[Tuple[float, float]] = []
@@ -106,6 +121,11 @@ class IOClock:
         entry = self._open.pop(id(future), None)
         if entry is not None:
             self._intervals.append((entry[1], now))
+            timing = future.timing() if hasattr(future, "timing") else None
+            if timing is not None:
+                self.crc_s += timing[3]
+                if self.requests is not None:
+                    self.requests.append((future.op, future.nbytes) + tuple(timing))
             label = self._labels.pop(id(future), None)
             if label is not None:
                 trace_events.span(label[0], label[1], label[2], entry[1], now)
@@ -116,7 +136,8 @@ class IOClock:
             if future.done():
                 self._close(future, now)
 
-    def wait(self, future: "inf_io.IOFuture") -> None:
+    def wait(self, future: "inf_io.IOFuture") -> float:
+        """Waits for ``future``; returns the seconds blocked."""
         t0 = time.perf_counter()
         try:
             future.wait()
@@ -124,6 +145,7 @@ class IOClock:
             now = time.perf_counter()
             self.wait_s += now - t0
             self._close(future, now)
+        return now - t0
 
     @property
     def busy_s(self) -> float:
@@ -134,6 +156,16 @@ class IOClock:
             total += b - max(a, end)
             end = b
         return total
+
+
+_record = False
+
+
+def record_requests(on: bool) -> None:
+    """While on, each pipeline run lists its I/O requests with their timing in
+    ``StepStats.requests`` (benchmarks attribute a step's time with it)."""
+    global _record
+    _record = bool(on)
 
 
 class BufferSets:
@@ -236,7 +268,7 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
     write of those gradients first (in a feed filled during backward it may still run)."""
     feed = shards if isinstance(shards, ShardFeed) else ShardFeed(shards)
     engine = states.engine
-    clock = IOClock()
+    clock = IOClock(record=_record)
     count = sets.count
     ahead = count - 2
     reads: Dict[int, "inf_io.IOFuture"] = {}
@@ -247,7 +279,7 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
         pending, writes[k] = writes[k], []
         for i, (future, shard, what) in enumerate(pending):
             try:
-                clock.wait(future)
+                stats.write_wait_s += clock.wait(future)
             except inf_io.InfinityIOError as exc:
                 writes[k] = pending[i + 1:]
                 raise states.wrap_error(exc, shard, what) from exc
@@ -282,25 +314,32 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
                 issued += 1
             buf = sets.state_view(k, states, shard)
             try:
-                clock.wait(reads[i])
+                stats.read_wait_s += clock.wait(reads[i])
             except inf_io.InfinityIOError as exc:
                 raise states.wrap_error(exc, shard, "reading") from exc
             del reads[i]
+            t0 = time.perf_counter()
             states.verify(shard, buf)
+            stats.verify_s += time.perf_counter() - t0
             grad = None
             if i in grad_reads:
                 grad = sets.grads[k][:shard.numel]
                 try:
-                    clock.wait(grad_reads[i])
+                    stats.read_wait_s += clock.wait(grad_reads[i])
                 except inf_io.InfinityIOError as exc:
                     raise states.wrap_error(exc, shard, "reading the gradients for the") from exc
                 del grad_reads[i]
+                t0 = time.perf_counter()
                 engine.grads.verify(shard.flat, grad)
+                stats.verify_s += time.perf_counter() - t0
             clock.poll()
             t0 = time.perf_counter()
             computed.append(shard)
             compute(shard, buf, sets.staging[k], grad)
-            stats.compute_s += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            stats.compute_s += t1 - t0
+            if clock.requests is not None:
+                clock.requests.append(("compute", shard.numel, t0, t0, t1, 0.0))
             trace_events.span("optimizer_compute", shard.key, shard.numel, t0)
             clock.poll()
             writes[k].append((clock.submitted(states.write(shard, buf), "optimizer_write",
@@ -314,6 +353,7 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
                                                   "optimizer_write", shard.flat.key,
                                                   shard.flat.home_nbytes), shard,
                                   "writing the parameters updated with the"))
+                stats.bytes_written += shard.flat.home_nbytes  # a disk write of this step too
             i += 1
         for k in range(count):
             drain(k)
@@ -324,6 +364,9 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
     finally:
         stats.io_wait_s += clock.wait_s
         stats.io_busy_s += clock.busy_s
+        stats.crc_s += clock.crc_s
+        if clock.requests is not None:
+            stats.requests = (stats.requests or []) + clock.requests
 
 
 def _settle(reads: List[Optional["inf_io.IOFuture"]], writes: List[List[Pending]]) -> None:
