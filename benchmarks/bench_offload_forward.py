@@ -47,7 +47,8 @@ def build(name: str, cfg: GPTConfig, args, swap_dir: str) -> torch.nn.Module:
     torch.manual_seed(0)
     model = TinyGPT(cfg)
     if name != "in_memory":
-        infinity.wrap(model, nvme_path=swap_dir, param_tier=name, prefetch_window=args.window)
+        infinity.wrap(model, nvme_path=swap_dir, param_tier=name, prefetch_window=args.window,
+                      verify_checksums=not args.no_verify)
     return model
 
 
@@ -100,6 +101,12 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=None)
     p.add_argument("--window", type=int, default=2, help="prefetch window (blocks)")
     p.add_argument("--nvme-path", default=None, help="swap directory (default: temp dir)")
+    p.add_argument("--configs", default=",".join(CONFIGS),
+                   help="configurations to run, comma-separated (in_memory always runs)")
+    p.add_argument("--no-verify", action="store_true",
+                   help="verify_checksums=False (sizes the CRC32C's share)")
+    p.add_argument("--io-threads", type=int, default=None,
+                   help="infinity.io.configure(num_threads=...) (default: the library's)")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
                                                   "bench_offload_forward.json"))
     args = p.parse_args(argv)
@@ -107,13 +114,19 @@ def main(argv=None) -> int:
     args.batch = args.batch or (2 if args.quick else 4)
     args.seq = args.seq or (32 if args.quick else 128)
     cfg = config(args.quick)
+    configs = ["in_memory"] + [c for c in args.configs.split(",") if c and c != "in_memory"]
+    unknown = set(configs) - set(CONFIGS)
+    if unknown:
+        p.error(f"unknown --configs {sorted(unknown)}; choose from {CONFIGS}")
+    if args.io_threads is not None:
+        infinity.io.configure(num_threads=args.io_threads)
     x, y = synthetic_batch(cfg, args.batch, args.seq, torch.Generator().manual_seed(1))
     swap_dir = args.nvme_path or tempfile.mkdtemp(prefix="bench-offload-", dir=tempfile.gettempdir())
     # All three models live at once and the measured steps go round-robin over them, so a
     # noisy phase of this shared machine hits every configuration alike.
-    models = {name: build(name, cfg, args, swap_dir) for name in CONFIGS}
+    models = {name: build(name, cfg, args, swap_dir) for name in configs}
     n_params = sum(p.numel() for p in models["in_memory"].parameters())
-    per_config: Dict[str, List[Dict]] = {name: [] for name in CONFIGS}
+    per_config: Dict[str, List[Dict]] = {name: [] for name in configs}
     try:
         for step in range(args.steps + 1):  # step 0 is the warm-up (records the schedule)
             for name, model in models.items():
@@ -121,9 +134,9 @@ def main(argv=None) -> int:
                 if step:
                     per_config[name].append(row)
             print(f"step {step}: " + "  ".join(
-                f"{n} {per_config[n][-1]['step_s']:.3f}s" for n in CONFIGS if step), flush=True)
-        rows = [summarize(name, n_params, per_config[name]) for name in CONFIGS]
-        for name in ("host", "nvme"):
+                f"{n} {per_config[n][-1]['step_s']:.3f}s" for n in configs if step), flush=True)
+        rows = [summarize(name, n_params, per_config[name]) for name in configs]
+        for name in configs[1:]:
             infinity.unwrap(models[name])
     finally:
         if args.nvme_path is None:
@@ -158,7 +171,8 @@ def main(argv=None) -> int:
                     "torch": torch.__version__, "cuda": torch.cuda.is_available()},
         "model": {"d_model": cfg.d_model, "n_layers": cfg.n_layers, "vocab": cfg.vocab_size,
                   "batch": args.batch, "seq": args.seq},
-        "quick": args.quick, "results": rows,
+        "quick": args.quick, "verify_checksums": not args.no_verify,
+        "io_threads": infinity.io.get_config().num_threads, "results": rows,
     }
     _common.write_json(args.out, out)
     plt = _common.pyplot()
