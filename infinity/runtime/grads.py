@@ -61,6 +61,8 @@ class GradientSink:
         self._writes: List[Tuple["inf_io.IOFuture", torch.Tensor, FlatParam]] = []
         self._finite: Dict[int, bool] = {}  # NVMe tier: checked while the buffer was in RAM
         self._norms: Dict[int, List[Optional[torch.Tensor]]] = {}  # per-slot L2 norms, ditto
+        # NVMe tier, open flats: slot norms measured as the gradients were accumulated
+        self._pending_norms: Dict[int, List[Optional[torch.Tensor]]] = {}
         self._d2h = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._flats = list(flats)
         # (id(flat), slot) -> (flat, slot, tensor given as p.grad, its version, is a view)
@@ -141,6 +143,24 @@ class GradientSink:
         else:
             view.copy_(grad)
             flat.grad_ready[index] = True
+        if self.tier is Tier.NVME:
+            # its L2 norm now, while the slot is still in the CPU's caches, rather than in
+            # _close after the whole block (one more pass over memory); computed exactly as
+            # _close would, on the same view, so it is the same number
+            self._slot_norms(flat)[index] = self._norm_of(flat, index)
+
+    def _slot_norms(self, flat: FlatParam) -> List[Optional[torch.Tensor]]:
+        """Norms of the open flat's slots measured as their gradients arrived."""
+        norms = self._pending_norms.get(id(flat))
+        if norms is None:
+            norms = self._pending_norms[id(flat)] = [None] * len(flat.slots)
+        return norms
+
+    @staticmethod
+    def _norm_of(flat: FlatParam, index: int) -> torch.Tensor:
+        s = flat.slots[index]
+        return torch.linalg.vector_norm(flat.grad[s.offset:s.offset + s.numel], 2.0,
+                                        dtype=torch.float32)
 
     def _accumulate_staged(self, item: Tuple[FlatParam, int], staging: torch.Tensor) -> None:
         flat, index = item
@@ -240,10 +260,11 @@ class GradientSink:
         # measured now, while the buffer is in RAM, so the optimizer need not read it back for
         # the inf/nan check or for clipping: per-slot L2 norms (computed exactly as
         # torch.nn.utils.clip_grad_norm_ does); a finite norm means finite elements
+        measured = self._pending_norms.pop(id(flat), None) or [None] * len(flat.slots)
         norms: List[Optional[torch.Tensor]] = [
-            torch.linalg.vector_norm(flat.grad[s.offset:s.offset + s.numel], 2.0,
-                                     dtype=torch.float32) if flat.grad_ready[i] else None
-            for i, s in enumerate(flat.slots)]
+            (measured[i] if measured[i] is not None else self._norm_of(flat, i))
+            if flat.grad_ready[i] else None
+            for i in range(len(flat.slots))]
         self._norms[id(flat)] = norms
         self._finite[id(flat)] = (all(n is None or bool(torch.isfinite(n)) for n in norms)
                                   or all_finite(flat.grad))
@@ -338,6 +359,8 @@ class GradientSink:
                 flat.grad_view(i).copy_(current.detach().reshape(flat.slots[i].shape))
                 flat.grad_ready[i] = True
                 if nvme:
+                    self._slot_norms(flat)[i] = None  # measured again when written
+                if nvme:
                     rewrite[id(flat)] = flat
             elif given._version != version:
                 if nvme:
@@ -376,6 +399,7 @@ class GradientSink:
             flat.slots[i].param.grad = None
         self._exposed.clear()
         self._lost.clear()
+        self._pending_norms.clear()
         for flat in self._flats:
             flat.grad_ready = [False] * len(flat.slots)
 
