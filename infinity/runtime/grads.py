@@ -17,6 +17,7 @@ NVMe-tier gradients are not exposed (``p.grad`` stays None; a torch optimizer re
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
 import time
 from typing import Dict, Iterator, List, Optional, Tuple
@@ -45,6 +46,27 @@ class GradientWriteError(OSError):
     """Writing a block's gradients to NVMe failed: those gradients are lost."""
 
 
+class _PendingWrite:
+    """A gradient write handed to the sink's writer thread: submitted to the I/O engine there
+    (so the compute thread does not wait for the submission, which wakes the I/O workers),
+    then running on the I/O workers. ``wait`` raises the submission's or the write's error."""
+
+    __slots__ = ("_submitted",)
+
+    def __init__(self, submitted: "cf.Future") -> None:
+        self._submitted = submitted
+
+    def done(self) -> bool:
+        if not self._submitted.done():
+            return False
+        if self._submitted.exception() is not None:
+            return True
+        return self._submitted.result().done()
+
+    def wait(self) -> None:
+        self._submitted.result().wait()
+
+
 class GradientSink:
     def __init__(self, tier: Tier, device: torch.device, stats: Stats, host_budget: ByteBudget,
                  store: Optional[SwapStore], flats: List[FlatParam], pool_count: int) -> None:
@@ -58,7 +80,8 @@ class GradientSink:
         self.store = store
         self.pool: Optional[HostPool] = None
         self._open: Dict[int, Tuple[FlatParam, torch.Tensor]] = {}
-        self._writes: List[Tuple["inf_io.IOFuture", torch.Tensor, FlatParam]] = []
+        self._writes: List[Tuple[_PendingWrite, torch.Tensor, FlatParam]] = []
+        self._writer: Optional[cf.ThreadPoolExecutor] = None  # NVMe: submits the writes
         self._finite: Dict[int, bool] = {}  # NVMe tier: checked while the buffer was in RAM
         self._norms: Dict[int, List[Optional[torch.Tensor]]] = {}  # per-slot L2 norms, ditto
         # NVMe tier, open flats: slot norms measured as the gradients were accumulated
@@ -77,6 +100,11 @@ class GradientSink:
             self.pool = HostPool(pool_count, largest, host_budget)
             for f in trainable:
                 store.create(grad_key(f), f.numel * 4)
+            # one thread: writes are submitted in the order their blocks' backward ended;
+            # their buffers stay out of the pool until reaped, so the RAM in flight is bounded
+            # by the pool (pool_count buffers, counted in the host budget)
+            self._writer = cf.ThreadPoolExecutor(max_workers=1,
+                                                 thread_name_prefix="infinity-grad-write")
         # CUDA: device->host copies land in a fixed ring of pinned staging buffers (bounded
         # whatever the model size), drained into the accumulators when it is full
         from . import pinned as pinned_mod
@@ -268,7 +296,7 @@ class GradientSink:
         self._norms[id(flat)] = norms
         self._finite[id(flat)] = (all(n is None or bool(torch.isfinite(n)) for n in norms)
                                   or all_finite(flat.grad))
-        future = self.store.write(grad_key(flat), flat.grad)
+        future = _PendingWrite(self._writer.submit(self.store.write, grad_key(flat), flat.grad))
         self.stats.add_moved("host_to_nvme", flat.numel * 4)
         flat.grad = None
         self._writes.append((future, buf, flat))
@@ -473,6 +501,11 @@ class GradientSink:
         if self._staging is not None:  # copies in flight land before the buffers are freed
             self._staging.close()
             self._staging = None
-        self._reap(block=True)
-        if self.pool is not None:
-            self.pool.close()
+        try:
+            self._reap(block=True)
+        finally:
+            if self._writer is not None:
+                self._writer.shutdown(wait=True)
+                self._writer = None
+            if self.pool is not None:
+                self.pool.close()
