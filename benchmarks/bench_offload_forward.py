@@ -47,8 +47,33 @@ def build(name: str, cfg: GPTConfig, args, swap_dir: str) -> torch.nn.Module:
     torch.manual_seed(0)
     model = TinyGPT(cfg)
     if name != "in_memory":
-        infinity.wrap(model, nvme_path=swap_dir, param_tier=name, prefetch_window=args.window)
+        infinity.wrap(model, nvme_path=swap_dir, param_tier=name, prefetch_window=args.window,
+                      verify_checksums=not args.no_verify)
     return model
+
+
+def thread_cpu() -> Dict[int, float]:
+    """CPU seconds (user + system) of each thread of this process (Linux; else empty)."""
+    out: Dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the thread ended
+        out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+# threads that existed before any model was wrapped: the main thread and torch's intra-op
+# (OpenMP) workers; every other thread is the engine's (I/O workers, transfer threads,
+# gradient writer), so their CPU is what the offload's background work took from the cores
+COMPUTE_THREADS: set = set()
 
 
 def one_step(name: str, model: torch.nn.Module, x, y) -> Dict:
@@ -57,13 +82,21 @@ def one_step(name: str, model: torch.nn.Module, x, y) -> Dict:
     else:
         infinity.stats(model, reset=True)
         model._infinity_engine.zero_grad()
+    before = thread_cpu()
     t0, c0 = time.perf_counter(), time.process_time()
     lm_loss(model(x), y).backward()
     row = {"step_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
+    after = thread_cpu()
+    delta = {tid: cpu - before.get(tid, 0.0) for tid, cpu in after.items()}
+    row["cpu_split"] = {
+        "main": delta.get(os.getpid(), 0.0),
+        "intra_op": sum(d for t, d in delta.items() if t in COMPUTE_THREADS and t != os.getpid()),
+        "engine_threads": sum(d for t, d in delta.items() if t not in COMPUTE_THREADS)}
     if name != "in_memory":
         s = infinity.stats(model)
         t = s["time"]
         row.update(stall_s=s["stall_seconds"], moved=sum(s["moved"].values()),
+                   nvme_read=s["moved"]["nvme_to_host"], nvme_written=s["moved"]["host_to_nvme"],
                    hit_rate=s["prefetch_hit_rate"],
                    time={k: t[k] for k in ATTRIBUTION if k in t})
     return row
@@ -79,6 +112,11 @@ def summarize(name: str, n_params: int, rows: List[Dict]) -> Dict:
     result = {"config": name, "params": n_params, "step_s_median": statistics.median(times),
               "step_s_min": min(times), "step_s_all": times,
               "cpu_s_median": statistics.median(r["cpu_s"] for r in rows)}
+    result["cpu_split_median"] = {k: statistics.median(r["cpu_split"][k] for r in rows)
+                                  for k in rows[0]["cpu_split"]}
+    if "nvme_read" in rows[0]:
+        result["nvme_read_per_step"] = statistics.median(r["nvme_read"] for r in rows)
+        result["nvme_written_per_step"] = statistics.median(r["nvme_written"] for r in rows)
     if "time" in rows[0]:
         result["time_median"] = {k: statistics.median(r["time"][k] for r in rows)
                                  for k in rows[0]["time"]}
@@ -100,6 +138,12 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=None)
     p.add_argument("--window", type=int, default=2, help="prefetch window (blocks)")
     p.add_argument("--nvme-path", default=None, help="swap directory (default: temp dir)")
+    p.add_argument("--configs", default=",".join(CONFIGS),
+                   help="configurations to run, comma-separated (in_memory always runs)")
+    p.add_argument("--no-verify", action="store_true",
+                   help="verify_checksums=False (sizes the CRC32C's share)")
+    p.add_argument("--io-threads", type=int, default=None,
+                   help="infinity.io.configure(num_threads=...) (default: the library's)")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
                                                   "bench_offload_forward.json"))
     args = p.parse_args(argv)
@@ -107,13 +151,22 @@ def main(argv=None) -> int:
     args.batch = args.batch or (2 if args.quick else 4)
     args.seq = args.seq or (32 if args.quick else 128)
     cfg = config(args.quick)
+    configs = ["in_memory"] + [c for c in args.configs.split(",") if c and c != "in_memory"]
+    unknown = set(configs) - set(CONFIGS)
+    if unknown:
+        p.error(f"unknown --configs {sorted(unknown)}; choose from {CONFIGS}")
+    if args.io_threads is not None:
+        infinity.io.configure(num_threads=args.io_threads)
     x, y = synthetic_batch(cfg, args.batch, args.seq, torch.Generator().manual_seed(1))
     swap_dir = args.nvme_path or tempfile.mkdtemp(prefix="bench-offload-", dir=tempfile.gettempdir())
     # All three models live at once and the measured steps go round-robin over them, so a
     # noisy phase of this shared machine hits every configuration alike.
-    models = {name: build(name, cfg, args, swap_dir) for name in CONFIGS}
+    models = {"in_memory": build("in_memory", cfg, args, swap_dir)}
+    one_step("in_memory", models["in_memory"], x, y)  # starts torch's intra-op threads
+    COMPUTE_THREADS.update(thread_cpu())
+    models.update({name: build(name, cfg, args, swap_dir) for name in configs[1:]})
     n_params = sum(p.numel() for p in models["in_memory"].parameters())
-    per_config: Dict[str, List[Dict]] = {name: [] for name in CONFIGS}
+    per_config: Dict[str, List[Dict]] = {name: [] for name in configs}
     try:
         for step in range(args.steps + 1):  # step 0 is the warm-up (records the schedule)
             for name, model in models.items():
@@ -121,9 +174,9 @@ def main(argv=None) -> int:
                 if step:
                     per_config[name].append(row)
             print(f"step {step}: " + "  ".join(
-                f"{n} {per_config[n][-1]['step_s']:.3f}s" for n in CONFIGS if step), flush=True)
-        rows = [summarize(name, n_params, per_config[name]) for name in CONFIGS]
-        for name in ("host", "nvme"):
+                f"{n} {per_config[n][-1]['step_s']:.3f}s" for n in configs if step), flush=True)
+        rows = [summarize(name, n_params, per_config[name]) for name in configs]
+        for name in configs[1:]:
             infinity.unwrap(models[name])
     finally:
         if args.nvme_path is None:
@@ -151,6 +204,14 @@ def main(argv=None) -> int:
         if "time_median" in r:
             print(f"{r['config']:<10} " + "  ".join(
                 f"{k} {r['time_median'][k]:.3f}" for k in ATTRIBUTION if k in r["time_median"]))
+    print("\nCPU seconds per step (median): main thread, torch intra-op threads, engine threads "
+          "(I/O workers, transfers, gradient writer); NVMe GB read / written per step")
+    for r in rows:
+        c = r["cpu_split_median"]
+        io = (f"  read {r['nvme_read_per_step'] / 1e9:.2f} GB  written "
+              f"{r['nvme_written_per_step'] / 1e9:.2f} GB" if "nvme_read_per_step" in r else "")
+        print(f"{r['config']:<10} main {c['main']:.3f}  intra_op {c['intra_op']:.3f}  "
+              f"engine_threads {c['engine_threads']:.3f}{io}")
     out = {
         "date": datetime.date.today().isoformat(),
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
@@ -158,7 +219,8 @@ def main(argv=None) -> int:
                     "torch": torch.__version__, "cuda": torch.cuda.is_available()},
         "model": {"d_model": cfg.d_model, "n_layers": cfg.n_layers, "vocab": cfg.vocab_size,
                   "batch": args.batch, "seq": args.seq},
-        "quick": args.quick, "results": rows,
+        "quick": args.quick, "verify_checksums": not args.no_verify,
+        "io_threads": infinity.io.get_config().num_threads, "results": rows,
     }
     _common.write_json(args.out, out)
     plt = _common.pyplot()

@@ -28,10 +28,39 @@ def test_prefetch_hits_after_first_step(tmp_path):
         loss_of(model, x, y).backward()
     s = infinity.stats(model)
     total = s["prefetch_hits"] + s["prefetch_misses"]
-    assert total >= 3 * 2 * CFG.n_layers  # every layer fetched in forward and backward
+    # every layer is fetched in forward and in backward, except the last two of forward (the
+    # prefetch window): they are the first two of backward and stay materialized between
+    assert total >= 3 * (2 * CFG.n_layers - 2)
     assert s["on_demand_fetches"] == 0, s
     assert s["prefetch_hit_rate"] >= 0.9, s
     assert s["schedule_deviations"] == 0
+
+
+@pytest.mark.parametrize("window", [0, 1, 2, 3])
+def test_last_blocks_of_forward_are_kept_for_backward(tmp_path, window):
+    """The first blocks of backward (as many as the prefetch window, at least one) are the last
+    of forward: they are not released and read again in between."""
+    cfg = GPTConfig(vocab_size=128, d_model=32, n_layers=6, n_heads=2, max_seq=16)
+    torch.manual_seed(0)
+    model = TinyGPT(cfg)
+    reference = copy.deepcopy(model)
+    infinity.wrap(model, nvme_path=str(tmp_path), param_tier="nvme", prefetch_window=window)
+    data = batches(cfg, 3, batch=2, seq=16)
+    for step, (x, y) in enumerate(data):
+        model._infinity_engine.zero_grad()
+        reference.zero_grad(set_to_none=True)
+        infinity.stats(model, reset=True)
+        loss_of(model, x, y).backward()
+        loss_of(reference, x, y).backward()
+        assert_grads_equal(reference, model)
+        if step == 0:
+            continue  # records the schedule
+        s = infinity.stats(model)
+        kept = max(1, window)
+        # root once, every layer in forward, every layer in backward but the kept ones (the
+        # next step's first fetches, issued at the end of this backward, replace those the
+        # previous step issued for this one)
+        assert s["fetches"] == 1 + 2 * cfg.n_layers - kept, s
 
 
 class _SkipLayers(TinyGPT):

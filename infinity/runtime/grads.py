@@ -17,6 +17,7 @@ NVMe-tier gradients are not exposed (``p.grad`` stays None; a torch optimizer re
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
 import time
 from typing import Dict, Iterator, List, Optional, Tuple
@@ -45,6 +46,27 @@ class GradientWriteError(OSError):
     """Writing a block's gradients to NVMe failed: those gradients are lost."""
 
 
+class _PendingWrite:
+    """A gradient write handed to the sink's writer thread: submitted to the I/O engine there
+    (so the compute thread does not wait for the submission, which wakes the I/O workers),
+    then running on the I/O workers. ``wait`` raises the submission's or the write's error."""
+
+    __slots__ = ("_submitted",)
+
+    def __init__(self, submitted: "cf.Future") -> None:
+        self._submitted = submitted
+
+    def done(self) -> bool:
+        if not self._submitted.done():
+            return False
+        if self._submitted.exception() is not None:
+            return True
+        return self._submitted.result().done()
+
+    def wait(self) -> None:
+        self._submitted.result().wait()
+
+
 class GradientSink:
     def __init__(self, tier: Tier, device: torch.device, stats: Stats, host_budget: ByteBudget,
                  store: Optional[SwapStore], flats: List[FlatParam], pool_count: int) -> None:
@@ -58,9 +80,12 @@ class GradientSink:
         self.store = store
         self.pool: Optional[HostPool] = None
         self._open: Dict[int, Tuple[FlatParam, torch.Tensor]] = {}
-        self._writes: List[Tuple["inf_io.IOFuture", torch.Tensor, FlatParam]] = []
+        self._writes: List[Tuple[_PendingWrite, torch.Tensor, FlatParam]] = []
+        self._writer: Optional[cf.ThreadPoolExecutor] = None  # NVMe: submits the writes
         self._finite: Dict[int, bool] = {}  # NVMe tier: checked while the buffer was in RAM
         self._norms: Dict[int, List[Optional[torch.Tensor]]] = {}  # per-slot L2 norms, ditto
+        # NVMe tier, open flats: slot norms measured as the gradients were accumulated
+        self._pending_norms: Dict[int, List[Optional[torch.Tensor]]] = {}
         self._d2h = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._flats = list(flats)
         # (id(flat), slot) -> (flat, slot, tensor given as p.grad, its version, is a view)
@@ -75,6 +100,11 @@ class GradientSink:
             self.pool = HostPool(pool_count, largest, host_budget)
             for f in trainable:
                 store.create(grad_key(f), f.numel * 4)
+            # one thread: writes are submitted in the order their blocks' backward ended;
+            # their buffers stay out of the pool until reaped, so the RAM in flight is bounded
+            # by the pool (pool_count buffers, counted in the host budget)
+            self._writer = cf.ThreadPoolExecutor(max_workers=1,
+                                                 thread_name_prefix="infinity-grad-write")
         # CUDA: device->host copies land in a fixed ring of pinned staging buffers (bounded
         # whatever the model size), drained into the accumulators when it is full
         from . import pinned as pinned_mod
@@ -141,6 +171,24 @@ class GradientSink:
         else:
             view.copy_(grad)
             flat.grad_ready[index] = True
+        if self.tier is Tier.NVME:
+            # its L2 norm now, while the slot is still in the CPU's caches, rather than in
+            # _close after the whole block (one more pass over memory); computed exactly as
+            # _close would, on the same view, so it is the same number
+            self._slot_norms(flat)[index] = self._norm_of(flat, index)
+
+    def _slot_norms(self, flat: FlatParam) -> List[Optional[torch.Tensor]]:
+        """Norms of the open flat's slots measured as their gradients arrived."""
+        norms = self._pending_norms.get(id(flat))
+        if norms is None:
+            norms = self._pending_norms[id(flat)] = [None] * len(flat.slots)
+        return norms
+
+    @staticmethod
+    def _norm_of(flat: FlatParam, index: int) -> torch.Tensor:
+        s = flat.slots[index]
+        return torch.linalg.vector_norm(flat.grad[s.offset:s.offset + s.numel], 2.0,
+                                        dtype=torch.float32)
 
     def _accumulate_staged(self, item: Tuple[FlatParam, int], staging: torch.Tensor) -> None:
         flat, index = item
@@ -240,14 +288,15 @@ class GradientSink:
         # measured now, while the buffer is in RAM, so the optimizer need not read it back for
         # the inf/nan check or for clipping: per-slot L2 norms (computed exactly as
         # torch.nn.utils.clip_grad_norm_ does); a finite norm means finite elements
+        measured = self._pending_norms.pop(id(flat), None) or [None] * len(flat.slots)
         norms: List[Optional[torch.Tensor]] = [
-            torch.linalg.vector_norm(flat.grad[s.offset:s.offset + s.numel], 2.0,
-                                     dtype=torch.float32) if flat.grad_ready[i] else None
-            for i, s in enumerate(flat.slots)]
+            (measured[i] if measured[i] is not None else self._norm_of(flat, i))
+            if flat.grad_ready[i] else None
+            for i in range(len(flat.slots))]
         self._norms[id(flat)] = norms
         self._finite[id(flat)] = (all(n is None or bool(torch.isfinite(n)) for n in norms)
                                   or all_finite(flat.grad))
-        future = self.store.write(grad_key(flat), flat.grad)
+        future = _PendingWrite(self._writer.submit(self.store.write, grad_key(flat), flat.grad))
         self.stats.add_moved("host_to_nvme", flat.numel * 4)
         flat.grad = None
         self._writes.append((future, buf, flat))
@@ -338,6 +387,8 @@ class GradientSink:
                 flat.grad_view(i).copy_(current.detach().reshape(flat.slots[i].shape))
                 flat.grad_ready[i] = True
                 if nvme:
+                    self._slot_norms(flat)[i] = None  # measured again when written
+                if nvme:
                     rewrite[id(flat)] = flat
             elif given._version != version:
                 if nvme:
@@ -376,6 +427,7 @@ class GradientSink:
             flat.slots[i].param.grad = None
         self._exposed.clear()
         self._lost.clear()
+        self._pending_norms.clear()
         for flat in self._flats:
             flat.grad_ready = [False] * len(flat.slots)
 
@@ -449,6 +501,11 @@ class GradientSink:
         if self._staging is not None:  # copies in flight land before the buffers are freed
             self._staging.close()
             self._staging = None
-        self._reap(block=True)
-        if self.pool is not None:
-            self.pool.close()
+        try:
+            self._reap(block=True)
+        finally:
+            if self._writer is not None:
+                self._writer.shutdown(wait=True)
+                self._writer = None
+            if self.pool is not None:
+                self.pool.close()

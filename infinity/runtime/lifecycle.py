@@ -211,9 +211,12 @@ class HookHandlers:
                 hooks_mod.register_pre_backward(output, lambda: self.on_pre_backward(block))
             if self._in_backward():
                 return  # recomputed for backward: its backward comes next
-            first_backward = self.schedule.upcoming("backward", 1)
-            if needs_backward and first_backward == [block.index]:
-                return  # the last block of forward is the first of backward: keep it
+            keep = self.schedule.upcoming("backward", max(1, self.schedule.window))
+            if needs_backward and block.index in keep:
+                # the last blocks of forward are the first of backward (as many as the
+                # prefetch window): keep them rather than read them again; under a device
+                # budget a required fetch still releases them (_make_room)
+                return
             if block.active_forward == 0:
                 self._release(block)
 
