@@ -21,8 +21,8 @@ parameters this rank holds, s: optimizer state bytes per parameter, B: blocks):
   disk's read + write time, plus the first shard's read and the last one's write;
 - the updates that start during backward when gradients and states are both on NVMe (the
   optimizer's overlap) are not credited: on a CPU-only machine the same cores compute, and
-  the fetches use the same disk (measured: ``nvme`` steps were not shorter than
-  ``optim_nvme`` ones).
+  the fetches use the same disk (on the loaded 2-core VM, ``nvme`` steps came out shorter
+  than ``optim_nvme`` ones in some runs and longer in others: not a measured gain).
 
 With R ranks each holds 1/R of the homes, gradients and states (ZeRO-3 partitioning) and
 computes its own batch; collectives are not modelled (and multi-rank runs are not built yet).
