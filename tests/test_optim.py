@@ -543,7 +543,8 @@ def test_loss_scaler_unscale_equals_unscaled_training():
 # NVMe: tier choice, stats, real offload (RSS)
 # =========================================================================================
 def test_auto_tier_and_step_stats(tmp_path):
-    model = infinity.wrap(_model(), nvme_path=str(tmp_path))  # auto, no host budget: nvme
+    # the fixed rules (placement=None), no host budget: nvme (the planner would keep RAM)
+    model = infinity.wrap(_model(), nvme_path=str(tmp_path), placement=None)
     opt = infinity.optim.AdamW(model.parameters(), lr=1e-2)
     _train(model, opt, 3)
     assert set(opt.state_tiers.values()) == {"nvme"}
