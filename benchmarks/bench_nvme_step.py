@@ -115,15 +115,17 @@ class DiskProbe:
 
 
 class ExtentProbe:
-    """The same measurement on one case's *own* state extents: reads of the committed extent
-    of every shard, writes to the other one (which the next step overwrites before anything
-    reads it), every request in flight, through the DiskProbe's buffers. Where a file lies on
-    the disk matters on this VM (the first model's extents were ~40% slower than the others'
-    in the same run), so the step is compared with the disk time of its own files."""
+    """The same measurement on one case's *own* state extents and buffers: reads of the
+    committed extent of every shard, writes to the other one (which the next step overwrites
+    before anything reads it), every request in flight, into/from the case's own pipeline
+    buffer sets (scratch between steps). On the test VM one case of a run could be ~40%
+    slower than the others, with the same code and a fresh-file probe unchanged, so the step
+    is compared with the disk time of its own files and memory."""
 
-    def __init__(self, case: "Case", bufs: List[torch.Tensor]) -> None:
+    def __init__(self, case: "Case") -> None:
         store = case.opt._stores[id(case.engine)]
-        self.bufs = bufs
+        sets = case.opt._sets[id(case.engine)]
+        self.bufs = [sets.states[0], sets.states[1], sets.states[2]]
         self.extents = []  # (committed path, inactive path, nbytes)
         for shard in case.opt._shards.values():
             which = store.committed[shard.key]
@@ -311,7 +313,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 per_format[name] = []
         probe_bytes = max(c.step()["bytes_written"] for c in cases.values())
         probe = DiskProbe(d, probe_bytes, max(c.largest_request() for c in cases.values()))
-        own = {f: ExtentProbe(c, probe.bufs) for f, c in cases.items()}
+        own = {f: ExtentProbe(c) for f, c in cases.items()}
         try:
             for r in range(rounds):
                 f_wbw, f_rbw = probe.write(), probe.read()
