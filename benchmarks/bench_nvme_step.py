@@ -362,13 +362,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         row["samples"] = ms
         rows.append(row)
     base = rows[0]
-    print(f"{'states':<12} {'sets':>4} {'step s':>8} {'disk s':>8} {'step/disk':>10} {'MB/step':>9} "
-          f"{'bytes vs ' + base['states']:>14} {'time vs ' + base['states']:>13} "
+    print(f"{'states':<12} {'sets':>4} {'step s':>8} {'disk s':>8} {'step/disk':>10} "
+          f"{'MB/step':>9} {'bytes vs ' + base['states']:>14} {'time vs ' + base['states']:>13} "
           f"{'vs file probe':>13}")
     for r in rows:
         moved = r["bytes_read"] + r["bytes_written"]
-        print(f"{r['states']:<12} {r['sets']:>4} {r['step_s']:>8.3f} {r['disk_s']:>8.3f} {r['ratio']:>9.2f}x "
-              f"{moved / 1e6:>9.0f} "
+        print(f"{r['states']:<12} {r['sets']:>4} {r['step_s']:>8.3f} {r['disk_s']:>8.3f} "
+              f"{r['ratio']:>9.2f}x {moved / 1e6:>9.0f} "
               f"{moved / (base['bytes_read'] + base['bytes_written']):>13.2f}x "
               f"{r['step_s'] / base['step_s']:>12.2f}x {r['ratio_file']:>12.2f}x")
     print("\nattribution (medians, s): pipeline thread = read wait + write wait + CPU Adam + "
