@@ -4,29 +4,32 @@
     python benchmarks/bench_nvme_step.py --quick        # ~8M params, a few seconds (CI)
 
 For a model of plain nn.Linear layers wrapped with optimizer states on NVMe (parameters and
-gradients in RAM by default; ``--all-nvme`` puts them on NVMe too), each round:
+gradients in RAM by default; ``--all-nvme`` puts them on NVMe too), each round, per case (in a
+rotating order: round r starts with case r, so none always runs right after a probe):
 
-1. measures the disk with ``infinity.io`` in the same directory: writes then reads back (cold:
-   O_DIRECT) as many bytes as one step writes/reads, in requests of the largest shard's state
-   size, all in flight at once (the best that the I/O engine gets from this disk);
-2. times ``opt.step()`` (``--steps`` steps per round) with random gradients in the engine's
-   buffers, and takes the bytes read and written from ``opt.last_step_stats``.
+1. measures the disk with ``infinity.io`` on the case's *own* state extents
+   (:class:`ExtentProbe`): writes to the extents the next step overwrites, cold (O_DIRECT)
+   reads of the committed ones, then both at once ("mixed"), in requests of one shard's
+   size, all in flight (the best the I/O engine gets from those files);
+2. times ``opt.step()`` (``--steps`` steps) with random gradients in the engine's buffers, and
+   takes the bytes read and written from ``opt.last_step_stats``.
 
-Cases run in a rotating order (round r starts with case r), so none always runs right after
-the disk probe's writes. The ratio reported per round is ``step time / (bytes read / read bw + bytes written / write
-bw)``: 1.0 means the step took exactly the disk time of its bytes. Each round also measures the
-disk *mixed* (the same reads and writes all in flight together, as the pipeline has them), so
-``step / mixed`` is what the pipeline adds over the disk and ``mixed / disk time`` what the disk
-loses (or gains) serving both at once.
+The ratio reported is ``step time / (bytes read / read bw + bytes written / write bw)``: 1.0
+means the step took exactly the disk time of its bytes. ``step / mixed`` is what the pipeline
+adds over the disk serving the same reads and writes together. A probe of two fresh files in
+the same directory (:class:`DiskProbe`, the measurement of earlier versions) is kept as
+``disk_file_s``/``ratio_file``: on the test VM the files' placement changed their speed by up
+to ~40% within one run, so that reference is not the fair one.
 
 Attribution per step (``swapper.record_requests``): the pipeline thread's time blocked on reads
 (``read_wait_s``), on writes before a buffer set is reused (``write_wait_s``), in the CPU Adam
 (``compute_s``), checking checksums (``verify_s``) and the rest (``other_s``: Python, buffer
-views, submits); the I/O workers' CRC32C time (``crc_s``, off the pipeline thread); and from
+views, submits); the CRC threads' CRC32C time (``crc_s``, off the pipeline thread); and from
 the per-request timeline: the time with reads, writes, both or no request in flight
-(``read_busy_s``, ``write_busy_s``, ``both_busy_s``, ``disk_idle_s``). Rounds alternate between the
-state formats (``--formats``), so a disk that drifts is seen by all of them; medians over
-rounds. Results: benchmarks/results/bench_nvme_step.json.
+(``read_busy_s``, ``write_busy_s``, ``both_busy_s``, ``disk_idle_s``). ``--ablate`` adds the
+first format without checksums and as I/O only (no Adam); ``--compare-crc-inline`` with the
+checksums computed by the I/O workers themselves. Medians over rounds. Results:
+benchmarks/results/bench_nvme_step.json.
 """
 from __future__ import annotations
 
@@ -109,6 +112,52 @@ class DiskProbe:
     def close(self) -> None:
         for path in self.paths:
             os.unlink(path)
+
+
+class ExtentProbe:
+    """The same measurement on one case's *own* state extents and buffers: reads of the
+    committed extent of every shard, writes to the other one (which the next step overwrites
+    before anything reads it), every request in flight, into/from the case's own pipeline
+    buffer sets (scratch between steps). On the test VM one case of a run could be ~40%
+    slower than the others, with the same code and a fresh-file probe unchanged, so the step
+    is compared with the disk time of its own files and memory."""
+
+    def __init__(self, case: "Case") -> None:
+        store = case.opt._stores[id(case.engine)]
+        sets = case.opt._sets[id(case.engine)]
+        self.bufs = [sets.states[0], sets.states[1], sets.states[2]]
+        self.extents = []  # (committed path, inactive path, nbytes)
+        for shard in case.opt._shards.values():
+            which = store.committed[shard.key]
+            self.extents.append((store.store.path(store.extent(shard.key, which)),
+                                 store.store.path(store.extent(shard.key, 1 - which)),
+                                 store.layout(shard).nbytes))
+        self.nbytes = sum(e[2] for e in self.extents)
+
+    def _run(self, reads: bool, writes: bool) -> float:
+        handles = []
+        try:
+            futures = []
+            t0 = time.perf_counter()
+            for i, (committed, inactive, n) in enumerate(self.extents):
+                if reads:
+                    handles.append(inf_io.FileHandle(committed, "r", require_direct=True))
+                    futures.append(handles[-1].pread(self.bufs[i % 2], 0, n))
+                if writes:
+                    handles.append(inf_io.FileHandle(inactive, "r+", require_direct=True))
+                    futures.append(handles[-1].pwrite(self.bufs[2], 0, n))
+            for fut in futures:
+                fut.wait()
+            return time.perf_counter() - t0
+        finally:
+            for h in handles:
+                h.close()
+
+    def measure(self) -> Tuple[float, float, float]:
+        """(write bytes/s, read bytes/s, mixed seconds for both)."""
+        w = self.nbytes / self._run(False, True)
+        r = self.nbytes / self._run(True, False)
+        return w, r, self._run(True, True)
 
 
 def _union(intervals: List[Tuple[float, float]]) -> float:
@@ -264,21 +313,27 @@ def main(argv: Optional[List[str]] = None) -> int:
                 per_format[name] = []
         probe_bytes = max(c.step()["bytes_written"] for c in cases.values())
         probe = DiskProbe(d, probe_bytes, max(c.largest_request() for c in cases.values()))
+        own = {f: ExtentProbe(c) for f, c in cases.items()}
         try:
             for r in range(rounds):
-                wbw, rbw = probe.write(), probe.read()
-                mixed_bps = 2 * probe.nbytes / probe.mixed()  # both directions' bytes per s
+                f_wbw, f_rbw = probe.write(), probe.read()
                 names = list(cases)
                 order = names[r % len(names):] + names[:r % len(names)]  # none always first
                 for fmt in order:
                     case = cases[fmt]
+                    wbw, rbw, mixed_t = own[fmt].measure()
+                    mixed_bps = 2 * own[fmt].nbytes / mixed_t  # both directions' bytes per s
                     for _ in range(args.steps):
                         m = case.step()
                         disk_s = m["bytes_read"] / rbw + m["bytes_written"] / wbw
                         mixed_s = (m["bytes_read"] + m["bytes_written"]) / mixed_bps
+                        disk_file_s = m["bytes_read"] / f_rbw + m["bytes_written"] / f_wbw
                         m.update(read_bw=rbw, write_bw=wbw, disk_s=disk_s,
                                  ratio=m["step_s"] / disk_s, mixed_s=mixed_s,
-                                 vs_mixed=m["step_s"] / mixed_s, round=r)
+                                 vs_mixed=m["step_s"] / mixed_s, round=r,
+                                 file_read_bw=f_rbw, file_write_bw=f_wbw,
+                                 disk_file_s=disk_file_s,
+                                 ratio_file=m["step_s"] / disk_file_s)
                         per_format[fmt].append(m)
                         logger.info("round %d %-5s step %.3f s, disk time %.3f s (read %.2f "
                                     "GB/s, write %.2f GB/s): %.2fx; mixed disk %.3f s: %.2fx | "
@@ -298,6 +353,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         med = lambda k: statistics.median(m[k] for m in ms)  # noqa: E731
         row = {"states": fmt, "sets": cases_sets[fmt], "step_s": med("step_s"),
                "disk_s": med("disk_s"), "ratio": med("ratio"), "mixed_s": med("mixed_s"),
+               "disk_file_s": med("disk_file_s"), "ratio_file": med("ratio_file"),
                "vs_mixed": med("vs_mixed"), "compute_s": med("compute_s"),
                "io_wait_s": med("io_wait_s"), "bytes_read": ms[-1]["bytes_read"],
                "bytes_written": ms[-1]["bytes_written"], "read_bw": med("read_bw"),
@@ -306,16 +362,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         row["samples"] = ms
         rows.append(row)
     base = rows[0]
-    print(f"{'states':<12} {'sets':>4} {'step s':>8} {'disk s':>8} {'step/disk':>10} {'MB/step':>9} "
-          f"{'bytes vs ' + base['states']:>14} {'time vs ' + base['states']:>13}")
+    print(f"{'states':<12} {'sets':>4} {'step s':>8} {'disk s':>8} {'step/disk':>10} "
+          f"{'MB/step':>9} {'bytes vs ' + base['states']:>14} {'time vs ' + base['states']:>13} "
+          f"{'vs file probe':>13}")
     for r in rows:
         moved = r["bytes_read"] + r["bytes_written"]
-        print(f"{r['states']:<12} {r['sets']:>4} {r['step_s']:>8.3f} {r['disk_s']:>8.3f} {r['ratio']:>9.2f}x "
-              f"{moved / 1e6:>9.0f} "
+        print(f"{r['states']:<12} {r['sets']:>4} {r['step_s']:>8.3f} {r['disk_s']:>8.3f} "
+              f"{r['ratio']:>9.2f}x {moved / 1e6:>9.0f} "
               f"{moved / (base['bytes_read'] + base['bytes_written']):>13.2f}x "
-              f"{r['step_s'] / base['step_s']:>12.2f}x")
+              f"{r['step_s'] / base['step_s']:>12.2f}x {r['ratio_file']:>12.2f}x")
     print("\nattribution (medians, s): pipeline thread = read wait + write wait + CPU Adam + "
-          "verify + other; I/O timeline: reads / writes / both in flight, disk idle; worker CRC")
+          "verify + other; I/O timeline: reads / writes / both in flight, disk idle; CRC threads")
     print(f"{'states':<12} {'step':>6} {'mixed':>6} {'x mix':>6} {'r.wait':>7} {'w.wait':>7} "
           f"{'Adam':>6} {'verify':>7} {'other':>6} | {'reads':>6} {'writes':>6} {'both':>6} "
           f"{'idle':>6} | {'CRC':>6}")

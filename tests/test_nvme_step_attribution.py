@@ -90,3 +90,62 @@ def test_recording_the_timeline_changes_no_bit_and_adds_up(tmp_path):
     assert l0 == l1
     for key in s0:
         assert torch.equal(s0[key], s1[key]), key
+
+
+@pytest.fixture
+def crc_threads_restored():
+    saved = inf_io.get_config()
+    yield
+    inf_io.configure(crc_threads=saved.crc_threads, chunk_bytes=saved.chunk_bytes)
+
+
+@pytest.mark.parametrize("threads", [0, 1, 3])
+def test_crc_threads_give_the_same_checksums(tmp_path, crc_threads_restored, threads):
+    """Checksums computed inline by the I/O workers (0) or by CRC threads beside them are the
+    same CRC32C, for aligned and unaligned sizes, reads and writes."""
+    inf_io.configure(crc_threads=threads, chunk_bytes=1 << 20)
+    gen = torch.Generator().manual_seed(threads)
+    data = inf_io.aligned_empty(5 << 20)
+    data.copy_(torch.randint(0, 256, (5 << 20,), dtype=torch.uint8, generator=gen))
+    back = inf_io.aligned_empty(5 << 20)
+    with inf_io.FileHandle(tmp_path / "c.bin", "w+") as f:
+        for n in (5 << 20, (5 << 20) - 100, 4096, 1):
+            w = f.pwrite(data, 0, n, crc=True)
+            w.wait()
+            r = f.pread(back, 0, n, crc=True)
+            want = inf_io.crc32c(data[:n])
+            assert w.crc32c() == want and r.crc32c() == want, n
+            if w.timing() is not None:
+                assert w.timing()[3] > 0 or n < (1 << 20)
+
+
+@pytest.mark.parametrize("op", ["read", "write"])
+def test_failed_chunk_with_crc_threads_raises_and_does_not_hang(tmp_path, crc_threads_restored,
+                                                               op):
+    """A chunk that fails while other chunks' checksums are queued: the request completes with
+    the error (no checksum), and the engine keeps working."""
+    import errno
+    from infinity.io import faults
+    inf_io.configure(crc_threads=2, chunk_bytes=1 << 20)
+    buf = inf_io.aligned_empty(8 << 20)
+    buf.fill_(3)
+    with inf_io.FileHandle(tmp_path / "x.bin", "w+") as f:
+        f.pwrite(buf, 0).wait()
+        faults.inject_fault(op, errno.EIO, after_bytes=3 << 20)
+        try:
+            fut = (f.pread if op == "read" else f.pwrite)(buf, 0, crc=True)
+            with pytest.raises(inf_io.InfinityIOError):
+                fut.wait(timeout=30)
+        finally:
+            faults.clear_faults()
+        ok = f.pread(buf, 0, crc=True)
+        assert ok.wait(timeout=30) == 8 << 20
+        assert ok.crc32c() == inf_io.crc32c(buf)
+
+
+def test_crc_threads_config_is_checked(crc_threads_restored):
+    with pytest.raises(ValueError, match="crc_threads"):
+        inf_io.configure(crc_threads=-1)
+    with pytest.raises(ValueError, match="crc_threads"):
+        inf_io.configure(crc_threads=True)
+    assert inf_io.get_config().crc_threads >= 2

@@ -81,6 +81,14 @@ def test_bench_nvme_step_quick(tmp_path):
     assert {"fp32", "8bit"} <= rows.keys()
     for r in rows.values():
         assert r["step_s"] > 0 and r["disk_s"] > 0 and r["read_bw"] > 0 and r["write_bw"] > 0
+        assert r["mixed_s"] > 0 and r["disk_file_s"] > 0
+        for m in r["samples"]:  # the attribution adds up to the step's wall time
+            parts = (m["read_wait_s"] + m["write_wait_s"] + m["compute_s"] + m["verify_s"]
+                     + m["other_s"])
+            assert parts == pytest.approx(m["step_s"], rel=1e-6) or m["other_s"] == 0.0
+            assert m["compute_s"] > 0 and m["crc_s"] > 0  # Adam ran; checksums were made
+            assert 0 <= m["disk_idle_s"] <= m["step_s"]
+            assert m["both_busy_s"] <= min(m["read_busy_s"], m["write_busy_s"]) + 1e-9
     fp32, q8 = rows["fp32"], rows["8bit"]
     # 8-bit moments: at least 40% fewer NVMe bytes per step (a byte count, not a timing)
     moved = lambda r: r["bytes_read"] + r["bytes_written"]  # noqa: E731
