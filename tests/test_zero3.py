@@ -65,8 +65,9 @@ def test_zero3_two_ranks_host_parity_and_memory(reference, tmp_path):
         assert "infinity.optim.AdamW" in res["torch_optimizer"]
     part = results[0]["partition"]
     assert part["stage"] == "zero3" and part["world"] == 2
-    # per block per step: an all-gather in forward and backward, a reduce-scatter
-    assert part["calls"]["all_gather"] >= 2 * STEPS * 3
+    # per step: an all-gather of each layer in forward, in backward of each layer but the last
+    # ones of forward (the prefetch window: still materialized), a reduce-scatter per block
+    assert part["calls"]["all_gather"] >= STEPS * (3 + 1)
     assert part["calls"]["reduce_scatter"] == STEPS * 4  # 3 layers + the root block
     # once the schedule is recorded, the next block's all-gather starts during this one's
     assert part["early_gathers"] >= (STEPS - 1) * 4
@@ -138,7 +139,9 @@ def test_divergent_rank_fails_fast_with_clear_error(tmp_path):
         err = res.get("error", "")
         assert "RanksDivergedError" in err, res.get("log", "")[-2000:]
         assert "rank 0" in err and "rank 1" in err
-        assert "'layers.1'" in err and "'layers.2'" in err
+        # the first collective that differs names each rank's block (which one depends on
+        # what is still materialized: the last blocks of forward are not gathered again)
+        assert "'layers.1'" in err and ("'layers.2'" in err or "'layers.0'" in err)
 
 
 @pytest.mark.slow

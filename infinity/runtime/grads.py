@@ -5,6 +5,10 @@ accumulator and freed on the device right away. The accumulator lives in host RA
 (``Tier.HOST``: one persistent buffer per flat) or on NVMe (``Tier.NVME``: a pooled host
 buffer is open only while the block's backward runs, then written to the flat's gradient swap
 file), so host memory for gradients is bounded by a few blocks instead of the whole model.
+On NVMe each slot's L2 norm is measured right after its gradient lands (while still in the CPU's
+caches) and the block's write is submitted by a writer thread, so the compute thread neither
+re-reads the block nor waits for the submission; a write's buffer returns to the pool only once
+it is on disk.
 On CUDA the device->host copy runs on a side stream into pinned memory, with an event that the
 accumulation waits on.
 
