@@ -16,8 +16,9 @@ A step (:func:`cpu_adam_step_bf16_master`) widens the stored master to fp32
 (:func:`widen_bf16_master`), runs the unchanged Adam kernel of the moment format (fp32 / bf16 /
 8-bit moments) on it, then stores it back (:func:`round_bf16_master`), which also writes the
 working copy from the *stored* value, so the model always runs on exactly the master's value.
-It goes chunk by chunk (:data:`CHUNK` elements, an L2-sized fp32 scratch), so the extra passes
-stay in cache.
+It goes chunk by chunk (:data:`CHUNK` elements, a 4 MiB fp32 scratch that stays mostly in
+cache). Not fused: on 8M elements (2 cores) the step takes ~2.3x the bf16-moment kernel alone
+(a fused kernel would remove the scratch passes; not built).
 
 **Stochastic rounding** (unbiased): 16 pseudo-random bits are added below bit 16 of the fp32
 pattern and the low half is dropped; a value between two bf16 neighbours rounds up with
@@ -48,7 +49,7 @@ MASTER_FORMATS = ("fp32", "bf16_sr", "bf16_kahan")
 """The master-weight formats of the optimizer (``master=``)."""
 MASTER_BYTES = {"fp32": 4, "bf16_sr": 2, "bf16_kahan": 4}
 """Bytes per parameter of the master weights in each format."""
-CHUNK = 1 << 16
+CHUNK = 1 << 20
 """Elements per widen / step / round round trip (a multiple of the 8-bit block size)."""
 
 _M64 = (1 << 64) - 1
