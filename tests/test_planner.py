@@ -28,6 +28,21 @@ def pr(tmp_path):
     return probe(str(tmp_path), quick=True)
 
 
+def _trains_like_torch(model, ref) -> None:
+    """Two AdamW steps of the wrapped model and of its plain twin ``ref`` give the same
+    outputs; unwraps the model."""
+    opt = infinity.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    x = torch.randint(0, CFG.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            lm_loss(m(x), x).backward()
+            o.step()
+            o.zero_grad()
+    with torch.no_grad():
+        assert torch.allclose(model(x), ref(x), atol=1e-5)
+    infinity.unwrap(model)
+
 def test_ample_ram_plans_host_small_budget_plans_nvme(tmp_path, pr):
     roomy = plan(TinyGPT(CFG), probe=pr, nvme_path=str(tmp_path), host_budget=1 << 30)
     assert (roomy.param_tier, roomy.grad_tier, roomy.optimizer_tier) == ("host",) * 3
@@ -60,17 +75,7 @@ def test_wrap_auto_uses_the_plan_and_trains_like_torch(tmp_path):
     assert eng.param_tier.value == p.param_tier and eng.grad_tier.value == p.grad_tier
     assert eng.policy.optimizer_tier == p.optimizer_tier
     assert eng.policy.prefetch_window == p.prefetch_window
-    opt = infinity.optim.AdamW(model.parameters(), lr=1e-3)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    x = torch.randint(0, CFG.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
-    for _ in range(2):
-        for m, o in ((model, opt), (ref, ref_opt)):
-            lm_loss(m(x), x).backward()
-            o.step()
-            o.zero_grad()
-    with torch.no_grad():
-        assert torch.allclose(model(x), ref(x), atol=1e-5)
-    infinity.unwrap(model)
+    _trains_like_torch(model, ref)
 
 
 def test_explain_unwrapped_model_prints_the_plan(tmp_path, capsys):
@@ -182,17 +187,7 @@ def test_wrap_auto_with_a_split_plan_trains_like_torch(tmp_path, pr):
     assert p.host_blocks > 0 and eng.policy.host_blocks == p.host_blocks
     assert infinity.stats(model)["param_blocks"] == {"host": p.host_blocks,
                                                      "nvme": len(eng.blocks) - p.host_blocks}
-    opt = infinity.optim.AdamW(model.parameters(), lr=1e-3)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    x = torch.randint(0, CFG.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
-    for _ in range(2):
-        for m, o in ((model, opt), (ref, ref_opt)):
-            lm_loss(m(x), x).backward()
-            o.step()
-            o.zero_grad()
-    with torch.no_grad():
-        assert torch.allclose(model(x), ref(x), atol=1e-5)
-    infinity.unwrap(model)
+    _trains_like_torch(model, ref)
 
 
 def test_the_planner_is_the_default_and_measures_nothing_with_a_cache(tmp_path, pr,
