@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from typing import Optional
+import warnings
+from typing import Callable, Optional, Set
 
 import torch
 
@@ -143,3 +144,19 @@ def loaded() -> Optional[ctypes.CDLL]:
 
 def strerror(lib: ctypes.CDLL, code: int) -> str:
     return lib.inf_adam_strerror(code).decode("ascii", "replace")
+
+
+_warned_stale: Set[str] = set()
+
+
+def kernels_or_warn(getter: Callable[[], Optional[ctypes.CDLL]], what: str
+                    ) -> Optional[ctypes.CDLL]:
+    """``getter()``: the library with ``what`` kernels, or None. Warns once per ``what`` when a
+    native library is loaded but predates those kernels (the callers use their fallbacks)."""
+    lib = getter()
+    if lib is None and native() is not None and what not in _warned_stale:
+        _warned_stale.add(what)
+        warnings.warn(f"infinity: the native library predates the {what} kernels; using the "
+                      "pure-PyTorch fallback (rebuild with `pip install -e .`)",
+                      RuntimeWarning, stacklevel=4)
+    return lib

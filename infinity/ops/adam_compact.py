@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import warnings
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -63,7 +62,6 @@ logger = logging.getLogger(__name__)
 BLOCK_SIZE = 256
 """Elements per quantization block (one fp32 absmax per block and moment)."""
 
-_warned_stale = False
 
 
 def num_blocks(numel: int) -> int:
@@ -277,14 +275,7 @@ def _torch_quantize(x: torch.Tensor, signed: bool, codes: torch.Tensor,
 
 def _compact_lib():
     """The native library with the compact kernels, or None (warns once on a stale build)."""
-    global _warned_stale
-    lib = _an.native_compact()
-    if lib is None and _an.native() is not None and not _warned_stale:
-        _warned_stale = True
-        warnings.warn("infinity: the native library predates the compact-state Adam kernels; "
-                      "using the pure-PyTorch fallback (rebuild with `pip install -e .`)",
-                      RuntimeWarning, stacklevel=3)
-    return lib
+    return _an.kernels_or_warn(_an.native_compact, "compact-state Adam")
 
 
 def _check_code(lib, code: int, what: str) -> None:

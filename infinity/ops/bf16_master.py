@@ -34,7 +34,6 @@ the Adam kernels); the pure-PyTorch fallback here computes the same bits.
 """
 from __future__ import annotations
 
-import warnings
 from typing import Optional
 
 import torch
@@ -55,7 +54,6 @@ CHUNK = 1 << 20
 _M64 = (1 << 64) - 1
 _M32 = 0xFFFFFFFF
 _MUL1, _MUL2 = 0x7FEB352D, 0x846CA68B
-_warned_stale = False
 
 
 def check_master(master: object) -> str:
@@ -256,14 +254,8 @@ def _same(name: str, t: torch.Tensor, n: int) -> None:
 
 
 def _lib():
-    global _warned_stale
-    lib = _an.native_bf16_master()
-    if lib is None and _an.native() is not None and not _warned_stale:
-        _warned_stale = True
-        warnings.warn("infinity: the native library predates the bf16-master kernels; using "
-                      "the pure-PyTorch fallback (rebuild with `pip install -e .`)",
-                      RuntimeWarning, stacklevel=3)
-    return lib
+    """The native library with the bf16-master kernels, or None (warns once on a stale build)."""
+    return _an.kernels_or_warn(_an.native_bf16_master, "bf16-master")
 
 
 def _check_code(lib, code: int, what: str) -> None:
