@@ -10,6 +10,7 @@ from torch import nn
 
 from .policy import OffloadPolicy
 from .runtime.engine import Engine, engine_of, locate
+from .runtime.host_malloc import return_freed_buffers_to_os
 from .runtime.sources import CheckpointSource, Init, InitSource
 
 
@@ -62,13 +63,19 @@ def wrap(model: nn.Module, nvme_path: Optional[str] = None, *,
 
 @contextlib.contextmanager
 def empty_init() -> Iterator[None]:
-    """Builds models with their parameters on the meta device (no memory, no init cost) and
-    their buffers real, for ``infinity.wrap(model, source=...)``::
+    """Builds models with their parameters on the meta device and their buffers real, for
+    ``infinity.wrap(model, source=...)``::
 
         with infinity.empty_init():
             model = LlamaForCausalLM(config)
         infinity.wrap(model, nvme_path="/mnt/ssd", source="/models/llama")
+
+    Each parameter is created by its module as usual and replaced by a meta tensor as it is
+    registered, so no more than one parameter's memory exists at a time. Entering fixes glibc's
+    mmap threshold (see ``runtime/host_malloc.py``) so those short-lived parameters do not leave
+    holes in the heap that later raise peak RSS.
     """
+    return_freed_buffers_to_os()
     original = nn.Module.register_parameter
 
     def register(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:

@@ -64,16 +64,14 @@ _RSS_SCRIPT = textwrap.dedent("""
 def test_forward_backward_from_nvme_peak_rss(tmp_path):
     """A 32-layer model (228 MB fp32) ~10x the device budget runs three forward+backward steps
     from NVMe (parameters and gradients both streamed). Bound: the real peak RSS growth over
-    those steps (kernel VmHWM, reset right after wrap) stays below 40% of the model's size;
-    measured here: 22-23% over runs until session 16; since its forward/backward changes
-    (runtime/grads.py: per-slot norms as gradients land, a gradient-writer thread) 23-35% from
-    run to run -- the wider spread is not yet explained (disabling the writer thread alone did
-    not remove it), so the bound was raised from 30%. The parts: engine buffers (1 staging + 3
-    gradient + the pooled compute buffers, which are kept for reuse up to the device budget
-    (9% of the model here) instead of being unmapped at each release) plus activations;
-    12-14% before the pool.
+    those steps (kernel VmHWM, reset right after wrap) stays below 30% of the model's size;
+    measured here: 22-23%. The parts: engine buffers (1 staging + 3 gradient + the pooled
+    compute buffers, which are kept for reuse up to the device budget (9% of the model here)
+    instead of being unmapped at each release) plus activations; 12-14% before the pool.
     Without the engine's fixed glibc mmap threshold (runtime/host_malloc.py) and without the
-    pool it was 29-58%: freed block buffers stayed in the heap."""
+    pool it was 29-58%: freed block buffers stayed in the heap. With the threshold at 1 MiB
+    instead of 128 KiB it varied from 23% to 35% between runs: backward's gradient temporaries
+    were served from the holes the model's freed 590 KB parameters left in the heap."""
     out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, str(tmp_path)], capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -81,5 +79,5 @@ def test_forward_backward_from_nvme_peak_rss(tmp_path):
     growth = r["peak"] - r["before"]
     assert r["model_bytes"] > 8 * r["budget"], r
     assert r["device_peak"] <= r["budget"], r
-    assert growth < 0.40 * r["model_bytes"], (growth / r["model_bytes"], r)
+    assert growth < 0.30 * r["model_bytes"], (growth / r["model_bytes"], r)
     assert r["host_now"] + r["device_peak"] < 0.25 * r["model_bytes"], r

@@ -260,10 +260,11 @@ def test_model_three_times_the_host_budget_loads_from_meta_and_trains(tmp_path):
     # released compute buffers were trimmed from glibc's heap, a third of the runs kept ~60% of
     # the model in the heap after the first forward.)
     assert res["after_wrap"] < 0.1 * model_bytes, (res, model_bytes)
-    assert res["growth"] < res["host_peak"] + 128 * 2**20, (res, model_bytes)
-    # 0.65 until session 16; since its gradient-path changes (per-slot norms as gradients
-    # land, a gradient-writer thread) up to 0.67 has been seen, cause not yet found: 0.75
-    assert res["growth"] < 0.75 * model_bytes, (res, model_bytes)
+    # Measured 0.40x (host_peak + 37 MiB) in every run since empty_init fixes glibc's mmap
+    # threshold; before, the parameters it allocated and dropped left holes in the heap that
+    # backward's temporaries wandered through: 0.40-0.69x from run to run.
+    assert res["growth"] < res["host_peak"] + 96 * 2**20, (res, model_bytes)
+    assert res["growth"] < 0.5 * model_bytes, (res, model_bytes)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
