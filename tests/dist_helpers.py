@@ -177,6 +177,18 @@ def _scenario_train(rank: int, world: int, out: Path, opts: Dict[str, Any]) -> D
         saved = {"model": full_state_dict(model), "optim": full_optimizer_state_dict(opt)}
         if rank == 0:
             torch.save(saved, opts["save_to"])
+    if rank in opts.get("fail_save_ranks", []):  # this rank's file write fails / is killed
+        import errno
+
+        import infinity.dist.checkpoint as sharded_ckpt
+
+        def broken(obj, path, how=opts.get("fail_save_how", "raise")):
+            with open(path, "wb") as fh:
+                fh.write(b"partial")
+            if how == "kill":
+                os._exit(9)
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        sharded_ckpt._write_durably = broken
     if opts.get("save_sharded_to"):
         # infinity.save_checkpoint of a sharded model: infinity.dist.save_sharded
         infinity.save_checkpoint(opts["save_sharded_to"], model, opt)

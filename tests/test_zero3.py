@@ -322,3 +322,48 @@ def test_load_checkpoint_recognises_sharded_checkpoints_and_refuses_what_it_lack
         infinity.load_checkpoint(str(ck), model)
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     infinity.unwrap(model)
+
+
+def _tree(path):
+    import os
+    return {name: open(os.path.join(path, name), "rb").read() for name in os.listdir(path)}
+
+
+def test_sharded_save_is_atomic_when_a_rank_fails_or_is_killed(reference, checkpoint_after_5,
+                                                               tmp_path):
+    """Saving over an existing sharded checkpoint: a rank whose file write fails (disk full)
+    makes every rank raise and leaves the previous checkpoint byte for byte, with no
+    temporary left; a rank killed mid-write leaves it too (rank 0 times out). The next save
+    succeeds, replaces it and removes the dead save's temporary directory; training resumes
+    from it on 3 ranks."""
+    import os
+    import shutil
+
+    from infinity.dist.checkpoint import is_sharded_checkpoint
+    ck = str(tmp_path / "ck")
+    shutil.copytree(checkpoint_after_5["sharded"], ck)
+    before = _tree(ck)
+    leftovers = lambda: [e for e in os.listdir(tmp_path) if e.startswith(".ck.")]  # noqa: E731
+
+    failed = run_ranks("train", 2, dict(_opts(), stop=2, save_sharded_to=ck,
+                                        fail_save_ranks=[1]), tmp_path / "runs")
+    assert "No space left on device" in failed[1]["error"], failed[1]["log"][-2000:]
+    assert "only 1 of 2 ranks wrote their file" in failed[0]["error"], failed[0]["log"][-2000:]
+    assert _tree(ck) == before and leftovers() == []
+
+    with pytest.raises(RuntimeError, match="rank 1 saved nothing"):  # its process was killed
+        run_ranks("train", 2, dict(_opts(collective_timeout=8), stop=2, save_sharded_to=ck,
+                                   fail_save_ranks=[1], fail_save_how="kill"),
+                  tmp_path / "runs", timeout=90)
+    assert _tree(ck) == before and is_sharded_checkpoint(ck)
+    assert len(leftovers()) == 1  # the killed save's directory, until the next save
+
+    saved = run_ranks("train", 2, dict(_opts(), stop=3, save_sharded_to=ck), tmp_path / "runs")
+    assert all("error" not in r for r in saved), saved[0]["log"][-2000:]
+    assert leftovers() == [] and _tree(ck) != before
+    assert sorted(os.listdir(ck)) == ["manifest.json", "rank0-of-2.pt", "rank1-of-2.pt"]
+    rest = run_ranks("train", 3, dict(_opts(), start=3, load_sharded_from=ck),
+                     tmp_path / "runs")
+    assert all("error" not in r for r in rest), rest[0]["log"][-2000:]
+    diff = (torch.tensor(rest[0]["losses"]) - torch.tensor(reference["losses"][3:])).abs()
+    assert diff.max().item() <= TOL

@@ -88,11 +88,21 @@ def resolve(path: str) -> str:
                           "(write one with infinity.save_checkpoint)")
 
 
-@contextlib.contextmanager
-def staged_directory(path: str) -> Iterator[str]:
-    """Yields a new temporary directory next to ``path``; when the block ends without an
-    exception it becomes ``path`` (replacing a previous checkpoint atomically), otherwise it is
-    deleted and ``path`` is left as it was."""
+def staging_name(path: str, token: int) -> str:
+    """The temporary sibling directory of ``path`` named by ``token`` (``pid << 30 | random``:
+    the pid lets a later save see that its writer is gone)."""
+    return f"{_tmp_prefix(os.path.abspath(path))}{token >> 30}-{token & ((1 << 30) - 1):08x}"
+
+
+def new_token() -> int:
+    """A staging token for this process: below 2**52, so it survives a float64 all-reduce
+    (how the ranks of a sharded save agree on one directory)."""
+    return (os.getpid() & ((1 << 22) - 1)) << 30 | (uuid.uuid4().int & ((1 << 30) - 1))
+
+
+def prepare_staging(path: str, token: int) -> str:
+    """Checks that ``path`` may be replaced, removes temporaries of dead saves and creates the
+    staging directory for ``token``. Returns it."""
     path = os.path.abspath(os.fspath(path))
     os.makedirs(os.path.dirname(path), exist_ok=True)
     if os.path.isfile(path):
@@ -101,13 +111,29 @@ def staged_directory(path: str) -> Iterator[str]:
         raise CheckpointError(f"refusing to replace {path}: it is a non-empty directory that "
                               "is not an infinity checkpoint")
     remove_stale_temporaries(path)
-    tmp = f"{_tmp_prefix(path)}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = staging_name(path, token)
     os.mkdir(tmp)
+    return tmp
+
+
+def commit_staging(tmp: str, path: str) -> None:
+    """fsyncs everything under ``tmp`` and renames it to ``path`` (the previous checkpoint is
+    kept aside until the rename is durable)."""
+    for root, _, _ in os.walk(tmp):
+        fsync_dir(root)
+    _commit(tmp, os.path.abspath(os.fspath(path)))
+
+
+@contextlib.contextmanager
+def staged_directory(path: str) -> Iterator[str]:
+    """Yields a new temporary directory next to ``path``; when the block ends without an
+    exception it becomes ``path`` (replacing a previous checkpoint atomically), otherwise it is
+    deleted and ``path`` is left as it was."""
+    path = os.path.abspath(os.fspath(path))
+    tmp = prepare_staging(path, new_token())
     try:
         yield tmp
-        for root, _, _ in os.walk(tmp):
-            fsync_dir(root)
-        _commit(tmp, path)
+        commit_staging(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

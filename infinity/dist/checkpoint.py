@@ -7,16 +7,20 @@ resumes on M ranks without ever holding the whole model in one process.
     infinity.dist.save_sharded(path, model, opt)   # every rank; writes path/rank<k>-of-<N>.pt
     infinity.dist.load_sharded(path, model, opt)   # every rank, any world size
 
-A rank's file is written to a temporary name, fsynced and renamed; rank 0 removes an old
-``manifest.json`` first and writes the new one last, once every rank reported its file
-written, so a crash never leaves a manifest over missing or mixed files (it leaves no
-loadable checkpoint at ``path``: save each checkpoint to a new path to keep the previous). Each rank's part is held in RAM while its file is written
-(1/N of the model and states).
+The save is atomic, as :func:`infinity.save_checkpoint` is: rank 0 creates a temporary
+sibling directory of ``path`` (its name agreed by an all-reduce), every rank writes and fsyncs
+its file there, rank 0 writes the manifest once every rank reported success and renames the
+directory into place (the previous checkpoint at ``path`` is kept aside until the rename is
+durable). A rank that fails or is killed mid-save leaves ``path`` as it was: the other ranks
+raise (or time out) and the temporary directory is removed, at the latest by the next save.
+With hybrid sharding only the first replica writes. Each rank's part is held in RAM while
+its file is written (1/N of the model and states).
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -59,24 +63,34 @@ def _home_values(engine, flat) -> torch.Tensor:
     return engine.home.snapshot(flat)[start:end]
 
 
-@torch.no_grad()
-def save_sharded(path: str, model: nn.Module, optimizer: Optional[Any] = None) -> str:
-    engine = engine_of(model)
-    if engine is None:
-        raise ValueError("infinity.dist.save_sharded: the model is not wrapped by infinity")
-    rank, world = _rank_world(engine)
-    path = os.path.abspath(os.fspath(path))
-    os.makedirs(path, exist_ok=True)
-    manifest_path = os.path.join(path, "manifest.json")
-    if rank == 0 and os.path.exists(manifest_path):
-        os.remove(manifest_path)  # a crash below leaves no manifest naming mixed files
-    if engine.partitioner is not None:
-        engine.partitioner.all_reduce(1.0, "sum")  # nobody writes before it is gone
-    engine.quiesce()
+def _atomic():
+    """checkpoint.atomic, imported when used: infinity.checkpoint imports the runtime, which
+    imports this package."""
+    from ..checkpoint import atomic
+    return atomic
+
+
+def _agree(engine, value: float) -> float:
+    """Sum of ``value`` over every rank (all replicas); ``value`` itself in one process."""
+    part = engine.partitioner
+    if part is None:
+        return value
+    return part.coll.all_reduce_scalar(value, "sum", replicas=True)
+
+
+def _first_replica(engine) -> bool:
+    """Whether this rank belongs to the replica that writes (hybrid sharding: the first)."""
+    part = engine.partitioner
+    if part is None or part.groups.replicate is None:
+        return True
+    import torch.distributed as dist
+    return dist.get_rank(group=part.groups.replicate) == 0
+
+
+def _rank_body(engine, optimizer) -> Dict[str, Any]:
+    """This rank's part of every flat: home values and, with ``optimizer``, its states."""
     shards = {}
     if optimizer is not None:
-        for e in optimizer._engines():  # noqa: SLF001
-            e.quiesce()
         for shard in optimizer._shards.values():  # noqa: SLF001
             optimizer._sync_user_writes(shard)  # noqa: SLF001
             shards[id(getattr(shard.flat, "full", shard.flat))] = shard
@@ -99,33 +113,88 @@ def save_sharded(path: str, model: nn.Module, optimizer: Optional[Any] = None) -
                               for i in range(len(shard.flat.slots))
                               if shard.groups[i] is not None and shard.steps[i] > 0}
         body[flat.key] = entry
-    extra: Dict[str, Any] = {}
-    if optimizer is not None:
-        extra["param_groups"] = [{k: v for k, v in g.items() if k != "params"}
-                                 for g in optimizer.param_groups]
-    name = f"rank{rank}-of-{world}.pt"
-    tmp = os.path.join(path, f".{name}.tmp")
-    torch.save({"flats": body, **extra}, tmp)
-    with open(tmp, "rb") as fh:
+    return body
+
+
+def _write_durably(obj: Any, path: str) -> None:
+    torch.save(obj, path)
+    with open(path, "rb") as fh:
         os.fsync(fh.fileno())
-    os.replace(tmp, os.path.join(path, name))
-    if engine.partitioner is not None:  # every rank's file is in place before the manifest
-        done = engine.partitioner.all_reduce(1.0, "sum")
-        if int(done) != world:
-            raise RuntimeError(f"infinity.dist.save_sharded: {int(done)} of {world} ranks "
-                               "wrote their file")
-    if rank == 0:
-        manifest = {"format": FORMAT, "version": VERSION, "world": world,
-                    "files": [f"rank{r}-of-{world}.pt" for r in range(world)],
-                    "layout": _layout(engine), "optimizer": optimizer is not None}
-        tmp = os.path.join(path, ".manifest.json.tmp")
-        with open(tmp, "w") as fh:
-            json.dump(manifest, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, os.path.join(path, "manifest.json"))
-    if engine.partitioner is not None:
-        engine.partitioner.all_reduce(1.0, "sum")  # the manifest exists when save returns
+
+
+@torch.no_grad()
+def save_sharded(path: str, model: nn.Module, optimizer: Optional[Any] = None) -> str:
+    engine = engine_of(model)
+    if engine is None:
+        raise ValueError("infinity.dist.save_sharded: the model is not wrapped by infinity")
+    rank, world = _rank_world(engine)
+    path = os.path.abspath(os.fspath(path))
+    writer = _first_replica(engine)
+    lead = writer and rank == 0
+    failure: Optional[BaseException] = None
+    # 1. rank 0 prepares the staging directory; its token (> 0) tells every rank its name
+    atomic = _atomic()
+    token = 0
+    if lead:
+        try:
+            token = atomic.new_token()
+            atomic.prepare_staging(path, token)
+        except Exception as exc:  # noqa: BLE001 - every rank must hear of it
+            failure, token = exc, -1
+    agreed = int(_agree(engine, float(token)))
+    if agreed <= 0:
+        if failure is not None:
+            raise failure
+        raise atomic.CheckpointError(f"infinity.dist.save_sharded: rank 0 could not prepare "
+                                     f"{path} (see rank 0's error); nothing was written")
+    tmp = atomic.staging_name(path, agreed)
+    # 2. every rank writes its file into it
+    ok = 0.0
+    try:
+        engine.quiesce()
+        if optimizer is not None:
+            for e in optimizer._engines():  # noqa: SLF001
+                e.quiesce()
+        body = _rank_body(engine, optimizer)
+        if writer:
+            extra: Dict[str, Any] = {}
+            if optimizer is not None:
+                extra["param_groups"] = [{k: v for k, v in g.items() if k != "params"}
+                                         for g in optimizer.param_groups]
+            _write_durably({"flats": body, **extra},
+                           os.path.join(tmp, f"rank{rank}-of-{world}.pt"))
+            ok = 1.0
+    except Exception as exc:  # noqa: BLE001 - the others must not commit without this file
+        failure = exc
+    done = int(_agree(engine, ok))
+    if done != world:
+        if lead:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if failure is not None:
+            raise failure
+        raise atomic.CheckpointError(f"infinity.dist.save_sharded: only {done} of {world} "
+                                     f"ranks wrote their file; {path} is left as it was")
+    # 3. rank 0 writes the manifest and renames the directory into place
+    committed = 0.0
+    if lead:
+        try:
+            manifest = {"format": FORMAT, "version": VERSION, "world": world,
+                        "files": [f"rank{r}-of-{world}.pt" for r in range(world)],
+                        "layout": _layout(engine), "optimizer": optimizer is not None}
+            with open(os.path.join(tmp, "manifest.json"), "w") as fh:
+                json.dump(manifest, fh)
+                fh.flush()
+                os.fsync(fh.fileno())
+            atomic.commit_staging(tmp, path)
+            committed = 1.0
+        except Exception as exc:  # noqa: BLE001
+            failure = exc
+            shutil.rmtree(tmp, ignore_errors=True)
+    if _agree(engine, committed) != 1.0:  # the checkpoint is in place when save returns
+        if failure is not None:
+            raise failure
+        raise atomic.CheckpointError(f"infinity.dist.save_sharded: rank 0 could not put the "
+                                     f"checkpoint in place at {path} (see rank 0's error)")
     return path
 
 
@@ -146,7 +215,12 @@ def _assemble(files: List[Dict[str, Any]], key: str, name: str, start: int, end:
 
 def is_sharded_checkpoint(path: str) -> bool:
     """True when ``path`` is a directory written by :func:`save_sharded`."""
-    mpath = os.path.join(os.fspath(path), "manifest.json")
+    atomic = _atomic()
+    try:
+        path = atomic.resolve(path)
+    except (OSError, atomic.CheckpointError):
+        return False
+    mpath = os.path.join(path, "manifest.json")
     if not os.path.isfile(mpath):
         return False
     try:
@@ -164,10 +238,8 @@ def load_sharded(path: str, model: nn.Module, optimizer: Optional[Any] = None) -
     engine = engine_of(model)
     if engine is None:
         raise ValueError("infinity.dist.load_sharded: the model is not wrapped by infinity")
+    path = _atomic().resolve(path)  # or the previous one, kept aside by a save that crashed
     mpath = os.path.join(path, "manifest.json")
-    if not os.path.exists(mpath):
-        raise FileNotFoundError(f"infinity.dist.load_sharded: {mpath} does not exist (not a "
-                                "sharded checkpoint, or its save did not finish)")
     with open(mpath) as fh:
         manifest = json.load(fh)
     if manifest.get("format") != FORMAT:
