@@ -56,10 +56,10 @@ def test_parameter_count_input_and_bad_input(pr):
         estimate(1e6, probe=pr, ranks=0)
 
 
-def _train_measure(tmp_path, settings, steps=2):
+def _train_measure(tmp_path, settings, steps=2, master="fp32"):
     torch.manual_seed(0)
     model = infinity.wrap(TinyGPT(CFG), **settings)
-    opt = infinity.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = infinity.optim.AdamW(model.parameters(), lr=1e-3, master=master)
     x = torch.randint(0, CFG.vocab_size, (2, 32))
     for _ in range(steps):
         lm_loss(model(x), x).backward()
@@ -88,6 +88,28 @@ def test_predicted_bytes_match_the_engine(pr, tmp_path, name):
     else:
         assert real["written"] == 0 and e.nvme_written_per_step == 0
         assert e.host_bytes == pytest.approx(real["host"], rel=0.05)
+
+
+@pytest.mark.parametrize("name", ["nvme", "host"])
+def test_predicted_bytes_with_a_bf16_master_match_the_engine(pr, tmp_path, name):
+    """AdamW(master="bf16_sr"): 2 B of master per parameter instead of 4 (and on host the
+    fp32 home is no longer the master); estimate(master=...) predicts the engine's bytes."""
+    from infinity.plan.placements import placement
+    pl = placement(name)
+    settings = dict(pl.wrap_settings(), nvme_path=str(tmp_path) if pl.uses_nvme else None)
+    real = _train_measure(tmp_path, settings, master="bf16_sr")
+    e = estimate(_meta_model(), probe=pr, placements=[name], batch=2, seq=32,
+                 master="bf16_sr").rows[0]
+    fp32 = estimate(_meta_model(), probe=pr, placements=[name], batch=2, seq=32).rows[0]
+    if name == "nvme":
+        assert e.nvme_written_per_step == pytest.approx(real["written"], rel=0.05)
+        assert e.nvme_bytes == pytest.approx(real["nvme"], rel=0.05)
+        assert e.nvme_bytes < fp32.nvme_bytes
+    else:
+        assert e.host_bytes == pytest.approx(real["host"], rel=0.05)
+        assert e.host_bytes > fp32.host_bytes  # a bf16 master beside the fp32 home
+    with pytest.raises(ValueError, match="master must be"):
+        estimate(_meta_model(), probe=pr, placements=[name], master="fp16")
 
 
 # ---- the step-time model's terms (deterministic: figures set on a probe result) -----------

@@ -39,6 +39,8 @@ def add_estimate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick-probe", action="store_true")
     p.add_argument("--calibrate", action="store_true",
                    help="time one layer + head at this shape instead of the probe's FLOP rate")
+    p.add_argument("--master", choices=("fp32", "bf16_sr", "bf16_kahan"), default="fp32",
+                   help="the optimizer's master weights (AdamW(master=...))")
     p.add_argument("--plan", action="store_true", help="also show the planner's choice")
     p.add_argument("--ram-budget", default=None, help="host budget for --plan, e.g. 8GiB")
 
@@ -52,7 +54,8 @@ def run_estimate(args: argparse.Namespace) -> int:
                                d_model=args.d_model)
         pr = probe(args.nvme_path, quick=args.quick_probe)
         table = estimate(shape, batch=args.batch, seq=args.seq, ranks=args.ranks,
-                         placements=args.placement, probe=pr, calibrate=args.calibrate)
+                         placements=args.placement, probe=pr, calibrate=args.calibrate,
+                         master=args.master)
         sys.stdout.write(str(table))
         if args.plan:
             budget = parse_bytes(args.ram_budget) if args.ram_budget else None

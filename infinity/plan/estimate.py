@@ -35,7 +35,8 @@ from typing import List, Optional, Sequence, Union
 
 from torch import nn
 
-from .placements import PLACEMENTS, Placement, placement as get_placement, state_bytes_per_param
+from .placements import (MASTER_BYTES, PLACEMENTS, Placement, placement as get_placement,
+                         state_bytes_per_param)
 from .probe import ProbeResult, probe as run_probe
 from .shape import ModelShape, describe
 
@@ -133,10 +134,19 @@ def engine_overhead_s(pl: Placement, pr: ProbeResult, blocks: int) -> float:
 def estimate_one(shape: ModelShape, pl: Placement, pr: ProbeResult, *, batch: int, seq: int,
                  ranks: int = 1, prefetch_window: int = 2,
                  compute_bytes_per_param: Optional[float] = None,
-                 compute_s: Optional[float] = None, states: Optional[str] = None) -> Estimate:
+                 compute_s: Optional[float] = None, states: Optional[str] = None,
+                 master: Optional[str] = None) -> Estimate:
     """One placement's bytes per tier and predicted step. ``compute_s``: forward + backward
-    seconds timed at this shape (else from the probe's FLOP rate); ``states``: the optimizer
-    state format, overriding the placement's own."""
+    seconds timed at this shape (else from the probe's FLOP rate); ``states`` / ``master``:
+    the optimizer's moment / master-weight format, overriding the placement's own."""
+    if master is not None and master != pl.master:
+        if pl.plain:
+            raise ValueError("infinity.estimate: the device placement (plain PyTorch) has no "
+                             "choice of master weights; leave master unset")
+        if master not in MASTER_BYTES:
+            raise ValueError(f"infinity.estimate: master must be one of "
+                             f"{', '.join(MASTER_BYTES)}, got {master!r}")
+        pl = dataclasses.replace(pl, master=master)
     if states is not None and states != pl.states:
         if pl.plain:
             raise ValueError("infinity.estimate: the device placement (plain PyTorch) has no "
@@ -161,7 +171,7 @@ def estimate_one(shape: ModelShape, pl: Placement, pr: ProbeResult, *, batch: in
     blocks = len(shape.block_bytes)
     overhead = engine_overhead_s(pl, pr, blocks)
     adam_rate = pr.adam8_params_per_s if pl.states == "8bit" else pr.adam_params_per_s
-    s = state_bytes_per_param(pl.states)
+    s = state_bytes_per_param(pl.states, master=pl.master)
     fetch = grad = opt = 0.0
     written = 0.0
     if pl.plain:
@@ -182,14 +192,14 @@ def estimate_one(shape: ModelShape, pl: Placement, pr: ProbeResult, *, batch: in
             nvme = 0.0
             opt = n / adam_rate + ((pbytes / pr.h2d_pinned_bps) if cuda else 2 * pbytes / mem)
         elif pl.param_tier == "host":
-            master_in_home = bpp == 4 and pl.optimizer_tier == "host"
+            master_in_home = bpp == 4 and pl.optimizer_tier == "host" and pl.master == "fp32"
             device = window_bytes if cuda else 0.0
             host = pbytes + 4.0 * n
             if cuda:
                 fetch = max(0.0, 2 * shape.param_bytes / pr.h2d_pinned_bps - compute)
             copy_back = 0.0 if master_in_home else 2 * pbytes / mem
             if pl.optimizer_tier == "host":
-                host += state_bytes_per_param(pl.states, not master_in_home) * n
+                host += state_bytes_per_param(pl.states, not master_in_home, pl.master) * n
                 nvme = 0.0
                 opt = n / adam_rate + copy_back
             else:
@@ -229,14 +239,16 @@ def estimate(model_or_count: Union[nn.Module, int, float, str, ModelShape], *,
              placements: Optional[Sequence[str]] = None, nvme_path: Optional[str] = None,
              probe: Optional[ProbeResult] = None, prefetch_window: int = 2,
              n_layers: Optional[int] = None, d_model: Optional[int] = None,
-             quick_probe: bool = False, calibrate: bool = False) -> EstimateTable:
+             quick_probe: bool = False, calibrate: bool = False,
+             master: str = "fp32") -> EstimateTable:
     """Predicts, before anything is allocated, what each placement needs and how fast a step
     runs. ``model_or_count``: an nn.Module (built on the meta device is fine), a parameter
     count (``2e9`` or ``"2B"``; a GPT shape is assumed, ``n_layers``/``d_model`` refine it).
     ``ranks``: an int N (rows for 1..N ranks) or a list of rank counts. NVMe placements need
     the disk figures: pass ``nvme_path`` (probed) or a ``probe`` result with a disk.
     ``calibrate``: time forward + backward of one layer and of the head at this exact shape
-    (seconds for large models) instead of using the probe's FLOP rate."""
+    (seconds for large models) instead of using the probe's FLOP rate. ``master``: the
+    optimizer's master-weight format (``AdamW(master=...)``) for every infinity placement."""
     from .shape import parse_count
     if isinstance(model_or_count, str):
         model_or_count = parse_count(model_or_count)
@@ -256,11 +268,12 @@ def estimate(model_or_count: Union[nn.Module, int, float, str, ModelShape], *,
         chosen = [p for p in chosen if not p.uses_nvme]
     if max(rank_list) > 1:
         notes.append("ranks > 1: ZeRO-3 partitioning of homes, gradients and states; "
-                     "collectives not modelled; multi-rank training is not built yet")
+                     "collectives not modelled")
     compute_s = calibrated_compute(shape, batch, seq) if calibrate else None
     if calibrate:
         notes.append("compute timed at this shape (one layer + head)")
     rows = [estimate_one(shape, p, pr, batch=batch, seq=seq, ranks=r,
-                         prefetch_window=prefetch_window, compute_s=compute_s)
+                         prefetch_window=prefetch_window, compute_s=compute_s,
+                         master=None if p.plain else master)
             for r in rank_list for p in chosen if not (p.plain and r > 1)]
     return EstimateTable(shape, rows, batch, seq, pr.device, notes)

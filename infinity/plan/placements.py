@@ -13,6 +13,7 @@ class Placement:
     optimizer_tier: Optional[str]
     states: str = "fp32"          # the optimizer's moment format
     what: str = ""
+    master: str = "fp32"          # the optimizer's master-weight format (AdamW(master=...))
 
     @property
     def plain(self) -> bool:
@@ -54,7 +55,11 @@ def placement(name: str) -> Placement:
                          f"{', '.join(BY_NAME)}") from None
 
 
-def state_bytes_per_param(states: str, with_master: bool = True) -> float:
-    """fp32: master + 2 fp32 moments; bf16: master + 2 bf16; 8bit: master + 2 codes + scales."""
+MASTER_BYTES = {"fp32": 4.0, "bf16_sr": 2.0, "bf16_kahan": 4.0}
+
+
+def state_bytes_per_param(states: str, with_master: bool = True, master: str = "fp32") -> float:
+    """Moments (fp32: 2 fp32; bf16: 2 bf16; 8bit: 2 codes + scales) plus the master weights
+    (fp32 4 B, bf16_sr 2 B, bf16_kahan 2 + 2 B) unless the fp32 home is the master."""
     moments = {"fp32": 8.0, "bf16": 4.0, "8bit": 2.0 + 8.0 / 256}[states]
-    return moments + (4.0 if with_master else 0.0)
+    return moments + (MASTER_BYTES[master] if with_master else 0.0)
