@@ -43,6 +43,7 @@ run in this project's CI (no GPU there): tests/test_activation_offload_gpu.py co
 """
 from __future__ import annotations
 
+import bisect
 import collections
 import concurrent.futures as cf
 import logging
@@ -154,7 +155,7 @@ class ActivationOffloader:
                  prefetch_bytes: int, host_budget: ByteBudget, stats: Stats,
                  nvme_path: Optional[str] = None, require_direct_io: bool = False,
                  verify_checksums: bool = True, owned_storages=lambda: (),
-                 block_names: Sequence[str] = ()) -> None:
+                 block_names: Sequence[str] = (), owned_ranges=lambda: ()) -> None:
         if tier not in ("host", "nvme"):
             raise ValueError(f"infinity: activation_tier={tier!r}; use None, 'host' or 'nvme'")
         if device.type not in ("cpu", "cuda"):
@@ -175,6 +176,9 @@ class ActivationOffloader:
         self.stats = stats
         stats.activations_offloaded = True
         self._owned_storages = owned_storages
+        self._owned_ranges = owned_ranges
+        self._range_starts: List[int] = []
+        self._range_ends: List[int] = []
         self._block_names = list(block_names)
         self.resident = ByteBudget("activations on the device tier", None)
         self._lock = threading.RLock()
@@ -263,6 +267,9 @@ class ActivationOffloader:
             self._steps += 1
             self._step = _Step(self._steps) if torch.is_grad_enabled() else None
             self._owned = set(self._owned_storages())
+            ranges = sorted(self._owned_ranges())
+            self._range_starts = [a for a, _ in ranges]
+            self._range_ends = [b for _, b in ranges]
 
     def _new_segment(self) -> None:
         if self._step is not None:
@@ -281,8 +288,17 @@ class ActivationOffloader:
     # =====================================================================================
     def _is_parameter(self, t: torch.Tensor) -> bool:
         """A parameter, or a view of a buffer the engine owns (the parameters' flat buffers)."""
-        return (isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad)
-                or (t.layout is torch.strided and t.untyped_storage()._cdata in self._owned))
+        if isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad):
+            return True
+        if t.layout is not torch.strided:
+            return False
+        if t.untyped_storage()._cdata in self._owned:
+            return True
+        if not self._range_starts or t.device.type != "cpu":
+            return False
+        ptr = t.untyped_storage().data_ptr()  # host homes viewed through other storages
+        i = bisect.bisect_right(self._range_starts, ptr) - 1
+        return i >= 0 and ptr < self._range_ends[i]
 
     def _pack(self, t: torch.Tensor) -> Any:
         step = self._step
@@ -613,8 +629,8 @@ class ActivationOffloader:
 
 
 def make_activation_offloader(policy, device: torch.device, host_budget: ByteBudget,
-                              stats: Stats, owned_storages,
-                              block_names: Sequence[str] = ()) -> Optional[ActivationOffloader]:
+                              stats: Stats, owned_storages, block_names: Sequence[str] = (),
+                              owned_ranges=lambda: ()) -> Optional[ActivationOffloader]:
     """The policy's activation offloader, or None when ``activation_tier`` is None."""
     if policy.activation_tier is None:
         return None
@@ -628,4 +644,4 @@ def make_activation_offloader(policy, device: torch.device, host_budget: ByteBud
         host_budget=host_budget, stats=stats,
         nvme_path=policy.nvme_path, require_direct_io=policy.require_direct_io,
         verify_checksums=policy.verify_checksums, owned_storages=owned_storages,
-        block_names=block_names)
+        block_names=block_names, owned_ranges=owned_ranges)

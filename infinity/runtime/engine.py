@@ -20,7 +20,7 @@ import contextlib
 import logging
 import threading
 from collections import defaultdict
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -114,7 +114,8 @@ class Engine(Residence, OutsideWrites, HookHandlers):
         self.compute_buffers = self._make_compute_buffers()
         self.activations = make_activation_offloader(policy, self.device, self.host_budget,
                                                      self.stats, self._owned_storages,
-                                                     [b.name for b in self.blocks])
+                                                     [b.name for b in self.blocks],
+                                                     self._owned_ranges)
         try:
             self._compute_reserved = self._check_host_budget()
             self._materialize_homes()
@@ -151,6 +152,17 @@ class Engine(Residence, OutsideWrites, HookHandlers):
         """Storages of the parameters' buffers (saved activations never offload these)."""
         return {t.untyped_storage()._cdata for f in self.flats for t in (f.compute, f.home)
                 if isinstance(t, torch.Tensor)}
+
+    def _owned_ranges(self) -> List[Tuple[int, int]]:
+        """Address ranges of the host homes: on a CPU-only machine parameters run in place in
+        them through storages of their own (saved activations never offload these either)."""
+        ranges = []
+        for f in self.flats:
+            home = f.home
+            if isinstance(home, torch.Tensor) and home.device.type == "cpu" and home.numel():
+                start = home.data_ptr()
+                ranges.append((start, start + home.numel() * home.element_size()))
+        return sorted(ranges)
 
     def _check_params(self, specs) -> None:
         for spec in specs:
