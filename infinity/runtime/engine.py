@@ -94,7 +94,10 @@ class Engine(Residence, OutsideWrites, HookHandlers):
         if self.partitioner is not None:
             self.partitioner.attach(self.blocks)
         self._check_budgets()
-        self.schedule = Schedule(policy.prefetch_window)
+        # first step: blocks in registration order (forward) and its reverse (backward)
+        order = [b.index for b in self.blocks if not b.is_root]
+        self.schedule = Schedule(policy.prefetch_window,
+                                 guess={"forward": order, "backward": order[::-1]})
         self._callback_task = -1
         self._last_backward_block: Optional[Block] = None
         self._model_forward_depth = 0

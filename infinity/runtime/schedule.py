@@ -4,6 +4,11 @@ The first pass of each phase (forward, backward) records the order of blocks. La
 compare each visit with the record: while they agree, the blocks after the current one are
 prefetched within the window; at the first disagreement (a skipped layer, a layer used twice,
 control flow) the pass falls back to on-demand fetches, and its order becomes the new record.
+
+Before the first pass a *guess* can stand in for the record (the engine guesses the blocks in
+the order the model registered them for forward, the reverse for backward), so even the first
+step prefetches. A pass that leaves the guess falls back to on-demand fetches like any
+deviation, but is not counted as one: nothing had been recorded yet.
 """
 from __future__ import annotations
 
@@ -13,12 +18,23 @@ PHASES = ("forward", "backward")
 
 
 class Schedule:
-    def __init__(self, window: int) -> None:
+    def __init__(self, window: int, guess: Optional[Dict[str, List[int]]] = None) -> None:
         self.window = window
         self.recorded: Dict[str, Optional[List[int]]] = {p: None for p in PHASES}
         self._current: Dict[str, List[int]] = {p: [] for p in PHASES}
         self._deviated: Dict[str, bool] = {p: False for p in PHASES}
         self._open: Dict[str, bool] = {p: False for p in PHASES}
+        self._guessed: Dict[str, bool] = {p: False for p in PHASES}
+        for phase, order in (guess or {}).items():
+            if phase not in PHASES:
+                raise ValueError(f"unknown schedule phase {phase!r}")
+            if order:
+                self.recorded[phase] = list(order)
+                self._guessed[phase] = True
+
+    def guessed(self, phase: str) -> bool:
+        """Whether ``phase``'s record is still the guess (no pass has finished yet)."""
+        return self._guessed[phase]
 
     def begin(self, phase: str) -> None:
         self._current[phase] = []
@@ -40,7 +56,7 @@ class Schedule:
             return False, False, []
         if not self._deviated[phase] and pos < len(rec) and rec[pos] == block:
             return True, False, rec[pos + 1:pos + 1 + self.window]
-        newly = not self._deviated[phase]
+        newly = not self._deviated[phase] and not self._guessed[phase]
         self._deviated[phase] = True
         return False, newly, []
 
@@ -73,3 +89,5 @@ class Schedule:
         current = self._current[phase]
         if current and current != self.recorded[phase]:
             self.recorded[phase] = list(current)
+        if current:
+            self._guessed[phase] = False
