@@ -46,6 +46,11 @@ enum Mode { kModeDirect = 0, kModeBounce = 1, kModePlain = 2 };
 
 // Defined with the CRC32C code below.
 uint32_t crc32c_bytes(const void* data, uint64_t nbytes);
+}  // namespace
+// csrc/crc32c_fold.cpp
+bool inf_crc_fold_supported();
+uint32_t inf_crc_fold(uint32_t crc, const unsigned char* p, size_t n);
+namespace {
 uint32_t crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
 
 // CLOCK_MONOTONIC in ns (the clock of Python's time.perf_counter/monotonic on Linux).
@@ -1040,10 +1045,12 @@ __attribute__((target("sse4.2"))) uint32_t crc32c_sse42(uint32_t crc, const unsi
 }
 #endif
 
-int crc_impl() {  // 1 sse4.2, 0 table
+int crc_impl() {  // 2 folding (VPCLMULQDQ), 1 sse4.2, 0 table
   static int impl = [] {
     const char* env = std::getenv("INFINITY_CRC32C_IMPL");
     if (env && std::strcmp(env, "table") == 0) return 0;
+    bool no_fold = env && std::strcmp(env, "sse42") == 0;
+    if (!no_fold && inf_crc_fold_supported()) return 2;
 #ifdef INF_HAVE_SSE42_PATH
     __builtin_cpu_init();
     if (__builtin_cpu_supports("sse4.2")) return 1;
@@ -1055,13 +1062,18 @@ int crc_impl() {  // 1 sse4.2, 0 table
 
 }  // namespace
 
-// impl: -1 automatic (SSE4.2 when available), 0 table, 1 SSE4.2 (falls back to the table when
-// the CPU lacks it).
+// impl: -1 automatic (folding, else SSE4.2, when available; INFINITY_CRC32C_IMPL=table|sse42
+// overrides), 0 table, 1 SSE4.2, 2 VPCLMULQDQ folding (each falls back to the next simpler
+// path when the CPU lacks it).
 INF_API uint32_t inf_crc_crc32c_impl(const void* data, int64_t nbytes, uint32_t seed, int impl) {
   if (data == nullptr || nbytes <= 0) return seed;
   const auto* p = static_cast<const unsigned char*>(data);
   uint32_t crc = ~seed;
   if (impl < 0) impl = crc_impl();
+  if (impl == 2) {
+    if (inf_crc_fold_supported()) return ~inf_crc_fold(crc, p, static_cast<size_t>(nbytes));
+    impl = 1;
+  }
 #ifdef INF_HAVE_SSE42_PATH
   if (impl == 1 && __builtin_cpu_supports("sse4.2"))
     return ~crc32c_sse42(crc, p, static_cast<size_t>(nbytes));
@@ -1073,7 +1085,7 @@ INF_API uint32_t inf_crc_crc32c(const void* data, int64_t nbytes, uint32_t seed)
   return inf_crc_crc32c_impl(data, nbytes, seed, -1);
 }
 
-// Which path inf_crc_crc32c uses: 1 SSE4.2, 0 table.
+// Which path inf_crc_crc32c uses: 2 VPCLMULQDQ folding, 1 SSE4.2, 0 table.
 INF_API int inf_crc_impl(void) { return crc_impl(); }
 
 namespace {

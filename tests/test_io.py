@@ -455,6 +455,34 @@ def test_bench_quick(tmp_path):
         assert row["gbps"] > 0
 
 
+def test_crc32c_folding_path_matches_table():
+    """The VPCLMULQDQ folding path (AVX-512; chosen automatically where the CPU has it):
+    lengths around its 256-byte loop and 512-byte minimum, offsets, seeds, and a buffer of
+    many MiB give the table's value; INFINITY_CRC32C_IMPL=sse42|table selects the others."""
+    from infinity.io._lib import native
+
+    lib = native()
+    if lib is None:
+        pytest.skip("native core not built")
+    g = torch.Generator().manual_seed(0)
+    data = torch.randint(0, 256, (9 << 20,), dtype=torch.uint8, generator=g)
+    sizes = [0, 1, 15, 16, 255, 256, 257, 511, 512, 513, 767, 768, 1023, 1024, 4096 + 17,
+             65536 + 255, (9 << 20) - 8]
+    for n in sizes:
+        for off in (0, 1, 7):
+            arr = data[off:off + n].numpy()
+            for seed in (0, 0xDEADBEEF):
+                table = lib.inf_crc_crc32c_impl(arr.ctypes.data, n, seed, 0)
+                assert lib.inf_crc_crc32c_impl(arr.ctypes.data, n, seed, 2) == table, (n, off)
+                assert lib.inf_crc_crc32c_impl(arr.ctypes.data, n, seed, 1) == table, (n, off)
+    code = ("from infinity.io._lib import native; print(native().inf_crc_impl())")
+    for env, allowed in (("table", {0}), ("sse42", {0, 1}), ("", {0, 1, 2})):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env=dict(os.environ, INFINITY_CRC32C_IMPL=env), timeout=60)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert int(out.stdout.strip()) in allowed, (env, out.stdout)
+
+
 def test_crc32c_striped_sse42_path_matches_table():
     """Buffers of >= 48 KiB take the three-stripe SSE4.2 path; lengths and offsets around the
     stripe boundaries must give the table's value."""
