@@ -1,6 +1,7 @@
 """CRC32C (Castagnoli) of tensors and byte buffers; in the native core AVX-512 VPCLMULQDQ
 folding (csrc/crc32c_fold.cpp) or the SSE4.2 crc32 instruction, chosen at run time
-(``INFINITY_CRC32C_IMPL=sse42|table`` overrides), a table in Python otherwise. Both give the same value; ``crc32c(b, crc32c(a)) == crc32c(a + b)``."""
+(``INFINITY_CRC32C_IMPL=sse42|table`` overrides), a table in Python otherwise. All give the
+same value; ``crc32c(b, crc32c(a)) == crc32c(a + b)``."""
 from __future__ import annotations
 
 from typing import Union
