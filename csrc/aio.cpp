@@ -35,6 +35,8 @@
 #include <vector>
 #include <atomic>
 #include <chrono>
+#include <poll.h>
+#include <sys/eventfd.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
 #include <time.h>
@@ -144,6 +146,8 @@ struct Engine {
   bool ring_on = false;    // the ring thread runs and takes new direct requests
   bool ring_stop = false;
   int ring_error = 0;      // errno of the last failed io_uring setup (0: none)
+  bool ring_waiting = false;  // the ring thread waits in io_uring_enter with free slots
+  int ring_evfd = -1;         // eventfd it polls through the ring: a submit wakes it
   std::atomic<uint64_t> ring_chunks{0};  // chunks submitted through io_uring (ever)
   Config cfg;
   std::mutex cfg_m;  // serialises configure() / pool start
@@ -630,7 +634,17 @@ void ring_retire(RingSlot* s, const IoRes& res) {
   s->req.reset();
 }
 
-void ring_main(Ring* ring, int depth) {
+constexpr uint64_t kPollTag = ~0ull;  // user_data of the eventfd poll
+
+void arm_poll(Ring* ring, int evfd, std::vector<int>* unsent) {
+  ring->push(IORING_OP_POLL_ADD, evfd, nullptr, 0, kPollTag);
+  io_uring_sqe* sqe = &ring->sqes[(*ring->sq_tail - 1) & ring->sq_mask];
+  sqe->len = 0;
+  sqe->poll_events = POLLIN;
+  unsent->push_back(-1);
+}
+
+void ring_main(Ring* ring, int depth, int evfd) {
   Engine* e = E();
   std::vector<RingSlot> slots(static_cast<size_t>(depth));
   std::vector<int> free_slots;
@@ -639,6 +653,9 @@ void ring_main(Ring* ring, int depth) {
   std::vector<int> unsent;  // slots queued in the SQ ring, not yet accepted by io_uring_enter
   int inflight = 0;         // slots in use (queued or in the kernel)
   bool broken = false;      // io_uring_enter failed hard: finish everything synchronously
+  // While the thread waits for completions with free slots, a new request wakes it through
+  // the eventfd polled on the ring (else it would wait for the next completion).
+  if (evfd >= 0) arm_poll(ring, evfd, &unsent);
   for (;;) {
     taken.clear();
     {
@@ -707,14 +724,19 @@ void ring_main(Ring* ring, int depth) {
     }
     if (inflight == 0) continue;
     // Submit what is queued; wait for a completion when no more work can be taken now.
-    bool more_work;
+    bool more_work, waiting;
     {
       std::lock_guard<std::mutex> g(e->qm);
       more_work = !e->uq.empty() && !free_slots.empty();
+      waiting = e->ring_waiting = !more_work && !free_slots.empty() && evfd >= 0 && !broken;
     }
     unsigned min_complete = more_work ? 0 : 1;
     int rc = sys_uring_enter(ring->fd, static_cast<unsigned>(unsent.size()), min_complete,
                              min_complete ? IORING_ENTER_GETEVENTS : 0);
+    if (waiting) {
+      std::lock_guard<std::mutex> g(e->qm);
+      e->ring_waiting = false;
+    }
     if (rc < 0) {
       int err = errno;
       if (err != EINTR && err != EAGAIN && err != EBUSY) {
@@ -722,6 +744,7 @@ void ring_main(Ring* ring, int depth) {
         // submitting (the accepted ones still complete through the CQ ring).
         broken = true;
         for (int si : unsent) {
+          if (si < 0) continue;  // the eventfd poll
           RingSlot& s = slots[static_cast<size_t>(si)];
           Request* req = s.req.get();
           ring_retire(&s, io_loop(req->h.get(), req->op, s.direct, s.buf, s.len, s.off));
@@ -752,12 +775,20 @@ void ring_main(Ring* ring, int depth) {
     unsigned head = *ring->cq_head;
     unsigned tail = __atomic_load_n(ring->cq_tail, __ATOMIC_ACQUIRE);
     std::vector<std::pair<int, int>> done;  // (slot, res)
+    bool rearm = false;
     while (head != tail) {
       const io_uring_cqe* cqe = &ring->cqes[head & ring->cq_mask];
-      done.emplace_back(static_cast<int>(cqe->user_data), cqe->res);
+      if (cqe->user_data == kPollTag) rearm = true;
+      else done.emplace_back(static_cast<int>(cqe->user_data), cqe->res);
       ++head;
     }
     __atomic_store_n(ring->cq_head, head, __ATOMIC_RELEASE);
+    if (rearm) {
+      uint64_t v;
+      while (::read(evfd, &v, sizeof(v)) == static_cast<ssize_t>(sizeof(v))) {
+      }
+      if (!broken) arm_poll(ring, evfd, &unsent);
+    }
     for (auto& d : done) {
       RingSlot& s = slots[static_cast<size_t>(d.first)];
       if (!s.req) continue;  // already failed above
@@ -796,7 +827,7 @@ void start_ring_locked() {
   Engine* e = E();
   if (e->cfg.backend != 1 || e->ring_thread.joinable()) return;
   Ring* ring = new Ring();
-  int rc = ring->init(static_cast<unsigned>(e->cfg.num_threads));
+  int rc = ring->init(static_cast<unsigned>(e->cfg.num_threads) + 1);  // + the eventfd poll
   if (rc != 0) {
     delete ring;
     e->cfg.backend = 0;
@@ -804,14 +835,16 @@ void start_ring_locked() {
     return;
   }
   int depth = e->cfg.num_threads;
-  if (static_cast<unsigned>(depth) > ring->entries) depth = static_cast<int>(ring->entries);
+  if (static_cast<unsigned>(depth) + 1 > ring->entries) depth = static_cast<int>(ring->entries) - 1;
   ring->set_max_workers(static_cast<unsigned>(depth));
+  int evfd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);  // -1: no wake-ups, still correct
   {
     std::lock_guard<std::mutex> g(e->qm);
     e->ring_on = true;
     e->ring_stop = false;
+    e->ring_evfd = evfd;
   }
-  e->ring_thread = std::thread(ring_main, ring, depth);
+  e->ring_thread = std::thread(ring_main, ring, depth, evfd);
 #endif
 }
 
@@ -828,6 +861,9 @@ void stop_ring_locked() {
   e->ring_thread.join();
   std::lock_guard<std::mutex> g(e->qm);
   e->ring_stop = false;
+  e->ring_waiting = false;
+  if (e->ring_evfd >= 0) ::close(e->ring_evfd);  // under qm: submitters write it under qm
+  e->ring_evfd = -1;
 }
 
 // Starts the pool if needed. Caller holds cfg_m.
@@ -1213,6 +1249,12 @@ INF_API int64_t inf_aio_submit_ex(int64_t handle, int op, void* buf, int64_t nby
     });
     to_ring = ring_ok && e->ring_on;
     (to_ring ? e->uq : e->q).push_back(r);
+    if (to_ring && e->ring_waiting && e->ring_evfd >= 0) {
+      e->ring_waiting = false;
+      uint64_t one = 1;
+      ssize_t w = ::write(e->ring_evfd, &one, sizeof(one));  // EAGAIN: already signalled
+      (void)w;
+    }
   }
   if (to_ring) e->ucv.notify_one();
   else if (r->nchunks == 1) e->qcv.notify_one();
