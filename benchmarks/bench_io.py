@@ -420,6 +420,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             a, b = get.get(f"infinity[io_uring]{suffix}"), get.get(f"infinity[threads]{suffix}")
             if a and b:
                 ratios[f"{direction}{suffix}_io_uring_vs_threads"] = a / b
+                # per rep (the two ran back to back): less sensitive to load changing in a run
+                pa = runs[(f"infinity[io_uring]{suffix}", direction)]
+                pb = runs[(f"infinity[threads]{suffix}", direction)]
+                ratios[f"{direction}{suffix}_io_uring_vs_threads_paired"] = statistics.median(
+                    x["gbps"] / y["gbps"] for x, y in zip(pa, pb))
+                ratios[f"{direction}{suffix}_io_uring_vs_threads_cpu_paired"] = statistics.median(
+                    x["cpu_s_per_gib"] / max(y["cpu_s_per_gib"], 1e-9) for x, y in zip(pa, pb))
     cfg = io.get_config()
     result = {
         "date": datetime.date.today().isoformat(),

@@ -117,7 +117,7 @@ struct Config {
   uint64_t chunk_bytes = 8ull << 20;
   int queue_depth = 256;
   int crc_threads = 2;  // 0: the I/O worker checksums its chunk itself (inline)
-  int backend = 0;      // 0 thread pool only, 1 io_uring ring thread for direct requests
+  int backend = 0;      // 0 thread pool only, 1 io_uring ring thread(s) for direct requests
 };
 
 struct CrcTask {
@@ -139,14 +139,14 @@ struct Engine {
   std::deque<CrcTask> cq;
   std::vector<std::thread> crc_workers;
   bool cstop = false;
-  // io_uring: one ring thread serves direct-mode requests (guarded by qm, like q)
+  // io_uring: ring threads serve direct-mode requests (guarded by qm, like q)
   std::deque<std::shared_ptr<Request>> uq;
   std::condition_variable ucv;  // ring work available / stop
-  std::thread ring_thread;
-  bool ring_on = false;    // the ring thread runs and takes new direct requests
+  std::vector<std::thread> ring_threads;
+  bool ring_on = false;    // the ring threads run and take new direct requests
   bool ring_stop = false;
   int ring_error = 0;      // errno of the last failed io_uring setup (0: none)
-  bool ring_waiting = false;  // the ring thread waits in io_uring_enter with free slots
+  int ring_waiting = 0;       // ring threads waiting in io_uring_enter with free slots
   int ring_evfd = -1;         // eventfd it polls through the ring: a submit wakes it
   std::atomic<uint64_t> ring_chunks{0};  // chunks submitted through io_uring (ever)
   Config cfg;
@@ -472,8 +472,9 @@ void crc_main() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// io_uring backend: one ring thread keeps up to num_threads chunks of direct-mode requests in
-// flight through IORING_OP_READV/WRITEV (raw syscalls, no liburing). Same semantics as the
+// io_uring backend: ring threads (four by default, $INFINITY_IO_URING_THREADS), each with its own
+// ring, keep up to num_threads chunks of direct-mode requests in flight together through
+// IORING_OP_READV/WRITEV (raw syscalls, no liburing). Same semantics as the
 // worker path: a partial transfer is finished synchronously with io_loop (which moves to the
 // plain fd when the position is no longer aligned: short reads at end of file), EINTR/EAGAIN
 // completions are resubmitted, errors carry the failing offset, checksums go to the CRC threads
@@ -728,14 +729,15 @@ void ring_main(Ring* ring, int depth, int evfd) {
     {
       std::lock_guard<std::mutex> g(e->qm);
       more_work = !e->uq.empty() && !free_slots.empty();
-      waiting = e->ring_waiting = !more_work && !free_slots.empty() && evfd >= 0 && !broken;
+      waiting = !more_work && !free_slots.empty() && evfd >= 0 && !broken;
+      if (waiting) ++e->ring_waiting;
     }
     unsigned min_complete = more_work ? 0 : 1;
     int rc = sys_uring_enter(ring->fd, static_cast<unsigned>(unsent.size()), min_complete,
                              min_complete ? IORING_ENTER_GETEVENTS : 0);
     if (waiting) {
       std::lock_guard<std::mutex> g(e->qm);
-      e->ring_waiting = false;
+      --e->ring_waiting;
     }
     if (rc < 0) {
       int err = errno;
@@ -820,23 +822,45 @@ int uring_probe() {
 int uring_probe() { return -ENOSYS; }
 #endif
 
-// Starts the ring thread when the io_uring backend is selected. A ring that cannot be set up
+// Ring threads (each with its own ring; together num_threads chunks in flight):
+// $INFINITY_IO_URING_THREADS, default 4, at most num_threads. One ring thread lost to the
+// thread pool in every NVMe-step pair on the 2-core test VM (submission and completion work
+// of every chunk on one thread competing with Adam and the CRC threads for the CPU); four did
+// not (benchmarks/RESULTS.md, "io_uring backend").
+int ring_thread_count(int num_threads) {
+  int n = 4;
+  if (const char* env = std::getenv("INFINITY_IO_URING_THREADS")) {
+    int v = std::atoi(env);
+    if (v >= 1 && v <= 64) n = v;
+  }
+  return n < num_threads ? n : num_threads;
+}
+
+// Starts the ring threads when the io_uring backend is selected. A ring that cannot be set up
 // now (it could when the backend was chosen) leaves the thread pool in charge. Caller holds cfg_m.
 void start_ring_locked() {
 #ifdef INF_HAVE_IO_URING
   Engine* e = E();
-  if (e->cfg.backend != 1 || e->ring_thread.joinable()) return;
-  Ring* ring = new Ring();
-  int rc = ring->init(static_cast<unsigned>(e->cfg.num_threads) + 1);  // + the eventfd poll
-  if (rc != 0) {
-    delete ring;
-    e->cfg.backend = 0;
-    e->ring_error = -rc;
-    return;
+  if (e->cfg.backend != 1 || !e->ring_threads.empty()) return;
+  const int nrings = ring_thread_count(e->cfg.num_threads);
+  std::vector<std::pair<Ring*, int>> rings;
+  for (int i = 0; i < nrings; ++i) {
+    int depth = e->cfg.num_threads / nrings + (i < e->cfg.num_threads % nrings ? 1 : 0);
+    Ring* ring = new Ring();
+    int rc = ring->init(static_cast<unsigned>(depth) + 1);  // + the eventfd poll
+    if (rc != 0) {
+      delete ring;
+      if (rings.empty()) {
+        e->cfg.backend = 0;
+        e->ring_error = -rc;
+        return;
+      }
+      break;  // fewer rings (fewer chunks in flight) rather than none
+    }
+    if (static_cast<unsigned>(depth) + 1 > ring->entries) depth = static_cast<int>(ring->entries) - 1;
+    ring->set_max_workers(static_cast<unsigned>(depth));
+    rings.emplace_back(ring, depth);
   }
-  int depth = e->cfg.num_threads;
-  if (static_cast<unsigned>(depth) + 1 > ring->entries) depth = static_cast<int>(ring->entries) - 1;
-  ring->set_max_workers(static_cast<unsigned>(depth));
   int evfd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);  // -1: no wake-ups, still correct
   {
     std::lock_guard<std::mutex> g(e->qm);
@@ -844,24 +868,25 @@ void start_ring_locked() {
     e->ring_stop = false;
     e->ring_evfd = evfd;
   }
-  e->ring_thread = std::thread(ring_main, ring, depth, evfd);
+  for (auto& r : rings) e->ring_threads.emplace_back(ring_main, r.first, r.second, evfd);
 #endif
 }
 
-// Stops the ring thread after it finished every queued and in-flight chunk. Caller holds cfg_m.
+// Stops the ring threads after they finished every queued and in-flight chunk. Caller holds cfg_m.
 void stop_ring_locked() {
   Engine* e = E();
-  if (!e->ring_thread.joinable()) return;
+  if (e->ring_threads.empty()) return;
   {
     std::lock_guard<std::mutex> g(e->qm);
     e->ring_on = false;  // new requests go to the workers from now on
     e->ring_stop = true;
   }
   e->ucv.notify_all();
-  e->ring_thread.join();
+  for (auto& t : e->ring_threads) t.join();
+  e->ring_threads.clear();
   std::lock_guard<std::mutex> g(e->qm);
   e->ring_stop = false;
-  e->ring_waiting = false;
+  e->ring_waiting = 0;
   if (e->ring_evfd >= 0) ::close(e->ring_evfd);  // under qm: submitters write it under qm
   e->ring_evfd = -1;
 }
@@ -939,7 +964,7 @@ INF_API int inf_aio_configure(int num_threads, int64_t chunk_bytes, int queue_de
   }
   e->qspace.notify_all();
   if (num_threads > 0 && num_threads != e->cfg.num_threads) {
-    if (!e->workers.empty() || e->ring_thread.joinable()) stop_pool_locked();
+    if (!e->workers.empty() || !e->ring_threads.empty()) stop_pool_locked();
     e->cfg.num_threads = num_threads;
   }
   return 0;
@@ -952,14 +977,14 @@ INF_API int inf_aio_set_crc_threads(int n) {
   Engine* e = E();
   std::lock_guard<std::mutex> g(e->cfg_m);
   if (n != e->cfg.crc_threads) {
-    if (!e->workers.empty() || !e->crc_workers.empty() || e->ring_thread.joinable())
+    if (!e->workers.empty() || !e->crc_workers.empty() || !e->ring_threads.empty())
       stop_pool_locked();
     e->cfg.crc_threads = n;
   }
   return 0;
 }
 
-// backend: 0 thread pool, 1 io_uring ring thread for direct-mode requests (the thread pool
+// backend: 0 thread pool, 1 io_uring ring thread(s) for direct-mode requests (the thread pool
 // still serves the rest). Returns 0, -EINVAL, or -errno of a failed io_uring_setup (ENOSYS
 // without kernel support or without <linux/io_uring.h> at build time, EPERM when disabled by
 // kernel.io_uring_disabled or a seccomp filter); then the backend stays as it was. Switching
@@ -976,7 +1001,7 @@ INF_API int inf_aio_set_backend(int backend) {
     }
   }
   if (backend != e->cfg.backend) {
-    if (!e->workers.empty() || !e->crc_workers.empty() || e->ring_thread.joinable())
+    if (!e->workers.empty() || !e->crc_workers.empty() || !e->ring_threads.empty())
       stop_pool_locked();
     e->cfg.backend = backend;
   }
@@ -1237,7 +1262,7 @@ INF_API int64_t inf_aio_submit_ex(int64_t handle, int op, void* buf, int64_t nby
     return r->id;
   }
   r->remaining = r->nchunks * (r->crc_async ? 2 : 1);  // I/O (+ checksum) of every chunk
-  // the ring thread (when running) takes direct-mode requests whose checksums, if any, go to
+  // the ring threads (when running) take direct-mode requests whose checksums, if any, go to
   // the CRC threads; the workers take everything else
   const bool ring_ok = r->mode == kModeDirect && (!r->want_crc || r->crc_async);
   bool to_ring;
@@ -1249,14 +1274,14 @@ INF_API int64_t inf_aio_submit_ex(int64_t handle, int op, void* buf, int64_t nby
     });
     to_ring = ring_ok && e->ring_on;
     (to_ring ? e->uq : e->q).push_back(r);
-    if (to_ring && e->ring_waiting && e->ring_evfd >= 0) {
-      e->ring_waiting = false;
+    if (to_ring && e->ring_waiting > 0 && e->ring_evfd >= 0) {
       uint64_t one = 1;
       ssize_t w = ::write(e->ring_evfd, &one, sizeof(one));  // EAGAIN: already signalled
       (void)w;
     }
   }
-  if (to_ring) e->ucv.notify_one();
+  if (to_ring && r->nchunks == 1) e->ucv.notify_one();
+  else if (to_ring) e->ucv.notify_all();
   else if (r->nchunks == 1) e->qcv.notify_one();
   else e->qcv.notify_all();
   return r->id;

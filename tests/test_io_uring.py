@@ -311,6 +311,13 @@ def test_env_selects_backend(tmp_path):
     """, {"INFINITY_IO_BACKEND": "io_uring"}, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["io_uring", "io_uring"]
+    from infinity.io import _backends
+    proc = _run("""
+        import infinity.io as io
+        print(io.get_config().backend, io.backend_name())
+    """, {"INFINITY_IO_BACKEND": ""}, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["auto", _backends.AUTO_BACKEND]
 
 
 def test_process_exit_with_ring_requests_in_flight(tmp_path):
@@ -333,3 +340,54 @@ def test_process_exit_with_ring_requests_in_flight(tmp_path):
     """, {}, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "SUBMITTED" in proc.stdout
+
+
+def test_bench_io_backend_quick(tmp_path):
+    """bench_io.py --backend runs both native backends side by side and reports CPU per GiB."""
+    import json
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_io.py"),
+                           "--quick", "--methods", "infinity", "--backend", "threads,io_uring",
+                           "--crc", "both", "--out", str(out), "--dir", str(tmp_path),
+                           "--no-fio", "--no-plot"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    names = {row["method"] for row in result["results"]}
+    assert names == {"infinity[threads]", "infinity[threads]+crc", "infinity[io_uring]",
+                     "infinity[io_uring]+crc"}
+    for row in result["results"]:
+        assert row["gbps"] > 0 and row["cpu_s_per_gib"] >= 0
+    assert "read_io_uring_vs_threads" in result["ratios"]
+
+
+def test_several_ring_threads_in_subprocess(tmp_path):
+    """INFINITY_IO_URING_THREADS=3: three rings share the queue (and the wake-up eventfd);
+    bytes and CRCs as before, reconfigure and exit clean."""
+    proc = _run("""
+        import sys, threading, torch
+        import infinity.io as io
+        from infinity.io._lib import native
+        io.configure(backend="io_uring", chunk_bytes=64 << 10, num_threads=7)
+        before = native().inf_aio_ring_chunks()
+        bad = []
+        with io.FileHandle(sys.argv[1] + "/f.bin", "w+") as f:
+            def work(k):
+                g = torch.Generator().manual_seed(k)
+                for size in (4096, 70000, (1 << 20) + 5, 3 << 20):
+                    data = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g)
+                    src = io.aligned_empty(size).copy_(data)
+                    w = f.pwrite(src, k << 22, crc=True); w.wait()
+                    out = io.aligned_empty(size)
+                    r = f.pread(out, k << 22, crc=True); r.wait()
+                    if not (torch.equal(out, data) and w.crc32c() == r.crc32c() == io.crc32c(data)):
+                        bad.append((k, size))
+            ts = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+            [t.start() for t in ts]; [t.join() for t in ts]
+            io.configure(num_threads=2)
+            work(5)
+        print("CHUNKS", native().inf_aio_ring_chunks() - before, "BAD", bad)
+    """, {"INFINITY_IO_URING_THREADS": "3"}, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    chunks = int(proc.stdout.split()[1])
+    assert chunks > 100 and "BAD []" in proc.stdout, proc.stdout

@@ -36,10 +36,11 @@ class IOConfig:
     2-core test VM the inline checksums, competing with the optimizer's Adam for the CPU,
     left the disk with fewer requests in flight (bench_nvme_step, benchmarks/RESULTS.md).
     backend: who issues the O_DIRECT transfers of aligned requests. "threads": the worker
-    threads (pread/pwrite); "io_uring": one ring thread keeping num_threads chunks in flight
-    through io_uring (Linux >= 5.1; an error when the kernel refuses it); "auto": the choice
-    measured faster on this project's benchmarks (``infinity.io._backends.AUTO_BACKEND``),
-    falling back to the threads, with a log line, where io_uring is unavailable. Misaligned and
+    threads (pread/pwrite); "io_uring": ring threads (4, $INFINITY_IO_URING_THREADS) keeping
+    num_threads chunks in flight together through io_uring (Linux >= 5.1; an error when the
+    kernel refuses it); "auto": the choice measured faster on this project's benchmarks
+    (``infinity.io._backends.AUTO_BACKEND``: io_uring), falling back to the threads, with a
+    log line, where io_uring is unavailable ($INFINITY_IO_URING=0 forces that). Misaligned and
     page-cache requests always go through the worker threads. Default: $INFINITY_IO_BACKEND
     or "auto"; ``infinity.io.backend_name()`` tells which one is active."""
 
