@@ -818,10 +818,6 @@ int uring_probe() {
   Ring r;
   return r.init(4);
 }
-#else
-int uring_probe() { return -ENOSYS; }
-#endif
-
 // Ring threads (each with its own ring; together num_threads chunks in flight):
 // $INFINITY_IO_URING_THREADS, default 4, at most num_threads. One ring thread lost to the
 // thread pool in every NVMe-step pair on the 2-core test VM (submission and completion work
@@ -835,6 +831,10 @@ int ring_thread_count(int num_threads) {
   }
   return n < num_threads ? n : num_threads;
 }
+
+#else
+int uring_probe() { return -ENOSYS; }
+#endif
 
 // Starts the ring threads when the io_uring backend is selected. A ring that cannot be set up
 // now (it could when the backend was chosen) leaves the thread pool in charge. Caller holds cfg_m.
