@@ -802,9 +802,13 @@ void ring_main(Ring* ring, int depth, int evfd) {
         unsent.push_back(d.first);
         continue;
       }
-      IoRes res = (d.second == -EINTR || d.second == -EAGAIN)
-                      ? io_loop(s.req->h.get(), s.req->op, s.direct, s.buf, s.len, s.off)
-                      : ring_outcome(&s, d.second);
+      // EINVAL / EOPNOTSUPP: an operation this kernel or filesystem does not take through
+      // io_uring (where pread/pwrite may still work): the chunk again, synchronously; a real
+      // EINVAL comes back from there
+      const bool sync = d.second == -EINTR || d.second == -EAGAIN || d.second == -EINVAL ||
+                        d.second == -EOPNOTSUPP;
+      IoRes res = sync ? io_loop(s.req->h.get(), s.req->op, s.direct, s.buf, s.len, s.off)
+                       : ring_outcome(&s, d.second);
       ring_retire(&s, res);
       free_slots.push_back(d.first);
       --inflight;
