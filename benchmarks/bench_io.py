@@ -2,6 +2,8 @@
 
     python benchmarks/bench_io.py                 # 2 GiB file, 3 runs per method
     python benchmarks/bench_io.py --quick         # 64 MiB, 1 run (smoke test)
+    python benchmarks/bench_io.py --methods infinity --backend threads,io_uring --crc both
+                                                  # the two native backends, alternating
 
 Methods (each writes its own file, then reads it back cold):
   infinity        FileHandle.pwrite/pread, O_DIRECT, aligned buffer, worker pool
@@ -11,7 +13,8 @@ Methods (each writes its own file, then reads it back cold):
   fio             fio --direct=1, io_uring (libaio if unavailable), iodepth 32 (if on PATH)
   deepspeed_aio   DeepSpeed's aio handle (if importable)
 Cold reads: the file is fsync'ed and dropped from the page cache (POSIX_FADV_DONTNEED) before
-each read; page-cache growth comes from `Cached:` in /proc/meminfo. Writes include the final
+each read; page-cache growth comes from `Cached:` in /proc/meminfo; CPU s/GiB is this process's
+user + sys time (getrusage) per GiB moved. Writes include the final
 fsync. Figures are medians; ratios are against the best of fio and DeepSpeed's aio (plain O_DIRECT
 preadv/pwritev when neither is installed), same direction.
 """
@@ -23,6 +26,7 @@ import datetime
 import json
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -78,25 +82,37 @@ def remove(path: str) -> None:
 class Infinity:
     name = "infinity"
 
-    def __init__(self, block: int) -> None:
+    def __init__(self, block: int, backend: Optional[str] = None, crc: bool = False) -> None:
         self.buf = io.aligned_empty(block)
         self.buf.fill_(0x5A)
+        self.backend = backend  # None: leave IOConfig.backend as it is
+        self.crc = crc
+        if backend is not None:
+            self.name = f"infinity[{backend}]" + ("+crc" if crc else "")
+
+    def _select(self) -> None:
+        if self.backend is not None and io.get_config().backend != self.backend:
+            io.configure(backend=self.backend)
 
     def write(self, path: str, size: int) -> None:
+        self._select()
         with io.FileHandle(path, "w+", require_direct=True) as f:
             # preallocate, as the swap store does (and as fio does by default): one contiguous
             # extent instead of the fragments that 32 parallel writers would otherwise leave
             f.allocate(size)
             n = self.buf.numel()
-            futs = [f.pwrite(self.buf, off, min(n, size - off)) for off in range(0, size, n)]
+            futs = [f.pwrite(self.buf, off, min(n, size - off), crc=self.crc)
+                    for off in range(0, size, n)]
             for fut in futs:
                 fut.wait()
             f.fsync()
 
     def read(self, path: str, size: int) -> None:
+        self._select()
         with io.FileHandle(path, "r", require_direct=True) as f:
             n = self.buf.numel()
-            futs = [f.pread(self.buf, off, min(n, size - off)) for off in range(0, size, n)]
+            futs = [f.pread(self.buf, off, min(n, size - off), crc=self.crc)
+                    for off in range(0, size, n)]
             for fut in futs:
                 fut.wait()
 
@@ -261,14 +277,19 @@ def measure(method, direction: str, path: str, size: int) -> Dict[str, float]:
     if direction == "read":
         evict(path)
     before = cached_bytes()
+    ru0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     getattr(method, direction)(path, size)
     seconds = time.perf_counter() - t0
+    ru1 = resource.getrusage(resource.RUSAGE_SELF)
     growth = cached_bytes() - before
     gbps = size / seconds / 1e9
     if isinstance(method, Fio) and method.last_gbps:
         gbps = method.last_gbps
-    return {"gbps": gbps, "cache_growth_mib": growth / MiB}
+    # this process's CPU time (user + sys, every thread: workers, ring, CRC threads, io_uring
+    # kernel workers); child processes (fio) are not counted
+    cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
+    return {"gbps": gbps, "cache_growth_mib": growth / MiB, "cpu_s_per_gib": cpu / (size / (1 << 30))}
 
 
 def machine_info(directory: str) -> Dict[str, str]:
@@ -320,6 +341,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--methods", default=None, help="comma-separated subset")
     p.add_argument("--no-fio", action="store_true")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--backend", default=None,
+                   help="comma-separated IOConfig.backend values (threads,io_uring): the "
+                        "'infinity' method runs once per backend, alternating within each rep")
+    p.add_argument("--crc", choices=("off", "on", "both"), default="off",
+                   help="with --backend: requests with crc=True (CRC32C on the CRC threads)")
     args = p.parse_args(argv)
 
     size = 64 * MiB if args.quick else parse_size(args.size)
@@ -344,11 +370,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     for cls in classes:
         if wanted and cls.name not in wanted:
             continue
+        if cls is Infinity and args.backend:
+            crcs = {"off": [False], "on": [True], "both": [False, True]}[args.crc]
+            for backend in args.backend.split(","):
+                if backend not in io.config.BACKENDS:
+                    print(f"unknown --backend {backend!r}", file=sys.stderr)
+                    return 2
+                methods.extend(Infinity(block, backend, crc) for crc in crcs)
+            continue
         try:
             methods.append(cls(block))
         except ImportError as exc:
             skipped[cls.name] = str(exc)
 
+    load_before = os.getloadavg()
     work = tempfile.mkdtemp(prefix="bench_io-", dir=args.dir)
     runs: Dict[tuple, List[Dict[str, float]]] = {}
     try:
@@ -367,7 +402,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         rows.append({"method": name, "direction": direction,
                      "gbps": statistics.median(r["gbps"] for r in rs),
                      "runs_gbps": [round(r["gbps"], 3) for r in rs],
-                     "cache_growth_mib": statistics.median(r["cache_growth_mib"] for r in rs)})
+                     "cache_growth_mib": statistics.median(r["cache_growth_mib"] for r in rs),
+                     "cpu_s_per_gib": statistics.median(r["cpu_s_per_gib"] for r in rs),
+                     "runs_cpu_s_per_gib": [round(r["cpu_s_per_gib"], 3) for r in rs]})
     ratios = {}
     for direction in ("write", "read"):
         get = {r["method"]: r["gbps"] for r in rows if r["direction"] == direction}
@@ -379,21 +416,36 @@ def main(argv: Optional[List[str]] = None) -> int:
             ratios[f"{direction}_vs_best_odirect"] = get["infinity"] / max(refs)
         if "infinity" in get and "aiofiles" in get:
             ratios[f"{direction}_vs_aiofiles"] = get["infinity"] / get["aiofiles"]
+        for suffix in ("", "+crc"):
+            a, b = get.get(f"infinity[io_uring]{suffix}"), get.get(f"infinity[threads]{suffix}")
+            if a and b:
+                ratios[f"{direction}{suffix}_io_uring_vs_threads"] = a / b
+                # per rep (the two ran back to back): less sensitive to load changing in a run
+                pa = runs[(f"infinity[io_uring]{suffix}", direction)]
+                pb = runs[(f"infinity[threads]{suffix}", direction)]
+                ratios[f"{direction}{suffix}_io_uring_vs_threads_paired"] = statistics.median(
+                    x["gbps"] / y["gbps"] for x, y in zip(pa, pb))
+                ratios[f"{direction}{suffix}_io_uring_vs_threads_cpu_paired"] = statistics.median(
+                    x["cpu_s_per_gib"] / max(y["cpu_s_per_gib"], 1e-9) for x, y in zip(pa, pb))
     cfg = io.get_config()
     result = {
         "date": datetime.date.today().isoformat(),
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
         "size_bytes": size, "reps": reps, "block_bytes": block,
         "config": {"num_threads": cfg.num_threads, "chunk_bytes": cfg.chunk_bytes,
-                   "queue_depth": cfg.queue_depth},
+                   "queue_depth": cfg.queue_depth, "crc_threads": cfg.crc_threads,
+                   "backend": cfg.backend},
+        "loadavg_before": list(load_before), "loadavg_after": list(os.getloadavg()),
         "fio_engine": next((m.engine for m in methods if isinstance(m, Fio)), None),
         "machine": machine_info(args.dir),
         "results": rows, "ratios": ratios, "skipped": skipped,
     }
-    print(f"{'method':16s} {'dir':6s} {'GB/s':>7s} {'runs':28s} {'page cache +MiB':>16s}")
+    print(f"{'method':24s} {'dir':6s} {'GB/s':>7s} {'runs':28s} {'page cache +MiB':>16s} "
+          f"{'CPU s/GiB':>9s}")
     for r in rows:
-        print(f"{r['method']:16s} {r['direction']:6s} {r['gbps']:7.2f} "
-              f"{str(r['runs_gbps']):28s} {r['cache_growth_mib']:16.0f}")
+        print(f"{r['method']:24s} {r['direction']:6s} {r['gbps']:7.2f} "
+              f"{str(r['runs_gbps']):28s} {r['cache_growth_mib']:16.0f} "
+              f"{r['cpu_s_per_gib']:9.3f}")
     for k, v in ratios.items():
         print(f"{k}: {v:.2f}x")
     for k, v in skipped.items():

@@ -22,12 +22,41 @@ SIZES = [1, 4095, 4096, 4097, (1 << 20) + 3, 3 * (1 << 20) + 5000]
 needs_native = pytest.mark.skipif(not _native.available(), reason="native library not built")
 
 
-@pytest.fixture(params=["native", "fallback"])
+def _uring_usable() -> bool:
+    if not _native.available():
+        return False
+    old = io.get_config().backend
+    try:
+        io.configure(backend="io_uring")
+    except RuntimeError:
+        return False
+    finally:
+        io.configure(backend=old)
+    return True
+
+
+@pytest.fixture(params=["native", "io_uring", "fallback"])
 def engine(request):
     if request.param == "native":
         if not _native.available():
             pytest.skip("native library not built")
-        yield "native"
+        old = io.get_config().backend
+        io.configure(backend="threads")
+        try:
+            yield "native"
+        finally:
+            io.configure(backend=old)
+    elif request.param == "io_uring":
+        if not _uring_usable():
+            pytest.skip("io_uring not usable here")
+        old = io.get_config().backend
+        io.configure(backend="io_uring")
+        try:
+            if io.backend_name() != "io_uring":
+                raise AssertionError(f"backend is {io.backend_name()}, expected io_uring")
+            yield "io_uring"
+        finally:
+            io.configure(backend=old)
     else:
         with _native.force_fallback():
             yield "fallback"

@@ -8,8 +8,10 @@
 The native engine (csrc/aio.cpp) serves requests in chunks on a worker pool, O_DIRECT for the
 aligned body and the page cache only for unaligned tails; without the native library (or inside
 ``infinity._native.force_fallback()``) a pure-Python engine gives the same results.
-Settings: :func:`configure` / :func:`get_config`.
+Settings: :func:`configure` / :func:`get_config` (``backend``: worker threads or io_uring,
+:func:`backend_name` tells which is active).
 """
+from infinity.io._backends import backend_name
 from infinity.io.buffers import ALIGNMENT, aligned_empty, is_aligned
 from infinity.io.config import IOConfig, configure, get_config
 from infinity.io.crc import crc32c
@@ -18,7 +20,7 @@ from infinity.io.faults import clear_faults, inject_fault
 from infinity.io.handle import FileHandle, IOFuture, supports_direct_io
 
 __all__ = [
-    "ALIGNMENT", "FileHandle", "IOConfig", "IOFuture", "InfinityIOError", "aligned_empty",
+    "ALIGNMENT", "FileHandle", "backend_name", "IOConfig", "IOFuture", "InfinityIOError", "aligned_empty",
     "clear_faults", "configure", "crc32c", "get_config", "inject_fault", "is_aligned",
     "supports_direct_io",
 ]

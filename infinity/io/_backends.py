@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import ctypes
 import errno as _errno
+import logging
 import os
 import threading
 from typing import Optional, Set, Tuple
@@ -21,6 +22,8 @@ from typing import Optional, Set, Tuple
 from infinity.io import faults
 from infinity.io.crc import crc32c
 from infinity.io.config import IOConfig, _on_change, get_config
+
+_log = logging.getLogger(__name__)
 
 READ, WRITE = 0, 1
 Result = Tuple[int, int, int, str]  # bytes, errno (0 ok), error offset, message
@@ -273,10 +276,65 @@ class FallbackBackend:
         os.close(self._fd)
 
 
+# What backend="auto" picks where io_uring works: io_uring (four ring threads) took a median
+# 0.82x the thread pool's NVMe optimizer step time (11 of 14 back-to-back pairs) and matched it
+# on bench_io.py (benchmarks/RESULTS.md, section "io_uring backend").
+AUTO_BACKEND = "io_uring"
+_reported: Set[str] = set()
+
+
+def _uring_unavailable_reason(lib: ctypes.CDLL) -> Optional[str]:
+    """Why the native engine cannot use io_uring (None: it can; the backend is then set)."""
+    if os.environ.get("INFINITY_IO_URING", "").strip() == "0":
+        return "disabled by INFINITY_IO_URING=0"
+    if not hasattr(lib, "inf_aio_set_backend"):
+        return "the native library predates the io_uring backend (rebuild it)"
+    rc = lib.inf_aio_set_backend(1)
+    if rc == 0:
+        return None
+    return f"io_uring_setup failed: {os.strerror(-rc)}"
+
+
+def _select_backend(lib: ctypes.CDLL, backend: str) -> None:
+    want_uring = backend == "io_uring" or (backend == "auto" and AUTO_BACKEND == "io_uring")
+    if want_uring:
+        reason = _uring_unavailable_reason(lib)
+        if reason is None:
+            return
+        if backend == "io_uring":
+            raise RuntimeError(
+                f"infinity.io: backend='io_uring' was requested but io_uring is not usable here "
+                f"({reason}; causes: kernel < 5.1, sysctl kernel.io_uring_disabled, a seccomp "
+                "filter in containers). Use backend='auto' (io_uring when available, else the "
+                "worker threads) or backend='threads'.")
+        if reason not in _reported:  # once per cause, not on every configure()
+            _reported.add(reason)
+            _log.info("infinity.io: io_uring unavailable (%s); using the thread-pool backend",
+                      reason)
+    if hasattr(lib, "inf_aio_set_backend"):
+        rc = lib.inf_aio_set_backend(0)
+        if rc != 0:
+            raise ValueError(f"the native I/O engine refused backend 'threads' ({os.strerror(-rc)})")
+
+
+def backend_name() -> str:
+    """The engine serving aligned O_DIRECT requests now: "io_uring", "threads" (the native
+    worker pool) or "python" (the pure-Python fallback: native library absent or forced off)."""
+    from infinity.io._lib import native
+    lib = native()
+    if lib is None:
+        return "python"
+    if not hasattr(lib, "inf_aio_get_backend"):
+        return "threads"
+    err = ctypes.c_int(0)
+    return "io_uring" if lib.inf_aio_get_backend(ctypes.byref(err)) == 1 else "threads"
+
+
 def _configure_native(config: IOConfig) -> None:
     from infinity.io._lib import native
     lib = native(ignore_forced=True)
     if lib is not None:
+        _select_backend(lib, config.backend)  # first: a refused backend changes nothing else
         rc = lib.inf_aio_configure(config.num_threads, config.chunk_bytes, config.queue_depth)
         if rc == 0 and hasattr(lib, "inf_aio_set_crc_threads"):
             rc = lib.inf_aio_set_crc_threads(config.crc_threads)

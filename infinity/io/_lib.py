@@ -43,6 +43,9 @@ _OPTIONAL = {
     "inf_aio_timing": (c_int, [c_int64, POINTER(c_int64)]),
     "inf_aio_set_crc_threads": (c_int, [c_int]),
     "inf_aio_get_crc_threads": (c_int, []),
+    "inf_aio_set_backend": (c_int, [c_int]),
+    "inf_aio_get_backend": (c_int, [POINTER(c_int)]),
+    "inf_aio_ring_chunks": (c_int64, []),
 }
 
 

@@ -12,6 +12,14 @@ __all__ = ["IOConfig", "configure", "get_config"]
 ALIGNMENT = 4096
 
 
+BACKENDS = ("auto", "threads", "io_uring")
+
+
+def _default_backend() -> str:
+    """INFINITY_IO_BACKEND (auto | threads | io_uring) when set, else "auto"."""
+    return os.environ.get("INFINITY_IO_BACKEND", "").strip().lower() or "auto"
+
+
 def _default_crc_threads() -> int:
     """2 on small machines (one CRC32C thread checksums ~7-15 GB/s), up to 8 on large ones."""
     return min(8, max(2, (os.cpu_count() or 2) // 4))
@@ -26,12 +34,21 @@ class IOConfig:
     chunk by chunk beside the I/O workers, so a worker goes on with the next chunk's I/O at
     once (0: each I/O worker checksums its chunk itself before taking the next one). On the
     2-core test VM the inline checksums, competing with the optimizer's Adam for the CPU,
-    left the disk with fewer requests in flight (bench_nvme_step, benchmarks/RESULTS.md)."""
+    left the disk with fewer requests in flight (bench_nvme_step, benchmarks/RESULTS.md).
+    backend: who issues the O_DIRECT transfers of aligned requests. "threads": the worker
+    threads (pread/pwrite); "io_uring": ring threads (4, $INFINITY_IO_URING_THREADS) keeping
+    num_threads chunks in flight together through io_uring (Linux >= 5.1; an error when the
+    kernel refuses it); "auto": the choice measured faster on this project's benchmarks
+    (``infinity.io._backends.AUTO_BACKEND``: io_uring), falling back to the threads, with a
+    log line, where io_uring is unavailable ($INFINITY_IO_URING=0 forces that). Misaligned and
+    page-cache requests always go through the worker threads. Default: $INFINITY_IO_BACKEND
+    or "auto"; ``infinity.io.backend_name()`` tells which one is active."""
 
     num_threads: int = 32
     chunk_bytes: int = 4 << 20  # tuned on bench_io (2 GiB, 2026-11-29): 32 x 4 MiB in flight
     queue_depth: int = 256
     crc_threads: int = dataclasses.field(default_factory=lambda: _default_crc_threads())
+    backend: str = dataclasses.field(default_factory=lambda: _default_backend())
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_threads, int) or not 1 <= self.num_threads <= 1024:
@@ -45,6 +62,10 @@ class IOConfig:
         if (not isinstance(self.crc_threads, int) or isinstance(self.crc_threads, bool)
                 or not 0 <= self.crc_threads <= 64):
             raise ValueError(f"crc_threads must be an int in [0, 64], got {self.crc_threads!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"infinity.io: backend must be one of {', '.join(BACKENDS)}, got "
+                             f"{self.backend!r} (check IOConfig/configure() or "
+                             "$INFINITY_IO_BACKEND)")
 
 
 _lock = threading.Lock()
@@ -56,7 +77,7 @@ def get_config() -> IOConfig:
     return _config
 
 
-def configure(**changes: int) -> IOConfig:
+def configure(**changes: object) -> IOConfig:
     """Changes some settings (``configure(num_threads=4)``) and returns the new config.
     Changing the thread count waits for queued requests before restarting the pool."""
     global _config
