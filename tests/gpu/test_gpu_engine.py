@@ -181,8 +181,17 @@ def test_tier_combination_trains_like_torch_on_gpu(trained_reference, tmp_path, 
     weights = torch.cat([p.detach().flatten().cpu() for p in model.parameters()])
     assert losses[0] == ref_losses[0]  # before any step: the same forward
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
-    # CPU Adam vs torch's fused CUDA AdamW: the same update up to rounding
-    torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=1e-6)
+    # CPU Adam vs torch's fused CUDA AdamW: the same update up to rounding. Adam scales each
+    # element's update to about lr (1e-3) whatever its gradient's size, so where a gradient
+    # element is near zero a last-bit difference (CUDA's sqrt and division vs the CPU kernel's)
+    # moves that element by a visible part of one update. Seen on an H200 (2026-11-30): 57 of
+    # 220544 elements differ, by at most 3.9e-6 after 3 steps; all of them agree to 1e-5 (1% of
+    # one update) and the bulk to rounding.
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=1e-5)
+    close = torch.isclose(weights, ref_weights, rtol=1e-5, atol=1e-6)
+    if close.float().mean().item() < 0.999:
+        raise AssertionError(f"only {close.float().mean().item():.4%} of the weights agree to "
+                             "rounding with torch's fused CUDA AdamW")
 
 
 # ---- budget pressure: real device memory, not the engine's own counter ------------------
