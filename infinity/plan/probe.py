@@ -181,17 +181,20 @@ def _tiny_step_s(n_layers: int, layout: Optional[str], nvme_path: Optional[str],
     d_model=64 GPT, plain PyTorch (``layout`` None) or wrapped with a tier layout."""
     import infinity
     from ..models import GPTConfig, TinyGPT, lm_loss
+    from ..runtime.device import resolve_device
     cfg = GPTConfig(vocab_size=256, d_model=64, n_layers=n_layers, n_heads=1, max_seq=16)
     torch.manual_seed(0)
     model = TinyGPT(cfg)
+    device = resolve_device(None)  # where a wrapped model computes (and so the plain one)
     if layout is None:
+        model.to(device)
         opt: Any = torch.optim.AdamW(model.parameters(), lr=1e-4)
     else:
         p_t, g_t, o_t = OVERHEAD_LAYOUTS[layout]
         infinity.wrap(model, nvme_path=nvme_path if "nvme" in (p_t, o_t) else None,
                       param_tier=p_t, grad_tier=g_t, optimizer_tier=o_t)
         opt = infinity.optim.AdamW(model.parameters(), lr=1e-4)
-    x = torch.randint(0, cfg.vocab_size, (1, 16))
+    x = torch.randint(0, cfg.vocab_size, (1, 16), device=device)
     times = []
     try:
         for i in range(warmup + steps):
@@ -199,6 +202,8 @@ def _tiny_step_s(n_layers: int, layout: Optional[str], nvme_path: Optional[str],
             lm_loss(model(x), x).backward()
             opt.step()
             opt.zero_grad()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
     finally:
