@@ -40,6 +40,11 @@ def test_bench_quick_writes_json_parquet_png_and_report(tmp_path):
     assert "compute_s" in rows["nvme"] and "optimizer_s" in rows["nvme"]
     assert "DeepSpeed is not installed" in rows["deepspeed"]["skipped"] or \
         "not built" in rows["deepspeed"]["skipped"]
+    # each run was appended to runs.jsonl as it finished (a ladder cut short keeps them)
+    runs = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+    assert sorted(r["spec"]["placement"] for r in runs) == sorted(
+        r["placement"] for r in data["rows"] if "step_s" in r)
+    assert all(r["result"].get("ok") for r in runs)
     table = pq.read_table(out / "bench.parquet")
     assert table.num_rows == len(data["rows"])
     assert (out / "bench.png").stat().st_size > 1000

@@ -121,6 +121,9 @@ def run_bench_cli(args: argparse.Namespace) -> int:
                           calibrate_in_run=args.calibrate_in_run,
                           ram_budget=parse_bytes(args.ram_budget) if args.ram_budget else None,
                           timeout_s=args.timeout, quick_probe=args.quick)
+        cfg.runs_log = os.path.join(args.out, "runs.jsonl")
+        if os.path.exists(cfg.runs_log):
+            os.remove(cfg.runs_log)  # this bench's runs only
         if args.placement:
             cfg.placements = args.placement
         elif args.quick:

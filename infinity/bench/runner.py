@@ -49,6 +49,9 @@ class BenchConfig:
     calibrate: bool = True           # compute timed at each rung's shape before the runs
     calibrate_in_run: bool = False   # also time it inside each run (a diagnostic column)
     extra_env: Dict[str, str] = field(default_factory=dict)
+    # a JSON-lines file each finished run is appended to at once (spec + result), so a ladder
+    # cut short (a time limit, Ctrl-C) keeps the runs it finished
+    runs_log: Optional[str] = None
 
 
 def _shape(size: str, seq: int):
@@ -165,6 +168,8 @@ def run_bench(cfg: BenchConfig, probe: Optional[ProbeResult] = None,
                         "host_budget": cfg.ram_budget, "states": cfg.states,
                         "calibrate_in_run": cfg.calibrate_in_run}
                 results[id(row)].append(_run_worker(spec, cfg.timeout_s, env))
+                if cfg.runs_log:
+                    _append_run(cfg.runs_log, spec, rep, results[id(row)][-1])
                 bar.update(1)
     for row in jobs:
         runs = results[id(row)]
@@ -217,6 +222,14 @@ def run_bench(cfg: BenchConfig, probe: Optional[ProbeResult] = None,
                         "loadavg_start": load_start, "loadavg_end": list(os.getloadavg())},
             "config": {k: v for k, v in cfg.__dict__.items() if k != "extra_env"},
             "rows": rows, "time": time.time()}
+
+
+def _append_run(path: str, spec: Dict[str, Any], rep: int, result: Dict[str, Any]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a") as fh:
+        fh.write(json.dumps({"spec": spec, "repeat": rep, "result": result}, default=str) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
 
 
 def save(result: Dict[str, Any], out_dir: str) -> List[str]:

@@ -276,10 +276,14 @@ class FallbackBackend:
         os.close(self._fd)
 
 
-# What backend="auto" picks where io_uring works: io_uring (four ring threads) took a median
-# 0.82x the thread pool's NVMe optimizer step time (11 of 14 back-to-back pairs) and matched it
-# on bench_io.py (benchmarks/RESULTS.md, section "io_uring backend").
-AUTO_BACKEND = "io_uring"
+# What backend="auto" picks where io_uring works: the thread pool. io_uring (four ring threads)
+# matched it on bench_io.py and took a median 0.82x its NVMe optimizer step time in 14 pairs
+# measured under heavy load (load average 3-16), but on the quiet machine the step was no faster
+# (0.90-1.09 s against 0.84-0.93 s, two pairs) and forward + backward with parameters on NVMe
+# was 1.12-1.16x the in-memory step against 1.10x with the threads (the configurations with no
+# I/O at all slowed too, 1.12-1.18x against 1.05x; not explained). So io_uring is opt-in
+# (backend="io_uring"); benchmarks/RESULTS.md, sections "io_uring backend" and "Session 17".
+AUTO_BACKEND = "threads"
 _reported: Set[str] = set()
 
 
@@ -305,8 +309,7 @@ def _select_backend(lib: ctypes.CDLL, backend: str) -> None:
             raise RuntimeError(
                 f"infinity.io: backend='io_uring' was requested but io_uring is not usable here "
                 f"({reason}; causes: kernel < 5.1, sysctl kernel.io_uring_disabled, a seccomp "
-                "filter in containers). Use backend='auto' (io_uring when available, else the "
-                "worker threads) or backend='threads'.")
+                "filter in containers). Use backend='threads' (or 'auto').")
         if reason not in _reported:  # once per cause, not on every configure()
             _reported.add(reason)
             _log.info("infinity.io: io_uring unavailable (%s); using the thread-pool backend",

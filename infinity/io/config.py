@@ -39,8 +39,9 @@ class IOConfig:
     threads (pread/pwrite); "io_uring": ring threads (4, $INFINITY_IO_URING_THREADS) keeping
     num_threads chunks in flight together through io_uring (Linux >= 5.1; an error when the
     kernel refuses it); "auto": the choice measured faster on this project's benchmarks
-    (``infinity.io._backends.AUTO_BACKEND``: io_uring), falling back to the threads, with a
-    log line, where io_uring is unavailable ($INFINITY_IO_URING=0 forces that). Misaligned and
+    (``infinity.io._backends.AUTO_BACKEND``: the threads, since io_uring was not faster on the
+    quiet test machine), falling back to the threads, with a log line, where io_uring would be
+    chosen but is unavailable ($INFINITY_IO_URING=0 forces that). Misaligned and
     page-cache requests always go through the worker threads. Default: $INFINITY_IO_BACKEND
     or "auto"; ``infinity.io.backend_name()`` tells which one is active."""
 
