@@ -285,14 +285,21 @@ def test_injected_fault_after_an_unaligned_byte_count_is_the_injected_errno(engi
         assert info.value.errno == errno.ENOSPC
 
 
-@pytest.mark.parametrize("force_fallback", [False, True])
-def test_rlimit_fsize_efbig(tmp_path, force_fallback):
+@pytest.mark.parametrize("backend", ["threads", "io_uring", "python"])
+def test_rlimit_fsize_efbig(tmp_path, backend):
+    """A real kernel error (RLIMIT_FSIZE -> EFBIG) mid-write, on each backend: the error has
+    the offset, earlier data survives, the process does not die of SIGXFSZ."""
+    if backend == "io_uring" and not _uring_usable():
+        pytest.skip("io_uring is not usable here")
     script = textwrap.dedent(f"""
         import errno, resource, sys, torch
         import infinity.io as io
         from infinity import _native
-        ctx = _native.force_fallback({force_fallback})
+        ctx = _native.force_fallback({backend == "python"})
         ctx.__enter__()
+        if {backend != "python"}:
+            io.configure(backend={backend!r}, chunk_bytes=256 << 10)
+            assert io.backend_name() == {backend!r}
         path = sys.argv[1]
         resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
         first = torch.full((1 << 19,), 7, dtype=torch.uint8)

@@ -13,24 +13,10 @@ import pytest
 import torch
 
 import infinity.io as io
-from infinity import _native
+from test_io import _uring_usable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BACKENDS = ("threads", "io_uring")
-
-
-def _uring_usable() -> bool:
-    if not _native.available():
-        return False
-    old = io.get_config().backend
-    try:
-        io.configure(backend="io_uring")
-    except RuntimeError:
-        return False
-    finally:
-        io.configure(backend=old)
-    return True
-
 
 pytestmark = pytest.mark.skipif(not _uring_usable(), reason="native io_uring backend not usable")
 
@@ -165,34 +151,6 @@ def test_injected_error_mid_request_reports_offset(tmp_path, op):
         assert info.value.errno == errno_
         assert info.value.offset is not None and 4096 <= info.value.offset <= 1 << 20
         assert ("write" if op == "write" else "read") + " failed at offset" in str(info.value)
-
-
-def test_efbig_through_io_uring_in_subprocess(tmp_path):
-    """A real kernel error (RLIMIT_FSIZE -> EFBIG) on a ring write: the error has the offset,
-    earlier data survives, the process does not die of SIGXFSZ."""
-    script = textwrap.dedent("""
-        import errno, resource, sys, torch
-        import infinity.io as io
-        io.configure(backend="io_uring", chunk_bytes=256 << 10)
-        assert io.backend_name() == "io_uring"
-        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
-        first = torch.full((1 << 19,), 7, dtype=torch.uint8)
-        with io.FileHandle(sys.argv[1], "w+") as f:
-            f.write(io.aligned_empty(1 << 19).copy_(first))
-            try:
-                f.write(io.aligned_empty(2 << 20).fill_(9), 1 << 19)
-            except io.InfinityIOError as exc:
-                assert exc.errno == errno.EFBIG, exc
-                print("EFBIG", exc.offset)
-            out = io.aligned_empty(1 << 19)
-            f.read(out)
-            assert torch.equal(out, first)
-        print("OK")
-    """)
-    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "f.bin")],
-                          capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "EFBIG 1048576" in proc.stdout and "OK" in proc.stdout
 
 
 def test_concurrent_requests_from_python_threads(tmp_path):
