@@ -219,18 +219,11 @@ def figures(dest, swap):
 
 
 def forward_bench(dest, swap):
-    """benchmarks/bench_offload_forward.py on CUDA, unchanged: its in-memory model and its
-    inputs are moved to the GPU, and its timer synchronizes the device before reading."""
+    """benchmarks/bench_offload_forward.py on CUDA (--device cuda: its plain models and inputs
+    on the GPU, its clock synchronizing the device), each configuration in its own process."""
     sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks"))
     import bench_offload_forward as bench
-    build, batch = bench.build, bench.synthetic_batch
-    bench.build = lambda name, *a: (lambda m: m.to(DEV) if name == "in_memory" else m)(
-        build(name, *a))
-    bench.synthetic_batch = lambda *a: tuple(t.to(DEV) for t in batch(*a))
-    clock = {k: getattr(time, k) for k in dir(time) if not k.startswith("_")}
-    clock["perf_counter"] = sync_time
-    bench.time = types.SimpleNamespace(**clock)
-    return bench.main(["--steps", "3", "--nvme-path", swap,
+    return bench.main(["--steps", "3", "--device", str(DEV), "--nvme-path", swap,
                        "--out", os.path.join(dest, "bench_offload_forward.json")])
 
 

@@ -15,6 +15,8 @@ def test_bench_offload_forward_quick(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     data = json.loads(out.read_text())
     configs = {row["config"]: row for row in data["results"]}
-    assert set(configs) == {"in_memory", "host", "nvme"}
+    assert set(configs) == {"in_memory", "in_memory_keep", "host", "nvme"}
+    assert all(row["ratio_vs_best_plain"] > 0 for row in data["results"])
+    assert configs["nvme"]["page_faults_median"] >= 0
     assert configs["nvme"]["bytes_moved_per_step"] > 0
     assert all(row["step_s_median"] > 0 for row in data["results"])

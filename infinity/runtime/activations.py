@@ -162,8 +162,9 @@ class ActivationOffloader:
             raise ValueError(f"infinity: activation offload needs a CPU or CUDA device, got "
                              f"{device}")
         # the originals are freed as soon as they are copied out: their memory must go back
-        # to the OS, not stay in glibc's heap (runtime/host_malloc.py)
-        return_freed_buffers_to_os()
+        # to the OS, not stay in glibc's heap (runtime/host_malloc.py), for as long as the
+        # process runs (a later wrap keeps the threshold low)
+        return_freed_buffers_to_os(for_good=True)
         self.tier = tier
         # CUDA: copies on two side streams from/to pinned host buffers (not run in this
         # project's CI: no GPU there; tests/test_activation_offload_gpu.py covers it)

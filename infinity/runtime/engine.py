@@ -38,7 +38,8 @@ from .flat import FlatParam
 from .guard import guard_foreign_optimizers
 from .grads import GradientSink
 from .homes import DeviceHome, Home, HostHome, NvmeHome, TieredHome
-from .host_malloc import return_freed_buffers_to_os, trim_heap
+from . import host_malloc
+from .host_malloc import return_freed_buffers_to_os, reuse_temporaries, trim_heap
 from .partition import partition
 from ..dist.partitioner import make_partitioner
 from .activations import make_activation_offloader
@@ -262,8 +263,9 @@ class Engine(Residence, OutsideWrites, HookHandlers):
         streamed = [f for b in self.blocks if not b.resident for f in b.flats]
         if self.device.type != "cpu" or not streamed:
             return None
-        # large temporaries (gradients as autograd hands them over, activations) are mmap'ed
-        # and unmapped when freed, so RSS does not keep glibc's heap growth
+        # while the blocks are filled, the originals freed are mmap'ed chunks given back to
+        # the OS, leaving no holes in the heap (runtime/host_malloc.py); with the pool, the
+        # threshold goes back up once the wrap is done
         return_freed_buffers_to_os()
         if not compute_pool.supported():
             return None
@@ -422,6 +424,12 @@ class Engine(Residence, OutsideWrites, HookHandlers):
             raise
         self._move_buffers()
         if self.device.type == "cpu":
+            if self.compute_buffers is not None and self.policy.host_budget is None:
+                # the originals are gone and streamed blocks use the pool: forward and
+                # backward's temporaries reuse the heap as in plain PyTorch instead of
+                # faulting in fresh pages each. With a host_budget, RAM is what the user
+                # constrains: they keep going back to the OS (runtime/host_malloc.py)
+                reuse_temporaries()
             trim_heap()
 
     def _fill_blocks(self, fill: Callable[[Block], None]) -> None:
@@ -606,8 +614,8 @@ class Engine(Residence, OutsideWrites, HookHandlers):
             if not self._closed:
                 if self.partitioner is not None:  # zero1/2: all-gather the updated parts
                     self.partitioner.after_step()
-                if self.device.type == "cpu" and any(b.home is not Tier.HOST
-                                                     for b in self.blocks):
+                if (self.device.type == "cpu" and host_malloc.state() != "reuse"
+                        and any(b.home is not Tier.HOST for b in self.blocks)):
                     trim_heap()  # the step's temporaries go back to the OS, not to RSS
                 self._prefetch_for_forward()
 
