@@ -10,6 +10,7 @@ from torch import nn
 
 from .policy import OffloadPolicy
 from .runtime.engine import Engine, engine_of, locate
+from .runtime import host_malloc
 from .runtime.host_malloc import return_freed_buffers_to_os
 from .runtime.sources import CheckpointSource, Init, InitSource
 
@@ -71,10 +72,12 @@ def empty_init() -> Iterator[None]:
         infinity.wrap(model, nvme_path="/mnt/ssd", source="/models/llama")
 
     Each parameter is created by its module as usual and replaced by a meta tensor as it is
-    registered, so no more than one parameter's memory exists at a time. Entering fixes glibc's
-    mmap threshold (see ``runtime/host_malloc.py``) so those short-lived parameters do not leave
-    holes in the heap that later raise peak RSS.
+    registered, so no more than one parameter's memory exists at a time. Inside, glibc's mmap
+    threshold is 128 KiB (see ``runtime/host_malloc.py``) so those short-lived parameters do
+    not leave holes in the heap that later raise peak RSS; on leaving, the heap-reusing
+    threshold comes back unless the low one was in effect before.
     """
+    previous = host_malloc.state()
     return_freed_buffers_to_os()
     original = nn.Module.register_parameter
 
@@ -89,6 +92,7 @@ def empty_init() -> Iterator[None]:
         yield
     finally:
         nn.Module.register_parameter = original
+        host_malloc.end_release(previous)
 
 
 def _engine(model: nn.Module) -> Engine:

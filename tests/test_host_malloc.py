@@ -54,9 +54,10 @@ def test_temporaries_reuse_the_heap_unless_ram_is_constrained(tmp_path):
     assert budget["state"] == "release", budget
     assert offload["state"] == "release", offload
     # every temporary of 128 KiB or more faults its pages in afresh under "release" (a batch
-    # of 8 x 128 tokens: activations of 1 MiB and more); reusing the heap, few do
-    # (measured: ~10k vs ~100 faults per forward+backward)
-    assert max(reuse["faults"]) * 5 < min(budget["faults"]), (reuse, budget)
+    # of 8 x 128 tokens: activations of 1 MiB and more); reusing the heap, few do once the
+    # heap has grown to the step's needs (measured: ~44k faults per forward+backward against
+    # 7.5k in the second pass, then 10-20)
+    assert max(reuse["faults"][-2:]) * 20 < min(budget["faults"]), (reuse, budget)
 
 
 _ALIGNED = textwrap.dedent("""
@@ -101,3 +102,28 @@ def test_aligned_buffers_are_mapped_outside_the_heap():
     # 4.3 MB of buffers allocated; malloc's heap and its mmap'ed chunks grew by at most the
     # small Python and torch objects around them
     assert r["heap_growth"] < 64 * 1024, r
+
+
+_EMPTY_INIT = textwrap.dedent("""
+    import json, torch, infinity
+    from infinity.runtime import host_malloc
+    seen = [host_malloc.state()]
+    with infinity.empty_init():
+        seen.append(host_malloc.state())
+        torch.nn.Linear(512, 512)
+    seen.append(host_malloc.state())
+    host_malloc.return_freed_buffers_to_os()   # as a wrap with a host_budget leaves it
+    with infinity.empty_init():
+        pass
+    seen.append(host_malloc.state())
+    print(json.dumps(seen))
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_empty_init_lowers_the_threshold_only_while_inside():
+    out = subprocess.run([sys.executable, "-c", _EMPTY_INIT], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [None, "release", "reuse",
+                                                               "release"]

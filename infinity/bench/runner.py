@@ -379,9 +379,23 @@ def planner_verdicts(result: Dict[str, Any]) -> List[str]:
             continue
         best = min(fixed, key=lambda r: r["step_s"])
         slower = [r["placement"] for r in fixed if r["step_s"] < pl["step_s"]]
-        out.append(f"{size}: planner chose {pl.get('planned')} ({pl['step_s']:.2f} s/step); "
-                   f"fastest fixed placement {best['placement']} ({best['step_s']:.2f} s); "
-                   + ("planner at least as fast as every fixed placement" if not slower else
-                      f"faster than the planner's run: {', '.join(slower)} (ratio planner/best "
-                      f"{pl['step_s'] / best['step_s']:.2f})"))
+        ratio = pl["step_s"] / best["step_s"]
+        # how far two runs of one configuration differ here: a gap below it is not resolved
+        spreads = [max(r["step_s_runs"]) / min(r["step_s_runs"]) - 1 for r in rs
+                   if len(r.get("step_s_runs") or []) > 1]
+        spread = max(spreads, default=0.0)
+        line = (f"{size}: planner chose {pl.get('planned')} ({pl['step_s']:.2f} s/step); "
+                f"fastest fixed placement {best['placement']} ({best['step_s']:.2f} s); ")
+        if not slower:
+            line += "planner at least as fast as every fixed placement"
+        else:
+            line += (f"faster than the planner's run: {', '.join(slower)} (ratio planner/best "
+                     f"{ratio:.2f}")
+            line += (f", within the {spread:.0%} between two runs of one configuration here: "
+                     "not resolved)" if ratio - 1 <= spread else ")")
+        same = next((r for r in fixed if r["placement"] == pl.get("planned")), None)
+        if same is not None:
+            line += (f"; the planner's tiers are fixed {same['placement']}'s "
+                     f"({same['step_s']:.2f} s/step)")
+        out.append(line)
     return out

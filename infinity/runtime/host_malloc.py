@@ -103,6 +103,14 @@ def reuse_temporaries() -> bool:
                               (_M_TRIM_THRESHOLD, _TRAIN_TRIM_BYTES)))
 
 
+def end_release(previous: Optional[str]) -> None:
+    """After a phase that needed the low threshold (:func:`infinity.empty_init`): temporaries
+    reuse the heap again, unless the threshold was low before the phase (a wrap with a
+    host_budget, activation offload)."""
+    if previous != "release":
+        reuse_temporaries()
+
+
 def state() -> Optional[str]:
     """None (glibc's own thresholds), "release" (128 KiB) or "reuse" (32 MiB)."""
     return _state
