@@ -124,6 +124,40 @@ def bench_infinity(layers: int, width: int, dtype: torch.dtype, steps: int, tier
     return row
 
 
+def interleaved(layers: int, width: int, dtype: torch.dtype, steps: int) -> List[Dict]:
+    """torch fused, infinity on plain parameters and with host states, set up side by side
+    and stepped in turns (torch, plain, host, torch, ...): a slow phase of this shared machine
+    hits all three alike. Needs the three models' memory at once."""
+    gen = torch.Generator().manual_seed(0)
+    models = [LinearStack(layers, width, dtype) for _ in range(3)]
+    for model in models[:2]:
+        for p in model.parameters():
+            p.grad = torch.empty_like(p).uniform_(-1e-3, 1e-3, generator=gen)
+    infinity.wrap(models[2], optimizer_tier="host", param_tier="host", grad_tier="host")
+    for flat in engine_of(models[2]).flats:
+        flat.ensure_grad_buffer().uniform_(-1e-3, 1e-3, generator=gen)
+        flat.grad_ready = [True] * len(flat.slots)
+    opts = [torch.optim.AdamW(models[0].parameters(), lr=1e-4, fused=True),
+            infinity.optim.AdamW(models[1].parameters(), lr=1e-4),
+            infinity.optim.AdamW(models[2].parameters(), lr=1e-4)]
+    rows = [{"name": n, "times": []} for n in ("torch_fused_adamw", "infinity_plain",
+                                                 "infinity_host")]
+    for opt in opts:
+        opt.step()  # warm-up: allocates the states
+    for _ in range(steps):
+        for row, opt in zip(rows, opts):
+            t0 = time.perf_counter()
+            opt.step()
+            row["times"].append(time.perf_counter() - t0)
+    # the ratio of each round's steps, robust to slow phases
+    for row in rows:
+        row["ratio_per_round_median"] = statistics.median(
+            a / b for a, b in zip(rows[0]["times"], row["times"]))
+    opts[2].close()
+    infinity.unwrap(models[2])
+    return rows
+
+
 def summarize(row: Dict, n_params: int) -> Dict:
     med = statistics.median(row["times"])
     row["step_s_median"] = med
@@ -163,6 +197,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--json", default=os.path.join(HERE, "results", "bench_optimizer.json"))
     ap.add_argument("--no-nvme", action="store_true", help="skip the NVMe-states row")
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--interleave", action="store_true",
+                    help="torch, plain and host set up together and stepped in turns (needs "
+                         "their memory at once; no NVMe row)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.steps < 3:
@@ -173,6 +210,27 @@ def main(argv: Optional[List[str]] = None) -> int:
     n_params = layers * width * width
     logger.info("model: %d x Linear(%d, %d), %s params, %s, torch %d threads", layers, width,
                 width, f"{n_params:,}", args.dtype, torch.get_num_threads())
+    if args.interleave:
+        rows = [summarize(r, n_params) for r in interleaved(layers, width, dtype, args.steps)]
+        print_table(rows, rows[0]["step_s_median"])
+        print("per-round ratio (torch step / this step), median: " + ", ".join(
+            f"{r['name']} {r['ratio_per_round_median']:.3f}x" for r in rows))
+    else:
+        rows = sequential(args, layers, width, dtype)
+        rows = [summarize(r, n_params) for r in rows]
+        print_table(rows, rows[0]["step_s_median"])
+    result = {"date": time.strftime("%Y-%m-%d"), "params": n_params, "layers": layers,
+              "width": width, "dtype": args.dtype, "steps": args.steps,
+              "interleaved": args.interleave, "machine": _common.cores(),
+              "command": " ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),
+              "rows": rows}
+    _common.write_json(args.json, result)
+    if not args.no_plot:
+        plot(rows, os.path.splitext(args.json)[0] + ".png")
+    return 0
+
+
+def sequential(args, layers: int, width: int, dtype: torch.dtype) -> List[Dict]:
     with tempfile.TemporaryDirectory(dir=args.nvme_path or "/tmp",
                                      prefix="bench-optim-") as nvme:
         # torch's baseline runs before and after ours (this shared machine drifts): its
@@ -185,17 +243,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             rows.append(bench_infinity(layers, width, dtype, args.steps, "nvme", nvme))
         after = bench_torch(layers, width, dtype, args.steps)
         before["times"] = before["times"] + after["times"]
-    rows = [summarize(r, n_params) for r in rows]
-    print_table(rows, rows[0]["step_s_median"])
-    result = {"date": time.strftime("%Y-%m-%d"), "params": n_params, "layers": layers,
-              "width": width, "dtype": args.dtype, "steps": args.steps,
-              "machine": _common.cores(),
-              "command": " ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),
-              "rows": rows}
-    _common.write_json(args.json, result)
-    if not args.no_plot:
-        plot(rows, os.path.splitext(args.json)[0] + ".png")
-    return 0
+    return rows
 
 
 if __name__ == "__main__":

@@ -90,6 +90,7 @@ struct Request {
   int64_t off = 0;
   bool fsync = false;
   bool want_crc = false;            // CRC32C of the transferred bytes, per chunk, in the workers
+  bool urgent = false;  // queued ahead of the requests that are not (parameter fetches)
   bool crc_async = false;           // ... by the CRC threads, beside the I/O (else inline)
   std::vector<uint32_t> chunk_crc;  // one per chunk (written by the worker that ran it)
   uint32_t crc = 0;                 // the whole request's CRC32C (combined at completion)
@@ -1218,6 +1219,9 @@ INF_API int64_t inf_aio_submit(int64_t handle, int op, void* buf, int64_t nbytes
 
 // flags: bit 0 fsync (writes), bit 1 CRC32C of the transferred bytes, computed by the workers
 // chunk by chunk (overlapping the I/O) and combined at completion; read it with inf_aio_crc.
+// Bit 2 urgent: queued behind the other urgent requests but ahead of every request that is
+// not, whose chunks not yet handed out then wait (a fetch compute is about to wait for goes
+// before bulk traffic such as optimizer states).
 INF_API int64_t inf_aio_submit_ex(int64_t handle, int op, void* buf, int64_t nbytes,
                                   int64_t offset, int flags) {
   const int fsync = flags & 1;
@@ -1234,6 +1238,7 @@ INF_API int64_t inf_aio_submit_ex(int64_t handle, int op, void* buf, int64_t nby
   r->off = offset;
   r->fsync = fsync != 0;
   r->want_crc = (flags & 2) != 0;
+  r->urgent = (flags & 4) != 0;
   r->t_submit = mono_ns();
   {
     std::lock_guard<std::mutex> g(e->cfg_m);
@@ -1282,7 +1287,14 @@ INF_API int64_t inf_aio_submit_ex(int64_t handle, int op, void* buf, int64_t nby
       return static_cast<int>(dq.size()) < e->cfg.queue_depth;
     });
     to_ring = ring_ok && e->ring_on;
-    (to_ring ? e->uq : e->q).push_back(r);
+    auto& dq = to_ring ? e->uq : e->q;
+    if (r->urgent) {
+      auto it = dq.begin();
+      while (it != dq.end() && (*it)->urgent) ++it;
+      dq.insert(it, r);
+    } else {
+      dq.push_back(r);
+    }
     if (to_ring && e->ring_waiting > 0 && e->ring_evfd >= 0) {
       uint64_t one = 1;
       ssize_t w = ::write(e->ring_evfd, &one, sizeof(one));  // EAGAIN: already signalled

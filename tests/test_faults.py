@@ -98,8 +98,8 @@ def swap_io(monkeypatch) -> SwapIO:
     for op in ("read", "write"):
         original = getattr(SwapStore, op)
 
-        def recording(self, key, buf, _op=op, _original=original):
-            future = _original(self, key, buf)
+        def recording(self, key, buf, *args, _op=op, _original=original, **kwargs):
+            future = _original(self, key, buf, *args, **kwargs)
             recorder.log.append((_op, key, buf.numel() * buf.element_size(), future))
             return future
 

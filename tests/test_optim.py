@@ -648,6 +648,20 @@ def test_benchmark_quick_runs(tmp_path):
     assert all(r["step_s_median"] > 0 for r in res["rows"])
 
 
+def test_benchmark_quick_interleaved_runs(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_optimizer.py"),
+                           "--quick", "--interleave", "--json", str(out), "--no-plot"],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+    res = json.loads(out.read_text())
+    assert res["interleaved"] is True
+    assert [r["name"] for r in res["rows"]] == ["torch_fused_adamw", "infinity_plain",
+                                                "infinity_host"]
+    assert all(r["ratio_per_round_median"] > 0 for r in res["rows"])
+
+
 def test_check_finite_auto_costs_no_pass_over_host_gradients(monkeypatch):
     """The default check_finite="auto" reads no gradient for the inf/nan check (torch.optim
     does none either); a non-finite norm from clip_grad_norm_ still skips the step."""

@@ -51,8 +51,8 @@ class NativeBackend:
         self.direct = bool(direct.value)
 
     def submit(self, op: int, ptr: int, nbytes: int, offset: int, fsync: bool,
-               crc: bool = False) -> int:
-        flags = (1 if fsync else 0) | (2 if crc else 0)
+               crc: bool = False, urgent: bool = False) -> int:
+        flags = (1 if fsync else 0) | (2 if crc else 0) | (4 if urgent else 0)
         req = self._lib.inf_aio_submit_ex(self._handle, op, ptr, nbytes, offset, flags)
         if req < 0:
             raise BackendOpenError(-req)
@@ -206,7 +206,9 @@ class FallbackBackend:
         return done, 0, 0, ""
 
     def submit(self, op: int, ptr: int, nbytes: int, offset: int,
-               fsync: bool, crc: bool = False) -> concurrent.futures.Future:
+               fsync: bool, crc: bool = False,
+               urgent: bool = False) -> concurrent.futures.Future:
+        # urgent: the fallback's executor has no priorities (a FIFO of whole requests)
         with self._lock:
             if self._closed:
                 raise BackendOpenError(_errno.EBADF)

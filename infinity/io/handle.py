@@ -213,22 +213,25 @@ class FileHandle:
 
     # -- I/O -------------------------------------------------------------------------------
     def _submit(self, op: int, tensor: torch.Tensor, offset: int, nbytes: Optional[int],
-                fsync: bool, crc: bool = False) -> IOFuture:
+                fsync: bool, crc: bool = False, urgent: bool = False) -> IOFuture:
         name = "read" if op == _backends.READ else "write"
         n = _validate_tensor(tensor, offset, nbytes, f"FileHandle.p{name}")
         backend = self._require_open(name)
         try:
-            token = backend.submit(op, tensor.data_ptr(), n, offset, fsync, crc)
+            token = backend.submit(op, tensor.data_ptr(), n, offset, fsync, crc,
+                                   **({"urgent": True} if urgent else {}))
         except _backends.BackendOpenError as exc:
             raise io_error(exc.errno, self.path, op=name, offset=offset) from None
         return IOFuture(backend, token, tensor, self.path, name, offset, n, crc)
 
     def pread(self, tensor: torch.Tensor, offset: int = 0, nbytes: Optional[int] = None, *,
-              crc: bool = False) -> IOFuture:
+              crc: bool = False, urgent: bool = False) -> IOFuture:
         """Reads ``nbytes`` (default: all of the tensor's bytes) at file ``offset`` into the
         tensor. Reading past the end of the file fails with ENODATA ("short read").
-        crc: the workers checksum what they read (``future.crc32c()``), off the caller."""
-        return self._submit(_backends.READ, tensor, offset, nbytes, False, crc)
+        crc: the workers checksum what they read (``future.crc32c()``), off the caller.
+        urgent: queued ahead of the requests that are not (the native backends; a request
+        already being transferred finishes the chunks it has started)."""
+        return self._submit(_backends.READ, tensor, offset, nbytes, False, crc, urgent)
 
     def pwrite(self, tensor: torch.Tensor, offset: int = 0, nbytes: Optional[int] = None,
                fsync: bool = False, *, crc: bool = False) -> IOFuture:

@@ -162,7 +162,9 @@ class NvmeHome(Home):
             self.pool.release(buf)
 
     def _read(self, flat: FlatParam, staging: torch.Tensor) -> None:
-        self.store.read_sync(flat.key, staging)
+        # a fetch (forward, backward or a prefetch for them): ahead of bulk I/O such as the
+        # optimizer's states, which an update overlapping backward moves at the same time
+        self.store.read_sync(flat.key, staging, urgent=True)
         self.stats.add_moved("nvme_to_host", flat.home_nbytes)
 
     @staticmethod

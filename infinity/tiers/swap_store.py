@@ -326,11 +326,13 @@ class SwapStore:
     def write_sync(self, key: str, buf: torch.Tensor) -> None:
         self.write(key, buf).wait()
 
-    def read(self, key: str, buf: torch.Tensor) -> "inf_io.IOFuture":
+    def read(self, key: str, buf: torch.Tensor, urgent: bool = False) -> "inf_io.IOFuture":
+        """Starts reading the key's file into ``buf``. ``urgent``: ahead of queued requests
+        that are not (a parameter fetch compute will wait for)."""
         entry = self._entry(key)
         self._check_buffer(key, buf, entry)
         self._settle(entry)
-        future = entry.handle.pread(buf, 0, crc=self.verify)
+        future = entry.handle.pread(buf, 0, crc=self.verify, urgent=urgent)
         entry.last_read = (buf.data_ptr(), future) if self.verify else None
         return future
 
@@ -358,8 +360,8 @@ class SwapStore:
                 "under torch.no_grad() instead, or call infinity.parameters_changed(model) "
                 "right after such writes")
 
-    def read_sync(self, key: str, buf: torch.Tensor) -> None:
-        self.read(key, buf).wait()
+    def read_sync(self, key: str, buf: torch.Tensor, urgent: bool = False) -> None:
+        self.read(key, buf, urgent=urgent).wait()
         self.verify_read(key, buf)
 
     def recorded_crc(self, key: str) -> Optional[int]:
