@@ -9,9 +9,10 @@
 #   gpu_figures.json         the measurements behind summary.txt
 #   tests_gpu.log            pytest tests/gpu -v
 #   bench_offload_forward.json/.png, bench_optimizer.json, bench.log   the two benchmarks
+#   ladder/                  infinity bench at 125M: bench.json/.parquet/.png, runs.jsonl
 #   build_env.log            machine, driver, torch, memlock limit, build output
 #
-# Usage (about 6-7 minutes; each stage has its own time limit, total under 8 minutes):
+# Usage (about 7-10 minutes; each stage has its own time limit, total under 13 minutes):
 #   bash benchmarks/gpu_check.sh [OUT_DIR]      OUT_DIR: default $OUT, else benchmarks/results/gpu
 # Runs with the `python3` on PATH (it must hold a CUDA build of torch); needs no network.
 # GPU_CHECK_SKIP="figures bench_optimizer" skips those stages (a rerun of the others).
@@ -290,9 +291,13 @@ if __name__ == "__main__":
 PYEOF
 
 stage figures 150 "$DEST/bench.log" "$PY" "$DRIVER" figures "$DEST" "$SWAP"
-stage bench_offload_forward 55 "$DEST/bench.log" "$PY" "$DRIVER" forward_bench "$DEST" "$SWAP"
+stage bench_offload_forward 90 "$DEST/bench.log" "$PY" "$DRIVER" forward_bench "$DEST" "$SWAP"
 stage bench_optimizer 40 "$DEST/bench.log" "$PY" benchmarks/bench_optimizer.py --params 200e6 \
   --steps 3 --nvme-path "$SWAP" --json "$DEST/bench_optimizer.json" --no-plot
+# the single-GPU `infinity bench` table (issue 12): one rung, one run per placement; each
+# finished run is appended to ladder/runs.jsonl at once, so a stage cut short keeps them
+stage ladder 240 "$DEST/bench.log" "$PY" -m infinity bench --size 125M --repeats 1 --warmup 1 \
+  --steps 3 --nvme-path "$SWAP" --out "$DEST/ladder" --report
 echo "total rc=0 seconds=$(( $(date +%s) - T_START ))" >>"$STATUS"
 "$PY" "$DRIVER" summary "$DEST"
 rm -f "$STATUS"
