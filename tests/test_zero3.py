@@ -177,8 +177,11 @@ def test_peak_rss_per_rank_about_half(tmp_path):
     peak RSS growth (from before wrap to the end of training, in the rank's own process) is
     half of one process's plus what ZeRO-3 adds on a rank: the device working set (a gathered
     block and the root, engine-accounted) and one block's flat fp32 gradient buffer.
-    Measured on this machine: 296 MB one process, 188 MB per rank (0.64x)."""
-    opts = {"steps": 2, "batch": 4, "big": 1024, "layers": 8}
+    Measured on this machine: 296 MB one process, 188 MB per rank (0.64x). With a host_budget:
+    without one, a CPU rank's forward and backward temporaries reuse glibc's heap as in plain
+    PyTorch (runtime/host_malloc.py), which holds more RSS (measured 251 MB per rank)."""
+    opts = {"steps": 2, "batch": 4, "big": 1024, "layers": 8,
+            "settings": {"host_budget": 1 << 30}}
     ref = run_ranks("train", 1, opts, tmp_path, dist=False)[0]
     results = run_ranks("train", 2, opts, tmp_path)
     assert "error" not in ref and all("error" not in r for r in results)
@@ -186,7 +189,11 @@ def test_peak_rss_per_rank_about_half(tmp_path):
     largest_block_grad = 4 * (2 * 1024 * 1024 + 2 * 1024)
     for res in results:
         host = res["tiers"]["host"]
-        assert host["now"] <= ref_host["now"] // 2 + 64 * 1024, (host, ref_host)
+        # (with a host_budget, a rank's host tier also reserves its CPU compute buffers for
+        # the gathered blocks: counted in "compute", and in the RSS bound below as the device
+        # working set)
+        assert host["now"] - host["compute"] <= ref_host["now"] // 2 + 64 * 1024, (host,
+                                                                                   ref_host)
         assert res["state_bytes"]["host"] <= ref["state_bytes"]["host"] // 2 + 64 * 1024
         growth = res["rss_growth_kb"] * 1024
         allowed = (ref["rss_growth_kb"] * 1024 // 2 + res["tiers"]["device"]["peak"]
