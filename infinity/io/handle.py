@@ -218,8 +218,7 @@ class FileHandle:
         n = _validate_tensor(tensor, offset, nbytes, f"FileHandle.p{name}")
         backend = self._require_open(name)
         try:
-            token = backend.submit(op, tensor.data_ptr(), n, offset, fsync, crc,
-                                   **({"urgent": True} if urgent else {}))
+            token = backend.submit(op, tensor.data_ptr(), n, offset, fsync, crc, urgent)
         except _backends.BackendOpenError as exc:
             raise io_error(exc.errno, self.path, op=name, offset=offset) from None
         return IOFuture(backend, token, tensor, self.path, name, offset, n, crc)

@@ -38,8 +38,8 @@ from .flat import FlatParam
 from .guard import guard_foreign_optimizers
 from .grads import GradientSink
 from .homes import DeviceHome, Home, HostHome, NvmeHome, TieredHome
-from . import host_malloc
 from .host_malloc import return_freed_buffers_to_os, reuse_temporaries, trim_heap
+from .host_malloc import state as malloc_state
 from .partition import partition
 from ..dist.partitioner import make_partitioner
 from .activations import make_activation_offloader
@@ -614,7 +614,7 @@ class Engine(Residence, OutsideWrites, HookHandlers):
             if not self._closed:
                 if self.partitioner is not None:  # zero1/2: all-gather the updated parts
                     self.partitioner.after_step()
-                if (self.device.type == "cpu" and host_malloc.state() != "reuse"
+                if (self.device.type == "cpu" and malloc_state() != "reuse"
                         and any(b.home is not Tier.HOST for b in self.blocks)):
                     trim_heap()  # the step's temporaries go back to the OS, not to RSS
                 self._prefetch_for_forward()

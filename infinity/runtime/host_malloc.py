@@ -89,7 +89,9 @@ def return_freed_buffers_to_os(for_good: bool = False) -> bool:
     with _lock:
         if for_good:
             _keep_releasing += 1
-        return _set("release", ((_M_MMAP_THRESHOLD, _THRESHOLD_BYTES),))
+        # the trim threshold back at glibc's default too (it may follow a "reuse" phase)
+        return _set("release", ((_M_MMAP_THRESHOLD, _THRESHOLD_BYTES),
+                                (_M_TRIM_THRESHOLD, _THRESHOLD_BYTES)))
 
 
 def reuse_temporaries() -> bool:
