@@ -10,7 +10,7 @@ import platform
 from setuptools import Extension, setup
 
 is_x86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
-flags = ["-O3", "-std=c++17", "-fPIC", "-pthread", "-fvisibility=hidden", "-Wall", "-Wextra"]
+flags = ["-O3", "-std=c++17", "-ffp-contract=off", "-fPIC", "-pthread", "-fvisibility=hidden", "-Wall", "-Wextra"]
 
 setup(
     ext_modules=[

@@ -14,7 +14,8 @@
 // same blocking for its driver): full blocks in place, the last partial block on zero-padded
 // stack copies. Threads split the work on block boundaries, so any thread count gives bitwise
 // the same result, and the AVX-512, AVX2+FMA and scalar paths agree bitwise with each other
-// (same operations, and the nearest-code search is an exact count of thresholds).
+// (same operations: the quantization's level rule and the moment guard are fp32 products and
+// compares that each path computes alike).
 //
 // Path selection, thread count and the worker pool are the ones of inf_adam_step
 // (inf_cpu_capability(), INFINITY_CPU_CAPABILITY, inf_set_cpu_capability, inf_set_num_threads).
@@ -96,46 +97,114 @@ constexpr int64_t kMinPerThread = 1 << 15;       // elements
 // index into the sorted table. These are the values bitsandbytes' create_dynamic_map(signed)
 // builds (max_exponent_bits=7). infinity/ops/adam_compact.py builds the same table in Python
 // with the same double operations (the tests check they are equal).
-// Nearest code: thr[i] = fp32 midpoint of map[i] and map[i+1]; code(x) = #{i : thr[i] <= x}
-// (binary search over the sorted thresholds; at an exact tie the upper code; NaN -> code 0).
-struct QMaps {
-  alignas(64) float map[2][kBlock];
-  alignas(64) float thr[2][kBlock];     // 255 midpoints, thr[255] = +inf (padding)
-  alignas(64) float by8[2][8][32];      // by8[j][c] = thr[8c + j]: 32-entry tables (AVX-512)
-  alignas(32) float by32[2][4][8];      // by32[r][c] = thr[32c + 8r + 7]: 8-entry tables (AVX2)
+// Quantization (value -> code) without a search. The map is a decimal exponent (decade e) and a
+// linear fraction, so the nearest code is found arithmetically, from per-map level tables:
+//   level L = #{lim[j] * absmax <= |x|, j = 0..6}: lim are the fp32 midpoints between
+//     neighbouring decades (decade 6 | 5, ..., 1 | 0) and between decade 0's top value and 1.0;
+//     L = 0..6 is decade 6 - L, L = 7 is the value 1.0;
+//   k = clamp(trunc(|x| * (S[L] / absmax) - O[L]), 0, kmax[L]) is the bin inside the decade (the
+//     values are bin midpoints, so the nearest value is the bin that holds x: S = 10^e 2^f / 0.9,
+//     O = 0.1 * 2^f / 0.9; the clamp takes the spill-over at the decade's edges);
+//   code = pos[L] + k for x >= 0, neg[L] - k for x < 0 (signed map; -1.0 is not in it, level 7
+//     of a negative x is the lowest code);
+//   zero: signed: |x| < zlim * absmax (the midpoint between 0 and the smallest value); unsigned
+//     (exp_avg_sq): x <= 0 only, so a positive second moment never becomes 0 (the smallest code
+//     is its floor; see the moment guard below); NaN -> code 0. A zero absmax: every code is
+//     0's code; a NaN absmax: every code is 0.
+// Every path (scalar, AVX2, AVX-512, the PyTorch fallback in infinity/ops/adam_compact.py)
+// computes the same fp32 products (the per-block lim * absmax and S / absmax, then |x| * s - O)
+// and so the same codes. Up to fp32 rounding at a midpoint this is the nearest code.
+struct QLevels {
+  alignas(64) float lim[8];      // 7 level boundaries (lim[7] unused)
+  alignas(64) float S[16];       // per level (8 used; 16 wide for the AVX-512 permutes)
+  alignas(64) float O[16];
+  alignas(64) int32_t kmax[16];
+  alignas(64) int32_t pos[16];
+  alignas(64) int32_t neg[16];
+  float zlim;                    // signed: zero below zlim * absmax
+  int32_t zero_code;
 };
 
-void build_dynamic_map(bool is_signed, float* out) {
+struct DecadeTable {
+  alignas(32) float A[8];
+  alignas(32) float B[8];
+};
+
+struct QMaps {
+  alignas(64) float map[2][kBlock];
+  QLevels lv[2];
+  DecadeTable dec[2];
+};
+
+// The map's values by decade, as fp32 arithmetic: decade e holds 2^f values (f = 6 - e signed,
+// 7 - e unsigned), value k = fma(B[f], k, A[f]) with A[f] = fp32((0.1 + 0.45 / 2^f) / 10^e) and
+// B[f] = fp32(0.9 / 2^f / 10^e): the bin midpoints of [0.1, 1] / 10^e. One formula, so the AVX2
+// path computes a code's value instead of gathering it from the table (and equals the table).
+DecadeTable build_decades(bool is_signed) {
   static constexpr double kTenE[7] = {1.0, 10.0, 100.0, 1e3, 1e4, 1e5, 1e6};  // exact
-  double values[kBlock];
-  int k = 0;
-  for (int e = 0; e < 7; ++e) {
-    const int count = 1 << ((is_signed ? 6 : 7) - e);
-    const double ten_e = kTenE[e];
-    for (int j = 0; j < count; ++j) {
-      const double value = (0.1 + 0.9 * ((j + 0.5) / count)) / ten_e;
-      values[k++] = value;
-      if (is_signed) values[k++] = -value;
-    }
+  const int bits = is_signed ? 6 : 7;
+  DecadeTable t{};
+  for (int f = 0; f < 8; ++f) {
+    const int e = bits - f;
+    if (e < 0 || e > 6) continue;
+    t.A[f] = static_cast<float>((0.1 + 0.45 / (1 << f)) / kTenE[e]);
+    t.B[f] = static_cast<float>(0.9 / (1 << f) / kTenE[e]);
   }
-  values[k++] = 0.0;
-  values[k++] = 1.0;
-  std::sort(values, values + k);
-  for (int i = 0; i < kBlock; ++i) out[i] = static_cast<float>(values[i]);
+  return t;
+}
+
+// Sorted ascending: signed: -decade 0 .. -decade 6, 0, decade 6 .. decade 0, 1.0 (the negative
+// zero pattern of the dynamic tree code re-used); unsigned: 0, decade 6 .. decade 0, 1.0.
+void build_dynamic_map(bool is_signed, float* out) {
+  const DecadeTable t = build_decades(is_signed);
+  const int bits = is_signed ? 6 : 7;
+  int pos = is_signed ? 128 : 1;
+  for (int e = 6; e >= 0; --e) {
+    const int f = bits - e;
+    for (int k = 0; k < (1 << f); ++k) {
+      const float value = std::fma(t.B[f], static_cast<float>(k), t.A[f]);
+      out[pos + k] = value;
+      if (is_signed) out[254 - pos - k] = -value;
+    }
+    pos += 1 << f;
+  }
+  out[is_signed ? 127 : 0] = 0.0f;
+  out[kBlock - 1] = 1.0f;
+}
+
+// The level tables of one map (its fp32 values for the boundaries, double for the bins).
+QLevels build_levels(bool is_signed, const float* map) {
+  static constexpr double kTenE[7] = {1.0, 10.0, 100.0, 1e3, 1e4, 1e5, 1e6};
+  QLevels lv{};
+  const int bits = is_signed ? 6 : 7;
+  int base = is_signed ? 128 : 1;  // the first positive code of decade 6
+  for (int L = 0; L < 7; ++L) {
+    const int e = 6 - L;
+    const int count = 1 << (bits - e);
+    lv.S[L] = static_cast<float>(kTenE[e] * count / 0.9);
+    lv.O[L] = static_cast<float>(0.1 * count / 0.9);
+    lv.kmax[L] = count - 1;
+    lv.pos[L] = base;
+    lv.neg[L] = is_signed ? 254 - base : 0;
+    base += count;  // the first code of the next decade (or 1.0's)
+    lv.lim[L] = static_cast<float>(0.5 * (static_cast<double>(map[base - 1]) + map[base]));
+  }
+  lv.S[7] = 0.f;
+  lv.O[7] = 0.f;
+  lv.kmax[7] = 0;
+  lv.pos[7] = kBlock - 1;  // 1.0
+  lv.neg[7] = 0;           // signed: the lowest value (-0.99297)
+  lv.zlim = static_cast<float>(0.5 * static_cast<double>(map[is_signed ? 128 : 1]));
+  lv.zero_code = is_signed ? 127 : 0;
+  return lv;
 }
 
 QMaps build_qmaps() {
   QMaps q;
   for (int s = 0; s < 2; ++s) {
     build_dynamic_map(s == kSigned, q.map[s]);
-    for (int i = 0; i + 1 < kBlock; ++i) q.thr[s][i] = 0.5f * (q.map[s][i] + q.map[s][i + 1]);
-    q.thr[s][kBlock - 1] = std::numeric_limits<float>::infinity();
-    for (int j = 0; j < 8; ++j) {
-      for (int c = 0; c < 32; ++c) q.by8[s][j][c] = q.thr[s][8 * c + j];
-    }
-    for (int r = 0; r < 4; ++r) {
-      for (int c = 0; c < 8; ++c) q.by32[s][r][c] = q.thr[s][32 * c + 8 * r + 7];
-    }
+    q.lv[s] = build_levels(s == kSigned, q.map[s]);
+    q.dec[s] = build_decades(s == kSigned);
   }
   return q;
 }
@@ -174,6 +243,8 @@ struct Job {
   int gsize = 4, msize = 2, osize = 0;
   Coeffs c{};
   const QMaps* q = nullptr;
+  float m_bound = 0.f;     // 8-bit: the moment guard's bound (inf_adam_step_q8g)
+  float m_bound_sq = 0.f;  // m_bound * m_bound (fp32)
   BlockFn block = nullptr;
   RangeFn range = nullptr;
   // inf_q8_quantize / inf_q8_dequantize
@@ -265,18 +336,9 @@ void scalar_bf16m_block(const Job& job, const Span& s) {
   }
 }
 
-// code(x) = #{i : thr[i] <= x}, by an 8-step binary search (thr has 255 sorted entries).
-inline int scalar_nearest_code(const float* thr, float x) {
-  int idx = 0;
-  for (int step = 128; step >= 1; step >>= 1) {
-    idx += step & -static_cast<int>(x >= thr[idx + step - 1]);  // branch-free
-  }
-  return idx;
-}
-
-// absmax of 256 values (NaN if any is NaN), then the nearest code of each value / absmax.
-void scalar_quantize_block(const float* buf, const QMaps& q, int sign, uint8_t* codes,
-                           float* absmax) {
+// ---- quantization: shared block set-up --------------------------------------------------------
+// absmax of 256 values (NaN if any is NaN), as every path computes it.
+inline float scalar_absmax(const float* buf) {
   float mx = 0.f;
   bool nan = false;
   for (int i = 0; i < kBlock; ++i) {
@@ -287,13 +349,73 @@ void scalar_quantize_block(const float* buf, const QMaps& q, int sign, uint8_t* 
       mx = a;
     }
   }
-  const float scale = nan ? std::numeric_limits<float>::quiet_NaN() : mx;
-  *absmax = scale;
-  const float div = scale == 0.0f ? 1.0f : scale;
-  const float* thr = q.thr[sign];
-  for (int i = 0; i < kBlock; ++i) {
-    codes[i] = static_cast<uint8_t>(scalar_nearest_code(thr, buf[i] / div));
+  return nan ? std::numeric_limits<float>::quiet_NaN() : mx;
+}
+
+// A block whose absmax is 0 (every code is 0's) or NaN (every code 0): true when handled.
+inline bool degenerate_block(const QLevels& lv, float absmax, uint8_t* codes) {
+  if (absmax > 0.f) return false;  // positive, +inf included
+  std::memset(codes, absmax == 0.f ? lv.zero_code : 0, kBlock);
+  return true;
+}
+
+// The per-block constants of the level rule, computed the same way for every path.
+struct BlockConsts {
+  alignas(32) float lim[8];  // lim[j] * absmax (7 used)
+  alignas(32) float sc[8];   // S[L] / absmax
+  float zlim;                // zlim * absmax
+};
+
+inline BlockConsts block_consts(const QLevels& lv, float absmax) {
+  BlockConsts k;
+  for (int j = 0; j < 8; ++j) {
+    k.lim[j] = lv.lim[j] * absmax;
+    k.sc[j] = lv.S[j] / absmax;
   }
+  k.zlim = lv.zlim * absmax;
+  return k;
+}
+
+// cvttps2dq: truncation, 0x80000000 for NaN and out-of-range values.
+inline int32_t cvtt(float t) {
+  if (!(t > -2147483648.0f && t < 2147483648.0f)) return std::numeric_limits<int32_t>::min();
+  return static_cast<int32_t>(t);
+}
+
+template <bool SIGNED>
+inline int scalar_code(const QLevels& lv, const BlockConsts& k, float x) {
+  if (std::isnan(x)) return 0;
+  const float a = std::fabs(x);
+  int level = 0;
+  for (int j = 0; j < 7; ++j) level += a >= k.lim[j] ? 1 : 0;
+  int32_t bin = cvtt(a * k.sc[level] - lv.O[level]);
+  bin = bin > 0 ? bin : 0;
+  bin = bin < lv.kmax[level] ? bin : lv.kmax[level];
+  int code = (SIGNED && x < 0.f) ? lv.neg[level] - bin : lv.pos[level] + bin;
+  if (SIGNED ? a < k.zlim : x <= 0.f) code = lv.zero_code;
+  return code;
+}
+
+// absmax of 256 values, then each value's code by the level rule.
+void scalar_quantize_block(const float* buf, const QMaps& q, int sign, uint8_t* codes,
+                           float* absmax) {
+  const float scale = scalar_absmax(buf);
+  *absmax = scale;
+  const QLevels& lv = q.lv[sign];
+  if (degenerate_block(lv, scale, codes)) return;
+  const BlockConsts k = block_consts(lv, scale);
+  for (int i = 0; i < kBlock; ++i) {
+    codes[i] = static_cast<uint8_t>(sign == kSigned ? scalar_code<true>(lv, k, buf[i])
+                                                    : scalar_code<false>(lv, k, buf[i]));
+  }
+}
+
+// The moment guard of the 8-bit step (see inf_adam_step_q8g): where m*m > bound^2 * v, m becomes
+// copysign(sqrt(v) * bound, m); every path computes these same fp32 products. A NaN or an
+// overflowing bound^2 * v (no bound) compares false and leaves m as it is.
+inline float scalar_guard(float m, float v, float bound, float bound_sq) {
+  if (m * m > bound_sq * v) return std::copysign(std::sqrt(v) * bound, m);
+  return m;
 }
 
 template <int GD, int OD>
@@ -306,8 +428,8 @@ void scalar_q8_block(const Job& job, const Span& s) {
   alignas(64) float mbuf[kBlock] = {};
   alignas(64) float vbuf[kBlock] = {};
   for (int i = 0; i < s.count; ++i) {
-    const float mi = q.map[kSigned][mq[i]] * ma;
     const float vi = q.map[kUnsigned][vq[i]] * va;
+    const float mi = scalar_guard(q.map[kSigned][mq[i]] * ma, vi, job.m_bound, job.m_bound_sq);
     const float param =
         scalar_adam(job.c, scalar_load_grad<GD>(s.g, i), s.p[i], mi, vi, mbuf[i], vbuf[i]);
     s.p[i] = param;
@@ -370,41 +492,49 @@ INF_TARGET_AVX512 void avx512_quantize_block(const float* buf, const QMaps& q, i
   }
   const float scale = nan ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(mx);
   *absmax = scale;
-  const __m512 div = _mm512_set1_ps(scale == 0.0f ? 1.0f : scale);
-  // The binary search without gathers: 32-entry tables (two registers, one vpermt2ps per
-  // lookup). Steps 128..8 visit only thr[8c + 7] (table 7, index c); after them the code is
-  // 8c + j, and steps 4, 2, 1 visit thr[8c + 3], thr[8c + j + 1], thr[8c + j]: tables 3,
-  // {1, 5} and {0, 2, 4, 6}, indexed by c and selected by the bits of j found so far.
-  const float(*by8)[32] = q.by8[sign];
-  __m512 lo[8], hi[8];
-  for (int j = 0; j < 8; ++j) {
-    lo[j] = _mm512_load_ps(by8[j]);
-    hi[j] = _mm512_load_ps(by8[j] + 16);
-  }
+  const QLevels& lv = q.lv[sign];
+  if (degenerate_block(lv, scale, codes)) return;
+  const BlockConsts k = block_consts(lv, scale);
+  const __m512 lim = _mm512_castps256_ps512(_mm256_load_ps(k.lim));
+  const __m512 lim3 = _mm512_set1_ps(k.lim[3]);
+  const __m512 sc = _mm512_castps256_ps512(_mm256_load_ps(k.sc));  // levels 0..7
+  const __m512 off = _mm512_load_ps(lv.O);
+  const __m512i kmax = _mm512_load_si512(lv.kmax);
+  const __m512i pos = _mm512_load_si512(lv.pos);
+  const __m512i neg = _mm512_load_si512(lv.neg);
+  const __m512 zlim = _mm512_set1_ps(k.zlim);
+  const __m512i zero_code = _mm512_set1_epi32(lv.zero_code);
+  const __m512i one = _mm512_set1_epi32(1);
+  const bool is_signed = sign == kSigned;
   for (int i = 0; i < kBlock; i += 16) {
-    const __m512 x = _mm512_div_ps(_mm512_loadu_ps(buf + i), div);
-    __m512i c = _mm512_setzero_si512();
-    for (int step = 16; step >= 1; step >>= 1) {
-      const __m512i at = _mm512_add_epi32(c, _mm512_set1_epi32(step - 1));
-      const __m512 t = _mm512_permutex2var_ps(lo[7], at, hi[7]);
-      c = _mm512_mask_add_epi32(c, _mm512_cmp_ps_mask(x, t, _CMP_GE_OQ), c,
-                                _mm512_set1_epi32(step));
+    const __m512 x = _mm512_loadu_ps(buf + i);
+    const __m512 a = _mm512_abs_ps(x);
+    // level = #{j < 7 : lim[j] <= a} by a binary search over the sorted lim (3 compares)
+    __m512i level = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(a, lim3, _CMP_GE_OQ),
+                                           _mm512_set1_epi32(4));
+    level = _mm512_mask_add_epi32(
+        level,
+        _mm512_cmp_ps_mask(a, _mm512_permutexvar_ps(_mm512_add_epi32(level, one), lim),
+                           _CMP_GE_OQ),
+        level, _mm512_set1_epi32(2));
+    level = _mm512_mask_add_epi32(
+        level, _mm512_cmp_ps_mask(a, _mm512_permutexvar_ps(level, lim), _CMP_GE_OQ), level, one);
+    const __m512 t = _mm512_sub_ps(_mm512_mul_ps(a, _mm512_permutexvar_ps(level, sc)),
+                                   _mm512_permutexvar_ps(level, off));
+    __m512i bin = _mm512_max_epi32(_mm512_cvttps_epi32(t), _mm512_setzero_si512());
+    bin = _mm512_min_epi32(bin, _mm512_permutexvar_epi32(level, kmax));
+    __m512i code = _mm512_add_epi32(_mm512_permutexvar_epi32(level, pos), bin);
+    __mmask16 zero;
+    if (is_signed) {
+      const __m512i ncode = _mm512_sub_epi32(_mm512_permutexvar_epi32(level, neg), bin);
+      code = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ),
+                                     code, ncode);
+      zero = _mm512_cmp_ps_mask(a, zlim, _CMP_LT_OQ);
+    } else {
+      zero = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LE_OQ);
     }
-    const __mmask16 b2 =
-        _mm512_cmp_ps_mask(x, _mm512_permutex2var_ps(lo[3], c, hi[3]), _CMP_GE_OQ);
-    const __m512 t1 = _mm512_mask_blend_ps(b2, _mm512_permutex2var_ps(lo[1], c, hi[1]),
-                                           _mm512_permutex2var_ps(lo[5], c, hi[5]));
-    const __mmask16 b1 = _mm512_cmp_ps_mask(x, t1, _CMP_GE_OQ);
-    const __m512 t0a = _mm512_mask_blend_ps(b1, _mm512_permutex2var_ps(lo[0], c, hi[0]),
-                                            _mm512_permutex2var_ps(lo[2], c, hi[2]));
-    const __m512 t0b = _mm512_mask_blend_ps(b1, _mm512_permutex2var_ps(lo[4], c, hi[4]),
-                                            _mm512_permutex2var_ps(lo[6], c, hi[6]));
-    const __mmask16 b0 = _mm512_cmp_ps_mask(x, _mm512_mask_blend_ps(b2, t0a, t0b), _CMP_GE_OQ);
-    __m512i idx = _mm512_slli_epi32(c, 3);
-    idx = _mm512_mask_add_epi32(idx, b2, idx, _mm512_set1_epi32(4));
-    idx = _mm512_mask_add_epi32(idx, b1, idx, _mm512_set1_epi32(2));
-    idx = _mm512_mask_add_epi32(idx, b0, idx, _mm512_set1_epi32(1));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), _mm512_cvtepi32_epi8(idx));
+    code = _mm512_mask_blend_epi32(zero, code, zero_code);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), _mm512_cvtepi32_epi8(code));
   }
 }
 
@@ -432,6 +562,9 @@ INF_TARGET_AVX512 void avx512_q8_block(const Job& job, const Span& s) {
   const uint8_t* vq = static_cast<const uint8_t*>(s.v);
   const __m512 ma = _mm512_set1_ps(*s.m_scale);
   const __m512 va = _mm512_set1_ps(*s.v_scale);
+  const __m512 bound = _mm512_set1_ps(job.m_bound);
+  const __m512 bound_sq = _mm512_set1_ps(job.m_bound_sq);
+  const __m512i sign_bit = _mm512_set1_epi32(static_cast<int32_t>(0x80000000u));
   alignas(64) float mbuf[kBlock];
   alignas(64) float vbuf[kBlock];
   for (int i = 0; i < kBlock; i += 16) {
@@ -439,8 +572,16 @@ INF_TARGET_AVX512 void avx512_q8_block(const Job& job, const Span& s) {
         _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mq + i)));
     const __m512i vc =
         _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(vq + i)));
-    const __m512 mi = _mm512_mul_ps(avx512_lookup256(q.map[kSigned], mc), ma);
     const __m512 vi = _mm512_mul_ps(avx512_lookup256(q.map[kUnsigned], vc), va);
+    __m512 mi = _mm512_mul_ps(avx512_lookup256(q.map[kSigned], mc), ma);
+    const __mmask16 over = _mm512_cmp_ps_mask(_mm512_mul_ps(mi, mi), _mm512_mul_ps(bound_sq, vi),
+                                              _CMP_GT_OQ);  // the moment guard
+    if (over) {
+      const __m512 sb = _mm512_mul_ps(_mm512_sqrt_ps(vi), bound);
+      const __m512i sgn = _mm512_and_si512(_mm512_castps_si512(mi), sign_bit);
+      mi = _mm512_mask_mov_ps(mi, over, _mm512_castsi512_ps(
+                                            _mm512_or_si512(_mm512_castps_si512(sb), sgn)));
+    }
     __m512 mo, vo;
     const __m512 param = avx512_adam(job.c, c, avx512_load_grad<GD, false>(s.g, i, 0),
                                      _mm512_loadu_ps(s.p + i), mi, vi, mo, vo);
@@ -493,42 +634,77 @@ INF_TARGET_AVX2 void avx2_quantize_block(const float* buf, const QMaps& q, int s
   const float scale = _mm256_movemask_ps(nan) != 0 ? std::numeric_limits<float>::quiet_NaN()
                                                    : _mm_cvtss_f32(m4);
   *absmax = scale;
-  const __m256 div = _mm256_set1_ps(scale == 0.0f ? 1.0f : scale);
-  // Steps 128..32 visit thr[32c + 31], step 16 thr[32c + 15], step 8 thr[32c + 7 or 23]:
-  // 8-entry tables indexed by c (one vpermps each); steps 4, 2, 1 gather from thr.
-  const __m256 row0 = _mm256_load_ps(q.by32[sign][0]);
-  const __m256 row1 = _mm256_load_ps(q.by32[sign][1]);
-  const __m256 row2 = _mm256_load_ps(q.by32[sign][2]);
-  const __m256 row3 = _mm256_load_ps(q.by32[sign][3]);
-  const float* thr = q.thr[sign];
+  const QLevels& lv = q.lv[sign];
+  if (degenerate_block(lv, scale, codes)) return;
+  const BlockConsts k = block_consts(lv, scale);
+  const __m256 lim = _mm256_load_ps(k.lim);
+  const __m256 lim3 = _mm256_set1_ps(k.lim[3]);
+  const __m256 sc = _mm256_load_ps(k.sc);
+  const __m256 off = _mm256_load_ps(lv.O);
+  const __m256i kmax = _mm256_load_si256(reinterpret_cast<const __m256i*>(lv.kmax));
+  const __m256i pos = _mm256_load_si256(reinterpret_cast<const __m256i*>(lv.pos));
+  const __m256i neg = _mm256_load_si256(reinterpret_cast<const __m256i*>(lv.neg));
+  const __m256 zlim = _mm256_set1_ps(k.zlim);
+  const __m256i zero_code = _mm256_set1_epi32(lv.zero_code);
+  const __m256 zero = _mm256_setzero_ps();
+  const __m256i one = _mm256_set1_epi32(1);
+  const bool is_signed = sign == kSigned;
   for (int i = 0; i < kBlock; i += 8) {
-    const __m256 x = _mm256_div_ps(_mm256_loadu_ps(buf + i), div);
-    __m256i c = _mm256_setzero_si256();
-    for (int step = 4; step >= 1; step >>= 1) {
-      const __m256 t =
-          _mm256_permutevar8x32_ps(row3, _mm256_add_epi32(c, _mm256_set1_epi32(step - 1)));
-      const __m256i ge = _mm256_castps_si256(_mm256_cmp_ps(x, t, _CMP_GE_OQ));
-      c = _mm256_add_epi32(c, _mm256_and_si256(ge, _mm256_set1_epi32(step)));
+    const __m256 x = _mm256_loadu_ps(buf + i);
+    const __m256 a = _mm256_and_ps(x, abs_mask);
+    // level = #{j < 7 : lim[j] <= a} by a binary search over the sorted lim (3 compares)
+    __m256i level = _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(a, lim3, _CMP_GE_OQ)),
+                                     _mm256_set1_epi32(4));
+    level = _mm256_add_epi32(
+        level, _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(
+                                    a, _mm256_permutevar8x32_ps(lim, _mm256_add_epi32(
+                                                                         level, one)),
+                                    _CMP_GE_OQ)),
+                                _mm256_set1_epi32(2)));
+    level = _mm256_sub_epi32(level, _mm256_castps_si256(_mm256_cmp_ps(
+                                        a, _mm256_permutevar8x32_ps(lim, level), _CMP_GE_OQ)));
+    const __m256 t = _mm256_sub_ps(_mm256_mul_ps(a, _mm256_permutevar8x32_ps(sc, level)),
+                                   _mm256_permutevar8x32_ps(off, level));
+    __m256i bin = _mm256_max_epi32(_mm256_cvttps_epi32(t), _mm256_setzero_si256());
+    bin = _mm256_min_epi32(bin, _mm256_permutevar8x32_epi32(kmax, level));
+    __m256i code = _mm256_add_epi32(_mm256_permutevar8x32_epi32(pos, level), bin);
+    __m256 is_zero;
+    if (is_signed) {
+      const __m256i ncode = _mm256_sub_epi32(_mm256_permutevar8x32_epi32(neg, level), bin);
+      code = _mm256_blendv_epi8(code, ncode,
+                                _mm256_castps_si256(_mm256_cmp_ps(x, zero, _CMP_LT_OQ)));
+      is_zero = _mm256_cmp_ps(a, zlim, _CMP_LT_OQ);
+    } else {
+      is_zero = _mm256_cmp_ps(x, zero, _CMP_LE_OQ);
     }
-    const __m256 ge16 = _mm256_cmp_ps(x, _mm256_permutevar8x32_ps(row1, c), _CMP_GE_OQ);
-    const __m256 t8 = _mm256_blendv_ps(_mm256_permutevar8x32_ps(row0, c),
-                                       _mm256_permutevar8x32_ps(row2, c), ge16);
-    const __m256 ge8 = _mm256_cmp_ps(x, t8, _CMP_GE_OQ);
-    __m256i idx = _mm256_slli_epi32(c, 5);
-    idx = _mm256_add_epi32(idx, _mm256_and_si256(_mm256_castps_si256(ge16),
-                                                 _mm256_set1_epi32(16)));
-    idx = _mm256_add_epi32(idx, _mm256_and_si256(_mm256_castps_si256(ge8),
-                                                 _mm256_set1_epi32(8)));
-    for (int step = 4; step >= 1; step >>= 1) {
-      const __m256 t =
-          _mm256_i32gather_ps(thr, _mm256_add_epi32(idx, _mm256_set1_epi32(step - 1)), 4);
-      const __m256i ge = _mm256_castps_si256(_mm256_cmp_ps(x, t, _CMP_GE_OQ));
-      idx = _mm256_add_epi32(idx, _mm256_and_si256(ge, _mm256_set1_epi32(step)));
-    }
+    code = _mm256_blendv_epi8(code, zero_code, _mm256_castps_si256(is_zero));
     const __m128i w =
-        _mm_packus_epi32(_mm256_castsi256_si128(idx), _mm256_extracti128_si256(idx, 1));
+        _mm_packus_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i), _mm_packus_epi16(w, w));
   }
+}
+
+// map[code] for 8 codes without a gather, by the decade formula of build_dynamic_map: j = code + 1
+// (unsigned) or |code - 127| (signed), f = floor(log2 j) from j's fp32 exponent, k = j - 2^f,
+// value = fma(B[f], k, A[f]) (negative below code 127 of the signed map); 0 and 1.0 blended in.
+template <bool SIGNED>
+INF_TARGET_AVX2 inline __m256 avx2_code_value(const DecadeTable& t, __m256i code) {
+  const __m256i j = SIGNED ? _mm256_abs_epi32(_mm256_sub_epi32(code, _mm256_set1_epi32(127)))
+                           : _mm256_add_epi32(code, _mm256_set1_epi32(1));
+  const __m256i f = _mm256_sub_epi32(
+      _mm256_srli_epi32(_mm256_castps_si256(_mm256_cvtepi32_ps(j)), 23), _mm256_set1_epi32(127));
+  const __m256i k = _mm256_sub_epi32(j, _mm256_sllv_epi32(_mm256_set1_epi32(1), f));
+  __m256 value = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(_mm256_load_ps(t.B), f),
+                                 _mm256_cvtepi32_ps(k),
+                                 _mm256_permutevar8x32_ps(_mm256_load_ps(t.A), f));
+  const __m256i zero_code = _mm256_set1_epi32(SIGNED ? 127 : 0);
+  if (SIGNED) {
+    const __m256 neg = _mm256_castsi256_ps(_mm256_cmpgt_epi32(zero_code, code));
+    value = _mm256_or_ps(value, _mm256_and_ps(neg, _mm256_set1_ps(-0.0f)));
+  }
+  value = _mm256_andnot_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(code, zero_code)), value);
+  return _mm256_blendv_ps(value, _mm256_set1_ps(1.0f),
+                          _mm256_castsi256_ps(_mm256_cmpeq_epi32(code, _mm256_set1_epi32(255))));
 }
 
 template <int GD, int OD>
@@ -541,6 +717,9 @@ INF_TARGET_AVX2 void avx2_q8_block(const Job& job, const Span& s) {
   const uint8_t* vq = static_cast<const uint8_t*>(s.v);
   const __m256 ma = _mm256_set1_ps(*s.m_scale);
   const __m256 va = _mm256_set1_ps(*s.v_scale);
+  const __m256 bound = _mm256_set1_ps(job.m_bound);
+  const __m256 bound_sq = _mm256_set1_ps(job.m_bound_sq);
+  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
   alignas(64) float mbuf[kBlock];
   alignas(64) float vbuf[kBlock];
   for (int i = 0; i < kBlock; i += 8) {
@@ -548,8 +727,14 @@ INF_TARGET_AVX2 void avx2_q8_block(const Job& job, const Span& s) {
         _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mq + i)));
     const __m256i vc =
         _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(vq + i)));
-    const __m256 mi = _mm256_mul_ps(_mm256_i32gather_ps(q.map[kSigned], mc, 4), ma);
-    const __m256 vi = _mm256_mul_ps(_mm256_i32gather_ps(q.map[kUnsigned], vc, 4), va);
+    const __m256 vi = _mm256_mul_ps(avx2_code_value<false>(q.dec[kUnsigned], vc), va);
+    __m256 mi = _mm256_mul_ps(avx2_code_value<true>(q.dec[kSigned], mc), ma);
+    const __m256 over = _mm256_cmp_ps(_mm256_mul_ps(mi, mi), _mm256_mul_ps(bound_sq, vi),
+                                      _CMP_GT_OQ);  // the moment guard
+    if (_mm256_movemask_ps(over) != 0) {
+      const __m256 sb = _mm256_mul_ps(_mm256_sqrt_ps(vi), bound);
+      mi = _mm256_blendv_ps(mi, _mm256_or_ps(sb, _mm256_and_ps(mi, sign_bit)), over);
+    }
     __m256 mo, vo;
     const __m256 param = avx2_adam(job.c, c, avx2_load_grad<GD>(g + i * dtype_size(GD)),
                                    _mm256_loadu_ps(s.p + i), mi, vi, mo, vo);
@@ -677,15 +862,24 @@ INF_API int inf_adam_step_bf16m(float* p, const void* g, int g_dtype, uint16_t* 
 
 // One Adam/AdamW step with 8-bit block-wise quantized moments. m_codes/v_codes: n codes each
 // (signed / unsigned dynamic map); m_absmax/v_absmax: ceil(n/256) fp32 scales each. Per block:
-// dequantize (map[code] * absmax), update in fp32, update p with the fp32 moments, then store
-// the new absmax and the nearest codes. All-zero codes with zero scales are a zero state.
-// Non-finite gradients poison the block (its absmax becomes NaN or inf).
-INF_API int inf_adam_step_q8(float* p, const void* g, int g_dtype, uint8_t* m_codes,
-                             float* m_absmax, uint8_t* v_codes, float* v_absmax, void* out,
-                             int out_dtype, int64_t n, double lr, double beta1, double beta2,
-                             double eps, double weight_decay, int adamw,
-                             double bias_correction1, double bias_correction2_sqrt,
-                             double grad_multiplier) {
+// dequantize (map[code] * absmax), guard, update in fp32, update p with the fp32 moments, then
+// store the new absmax and the codes of the level rule. All-zero codes with zero scales are a
+// zero state. Non-finite gradients poison the block (its absmax becomes NaN or inf).
+//
+// The moment guard: exact Adam keeps |m_t| <= K_t sqrt(v_t), K_t = (1 - beta1) / sqrt(1 - beta2)
+// * sqrt(sum_{j<t} (beta1^2 / beta2)^j) (Cauchy-Schwarz over the two sums), so its update never
+// exceeds lr * K_t * sqrt(1 - beta2^t) / (1 - beta1^t). A quantized state need not: in a block
+// holding large and small moments a small exp_avg_sq can round far down while its exp_avg does
+// not, and the update becomes ~ lr * m / eps. Each dequantized exp_avg is therefore clamped to
+// +-m_bound * sqrt(exp_avg_sq) before the update, m_bound = K_{t-1} (the state is t-1 steps
+// old; the host computes it, infinity.ops.adam_compact.moment_bound): a state that exact Adam
+// can reach is never changed, any other is brought back inside the set it can reach.
+INF_API int inf_adam_step_q8g(float* p, const void* g, int g_dtype, uint8_t* m_codes,
+                              float* m_absmax, uint8_t* v_codes, float* v_absmax, void* out,
+                              int out_dtype, int64_t n, double lr, double beta1, double beta2,
+                              double eps, double weight_decay, int adamw,
+                              double bias_correction1, double bias_correction2_sqrt,
+                              double grad_multiplier, double m_bound) {
   if (n < 0) return kErrNegativeLength;
   const int err = check_dtypes(g_dtype, out, out_dtype);
   if (err != kOk) return err;
@@ -711,6 +905,9 @@ INF_API int inf_adam_step_q8(float* p, const void* g, int g_dtype, uint8_t* m_co
   job.c = make_coeffs(lr, beta1, beta2, eps, weight_decay, adamw, bias_correction1,
                       bias_correction2_sqrt, grad_multiplier);
   job.q = &qmaps();
+  job.m_bound = static_cast<float>(
+      std::min(m_bound, static_cast<double>(std::numeric_limits<float>::max())));
+  job.m_bound_sq = job.m_bound * job.m_bound;
   job.block = select_block<kKernel8bit>(cap, g_dtype, out_dtype);
   job.range = &step_range;
   run_job(job);
@@ -727,7 +924,7 @@ INF_API int inf_q8_dynamic_map(int is_signed, float* out) {
 }
 
 // Block-wise quantization of n fp32 values (the kernel's own re-quantization): absmax per block
-// of 256 into absmax[ceil(n/256)], nearest codes into codes[n].
+// of 256 into absmax[ceil(n/256)], the codes of the level rule into codes[n].
 INF_API int inf_q8_quantize(const float* x, int64_t n, int is_signed, uint8_t* codes,
                             float* absmax) {
   if (n < 0) return kErrNegativeLength;

@@ -330,7 +330,7 @@ def test_step_composition_and_float64(cap, states, master):
         before_extra = {k: v.clone() for k, v in extra.items()}
         with ops.cpu_capability_override(cap):
             x = bm.widen_bf16_master(before[0], c.clone() if c is not None else None)
-            m_mom = moments_fp32(states, before[1], before[2], before_extra, n)
+            m_mom = moments_fp32(states, before[1], before[2], before_extra, n, step)
             r_ea, r_es = before[1].clone(), before[2].clone()
             r_extra = {k: v.clone() for k, v in before_extra.items()}
             kernel_step(states, x, g, r_ea, r_es, r_extra, step=step, **hyper)
@@ -358,10 +358,12 @@ def test_step_composition_and_float64(cap, states, master):
         assert bool(((value.double() - p64).abs() <= tol).all())
 
 
-def moments_fp32(states, ea, es, extra, n):
+def moments_fp32(states, ea, es, extra, n, step):
+    """The moments the step starts from (8-bit: dequantized, exp_avg through the guard)."""
     if states == "8bit":
-        return (ops.dequantize_8bit(ea, extra["exp_avg_absmax"], signed=True),
-                ops.dequantize_8bit(es, extra["exp_avg_sq_absmax"], signed=False))
+        v = ops.dequantize_8bit(es, extra["exp_avg_sq_absmax"], signed=False)
+        m = ops.dequantize_8bit(ea, extra["exp_avg_absmax"], signed=True)
+        return ops.guard_moment(m, v, ops.moment_bound(step - 1, 0.9, 0.999)), v
     return ea.float(), es.float()
 
 

@@ -48,7 +48,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     for name in ("inf_set_cpu_capability", "inf_set_num_threads"):
         getattr(lib, name).argtypes = [c_int]
         getattr(lib, name).restype = c_int
-    if hasattr(lib, "inf_adam_step_q8"):  # absent from a library built before cpu_adam_compact
+    if hasattr(lib, "inf_adam_step_q8g"):  # absent from a library built before the 8-bit guard
         _declare_compact(lib)
     if hasattr(lib, "inf_bf16_master_round"):  # absent before cpu_bf16_master
         _declare_bf16_master(lib)
@@ -65,10 +65,10 @@ def _declare_compact(lib: ctypes.CDLL) -> None:
     lib.inf_adam_step_bf16m.argtypes = [
         c_vp, c_vp, c_int, c_vp, c_vp, c_vp, c_int, c_i64] + hyper  # p g gd m v out od n
     lib.inf_adam_step_bf16m.restype = c_int
-    lib.inf_adam_step_q8.argtypes = [
+    lib.inf_adam_step_q8g.argtypes = [
         c_vp, c_vp, c_int, c_vp, c_vp, c_vp, c_vp, c_vp, c_int, c_i64,  # p g gd mq ma vq va out
-    ] + hyper                                                          # od n
-    lib.inf_adam_step_q8.restype = c_int
+    ] + hyper + [c_dbl]                                                # od n ... m_bound
+    lib.inf_adam_step_q8g.restype = c_int
     lib.inf_q8_block_size.argtypes = []
     lib.inf_q8_block_size.restype = c_int
     lib.inf_q8_dynamic_map.argtypes = [c_int, c_vp]
@@ -129,7 +129,7 @@ def native() -> Optional[ctypes.CDLL]:
 def native_compact() -> Optional[ctypes.CDLL]:
     """Like :func:`native`, and None too when the library predates the compact-state kernels."""
     lib = native()
-    if lib is None or not hasattr(lib, "inf_adam_step_q8"):
+    if lib is None or not hasattr(lib, "inf_adam_step_q8g"):
         return None
     return lib
 

@@ -22,13 +22,31 @@ regression problem); stochastic rounding would remove that bias but is not deter
 
 **8-bit moments** (:func:`cpu_adam_step_8bit`), block-wise as bitsandbytes' 8-bit Adam: per block
 of :data:`BLOCK_SIZE` = 256 consecutive elements one fp32 absmax per moment; each element is the
-index (uint8 code) of the nearest entry of a 256-entry dynamic map to ``value / absmax``:
-the signed map for ``exp_avg``, the unsigned map for ``exp_avg_sq`` (:func:`dynamic_map`). A
-step dequantizes a block (``map[code] * absmax``, fp32), updates it in fp32, takes the new
-absmax and stores the nearest codes (binary search over the midpoints of the sorted map; an
-exact tie takes the upper code). All-zero codes with all-zero scales are a zero state
-(:func:`new_8bit_state`). A non-finite gradient poisons its block (absmax becomes NaN or inf):
-skip such steps, as the optimizer already does.
+index (uint8 code) of an entry of a 256-entry dynamic map, ``value ~ map[code] * absmax``: the
+signed map for ``exp_avg``, the unsigned map for ``exp_avg_sq`` (:func:`dynamic_map`). A step
+dequantizes a block (``map[code] * absmax``, fp32), applies the moment guard, updates it in fp32,
+takes the new absmax and stores the codes of the level rule (below). All-zero codes with all-zero
+scales are a zero state (:func:`new_8bit_state`). A non-finite gradient poisons its block
+(absmax becomes NaN or inf): skip such steps, as the optimizer already does.
+
+*The moment guard.* Exact Adam keeps ``|exp_avg| <= K_t * sqrt(exp_avg_sq)`` after t steps
+(:func:`moment_bound`), which is what bounds its update by about ``lr * K_t``. A quantized pair
+need not: in a block that holds large and small second moments, a small ``exp_avg_sq`` rounds
+down by orders of magnitude (to 0, before the floor below) while its ``exp_avg`` keeps its size,
+and the update grows to ``lr * m / eps`` -- quiet embedding rows beside busy ones moved by
+hundreds of ``lr`` per step. So each dequantized ``exp_avg`` is clamped to
+``+-K_{t-1} * sqrt(exp_avg_sq)`` before the update: a state exact Adam can reach is left as it
+is, any other is brought back inside that set, and no 8-bit update exceeds what fp32 Adam could
+do. A positive ``exp_avg_sq`` is never stored as 0 either (its smallest code is its floor), so a
+quiet element keeps a small step instead of none.
+
+*The level rule* (quantization without a search): the map is a decimal exponent and a linear
+fraction, so the code is computed: the decade from seven compares of ``|x|`` with the per-block
+boundaries ``lim * absmax`` (fp32 midpoints between neighbouring decades, and between the top
+value and 1.0), the bin inside the decade as ``trunc(|x| * (S / absmax) - O)`` clamped to the
+decade, then the decade's first code plus (or, for negative values, minus) the bin. Up to fp32
+rounding next to a midpoint this is the nearest code; every path (AVX-512, AVX2, scalar, the
+fallback here) computes the same fp32 operations and so the same codes.
 
 The dynamic map is dynamic tree quantization (Dettmers 2016): a code reads
 ``[sign][e zero bits][indicator bit][f fraction bits]``; the zeros are a decimal exponent and the
@@ -48,6 +66,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -79,34 +98,90 @@ def new_8bit_state(numel: int) -> Dict[str, torch.Tensor]:
             "exp_avg_sq_absmax": torch.zeros(blocks, dtype=torch.float32)}
 
 
+def moment_bound(steps: int, beta1: float, beta2: float) -> float:
+    """``K_n``: exact Adam's bound on ``|exp_avg| / sqrt(exp_avg_sq)`` after ``n = steps`` steps
+    from zero moments, ``(1 - beta1) / sqrt(1 - beta2) * sqrt(sum_{j<n} (beta1**2 / beta2)**j)``
+    (Cauchy-Schwarz on ``m = (1-b1) sum b1^(n-k) g_k`` against ``v = (1-b2) sum b2^(n-k) g_k^2``;
+    the induction ``K_n^2 = K_{n-1}^2 beta1^2 / beta2 + (1-beta1)^2 / (1-beta2)`` shows one step
+    of exact Adam keeps any state inside it). The 8-bit step clamps its dequantized ``exp_avg``
+    to ``+-K_{t-1} * sqrt(exp_avg_sq)``. Capped at the largest fp32 (no bound)."""
+    n = int(steps)
+    if n <= 0:
+        return 0.0
+    big = float(torch.finfo(torch.float32).max)
+    if beta2 <= 0.0:
+        return 1.0 if beta1 == 0.0 else big  # v = g^2 alone: |m| <= |g| only without momentum
+    r = beta1 * beta1 / beta2
+    if r == 1.0:
+        total = float(n)
+    elif r < 1.0:
+        total = (1.0 - r ** n) / (1.0 - r)
+    else:
+        try:
+            total = (r ** n - 1.0) / (r - 1.0)
+        except OverflowError:
+            return big
+    value = (1.0 - beta1) / math.sqrt(1.0 - beta2) * math.sqrt(total)
+    return min(value, big)
+
+
 # ---- dynamic map --------------------------------------------------------------------------------
 
 def _build_dynamic_map(signed: bool) -> List[float]:
-    """The dynamic tree quantization map in double (see the module docstring), sorted."""
-    values = []
-    for e in range(7):
-        count = 1 << ((6 if signed else 7) - e)
-        ten_e = float(10 ** e)  # exact
-        for j in range(count):
-            value = (0.1 + 0.9 * ((j + 0.5) / count)) / ten_e  # same double ops as csrc
-            values.append(value)
+    """The dynamic map as the native library builds it (csrc/cpu_adam_compact.cpp,
+    build_dynamic_map): decade e's values are ``fma(B[f], k, A[f])`` in fp32 with
+    ``A[f] = fp32((0.1 + 0.45 / 2**f) / 10**e)``, ``B[f] = fp32(0.9 / 2**f / 10**e)``,
+    f = 6 - e (signed) or 7 - e; sorted ascending with 0 and 1.0. The fp32 fma is exact here in
+    float64 (B * k has at most 31 significant bits, and its sum with A fits in 53), then rounded
+    once to fp32, as the fma rounds."""
+    bits = 6 if signed else 7
+    out = [0.0] * 256
+    pos = 128 if signed else 1
+    for e in range(6, -1, -1):
+        f = bits - e
+        a = float(torch.tensor((0.1 + 0.45 / (1 << f)) / float(10 ** e), dtype=torch.float32))
+        b = float(torch.tensor(0.9 / (1 << f) / float(10 ** e), dtype=torch.float32))
+        for k in range(1 << f):
+            value = float(torch.tensor(b * k + a, dtype=torch.float64).float())
+            out[pos + k] = value
             if signed:
-                values.append(-value)
-    values += [0.0, 1.0]
-    assert len(values) == 256
-    return sorted(values)
+                out[254 - pos - k] = -value
+        pos += 1 << f
+    out[127 if signed else 0] = 0.0
+    out[255] = 1.0
+    return out
 
 
 @functools.lru_cache(maxsize=2)
 def _python_map(signed: bool) -> torch.Tensor:
-    return torch.tensor(_build_dynamic_map(signed), dtype=torch.float64).to(torch.float32)
+    return torch.tensor(_build_dynamic_map(signed), dtype=torch.float32)
 
 
 @functools.lru_cache(maxsize=2)
-def _thresholds(signed: bool) -> torch.Tensor:
-    """The 255 fp32 midpoints between neighbouring codes (as the kernel computes them)."""
-    m = _python_map(signed)
-    return (m[:-1] + m[1:]) * 0.5
+def _levels(signed: bool) -> Dict[str, torch.Tensor]:
+    """The level tables of the quantization rule, built from the same double-precision values as
+    the native ones (csrc/cpu_adam_compact.cpp, build_levels)."""
+    bits = 6 if signed else 7
+    table = [float(x) for x in _python_map(signed)]
+    lim, S, O, kmax, pos, neg = [], [], [], [], [], []
+    base = 128 if signed else 1
+    for level in range(7):
+        e = 6 - level
+        count = 1 << (bits - e)
+        S.append(float(10 ** e) * count / 0.9)
+        O.append(0.1 * count / 0.9)
+        kmax.append(count - 1)
+        pos.append(base)
+        neg.append(254 - base if signed else 0)
+        base += count  # the next decade's first code (or 1.0's)
+        lim.append(0.5 * (table[base - 1] + table[base]))
+    S.append(0.0), O.append(0.0), kmax.append(0), pos.append(255), neg.append(0)
+    f32 = dict(dtype=torch.float64)
+    return {"lim": torch.tensor(lim, **f32).float(), "S": torch.tensor(S, **f32).float(),
+            "O": torch.tensor(O, **f32).float(), "kmax": torch.tensor(kmax),
+            "pos": torch.tensor(pos), "neg": torch.tensor(neg),
+            "zlim": torch.tensor(0.5 * table[128 if signed else 1], **f32).float(),
+            "zero_code": 127 if signed else 0}
 
 
 def dynamic_map(signed: bool = True) -> torch.Tensor:
@@ -215,7 +290,8 @@ def cpu_adam_step_8bit(param: torch.Tensor, grad: torch.Tensor, exp_avg_codes: t
     """One Adam(W) step with 8-bit block-wise quantized moments, in place on ``param`` (fp32),
     the codes (uint8, numel of param; signed map for exp_avg, unsigned for exp_avg_sq) and the
     absmax scales (fp32, :func:`num_blocks` each). Blocks are 256 consecutive elements of the
-    flattened tensors. Other arguments as :func:`infinity.ops.cpu_adam_step`."""
+    flattened tensors. Other arguments as :func:`infinity.ops.cpu_adam_step`. The dequantized
+    ``exp_avg`` is clamped by the moment guard (module docstring) before the update."""
     hyper = _hyper(step, lr, beta1, beta2, eps, weight_decay, adamw, grad_multiplier)
     n = _check_step_tensors(param, grad, out, [
         ("exp_avg_codes", exp_avg_codes, (torch.uint8,), None),
@@ -226,21 +302,23 @@ def cpu_adam_step_8bit(param: torch.Tensor, grad: torch.Tensor, exp_avg_codes: t
         return
     step, lr, beta1, beta2, eps, weight_decay, adamw, grad_multiplier = hyper
     bc1, bc2_sqrt = bias_corrections(step, beta1, beta2)
+    bound = moment_bound(step - 1, beta1, beta2)
     lib = None if use_torch_fallback() else _compact_lib()
     if lib is None:
         m32 = _torch_dequantize(exp_avg_codes.view(-1), exp_avg_absmax.view(-1), True)
         v32 = _torch_dequantize(exp_avg_sq_codes.view(-1), exp_avg_sq_absmax.view(-1), False)
+        m32 = guard_moment(m32, v32, bound)
         _torch_adam_step(param, grad, m32, v32, out, lr, beta1, beta2, eps, weight_decay, adamw,
                          bc1, bc2_sqrt, grad_multiplier)
         _torch_quantize(m32, True, exp_avg_codes.view(-1), exp_avg_absmax.view(-1))
         _torch_quantize(v32, False, exp_avg_sq_codes.view(-1), exp_avg_sq_absmax.view(-1))
         return
-    code = lib.inf_adam_step_q8(
+    code = lib.inf_adam_step_q8g(
         param.data_ptr(), grad.data_ptr(), _an.DTYPE_CODES[grad.dtype],
         exp_avg_codes.data_ptr(), exp_avg_absmax.data_ptr(), exp_avg_sq_codes.data_ptr(),
         exp_avg_sq_absmax.data_ptr(), out.data_ptr() if out is not None else None,
         _an.DTYPE_CODES[out.dtype] if out is not None else _an.DTYPE_NONE, n,
-        lr, beta1, beta2, eps, weight_decay, int(adamw), bc1, bc2_sqrt, grad_multiplier)
+        lr, beta1, beta2, eps, weight_decay, int(adamw), bc1, bc2_sqrt, grad_multiplier, bound)
     _check_code(lib, code, "8-bit adam step")
 
 
@@ -254,20 +332,51 @@ def _torch_dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -
 
 
 @torch.no_grad()
+def guard_moment(m: torch.Tensor, v: torch.Tensor, bound: float) -> torch.Tensor:
+    """The moment guard on fp32 tensors, as the kernels compute it: where ``m*m > bound**2 * v``
+    (fp32 products; a NaN or an overflowing product compares false), ``m`` becomes
+    ``copysign(sqrt(v) * bound, m)``; elsewhere it is unchanged."""
+    k = torch.tensor(min(bound, float(torch.finfo(torch.float32).max)), dtype=torch.float32)
+    over = m * m > (k * k) * v
+    if not bool(over.any()):
+        return m
+    # float sqrt correctly rounded, as the kernels' (torch's own CPU float sqrt is not always):
+    # the double sqrt of a float, rounded to float, is
+    root = v.double().sqrt().float()
+    return torch.where(over, torch.copysign(root * k, m), m)
+
+
+@torch.no_grad()
 def _torch_quantize(x: torch.Tensor, signed: bool, codes: torch.Tensor,
                     absmax: torch.Tensor) -> None:
-    """Same rule as the kernel: absmax per block (NaN if one is NaN), code = #{thr <= x/absmax}."""
+    """The kernels' rule: absmax per block (NaN if one is NaN), codes by the level rule."""
     n = x.numel()
     blocks = num_blocks(n)
     padded = torch.zeros(blocks * BLOCK_SIZE, dtype=torch.float32)
     padded[:n] = x
     padded = padded.view(blocks, BLOCK_SIZE)
     scale = padded.abs().amax(dim=1)  # propagates NaN
-    div = torch.where(scale == 0, torch.ones_like(scale), scale)
-    normalized = (padded / div[:, None]).view(-1)[:n]
-    idx = torch.searchsorted(_thresholds(signed), normalized, right=True)
-    idx = torch.where(torch.isnan(normalized), torch.zeros_like(idx), idx)
-    codes.copy_(idx.to(torch.uint8))
+    lv = _levels(signed)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # degenerate blocks: below
+    lim = lv["lim"][None, :] * safe[:, None]                        # (blocks, 7)
+    sc = lv["S"][None, :] / safe[:, None]                           # (blocks, 8)
+    a = padded.abs()
+    level = (a[:, :, None] >= lim[:, None, :]).sum(dim=2)           # 0..7
+    t = a * sc.gather(1, level) - lv["O"][level]
+    finite = torch.isfinite(t) & (t.abs() < 2.0 ** 31)
+    bin_ = torch.where(finite, t.trunc(), torch.zeros_like(t)).long().clamp(min=0)
+    bin_ = torch.minimum(bin_, lv["kmax"][level])
+    code = lv["pos"][level] + bin_
+    if signed:
+        code = torch.where(padded < 0, lv["neg"][level] - bin_, code)
+        zero = a < (lv["zlim"] * safe)[:, None]
+    else:
+        zero = padded <= 0
+    code = torch.where(zero, torch.full_like(code, lv["zero_code"]), code)
+    code = torch.where(torch.isnan(padded), torch.zeros_like(code), code)
+    code = torch.where((scale == 0)[:, None], torch.full_like(code, lv["zero_code"]), code)
+    code = torch.where(torch.isnan(scale)[:, None], torch.zeros_like(code), code)
+    codes.copy_(code.view(-1)[:n].to(torch.uint8).view(codes.shape))
     absmax.copy_(scale)
 
 
