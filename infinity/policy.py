@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import numbers
+import os
 from dataclasses import dataclass, fields
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
+from .sizes import Size, parse_budget
 from .tiers.tier import Tier
 
 BlockRule = Union[None, Sequence[type], Callable[[str, nn.Module], bool]]
@@ -15,11 +17,36 @@ BlockRule = Union[None, Sequence[type], Callable[[str, nn.Module], bool]]
 _WORKING_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _check_bytes(name: str, value: Optional[int]) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-        raise ValueError(f"{name} must be a positive number of bytes or None, got {value!r}")
+def nvme_path_problem(path: Union[str, "os.PathLike[str]"], must_exist: bool = False
+                      ) -> Optional[Tuple[type, str]]:
+    """Why ``path`` cannot be an nvme_path, as (exception class, message), or None. Checked
+    before anything is written: an existing file (or other non-directory) is always wrong; a
+    missing path only where ``must_exist`` (a policy may be made before its directory)."""
+    if not isinstance(path, (str, os.PathLike)):
+        return None  # the swap store names the type
+    if os.path.isdir(path):
+        return None
+    if os.path.lexists(path):
+        what = "a file" if os.path.isfile(path) else "not a directory"
+        parent = os.path.dirname(os.path.abspath(path))
+        return NotADirectoryError, (
+            f"infinity: nvme_path {os.fspath(path)!r} is {what}, not a directory; pass a "
+            f"directory on the fast disk instead (e.g. {parent!r}, or a new folder there): "
+            "infinity creates its swap files inside it")
+    if must_exist:
+        return FileNotFoundError, (
+            f"infinity: nvme_path {os.fspath(path)!r} does not exist; create the directory (on "
+            "the disk that will hold the swap files) first: infinity creates its swap files "
+            "inside it")
+    return None
+
+
+def check_nvme_path(path: Optional[Union[str, "os.PathLike[str]"]],
+                    must_exist: bool = False) -> None:
+    """Raises what :func:`nvme_path_problem` finds (NotADirectoryError, FileNotFoundError)."""
+    problem = None if path is None else nvme_path_problem(path, must_exist)
+    if problem is not None:
+        raise problem[0](problem[1])
 
 
 @dataclass(frozen=True)
@@ -39,7 +66,9 @@ class OffloadPolicy:
         "auto" (nvme when param_tier resolves to nvme, else host).
     optimizer_tier: the same choice for the optimizer's fp32 master weights and moments
         ("device" is not offered: the CPU Adam reads them from host or NVMe).
-    device_budget / host_budget: byte limits (None: no limit beyond the hardware). The device
+    device_budget / host_budget: byte limits (None: no limit beyond the hardware), as ints or
+        strings such as "24GB", "6GiB", "512MiB" or "1.5 GiB" (see ``infinity.sizes``; read
+        back as ints: the policy keeps the number of bytes). The device
         budget bounds the parameters materialized for compute; the host budget bounds pinned
         host buffers (home copies, gradients, staging, optimizer states on host).
     prefetch_window: how many blocks ahead of the running one may be fetched.
@@ -82,8 +111,8 @@ class OffloadPolicy:
     grad_tier: str = "auto"
     optimizer_tier: str = "auto"
     nvme_path: Optional[str] = None
-    device_budget: Optional[int] = None
-    host_budget: Optional[int] = None
+    device_budget: Optional[Size] = None
+    host_budget: Optional[Size] = None
     prefetch_window: int = 2
     block_rule: BlockRule = None
     compute_dtype: Optional[torch.dtype] = None
@@ -106,14 +135,17 @@ class OffloadPolicy:
                              "'auto'")
         if self.grad_tier not in ("auto", "host", "nvme"):
             raise ValueError(f"grad_tier={self.grad_tier!r}; use 'host', 'nvme' or 'auto'")
+        check_nvme_path(self.nvme_path)  # an existing file: refused before anything is written
         for name in ("param_tier", "grad_tier", "optimizer_tier"):
             if getattr(self, name) == "nvme" and self.nvme_path is None:
                 raise ValueError(f"{name}='nvme' needs nvme_path=<a directory on a fast disk>")
         self._check_host_blocks()
         if self.placement not in (None, "auto"):
             raise ValueError(f"placement={self.placement!r}; use 'auto' (the planner) or None")
-        _check_bytes("device_budget", self.device_budget)
-        _check_bytes("host_budget", self.host_budget)
+        for name in ("device_budget", "host_budget"):
+            value = getattr(self, name)
+            if value is not None:  # frozen: normalised once, downstream code sees ints
+                object.__setattr__(self, name, parse_budget(value, name))
         if (isinstance(self.prefetch_window, bool)
                 or not isinstance(self.prefetch_window, numbers.Integral)
                 or self.prefetch_window < 0):

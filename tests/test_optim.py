@@ -662,6 +662,37 @@ def test_benchmark_quick_interleaved_runs(tmp_path):
     assert all(r["ratio_per_round_median"] > 0 for r in res["rows"])
 
 
+def test_benchmark_quick_thread_sweep_runs(tmp_path):
+    """--threads 1,2: both sides set to each count, one entry per count with the ratios."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_optimizer.py"),
+                           "--quick", "--threads", "1,2", "--json", str(out), "--no-plot"],
+                          capture_output=True, text=True, timeout=180, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+    res = json.loads(out.read_text())
+    assert res["threads"] == [1, 2] and res["interleaved"] is True
+    sweep = res["threads_sweep"]
+    assert [e["threads"] for e in sweep] == [1, 2]
+    for e in sweep:
+        assert e["torch_threads"] == e["threads"] == e["infinity_threads"]
+        names = [r["name"] for r in e["rows"]]
+        assert names[:4] == ["torch_fused_adamw", "infinity_plain", "infinity_host",
+                             "infinity_kernel"]
+        assert all(r["step_s_median"] > 0 and len(r["times"]) == res["steps"]
+                   for r in e["rows"])
+        assert set(e["vs_torch"]) == set(names[1:])
+        assert all(v > 0 for v in e["vs_torch"].values())
+        kernel = e["rows"][3]
+        assert kernel["calls"] == res["steps"] * res["layers"] and kernel["call_s_max"] > 0
+    assert "thread_environment" in res and res["thread_environment"]["affinity_cpus"] >= 1
+    assert {r["threads"] for r in res["rows"]} == {1, 2}  # flat copy of every entry's rows
+    bad = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_optimizer.py"),
+                          "--quick", "--threads", "0,2", "--no-plot", "--json", str(out)],
+                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert bad.returncode == 2 and "counts must be >= 1" in bad.stderr
+
+
 def test_check_finite_auto_costs_no_pass_over_host_gradients(monkeypatch):
     """The default check_finite="auto" reads no gradient for the inf/nan check (torch.optim
     does none either); a non-finite norm from clip_grad_norm_ still skips the step."""

@@ -225,3 +225,51 @@ def test_sharded_wraps_follow_the_rules_on_every_rank(monkeypatch):
     assert p is None and out is policy and reason == why
     # shard="none": each process plans for itself
     assert planner_mod.skip_reason(model, infinity.OffloadPolicy(shard="none")) is None
+
+
+def _swap_file(tmp_path):
+    """An existing regular file where a swap directory belongs, and a snapshot of its folder."""
+    f = tmp_path / "swap.bin"
+    f.write_bytes(b"user data")
+    return f, lambda: (sorted(os.listdir(tmp_path)), f.read_bytes())
+
+
+@pytest.mark.parametrize("tiers", [
+    dict(param_tier="nvme", grad_tier="host", optimizer_tier="host"),  # explicit: no planner
+    dict(param_tier="host", grad_tier="host", optimizer_tier="nvme"),
+    dict(),                                                            # the planner's path
+    dict(param_tier="nvme")])
+def test_nvme_path_that_is_a_file_is_refused_before_writing(tmp_path, tiers):
+    f, snapshot = _swap_file(tmp_path)
+    before = snapshot()
+    model = TinyGPT(CFG)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(NotADirectoryError) as err:
+        infinity.wrap(model, nvme_path=str(f), host_budget=8 * N, **tiers)
+    msg = str(err.value)
+    assert msg.startswith("infinity: nvme_path") and str(f) in msg and "is a file" in msg
+    assert "does not exist" not in msg
+    assert "pass a directory" in msg and "creates its swap files inside it" in msg
+    assert str(tmp_path) in msg  # the folder it sits in, as an example
+    assert snapshot() == before  # nothing written next to it, the file untouched
+    from infinity.runtime.engine import engine_of
+    assert engine_of(model) is None
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+
+
+def test_nvme_path_file_in_plan_explain_and_probe(tmp_path, pr):
+    from infinity.plan.probe import ProbeError
+    f, snapshot = _swap_file(tmp_path)
+    before = snapshot()
+    with pytest.raises(NotADirectoryError, match="is a file, not a directory; pass a directory"):
+        plan(TinyGPT(CFG), probe=pr, nvme_path=str(f))
+    with pytest.raises(NotADirectoryError, match="is a file"):
+        infinity.explain(TinyGPT(CFG), nvme_path=str(f), show=False)
+    with pytest.raises(ProbeError, match=r"infinity\.probe: nvme_path .* is a file"):
+        probe(str(f), quick=True)
+    with pytest.raises(NotADirectoryError, match="is a file"):
+        infinity.OffloadPolicy(nvme_path=str(f))
+    assert snapshot() == before
+    # a missing directory still says so (the planner's check), with the same remedy
+    with pytest.raises(FileNotFoundError, match="does not exist; create the directory"):
+        infinity.wrap(TinyGPT(CFG), nvme_path=str(tmp_path / "nope"))

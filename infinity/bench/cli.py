@@ -27,9 +27,23 @@ def run_probe(args: argparse.Namespace) -> int:
 
 
 def add_estimate(p: argparse.ArgumentParser) -> None:
-    p.add_argument("params", help="parameter count, e.g. 125M, 2B, 1.3e9")
-    p.add_argument("--layers", type=int, default=None)
-    p.add_argument("--d-model", type=int, default=None)
+    p.add_argument("params", nargs="?", default=None,
+                   help="parameter count of a GPT, e.g. 125M, 2B, 1.3e9 (or give the model's "
+                        "shape: --config, or --d-model --layers --heads --ffn --vocab ...)")
+    p.add_argument("--config", default=None,
+                   help="a Hugging Face config.json (or the model folder holding it) of a "
+                        "Llama-style decoder; the flags below override its values")
+    p.add_argument("--layers", type=int, default=None, help="num_hidden_layers")
+    p.add_argument("--d-model", type=int, default=None, help="hidden_size")
+    p.add_argument("--heads", type=int, default=None, help="num_attention_heads")
+    p.add_argument("--kv-heads", type=int, default=None,
+                   help="num_key_value_heads (grouped-query attention; default: --heads)")
+    p.add_argument("--head-dim", type=int, default=None, help="head_dim (default d_model/heads)")
+    p.add_argument("--ffn", type=int, default=None, help="intermediate_size (gate/up/down MLP)")
+    p.add_argument("--vocab", type=int, default=None, help="vocab_size")
+    p.add_argument("--tied", action=argparse.BooleanOptionalAction, default=None,
+                   help="lm_head tied to the embedding (tie_word_embeddings; default: the "
+                        "config's, else untied)")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--ranks", type=int, default=1, help="rows for 1..N ranks")
@@ -45,23 +59,45 @@ def add_estimate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ram-budget", default=None, help="host budget for --plan, e.g. 8GiB")
 
 
+def estimate_shape(args: argparse.Namespace):
+    """The ModelShape the estimate flags describe: a count (a GPT), a config, or dimensions."""
+    from ..plan.shape import describe
+    if args.params is not None and args.config is not None:
+        raise ValueError(f"infinity estimate: give a parameter count ({args.params}) or "
+                         f"--config ({args.config}), not both")
+    dims = dict(n_layers=args.layers, d_model=args.d_model, n_heads=args.heads,
+                n_kv_heads=args.kv_heads, head_dim=args.head_dim, ffn=args.ffn,
+                vocab_size=args.vocab, tied=args.tied)
+    if args.params is None and args.config is None and all(v is None for v in dims.values()):
+        raise ValueError("infinity estimate: describe the model: a parameter count (e.g. 2B), "
+                         "--config path/to/config.json, or --d-model --layers --heads --ffn "
+                         "--vocab [--kv-heads --tied]")
+    if args.config is not None:
+        source = args.config
+    elif args.params is not None:
+        from ..plan.shape import parse_count
+        source = parse_count(args.params)
+    else:
+        source = None
+    return describe(source, **dims)
+
+
 def run_estimate(args: argparse.Namespace) -> int:
     from ..plan import estimate, plan
     from ..plan.probe import ProbeError, probe
-    from ..plan.shape import parse_bytes, shape_of_count, parse_count
+    from ..sizes import parse_budget
     try:
-        shape = shape_of_count(parse_count(args.params), n_layers=args.layers,
-                               d_model=args.d_model)
+        budget = parse_budget(args.ram_budget, "--ram-budget") if args.ram_budget else None
+        shape = estimate_shape(args)
         pr = probe(args.nvme_path, quick=args.quick_probe)
         table = estimate(shape, batch=args.batch, seq=args.seq, ranks=args.ranks,
                          placements=args.placement, probe=pr, calibrate=args.calibrate,
                          master=args.master)
         sys.stdout.write(str(table))
         if args.plan:
-            budget = parse_bytes(args.ram_budget) if args.ram_budget else None
             sys.stdout.write(str(plan(shape, probe=pr, nvme_path=args.nvme_path,
                                       host_budget=budget, batch=args.batch, seq=args.seq)))
-    except (ValueError, ProbeError) as exc:  # PlanError is a ValueError
+    except (ValueError, OSError, ProbeError) as exc:  # PlanError is a ValueError
         sys.stderr.write(f"{exc}\n")
         return 1
     return 0
@@ -104,7 +140,7 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     import shutil
     from . import BenchConfig, report, run_bench, save
     from .models import DEFAULT_LADDER, QUICK_LADDER, QUICK_PLACEMENTS
-    from ..plan.shape import parse_bytes
+    from ..sizes import parse_budget
     if args.load:
         with open(args.load) as fh:
             sys.stdout.write(report(json.load(fh)))
@@ -119,7 +155,8 @@ def run_bench_cli(args: argparse.Namespace) -> int:
                           steps=args.steps, warmup=args.warmup,
                           repeats=args.repeats or (1 if args.quick else 2), states=args.states,
                           calibrate_in_run=args.calibrate_in_run,
-                          ram_budget=parse_bytes(args.ram_budget) if args.ram_budget else None,
+                          ram_budget=(parse_budget(args.ram_budget, "--ram-budget")
+                                      if args.ram_budget else None),
                           timeout_s=args.timeout, quick_probe=args.quick)
         cfg.runs_log = os.path.join(args.out, "runs.jsonl")
         if os.path.exists(cfg.runs_log):

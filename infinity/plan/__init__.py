@@ -9,7 +9,7 @@ from .estimate import Estimate, EstimateTable, estimate
 from .placements import PLACEMENTS, Placement
 from .planner import Plan, PlanError, plan
 from .probe import ProbeError, ProbeResult, format_probe, probe
-from .shape import ModelShape, describe
+from .shape import DecoderDims, ModelShape, decoder_dims, describe
 
 
 def explain(model: Union[nn.Module, int, float], *, show: bool = True, **settings: Any) -> Plan:
@@ -35,6 +35,6 @@ def explain(model: Union[nn.Module, int, float], *, show: bool = True, **setting
     return result
 
 
-__all__ = ["Estimate", "EstimateTable", "ModelShape", "PLACEMENTS", "Placement", "Plan",
-           "PlanError", "ProbeError", "ProbeResult", "describe", "estimate", "explain",
-           "format_probe", "plan", "probe"]
+__all__ = ["DecoderDims", "Estimate", "EstimateTable", "ModelShape", "PLACEMENTS", "Placement",
+           "Plan", "PlanError", "ProbeError", "ProbeResult", "decoder_dims", "describe",
+           "estimate", "explain", "format_probe", "plan", "probe"]

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Union
+from typing import Any, List, Optional, Sequence, Union
 
 from torch import nn
 
@@ -234,25 +234,32 @@ def estimate_one(shape: ModelShape, pl: Placement, pr: ProbeResult, *, batch: in
                     grad, opt, int(written), tokens, pl.what, overhead)
 
 
-def estimate(model_or_count: Union[nn.Module, int, float, str, ModelShape], *,
+def estimate(model_or_count: Union[nn.Module, int, float, str, ModelShape, Any] = None, *,
              batch: int = 4, seq: int = 128, ranks: Union[int, Sequence[int]] = 1,
              placements: Optional[Sequence[str]] = None, nvme_path: Optional[str] = None,
              probe: Optional[ProbeResult] = None, prefetch_window: int = 2,
              n_layers: Optional[int] = None, d_model: Optional[int] = None,
              quick_probe: bool = False, calibrate: bool = False,
-             master: str = "fp32") -> EstimateTable:
+             master: str = "fp32", vocab_size: Optional[int] = None, ffn: Optional[int] = None,
+             n_heads: Optional[int] = None, n_kv_heads: Optional[int] = None,
+             tied: Optional[bool] = None, head_dim: Optional[int] = None) -> EstimateTable:
     """Predicts, before anything is allocated, what each placement needs and how fast a step
-    runs. ``model_or_count``: an nn.Module (built on the meta device is fine), a parameter
-    count (``2e9`` or ``"2B"``; a GPT shape is assumed, ``n_layers``/``d_model`` refine it).
+    runs. ``model_or_count``: an nn.Module (built on the meta device is fine); a Hugging Face
+    config of a Llama-style decoder (the path of a ``config.json`` or of the model folder, a
+    dict or a transformers config: hidden_size, intermediate_size, num_hidden_layers,
+    num_attention_heads, num_key_value_heads, vocab_size, tie_word_embeddings, head_dim), which
+    ``d_model``, ``ffn``, ``n_layers``, ``n_heads``, ``n_kv_heads``, ``vocab_size``, ``tied``,
+    ``head_dim`` override; None with those keywords alone; or a parameter count (``2e9`` or
+    ``"2B"``; a GPT shape is assumed, ``n_layers``/``d_model``/``vocab_size`` refine it).
+    Configs and counts are in fp32 (4 bytes a parameter, as the model built from them).
     ``ranks``: an int N (rows for 1..N ranks) or a list of rank counts. NVMe placements need
     the disk figures: pass ``nvme_path`` (probed) or a ``probe`` result with a disk.
     ``calibrate``: time forward + backward of one layer and of the head at this exact shape
     (seconds for large models) instead of using the probe's FLOP rate. ``master``: the
     optimizer's master-weight format (``AdamW(master=...)``) for every infinity placement."""
-    from .shape import parse_count
-    if isinstance(model_or_count, str):
-        model_or_count = parse_count(model_or_count)
-    shape = describe(model_or_count, n_layers=n_layers, d_model=d_model)
+    shape = describe(model_or_count, n_layers=n_layers, d_model=d_model, vocab_size=vocab_size,
+                     ffn=ffn, n_heads=n_heads, n_kv_heads=n_kv_heads, tied=tied,
+                     head_dim=head_dim)
     if isinstance(batch, bool) or not isinstance(batch, int) or batch <= 0 or \
             not isinstance(seq, int) or seq <= 0:
         raise ValueError(f"infinity.estimate: batch and seq must be positive ints, got "

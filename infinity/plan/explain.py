@@ -16,13 +16,22 @@ def fmt_bytes(n: float) -> str:
     return f"{n:.1f}"
 
 
+def fmt_count(n: float) -> str:
+    """``3.21B``, ``124.4M``, ``50.3K``."""
+    for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{unit}" if unit in "TB" else f"{n / scale:.1f}{unit}"
+    return f"{n:.0f}"
+
+
 def fmt_s(s: float) -> str:
     return f"{s * 1e3:.0f} ms" if s < 1 else f"{s:.2f} s"
 
 
 def format_estimates(t: "EstimateTable") -> str:
     sh = t.shape
-    lines = [f"{sh.name}: {sh.params / 1e6:,.1f}M parameters ({fmt_bytes(sh.param_bytes)}), "
+    lines = [f"{sh.name}: {sh.params:,} parameters ({fmt_count(sh.params)}, "
+             f"{fmt_bytes(sh.param_bytes)}), "
              f"{sh.n_layers} layers, d_model {sh.d_model}, {len(sh.block_bytes)} blocks "
              f"(largest {fmt_bytes(sh.largest_block_bytes)}); batch {t.batch} x seq {t.seq} "
              f"on {t.device}"]

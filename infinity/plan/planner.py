@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import shutil
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
@@ -23,7 +22,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import psutil
 from torch import nn
 
-from ..policy import OffloadPolicy
+from ..policy import OffloadPolicy, check_nvme_path
 from .estimate import Estimate, estimate_one, model_flops
 from .explain import fmt_bytes, fmt_s, format_plan
 from .placements import PLACEMENTS, Placement
@@ -333,10 +332,7 @@ def apply_plan(model: nn.Module, policy: OffloadPolicy, process_group: Any = Non
     why = skip_reason(model, policy, process_group)
     if why is not None:
         return policy, None, why
-    if policy.nvme_path is not None and not os.path.isdir(policy.nvme_path):
-        raise FileNotFoundError(f"infinity: nvme_path {policy.nvme_path!r} does not exist; "
-                                "create the directory (on the disk that will hold the swap "
-                                "files) first")
+    check_nvme_path(policy.nvme_path, must_exist=True)  # a file or a missing directory
     try:
         p = plan(model, policy)
     except PlanError as exc:

@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from ..policy import nvme_path_problem
 from .machine import disk_identity, key_of, machine_identity
 
 logger = logging.getLogger(__name__)
@@ -312,12 +313,23 @@ def measure_transfers(nbytes: int, reps: int = 3) -> Dict[str, float]:
     return out
 
 
+def _check_dir(path: str) -> None:
+    """A ProbeError (nothing measured or written) for a file, a missing path or a non-path."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ProbeError(f"infinity.probe: nvme_path must be a path string, got {path!r}")
+    problem = nvme_path_problem(path)  # an existing file: it says so, and what to pass
+    if problem is not None:
+        raise ProbeError(problem[1].replace("infinity:", "infinity.probe:", 1))
+    if not os.path.isdir(path):
+        raise ProbeError(f"infinity.probe: nvme_path {path!r} is not an existing directory; "
+                         "create it (on the disk that will hold the swap files) first")
+
+
 def measure_disk(path: str, nbytes: int, reps: int = 3) -> DiskProbe:
     """O_DIRECT write (an overwrite of an allocated file, as the swap extents are rewritten)
     and read of ``nbytes`` in one request each (the I/O engine splits it across its workers)."""
     from .. import io as inf_io
-    if not os.path.isdir(path):
-        raise ProbeError(f"infinity.probe: nvme_path {path!r} is not an existing directory")
+    _check_dir(path)
     free = shutil.disk_usage(path).free
     nbytes = max(inf_io.ALIGNMENT, min(nbytes, (free // 4) // inf_io.ALIGNMENT * inf_io.ALIGNMENT))
     buf = inf_io.aligned_empty(nbytes)
@@ -416,9 +428,7 @@ def probe(nvme_path: Optional[str] = None, *, quick: bool = False, refresh: bool
 
 def _disk(path: str, quick: bool, refresh: bool, data: Dict[str, Any],
           notes: List[str]) -> DiskProbe:
-    if not os.path.isdir(path):
-        raise ProbeError(f"infinity.probe: nvme_path {path!r} is not an existing directory; "
-                         "create it (on the disk that will hold the swap files) first")
+    _check_dir(path)
     ident = disk_identity(path)
     key = key_of(ident)
     cached = data.get("disks", {}).get(key)

@@ -1,11 +1,15 @@
 """What the estimates need to know about a model: parameter count and bytes, its blocks (the
 unit of offload) and the GPT-like shape that sets its FLOPs. Works on meta-device models (no
-memory is touched) and on a bare parameter count."""
+memory is touched), on a Hugging Face ``config.json`` of a Llama-style decoder (or the same
+dimensions given one by one: :class:`DecoderDims`) and on a bare parameter count."""
 from __future__ import annotations
 
+import json
+import numbers
+import os
 from collections import Counter
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 from torch import nn
 
@@ -66,10 +70,11 @@ def shape_of(model: nn.Module, block_rule=None) -> ModelShape:
         nbytes.append(sum(p.numel() * p.element_size() for _, _, _, p in s.params))
     layers = sum(1 for s in specs if not s.is_root)
     embs = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
-    cfg = getattr(model, "cfg", None)
+    cfg = getattr(model, "cfg", None) or getattr(model, "config", None)
+    heads = getattr(cfg, "n_heads", None) or getattr(cfg, "num_attention_heads", None)
     return ModelShape(sum(params), sum(nbytes), tuple(params), tuple(nbytes), max(1, layers),
                       _guess_d_model(model), type(model).__name__,
-                      max(embs) if embs else None, getattr(cfg, "n_heads", None))
+                      max(embs) if embs else None, heads if isinstance(heads, int) else None)
 
 
 def shape_of_count(params: int, *, n_layers: Optional[int] = None,
@@ -96,13 +101,231 @@ def shape_of_count(params: int, *, n_layers: Optional[int] = None,
                       f"GPT {params / 1e6:.0f}M", vocab_size, max(1, d_model // 64))
 
 
-def describe(model_or_count: Union[nn.Module, int, float, ModelShape], **kw) -> ModelShape:
+# The decoder dimensions, each as (DecoderDims field and estimate() keyword, config.json key,
+# CLI flag). Keywords and flags override what a config says.
+DECODER_KEYS = (("d_model", "hidden_size", "--d-model"),
+                ("n_layers", "num_hidden_layers", "--layers"),
+                ("n_heads", "num_attention_heads", "--heads"),
+                ("n_kv_heads", "num_key_value_heads", "--kv-heads"),
+                ("ffn", "intermediate_size", "--ffn"),
+                ("vocab_size", "vocab_size", "--vocab"),
+                ("tied", "tie_word_embeddings", "--tied"),
+                ("head_dim", "head_dim", "--head-dim"))
+DECODER_OPTIONS = tuple(k for k, _, _ in DECODER_KEYS)
+# Keys of mixture-of-experts configs: their MLPs are not one gate/up/down per layer.
+_MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+# model_types whose transformers config class ties the head by default (when config.json has
+# no tie_word_embeddings, transformers builds them tied; the others untied)
+_TIED_BY_DEFAULT = ("gemma", "gemma2", "gemma3", "gemma3_text")
+
+
+@dataclass(frozen=True)
+class DecoderDims:
+    """A Llama-style decoder (Llama, Mistral, Qwen2/3, Gemma): per layer q/k/v/o projections
+    with grouped-query attention (``n_kv_heads`` key/value heads of ``head_dim``, default
+    ``d_model // n_heads``), a gate/up/down MLP of width ``ffn`` and two RMSNorm weights; then
+    a final norm, the embedding and an lm_head (the embedding itself when ``tied``). Biases:
+    ``attention_bias`` on q/k/v/o (Llama's key), ``qkv_bias`` on q/k/v only (Qwen2),
+    ``mlp_bias`` on gate/up/down; ``qk_norm``: a head_dim RMSNorm on q and on k (Qwen3,
+    Gemma 3); ``norms_per_layer``: 4 for Gemma 2 and 3 (pre/post attention and MLP). Other
+    model_types with these config keys are counted as Llama."""
+
+    d_model: int
+    n_layers: int
+    n_heads: int
+    ffn: int
+    vocab_size: int
+    n_kv_heads: Optional[int] = None
+    tied: bool = False
+    head_dim: Optional[int] = None
+    attention_bias: bool = False
+    qkv_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    norms_per_layer: int = 2
+    name: str = "decoder"
+
+    def __post_init__(self) -> None:
+        for f in ("d_model", "n_layers", "n_heads", "ffn", "vocab_size", "n_kv_heads",
+                  "head_dim"):
+            v = getattr(self, f)
+            if v is None and f in ("n_kv_heads", "head_dim"):
+                continue
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v <= 0:
+                raise ValueError(f"infinity.estimate: {f}={v!r} must be a positive int "
+                                 f"({_flag_help(f)})")
+        kv = self.kv_heads
+        if self.n_heads % kv:
+            raise ValueError(f"infinity.estimate: n_heads={self.n_heads} is not a multiple of "
+                             f"n_kv_heads={kv} (grouped-query attention shares each key/value "
+                             "head among a whole number of query heads); fix --heads/--kv-heads")
+        if self.head_dim is None and self.d_model % self.n_heads:
+            raise ValueError(f"infinity.estimate: d_model={self.d_model} is not a multiple of "
+                             f"n_heads={self.n_heads}; give head_dim (config.json 'head_dim')")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+    @property
+    def layer_params(self) -> int:
+        d, q, kv = self.d_model, self.n_heads * self.head_size, self.kv_heads * self.head_size
+        attn = d * q + 2 * d * kv + q * d
+        if self.attention_bias:
+            attn += q + 2 * kv + d
+        elif self.qkv_bias:
+            attn += q + 2 * kv
+        if self.qk_norm:
+            attn += 2 * self.head_size
+        mlp = 3 * d * self.ffn + ((2 * self.ffn + d) if self.mlp_bias else 0)
+        return attn + mlp + self.norms_per_layer * d  # RMSNorm weights (input, post-attention)
+
+    @property
+    def root_params(self) -> int:
+        """The parameters outside the layers: embedding, final norm, untied lm_head."""
+        emb = self.vocab_size * self.d_model
+        return emb + self.d_model + (0 if self.tied else emb)
+
+    @property
+    def params(self) -> int:
+        return self.n_layers * self.layer_params + self.root_params
+
+    def shape(self, bytes_per_param: int = 4) -> ModelShape:
+        """The engine's blocks: one per layer, then the root block (embedding, final norm and
+        head together), as ``partition`` makes them for the transformers model."""
+        blocks = (self.layer_params,) * self.n_layers + (self.root_params,)
+        return ModelShape(self.params, self.params * bytes_per_param, blocks,
+                          tuple(b * bytes_per_param for b in blocks), self.n_layers,
+                          self.d_model, self.name, self.vocab_size, self.n_heads)
+
+
+def _flag_help(field_name: str) -> str:
+    for f, key, flag in DECODER_KEYS:
+        if f == field_name:
+            return f"config.json {key!r}" + (f", flag {flag}" if flag else "")
+    return field_name
+
+
+def load_config(config: Any) -> Dict[str, Any]:
+    """A model config as a dict: a dict, an object with ``to_dict()`` (transformers'
+    PretrainedConfig), or the path of a ``config.json`` or of a folder holding one."""
+    if isinstance(config, Mapping):
+        return dict(config)
+    if hasattr(config, "to_dict"):
+        return dict(config.to_dict())
+    if not isinstance(config, (str, os.PathLike)):
+        raise TypeError(f"infinity.estimate: a model config must be a dict, a transformers "
+                        f"config or the path of a config.json, got {type(config).__name__}")
+    path = os.fspath(config)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"infinity.estimate: no model config at {path!r}; pass the path "
+                                "of a Hugging Face config.json (or of the model folder holding "
+                                "it)")
+    try:
+        with open(path) as fh:
+            data = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"infinity.estimate: cannot read {path!r} as a JSON config: {exc}; "
+                         "pass a Hugging Face config.json") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"infinity.estimate: {path!r} holds a JSON {type(data).__name__}, not "
+                         "a config object; pass a Hugging Face config.json")
+    return data
+
+
+def decoder_dims(config: Any = None, **overrides: Any) -> DecoderDims:
+    """The :class:`DecoderDims` of a Hugging Face config (see :func:`load_config`; None: only
+    the keyword dimensions), keywords (``d_model``, ``n_layers``, ``n_heads``, ``n_kv_heads``,
+    ``ffn``, ``vocab_size``, ``tied``, ``head_dim``; None: from the config) overriding it. A
+    config without ``tie_word_embeddings`` is untied unless it is a Gemma (as transformers
+    builds them); without ``num_key_value_heads``, one key/value head per query head."""
+    unknown = sorted(set(overrides) - set(DECODER_OPTIONS))
+    if unknown:
+        raise TypeError(f"infinity.estimate: unknown decoder dimension(s) {unknown}; use "
+                        f"{list(DECODER_OPTIONS)}")
+    cfg = load_config(config) if config is not None else {}
+    where = "the config" if config is not None else "the dimensions"
+    if "hidden_size" not in cfg and isinstance(cfg.get("text_config"), Mapping):
+        raise ValueError("infinity.estimate: this config describes a multimodal model (its "
+                         "decoder is under 'text_config', next to other towers); build the "
+                         "model on the meta device (with infinity.empty_init()) and pass it "
+                         "instead")
+    moe = [k for k in _MOE_KEYS if cfg.get(k)]
+    if moe:
+        raise ValueError(f"infinity.estimate: the config is a mixture-of-experts model "
+                         f"({moe[0]}={cfg[moe[0]]}); its MLPs are not one gate/up/down per layer. "
+                         "Build the model on the meta device (with infinity.empty_init()) and "
+                         "pass it instead")
+    values: Dict[str, Any] = {}
+    for f, key, _ in DECODER_KEYS:
+        v = overrides.get(f)
+        values[f] = cfg.get(key) if v is None else v
+    missing = [f"{key!r} ({flag})" if flag else repr(key)
+               for f, key, flag in DECODER_KEYS
+               if values[f] is None and f not in ("n_kv_heads", "tied", "head_dim")]
+    if missing:
+        raise ValueError(f"infinity.estimate: {where} lack(s) {', '.join(missing)} to describe "
+                         "a Llama-style decoder; add them (config.json keys, or the flags / "
+                         "keywords), or estimate a parameter count (e.g. 8B) instead")
+    model_type = str(cfg.get("model_type") or "")
+    arch = cfg.get("architectures")
+    name = (arch[0] if isinstance(arch, list) and arch and isinstance(arch[0], str)
+            else model_type or "Llama-style decoder")
+    if values["tied"] is None:
+        values["tied"] = model_type in _TIED_BY_DEFAULT
+    values["tied"] = bool(values["tied"])
+    return DecoderDims(**values, name=name,
+                       attention_bias=bool(cfg.get("attention_bias", False)),
+                       qkv_bias=model_type == "qwen2",
+                       mlp_bias=bool(cfg.get("mlp_bias", False)),
+                       qk_norm=model_type in ("qwen3", "gemma3", "gemma3_text"),
+                       norms_per_layer=4 if model_type in ("gemma2", "gemma3", "gemma3_text")
+                       else 2)
+
+
+def _is_config(obj: Any) -> bool:
+    if isinstance(obj, Mapping) or (hasattr(obj, "to_dict") and not isinstance(obj, nn.Module)):
+        return True
+    if isinstance(obj, os.PathLike):
+        return True
+    return isinstance(obj, str) and (obj.endswith(".json") or os.path.sep in obj
+                                     or os.path.exists(obj))
+
+
+def describe(model_or_count: Any = None, **kw: Any) -> ModelShape:
+    """The :class:`ModelShape` of: a ModelShape; an nn.Module (``block_rule``); a Hugging Face
+    config (a dict, a transformers config, a ``config.json`` path or a model folder), the
+    keyword dimensions of :func:`decoder_dims` overriding it; None with those keywords alone
+    (a Llama-style decoder); or a parameter count (``2e9``, ``"2B"``: a GPT, refined by
+    ``n_layers``, ``d_model``, ``vocab_size``). ``bytes_per_param``: the home dtype's size for
+    a config or a count (default 4: fp32, as the model built from it)."""
+    dims = {k: kw[k] for k in DECODER_OPTIONS if kw.get(k) is not None}
+    bpp = kw.get("bytes_per_param") or 4
+    if isinstance(model_or_count, (ModelShape, nn.Module)) and dims:
+        raise ValueError(f"infinity.estimate: {', '.join(sorted(dims))} describe a config or a "
+                         f"parameter count; a {type(model_or_count).__name__} has its own shape "
+                         "(leave them out, or pass the config instead of the model)")
     if isinstance(model_or_count, ModelShape):
         return model_or_count
     if isinstance(model_or_count, nn.Module):
         return shape_of(model_or_count, kw.get("block_rule"))
-    return shape_of_count(model_or_count, n_layers=kw.get("n_layers"),
-                          d_model=kw.get("d_model"))
+    if model_or_count is None or _is_config(model_or_count):
+        return decoder_dims(model_or_count, **dims).shape(bpp)
+    llama_only = sorted(set(dims) - {"n_layers", "d_model", "vocab_size"})
+    if llama_only:
+        raise ValueError(f"infinity.estimate: the dimension(s) {', '.join(llama_only)} describe "
+                         "a Llama-style decoder, not a parameter count (which is estimated as "
+                         "a GPT); give the decoder's dimensions (or a config.json) without a "
+                         "count")
+    count = parse_count(model_or_count) if isinstance(model_or_count, str) else model_or_count
+    return shape_of_count(count, n_layers=kw.get("n_layers"), d_model=kw.get("d_model"),
+                          bytes_per_param=bpp, vocab_size=kw.get("vocab_size") or 50304)
 
 
 def parse_count(text: Union[str, int, float]) -> int:
@@ -115,25 +338,3 @@ def parse_count(text: Union[str, int, float]) -> int:
         return int(float(t[:-1]) * scale) if scale else int(float(t))
     except ValueError:
         raise ValueError(f"infinity: {text!r} is not a parameter count (e.g. 125M, 2B)") from None
-
-
-def parse_bytes(text: Union[str, int]) -> int:
-    """``"8GiB"``, ``"500MB"``, ``"1.5G"`` or a number -> bytes."""
-    if isinstance(text, int):
-        return text
-    t = text.strip().upper().replace(" ", "")
-    units: Sequence[Tuple[str, int]] = (("TIB", 1 << 40), ("GIB", 1 << 30), ("MIB", 1 << 20),
-                                        ("KIB", 1 << 10), ("TB", 10**12), ("GB", 10**9),
-                                        ("MB", 10**6), ("KB", 10**3), ("T", 1 << 40),
-                                        ("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10),
-                                        ("B", 1))
-    for suffix, scale in units:
-        if t.endswith(suffix):
-            try:
-                return int(float(t[:-len(suffix)]) * scale)
-            except ValueError:
-                break
-    try:
-        return int(float(t))
-    except ValueError:
-        raise ValueError(f"infinity: {text!r} is not a size (e.g. 8GiB, 500MB)") from None
