@@ -618,69 +618,97 @@ INF_TARGET_AVX2 void avx2_bf16m_block(const Job& job, const Span& s) {
   }
 }
 
-INF_TARGET_AVX2 void avx2_quantize_block(const float* buf, const QMaps& q, int sign,
-                                         uint8_t* codes, float* absmax) {
-  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-  __m256 mx = _mm256_setzero_ps();
-  __m256 nan = _mm256_setzero_ps();
-  for (int i = 0; i < kBlock; i += 8) {
-    const __m256 x = _mm256_loadu_ps(buf + i);
-    nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-    mx = _mm256_max_ps(_mm256_and_ps(x, abs_mask), mx);  // a NaN first operand yields the second
+// The level rule's per-block registers (from block_consts) and the codes of 8 values.
+struct QReg {
+  __m256 lim, lim3, sc, off, zlim;
+  __m256i kmax, pos, neg, zero_code;
+};
+
+INF_TARGET_AVX2 inline QReg avx2_qreg(const QLevels& lv, const BlockConsts& k) {
+  QReg r;
+  r.lim = _mm256_load_ps(k.lim);
+  r.lim3 = _mm256_set1_ps(k.lim[3]);
+  r.sc = _mm256_load_ps(k.sc);
+  r.off = _mm256_load_ps(lv.O);
+  r.zlim = _mm256_set1_ps(k.zlim);
+  r.kmax = _mm256_load_si256(reinterpret_cast<const __m256i*>(lv.kmax));
+  r.pos = _mm256_load_si256(reinterpret_cast<const __m256i*>(lv.pos));
+  r.neg = _mm256_load_si256(reinterpret_cast<const __m256i*>(lv.neg));
+  r.zero_code = _mm256_set1_epi32(lv.zero_code);
+  return r;
+}
+
+template <bool SIGNED>
+INF_TARGET_AVX2 inline __m256i avx2_codes(const QReg& r, __m256 x) {
+  const __m256 a = _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)));
+  const __m256i one = _mm256_set1_epi32(1);
+  // level = #{j < 7 : lim[j] <= a} by a binary search over the sorted lim (3 compares)
+  __m256i level = _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(a, r.lim3, _CMP_GE_OQ)),
+                                   _mm256_set1_epi32(4));
+  level = _mm256_add_epi32(
+      level,
+      _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(
+                           a, _mm256_permutevar8x32_ps(r.lim, _mm256_add_epi32(level, one)),
+                           _CMP_GE_OQ)),
+                       _mm256_set1_epi32(2)));
+  level = _mm256_sub_epi32(level, _mm256_castps_si256(_mm256_cmp_ps(
+                                      a, _mm256_permutevar8x32_ps(r.lim, level), _CMP_GE_OQ)));
+  const __m256 t = _mm256_sub_ps(_mm256_mul_ps(a, _mm256_permutevar8x32_ps(r.sc, level)),
+                                 _mm256_permutevar8x32_ps(r.off, level));
+  __m256i bin = _mm256_max_epi32(_mm256_cvttps_epi32(t), _mm256_setzero_si256());
+  bin = _mm256_min_epi32(bin, _mm256_permutevar8x32_epi32(r.kmax, level));
+  __m256i code = _mm256_add_epi32(_mm256_permutevar8x32_epi32(r.pos, level), bin);
+  __m256 is_zero;
+  if constexpr (SIGNED) {
+    const __m256i ncode = _mm256_sub_epi32(_mm256_permutevar8x32_epi32(r.neg, level), bin);
+    code = _mm256_blendv_epi8(
+        code, ncode, _mm256_castps_si256(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ)));
+    is_zero = _mm256_cmp_ps(a, r.zlim, _CMP_LT_OQ);
+  } else {
+    is_zero = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LE_OQ);
   }
+  return _mm256_blendv_epi8(code, r.zero_code, _mm256_castps_si256(is_zero));
+}
+
+INF_TARGET_AVX2 inline void avx2_store_codes(uint8_t* dst, __m256i code) {
+  const __m128i w =
+      _mm_packus_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), _mm_packus_epi16(w, w));
+}
+
+// The absmax of 8 lanes folded into (mx, nan), and its value at the end (as scalar_absmax).
+INF_TARGET_AVX2 inline void avx2_absmax_step(__m256 x, __m256& mx, __m256& nan) {
+  nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  mx = _mm256_max_ps(_mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))),
+                     mx);  // a NaN first operand yields the second
+}
+
+INF_TARGET_AVX2 inline float avx2_absmax_value(__m256 mx, __m256 nan) {
   __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
   m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
   m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
-  const float scale = _mm256_movemask_ps(nan) != 0 ? std::numeric_limits<float>::quiet_NaN()
-                                                   : _mm_cvtss_f32(m4);
+  return _mm256_movemask_ps(nan) != 0 ? std::numeric_limits<float>::quiet_NaN()
+                                      : _mm_cvtss_f32(m4);
+}
+
+INF_TARGET_AVX2 void avx2_quantize_block(const float* buf, const QMaps& q, int sign,
+                                         uint8_t* codes, float* absmax) {
+  __m256 mx = _mm256_setzero_ps();
+  __m256 nan = _mm256_setzero_ps();
+  for (int i = 0; i < kBlock; i += 8) avx2_absmax_step(_mm256_loadu_ps(buf + i), mx, nan);
+  const float scale = avx2_absmax_value(mx, nan);
   *absmax = scale;
   const QLevels& lv = q.lv[sign];
   if (degenerate_block(lv, scale, codes)) return;
-  const BlockConsts k = block_consts(lv, scale);
-  const __m256 lim = _mm256_load_ps(k.lim);
-  const __m256 lim3 = _mm256_set1_ps(k.lim[3]);
-  const __m256 sc = _mm256_load_ps(k.sc);
-  const __m256 off = _mm256_load_ps(lv.O);
-  const __m256i kmax = _mm256_load_si256(reinterpret_cast<const __m256i*>(lv.kmax));
-  const __m256i pos = _mm256_load_si256(reinterpret_cast<const __m256i*>(lv.pos));
-  const __m256i neg = _mm256_load_si256(reinterpret_cast<const __m256i*>(lv.neg));
-  const __m256 zlim = _mm256_set1_ps(k.zlim);
-  const __m256i zero_code = _mm256_set1_epi32(lv.zero_code);
-  const __m256 zero = _mm256_setzero_ps();
-  const __m256i one = _mm256_set1_epi32(1);
-  const bool is_signed = sign == kSigned;
-  for (int i = 0; i < kBlock; i += 8) {
-    const __m256 x = _mm256_loadu_ps(buf + i);
-    const __m256 a = _mm256_and_ps(x, abs_mask);
-    // level = #{j < 7 : lim[j] <= a} by a binary search over the sorted lim (3 compares)
-    __m256i level = _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(a, lim3, _CMP_GE_OQ)),
-                                     _mm256_set1_epi32(4));
-    level = _mm256_add_epi32(
-        level, _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(
-                                    a, _mm256_permutevar8x32_ps(lim, _mm256_add_epi32(
-                                                                         level, one)),
-                                    _CMP_GE_OQ)),
-                                _mm256_set1_epi32(2)));
-    level = _mm256_sub_epi32(level, _mm256_castps_si256(_mm256_cmp_ps(
-                                        a, _mm256_permutevar8x32_ps(lim, level), _CMP_GE_OQ)));
-    const __m256 t = _mm256_sub_ps(_mm256_mul_ps(a, _mm256_permutevar8x32_ps(sc, level)),
-                                   _mm256_permutevar8x32_ps(off, level));
-    __m256i bin = _mm256_max_epi32(_mm256_cvttps_epi32(t), _mm256_setzero_si256());
-    bin = _mm256_min_epi32(bin, _mm256_permutevar8x32_epi32(kmax, level));
-    __m256i code = _mm256_add_epi32(_mm256_permutevar8x32_epi32(pos, level), bin);
-    __m256 is_zero;
-    if (is_signed) {
-      const __m256i ncode = _mm256_sub_epi32(_mm256_permutevar8x32_epi32(neg, level), bin);
-      code = _mm256_blendv_epi8(code, ncode,
-                                _mm256_castps_si256(_mm256_cmp_ps(x, zero, _CMP_LT_OQ)));
-      is_zero = _mm256_cmp_ps(a, zlim, _CMP_LT_OQ);
-    } else {
-      is_zero = _mm256_cmp_ps(x, zero, _CMP_LE_OQ);
+  const QReg r = avx2_qreg(lv, block_consts(lv, scale));
+  if (sign == kSigned) {
+    for (int i = 0; i < kBlock; i += 8) {
+      avx2_store_codes(codes + i, avx2_codes<true>(r, _mm256_loadu_ps(buf + i)));
     }
-    code = _mm256_blendv_epi8(code, zero_code, _mm256_castps_si256(is_zero));
-    const __m128i w =
-        _mm_packus_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i), _mm_packus_epi16(w, w));
+  } else {
+    for (int i = 0; i < kBlock; i += 8) {
+      avx2_store_codes(codes + i, avx2_codes<false>(r, _mm256_loadu_ps(buf + i)));
+    }
   }
 }
 
@@ -707,43 +735,149 @@ INF_TARGET_AVX2 inline __m256 avx2_code_value(const DecadeTable& t, __m256i code
                           _mm256_castsi256_ps(_mm256_cmpeq_epi32(code, _mm256_set1_epi32(255))));
 }
 
+// One vector (8 elements at i) of the AVX2 8-bit step: dequantize, guard, update; stores the
+// parameter (and working copy) and returns the new fp32 moments in mo, vo.
+template <int GD, int OD>
+INF_TARGET_AVX2 inline void avx2_q8_vector(const Job& job, const V256& c, const Span& s, int i,
+                                           __m256 ma, __m256 va, __m256& mo, __m256& vo) {
+  const QMaps& q = *job.q;
+  const __m256i mc = _mm256_cvtepu8_epi32(
+      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(s.m) + i)));
+  const __m256i vc = _mm256_cvtepu8_epi32(
+      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(s.v) + i)));
+  const __m256 vi = _mm256_mul_ps(avx2_code_value<false>(q.dec[kUnsigned], vc), va);
+  __m256 mi = _mm256_mul_ps(avx2_code_value<true>(q.dec[kSigned], mc), ma);
+  const __m256 over = _mm256_cmp_ps(_mm256_mul_ps(mi, mi),
+                                    _mm256_mul_ps(_mm256_set1_ps(job.m_bound_sq), vi),
+                                    _CMP_GT_OQ);  // the moment guard
+  if (_mm256_movemask_ps(over) != 0) {
+    const __m256 sb = _mm256_mul_ps(_mm256_sqrt_ps(vi), _mm256_set1_ps(job.m_bound));
+    mi = _mm256_blendv_ps(mi, _mm256_or_ps(sb, _mm256_and_ps(mi, _mm256_set1_ps(-0.0f))), over);
+  }
+  const __m256 param =
+      avx2_adam(job.c, c, avx2_load_grad<GD>(static_cast<const char*>(s.g) + i * dtype_size(GD)),
+                _mm256_loadu_ps(s.p + i), mi, vi, mo, vo);
+  _mm256_storeu_ps(s.p + i, param);
+  if constexpr (OD != kNone) {
+    avx2_store_out<OD, false>(static_cast<char*>(s.out) + i * dtype_size(OD), param);
+  }
+}
+
 template <int GD, int OD>
 INF_TARGET_AVX2 void avx2_q8_block(const Job& job, const Span& s) {
   const V256 c = make_v256(job.c);
-  const char* g = static_cast<const char*>(s.g);
-  char* out = static_cast<char*>(s.out);
-  const QMaps& q = *job.q;
-  const uint8_t* mq = static_cast<const uint8_t*>(s.m);
-  const uint8_t* vq = static_cast<const uint8_t*>(s.v);
   const __m256 ma = _mm256_set1_ps(*s.m_scale);
   const __m256 va = _mm256_set1_ps(*s.v_scale);
-  const __m256 bound = _mm256_set1_ps(job.m_bound);
-  const __m256 bound_sq = _mm256_set1_ps(job.m_bound_sq);
-  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
   alignas(64) float mbuf[kBlock];
   alignas(64) float vbuf[kBlock];
   for (int i = 0; i < kBlock; i += 8) {
-    const __m256i mc =
-        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mq + i)));
-    const __m256i vc =
-        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(vq + i)));
-    const __m256 vi = _mm256_mul_ps(avx2_code_value<false>(q.dec[kUnsigned], vc), va);
-    __m256 mi = _mm256_mul_ps(avx2_code_value<true>(q.dec[kSigned], mc), ma);
-    const __m256 over = _mm256_cmp_ps(_mm256_mul_ps(mi, mi), _mm256_mul_ps(bound_sq, vi),
-                                      _CMP_GT_OQ);  // the moment guard
-    if (_mm256_movemask_ps(over) != 0) {
-      const __m256 sb = _mm256_mul_ps(_mm256_sqrt_ps(vi), bound);
-      mi = _mm256_blendv_ps(mi, _mm256_or_ps(sb, _mm256_and_ps(mi, sign_bit)), over);
-    }
     __m256 mo, vo;
-    const __m256 param = avx2_adam(job.c, c, avx2_load_grad<GD>(g + i * dtype_size(GD)),
-                                   _mm256_loadu_ps(s.p + i), mi, vi, mo, vo);
-    _mm256_storeu_ps(s.p + i, param);
+    avx2_q8_vector<GD, OD>(job, c, s, i, ma, va, mo, vo);
     _mm256_store_ps(mbuf + i, mo);
     _mm256_store_ps(vbuf + i, vo);
-    if constexpr (OD != kNone) avx2_store_out<OD, false>(out + i * dtype_size(OD), param);
   }
-  requantize<&avx2_quantize_block>(s, q, mbuf, vbuf);
+  requantize<&avx2_quantize_block>(s, *job.q, mbuf, vbuf);
+}
+
+// The codes of a block whose moments are computed but not yet quantized (avx2_q8_range).
+struct PendingCodes {
+  bool m = false, v = false;  // a moment's codes still to write
+  QReg mr, vr;
+  uint8_t* mcodes = nullptr;
+  uint8_t* vcodes = nullptr;
+  const float* mbuf = nullptr;
+  const float* vbuf = nullptr;
+};
+
+INF_TARGET_AVX2 void avx2_flush_codes(PendingCodes& pend) {
+  for (int i = 0; i < kBlock; i += 8) {
+    if (pend.m) {
+      avx2_store_codes(pend.mcodes + i, avx2_codes<true>(pend.mr, _mm256_load_ps(pend.mbuf + i)));
+    }
+    if (pend.v) {
+      avx2_store_codes(pend.vcodes + i,
+                       avx2_codes<false>(pend.vr, _mm256_load_ps(pend.vbuf + i)));
+    }
+  }
+  pend.m = pend.v = false;
+}
+
+// A range of blocks, software-pipelined: the re-quantization of block b-1 (ALU work) runs in
+// the loop that updates block b (bound by the divider: sqrt and two divisions per element), so
+// the two overlap. The same operations as avx2_q8_block block by block, so the same bits.
+template <int GD, int OD>
+INF_TARGET_AVX2 void avx2_q8_range(const Job& job, int64_t b0, int64_t b1) {
+  const V256 c = make_v256(job.c);
+  const QMaps& q = *job.q;
+  alignas(64) float bufs[2][2][kBlock];  // [which][m, v]
+  PendingCodes pend;
+  int which = 0;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t i0 = b * kBlock;
+    const Span s{job.p + i0,
+                 static_cast<const char*>(job.g) + i0 * job.gsize,
+                 static_cast<char*>(job.m) + i0,
+                 static_cast<char*>(job.v) + i0,
+                 job.m_scale + b,
+                 job.v_scale + b,
+                 job.out != nullptr ? static_cast<char*>(job.out) + i0 * job.osize : nullptr,
+                 static_cast<int>(std::min<int64_t>(kBlock, job.n - i0))};
+    if (s.count < kBlock) {
+      avx2_flush_codes(pend);
+      step_padded(job, s);
+      continue;
+    }
+    float* mb = bufs[which][0];
+    float* vb = bufs[which][1];
+    const __m256 ma = _mm256_set1_ps(*s.m_scale);
+    const __m256 va = _mm256_set1_ps(*s.v_scale);
+    __m256 mmx = _mm256_setzero_ps(), mnan = _mm256_setzero_ps();
+    __m256 vmx = _mm256_setzero_ps(), vnan = _mm256_setzero_ps();
+    if (pend.m && pend.v) {
+      for (int i = 0; i < kBlock; i += 8) {
+        __m256 mo, vo;
+        avx2_q8_vector<GD, OD>(job, c, s, i, ma, va, mo, vo);
+        _mm256_store_ps(mb + i, mo);
+        _mm256_store_ps(vb + i, vo);
+        avx2_absmax_step(mo, mmx, mnan);
+        avx2_absmax_step(vo, vmx, vnan);
+        avx2_store_codes(pend.mcodes + i,
+                         avx2_codes<true>(pend.mr, _mm256_load_ps(pend.mbuf + i)));
+        avx2_store_codes(pend.vcodes + i,
+                         avx2_codes<false>(pend.vr, _mm256_load_ps(pend.vbuf + i)));
+      }
+      pend.m = pend.v = false;
+    } else {
+      avx2_flush_codes(pend);  // at most one moment pending (the other block was degenerate)
+      for (int i = 0; i < kBlock; i += 8) {
+        __m256 mo, vo;
+        avx2_q8_vector<GD, OD>(job, c, s, i, ma, va, mo, vo);
+        _mm256_store_ps(mb + i, mo);
+        _mm256_store_ps(vb + i, vo);
+        avx2_absmax_step(mo, mmx, mnan);
+        avx2_absmax_step(vo, vmx, vnan);
+      }
+    }
+    // block b's new scales, and its codes pending for the next block's loop
+    const float mscale = avx2_absmax_value(mmx, mnan);
+    const float vscale = avx2_absmax_value(vmx, vnan);
+    *s.m_scale = mscale;
+    *s.v_scale = vscale;
+    uint8_t* mcodes = static_cast<uint8_t*>(s.m);
+    uint8_t* vcodes = static_cast<uint8_t*>(s.v);
+    const QLevels& ml = q.lv[kSigned];
+    const QLevels& vl = q.lv[kUnsigned];
+    pend.m = !degenerate_block(ml, mscale, mcodes);
+    pend.v = !degenerate_block(vl, vscale, vcodes);
+    if (pend.m) pend.mr = avx2_qreg(ml, block_consts(ml, mscale));
+    if (pend.v) pend.vr = avx2_qreg(vl, block_consts(vl, vscale));
+    pend.mcodes = mcodes;
+    pend.vcodes = vcodes;
+    pend.mbuf = mb;
+    pend.vbuf = vb;
+    which ^= 1;
+  }
+  avx2_flush_codes(pend);
 }
 
 // ---- dispatch -----------------------------------------------------------------------------------
@@ -776,6 +910,26 @@ BlockFn select_block(int cap, int gd, int od) {
     case kF32: return pick_out<K, kF32>(cap, od);
     case kBF16: return pick_out<K, kBF16>(cap, od);
     default: return pick_out<K, kF16>(cap, od);
+  }
+}
+
+template <int GD>
+RangeFn pick_q8_range_out(int cap, int od) {
+  if (cap != kAVX2) return &step_range;
+  switch (od) {
+    case kF32: return &avx2_q8_range<GD, kF32>;
+    case kBF16: return &avx2_q8_range<GD, kBF16>;
+    case kF16: return &avx2_q8_range<GD, kF16>;
+    default: return &avx2_q8_range<GD, kNone>;
+  }
+}
+
+// The 8-bit step's range function: the pipelined one on AVX2, block by block elsewhere.
+RangeFn select_q8_range(int cap, int gd, int od) {
+  switch (gd) {
+    case kF32: return pick_q8_range_out<kF32>(cap, od);
+    case kBF16: return pick_q8_range_out<kBF16>(cap, od);
+    default: return pick_q8_range_out<kF16>(cap, od);
   }
 }
 
@@ -909,7 +1063,7 @@ INF_API int inf_adam_step_q8g(float* p, const void* g, int g_dtype, uint8_t* m_c
       std::min(m_bound, static_cast<double>(std::numeric_limits<float>::max())));
   job.m_bound_sq = job.m_bound * job.m_bound;
   job.block = select_block<kKernel8bit>(cap, g_dtype, out_dtype);
-  job.range = &step_range;
+  job.range = select_q8_range(cap, g_dtype, out_dtype);
   run_job(job);
   return kOk;
 }

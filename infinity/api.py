@@ -115,7 +115,9 @@ def stats(model: nn.Module, *, reset: bool = False) -> Dict[str, Any]:
     (the rest of the hooks), ``transfer_cpu`` (transfer threads' CPU time) and the optimizer
     (``cpu_adam``, ``nvme_wait``, ``nvme_busy``, ``total``); ``nvme_bytes_written``: bytes written
     to NVMe in the last optimizer step and in all steps (SSD wear). ``reset=True`` starts a new
-    measurement period."""
+    measurement period. ``optimizer_states`` (when an ``infinity.optim`` optimizer steps the
+    model): per moment format ("fp32"/"bf16"/"8bit") the number of parameters, their elements
+    and their moments' bytes (``{"params", "numel", "moment_bytes"}``)."""
     engine = _engine(model)
     s = engine.stats
     out = {
@@ -136,6 +138,10 @@ def stats(model: nn.Module, *, reset: bool = False) -> Dict[str, Any]:
         "nvme_bytes_written": {"last_step": s.nvme_written_last_step,
                                "total": s.nvme_written_total},
     }
+    from .optim.offloaded_adam import state_formats_of
+    formats = state_formats_of(engine)
+    if formats:  # infinity optimizers' moment formats: {fmt: {params, numel, moment_bytes}}
+        out["optimizer_states"] = formats
     if engine.partitioner is not None:  # ZeRO: stage, rank, collective calls/bytes/seconds
         out["zero"] = engine.partitioner.stats()
         if reset:

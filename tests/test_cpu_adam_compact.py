@@ -673,3 +673,20 @@ def test_8bit_guard_leaves_reachable_states_alone(cap):
         ops.cpu_adam_step_8bit(p8, g, mq, ma, vq, va, step=2, lr=1e-2)
         ops.cpu_adam_step(p32, g, m32, v32, step=2, lr=1e-2)
     assert torch.equal(p8, p32)
+
+
+def test_bench_adam_formats_quick_runs(tmp_path):
+    """benchmarks/bench_adam_formats.py --quick runs and writes every kernel's row."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "formats.json"
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_adam_formats.py"),
+                           "--quick", "--no-plot", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["results"][0]["kernels"]
+    assert set(rows) == {"torch_fused", "fp32", "bf16", "8bit", "copy"}
+    assert all(r["median_s"] > 0 for r in rows.values())

@@ -71,6 +71,21 @@ def _round_torch_states(opt: torch.optim.Optimizer, fmt: str) -> None:
                 absmax = torch.empty(adam_compact.num_blocks(n), dtype=torch.float32)
                 adam_compact._torch_quantize(flat, signed, codes, absmax)
                 flat.copy_(adam_compact._torch_dequantize(codes, absmax, signed))
+        if fmt == "8bit":  # the moment guard the next step applies (idempotent until then)
+            beta1, beta2 = opt.param_groups[0]["betas"]
+            bound = adam_compact.moment_bound(int(state["step"]), beta1, beta2)
+            m, v = state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
+            m.copy_(adam_compact.guard_moment(m.clone(), v, bound))
+
+
+def _every_param(fmt: str, model: torch.nn.Module) -> Dict:
+    """``states=fmt`` for every parameter of ``model``: "8bit" names the whole model
+    explicitly and sets ``min_8bit_size=0``, so the 8-bit safeguards (fp32 moments for
+    embeddings and parameters under 4096 elements, tested in test_optim_state_formats.py)
+    leave this tiny model all 8-bit, as the reference rounds it."""
+    if fmt != "8bit":
+        return dict(states=fmt)
+    return dict(states={"default": "8bit", model: "8bit"}, min_8bit_size=0)
 
 
 def _materialized(model):
@@ -167,7 +182,7 @@ def test_trains_like_reference(references, tmp_path, fmt, param_tier, optimizer_
     if param_tier != "unwrapped":
         infinity.wrap(model, nvme_path=str(tmp_path), param_tier=param_tier,
                       grad_tier="host", optimizer_tier=optimizer_tier)
-    opt = infinity.optim.AdamW(_groups(model), lr=1e-2, states=fmt)
+    opt = infinity.optim.AdamW(_groups(model), lr=1e-2, **_every_param(fmt, model))
     observe: Dict = {}
     losses = _train(model, opt, STEPS, observe=observe)
     if optimizer_tier is not None:
@@ -339,7 +354,7 @@ def test_nvme_bytes_per_step_fall_with_compact_states(tmp_path):
         (tmp_path / fmt).mkdir()
         model = infinity.wrap(_model(), nvme_path=str(tmp_path / fmt), param_tier="host",
                               grad_tier="host", optimizer_tier="nvme")
-        opt = infinity.optim.AdamW(model.parameters(), lr=1e-2, states=fmt)
+        opt = infinity.optim.AdamW(model.parameters(), lr=1e-2, **_every_param(fmt, model))
         _train(model, opt, 2)
         st = opt.last_step_stats
         assert st.bytes_read == st.bytes_written > 0

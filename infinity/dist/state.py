@@ -120,7 +120,8 @@ def _pack_groups(opt, index) -> list:
 def full_optimizer_state_dict(opt, *, rank0_only: bool = True) -> Dict:
     """An infinity optimizer's state over a sharded model in torch's format, as one process
     would have it (``{"state": {i: {"step", "exp_avg", "exp_avg_sq", "master"}},
-    "param_groups", "states"}``, whole-parameter shapes, fp32): every rank's parts are
+    "param_groups", "states", "state_formats"}``, whole-parameter shapes, fp32 moments
+    whatever each parameter's format): every rank's parts are
     gathered, shard by shard. Call on every rank; with ``rank0_only`` the others get ``{}``.
     It loads on any number of ranks with :func:`load_full_optimizer_state_dict` (or, on one
     process, with ``opt.load_state_dict``)."""
@@ -174,7 +175,8 @@ def full_optimizer_state_dict(opt, *, rank0_only: bool = True) -> Dict:
         if not opt._is_wrapped(p) and opt.state.get(p):  # noqa: SLF001
             state[index[id(p)]] = opt._param_state_to_torch(p, opt.state[p])  # noqa: SLF001
     return {"state": state, "param_groups": _pack_groups(opt, index),
-            "states": opt.states_format}
+            "states": opt.states_format,
+            "state_formats": opt.state_formats(by="index")}
 
 
 @torch.no_grad()

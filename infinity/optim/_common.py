@@ -23,7 +23,8 @@ class ShardState:
     """One wrapped shard's committed optimizer states, as streamed by
     :meth:`OffloadedAdam.shard_states` (tensors are views, valid until the next item).
     ``master``/``exp_avg``/``exp_avg_sq`` are None while the shard has no state yet; they are
-    fp32 in every state format (compact moments dequantized), ``states`` names the format."""
+    fp32 in every state format (compact moments dequantized), ``states`` names the format
+    ("mixed" for a shard of several), ``formats`` each slot's."""
 
     key: str
     flat: Any
@@ -33,6 +34,7 @@ class ShardState:
     steps: Tuple[int, ...]
     groups: Tuple[Optional[int], ...]
     states: str = "fp32"
+    formats: Tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

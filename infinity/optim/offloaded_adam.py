@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -34,8 +35,10 @@ from ..ops import (cpu_adam_step, cpu_adam_step_8bit, cpu_adam_step_bf16_moments
                    dequantize_8bit, new_8bit_state)
 from ..ops.bf16_master import check_master, cpu_adam_step_bf16_master
 from ..runtime.engine import Engine, locate
+from .formats import (MIN_8BIT_SIZE, Choice, FormatSpec, States as StatesArg,
+                      format_summary, param_owners)
 from .state_store import (HostStates, NvmeStates, OptimizerStateIOError, Shard,
-                          check_states, choose_tier, init_states, state_nbytes)
+                          choose_tier, init_states, state_nbytes)
 from ._common import ShardState, States, _check_hyper, _float, _read_grads, _Run  # noqa: F401 (ShardState re-exported)
 from .grad_checks import GradientChecks
 from .overlap import BackwardOverlap
@@ -43,6 +46,22 @@ from .state_dicts import StateDicts
 from .swapper import BufferSets, StepStats, run_pipeline
 
 logger = logging.getLogger(__name__)
+
+# the live infinity optimizers (for infinity.stats: which formats a wrapped model's states use)
+_LIVE: "weakref.WeakSet[OffloadedAdam]" = weakref.WeakSet()
+
+
+def state_formats_of(engine: Engine) -> Dict[str, Dict[str, int]]:
+    """``{format: {"params", "numel", "moment_bytes"}}`` of the wrapped model's parameters
+    that live infinity optimizers step (each parameter once; {} when none does)."""
+    seen: Dict[int, Tuple[int, str]] = {}
+    numel = {id(s.param): s.numel for f in engine.flats for s in f.slots}  # whole params
+    for opt in list(_LIVE):
+        for p in opt._param_index():
+            if id(p) in numel and id(p) not in seen:
+                seen[id(p)] = (numel[id(p)], opt._choose(p).fmt)
+    return format_summary(seen.values())
+
 
 class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
     """Adam / AdamW with states in HOST or NVMe; see the module docstring.
@@ -65,9 +84,20 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
             parameter, one fp32 absmax each; ~6.03 B/param). The update itself is the fp32
             kernel's, from the widened moments (``infinity.ops.adam_compact``). Applies to
             wrapped shards (host and NVMe; NVMe extents and transfers shrink with it) and to
-            unwrapped parameters. ``state_dict`` always holds fp32 moments (plus a top-level
-            ``"states"`` entry); loading re-quantizes them, bitwise for moments that came from
-            the same format.
+            unwrapped parameters. Per parameter: a dict ``{nn.Parameter | nn.Module |
+            "default": format}`` or a callable ``f(param) -> format or None`` (see
+            :mod:`infinity.optim.formats`; one shard may then hold several formats, each in
+            its own region). Where a parameter's format would be "8bit", bitsandbytes'
+            safeguards are the defaults: fewer than ``min_8bit_size`` elements keep fp32
+            moments, and so do the weights of ``nn.Embedding`` modules of a wrapped model
+            (a weight tied to a head too) unless named explicitly
+            (``states={"default": "8bit", model.embed: "8bit"}``); :meth:`state_formats`
+            tells each parameter's. ``state_dict`` always holds fp32 moments (plus top-level
+            ``"states"``: the default format, and ``"state_formats"``: per parameter index);
+            loading re-quantizes them into each parameter's format, bitwise for moments that
+            came from the same format.
+        min_8bit_size: parameters with fewer elements keep fp32 moments where their format
+            would be "8bit" (bitsandbytes' name and default: 4096; 0: none).
         master: the format of the master weights: "fp32" (default, 4 B/param), "bf16_sr"
             (bf16, each step's fp32 result stochastically rounded: 2 B/param) or
             "bf16_kahan" (bf16 plus a bf16 compensation term: 4 B/param, deterministic,
@@ -100,10 +130,14 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
     def __init__(self, params, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, *, adamw: bool = True,
                  amsgrad: bool = False, maximize: bool = False,
-                 check_finite: Union[bool, str] = "auto", states: str = "fp32",
+                 check_finite: Union[bool, str] = "auto", states: StatesArg = "fp32",
                  overlap: Union[bool, str] = "auto", master: str = "fp32",
-                 sr_seed: int = 0) -> None:
-        self.states_format = check_states(states)
+                 sr_seed: int = 0, min_8bit_size: int = MIN_8BIT_SIZE) -> None:
+        self._format_spec = FormatSpec(states, min_8bit_size)
+        self.states_format = self._format_spec.default  # the default format's name
+        self.min_8bit_size = self._format_spec.min_8bit_size
+        self._choices: Dict[int, Choice] = {}      # id(param) -> its moment format and why
+        self._owners: Dict[int, Dict[int, List[torch.nn.Module]]] = {}  # id(engine) -> owners
         self.master_format = check_master(master)
         if isinstance(sr_seed, bool) or not isinstance(sr_seed, int) \
                 or not 0 <= sr_seed < 1 << 64:
@@ -133,6 +167,7 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
         self.skipped_steps = 0
         self.last_step_stats: Optional[StepStats] = None
         super().__init__(params, defaults)
+        _LIVE.add(self)
 
     # =====================================================================================
     # param groups and shards
@@ -151,6 +186,7 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
                     f"infinity.optim: master={self.master_format!r} is not supported with "
                     "ZeRO-sharded models (their state and checkpoint code reads fp32 masters); "
                     "use master='fp32' (compact moments, states='bf16'/'8bit', still work)")
+            self._choose(p, loc)
             if loc is not None and loc.engine.partitioner is not None:
                 loc.engine.attach_optimizer()  # stepped even where this rank holds no part
                 self._sharded_engines.setdefault(id(loc.engine), loc.engine)
@@ -161,13 +197,79 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
                 continue
             shard = self._shards.get(id(loc.flat))
             if shard is None:
-                shard = Shard(loc.engine, loc.flat, [None] * len(loc.flat.slots))
+                shard = Shard(loc.engine, loc.flat, [None] * len(loc.flat.slots),
+                              formats=self._slot_formats(loc.engine, loc.flat))
                 self._shards[id(loc.flat)] = shard
             shard.groups[loc.slot] = index
             self._wrapped[id(p)] = (shard, loc.slot)
             loc.engine.attach_optimizer()  # the engine prefetches after our step
             if self._overlap not in loc.engine.backward_listeners:
                 loc.engine.backward_listeners.append(self._overlap)
+
+    # ---- moment formats per parameter (states=, min_8bit_size=; see .formats) --------------
+    def _owners_in(self, engine: Engine) -> Dict[int, List[torch.nn.Module]]:
+        owners = self._owners.get(id(engine))
+        if owners is None:
+            owners = param_owners(engine.model)
+            self._owners[id(engine)] = owners
+        return owners
+
+    def _choose(self, p: torch.Tensor, loc: Any = None) -> Choice:
+        """``p``'s moment format, decided once: from its whole size and, for a parameter of a
+        wrapped model (``loc``: where the engine keeps it), the modules that hold it."""
+        choice = self._choices.get(id(p))
+        if choice is None:
+            if loc is not None:
+                numel = loc.flat.slots[loc.slot].numel  # the whole parameter (full flat)
+                choice = self._format_spec.choose(p, numel, self._owners_in(loc.engine)
+                                                  .get(id(p), []))
+            else:
+                choice = self._format_spec.choose(p, p.numel(), None)
+            self._choices[id(p)] = choice
+        return choice
+
+    def _slot_formats(self, engine: Engine, flat: Any) -> Tuple[str, ...]:
+        """The format of every slot of ``flat`` (slots another optimizer steps too: the
+        layout has room for them), fixed for the shard's lifetime."""
+        owners = self._owners_in(engine)
+        out = []
+        for s in flat.slots:
+            choice = self._choices.get(id(s.param))
+            if choice is None:  # decided once (a callable states= is asked once per param)
+                whole = (s.full.slots[s.full_index].numel if hasattr(s, "full_index")
+                         else s.numel)
+                choice = self._format_spec.choose(s.param, whole, owners.get(id(s.param), []))
+                self._choices[id(s.param)] = choice
+            out.append(choice.fmt)
+        return tuple(out)
+
+    def _format_of(self, p: torch.Tensor) -> str:
+        """An unwrapped parameter's moment format."""
+        return self._choose(p).fmt
+
+    def state_formats(self, by: str = "name") -> Dict[Union[str, int], str]:
+        """The moment format of each parameter: ``{key: "fp32" | "bf16" | "8bit"}``, keys
+        the parameter's qualified name in its wrapped model (``by="name"``; unwrapped
+        parameters, and a name that two wrapped models share, by their index in the param
+        groups' order, as in ``state_dict()``) or that index for all (``by="index"``)."""
+        if by not in ("name", "index"):
+            raise ValueError(f"infinity.optim: state_formats(by=) is 'name' or 'index', got "
+                             f"{by!r}")
+        out: Dict[Union[str, int], str] = {}
+        names = self._param_names() if by == "name" else {}
+        for i, p in enumerate(self._param_index()):
+            key = names.get(id(p), i)
+            out[key if key not in out else i] = self._choose(p).fmt
+        return out
+
+    def _param_names(self) -> Dict[int, str]:
+        """id(param) -> its qualified name in the wrapped model that holds it."""
+        names: Dict[int, str] = {}
+        for engine in self._engines():
+            for flat in engine.flats:
+                for s in flat.slots:
+                    names.setdefault(id(s.param), s.qualname)
+        return names
 
     def _is_wrapped(self, p: torch.Tensor) -> bool:
         if id(p) in self._elsewhere:
@@ -189,15 +291,16 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
     def _store(self, engine: Engine) -> States:
         store = self._stores.get(id(engine))
         if store is None:
-            flats = [s.flat for s in self._shards.values() if s.engine is engine
-                     and any(g is not None for g in s.groups)]
-            fmt, master = self.states_format, self.master_format
-            tier = choose_tier(engine, flats, fmt, master)
-            store = (NvmeStates(engine, fmt, master) if tier == "nvme"
-                     else HostStates(engine, fmt, master))
+            shards = [s for s in self._shards.values() if s.engine is engine
+                      and any(g is not None for g in s.groups)]
+            flats, fmts = [s.flat for s in shards], [s.formats for s in shards]
+            master = self.master_format
+            tier = choose_tier(engine, flats, fmts, master)
+            store = NvmeStates(engine, master) if tier == "nvme" else HostStates(engine, master)
+            present = sorted({f for ff in fmts for f in ff})
             logger.info("infinity.optim: %s bytes of %s optimizer states (%s master) on %s",
-                        f"{sum(state_nbytes(f, fmt, master) for f in flats):,}", fmt, master,
-                        tier)
+                        f"{sum(state_nbytes(f, ff, master) for f, ff in zip(flats, fmts)):,}",
+                        "+".join(present) or self.states_format, master, tier)
             self._stores[id(engine)] = store
         return store
 
@@ -381,56 +484,65 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
         those in RAM). ``hypers``: the kernel's scalars per run (default: from the param
         groups now; an update overlapping backward passes those it will be checked against).
 
-        fp32 and bf16 moments are element-wise: one kernel call per run. 8-bit moments are
-        quantized in 256-element blocks that start at each slot's first element (see
-        ``StateLayout``), so the 8-bit kernel runs slot by slot over the run's slots: every
-        block it re-quantizes belongs to a slot that takes this step, and a slot that does not
-        (no gradient, frozen, not ours) keeps its codes, scales and step untouched."""
+        fp32 and bf16 moments are element-wise: one kernel call per run of adjacent slots
+        of that format (a shard of mixed formats splits a run where the format changes; each
+        format's moments sit in its own region, see ``StateLayout``). 8-bit moments are
+        quantized in 256-element blocks that start at each slot's first element, so the 8-bit
+        kernel runs slot by slot over the run's slots: every block it re-quantizes belongs to
+        a slot that takes this step, and a slot that does not (no gradient, frozen, not ours)
+        keeps its codes, scales and step untouched."""
         flat = shard.flat
         grad = shard.engine.grads.in_ram(flat) if grad is None else grad
         views = self._stores[id(shard.engine)].views(shard, buf)
-        master, fmt = views.master, views.layout.fmt
+        master, layout = views.master, views.layout
         out = self._working_out(shard, staging)
-        in_place = not views.layout.with_master  # fp32 home is the master: updated in place
+        in_place = not layout.with_master  # fp32 home is the master: updated in place
         if in_place:
             out = None
         written: List[Tuple[int, int]] = []
+        bf16_master = views.master_comp is not None or master.dtype != torch.float32
         for j, r in enumerate(runs):
             hyper = hypers[j] if hypers is not None else self._hyper(r, multiplier)
-            if views.master_comp is not None or master.dtype != torch.float32:
+            if bf16_master:
                 # bf16 masters: slot by slot (each slot's rounding hash starts at its own
                 # element base, and 8-bit blocks at its first element)
                 for i in range(r.first, r.last + 1):
                     s = flat.slots[i]
                     sl = slice(s.offset, s.offset + s.numel)
+                    fmt, mom = views.slot_state(flat, i)
                     absmax = {}
                     if fmt == "8bit":
-                        b = views.blocks_of(flat, i)
-                        absmax = dict(exp_avg_absmax=views.exp_avg_absmax[b],
-                                      exp_avg_sq_absmax=views.exp_avg_sq_absmax[b])
+                        absmax = dict(exp_avg_absmax=mom.exp_avg_absmax,
+                                      exp_avg_sq_absmax=mom.exp_avg_sq_absmax)
                     comp = views.master_comp
                     cpu_adam_step_bf16_master(
                         master[sl], comp[sl] if comp is not None else None, grad[sl],
-                        views.exp_avg[sl], views.exp_avg_sq[sl], states=fmt, **absmax,
+                        mom.exp_avg, mom.exp_avg_sq, states=fmt, **absmax,
                         seed=self.sr_seed, index=self._element_base(s.param),
                         out=out[sl] if out is not None else None, **hyper)
                     written.append((sl.start, sl.stop))
                 continue
-            if fmt == "8bit":
-                for i in range(r.first, r.last + 1):
-                    s = flat.slots[i]
-                    sl, b = slice(s.offset, s.offset + s.numel), views.blocks_of(flat, i)
-                    cpu_adam_step_8bit(master[sl], grad[sl], views.exp_avg[sl],
-                                       views.exp_avg_absmax[b], views.exp_avg_sq[sl],
-                                       views.exp_avg_sq_absmax[b],
-                                       out=out[sl] if out is not None else None, **hyper)
-                    written.append((sl.start, sl.stop))
-                continue
-            kernel = cpu_adam_step if fmt == "fp32" else cpu_adam_step_bf16_moments
-            sl = slice(r.start, r.end)
-            kernel(master[sl], grad[sl], views.exp_avg[sl], views.exp_avg_sq[sl],
-                   out=out[sl] if out is not None else None, **hyper)
-            written.append((r.start, r.end))
+            for fmt, first, last in layout.split(r.first, r.last):
+                if fmt == "8bit":
+                    for i in range(first, last + 1):
+                        s = flat.slots[i]
+                        sl = slice(s.offset, s.offset + s.numel)
+                        _, mom = views.slot_state(flat, i)
+                        cpu_adam_step_8bit(master[sl], grad[sl], mom.exp_avg,
+                                           mom.exp_avg_absmax, mom.exp_avg_sq,
+                                           mom.exp_avg_sq_absmax,
+                                           out=out[sl] if out is not None else None, **hyper)
+                        written.append((sl.start, sl.stop))
+                    continue
+                # one call over the sub-run, the padding between its slots included
+                start = flat.slots[first].offset
+                end = flat.slots[last].offset + flat.slots[last].numel
+                _, mom = views.run_state(flat, first, last)
+                kernel = cpu_adam_step if fmt == "fp32" else cpu_adam_step_bf16_moments
+                sl = slice(start, end)
+                kernel(master[sl], grad[sl], mom.exp_avg, mom.exp_avg_sq,
+                       out=out[sl] if out is not None else None, **hyper)
+                written.append((start, end))
         # bf16 masters: a slot that did not take this step (frozen, no gradient) keeps its
         # working copy, which need not be its master's value (it was never rounded)
         bf16 = master.dtype != torch.float32
@@ -665,28 +777,29 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
     def _param_kernel(self, state: Dict[str, Any], target: torch.Tensor, grad: torch.Tensor,
                       out: Optional[torch.Tensor], param: Optional[torch.Tensor] = None,
                       **hyper: Any) -> None:
-        """One unwrapped parameter's step in the optimizer's state format (its 8-bit blocks
-        start at the parameter's first element, as a wrapped slot's)."""
+        """One unwrapped parameter's step in its state format (its 8-bit blocks start at the
+        parameter's first element, as a wrapped slot's)."""
+        fmt = self._format_of(param) if param is not None else self.states_format
         flat = [target.view(-1), grad.reshape(-1)]
         out = out.view(-1) if out is not None else None
         if self.master_format != "fp32":
             comp = state.get("master_comp")
             absmax = {}
-            if self.states_format == "8bit":
+            if fmt == "8bit":
                 m, v = state["exp_avg_codes"], state["exp_avg_sq_codes"]
                 absmax = dict(exp_avg_absmax=state["exp_avg_absmax"],
                               exp_avg_sq_absmax=state["exp_avg_sq_absmax"])
             else:
                 m, v = state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
             cpu_adam_step_bf16_master(flat[0], comp.view(-1) if comp is not None else None,
-                                      flat[1], m, v, states=self.states_format, **absmax,
+                                      flat[1], m, v, states=fmt, **absmax,
                                       seed=self.sr_seed, index=self._element_base(param),
                                       out=out, **hyper)
             return
-        if self.states_format == "fp32":
+        if fmt == "fp32":
             cpu_adam_step(*flat, state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1),
                           out=out, **hyper)
-        elif self.states_format == "bf16":
+        elif fmt == "bf16":
             cpu_adam_step_bf16_moments(*flat, state["exp_avg"].view(-1),
                                        state["exp_avg_sq"].view(-1), out=out, **hyper)
         else:
@@ -695,10 +808,11 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
                                **hyper)
 
     def _new_moments(self, p: torch.Tensor) -> Dict[str, torch.Tensor]:
-        """Zero moments of an unwrapped parameter in the state format."""
-        if self.states_format == "8bit":
+        """Zero moments of an unwrapped parameter in its state format."""
+        fmt = self._format_of(p)
+        if fmt == "8bit":
             return new_8bit_state(p.numel())
-        dtype = torch.float32 if self.states_format == "fp32" else torch.bfloat16
+        dtype = torch.float32 if fmt == "fp32" else torch.bfloat16
         return {"exp_avg": torch.zeros(p.shape, dtype=dtype),
                 "exp_avg_sq": torch.zeros(p.shape, dtype=dtype)}
 
@@ -714,7 +828,7 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
                if k in ("step", "master")}
         if "master" in state and self.master_format != "fp32":
             out["master"] = self._unwrapped_master_value(state)  # its value, in fp32
-        if self.states_format == "8bit":
+        if "exp_avg_codes" in state:  # 8bit
             out["exp_avg"] = dequantize_8bit(state["exp_avg_codes"], state["exp_avg_absmax"],
                                              signed=True).view(p.shape)
             out["exp_avg_sq"] = dequantize_8bit(state["exp_avg_sq_codes"],
@@ -761,6 +875,7 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
     def close(self) -> None:
         """Releases host buffers and removes the NVMe state files (the optimizer is unusable
         afterwards)."""
+        _LIVE.discard(self)
         overlap = self.__dict__.get("_overlap")
         if overlap is not None:
             overlap.close()
@@ -806,4 +921,5 @@ class Adam(OffloadedAdam):
                          adamw=False, **kwargs)
 
 
-__all__ = ["OffloadedAdam", "AdamW", "Adam", "OptimizerStateIOError", "ShardState"]
+__all__ = ["OffloadedAdam", "AdamW", "Adam", "OptimizerStateIOError", "ShardState",
+           "state_formats_of"]

@@ -38,14 +38,19 @@ class StateDicts:
     def committed_extent(self, key: str) -> Optional[Tuple[str, int, int]]:
         """(path, nbytes, crc32c) of the NVMe file holding shard ``key``'s committed fp32
         states (layout [master | exp_avg | exp_avg_sq], fp32, ``flat.numel`` each), for a
-        kernel-side copy; None where the states are not such a file (host or compact states,
-        no state yet, no recorded checksum). Valid until the next step."""
+        kernel-side copy; None where the states are not such a file (host states, a shard
+        with compact or mixed moments, no state yet, no recorded checksum). Valid until the
+        next step."""
         shard = next((s for s in self._shards.values() if s.key == key), None)
-        if shard is None or not shard.initialized or self.states_format != "fp32" \
-                or self.master_format != "fp32":
+        if shard is None or not shard.initialized or self.master_format != "fp32":
             return None
         store = self._stores[id(shard.engine)]
-        return store.committed_extent(shard) if isinstance(store, NvmeStates) else None
+        if not isinstance(store, NvmeStates):
+            return None
+        layout = store.layout(shard)
+        if layout.fmt != "fp32" or not layout.with_master or layout.master != "fp32":
+            return None
+        return store.committed_extent(shard)
 
     def shard_states(self, skip_extents: bool = False) -> Iterator[ShardState]:
         """Each wrapped shard's committed states, one shard in RAM at a time.
@@ -56,9 +61,10 @@ class StateDicts:
             engine.quiesce()
         for shard in self._shards.values():
             self._sync_user_writes(shard)
+            fmt = shard.formats[0] if len(set(shard.formats)) == 1 else "mixed"
             if skip_extents and self.committed_extent(shard.key) is not None:
                 yield ShardState(shard.key, shard.flat, None, None, None, tuple(shard.steps),
-                                 tuple(shard.groups), self.states_format)
+                                 tuple(shard.groups), fmt, tuple(shard.formats))
                 continue
             buf = self._read_committed(shard)
             master = m = v = None
@@ -67,7 +73,7 @@ class StateDicts:
                 master = views.master_value()  # bf16 masters: their fp32 value (a copy)
                 m, v = views.moments_fp32(shard.flat)  # compact moments: dequantized copies
             yield ShardState(shard.key, shard.flat, master, m, v, tuple(shard.steps),
-                             tuple(shard.groups), self.states_format)
+                             tuple(shard.groups), fmt, tuple(shard.formats))
 
     def load_shard_state(self, key: str, per_slot: Dict[int, Dict[str, Any]]) -> None:
         """Loads one shard's states: ``per_slot[slot index] = {"step", "exp_avg",
@@ -81,8 +87,9 @@ class StateDicts:
 
     def state_dict(self, *, wrapped: bool = True) -> Dict[str, Any]:
         """torch's format: ``{"state": {index: {"step", "exp_avg", "exp_avg_sq", "master"}},
-        "param_groups": [...], "states": "fp32" | "bf16" | "8bit", "master": "fp32" | "bf16_sr" |
-        "bf16_kahan"}``; ``master`` is the fp32 value of the
+        "param_groups": [...], "states": "fp32" | "bf16" | "8bit" (the default format),
+        "state_formats": {index: format}, "master": "fp32" | "bf16_sr" | "bf16_kahan"}``;
+        ``master`` is the fp32 value of the
         master weight (for unwrapped fp32 CPU parameters the parameter itself is the master and
         no entry is stored); the moments are fp32 in every state format (compact ones
         dequantized: exactly the values the next step starts from).
@@ -122,13 +129,15 @@ class StateDicts:
             if not self._is_wrapped(p) and self.state.get(p):
                 state[index[id(p)]] = self._param_state_to_torch(p, self.state[p])
         return {"state": state, "param_groups": groups, "states": self.states_format,
+                "state_formats": {i: self._choose(p).fmt for i, p in enumerate(params)},
                 "master": self.master_format}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Loads a state from :meth:`state_dict` (or torch.optim.Adam/AdamW's: without a
         ``master`` the current parameter value is the master). The fp32 moments are stored in
-        this optimizer's state format, whatever the saved ``"states"`` was (bf16: rounded;
-        8bit: quantized; moments saved from the same format come back bitwise). A state of
+        each parameter's state format in this optimizer, whatever the saved ``"states"`` /
+        ``"state_formats"`` were (bf16: rounded; 8bit: quantized; moments saved from the same
+        format come back bitwise). A state of
         another model (other number of groups/parameters or shapes) raises ValueError and
         changes nothing."""
         self._overlap.rollback_all("load_state_dict() before opt.step()")
@@ -196,7 +205,7 @@ class StateDicts:
         state = {"step": torch.tensor(_float(entry["step"])), **self._new_moments(p)}
         m = entry["exp_avg"].detach().to("cpu", torch.float32).reshape(-1).contiguous()
         v = entry["exp_avg_sq"].detach().to("cpu", torch.float32).reshape(-1).contiguous()
-        if self.states_format == "8bit":
+        if self._format_of(p) == "8bit":
             quantize_exact(m, True, state["exp_avg_codes"], state["exp_avg_absmax"])
             quantize_exact(v, False, state["exp_avg_sq_codes"], state["exp_avg_sq_absmax"])
         else:  # fp32: a copy; bf16: rounded to nearest even

@@ -2,10 +2,12 @@
 
 One *shard* is one FlatParam (one block's parameters of one dtype). Its states are one aligned
 byte buffer ([master | exp_avg | exp_avg_sq] in the format's types, see :class:`StateLayout`)
-so a shard moves to or from NVMe as one aligned sequential transfer. The format is chosen on the
-optimizer (``states=``): "fp32" (12 B/param), "bf16" moments (8 B/param) or "8bit" block-wise
-quantized moments (~6.03 B/param); master weights fp32 (4 B/param) unless ``master=`` asks for
-bf16 masters (``"bf16_sr"`` 2 B/param, ``"bf16_kahan"`` 4 B/param).
+so a shard moves to or from NVMe as one aligned sequential transfer. The format of each
+parameter (slot) is chosen on the optimizer (``states=``, ``min_8bit_size=``, see
+:mod:`.formats`; :attr:`Shard.formats`): "fp32" (12 B/param), "bf16" moments (8 B/param) or
+"8bit" block-wise quantized moments (~6.03 B/param); a shard whose slots differ holds one
+moment region per format. Master weights fp32 (4 B/param) unless ``master=`` asks for bf16
+masters (``"bf16_sr"`` 2 B/param, ``"bf16_kahan"`` 4 B/param).
 
 - :class:`HostStates`: the buffers stay in host RAM (counted in the engine's host budget).
 - :class:`NvmeStates`: the buffers live in the optimizer's own SwapStore (a private directory
@@ -20,7 +22,7 @@ from __future__ import annotations
 import errno as errno_mod
 import logging
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -33,10 +35,10 @@ from ..runtime.engine import Engine
 from ..runtime.flat import FlatParam
 from ..runtime.homes import master_is_home
 from ..tiers import SwapStore
+from .formats import STATE_FORMATS, check_format
 
 logger = logging.getLogger(__name__)
 
-STATE_FORMATS = ("fp32", "bf16", "8bit")
 _MOMENT_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "8bit": torch.uint8}
 _FULL_DISK = (errno_mod.ENOSPC, errno_mod.EFBIG, errno_mod.EDQUOT)
 
@@ -47,13 +49,11 @@ class OptimizerStateIOError(inf_io.InfinityIOError):
 
 
 def check_states(states: object) -> str:
-    """Validates the ``states=`` argument of the optimizer; returns the format name."""
-    if not isinstance(states, str) or states not in STATE_FORMATS:
-        raise ValueError(
-            f"infinity.optim: states must be 'fp32' (default: fp32 moments, 12 bytes per "
-            f"parameter with the fp32 master), 'bf16' (bf16 moments, 8 B/param) or '8bit' "
-            f"(block-wise 8-bit moments, ~6.03 B/param); got {states!r}")
-    return states
+    """Validates one state format name; returns it."""
+    return check_format(states)
+
+
+_REGION_ALIGN = 16  # elements: a mixed layout's slots and regions start at such boundaries
 
 
 def _round_page(nbytes: int) -> int:
@@ -61,15 +61,31 @@ def _round_page(nbytes: int) -> int:
 
 
 # ---- layout ---------------------------------------------------------------------------------
+def _align(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
 @dataclass(frozen=True)
 class StateLayout:
     """Byte layout of one shard's state buffer (all offsets 4-byte aligned; the size is rounded
-    up to 4096 bytes for O_DIRECT):
+    up to 4096 bytes for O_DIRECT).
+
+    A shard whose slots all have one format (``fmt`` = that format) has one moment region over
+    the whole shard, each slot at its own offset:
 
     - fp32: ``[master f32 | exp_avg f32 | exp_avg_sq f32]``           12 B/param
     - bf16: ``[master f32 | exp_avg bf16 | exp_avg_sq bf16]``          8 B/param
     - 8bit: ``[master f32 | exp_avg absmax f32 | exp_avg_sq absmax f32 | exp_avg codes u8 |
       exp_avg_sq codes u8]``                                           4 + 2 + 8/256 B/param
+
+    A shard whose slots have several formats (``fmt="mixed"``, ``slot_formats`` per slot) has
+    one region per format present, in the order fp32, bf16, 8bit, after the master:
+    ``[master | fp32 region | bf16 region | 8bit region]``, each region laid out as above over
+    only its slots: slot i sits at element ``slot_pos[i]`` of its format's region
+    (``region_numel`` elements per moment). Slots are packed in shard order at 16-element
+    boundaries, and two slots of one format adjacent in the shard keep their distance, so a
+    run of adjacent same-format slots is one contiguous range in the shard (master, gradient,
+    working copy) and in its region (the fp32 and bf16 kernels step it in one call).
 
     bf16 masters (``master="bf16_sr"``: 2 B/param; ``"bf16_kahan"``: hi and comp, 2 + 2 B/param)
     replace ``master f32`` by ``[master bf16 | (comp bf16)]``, each part padded to 4 bytes.
@@ -78,10 +94,10 @@ class StateLayout:
     parameters homed in host RAM with host states). 8-bit blocks are **per slot**: each
     parameter's moments are quantized in blocks of 256 starting at its own first element (as
     bitsandbytes quantizes each tensor), ``block_start[i]`` is the index of slot i's first
-    absmax. So every parameter's quantized state is self-contained: a step runs the kernel on
-    whole slots, a slot that is not stepped (no gradient, frozen, another optimizer's) shares
-    no block with one that is and stays bit for bit unchanged, and state_dict entries per
-    parameter carry exactly that parameter's state."""
+    absmax in the 8-bit region. So every parameter's quantized state is self-contained: a step
+    runs the kernel on whole slots, a slot that is not stepped (no gradient, frozen, another
+    optimizer's) shares no block with one that is and stays bit for bit unchanged, and
+    state_dict entries per parameter carry exactly that parameter's state."""
 
     fmt: str
     numel: int
@@ -89,6 +105,27 @@ class StateLayout:
     block_start: Tuple[int, ...] = ()
     blocks: int = 0
     master: str = "fp32"  # master-weight format (infinity.ops.bf16_master.MASTER_FORMATS)
+    slot_formats: Tuple[str, ...] = ()             # mixed: each slot's format
+    slot_pos: Tuple[int, ...] = ()                 # mixed: each slot's element in its region
+    region_sizes: Tuple[Tuple[str, int], ...] = ()  # mixed: (format, elements per moment)
+
+    @property
+    def mixed(self) -> bool:
+        return self.fmt == "mixed"
+
+    @property
+    def formats(self) -> Tuple[str, ...]:
+        """The formats present (one unless mixed), in region order."""
+        return tuple(f for f, _ in self.region_sizes) if self.mixed else (self.fmt,)
+
+    def format_of(self, i: int) -> str:
+        return self.slot_formats[i] if self.mixed else self.fmt
+
+    def region_numel(self, fmt: str) -> int:
+        """Elements per moment of ``fmt``'s region (the shard's numel unless mixed)."""
+        if not self.mixed:
+            return self.numel if fmt == self.fmt else 0
+        return dict(self.region_sizes).get(fmt, 0)
 
     @property
     def master_nbytes(self) -> int:
@@ -99,46 +136,115 @@ class StateLayout:
             return 4 * self.numel
         return (MASTER_BYTES[self.master] // 2) * (-(-2 * self.numel // 4) * 4)
 
+    @staticmethod
+    def _region_nbytes(fmt: str, numel: int, blocks: int) -> int:
+        size = torch.empty((), dtype=_MOMENT_DTYPE[fmt]).element_size()
+        return 2 * numel * size + (2 * blocks * 4 if fmt == "8bit" else 0)
+
     @property
     def moment_nbytes(self) -> int:
-        """Bytes of exp_avg + exp_avg_sq (absmax scales included)."""
-        size = torch.empty((), dtype=_MOMENT_DTYPE[self.fmt]).element_size()
-        return 2 * self.numel * size + (2 * self.blocks * 4 if self.fmt == "8bit" else 0)
+        """Bytes of exp_avg + exp_avg_sq (absmax scales included), every region."""
+        return sum(self._region_nbytes(f, self.region_numel(f),
+                                       self.blocks if f == "8bit" else 0)
+                   for f in self.formats)
 
     @property
     def nbytes(self) -> int:
         return _round_page(self.master_nbytes + self.moment_nbytes)
 
+    def split(self, first: int, last: int) -> List[Tuple[str, int, int]]:
+        """Slots ``first..last`` (adjacent) as maximal sub-runs of one format:
+        [(format, first, last)]."""
+        out: List[Tuple[str, int, int]] = []
+        for i in range(first, last + 1):
+            f = self.format_of(i)
+            if out and out[-1][0] == f:
+                out[-1] = (f, out[-1][1], i)
+            else:
+                out.append((f, i, i))
+        return out
 
-def layout_for(flat: FlatParam, fmt: str, with_master: bool,
+
+def _slot_formats(flat: FlatParam, fmt: Union[str, Sequence[str]]) -> Tuple[str, ...]:
+    if isinstance(fmt, str):
+        return (check_states(fmt),) * len(flat.slots)
+    formats = tuple(fmt)
+    if len(formats) != len(flat.slots):
+        raise ValueError(f"infinity.optim: {flat.key} has {len(flat.slots)} slots but "
+                         f"{len(formats)} state formats were given")
+    for f in formats:
+        check_states(f)
+    return formats
+
+
+def layout_for(flat: FlatParam, fmt: Union[str, Sequence[str]], with_master: bool,
                master: str = "fp32") -> StateLayout:
-    if fmt != "8bit":
-        return StateLayout(fmt, flat.numel, with_master, master=master)
-    starts, total = [], 0
-    for slot in flat.slots:
-        starts.append(total)
-        total += num_blocks(slot.numel)
-    return StateLayout(fmt, flat.numel, with_master, tuple(starts), total, master)
+    """The layout of ``flat``'s states: ``fmt`` is one format for every slot or one per slot
+    (all equal: exactly the one-format layout)."""
+    formats = _slot_formats(flat, fmt)
+    kinds = set(formats)
+    if len(kinds) <= 1:
+        one = formats[0] if formats else (fmt if isinstance(fmt, str) else "fp32")
+        if one != "8bit":
+            return StateLayout(one, flat.numel, with_master, master=master)
+        starts, total = [], 0
+        for slot in flat.slots:
+            starts.append(total)
+            total += num_blocks(slot.numel)
+        return StateLayout(one, flat.numel, with_master, tuple(starts), total, master)
+    pos: List[int] = [0] * len(formats)
+    end: Dict[str, int] = {f: 0 for f in kinds}
+    starts: List[int] = [0] * len(formats)
+    blocks = 0
+    for i, slot in enumerate(flat.slots):
+        f = formats[i]
+        if i > 0 and formats[i - 1] == f:  # adjacent, same format: keep the shard's spacing
+            pos[i] = pos[i - 1] + (slot.offset - flat.slots[i - 1].offset)
+        else:
+            pos[i] = _align(end[f], _REGION_ALIGN)
+        end[f] = pos[i] + slot.numel
+        if f == "8bit":
+            starts[i] = blocks
+            blocks += num_blocks(slot.numel)
+    sizes = tuple((f, _align(max(end[f], 1), _REGION_ALIGN)) for f in STATE_FORMATS
+                  if f in kinds)
+    return StateLayout("mixed", flat.numel, with_master, tuple(starts), blocks, master,
+                       formats, tuple(pos), sizes)
 
 
-def state_nbytes(flat: FlatParam, fmt: str = "fp32", master: str = "fp32") -> int:
+def state_nbytes(flat: FlatParam, fmt: Union[str, Sequence[str]] = "fp32",
+                 master: str = "fp32") -> int:
     """Bytes of one shard's states with its master (as held on NVMe, per extent)."""
     return layout_for(flat, fmt, True, master).nbytes
 
 
 @dataclass
-class StateViews:
-    """Typed views of one shard's state buffer (or the home copy for ``master``).
-    fp32/bf16: ``exp_avg``/``exp_avg_sq`` are the moments; 8bit: they are the uint8 codes and
-    ``*_absmax`` the per-block scales."""
+class Moments:
+    """One region's moment views: fp32/bf16 values, or 8-bit codes with ``*_absmax``."""
 
-    layout: StateLayout
-    master: torch.Tensor
+    fmt: str
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     exp_avg_absmax: Optional[torch.Tensor] = None
     exp_avg_sq_absmax: Optional[torch.Tensor] = None
+
+
+@dataclass
+class StateViews:
+    """Typed views of one shard's state buffer (or the home copy for ``master``).
+    One-format layouts: ``exp_avg``/``exp_avg_sq`` are the moments (8bit: the uint8 codes and
+    ``*_absmax`` the per-block scales), indexed like the shard. Mixed layouts: those are None;
+    ``regions[fmt]`` holds each region's views, reached per slot (:meth:`slot_state`) or per
+    run of same-format slots (:meth:`run_state`). Every method below serves both."""
+
+    layout: StateLayout
+    master: torch.Tensor
+    exp_avg: Optional[torch.Tensor]
+    exp_avg_sq: Optional[torch.Tensor]
+    exp_avg_absmax: Optional[torch.Tensor] = None
+    exp_avg_sq_absmax: Optional[torch.Tensor] = None
     master_comp: Optional[torch.Tensor] = None  # bf16_kahan: the compensation term
+    regions: Dict[str, Moments] = field(default_factory=dict)
 
     def master_value(self, sl: slice = slice(None)) -> torch.Tensor:
         """The master weights' value in fp32 (a view for fp32 masters; bf16: a new tensor,
@@ -158,50 +264,72 @@ class StateViews:
             self.master_comp[sl].copy_(torch.where(torch.isfinite(d), d, torch.zeros_like(d)))
 
     def blocks_of(self, flat: FlatParam, i: int) -> slice:
-        """Slot i's absmax range (8bit)."""
+        """Slot i's absmax range (8bit) in the 8-bit region."""
         start = self.layout.block_start[i]
         return slice(start, start + num_blocks(flat.slots[i].numel))
 
+    def _pos(self, flat: FlatParam, i: int) -> int:
+        return self.layout.slot_pos[i] if self.layout.mixed else flat.slots[i].offset
+
+    def slot_state(self, flat: FlatParam, i: int) -> Tuple[str, Moments]:
+        """Slot i's format and its moment views (8bit: codes and that slot's absmax)."""
+        fmt = self.layout.format_of(i)
+        reg = self.regions[fmt]
+        p = self._pos(flat, i)
+        sl = slice(p, p + flat.slots[i].numel)
+        if fmt != "8bit":
+            return fmt, Moments(fmt, reg.exp_avg[sl], reg.exp_avg_sq[sl])
+        b = self.blocks_of(flat, i)
+        return fmt, Moments(fmt, reg.exp_avg[sl], reg.exp_avg_sq[sl], reg.exp_avg_absmax[b],
+                            reg.exp_avg_sq_absmax[b])
+
+    def run_state(self, flat: FlatParam, first: int, last: int) -> Tuple[str, Moments]:
+        """The moments of adjacent same-format slots ``first..last`` (fp32/bf16) and the
+        padding between them: as many elements as the shard range they cover."""
+        fmt = self.layout.format_of(first)
+        reg = self.regions[fmt]
+        n = flat.slots[last].offset + flat.slots[last].numel - flat.slots[first].offset
+        p = self._pos(flat, first)
+        return fmt, Moments(fmt, reg.exp_avg[p:p + n], reg.exp_avg_sq[p:p + n])
+
     def zero_moments(self) -> None:
         """Zero moments (8bit: zero codes with zero scales are a zero state)."""
-        for t in (self.exp_avg, self.exp_avg_sq, self.exp_avg_absmax, self.exp_avg_sq_absmax):
-            if t is not None:
-                t.zero_()
+        for reg in self.regions.values():
+            for t in (reg.exp_avg, reg.exp_avg_sq, reg.exp_avg_absmax, reg.exp_avg_sq_absmax):
+                if t is not None:
+                    t.zero_()
 
     def slot_moments(self, flat: FlatParam, i: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """Slot i's moments in fp32 (views for fp32 states, dequantized copies otherwise)."""
-        s = flat.slots[i]
-        sl = slice(s.offset, s.offset + s.numel)
-        if self.layout.fmt == "fp32":
-            return self.exp_avg[sl], self.exp_avg_sq[sl]
-        if self.layout.fmt == "bf16":
-            return self.exp_avg[sl].float(), self.exp_avg_sq[sl].float()
-        b = self.blocks_of(flat, i)
-        return (dequantize_8bit(self.exp_avg[sl], self.exp_avg_absmax[b], signed=True),
-                dequantize_8bit(self.exp_avg_sq[sl], self.exp_avg_sq_absmax[b], signed=False))
+        fmt, m = self.slot_state(flat, i)
+        if fmt == "fp32":
+            return m.exp_avg, m.exp_avg_sq
+        if fmt == "bf16":
+            return m.exp_avg.float(), m.exp_avg_sq.float()
+        return (dequantize_8bit(m.exp_avg, m.exp_avg_absmax, signed=True),
+                dequantize_8bit(m.exp_avg_sq, m.exp_avg_sq_absmax, signed=False))
 
     def set_slot_moments(self, flat: FlatParam, i: int, exp_avg: torch.Tensor,
                          exp_avg_sq: torch.Tensor) -> None:
-        """Stores fp32 moments of slot i in this format (bf16: round to nearest even; 8bit:
+        """Stores fp32 moments of slot i in its format (bf16: round to nearest even; 8bit:
         :func:`quantize_exact`, so moments that came from an 8-bit state come back bitwise)."""
-        s = flat.slots[i]
-        sl = slice(s.offset, s.offset + s.numel)
+        fmt, mom = self.slot_state(flat, i)
         m = exp_avg.detach().reshape(-1).to(torch.float32)
         v = exp_avg_sq.detach().reshape(-1).to(torch.float32)
-        if self.layout.fmt != "8bit":
-            self.exp_avg[sl].copy_(m)
-            self.exp_avg_sq[sl].copy_(v)
+        if fmt != "8bit":
+            mom.exp_avg.copy_(m)
+            mom.exp_avg_sq.copy_(v)
             return
-        b = self.blocks_of(flat, i)
-        quantize_exact(m.contiguous(), True, self.exp_avg[sl], self.exp_avg_absmax[b])
-        quantize_exact(v.contiguous(), False, self.exp_avg_sq[sl], self.exp_avg_sq_absmax[b])
+        quantize_exact(m.contiguous(), True, mom.exp_avg, mom.exp_avg_absmax)
+        quantize_exact(v.contiguous(), False, mom.exp_avg_sq, mom.exp_avg_sq_absmax)
 
     def moments_fp32(self, flat: FlatParam) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The whole shard's moments in fp32 (views for fp32 states; else new tensors, zero
-        between slots)."""
-        if self.layout.fmt == "fp32":
+        """The whole shard's moments in fp32, indexed like the shard (views for fp32 states;
+        else new tensors, zero between slots for 8-bit and mixed states)."""
+        fmt = self.layout.fmt
+        if fmt == "fp32":
             return self.exp_avg, self.exp_avg_sq
-        if self.layout.fmt == "bf16":
+        if fmt == "bf16":
             return self.exp_avg.float(), self.exp_avg_sq.float()
         m = torch.zeros(self.layout.numel, dtype=torch.float32)
         v = torch.zeros(self.layout.numel, dtype=torch.float32)
@@ -237,12 +365,21 @@ def state_views(layout: StateLayout, buf: torch.Tensor,
         if home_master is None:
             raise RuntimeError("this state layout has no master: pass the home copy")
         master = home_master
-    if layout.fmt == "8bit":
-        m_abs, v_abs = take(layout.blocks, torch.float32), take(layout.blocks, torch.float32)
-        m, v = take(n, torch.uint8), take(n, torch.uint8)
-        return StateViews(layout, master, m, v, m_abs, v_abs, comp)
-    dtype = _MOMENT_DTYPE[layout.fmt]
-    return StateViews(layout, master, take(n, dtype), take(n, dtype), master_comp=comp)
+    regions: Dict[str, Moments] = {}
+    for fmt in layout.formats:
+        rn = layout.region_numel(fmt)
+        if fmt == "8bit":
+            m_abs, v_abs = take(layout.blocks, torch.float32), take(layout.blocks, torch.float32)
+            regions[fmt] = Moments(fmt, take(rn, torch.uint8), take(rn, torch.uint8), m_abs,
+                                   v_abs)
+        else:
+            dtype = _MOMENT_DTYPE[fmt]
+            regions[fmt] = Moments(fmt, take(rn, dtype), take(rn, dtype))
+    if layout.mixed:
+        return StateViews(layout, master, None, None, master_comp=comp, regions=regions)
+    one = regions[layout.fmt]
+    return StateViews(layout, master, one.exp_avg, one.exp_avg_sq, one.exp_avg_absmax,
+                      one.exp_avg_sq_absmax, comp, regions)
 
 
 # ---- 8-bit load: quantization that reproduces dequantized values -----------------------------
@@ -301,18 +438,20 @@ def quantize_exact(x: torch.Tensor, signed: bool, codes: torch.Tensor,
 
 
 # ---- tier -----------------------------------------------------------------------------------
-def choose_tier(engine: Engine, flats: List[FlatParam], fmt: str = "fp32",
+def choose_tier(engine: Engine, flats: List[FlatParam],
+                fmt: Union[str, Sequence[Union[str, Sequence[str]]]] = "fp32",
                 master: str = "fp32") -> str:
     """The one place the optimizer-state tier is chosen, from ``engine.policy.optimizer_tier``:
     "host" or "nvme" as given; "auto" = "nvme" when ``nvme_path`` is set and (no
-    ``host_budget`` is set, or the states (in format ``fmt``) do not fit in what is left of
-    it), else "host"."""
+    ``host_budget`` is set, or the states (in format ``fmt``: one for all, or per flat one
+    format or one per slot) do not fit in what is left of it), else "host"."""
     policy = engine.policy
     if policy.optimizer_tier in ("host", "nvme"):
         return policy.optimizer_tier
     if policy.nvme_path is None:
         return "host"
-    need = sum(state_nbytes(f, fmt, master) for f in flats)
+    per_flat = [fmt] * len(flats) if isinstance(fmt, str) else list(fmt)
+    need = sum(state_nbytes(f, ff, master) for f, ff in zip(flats, per_flat))
     if policy.host_budget is None or not engine.host_budget.fits(need):
         return "nvme"
     return "host"
@@ -327,10 +466,13 @@ class Shard:
     groups: List[Optional[int]]          # per slot: index of its param group, None = not ours
     steps: List[int] = field(default_factory=list)  # per slot: Adam steps taken (0 = no state)
     initialized: bool = False            # states exist (master taken from the home copy)
+    formats: Tuple[str, ...] = ()        # per slot: its moment format (fixed at creation)
 
     def __post_init__(self) -> None:
         if not self.steps:
             self.steps = [0] * len(self.flat.slots)
+        if not self.formats:
+            self.formats = ("fp32",) * len(self.flat.slots)
 
     @property
     def key(self) -> str:
@@ -372,13 +514,13 @@ def init_states(shard: Shard, views: StateViews, scratch: Optional[torch.Tensor]
 
 
 class _Store:
-    """What both tiers share: the state format and each shard's layout."""
+    """What both tiers share: the master format and each shard's layout (from the shard's
+    per-slot formats, :attr:`Shard.formats`)."""
 
     tier = ""
 
-    def __init__(self, engine: Engine, fmt: str, master: str = "fp32") -> None:
+    def __init__(self, engine: Engine, master: str = "fp32") -> None:
         self.engine = engine
-        self.fmt = check_states(fmt)
         self.master = check_master(master)
         self._layouts: Dict[str, StateLayout] = {}
 
@@ -388,7 +530,8 @@ class _Store:
     def layout(self, shard: Shard) -> StateLayout:
         layout = self._layouts.get(shard.key)
         if layout is None:
-            layout = layout_for(shard.flat, self.fmt, self._with_master(shard), self.master)
+            layout = layout_for(shard.flat, shard.formats, self._with_master(shard),
+                                self.master)
             self._layouts[shard.key] = layout
         return layout
 
@@ -408,8 +551,8 @@ class HostStates(_Store):
 
     tier = "host"
 
-    def __init__(self, engine: Engine, fmt: str = "fp32", master: str = "fp32") -> None:
-        super().__init__(engine, fmt, master)
+    def __init__(self, engine: Engine, master: str = "fp32") -> None:
+        super().__init__(engine, master)
         self._bufs: Dict[str, torch.Tensor] = {}
         self._held = 0
 
@@ -448,8 +591,8 @@ class NvmeStates(_Store):
 
     tier = "nvme"
 
-    def __init__(self, engine: Engine, fmt: str = "fp32", master: str = "fp32") -> None:
-        super().__init__(engine, fmt, master)
+    def __init__(self, engine: Engine, master: str = "fp32") -> None:
+        super().__init__(engine, master)
         self.nvme_path = engine.policy.nvme_path
         self.store = SwapStore(self.nvme_path, require_direct=engine.policy.require_direct_io,
                                verify=engine.policy.verify_checksums,

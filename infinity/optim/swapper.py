@@ -170,7 +170,7 @@ def record_requests(on: bool) -> None:
 
 class BufferSets:
     """``count`` (>= 3, see :func:`choose_sets`) sets of aligned host buffers: states (the
-    largest shard's layout in the store's format: 12, 8 or ~6 B/param) and, when the
+    largest shard's layout in its formats: 12, 8 or ~6 B/param) and, when the
     parameters are homed on NVMe, a staging buffer for the updated working copy, and fp32
     gradients when those are on NVMe."""
 
@@ -178,7 +178,6 @@ class BufferSets:
                  grads: bool, count: Optional[int] = None) -> None:
         engine = states.engine
         self.engine = engine
-        self.fmt = states.fmt
         max_numel = max(s.numel for s in shards)
         self.states_nbytes = max(states.layout(s).nbytes for s in shards)
         self.staging_nbytes = max(s.flat.home_nbytes for s in shards) if staging else 0
@@ -202,8 +201,7 @@ class BufferSets:
         self._closed = False
 
     def fits(self, states: NvmeStates, shards: List[Shard], staging: bool, grads: bool) -> bool:
-        return (states.fmt == self.fmt
-                and all(states.layout(s).nbytes <= self.states_nbytes for s in shards)
+        return (all(states.layout(s).nbytes <= self.states_nbytes for s in shards)
                 and (not staging or all(s.flat.home_nbytes <= self.staging_nbytes
                                         for s in shards))
                 and (not grads or all(s.numel <= self.grad_numel for s in shards)))
