@@ -140,3 +140,31 @@ def test_cli_flags_describe_the_shape_and_override_a_config(tmp_path, capsys):
     assert "infinity.estimate" in err and "'intermediate_size' (--ffn)" in err
     assert cli.main(["estimate", "2B", "--config", str(path), *flags]) == 1
     assert "not both" in capsys.readouterr().err
+
+
+def test_8bit_states_count_the_safeguards_fp32_moments():
+    """With states="8bit" the estimate counts the embedding (and tensors under 4096 elements)
+    at fp32 moments, as infinity.optim's defaults keep them, from a config and from a meta
+    model alike; the table names that cost."""
+    import torch
+    import transformers
+    from infinity.optim.formats import formats_for
+    from infinity.plan.estimate import _state_bpp
+    from infinity.plan.placements import placement, state_bytes_per_param
+    from infinity.plan.shape import decoder_dims, shape_of
+    cfg = transformers.LlamaConfig(vocab_size=128256, hidden_size=3072, intermediate_size=8192,
+                                   num_hidden_layers=28, num_attention_heads=24,
+                                   num_key_value_heads=8, tie_word_embeddings=True)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    full = sum(p.numel() for n, p in model.named_parameters()
+               if formats_for(model, "8bit")[n] != "8bit")
+    assert full == 128256 * 3072 + 3072 * (2 * 28 + 1)  # embedding + RMSNorm weights
+    shape = decoder_dims(cfg).shape()
+    assert shape.full_moment_params == full == shape_of(model).full_moment_params
+    pl = [p for p in __import__("infinity.plan.placements", fromlist=["PLACEMENTS"]).PLACEMENTS
+          if p.states == "8bit"][0]
+    s8, s32 = state_bytes_per_param("8bit"), state_bytes_per_param("fp32")
+    want = (s8 * (shape.params - full) + s32 * full) / shape.params
+    assert abs(_state_bpp(shape, pl) - want) < 1e-9
+    assert placement(pl.name).states == "8bit"

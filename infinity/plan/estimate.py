@@ -131,6 +131,17 @@ def engine_overhead_s(pl: Placement, pr: ProbeResult, blocks: int) -> float:
     return best
 
 
+def _state_bpp(shape: ModelShape, pl: Placement, with_master: bool = True) -> float:
+    """Optimizer-state bytes per parameter of this placement's format; with "8bit" states the
+    safeguards' share (embeddings and tensors under min_8bit_size keep fp32 moments,
+    ``shape.full_moment_params``) is counted at the fp32 size."""
+    s = state_bytes_per_param(pl.states, with_master, pl.master)
+    if pl.states == "8bit" and shape.full_moment_params:
+        full = min(1.0, shape.full_moment_params / max(1, shape.params))
+        s += full * (state_bytes_per_param("fp32", with_master, pl.master) - s)
+    return s
+
+
 def estimate_one(shape: ModelShape, pl: Placement, pr: ProbeResult, *, batch: int, seq: int,
                  ranks: int = 1, prefetch_window: int = 2,
                  compute_bytes_per_param: Optional[float] = None,
@@ -171,7 +182,7 @@ def estimate_one(shape: ModelShape, pl: Placement, pr: ProbeResult, *, batch: in
     blocks = len(shape.block_bytes)
     overhead = engine_overhead_s(pl, pr, blocks)
     adam_rate = pr.adam8_params_per_s if pl.states == "8bit" else pr.adam_params_per_s
-    s = state_bytes_per_param(pl.states, master=pl.master)
+    s = _state_bpp(shape, pl)
     fetch = grad = opt = 0.0
     written = 0.0
     if pl.plain:
@@ -199,7 +210,7 @@ def estimate_one(shape: ModelShape, pl: Placement, pr: ProbeResult, *, batch: in
                 fetch = max(0.0, 2 * shape.param_bytes / pr.h2d_pinned_bps - compute)
             copy_back = 0.0 if master_in_home else 2 * pbytes / mem
             if pl.optimizer_tier == "host":
-                host += state_bytes_per_param(pl.states, not master_in_home, pl.master) * n
+                host += _state_bpp(shape, pl, not master_in_home) * n
                 nvme = 0.0
                 opt = n / adam_rate + copy_back
             else:
@@ -276,6 +287,10 @@ def estimate(model_or_count: Union[nn.Module, int, float, str, ModelShape, Any] 
     if max(rank_list) > 1:
         notes.append("ranks > 1: ZeRO-3 partitioning of homes, gradients and states; "
                      "collectives not modelled")
+    if shape.full_moment_params and any(p.states == "8bit" for p in chosen):
+        notes.append(f"8-bit states: {shape.full_moment_params:,} parameters (embeddings, "
+                     "tensors under 4096 elements) keep fp32 moments (+"
+                     f"{shape.full_moment_params * 5.97 / 2**30:.2f} GiB over all-8-bit)")
     compute_s = calibrated_compute(shape, batch, seq) if calibrate else None
     if calibrate:
         notes.append("compute timed at this shape (one layer + head)")

@@ -27,6 +27,9 @@ class ModelShape:
     name: str = "model"
     vocab_size: Optional[int] = None
     n_heads: Optional[int] = None
+    # parameters that keep fp32 moments when the optimizer's states are "8bit" (embeddings,
+    # tensors under min_8bit_size: infinity.optim.formats' safeguards)
+    full_moment_params: int = 0
 
     @property
     def largest_block_bytes(self) -> int:
@@ -72,9 +75,14 @@ def shape_of(model: nn.Module, block_rule=None) -> ModelShape:
     embs = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
     cfg = getattr(model, "cfg", None) or getattr(model, "config", None)
     heads = getattr(cfg, "n_heads", None) or getattr(cfg, "num_attention_heads", None)
+    from ..optim.formats import formats_for  # pure: the safeguards' choice per parameter
+    chosen = formats_for(model, "8bit")
+    sizes = {name: p.numel() for name, p in model.named_parameters()}
+    full = sum(sizes.get(name, 0) for name, fmt in chosen.items() if fmt != "8bit")
     return ModelShape(sum(params), sum(nbytes), tuple(params), tuple(nbytes), max(1, layers),
                       _guess_d_model(model), type(model).__name__,
-                      max(embs) if embs else None, heads if isinstance(heads, int) else None)
+                      max(embs) if embs else None, heads if isinstance(heads, int) else None,
+                      full)
 
 
 def shape_of_count(params: int, *, n_layers: Optional[int] = None,
@@ -200,7 +208,27 @@ class DecoderDims:
         blocks = (self.layer_params,) * self.n_layers + (self.root_params,)
         return ModelShape(self.params, self.params * bytes_per_param, blocks,
                           tuple(b * bytes_per_param for b in blocks), self.n_layers,
-                          self.d_model, self.name, self.vocab_size, self.n_heads)
+                          self.d_model, self.name, self.vocab_size, self.n_heads,
+                          self.full_moment_params)
+
+    @property
+    def full_moment_params(self) -> int:
+        """Parameters that keep fp32 moments under states="8bit": the embedding (tied with the
+        head or not; an untied head is a Linear and goes 8-bit) and every tensor under
+        min_8bit_size (4096 elements: norm weights and biases of narrow models)."""
+        from ..optim.formats import MIN_8BIT_SIZE
+        d, hs = self.d_model, self.head_size
+        small = [d] * (self.norms_per_layer * self.n_layers + 1)  # RMSNorm weights
+        q, kv = self.n_heads * hs, self.kv_heads * hs
+        if self.attention_bias:
+            small += [q, kv, kv, d] * self.n_layers
+        elif self.qkv_bias:
+            small += [q, kv, kv] * self.n_layers
+        if self.qk_norm:
+            small += [hs, hs] * self.n_layers
+        if self.mlp_bias:
+            small += [self.ffn, self.ffn, d] * self.n_layers
+        return self.vocab_size * d + sum(n for n in small if n < MIN_8BIT_SIZE)
 
 
 def _flag_help(field_name: str) -> str:
