@@ -11,6 +11,7 @@
 #   bench_offload_forward.json/.png, bench_optimizer.json, bench.log   the two benchmarks
 #   ladder/                  infinity bench at 125M: bench.json/.parquet/.png, runs.jsonl
 #   build_env.log            machine, driver, torch, memlock limit, build output
+#   llama8b/llama.json       Llama-3.1-8B config on one GPU vs resident (bench_gpu_llama.py)
 #
 # Usage (about 7-10 minutes; each stage has its own time limit, total under 13 minutes):
 #   bash benchmarks/gpu_check.sh [OUT_DIR]      OUT_DIR: default $OUT, else benchmarks/results/gpu
@@ -65,6 +66,10 @@ echo "RLIMIT_MEMLOCK now: $(ulimit -S -l)" >>"$ENV_LOG"
 # which the next line records)
 stage build 80 "$ENV_LOG" "$PY" -m pip install --no-deps --no-build-isolation -e .
 "$PY" -c "import infinity._native as n; print('native library:', n.available())" >>"$ENV_LOG" 2>&1
+
+# ---- the most important figure first: a real 8B on one GPU (parameters on host, 8-bit states,
+# a 24 GB card modelled by device_budget) against the same model resident, tokens/s ---------
+stage llama8b 300 "$DEST/bench.log" "$PY" benchmarks/bench_gpu_llama.py "$DEST/llama8b"
 
 # ---- tests/gpu --------------------------------------------------------------------------------
 stage tests_gpu 140 "$DEST/tests_gpu.log" "$PY" -m pytest tests/gpu -v -rA -p no:cacheprovider
