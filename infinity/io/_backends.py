@@ -284,7 +284,8 @@ class FallbackBackend:
 # (0.90-1.09 s against 0.84-0.93 s, two pairs) and forward + backward with parameters on NVMe
 # was 1.12-1.16x the in-memory step against 1.10x with the threads (the configurations with no
 # I/O at all slowed too, 1.12-1.18x against 1.05x; not explained). So io_uring is opt-in
-# (backend="io_uring"); benchmarks/RESULTS.md, sections "io_uring backend" and "Session 17".
+# (backend="io_uring"); benchmarks/RESULTS.md, sections "io_uring backend" and "RSS spread,
+# CRC32C by folding, io_uring decided" (2026-11-29/30).
 AUTO_BACKEND = "threads"
 _reported: Set[str] = set()
 
