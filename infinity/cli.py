@@ -1,5 +1,5 @@
-"""The ``infinity`` command line (also ``python -m infinity``): demo, info, consolidate, probe,
-estimate, explain and bench."""
+"""The ``infinity`` command line (also ``python -m infinity``): demo, info, consolidate,
+ckpt inspect, probe, estimate, explain and bench."""
 from __future__ import annotations
 
 import argparse
@@ -27,6 +27,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                       help="cast floating-point weights (default: as saved)")
     cons.add_argument("--max-shard-size", default="5GB",
                       help="split into shards above this size, e.g. 5GB (default) or 500MB")
+    ckpt = sub.add_parser("ckpt", help="checkpoint tools").add_subparsers(dest="ckpt_command",
+                                                                         required=True)
+    insp = ckpt.add_parser("inspect", help="what a checkpoint holds and whether it verifies")
+    insp.add_argument("path", help="a directory written by infinity.save_checkpoint")
+    insp.add_argument("--no-verify", action="store_true", help="skip reading every file")
+    insp.add_argument("--json", action="store_true", help="print the summary as JSON")
     from .bench import cli as bench_cli
     bench_cli.add_probe(sub.add_parser("probe", help="measure this machine: memory, "
                                                     "host<->device, swap disk, CPU Adam"))
@@ -57,6 +63,18 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 1
         sys.stdout.write("".join(f"wrote {p}\n" for p in written))
         return 0
+    if args.command == "ckpt":
+        import json as _json
+        from .checkpoint import CheckpointError
+        from .checkpoint.inspect import format_inspection, inspect_checkpoint
+        try:
+            info = inspect_checkpoint(args.path, verify=not args.no_verify)
+        except (CheckpointError, OSError, ValueError) as exc:
+            sys.stderr.write(f"infinity ckpt inspect: {exc}\n")
+            return 1
+        sys.stdout.write(_json.dumps(info, indent=2) + "\n" if args.json
+                         else format_inspection(info))
+        return 0 if info["verified"] is not False else 1
     if args.command == "probe":
         return bench_cli.run_probe(args)
     if args.command == "estimate":
