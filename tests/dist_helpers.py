@@ -145,9 +145,17 @@ def _scenario_train(rank: int, world: int, out: Path, opts: Dict[str, Any]) -> D
         saved = torch.load(opts["load_from"], weights_only=False)
         load_full_state_dict(model, saved["model"])
         load_full_optimizer_state_dict(opt, saved["optim"])
+    sched = None
+    if opts.get("sched"):  # an LR scheduler stepped with the optimizer
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    loaded_extra = None
     if opts.get("load_sharded_from"):  # one file per rank, saved by any number of ranks
         # infinity.load_checkpoint dispatches to infinity.dist.load_sharded for these
-        infinity.load_checkpoint(opts["load_sharded_from"], model, opt)
+        loaded_extra = infinity.load_checkpoint(opts["load_sharded_from"], model, opt,
+                                                scheduler=sched,
+                                                rng=bool(opts.get("rng")))
+        if opts.get("rng"):
+            loaded_extra = dict(loaded_extra, draw=float(torch.rand(1)))
     per = batch // world
     losses = []
     for step in range(opts.get("start", 0), opts.get("stop", steps)):
@@ -167,6 +175,8 @@ def _scenario_train(rank: int, world: int, out: Path, opts: Dict[str, Any]) -> D
             opt.clip_grad_norm_(opts["clip"])
         opt.step()
         opt.zero_grad()
+        if sched is not None:
+            sched.step()
         value = loss.detach().clone()
         if world > 1 and dist.is_initialized():
             dist.all_reduce(value)
@@ -189,9 +199,16 @@ def _scenario_train(rank: int, world: int, out: Path, opts: Dict[str, Any]) -> D
                 os._exit(9)
             raise OSError(errno.ENOSPC, "No space left on device (injected)")
         sharded_ckpt._write_durably = broken
+    draw_after_save = None
     if opts.get("save_sharded_to"):
         # infinity.save_checkpoint of a sharded model: infinity.dist.save_sharded
-        infinity.save_checkpoint(opts["save_sharded_to"], model, opt)
+        if opts.get("sched") or opts.get("rng"):
+            infinity.save_checkpoint(opts["save_sharded_to"], model, opt, scheduler=sched,
+                                     rng=bool(opts.get("rng")), note=f"saved by {world}")
+            if opts.get("rng"):
+                draw_after_save = float(torch.rand(1))
+        else:
+            infinity.save_checkpoint(opts["save_sharded_to"], model, opt)
     result: Dict[str, Any] = {
         "losses": losses,
         "tiers": engine.tier_bytes(),
@@ -200,6 +217,9 @@ def _scenario_train(rank: int, world: int, out: Path, opts: Dict[str, Any]) -> D
         "partition": engine.partitioner.stats() if engine.partitioner is not None else None,
         "swap_dirs": sorted(os.listdir(out)) if nvme else [],
         "rss_growth_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0,
+        "loaded_extra": loaded_extra, "draw_after_save": draw_after_save,
+        "sched_last_epoch": sched.last_epoch if sched is not None else None,
+        "lr": opt.param_groups[0]["lr"],
     }
     if opts.get("probe"):  # what ordinary PyTorch code sees on a sharded model
         result["state_dict"] = {k: v.clone() for k, v in model.state_dict().items()}

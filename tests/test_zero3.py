@@ -10,6 +10,7 @@ Every rank ends with bitwise identical parameters.
 """
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -303,7 +304,7 @@ def test_shard_flat_parts_cover_the_flat_buffer(world):
 
 def test_load_checkpoint_recognises_sharded_checkpoints_and_refuses_what_it_lacks(tmp_path):
     """infinity.load_checkpoint on a directory written by sharded ranks goes to load_sharded;
-    what such a checkpoint does not hold (a scheduler) and a checkpoint of another model are
+    what such a checkpoint was saved without (a scheduler) and a checkpoint of another model are
     refused with clear errors, and the model is left as it was."""
     import json
 
@@ -323,7 +324,8 @@ def test_load_checkpoint_recognises_sharded_checkpoints_and_refuses_what_it_lack
     before = [p.detach().clone() for p in model.parameters()]
     sched = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([torch.zeros(1)], lr=1.0),
                                               lambda s: 1.0)
-    with pytest.raises(RuntimeError, match="saved by sharded ranks"):
+    from infinity.checkpoint import CheckpointError
+    with pytest.raises(CheckpointError, match="saved without a scheduler"):
         infinity.load_checkpoint(str(ck), model, scheduler=sched)
     with pytest.raises(ValueError, match="differ from this model"):
         infinity.load_checkpoint(str(ck), model)
@@ -374,3 +376,29 @@ def test_sharded_save_is_atomic_when_a_rank_fails_or_is_killed(reference, checkp
     assert all("error" not in r for r in rest), rest[0]["log"][-2000:]
     diff = (torch.tensor(rest[0]["losses"]) - torch.tensor(reference["losses"][3:])).abs()
     assert diff.max().item() <= TOL
+
+
+def test_sharded_checkpoint_keeps_scheduler_rng_and_extras(tmp_path):
+    """A sharded save holds the scheduler, the RNG states (each rank's own) and extra entries:
+    2 ranks save after 3 steps; 2 ranks resume with the scheduler where it was and each rank's
+    next random draw equal to the one it made right after the save; 1 process resumes with rank
+    0's; 3 ranks asking for RNG states are refused (rank 2 had none) with a clear error."""
+    ck = str(tmp_path / "ck")
+    saved = run_ranks("train", 2, dict(_opts(), stop=3, sched=True, rng=True,
+                                       save_sharded_to=ck), tmp_path / "a")
+    assert all("error" not in r for r in saved), saved[0]["log"][-3000:]
+    assert os.path.isfile(os.path.join(ck, "rank1-of-2.pt")), "a sharded checkpoint"
+    assert [r["sched_last_epoch"] for r in saved] == [3, 3]
+    resumed = run_ranks("train", 2, dict(_opts(), start=3, stop=3, sched=True, rng=True,
+                                         load_sharded_from=ck), tmp_path / "b")
+    assert all("error" not in r for r in resumed), resumed[0]["log"][-3000:]
+    for before, after in zip(saved, resumed):
+        assert after["sched_last_epoch"] == 3 and after["lr"] == before["lr"]
+        assert after["loaded_extra"]["note"] == "saved by 2"
+        assert after["loaded_extra"]["draw"] == before["draw_after_save"]
+    one = run_ranks("train", 1, dict(_opts(), start=3, stop=3, sched=True, rng=True,
+                                     load_sharded_from=ck), tmp_path / "c")
+    assert one[0]["loaded_extra"]["draw"] == saved[0]["draw_after_save"]
+    three = run_ranks("train", 3, dict(_opts(), start=3, stop=3, sched=True, rng=True,
+                                       load_sharded_from=ck), tmp_path / "d")
+    assert "no RNG states for this rank" in three[2].get("error", ""), three[2].get("log")

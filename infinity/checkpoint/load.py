@@ -271,13 +271,27 @@ def load_checkpoint(path: str, model: nn.Module,
     from ..runtime.registry import engine_of as _engine_of
     from ..dist.checkpoint import is_sharded_checkpoint, load_sharded
     if is_sharded_checkpoint(path):  # saved by ranks (any number) into any number of ranks
-        if scheduler is not None or scaler is not None or rng:
-            raise RuntimeError(
-                f"infinity.load_checkpoint: {path} was saved by sharded ranks and holds only "
-                "the model and the optimizer; load the scheduler / scaler / rng you saved "
-                "yourself")
+        # the trainer state: scheduler, scaler, extra from rank 0's file, RNG from this rank's
+        from ..dist.checkpoint import trainer_state
+        part = getattr(_engine_of(model), "partitioner", None)
+        state = trainer_state(path, part.rank if part is not None else 0)
+        for what, obj, key in (("a scheduler", scheduler, "scheduler"),
+                               ("a loss scaler", scaler, "scaler")):
+            if obj is not None and state.get(key) is None:
+                raise CheckpointError(f"checkpoint {path} was saved without {what}; do not "
+                                      f"pass {key}= to load_checkpoint, or save it with one")
+        if rng and state.get("rng") is None:
+            raise CheckpointError(
+                f"checkpoint {path} holds no RNG states for this rank (saved without rng=True, "
+                "or by fewer ranks than load it); load without rng=True")
         load_sharded(path, model, optimizer)
-        return {}
+        if scheduler is not None:
+            scheduler.load_state_dict(state["scheduler"])
+        if scaler is not None:
+            scaler.load_state_dict(state["scaler"])
+        if rng:
+            _set_rng(state["rng"])
+        return dict(state.get("extra") or {})
     if getattr(_engine_of(model), "partitioner", None) is not None:
         raise ValueError(f"infinity.load_checkpoint: {path} is a single-process checkpoint; a "
                          "sharded model loads checkpoints saved by save_checkpoint on sharded "

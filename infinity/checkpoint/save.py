@@ -287,14 +287,11 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim
     from ..runtime.registry import engine_of as _engine_of
     if getattr(_engine_of(model), "partitioner", None) is not None:
         # sharded (ZeRO over torch.distributed): one file per rank, loadable on any world size
-        if scheduler is not None or scaler is not None or rng or extra:
-            raise RuntimeError(
-                "infinity.save_checkpoint of a sharded model saves the model and the optimizer "
-                "(one file per rank, see infinity.dist.save_sharded); scheduler=, scaler=, "
-                "rng= and extra entries are not built for it yet: save them with torch.save "
-                "on rank 0 next to the checkpoint")
+        trainer = {"scheduler": scheduler.state_dict() if scheduler is not None else None,
+                   "scaler": scaler.state_dict() if scaler is not None else None,
+                   "rng": rng_state() if rng else None, "extra": dict(extra)}
         from ..dist.checkpoint import save_sharded
-        return save_sharded(path, model, optimizer)
+        return save_sharded(path, model, optimizer, trainer=trainer)
     from .. import __version__
     path = os.path.abspath(os.fspath(path))
     body: Dict[str, Any] = {

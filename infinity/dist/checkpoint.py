@@ -123,7 +123,12 @@ def _write_durably(obj: Any, path: str) -> None:
 
 
 @torch.no_grad()
-def save_sharded(path: str, model: nn.Module, optimizer: Optional[Any] = None) -> str:
+def save_sharded(path: str, model: nn.Module, optimizer: Optional[Any] = None, *,
+                 trainer: Optional[Dict[str, Any]] = None) -> str:
+    """One file per rank (see the module docstring). ``trainer``: this rank's trainer state,
+    ``{"scheduler": state_dict, "scaler": state_dict, "rng": states, "extra": dict}`` (each
+    optional), stored in the rank's own file: scheduler, scaler and extra are read back from
+    rank 0's file on load, the RNG states from each rank's own."""
     engine = engine_of(model)
     if engine is None:
         raise ValueError("infinity.dist.save_sharded: the model is not wrapped by infinity")
@@ -161,6 +166,8 @@ def save_sharded(path: str, model: nn.Module, optimizer: Optional[Any] = None) -
             if optimizer is not None:
                 extra["param_groups"] = [{k: v for k, v in g.items() if k != "params"}
                                          for g in optimizer.param_groups]
+            if trainer:
+                extra["trainer"] = trainer
             _write_durably({"flats": body, **extra},
                            os.path.join(tmp, f"rank{rank}-of-{world}.pt"))
             ok = 1.0
@@ -230,6 +237,27 @@ def is_sharded_checkpoint(path: str) -> bool:
         return False
 
 
+def trainer_state(path: str, rank: int) -> Dict[str, Any]:
+    """The trainer state a sharded checkpoint holds for ``rank``: scheduler, scaler and extra
+    from rank 0's file, ``rng`` from rank ``rank``'s file (None where that rank did not exist
+    when it was saved: a larger world size than the save's)."""
+    path = _atomic().resolve(path)
+    with open(os.path.join(path, "manifest.json")) as fh:
+        files = json.load(fh).get("files", [])
+    if not files:
+        return {"rng": None}
+    first = torch.load(os.path.join(path, files[0]), weights_only=False, mmap=True)
+    out = dict(first.get("trainer") or {})
+    out.pop("rng", None)
+    mine = None
+    if rank < len(files):
+        own = first if rank == 0 else torch.load(os.path.join(path, files[rank]),
+                                                 weights_only=False, mmap=True)
+        mine = (own.get("trainer") or {}).get("rng")
+    out["rng"] = mine
+    return out
+
+
 @torch.no_grad()
 def load_sharded(path: str, model: nn.Module, optimizer: Optional[Any] = None) -> None:
     """Loads a :func:`save_sharded` checkpoint saved by any number of ranks into this model
@@ -297,4 +325,4 @@ def load_sharded(path: str, model: nn.Module, optimizer: Optional[Any] = None) -
         optimizer._load_shard(shard, by_param)  # noqa: SLF001
 
 
-__all__ = ["save_sharded", "load_sharded", "is_sharded_checkpoint"]
+__all__ = ["save_sharded", "load_sharded", "is_sharded_checkpoint", "trainer_state"]
