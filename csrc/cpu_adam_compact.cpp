@@ -833,31 +833,23 @@ INF_TARGET_AVX2 void avx2_q8_range(const Job& job, int64_t b0, int64_t b1) {
     const __m256 va = _mm256_set1_ps(*s.v_scale);
     __m256 mmx = _mm256_setzero_ps(), mnan = _mm256_setzero_ps();
     __m256 vmx = _mm256_setzero_ps(), vnan = _mm256_setzero_ps();
-    if (pend.m && pend.v) {
-      for (int i = 0; i < kBlock; i += 8) {
-        __m256 mo, vo;
-        avx2_q8_vector<GD, OD>(job, c, s, i, ma, va, mo, vo);
-        _mm256_store_ps(mb + i, mo);
-        _mm256_store_ps(vb + i, vo);
-        avx2_absmax_step(mo, mmx, mnan);
-        avx2_absmax_step(vo, vmx, vnan);
+    const bool overlap = pend.m && pend.v;  // else at most one moment (a degenerate block)
+    if (!overlap) avx2_flush_codes(pend);
+    for (int i = 0; i < kBlock; i += 8) {
+      __m256 mo, vo;
+      avx2_q8_vector<GD, OD>(job, c, s, i, ma, va, mo, vo);
+      _mm256_store_ps(mb + i, mo);
+      _mm256_store_ps(vb + i, vo);
+      avx2_absmax_step(mo, mmx, mnan);
+      avx2_absmax_step(vo, vmx, vnan);
+      if (overlap) {
         avx2_store_codes(pend.mcodes + i,
                          avx2_codes<true>(pend.mr, _mm256_load_ps(pend.mbuf + i)));
         avx2_store_codes(pend.vcodes + i,
                          avx2_codes<false>(pend.vr, _mm256_load_ps(pend.vbuf + i)));
       }
-      pend.m = pend.v = false;
-    } else {
-      avx2_flush_codes(pend);  // at most one moment pending (the other block was degenerate)
-      for (int i = 0; i < kBlock; i += 8) {
-        __m256 mo, vo;
-        avx2_q8_vector<GD, OD>(job, c, s, i, ma, va, mo, vo);
-        _mm256_store_ps(mb + i, mo);
-        _mm256_store_ps(vb + i, vo);
-        avx2_absmax_step(mo, mmx, mnan);
-        avx2_absmax_step(vo, vmx, vnan);
-      }
     }
+    pend.m = pend.v = false;
     // block b's new scales, and its codes pending for the next block's loop
     const float mscale = avx2_absmax_value(mmx, mnan);
     const float vscale = avx2_absmax_value(vmx, vnan);
