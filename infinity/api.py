@@ -10,8 +10,7 @@ from torch import nn
 
 from .policy import OffloadPolicy
 from .runtime.engine import Engine, engine_of, locate
-from .runtime import host_malloc
-from .runtime.host_malloc import return_freed_buffers_to_os
+from .runtime.host_memory import HOST_MEMORY, RELEASE
 from .runtime.sources import CheckpointSource, Init, InitSource
 
 
@@ -74,11 +73,11 @@ def empty_init() -> Iterator[None]:
     Each parameter is created by its module as usual and replaced by a meta tensor as it is
     registered, so no more than one parameter's memory exists at a time. Inside, glibc's mmap
     threshold is 128 KiB (see ``runtime/host_malloc.py``) so those short-lived parameters do
-    not leave holes in the heap that later raise peak RSS; on leaving, the heap-reusing
-    threshold comes back unless the low one was in effect before.
+    not leave holes in the heap that later raise peak RSS; on leaving, what the other users of
+    glibc's thresholds want comes back (the heap-reusing threshold after a wrap without a
+    host_budget), or glibc's defaults if there are none (``runtime/host_memory.py``).
     """
-    previous = host_malloc.state()
-    return_freed_buffers_to_os()
+    lease = HOST_MEMORY.acquire(RELEASE, name="empty_init")
     original = nn.Module.register_parameter
 
     def register(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
@@ -92,7 +91,7 @@ def empty_init() -> Iterator[None]:
         yield
     finally:
         nn.Module.register_parameter = original
-        host_malloc.end_release(previous)
+        lease.release()
 
 
 def _engine(model: nn.Module) -> Engine:

@@ -125,5 +125,7 @@ def test_empty_init_lowers_the_threshold_only_while_inside():
     out = subprocess.run([sys.executable, "-c", _EMPTY_INIT], capture_output=True, text=True,
                          timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == [None, "release", "reuse",
+    # leaving it with no other user of glibc's thresholds puts back glibc's defaults
+    # (runtime/host_memory.py); with one that wants the low threshold it stays low
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [None, "release", None,
                                                                "release"]

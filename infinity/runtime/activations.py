@@ -58,7 +58,7 @@ from torch import nn
 from ..tiers import BudgetExceededError, ByteBudget, SwapStore
 from .activation_buffers import (BufferPool, Lease, ScratchFiles, Slot, owned_view, round_up,
                                  strided_view)
-from .host_malloc import return_freed_buffers_to_os
+from .host_memory import HOST_MEMORY, RELEASE
 from .schedule import Schedule
 from .stats import Stats
 
@@ -163,8 +163,9 @@ class ActivationOffloader:
                              f"{device}")
         # the originals are freed as soon as they are copied out: their memory must go back
         # to the OS, not stay in glibc's heap (runtime/host_malloc.py), for as long as the
-        # process runs (a later wrap keeps the threshold low)
-        return_freed_buffers_to_os(for_good=True)
+        # offloader lives (runtime/host_memory.py: released at close, or when it is collected)
+        self._host_memory = HOST_MEMORY.acquire(RELEASE, owner=self,
+                                                name="activation offload")
         self.tier = tier
         # CUDA: copies on two side streams from/to pinned host buffers (not run in this
         # project's CI: no GPU there; tests/test_activation_offload_gpu.py covers it)
@@ -627,6 +628,7 @@ class ActivationOffloader:
             self.files.close()
         if self.store is not None:
             self.store.close()
+        self._host_memory.release()  # last: its buffers were freed under the low threshold
 
 
 def make_activation_offloader(policy, device: torch.device, host_budget: ByteBudget,

@@ -38,8 +38,8 @@ from .flat import FlatParam
 from .guard import guard_foreign_optimizers
 from .grads import GradientSink
 from .homes import DeviceHome, Home, HostHome, NvmeHome, TieredHome
-from .host_malloc import return_freed_buffers_to_os, reuse_temporaries, trim_heap
-from .host_malloc import state as malloc_state
+from .host_malloc import trim_heap
+from .host_memory import HOST_MEMORY, RELEASE, REUSE, HostMemoryLease
 from .partition import partition
 from ..dist.partitioner import make_partitioner
 from .activations import make_activation_offloader
@@ -75,6 +75,9 @@ class Engine(Residence, OutsideWrites, HookHandlers):
         self.stats = Stats()
         self._lock = threading.RLock()
         self._closed = False
+        # process-wide state this engine uses (released in close, or when it is collected)
+        self._host_memory: Optional[HostMemoryLease] = None    # glibc's thresholds
+        self._release_guard: Optional[Callable[[], None]] = None  # global optimizer hooks
         self.store: Optional[SwapStore] = None
         self.pool: Optional[HostPool] = None
         self.home: Optional[Home] = None           # routes each flat to its tier's home
@@ -126,6 +129,7 @@ class Engine(Residence, OutsideWrites, HookHandlers):
         except BaseException:
             if self.activations is not None:
                 self.activations.close()
+            self._release_process_state()
             raise
         self.transfers = Transfers(self.device, self.stats, self.home, self.pool,
                                    self.home_flats, workers=self._transfer_workers())
@@ -139,7 +143,7 @@ class Engine(Residence, OutsideWrites, HookHandlers):
             for block in self.blocks for flat in block.flats
             for i, slot in enumerate(flat.slots)}
         _ENGINES.add(self)
-        guard_foreign_optimizers()
+        self._release_guard = guard_foreign_optimizers(self)
         setattr(model, _ENGINE_ATTR, self)
         logger.info("infinity: wrapped %d blocks (%s bytes of parameters) with parameters on %s",
                     len(self.blocks), f"{home_bytes:,}", ", ".join(
@@ -266,7 +270,7 @@ class Engine(Residence, OutsideWrites, HookHandlers):
         # while the blocks are filled, the originals freed are mmap'ed chunks given back to
         # the OS, leaving no holes in the heap (runtime/host_malloc.py); with the pool, the
         # threshold goes back up once the wrap is done
-        return_freed_buffers_to_os()
+        self._host_memory = HOST_MEMORY.acquire(RELEASE, owner=self, name="engine")
         if not compute_pool.supported():
             return None
         buffers = ComputeBuffers(self.device_budget.limit)
@@ -429,7 +433,7 @@ class Engine(Residence, OutsideWrites, HookHandlers):
                 # backward's temporaries reuse the heap as in plain PyTorch instead of
                 # faulting in fresh pages each. With a host_budget, RAM is what the user
                 # constrains: they keep going back to the OS (runtime/host_malloc.py)
-                reuse_temporaries()
+                self._host_memory.set(REUSE)
             trim_heap()
 
     def _fill_blocks(self, fill: Callable[[Block], None]) -> None:
@@ -614,7 +618,7 @@ class Engine(Residence, OutsideWrites, HookHandlers):
             if not self._closed:
                 if self.partitioner is not None:  # zero1/2: all-gather the updated parts
                     self.partitioner.after_step()
-                if (self.device.type == "cpu" and malloc_state() != "reuse"
+                if (self.device.type == "cpu" and HOST_MEMORY.state() != REUSE
                         and any(b.home is not Tier.HOST for b in self.blocks)):
                     trim_heap()  # the step's temporaries go back to the OS, not to RSS
                 self._prefetch_for_forward()
@@ -829,6 +833,18 @@ class Engine(Residence, OutsideWrites, HookHandlers):
                 self.store.close()
             if engine_of(self.model) is self:
                 delattr(self.model, _ENGINE_ATTR)
+            # last: what was freed above went back under this engine's thresholds
+            self._release_process_state()
+
+    def _release_process_state(self) -> None:
+        """The one place an engine gives back the process-wide state it used: glibc's
+        thresholds (runtime/host_memory.py) and the global optimizer hooks (runtime/guard.py),
+        restored / removed when the last user gives them back. An engine collected without
+        close gives them back through the same (idempotent) releases, run by its finalizers."""
+        if self._host_memory is not None:
+            self._host_memory.release()
+        if self._release_guard is not None:
+            self._release_guard()
 
 
 def _no_deepcopy_of_engine(engine: "Engine", memo: dict) -> None:

@@ -2,7 +2,9 @@
 fail loudly where they cannot see the gradients, note the parameters they wrote."""
 from __future__ import annotations
 
-from typing import Any
+import threading
+import weakref
+from typing import Any, Callable
 
 import torch
 
@@ -50,13 +52,60 @@ def _note_foreign_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any)
                 loc.engine.mark_written(loc.flat, loc.slot)
 
 
-def guard_foreign_optimizers() -> None:
-    """Registers (once) global optimizer step hooks: before a torch optimizer's step, fail
-    loudly (instead of training nothing) when it steps parameters whose gradients it cannot
-    see; after it, note the parameters it wrote."""
+class _GuardUsers:
+    """The one owner of the global optimizer step hooks: installed for the first engine,
+    removed when the last one closes (``Engine.close`` / ``infinity.unwrap``) or is
+    garbage-collected, so torch optimizers of a process without a wrapped model do not call
+    :func:`locate` for each of their parameters."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()  # RLock: released by GC finalizers too
+        self._users: set = set()
+
+    def acquire(self, owner: object) -> Callable[[], None]:
+        """Counts ``owner`` as a user; returns its (idempotent) release, also called when
+        ``owner`` is garbage-collected."""
+        token = object()
+        with self._lock:
+            self._users.add(token)
+            _install()
+        finalizer = weakref.finalize(owner, self._release, token)
+        finalizer.atexit = False  # the process ends anyway
+        return finalizer
+
+    def _release(self, token: object) -> None:
+        with self._lock:
+            self._users.discard(token)
+            if not self._users:
+                _remove()
+
+    def users(self) -> int:
+        return len(self._users)
+
+
+def _install() -> None:
     global _GUARD_HANDLE
     if _GUARD_HANDLE is None:
         from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                            register_optimizer_step_pre_hook)
         _GUARD_HANDLE = (register_optimizer_step_pre_hook(_check_foreign_optimizer),
                          register_optimizer_step_post_hook(_note_foreign_step))
+
+
+def _remove() -> None:
+    global _GUARD_HANDLE
+    if _GUARD_HANDLE is not None:
+        for handle in _GUARD_HANDLE:
+            handle.remove()
+        _GUARD_HANDLE = None
+
+
+GUARD_USERS = _GuardUsers()
+
+
+def guard_foreign_optimizers(owner: object) -> Callable[[], None]:
+    """Registers (for the first user) global optimizer step hooks: before a torch optimizer's
+    step, fail loudly (instead of training nothing) when it steps parameters whose gradients it
+    cannot see; after it, note the parameters it wrote. Returns ``owner``'s release: the hooks
+    are removed when the last user releases (or is garbage-collected)."""
+    return GUARD_USERS.acquire(owner)

@@ -17,10 +17,14 @@ peak RSS during the first backward varied from run to run by up to a third of th
 (measured with 400-600 KB parameters and a 1 MiB threshold: 23-35% of the model over three
 forward+backward passes, and 0.40-0.69x with a model built on meta; 22.5-23% and 0.40x at
 128 KiB). Set only on glibc: by the engine while it wraps (the originals are freed then), by the
-activation offloader, and on entering :func:`infinity.empty_init`.
+activation offloader, and on entering :func:`infinity.empty_init`. Those settings are
+process-wide and have one owner, :data:`infinity.runtime.host_memory.HOST_MEMORY`, whose users
+(engines, activation offloaders, ``empty_init``) acquire and release them; the last one to
+release puts back glibc's defaults as far as glibc allows (see ``runtime/host_memory.py`` for
+what cannot be undone).
 
 Once the model is wrapped and its originals are gone, the engine raises the threshold again
-(:func:`reuse_temporaries`) when its streamed blocks borrow their compute memory from its own
+(its lease's mode ``"reuse"``) when its streamed blocks borrow their compute memory from its own
 pool: then nothing of the engine's goes through malloc, and what does is forward and backward's
 own temporaries (activations, gradients as autograd hands them over). At 128 KiB every one of
 them is a fresh mmap whose pages fault in and are zeroed on first touch: measured on the
@@ -29,110 +33,65 @@ of kernel time per forward+backward, which made the offloaded steps *and* the pl
 the same process 10-25% slower. At 32 MiB (the ceiling of glibc's own dynamic threshold,
 i.e. what plain PyTorch ends up with) with a 64 MiB trim threshold they reuse the heap as in
 plain PyTorch: about a thousand faults per step.
+
+The functions here are the older interface, kept for code that calls them: they act for one
+anonymous user of :data:`HOST_MEMORY` that is never released (what they set stays until
+another call here changes it), and ``for_good=True`` adds one more that keeps the low threshold
+for the rest of the process. infinity itself holds leases instead.
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import logging
 import threading
-from typing import Callable, Optional, Tuple
+from typing import Optional
 
-logger = logging.getLogger(__name__)
+from .host_memory import HOST_MEMORY, RELEASE, REUSE, HostMemoryLease
 
-_M_MMAP_THRESHOLD = -3
-_M_TRIM_THRESHOLD = -1
-_THRESHOLD_BYTES = 128 << 10
-_TRAIN_MMAP_BYTES = 32 << 20   # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
-_TRAIN_TRIM_BYTES = 64 << 20   # twice the mmap threshold, as glibc's dynamic rule keeps it
 _lock = threading.Lock()
-_state: Optional[str] = None   # None (glibc's own), "release" or "reuse"
-_keep_releasing = 0            # users that need the low threshold for good (activation offload)
+_legacy: Optional[HostMemoryLease] = None   # the callers of the functions below
+_for_good = []                              # leases from for_good=True: never released
 
 
-def _mallopt() -> Optional[Callable[[int, int], int]]:
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        mallopt = getattr(libc, "mallopt", None)
-    except OSError:
-        mallopt = None
-    if mallopt is None:
-        return None
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
-    return mallopt
-
-
-def _set(state: str, settings: Tuple[Tuple[int, int], ...]) -> bool:
-    global _state
-    if _state == state:
-        return True
-    mallopt = _mallopt()
-    if mallopt is None:
-        logger.debug("no glibc mallopt: the allocator keeps its own thresholds")
-        return False
-    for option, value in settings:
-        if mallopt(option, value) != 1:
-            logger.debug("mallopt(%d, %d) refused", option, value)
-            return False
-    _state = state
-    logger.debug("infinity: glibc thresholds set for %s", state)
-    return True
+def _legacy_set(mode: str) -> bool:
+    global _legacy
+    with _lock:
+        if _legacy is None or _legacy.released:
+            _legacy = HOST_MEMORY.acquire(mode, name="host_malloc")
+            return HOST_MEMORY.state() == mode
+        return _legacy.set(mode)
 
 
 def return_freed_buffers_to_os(for_good: bool = False) -> bool:
     """Sets glibc's mmap threshold to 128 KiB. Returns whether it is in effect.
-    ``for_good``: a user that frees large buffers all along (the activation offloader), after
-    which :func:`reuse_temporaries` leaves the threshold low."""
-    global _keep_releasing
-    with _lock:
-        if for_good:
-            _keep_releasing += 1
-        # the trim threshold back at glibc's default too (it may follow a "reuse" phase)
-        return _set("release", ((_M_MMAP_THRESHOLD, _THRESHOLD_BYTES),
-                                (_M_TRIM_THRESHOLD, _THRESHOLD_BYTES)))
+    ``for_good``: the low threshold stays for the rest of the process, whatever
+    :func:`reuse_temporaries` asks later."""
+    if for_good:
+        with _lock:
+            _for_good.append(HOST_MEMORY.acquire(RELEASE, name="host_malloc(for_good)"))
+    return _legacy_set(RELEASE)
 
 
 def reuse_temporaries() -> bool:
-    """After a wrap: large temporaries up to 32 MiB are served from (and freed back to) the
-    heap, as in plain PyTorch, instead of a fresh mmap each. Left at 128 KiB while an
-    activation offloader has asked for it. Returns whether the raised threshold is in effect."""
-    with _lock:
-        if _keep_releasing:
-            return False
-        return _set("reuse", ((_M_MMAP_THRESHOLD, _TRAIN_MMAP_BYTES),
-                              (_M_TRIM_THRESHOLD, _TRAIN_TRIM_BYTES)))
+    """Large temporaries up to 32 MiB are served from (and freed back to) the heap, as in plain
+    PyTorch, instead of a fresh mmap each. Left at 128 KiB while another user (an activation
+    offloader, a wrap with a host_budget) wants that. Returns whether the raised threshold is
+    in effect."""
+    return _legacy_set(REUSE)
 
 
 def end_release(previous: Optional[str]) -> None:
-    """After a phase that needed the low threshold (:func:`infinity.empty_init`): temporaries
-    reuse the heap again, unless the threshold was low before the phase (a wrap with a
-    host_budget, activation offload)."""
-    if previous != "release":
+    """After a phase that needed the low threshold: temporaries reuse the heap again, unless
+    the threshold was low before the phase."""
+    if previous != RELEASE:
         reuse_temporaries()
 
 
 def state() -> Optional[str]:
     """None (glibc's own thresholds), "release" (128 KiB) or "reuse" (32 MiB)."""
-    return _state
-
-
-_libc = None
+    return HOST_MEMORY.state()
 
 
 def trim_heap() -> None:
     """Returns the free memory at the top and in the holes of glibc's heaps to the OS
     (malloc_trim). Small tensors freed after a wrap or an optimizer step otherwise stay in the
     process's RSS as heap fragments. A no-op without glibc."""
-    global _libc
-    if _libc is None:
-        name = ctypes.util.find_library("c")
-        try:
-            _libc = ctypes.CDLL(name) if name else False
-        except OSError:
-            _libc = False
-    trim = getattr(_libc, "malloc_trim", None) if _libc else None
-    if trim is not None:
-        trim.argtypes = [ctypes.c_size_t]
-        trim(0)
+    HOST_MEMORY.trim()
