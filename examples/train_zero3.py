@@ -90,7 +90,7 @@ def main() -> None:
         if rank == 0:
             print(f"step {step}: loss {avg.item() / world:.4f}", flush=True)
 
-    state = infinity.dist.full_state_dict(model)  # every rank calls; rank 0 gets it all
+    state = infinity.sharding.full_state_dict(model)  # every rank calls; rank 0 gets it all
     if rank == 0:
         torch.save(state, "zero3_model.pt")
         tiers = infinity.stats(model)["tiers"]

@@ -141,7 +141,7 @@ def _scenario_train(rank: int, world: int, out: Path, opts: Dict[str, Any]) -> D
     opt = infinity.optim.AdamW(model.parameters(), lr=opts.get("lr", 1e-2),
                                weight_decay=0.01)
     if opts.get("load_from"):  # resume from whole state dicts saved by any number of ranks
-        from infinity.dist import load_full_optimizer_state_dict, load_full_state_dict
+        from infinity.sharding import load_full_optimizer_state_dict, load_full_state_dict
         saved = torch.load(opts["load_from"], weights_only=False)
         load_full_state_dict(model, saved["model"])
         load_full_optimizer_state_dict(opt, saved["optim"])
@@ -150,7 +150,7 @@ def _scenario_train(rank: int, world: int, out: Path, opts: Dict[str, Any]) -> D
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     loaded_extra = None
     if opts.get("load_sharded_from"):  # one file per rank, saved by any number of ranks
-        # infinity.load_checkpoint dispatches to infinity.dist.load_sharded for these
+        # infinity.load_checkpoint dispatches to infinity.sharding.load_sharded for these
         loaded_extra = infinity.load_checkpoint(opts["load_sharded_from"], model, opt,
                                                 scheduler=sched,
                                                 rng=bool(opts.get("rng")))
@@ -183,14 +183,14 @@ def _scenario_train(rank: int, world: int, out: Path, opts: Dict[str, Any]) -> D
             value /= world
         losses.append(float(value))
     if opts.get("save_to"):
-        from infinity.dist import full_optimizer_state_dict, full_state_dict
+        from infinity.sharding import full_optimizer_state_dict, full_state_dict
         saved = {"model": full_state_dict(model), "optim": full_optimizer_state_dict(opt)}
         if rank == 0:
             torch.save(saved, opts["save_to"])
     if rank in opts.get("fail_save_ranks", []):  # this rank's file write fails / is killed
         import errno
 
-        import infinity.dist.checkpoint as sharded_ckpt
+        import infinity.sharding.checkpoint as sharded_ckpt
 
         def broken(obj, path, how=opts.get("fail_save_how", "raise")):
             with open(path, "wb") as fh:
@@ -201,7 +201,7 @@ def _scenario_train(rank: int, world: int, out: Path, opts: Dict[str, Any]) -> D
         sharded_ckpt._write_durably = broken
     draw_after_save = None
     if opts.get("save_sharded_to"):
-        # infinity.save_checkpoint of a sharded model: infinity.dist.save_sharded
+        # infinity.save_checkpoint of a sharded model: infinity.sharding.save_sharded
         if opts.get("sched") or opts.get("rng"):
             infinity.save_checkpoint(opts["save_sharded_to"], model, opt, scheduler=sched,
                                      rng=bool(opts.get("rng")), note=f"saved by {world}")
@@ -240,7 +240,7 @@ def _scenario_save_full(rank: int, world: int, out: Path, opts: Dict[str, Any]
     import torch
 
     import infinity
-    from infinity.dist import full_state_dict
+    from infinity.sharding import full_state_dict
     torch.manual_seed(0)
     model = _model()
     infinity.wrap(model)
@@ -278,7 +278,7 @@ def _scenario_load_full(rank: int, world: int, out: Path, opts: Dict[str, Any]
     import torch
 
     import infinity
-    from infinity.dist import load_full_state_dict
+    from infinity.sharding import load_full_state_dict
     torch.manual_seed(123)
     model = _model()
     infinity.wrap(model)

@@ -214,7 +214,7 @@ def test_full_state_dict_from_two_ranks_loads_on_one_and_three(tmp_path):
     for res in saved:
         assert "error" not in res, res["log"][-3000:]
         assert res["save_checkpoint"] == "no error"  # one file per rank (save_sharded)
-        assert "infinity.dist.save_sharded" in res["optimizer.state_dict"]
+        assert "infinity.sharding.save_sharded" in res["optimizer.state_dict"]
     assert saved[0]["keys"] and saved[1]["keys"] == []  # rank0_only
     one = run_ranks("load_full", 1, {"file": file}, tmp_path, dist=False)[0]
     three = run_ranks("load_full", 3, {"file": file}, tmp_path)
@@ -274,7 +274,7 @@ def test_shard_flat_parts_cover_the_flat_buffer(world):
     each rank, with param_start saying where its piece begins."""
     from torch import nn
 
-    from infinity.dist.shard_flat import ShardFlat
+    from infinity.sharding.shard_flat import ShardFlat
     from infinity.runtime.flat import FlatParam
     torch.manual_seed(0)
     mods = [nn.Linear(37, 29), nn.Linear(29, 3)]
@@ -309,7 +309,7 @@ def test_load_checkpoint_recognises_sharded_checkpoints_and_refuses_what_it_lack
     import json
 
     import infinity
-    from infinity.dist.checkpoint import FORMAT, is_sharded_checkpoint
+    from infinity.sharding.checkpoint import FORMAT, is_sharded_checkpoint
 
     ck = tmp_path / "ck"
     ck.mkdir()
@@ -348,7 +348,7 @@ def test_sharded_save_is_atomic_when_a_rank_fails_or_is_killed(reference, checkp
     import os
     import shutil
 
-    from infinity.dist.checkpoint import is_sharded_checkpoint
+    from infinity.sharding.checkpoint import is_sharded_checkpoint
     ck = str(tmp_path / "ck")
     shutil.copytree(checkpoint_after_5["sharded"], ck)
     before = _tree(ck)

@@ -269,10 +269,10 @@ def load_checkpoint(path: str, model: nn.Module,
     if not isinstance(model, nn.Module):
         raise TypeError(f"load_checkpoint expects an nn.Module, got {type(model).__name__}")
     from ..runtime.registry import engine_of as _engine_of
-    from ..dist.checkpoint import is_sharded_checkpoint, load_sharded
+    from ..sharding.checkpoint import is_sharded_checkpoint, load_sharded
     if is_sharded_checkpoint(path):  # saved by ranks (any number) into any number of ranks
         # the trainer state: scheduler, scaler, extra from rank 0's file, RNG from this rank's
-        from ..dist.checkpoint import trainer_state
+        from ..sharding.checkpoint import trainer_state
         part = getattr(_engine_of(model), "partitioner", None)
         state = trainer_state(path, part.rank if part is not None else 0)
         for what, obj, key in (("a scheduler", scheduler, "scheduler"),
@@ -297,7 +297,7 @@ def load_checkpoint(path: str, model: nn.Module,
                          "sharded model loads checkpoints saved by save_checkpoint on sharded "
                          "ranks (consolidate is not needed for those). Load it on one process "
                          "and save it again from the sharded ranks, or use "
-                         "infinity.dist.load_full_state_dict with a whole state dict")
+                         "infinity.sharding.load_full_state_dict with a whole state dict")
     root, manifest = open_checkpoint(path)
     for what, obj, key in (("an optimizer", optimizer, "optimizer"),
                            ("a scheduler", scheduler, "scheduler"),

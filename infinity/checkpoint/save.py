@@ -290,7 +290,7 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim
         trainer = {"scheduler": scheduler.state_dict() if scheduler is not None else None,
                    "scaler": scaler.state_dict() if scaler is not None else None,
                    "rng": rng_state() if rng else None, "extra": dict(extra)}
-        from ..dist.checkpoint import save_sharded
+        from ..sharding.checkpoint import save_sharded
         return save_sharded(path, model, optimizer, trainer=trainer)
     from .. import __version__
     path = os.path.abspath(os.fspath(path))

@@ -96,7 +96,7 @@ class StateDicts:
         ``wrapped=False`` leaves out the wrapped models' shards (see :meth:`shard_states`)."""
         self._overlap.rollback_all("state_dict() before opt.step()")
         if self._sharded_engines:
-            from ..dist.state import refuse_sharded
+            from ..sharding.state import refuse_sharded
             raise refuse_sharded("optimizer.state_dict()")
         for engine in self._engines():
             engine.quiesce()
@@ -142,7 +142,7 @@ class StateDicts:
         changes nothing."""
         self._overlap.rollback_all("load_state_dict() before opt.step()")
         if self._sharded_engines:
-            from ..dist.state import refuse_sharded
+            from ..sharding.state import refuse_sharded
             raise refuse_sharded("optimizer.load_state_dict()")
         entries = self._check_loadable(state_dict)
         params = self._param_index()

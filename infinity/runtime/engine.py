@@ -41,7 +41,7 @@ from .homes import DeviceHome, Home, HostHome, NvmeHome, TieredHome
 from .host_malloc import trim_heap
 from .host_memory import HOST_MEMORY, RELEASE, REUSE, HostMemoryLease
 from .partition import partition
-from ..dist.partitioner import make_partitioner
+from ..sharding.partitioner import make_partitioner
 from .activations import make_activation_offloader
 from .lifecycle import HookHandlers
 from .outside import OutsideWrites

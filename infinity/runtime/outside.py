@@ -90,7 +90,7 @@ class OutsideWrites:
     def on_state_dict(self, module, state_dict, prefix, local_metadata) -> None:
         """ZeRO-3: ``model.state_dict()`` holds the whole parameters, all-gathered from every
         rank's part (as FSDP's full state dict: every rank must call it)."""
-        from ..dist.state import fill_state_dict
+        from ..sharding.state import fill_state_dict
         fill_state_dict(self, state_dict, prefix)
 
     def take_user_writes(self, flat: FlatParam) -> List[int]:

@@ -148,7 +148,7 @@ class Partitioner:
         of its shape (one element, broadcast). Reading it gives NaN (loudly wrong, never a
         freed buffer); writing it in place raises; ``p.data = tensor`` is taken in. Use
         ``infinity.materialized(model)`` (on every rank) to read real values, or
-        ``infinity.dist.full_state_dict``."""
+        ``infinity.sharding.full_state_dict``."""
         for s in flat.slots:
             nan = torch.full((1,), float("nan"), dtype=flat.home_dtype)
             s.param.data = nan.view(()) if len(s.shape) == 0 else nan.expand(s.shape)
@@ -165,7 +165,7 @@ class Partitioner:
                 "with shard='zero3' a parameter outside forward is not materialized (it reads "
                 "as NaN); the change is lost. Change it inside `with infinity.materialized("
                 "model):` (on every rank), assign `p.data = new_tensor`, or load with "
-                "infinity.dist.load_full_state_dict")
+                "infinity.sharding.load_full_state_dict")
 
     # ---- fetch: all-gather (zero3) ----------------------------------------------------
     def gather_if_needed(self, block) -> None:

@@ -15,7 +15,7 @@ from ..runtime.registry import engine_of
 def _engine(model: nn.Module):
     engine = engine_of(model)
     if engine is None:
-        raise ValueError("infinity.dist: this model is not wrapped by infinity.wrap")
+        raise ValueError("infinity.sharding: this model is not wrapped by infinity.wrap")
     return engine
 
 
@@ -57,7 +57,7 @@ def load_full_state_dict(model: nn.Module, state: Dict[str, torch.Tensor]) -> No
         names.setdefault(id(p), name)
     missing = [names[i] for i in by_param if names.get(i) not in state]
     if missing:
-        raise KeyError(f"infinity.dist.load_full_state_dict: the state has no {missing[:3]}")
+        raise KeyError(f"infinity.sharding.load_full_state_dict: the state has no {missing[:3]}")
     with engine._lock:  # noqa: SLF001
         engine.quiesce()
         for flat in engine.flats:
@@ -65,7 +65,7 @@ def load_full_state_dict(model: nn.Module, state: Dict[str, torch.Tensor]) -> No
             for s in flat.slots:
                 value = state[names[id(s.param)]]
                 if tuple(value.shape) != tuple(s.shape):
-                    raise ValueError(f"infinity.dist.load_full_state_dict: {s.qualname!r} has "
+                    raise ValueError(f"infinity.sharding.load_full_state_dict: {s.qualname!r} has "
                                      f"shape {tuple(value.shape)}, the model {tuple(s.shape)}")
                 full[s.offset:s.offset + s.numel].copy_(value.reshape(-1))
             engine.home.write_from(flat, full)
@@ -96,9 +96,9 @@ def fill_state_dict(engine, state_dict: Dict, prefix: str) -> None:
 def refuse_sharded(what: str) -> RuntimeError:
     return RuntimeError(
         f"infinity: {what} of a sharded model (shard='zero1'/'zero2'/'zero3' over "
-        "torch.distributed) is not built yet. Use infinity.dist.save_sharded(path, model, "
+        "torch.distributed) is not built yet. Use infinity.sharding.save_sharded(path, model, "
         "optimizer) / load_sharded (one file per rank; loads on any number of ranks), or "
-        "infinity.dist.full_state_dict(model) and full_optimizer_state_dict(optimizer) on "
+        "infinity.sharding.full_state_dict(model) and full_optimizer_state_dict(optimizer) on "
         "every rank (whole state dicts on rank 0; load_full_state_dict / "
         "load_full_optimizer_state_dict on any number of ranks); see docs/zero3.md")
 

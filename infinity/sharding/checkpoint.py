@@ -4,8 +4,8 @@ element ranges of the whole flat buffer. Loading on M ranks (any M, or one proce
 the ranges each rank needs from whichever files hold them: a checkpoint saved by N ranks
 resumes on M ranks without ever holding the whole model in one process.
 
-    infinity.dist.save_sharded(path, model, opt)   # every rank; writes path/rank<k>-of-<N>.pt
-    infinity.dist.load_sharded(path, model, opt)   # every rank, any world size
+    infinity.sharding.save_sharded(path, model, opt)   # every rank; writes path/rank<k>-of-<N>.pt
+    infinity.sharding.load_sharded(path, model, opt)   # every rank, any world size
 
 The save is atomic, as :func:`infinity.save_checkpoint` is: rank 0 creates a temporary
 sibling directory of ``path`` (its name agreed by an all-reduce), every rank writes and fsyncs
@@ -131,7 +131,7 @@ def save_sharded(path: str, model: nn.Module, optimizer: Optional[Any] = None, *
     rank 0's file on load, the RNG states from each rank's own."""
     engine = engine_of(model)
     if engine is None:
-        raise ValueError("infinity.dist.save_sharded: the model is not wrapped by infinity")
+        raise ValueError("infinity.sharding.save_sharded: the model is not wrapped by infinity")
     rank, world = _rank_world(engine)
     path = os.path.abspath(os.fspath(path))
     writer = _first_replica(engine)
@@ -150,7 +150,7 @@ def save_sharded(path: str, model: nn.Module, optimizer: Optional[Any] = None, *
     if agreed <= 0:
         if failure is not None:
             raise failure
-        raise atomic.CheckpointError(f"infinity.dist.save_sharded: rank 0 could not prepare "
+        raise atomic.CheckpointError(f"infinity.sharding.save_sharded: rank 0 could not prepare "
                                      f"{path} (see rank 0's error); nothing was written")
     tmp = atomic.staging_name(path, agreed)
     # 2. every rank writes its file into it
@@ -179,7 +179,7 @@ def save_sharded(path: str, model: nn.Module, optimizer: Optional[Any] = None, *
             shutil.rmtree(tmp, ignore_errors=True)
         if failure is not None:
             raise failure
-        raise atomic.CheckpointError(f"infinity.dist.save_sharded: only {done} of {world} "
+        raise atomic.CheckpointError(f"infinity.sharding.save_sharded: only {done} of {world} "
                                      f"ranks wrote their file; {path} is left as it was")
     # 3. rank 0 writes the manifest and renames the directory into place
     committed = 0.0
@@ -200,7 +200,7 @@ def save_sharded(path: str, model: nn.Module, optimizer: Optional[Any] = None, *
     if _agree(engine, committed) != 1.0:  # the checkpoint is in place when save returns
         if failure is not None:
             raise failure
-        raise atomic.CheckpointError(f"infinity.dist.save_sharded: rank 0 could not put the "
+        raise atomic.CheckpointError(f"infinity.sharding.save_sharded: rank 0 could not put the "
                                      f"checkpoint in place at {path} (see rank 0's error)")
     return path
 
@@ -265,19 +265,19 @@ def load_sharded(path: str, model: nn.Module, optimizer: Optional[Any] = None) -
     The model must have the same parameters (names, shapes, dtypes, blocks)."""
     engine = engine_of(model)
     if engine is None:
-        raise ValueError("infinity.dist.load_sharded: the model is not wrapped by infinity")
+        raise ValueError("infinity.sharding.load_sharded: the model is not wrapped by infinity")
     path = _atomic().resolve(path)  # or the previous one, kept aside by a save that crashed
     mpath = os.path.join(path, "manifest.json")
     with open(mpath) as fh:
         manifest = json.load(fh)
     if manifest.get("format") != FORMAT:
-        raise ValueError(f"infinity.dist.load_sharded: {path} is not a sharded infinity "
+        raise ValueError(f"infinity.sharding.load_sharded: {path} is not a sharded infinity "
                          "checkpoint")
     mine = _layout(engine)
     if manifest["layout"] != mine:
         diff = sorted(k for k in set(mine) | set(manifest["layout"])
                       if mine.get(k) != manifest["layout"].get(k))
-        raise ValueError(f"infinity.dist.load_sharded: the checkpoint's parameters differ "
+        raise ValueError(f"infinity.sharding.load_sharded: the checkpoint's parameters differ "
                          f"from this model's in {diff[:3]} (other model, block_rule or dtype): "
                          "it cannot be loaded here")
     # memory-mapped: a rank reads only the pages of the ranges it copies out (_assemble)
@@ -288,7 +288,7 @@ def load_sharded(path: str, model: nn.Module, optimizer: Optional[Any] = None) -
     shards = {}
     if optimizer is not None:
         if not manifest["optimizer"]:
-            raise ValueError("infinity.dist.load_sharded: the checkpoint has no optimizer "
+            raise ValueError("infinity.sharding.load_sharded: the checkpoint has no optimizer "
                              "states")
         for g, saved in zip(optimizer.param_groups, files[0].get("param_groups", [])):
             g.update(saved)
