@@ -402,3 +402,20 @@ def test_sharded_checkpoint_keeps_scheduler_rng_and_extras(tmp_path):
     three = run_ranks("train", 3, dict(_opts(), start=3, stop=3, sched=True, rng=True,
                                        load_sharded_from=ck), tmp_path / "d")
     assert "no RNG states for this rank" in three[2].get("error", ""), three[2].get("log")
+
+
+def test_old_package_name_is_a_deprecated_alias():
+    """infinity.dist (the package's old name) still works, with a DeprecationWarning, and its
+    names and submodules are infinity.sharding's own objects (so patching one patches both)."""
+    import subprocess
+    import sys
+    code = ("import warnings; warnings.simplefilter('error')\n"
+            "import infinity.sharding as s\n"
+            "try:\n    import infinity.dist\nexcept DeprecationWarning as e:\n    print('warned')\n"
+            "warnings.simplefilter('ignore')\n"
+            "import infinity.dist as d, infinity.dist.checkpoint as c\n"
+            "print(d.save_sharded is s.save_sharded, c is s.checkpoint)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["warned", "True", "True"]
