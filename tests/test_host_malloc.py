@@ -56,8 +56,10 @@ def test_temporaries_reuse_the_heap_unless_ram_is_constrained(tmp_path):
     # every temporary of 128 KiB or more faults its pages in afresh under "release" (a batch
     # of 8 x 128 tokens: activations of 1 MiB and more); reusing the heap, few do once the
     # heap has grown to the step's needs (measured: ~44k faults per forward+backward against
-    # 7.5k in the second pass, then 10-20)
-    assert max(reuse["faults"][-2:]) * 20 < min(budget["faults"]), (reuse, budget)
+    # 7.5k in the second pass, then 10-20; on a shared machine one later pass now and then
+    # takes up to ~4k, hence the looser bound on the worse of the two)
+    assert min(reuse["faults"][-2:]) * 20 < min(budget["faults"]), (reuse, budget)
+    assert max(reuse["faults"][-2:]) * 4 < min(budget["faults"]), (reuse, budget)
 
 
 _ALIGNED = textwrap.dedent("""
