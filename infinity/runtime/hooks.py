@@ -63,18 +63,13 @@ class EngineHook:
         # engine -- holding it would keep every engine never unwrapped alive, swap files open
         self._bound = tuple(_BlockIndex(b.index) if isinstance(b, Block) else b for b in bound)
 
-    def _call(self, *args: Any) -> Any:
+    def __call__(self, *args: Any) -> Any:
         engine = self._engine()
         if engine is None:
             return None
         bound = tuple(engine.blocks[b.index] if isinstance(b, _BlockIndex) else b
                       for b in self._bound)
         return getattr(engine, self._method)(*bound, *args)
-
-    # Kept out of torch.compile's tracing, as FSDP2 keeps its hooks: they move buffers, time
-    # and call native code (perf_counter, ctypes) that dynamo cannot trace; a compiled model
-    # runs them eagerly between its graphs.
-    __call__ = torch.compiler.disable(_call)
 
     def __deepcopy__(self, memo: dict) -> Callable[..., None]:
         return _no_op
