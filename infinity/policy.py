@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .sizes import Size, parse_budget
+from .tiers.chunk_size import check_chunk_bytes
 from .tiers.tier import Tier
 
 BlockRule = Union[None, Sequence[type], Callable[[str, nn.Module], bool]]
@@ -105,6 +106,15 @@ class OffloadPolicy:
         activations are fetched back ahead of their use in backward (up to ``prefetch_window``
         segments ahead), and forward waits while more than this many bytes of saved tensors
         are still being copied out (None: 256 MiB). Needs activation_tier.
+    chunk_bytes: the size of every host buffer that swap-file I/O and the optimizer pass
+        through (staging, gradient buffers, the optimizer's NVMe buffer sets): a flat of any
+        size streams through them chunk by chunk. An int or a size string, a multiple of 4096
+        (None: 1/32 of host_budget, at least 1 MiB and at most 256 MiB; 256 MiB without one).
+        See ``infinity.tiers.chunk_size``.
+    param_persistence_threshold: modules outside the layer list (embeddings, final norm, LM
+        head) whose parameters hold at least this many elements are blocks of their own,
+        fetched when they run and released after; smaller ones stay in the root block,
+        materialized for the whole step (DeepSpeed's stage3_param_persistence_threshold).
     """
 
     param_tier: str = "auto"
@@ -126,6 +136,8 @@ class OffloadPolicy:
     activation_min_bytes: Optional[int] = None
     activation_prefetch_bytes: Optional[int] = None
     host_blocks: Optional[int] = None
+    chunk_bytes: Optional[Size] = None
+    param_persistence_threshold: int = 100_000
 
     def __post_init__(self) -> None:
         if self.param_tier != "auto":
@@ -142,10 +154,15 @@ class OffloadPolicy:
         self._check_host_blocks()
         if self.placement not in (None, "auto"):
             raise ValueError(f"placement={self.placement!r}; use 'auto' (the planner) or None")
-        for name in ("device_budget", "host_budget"):
+        for name in ("device_budget", "host_budget", "chunk_bytes"):
             value = getattr(self, name)
             if value is not None:  # frozen: normalised once, downstream code sees ints
                 object.__setattr__(self, name, parse_budget(value, name))
+        check_chunk_bytes(self.chunk_bytes, "infinity.wrap")
+        t = self.param_persistence_threshold
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0:
+            raise ValueError(f"infinity: param_persistence_threshold must be an integer number "
+                             f"of elements >= 0, got {t!r}")
         if (isinstance(self.prefetch_window, bool)
                 or not isinstance(self.prefetch_window, numbers.Integral)
                 or self.prefetch_window < 0):

@@ -5,8 +5,8 @@ pipeline streams shards in pieces). ``chunk_bytes`` is to be the size of the sta
 NVMe step moves per piece: a shard whose states are larger is meant to be stepped as
 a sequence of element ranges, each range's state bytes read into, stepped in and written from
 a buffer of about that size, so the pipeline's buffers are bounded by the chunk, not by the
-largest shard (a Llama-3 embedding). :func:`resolve_chunk_bytes` is the one place its value is
-checked and its default derived.
+largest shard (a Llama-3 embedding). :func:`~infinity.tiers.chunk_size.resolve_chunk_bytes` is the one place its
+value is checked and its default derived.
 
 The geometry (pure functions, no I/O): :func:`element_ranges` cuts a shard into ranges whose
 boundaries are slot starts or 256-element 8-bit block boundaries inside a slot (each slot's
@@ -22,48 +22,12 @@ from typing import List, Optional, Tuple
 
 from .. import io as inf_io
 from ..ops.adam_compact import BLOCK_SIZE, num_blocks
+from ..tiers.chunk_size import (  # noqa: F401 (the optimizer's chunk is the engine's)
+    BUDGET_FRACTION, DEFAULT_CHUNK_BYTES, MIN_DEFAULT_CHUNK_BYTES, check_chunk_bytes,
+    resolve_chunk_bytes)
 from .state_store import StateLayout
 
-DEFAULT_CHUNK_BYTES = 256 << 20   # without a host budget
-BUDGET_FRACTION = 32              # with one: at most 1/32 of it per chunk (3+ sets in flight)
-MIN_DEFAULT_CHUNK_BYTES = 1 << 20
-
 _BYTES_PER_ELEMENT = {"fp32": 12.0, "bf16": 8.0, "8bit": 6.0 + 8.0 / BLOCK_SIZE}
-
-
-def check_chunk_bytes(chunk_bytes: object) -> Optional[int]:
-    """Validates the ``chunk_bytes=`` argument (None: derived later); returns it."""
-    if chunk_bytes is None:
-        return None
-    align = inf_io.ALIGNMENT
-    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0 \
-            or chunk_bytes % align:
-        raise ValueError(
-            f"infinity.optim: chunk_bytes must be a positive multiple of {align} bytes (the "
-            f"O_DIRECT alignment of optimizer-state I/O), got {chunk_bytes!r}; round it, e.g. "
-            f"chunk_bytes={_suggest(chunk_bytes, align)}, or pass None for the default")
-    return chunk_bytes
-
-
-def _suggest(value: object, align: int) -> int:
-    try:
-        return max(align, int(value) // align * align)  # type: ignore[call-overload]
-    except (TypeError, ValueError):
-        return DEFAULT_CHUNK_BYTES
-
-
-def resolve_chunk_bytes(chunk_bytes: Optional[int], host_budget_limit: Optional[int]) -> int:
-    """The chunk in bytes: ``chunk_bytes`` when given; else 1/:data:`BUDGET_FRACTION` of the
-    host budget (at least 1 MiB, at most :data:`DEFAULT_CHUNK_BYTES`, a multiple of 4096) when
-    one is set, else :data:`DEFAULT_CHUNK_BYTES`."""
-    given = check_chunk_bytes(chunk_bytes)
-    if given is not None:
-        return given
-    if host_budget_limit is None:
-        return DEFAULT_CHUNK_BYTES
-    align = inf_io.ALIGNMENT
-    derived = host_budget_limit // BUDGET_FRACTION // align * align
-    return max(MIN_DEFAULT_CHUNK_BYTES, min(DEFAULT_CHUNK_BYTES, derived))
 
 
 def bytes_per_element(fmt: str) -> float:
