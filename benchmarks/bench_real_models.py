@@ -1,0 +1,270 @@
+"""Real Hugging Face configs trained with everything on NVMe under a fixed host budget: peak
+RSS against the budget, swap bytes per parameter by category, NVMe bytes per step.
+
+    python benchmarks/bench_real_models.py --model llama-3.2-3b --budget 4GiB --steps 3
+    python benchmarks/bench_real_models.py --model llama-3.1-8b --layers 4 --budget 6GiB
+    python benchmarks/bench_real_models.py --model llama-3.2-3b --layers 2 --vocab 32000
+    python benchmarks/bench_real_models.py --quick        # full 128k vocabulary, tiny width (CI)
+
+The model is transformers' ``LlamaForCausalLM`` (or ``Qwen2ForCausalLM``) at its published
+sizes (``--layers`` keeps the first N layers, ``--vocab`` changes the vocabulary only), built
+under ``infinity.empty_init()`` in bf16 as the models are published (``--weights float32`` for
+fp32 homes), filled by ``init`` (normal, std 0.02; norms 1), and wrapped with parameters,
+gradients and optimizer states on NVMe, ``host_budget`` and ``compute_dtype`` (float32 by
+default: on this CPU bf16 matmuls run at about a fifth of fp32 speed). Each run is one fresh
+subprocess; the kernel's peak RSS counter (VmHWM) is reset just before wrap and compared with
+``RSS before wrap + budget + 0.5 GiB`` (the issue's bound). The swap directory is walked after
+every step: its files' sizes by category (parameters, gradients, optimizer states) and per
+parameter. Results: benchmarks/results/bench_real_models*.json.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+from typing import Any, Dict, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+import _common  # noqa: E402
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+# Published configs (the fields that set the parameter count and the compute).
+CONFIGS: Dict[str, Dict[str, Any]] = {
+    "llama-3.2-1b": dict(arch="llama", vocab_size=128256, hidden_size=2048,
+                         intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, tie_word_embeddings=True, rope_theta=500000.0,
+                         rms_norm_eps=1e-5),
+    "llama-3.2-3b": dict(arch="llama", vocab_size=128256, hidden_size=3072,
+                         intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+                         num_key_value_heads=8, tie_word_embeddings=True, rope_theta=500000.0,
+                         rms_norm_eps=1e-5),
+    "llama-3.1-8b": dict(arch="llama", vocab_size=128256, hidden_size=4096,
+                         intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, tie_word_embeddings=False, rope_theta=500000.0,
+                         rms_norm_eps=1e-5),
+    "qwen2.5-3b": dict(arch="qwen2", vocab_size=151936, hidden_size=2048,
+                       intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+                       num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1000000.0,
+                       rms_norm_eps=1e-6),
+    # CI: the real vocabulary, a tiny width
+    "quick": dict(arch="llama", vocab_size=128256, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  tie_word_embeddings=True, rope_theta=500000.0, rms_norm_eps=1e-5),
+}
+
+_CHILD = textwrap.dedent(r"""
+    import json, os, sys, threading, time
+    sys.path.insert(0, ROOT)
+    import torch
+    import transformers
+    import infinity
+
+    args = json.loads(sys.argv[1])
+
+    def status(key):
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+        return 0
+
+    def reset_peak():
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")  # VmHWM := VmRSS (Linux >= 4.0)
+
+    def category(name):
+        if name.endswith(".grad.swp"):
+            return "gradients"
+        if ".opt" in name or ".state" in name:
+            return "optimizer states"
+        if name.endswith(".swp"):
+            return "parameters"
+        return "other"
+
+    def swap_bytes(path):
+        out = {}
+        for root, _dirs, files in os.walk(path):
+            for f in files:
+                st = os.stat(os.path.join(root, f))
+                c = category(f)
+                out[c] = out.get(c, 0) + st.st_blocks * 512  # allocated, not apparent
+        return out
+
+    cfg_args = dict(args["config"])
+    arch = cfg_args.pop("arch")
+    cls_cfg, cls_model = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[arch]
+    config = cls_cfg(**cfg_args, max_position_embeddings=4096, use_cache=False)
+    dtype = getattr(torch, args["weights"])
+    torch.manual_seed(0)
+    with infinity.empty_init():
+        model = cls_model(config).to(dtype)
+    n_params = sum(p.numel() for p in model.parameters())
+    ids = torch.randint(0, config.vocab_size, (args["batch"], args["seq"]),
+                        generator=torch.Generator().manual_seed(1))
+
+    def init(module):
+        for name, p in module.named_parameters(recurse=False):
+            with torch.no_grad():
+                if name == "weight" and p.dim() == 1:
+                    p.fill_(1.0)
+                elif name == "bias":
+                    p.zero_()
+                else:
+                    p.normal_(0.0, 0.02)
+
+    base = status("VmRSS")
+    reset_peak()
+    t0 = time.perf_counter()
+    infinity.wrap(model, nvme_path=args["nvme"], init=init, param_tier="nvme",
+                  grad_tier="nvme", optimizer_tier="nvme", host_budget=args["budget"],
+                  compute_dtype=getattr(torch, args["compute"]),
+                  **({"chunk_bytes": args["chunk"]} if args["chunk"] else {}))
+    wrap_s = time.perf_counter() - t0
+    after_wrap = {"VmHWM": status("VmHWM"), "VmRSS": status("VmRSS")}
+    t0 = time.perf_counter()
+    opt = infinity.optim.AdamW(model.parameters(), lr=1e-5, states=args["states"])
+    opt_s = time.perf_counter() - t0
+    steps = []
+    infinity.stats(model, reset=True)
+    for i in range(args["steps"]):
+        t0 = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        t1 = time.perf_counter()
+        opt.step()
+        opt.zero_grad()
+        t2 = time.perf_counter()
+        s = infinity.stats(model, reset=True)
+        steps.append({"loss": loss.item(), "forward_backward_s": t1 - t0, "step_s": t2 - t1,
+                      "moved": s.get("moved"), "nvme_written": s["nvme_bytes_written"]["last_step"],
+                      "host": s["tiers"]["host"], "device": s["tiers"]["device"],
+                      "stall_s": s["stall_seconds"], "VmHWM": status("VmHWM"),
+                      "VmRSS": status("VmRSS"), "swap": swap_bytes(args["nvme"])})
+        print(json.dumps({"progress": i, "loss": loss.item(), "fwd_bwd_s": t1 - t0,
+                          "step_s": t2 - t1, "VmHWM": status("VmHWM")}), file=sys.stderr,
+              flush=True)
+    model.eval()
+    with torch.no_grad():
+        eval_loss = model(input_ids=ids, labels=ids).loss.item()
+    print(json.dumps({"params": n_params, "base": base, "peak": status("VmHWM"),
+                      "after_wrap": after_wrap, "wrap_s": wrap_s, "optimizer_init_s": opt_s,
+                      "steps": steps, "eval_loss": eval_loss,
+                      "state_formats": infinity.stats(model).get("optimizer_states"),
+                      "swap": swap_bytes(args["nvme"])}))
+    opt.close()
+""")
+
+
+def run_child(payload: Dict, timeout: float) -> Dict:
+    code = f"ROOT = {ROOT!r}\n" + _CHILD
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(payload)],
+                         stdout=subprocess.PIPE, stderr=None, text=True, timeout=timeout)
+    if out.returncode != 0:
+        raise RuntimeError(f"bench_real_models child failed (exit {out.returncode}); its "
+                           "stderr is above")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def parse_size(text: str) -> int:
+    sys.path.insert(0, ROOT)
+    from infinity.sizes import parse_size as parse
+    return parse(text, "--budget", minimum=1)
+
+
+def main(argv: Optional[list] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="llama-3.2-3b", choices=sorted(CONFIGS))
+    p.add_argument("--quick", action="store_true", help="the 'quick' config, 2 steps (CI)")
+    p.add_argument("--layers", type=int, default=None, help="keep the first N layers")
+    p.add_argument("--vocab", type=int, default=None, help="change the vocabulary size")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--budget", default="4GiB", help="host_budget (e.g. 4GiB)")
+    p.add_argument("--chunk", default=None, help="chunk_bytes (default: from the budget)")
+    p.add_argument("--states", default="8bit", choices=("fp32", "bf16", "8bit"))
+    p.add_argument("--weights", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--compute", default="float32", choices=("bfloat16", "float32"))
+    p.add_argument("--nvme-path", default=None, help="swap directory (default: temp dir)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    name = "quick" if args.quick else args.model
+    config = dict(CONFIGS[name])
+    if args.layers is not None:
+        config["num_hidden_layers"] = args.layers
+    if args.vocab is not None:
+        config["vocab_size"] = args.vocab
+    steps = 2 if args.quick else args.steps
+    seq = 32 if args.quick else args.seq
+    budget = parse_size("256MiB" if args.quick and args.budget == "4GiB" else args.budget)
+    chunk = parse_size(args.chunk) if args.chunk else None
+    swap = args.nvme_path or tempfile.mkdtemp(prefix="bench-real-", dir=tempfile.gettempdir())
+    swap_dir = os.path.join(swap, "swap")
+    os.makedirs(swap_dir, exist_ok=True)
+    payload = {"config": config, "batch": args.batch, "seq": seq, "budget": budget,
+               "chunk": chunk, "states": args.states, "steps": steps, "nvme": swap_dir,
+               "weights": args.weights, "compute": args.compute}
+    try:
+        run = run_child(payload, timeout=900 if args.quick else 4 * 3600)
+    finally:
+        if args.nvme_path is None:
+            shutil.rmtree(swap, ignore_errors=True)
+        else:
+            shutil.rmtree(swap_dir, ignore_errors=True)
+    bound = run["base"] + budget + GIB // 2
+    n = run["params"]
+    swap_total = sum(run["swap"].values())
+    result = {
+        "date": datetime.date.today().isoformat(),
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "machine": _common.machine_info(),
+        "model": name, "config": config, "params": n, "batch": args.batch, "seq": seq,
+        "states": args.states, "weights": args.weights, "compute_dtype": args.compute,
+        "host_budget": budget, "chunk_bytes": chunk,
+        "rss_before_wrap": run["base"], "peak_rss": run["peak"], "bound": bound,
+        "within_bound": run["peak"] <= bound, "peak_over_base": run["peak"] - run["base"],
+        "swap_bytes": run["swap"], "swap_bytes_total": swap_total,
+        "swap_bytes_per_param": {k: v / n for k, v in run["swap"].items()},
+        "wrap_s": run["wrap_s"], "optimizer_init_s": run["optimizer_init_s"],
+        "eval_loss": run["eval_loss"], "state_formats": run["state_formats"],
+        "steps": run["steps"],
+    }
+    print(f"{name}: {n / 1e9:.3f}B params ({config['num_hidden_layers']} layers, vocab "
+          f"{config['vocab_size']}), weights {args.weights}, compute {args.compute}, states "
+          f"{args.states}, host_budget {budget / GIB:.2f} GiB")
+    print(f"peak RSS {run['peak'] / GIB:.2f} GiB vs bound (RSS before wrap "
+          f"{run['base'] / GIB:.2f} + budget + 0.5 GiB) {bound / GIB:.2f} GiB: "
+          f"{'within' if result['within_bound'] else 'OVER'}")
+    print("swap: " + ", ".join(f"{k} {v / GIB:.2f} GiB ({v / n:.2f} B/param)"
+                               for k, v in sorted(run["swap"].items()))
+          + f"; total {swap_total / GIB:.2f} GiB ({swap_total / n:.2f} B/param)")
+    for i, s in enumerate(run["steps"]):
+        print(f"step {i}: loss {s['loss']:.4f}  fwd+bwd {s['forward_backward_s']:.1f} s  "
+              f"opt {s['step_s']:.1f} s  NVMe written {s['nvme_written'] / GIB:.2f} GiB  "
+              f"VmHWM {s['VmHWM'] / GIB:.2f} GiB")
+    print(f"eval loss after training: {run['eval_loss']:.4f}")
+    out = args.out or os.path.join(
+        HERE, "results", "bench_real_models_quick.json" if args.quick else
+        f"bench_real_models_{name}_{config['num_hidden_layers']}l_v{config['vocab_size']}.json")
+    _common.write_json(out, result)
+    print(f"saved {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
