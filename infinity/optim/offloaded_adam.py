@@ -43,7 +43,11 @@ from ._common import ShardState, States, _check_hyper, _float, _read_grads, _Run
 from .grad_checks import GradientChecks
 from .overlap import BackwardOverlap
 from .state_dicts import StateDicts
-from .swapper import BufferSets, StepStats, run_pipeline
+from .chunks import Unit, UnitViews, unit_views
+from .swapper import BufferSets, StepStats, run_pipeline, write_units
+from ..ops.adam_compact import BLOCK_SIZE, num_blocks
+from ..sizes import Size, parse_size
+from ..tiers.chunk_size import check_chunk_bytes, resolve_chunk_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +121,16 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
             Only models whose gradients and states are on NVMe. Exact in every case: an update
             that differs from what ``step()`` computes (clipping that triggers, loss scaling,
             an lr change, gradient accumulation) is rolled back and redone.
+        chunk_bytes: with states on NVMe, a shard whose states are larger than this is read,
+            stepped and written in element ranges of about this many bytes of states, so the
+            step's buffer sets are bounded by it, not by the largest shard (the result is bit
+            for bit the same). A positive multiple of 4096 (an int or a size string such as
+            "64MiB"); None (default): the wrapped model's ``chunk_bytes`` policy, else derived
+            from its ``host_budget`` (:func:`infinity.tiers.chunk_size.resolve_chunk_bytes`).
+            With a ``host_budget``, the buffer sets are counted in it when the optimizer is
+            constructed: below the minimum (3 sets of one chunk, plus a whole-shard buffer
+            where the engine's gradients or parameters are on NVMe) the constructor raises,
+            naming the bytes needed; above it, the number of sets adapts to what is left.
 
     The tier of the states of each wrapped model is chosen by ``choose_tier`` (from the
     model's ``optimizer_tier`` policy) at the first step. After each step,
@@ -132,7 +146,11 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
                  amsgrad: bool = False, maximize: bool = False,
                  check_finite: Union[bool, str] = "auto", states: StatesArg = "fp32",
                  overlap: Union[bool, str] = "auto", master: str = "fp32",
-                 sr_seed: int = 0, min_8bit_size: int = MIN_8BIT_SIZE) -> None:
+                 sr_seed: int = 0, min_8bit_size: int = MIN_8BIT_SIZE,
+                 chunk_bytes: Optional[Size] = None) -> None:
+        self._chunk_arg = check_chunk_bytes(parse_size(chunk_bytes, "chunk_bytes")
+                                            if isinstance(chunk_bytes, str) else chunk_bytes,
+                                            "infinity.optim")
         self._format_spec = FormatSpec(states, min_8bit_size)
         self.states_format = self._format_spec.default  # the default format's name
         self.min_8bit_size = self._format_spec.min_8bit_size
@@ -168,6 +186,7 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
         self.last_step_stats: Optional[StepStats] = None
         super().__init__(params, defaults)
         _LIVE.add(self)
+        self._reserve_buffers()
 
     # =====================================================================================
     # param groups and shards
@@ -296,13 +315,40 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
             flats, fmts = [s.flat for s in shards], [s.formats for s in shards]
             master = self.master_format
             tier = choose_tier(engine, flats, fmts, master)
-            store = NvmeStates(engine, master) if tier == "nvme" else HostStates(engine, master)
+            store = (NvmeStates(engine, master, self._chunk_for(engine)) if tier == "nvme"
+                     else HostStates(engine, master))
             present = sorted({f for ff in fmts for f in ff})
             logger.info("infinity.optim: %s bytes of %s optimizer states (%s master) on %s",
                         f"{sum(state_nbytes(f, ff, master) for f, ff in zip(flats, fmts)):,}",
                         "+".join(present) or self.states_format, master, tier)
             self._stores[id(engine)] = store
         return store
+
+    def _chunk_for(self, engine: Engine) -> int:
+        """The chunk of this engine's NVMe step: ``chunk_bytes=`` given here, else the engine's
+        policy, else derived from its host budget."""
+        if self._chunk_arg is not None:
+            return self._chunk_arg
+        return resolve_chunk_bytes(getattr(engine.policy, "chunk_bytes", None),
+                                   engine.host_budget.limit, "infinity.optim")
+
+    def _reserve_buffers(self) -> None:
+        """With a host budget: the state tier is chosen and, on NVMe, the buffer sets are
+        counted in the budget now, so a budget below their minimum is refused here rather
+        than at the first step (after a whole forward and backward)."""
+        for engine in self._engines():
+            if engine.host_budget.limit is None:
+                continue
+            shards = [s for s in self._shards.values() if s.engine is engine]
+            if not shards:
+                continue
+            try:
+                store = self._store(engine)
+                if isinstance(store, NvmeStates):
+                    self._sets_for(engine, shards)
+            except BaseException:
+                self.close()
+                raise
 
     @property
     def state_bytes(self) -> Dict[str, int]:
@@ -569,6 +615,69 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
                 out[a:b].copy_(home[a:b] if home is not None
                                else views.master_value(slice(a, b)))
 
+    def _apply_unit(self, shard: Shard, runs: List[_Run], unit: Unit, buf: torch.Tensor,
+                    staging: Optional[torch.Tensor], multiplier: float,
+                    grad: Optional[torch.Tensor] = None,
+                    hypers: Optional[List[Dict[str, Any]]] = None) -> None:
+        """:meth:`_apply` of one unit of an NVMe shard (the whole shard for a whole unit):
+        the same kernels over the runs' elements inside ``[unit.start, unit.end)``. Unit
+        boundaries are slot edges or 256-element block boundaries inside a slot, so an
+        8-bit slot cut by them is quantized in exactly the blocks it has whole; fp32 and bf16
+        moments are element-wise. Only one-format layouts with an fp32 master are cut."""
+        if unit.whole:
+            self._apply(shard, runs, buf, staging, multiplier, grad, hypers)
+            return
+        flat, engine = shard.flat, shard.engine
+        store = self._stores[id(engine)]
+        layout = store.layout(shard)
+        views = unit_views(layout, unit, buf)
+        grad = engine.grads.in_ram(flat) if grad is None else grad
+        out = self._working_out(shard, staging)
+        if out is None:
+            raise RuntimeError(f"infinity.optim: {flat.key} is stepped in units but has no "
+                               "working buffer to write (a bug in the unit plan)")
+        a, b = unit.start, unit.end
+        written: List[Tuple[int, int]] = []
+        fmt = layout.fmt
+        for j, r in enumerate(runs):
+            lo, hi = max(r.start, a), min(r.end, b)
+            if lo >= hi:
+                continue
+            hyper = hypers[j] if hypers is not None else self._hyper(r, multiplier)
+            if fmt != "8bit":
+                kernel = cpu_adam_step if fmt == "fp32" else cpu_adam_step_bf16_moments
+                kernel(views.master[lo - a:hi - a], grad[lo:hi], views.exp_avg[lo - a:hi - a],
+                       views.exp_avg_sq[lo - a:hi - a], out=out[lo:hi], **hyper)
+                written.append((lo, hi))
+                continue
+            self._step_8bit_slots(flat, layout, unit, views, grad, out, r, hyper, written)
+        if engine.stages_working_copy(flat):
+            pos = a  # elements the kernels did not write: the working copy from the master
+            for lo, hi in written + [(b, b)]:
+                if lo > pos:
+                    out[pos:lo].copy_(views.master[pos - a:lo - a])
+                pos = max(pos, hi)
+
+    @staticmethod
+    def _step_8bit_slots(flat: Any, layout: Any, unit: Unit, views: UnitViews,
+                         grad: torch.Tensor, out: torch.Tensor, r: _Run,
+                         hyper: Dict[str, Any], written: List[Tuple[int, int]]) -> None:
+        """The 8-bit kernel over each slot of run ``r`` inside the unit, slot by slot (each
+        slot's blocks start at its first element)."""
+        a, b = unit.start, unit.end
+        for i in range(r.first, r.last + 1):
+            s = flat.slots[i]
+            lo, hi = max(s.offset, a), min(s.offset + s.numel, b)
+            if lo >= hi:
+                continue
+            b0 = layout.block_start[i] + (lo - s.offset) // BLOCK_SIZE - unit.blocks[0]
+            nb = num_blocks(hi - lo)
+            cpu_adam_step_8bit(views.master[lo - a:hi - a], grad[lo:hi],
+                               views.exp_avg[lo - a:hi - a], views.exp_avg_absmax[b0:b0 + nb],
+                               views.exp_avg_sq[lo - a:hi - a],
+                               views.exp_avg_sq_absmax[b0:b0 + nb], out=out[lo:hi], **hyper)
+            written.append((lo, hi))
+
     @staticmethod
     def _keep_unstepped(shard: Shard, written: List[Tuple[int, int]],
                         value: torch.Tensor) -> torch.Tensor:
@@ -651,11 +760,33 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
         """First use of a shard: states from the home copy, written and committed at once, so
         every later step has a committed state to fall back to."""
         store.create(shard)
+        if store.plan(shard).chunked:
+            self._init_nvme_units(store, sets, shard)
+            return
         buf = sets.state_view(0, store, shard)
         init_states(shard, store.views(shard, buf),
                     sets.staging[0] if sets.staging[0] is not None
                     else inf_io.aligned_empty(shard.flat.home_nbytes))
         store.write_and_commit(shard, buf, "initializing")
+        shard.initialized = True
+
+    def _init_nvme_units(self, store: NvmeStates, sets: BufferSets, shard: Shard) -> None:
+        """:meth:`_init_nvme` of a shard stepped in units: the master of each unit from the
+        home copy (through the staging slot for NVMe homes, else the working buffer), zero
+        moments, written unit by unit."""
+        engine, flat = shard.engine, shard.flat
+        if engine.stages_working_copy(flat):
+            home = sets.staging[0][:flat.home_nbytes].view(flat.home_dtype)
+            engine.read_home(flat, home)
+        else:
+            home = engine.home.working_buffer(flat)
+        layout = store.layout(shard)
+
+        def fill(un: Unit, buf: torch.Tensor) -> None:
+            views = unit_views(layout, un, buf)
+            views.master.copy_(home[un.start:un.end])  # moments: zero (the buffer is zeroed)
+
+        write_units(store, shard, sets, fill, "initializing")
         shard.initialized = True
 
     def _step_nvme(self, engine: Engine, store: NvmeStates,
@@ -671,8 +802,8 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
         write_home = engine.working_copy_staged
         try:
             run_pipeline(shards, store, sets,
-                         lambda s, buf, st, g: self._apply(s, runs_of[s.key], buf, st,
-                                                           multiplier, g),
+                         lambda s, un, buf, st, g: self._apply_unit(s, runs_of[s.key], un, buf,
+                                                                    st, multiplier, g),
                          write_home, stats, computed)
         except BaseException as failure:
             for shard in computed:
