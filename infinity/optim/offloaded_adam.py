@@ -751,8 +751,12 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
             sets.close()
             sets = None
         if sets is None:
+            later = 0
+            if not grads and engine.host_budget.limit is not None:
+                later = sum(f.numel * 4 for f in engine.flats
+                            if f.trainable and engine.grads.in_ram(f) is None)
             sets = BufferSets(store, [s for s in self._shards.values()
-                                      if s.engine is engine], staging, grads)
+                                      if s.engine is engine], staging, grads, later=later)
             self._sets[id(engine)] = sets
         return sets
 

@@ -186,7 +186,7 @@ class BufferSets:
     what is left above it buys a second shard slot, then more sets."""
 
     def __init__(self, states: NvmeStates, shards: List[Shard], staging: bool,
-                 grads: bool, count: Optional[int] = None) -> None:
+                 grads: bool, count: Optional[int] = None, later: int = 0) -> None:
         engine = states.engine
         self.engine = engine
         self.states_nbytes = max(states.plan(s).buffer_nbytes for s in shards)
@@ -195,7 +195,10 @@ class BufferSets:
         self.set_nbytes = self.states_nbytes
         self.slot_nbytes = self.staging_nbytes + self.grad_numel * 4
         budget = engine.host_budget
-        left = None if budget.limit is None else budget.limit - budget.used
+        # later: bytes the engine still takes from the budget (its host gradient accumulators,
+        # allocated at the first backward)
+        left = None if budget.limit is None else budget.limit - budget.used - later
+        self.later = later
         slots = SHARD_SLOTS if self.slot_nbytes else 1
         if left is not None:
             minimum = SETS * self.set_nbytes + self.slot_nbytes
@@ -231,10 +234,13 @@ class BufferSets:
         if self.slot_nbytes:
             parts.append(f"1 shard buffer of {self.slot_nbytes:,} bytes (the largest shard's "
                          "gradients read from NVMe and/or its working copy written to it)")
-        return (f"infinity.optim: host_budget={limit:,} bytes has {limit - used:,} free "
-                f"({used:,} held by the engine and others), but the NVMe optimizer step needs "
-                f"at least {minimum:,}: {' + '.join(parts)}. Raise host_budget to at least "
-                f"{used + minimum:,} bytes, or pass a smaller chunk_bytes= to the optimizer "
+        held = used + self.later
+        later = (f", {self.later:,} of it for the gradient accumulators the engine allocates "
+                 "at the first backward" if self.later else "")
+        return (f"infinity.optim: host_budget={limit:,} bytes has {limit - held:,} free "
+                f"({held:,} held by the engine and others{later}), but the NVMe optimizer step "
+                f"needs at least {minimum:,}: {' + '.join(parts)}. Raise host_budget to at "
+                f"least {held + minimum:,} bytes, or pass a smaller chunk_bytes= to the optimizer "
                 "(a multiple of 4096), or keep gradients / parameters of the largest block in "
                 "host RAM")
 
