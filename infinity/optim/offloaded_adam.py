@@ -38,7 +38,7 @@ from ..runtime.engine import Engine, locate
 from .formats import (MIN_8BIT_SIZE, Choice, FormatSpec, States as StatesArg,
                       format_summary, param_owners)
 from .state_store import (HostStates, NvmeStates, OptimizerStateIOError, Shard,
-                          choose_tier, init_states, state_nbytes)
+                          choose_tier, engine_bytes_later, init_states, state_nbytes)
 from ._common import ShardState, States, _check_hyper, _float, _read_grads, _Run  # noqa: F401 (ShardState re-exported)
 from .grad_checks import GradientChecks
 from .overlap import BackwardOverlap
@@ -307,14 +307,17 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
         return (shard.groups[i] is not None and flat.slots[i].param.requires_grad
                 and shard.engine.grads.ready(flat, i))
 
-    def _store(self, engine: Engine) -> States:
+    def _store(self, engine: Engine, later: int = 0) -> States:
+        """The engine's state store, created on first use (``later``: host bytes the engine
+        still takes from its budget, set aside when the tier is chosen before the first
+        backward)."""
         store = self._stores.get(id(engine))
         if store is None:
             shards = [s for s in self._shards.values() if s.engine is engine
                       and any(g is not None for g in s.groups)]
             flats, fmts = [s.flat for s in shards], [s.formats for s in shards]
             master = self.master_format
-            tier = choose_tier(engine, flats, fmts, master)
+            tier = choose_tier(engine, flats, fmts, master, later)
             store = (NvmeStates(engine, master, self._chunk_for(engine)) if tier == "nvme"
                      else HostStates(engine, master))
             present = sorted({f for ff in fmts for f in ff})
@@ -343,9 +346,10 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
             if not shards:
                 continue
             try:
-                store = self._store(engine)
+                later = engine_bytes_later(engine)  # before the first backward: its gradients
+                store = self._store(engine, later)
                 if isinstance(store, NvmeStates):
-                    self._sets_for(engine, shards)
+                    self._sets_for(engine, shards, later)
             except BaseException:
                 self.close()
                 raise
@@ -742,7 +746,7 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
             stats.shards += 1
             stats.params += sum(r.end - r.start for r in runs)
 
-    def _sets_for(self, engine: Engine, shards: List[Shard]) -> BufferSets:
+    def _sets_for(self, engine: Engine, shards: List[Shard], later: int = 0) -> BufferSets:
         staging = engine.working_copy_staged
         grads = engine.grads.on_nvme
         store = self._stores[id(engine)]
@@ -751,10 +755,6 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
             sets.close()
             sets = None
         if sets is None:
-            later = 0
-            if not grads and engine.host_budget.limit is not None:
-                later = sum(f.numel * 4 for f in engine.flats
-                            if f.trainable and engine.grads.in_ram(f) is None)
             sets = BufferSets(store, [s for s in self._shards.values()
                                       if s.engine is engine], staging, grads, later=later)
             self._sets[id(engine)] = sets

@@ -445,11 +445,12 @@ def quantize_exact(x: torch.Tensor, signed: bool, codes: torch.Tensor,
 # ---- tier -----------------------------------------------------------------------------------
 def choose_tier(engine: Engine, flats: List[FlatParam],
                 fmt: Union[str, Sequence[Union[str, Sequence[str]]]] = "fp32",
-                master: str = "fp32") -> str:
+                master: str = "fp32", later: int = 0) -> str:
     """The one place the optimizer-state tier is chosen, from ``engine.policy.optimizer_tier``:
     "host" or "nvme" as given; "auto" = "nvme" when ``nvme_path`` is set and (no
     ``host_budget`` is set, or the states (in format ``fmt``: one for all, or per flat one
-    format or one per slot) do not fit in what is left of it), else "host"."""
+    format or one per slot) do not fit in what is left of it, ``later`` bytes that the engine
+    still takes from it set aside), else "host"."""
     policy = engine.policy
     if policy.optimizer_tier in ("host", "nvme"):
         return policy.optimizer_tier
@@ -457,9 +458,18 @@ def choose_tier(engine: Engine, flats: List[FlatParam],
         return "host"
     per_flat = [fmt] * len(flats) if isinstance(fmt, str) else list(fmt)
     need = sum(state_nbytes(f, ff, master) for f, ff in zip(flats, per_flat))
-    if policy.host_budget is None or not engine.host_budget.fits(need):
+    if policy.host_budget is None or not engine.host_budget.fits(need + later):
         return "nvme"
     return "host"
+
+
+def engine_bytes_later(engine: Engine) -> int:
+    """Host bytes the engine still takes from its budget after wrap: the host gradient
+    accumulators of the flats that have none yet (allocated at their first backward)."""
+    if engine.host_budget.limit is None or engine.grads.on_nvme:
+        return 0
+    return sum(f.numel * 4 for f in engine.flats
+               if f.trainable and engine.grads.in_ram(f) is None)
 
 
 @dataclass
