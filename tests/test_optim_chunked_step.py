@@ -298,7 +298,7 @@ def test_budget_below_minimum_refused_at_construction(tmp_path):
     assert "infinity.optim" in msg and f"host_budget={budget:,}" in msg and "chunk_bytes" in msg
     need = int(msg.split("needs at least ")[1].split(":")[0].replace(",", ""))
     assert free < need <= 3 * (64 << 10)  # 3 units, each within the chunk
-    assert f"at least {engine_bytes + need:,} bytes" in msg
+    assert f"needs host_budget >= {engine_bytes + need:,} bytes" in msg
     assert engine.host_budget.limit - engine.host_budget.used - grads == free  # nothing held
     # a chunk that fits: accepted, and its sets counted at construction, before any step
     opt = infinity.optim.AdamW(model.parameters(), lr=1e-3, chunk_bytes=8 << 10)

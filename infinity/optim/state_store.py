@@ -466,7 +466,8 @@ def choose_tier(engine: Engine, flats: List[FlatParam],
 def engine_bytes_later(engine: Engine) -> int:
     """Host bytes the engine still takes from its budget after wrap: the host gradient
     accumulators of the flats that have none yet (allocated at their first backward)."""
-    if engine.host_budget.limit is None or engine.grads.on_nvme:
+    if engine.host_budget.limit is None or engine.grads.on_nvme \
+            or getattr(engine, "partitioner", None) is not None:  # ZeRO: per-rank parts
         return 0
     return sum(f.numel * 4 for f in engine.flats
                if f.trainable and engine.grads.in_ram(f) is None)

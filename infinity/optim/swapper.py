@@ -239,8 +239,8 @@ class BufferSets:
                  "at the first backward" if self.later else "")
         return (f"infinity.optim: host_budget={limit:,} bytes has {limit - held:,} free "
                 f"({held:,} held by the engine and others{later}), but the NVMe optimizer step "
-                f"needs at least {minimum:,}: {' + '.join(parts)}. Raise host_budget to at "
-                f"least {held + minimum:,} bytes, or pass a smaller chunk_bytes= to the optimizer "
+                f"needs at least {minimum:,}: {' + '.join(parts)}. This needs host_budget >= "
+                f"{held + minimum:,} bytes: raise it to at least that, or pass a smaller chunk_bytes= to the optimizer "
                 "(a multiple of 4096), or keep gradients / parameters of the largest block in "
                 "host RAM")
 
