@@ -133,7 +133,8 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
             naming the bytes needed; above it, the number of sets adapts to what is left.
 
     The tier of the states of each wrapped model is chosen by ``choose_tier`` (from the
-    model's ``optimizer_tier`` policy) at the first step. After each step,
+    model's ``optimizer_tier`` policy) when the optimizer is constructed if the model has a
+    ``host_budget``, else at the first step. After each step,
     ``last_step_stats`` (a :class:`StepStats`) holds time, bytes moved and the share of NVMe
     traffic hidden behind compute.
     """

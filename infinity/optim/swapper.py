@@ -1,11 +1,15 @@
-"""The NVMe state pipeline: read(i+1..i+D) | compute(i) | write(i-1) over shards, with S >= 3
-sets of aligned host buffers (D = S - 2 shards read ahead; S = 3 by default, see
-:func:`choose_sets`), and the clock that measures how much of the I/O was hidden.
+"""The NVMe state pipeline: read(i+1..i+D) | compute(i) | write(i-1) over *units* (a shard
+not larger than the chunk is one unit; a larger one is a sequence of element ranges of about
+``chunk_bytes`` of states, see :mod:`.chunks`), with S >= 3 sets of aligned host buffers of
+one unit each (D = S - 2 units read ahead; S = 3 by default, see :func:`choose_sets`), and
+the clock that measures how much of the I/O was hidden.
 
-Set ``k = i % S`` serves shard i. Before shard j's read goes into its set, the writes issued
-from that set (shard j - S, written at least two iterations earlier) must have finished, so at
-any moment up to D sets are being read into, one computed on and one written from. Nothing
-here decides *what* a step computes: the caller passes ``compute(shard, states_buf, staging)``.
+Set ``k = u % S`` serves unit u. Before unit u's read goes into its set, the writes issued
+from that set (unit u - S, written at least two iterations earlier) must have finished, so at
+any moment up to D sets are being read into, one computed on and one written from. What the
+engine moves per whole shard (gradients read from NVMe, the working copy written to an NVMe
+home) goes through one of 1-2 *shard slots*. Nothing here decides *what* a step computes: the
+caller passes ``compute(shard, unit, states_buf, staging, grad)``.
 """
 from __future__ import annotations
 
