@@ -75,8 +75,8 @@ def _units(opt) -> Dict[str, int]:
     return {s.key: len(store.plan(s).units) for s in opt._shards.values()}
 
 
-def _run(tmp_path, name: str, chunk: int, *, tiers=None, steps: int = 3, **opt_kwargs
-         ) -> Tuple[List[float], Dict, Dict, Dict[str, int]]:
+def _run(tmp_path, name: str, chunk: int, *, tiers=None, steps: int = 3, inspect=None,
+         **opt_kwargs) -> Tuple[List[float], Dict, Dict, Dict[str, int]]:
     model = _model()
     d = tmp_path / name
     d.mkdir()
@@ -84,6 +84,8 @@ def _run(tmp_path, name: str, chunk: int, *, tiers=None, steps: int = 3, **opt_k
     opt = infinity.optim.AdamW(model.parameters(), lr=1e-2, chunk_bytes=chunk, **opt_kwargs)
     try:
         losses = _train(model, opt, steps)
+        if inspect is not None:
+            inspect(_mixed_units(opt))
         return losses, _weights(model), _states(opt), _units(opt)
     finally:
         opt.close()
@@ -126,12 +128,26 @@ def test_chunk_size_changes_no_bit(tmp_path):
         _equal(other[2], base[2])
 
 
-def test_mixed_format_shard_on_nvme(tmp_path):
-    """8-bit states with bitsandbytes' defaults: small parameters and the embedding keep fp32
-    moments, so blocks hold several formats (stepped whole), others are cut."""
-    l1, w1, s1, units = _run(tmp_path, "tiny", TINY, states="8bit")
-    l2, w2, s2, _ = _run(tmp_path, "huge", HUGE, states="8bit")
-    assert min(units.values()) == 1 and max(units.values()) > 1, units
+def _mixed_units(opt) -> Dict[str, int]:
+    store = next(iter(opt._stores.values()))
+    return {s.key: len(store.plan(s).units) for s in opt._shards.values()
+            if store.layout(s).mixed}
+
+
+@pytest.mark.parametrize("states", ["8bit", "bf16+8bit"])
+def test_mixed_format_shard_on_nvme(tmp_path, states):
+    """Blocks whose slots have several formats (8-bit states with bitsandbytes' defaults:
+    small parameters and the embedding keep fp32 moments; or bf16 for the attention and 8-bit
+    elsewhere): each format's region is cut along the same element ranges."""
+    if states == "8bit":
+        kw: Dict[str, Any] = dict(states="8bit")
+    else:
+        kw = dict(states=lambda p: "bf16" if p.dim() == 2 and p.shape[0] == p.shape[1]
+                  else "8bit", min_8bit_size=0)
+    mixed: List[Dict[str, int]] = []
+    l1, w1, s1, units = _run(tmp_path, "tiny", TINY, inspect=mixed.append, **kw)
+    l2, w2, s2, _ = _run(tmp_path, "huge", HUGE, **kw)
+    assert mixed[0] and min(mixed[0].values()) >= 10, mixed  # mixed shards really were cut
     assert l1 == l2
     _equal(w1, w2)
     _equal(s1, s2)
@@ -359,7 +375,7 @@ def test_chunk_from_policy_and_size_string(tmp_path):
 
 
 # ---- geometry ---------------------------------------------------------------------------
-@pytest.mark.parametrize("fmt", ["fp32", "bf16", "8bit"])
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "8bit", "mixed"])
 @pytest.mark.parametrize("chunk", [8 << 10, 20 << 10, 64 << 10])
 def test_unit_geometry_tiles_the_extent(tmp_path, fmt, chunk):
     """Every page of the extent is read by every unit touching it and written by exactly one
@@ -371,7 +387,9 @@ def test_unit_geometry_tiles_the_extent(tmp_path, fmt, chunk):
     engine = infinity.runtime.engine_of(model)
     page = inf_io.ALIGNMENT
     for flat in engine.flats:
-        layout = layout_for(flat, fmt, True)
+        cycle = ["8bit", "fp32", "8bit", "bf16"]
+        layout = layout_for(flat, fmt if fmt != "mixed" else
+                            [cycle[i % 4] for i in range(len(flat.slots))], True)
         slots = [(s.offset, s.numel) for s in flat.slots]
         plan = chunks.plan_chunks(layout, slots, chunk)
         if not plan.chunked:
@@ -390,8 +408,14 @@ def test_unit_geometry_tiles_the_extent(tmp_path, fmt, chunk):
                 covered = [q for q in u.reads if q.offset <= s and e <= q.offset + q.nbytes
                            or (q.offset <= s < q.offset + q.nbytes)]
                 assert covered, (name, s, e)
-            if chunk >= 2 * 5 * page + 256 * 7:
+            if chunk >= 2 * 9 * page + 256 * 12:
                 assert u.nbytes <= chunk
+        if fmt == "mixed":  # every region tiled by the units' spans, in order
+            ends: Dict[str, int] = {}
+            for u in plan.units:
+                for name, s0, e0, _ in u.spans:
+                    assert ends.get(name, s0) == s0, name
+                    ends[name] = e0
     infinity.unwrap(model)
 
 

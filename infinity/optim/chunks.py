@@ -116,6 +116,79 @@ def byte_spans(layout: "StateLayout", slots: List[Tuple[int, int]], a: int,
     return out
 
 
+# ---- mixed layouts: one moment region per format ------------------------------------------
+def _mixed_spans_count(layout: "StateLayout") -> int:
+    return 1 + sum(4 if f == "8bit" else 2 for f in layout.formats)
+
+
+def mixed_ranges(layout: "StateLayout", slots: List[Tuple[int, int]],
+                 chunk_bytes: int) -> List[Tuple[int, int]]:
+    """:func:`element_ranges` of a layout whose slots have several formats: sized by the
+    widest format present (12 B/element with fp32 moments), boundaries as there."""
+    spans = _mixed_spans_count(layout)
+    usable = chunk_bytes - 2 * spans * inf_io.ALIGNMENT
+    widest = max(bytes_per_element(f) for f in layout.formats)
+    per = max(BLOCK_SIZE, int(usable // widest) // BLOCK_SIZE * BLOCK_SIZE)
+    n = layout.numel
+    out: List[Tuple[int, int]] = []
+    a = 0
+    while a < n:
+        b = min(n, a + per)
+        if b < n:
+            for off, numel in slots:
+                if off < b < off + numel:
+                    snapped = off + (b - off) // BLOCK_SIZE * BLOCK_SIZE
+                    b = snapped if snapped > a else min(off + numel, a + BLOCK_SIZE)
+                    break
+        out.append((a, b))
+        a = b
+    return out
+
+
+def region_pos(layout: "StateLayout", slots: List[Tuple[int, int]], fmt: str, x: int) -> int:
+    """Where shard element ``x`` (a range boundary) falls in ``fmt``'s region of a mixed
+    layout: the region position of the first element at or after ``x`` of a slot of that
+    format (the region's end when there is none), so consecutive ranges tile each region,
+    the alignment gaps between its slots included."""
+    for i, (off, numel) in enumerate(slots):
+        if layout.slot_formats[i] == fmt and off + numel > x:
+            return layout.slot_pos[i] + max(0, x - off)
+    return layout.region_numel(fmt)
+
+
+def slots_of(layout: "StateLayout", slots: List[Tuple[int, int]],
+             fmt: str) -> List[Tuple[int, int]]:
+    return [s for i, s in enumerate(slots) if layout.format_of(i) == fmt]
+
+
+def mixed_spans(layout: "StateLayout", slots: List[Tuple[int, int]], a: int,
+                b: int) -> List[Tuple[str, int, int]]:
+    """:func:`byte_spans` of a mixed layout: the master, then each format's region in
+    :func:`.state_store.state_views` order, spans named ``"<format>.<part>"``."""
+    out = [("master", 4 * a, 4 * b)]
+    base = layout.master_nbytes
+    for fmt in layout.formats:
+        rn = layout.region_numel(fmt)
+        ra, rb = region_pos(layout, slots, fmt, a), region_pos(layout, slots, fmt, b)
+        if fmt == "8bit":
+            blocks = layout.blocks
+            eight = slots_of(layout, slots, "8bit")
+            ba, bb = blocks_before(eight, a), blocks_before(eight, b)
+            out.append(("8bit.exp_avg_absmax", base + 4 * ba, base + 4 * bb))
+            out.append(("8bit.exp_avg_sq_absmax", base + 4 * (blocks + ba),
+                        base + 4 * (blocks + bb)))
+            codes = base + 8 * blocks
+            out.append(("8bit.exp_avg", codes + ra, codes + rb))
+            out.append(("8bit.exp_avg_sq", codes + rn + ra, codes + rn + rb))
+            base = codes + 2 * rn
+        else:
+            size = 4 if fmt == "fp32" else 2
+            out.append((f"{fmt}.exp_avg", base + size * ra, base + size * rb))
+            out.append((f"{fmt}.exp_avg_sq", base + size * (rn + ra), base + size * (rn + rb)))
+            base += 2 * size * rn
+    return out
+
+
 # ---- units: the O_DIRECT requests of one element range ------------------------------------
 @dataclass(frozen=True)
 class Piece:
@@ -169,9 +242,9 @@ class ChunkPlan:
 
 
 def chunkable(layout: "StateLayout") -> bool:
-    """Layouts that can be stepped in element ranges: one format, fp32 master (mixed layouts
-    and bf16 masters are stepped whole)."""
-    return not layout.mixed and layout.master == "fp32" and layout.with_master
+    """Layouts that can be stepped in element ranges: an fp32 master (bf16 masters are
+    stepped whole)."""
+    return layout.master == "fp32" and layout.with_master
 
 
 def whole_plan(layout: "StateLayout") -> ChunkPlan:
@@ -186,13 +259,15 @@ def plan_chunks(layout: "StateLayout", slots: List[Tuple[int, int]],
     ``chunk_bytes`` (None: never cut) or the layout is not :func:`chunkable`."""
     if chunk_bytes is None or layout.nbytes <= chunk_bytes or not chunkable(layout):
         return whole_plan(layout)
-    ranges = element_ranges(layout, slots, chunk_bytes)
+    ranges = (mixed_ranges if layout.mixed else element_ranges)(layout, slots, chunk_bytes)
     if len(ranges) <= 1:
         return whole_plan(layout)
     page = inf_io.ALIGNMENT
     extent = layout.nbytes
-    all_spans = [[sp for sp in byte_spans(layout, slots, a, b) if sp[2] > sp[1]]
+    spans_of = mixed_spans if layout.mixed else byte_spans
+    all_spans = [[sp for sp in spans_of(layout, slots, a, b) if sp[2] > sp[1]]
                  for a, b in ranges]
+    eight = slots_of(layout, slots, "8bit")
     touchers: Dict[int, Set[int]] = {}  # edge page index -> units touching it
     for r, spans in enumerate(all_spans):
         for _, s, e in spans:
@@ -227,8 +302,7 @@ def plan_chunks(layout: "StateLayout", slots: List[Tuple[int, int]],
         shared = tuple((p * page, pos_of[p], owned(p)) for p in pages
                        if len(touchers.get(p, ())) > 1)
         placed = tuple((name, s, e, pos_of[s // page] + s % page) for name, s, e in spans)
-        blocks = (blocks_before(slots, a), blocks_before(slots, b)) if layout.fmt == "8bit" \
-            else (0, 0)
+        blocks = (blocks_before(eight, a), blocks_before(eight, b)) if eight else (0, 0)
         units.append(Unit(r, a, b, len(pages) * page, whole=False,
                           last=r == len(ranges) - 1, blocks=blocks, spans=placed,
                           reads=tuple(reads), writes=writes, shared=shared))
@@ -240,34 +314,44 @@ def plan_chunks(layout: "StateLayout", slots: List[Tuple[int, int]],
 
 @dataclass
 class UnitViews:
-    """Typed views of one unit's buffer, indexed from the unit's first element (absmax: from
-    its first 8-bit block)."""
+    """Typed views of one unit's buffer: ``master`` indexed from the unit's first element;
+    per format, ``regions[fmt]`` = (exp_avg, exp_avg_sq, exp_avg_absmax, exp_avg_sq_absmax)
+    (absmax None unless 8bit) indexed from region position ``base[fmt]`` (absmax from the
+    unit's first 8-bit block)."""
 
     master: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
-    exp_avg_absmax: Optional[torch.Tensor] = None
-    exp_avg_sq_absmax: Optional[torch.Tensor] = None
+    regions: Dict[str, Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor],
+                             Optional[torch.Tensor]]]
+    base: Dict[str, int]
 
 
-_SPAN_DTYPE = {"master": torch.float32, "exp_avg_absmax": torch.float32,
-               "exp_avg_sq_absmax": torch.float32}
 _MOMENT = {"fp32": torch.float32, "bf16": torch.bfloat16, "8bit": torch.uint8}
 
 
-def unit_views(layout: "StateLayout", unit: Unit, buf: torch.Tensor) -> UnitViews:
+def unit_views(layout: "StateLayout", slots: List[Tuple[int, int]], unit: Unit,
+               buf: torch.Tensor) -> UnitViews:
     """Views of a (not whole) unit's buffer ``buf`` (uint8)."""
-    out: Dict[str, torch.Tensor] = {}
+    named: Dict[str, torch.Tensor] = {}
     for name, s, e, pos in unit.spans:
-        dtype = _SPAN_DTYPE.get(name, _MOMENT[layout.fmt])
-        out[name] = buf[pos:pos + (e - s)].view(dtype)
-    empty = {"fp32": torch.float32, "bf16": torch.bfloat16, "8bit": torch.uint8}[layout.fmt]
-    none = torch.empty(0, dtype=empty)
-    nof = torch.empty(0, dtype=torch.float32)
-    return UnitViews(out.get("master", nof), out.get("exp_avg", none),
-                     out.get("exp_avg_sq", none), out.get("exp_avg_absmax", nof)
-                     if layout.fmt == "8bit" else None,
-                     out.get("exp_avg_sq_absmax", nof) if layout.fmt == "8bit" else None)
+        fmt, _, part = name.rpartition(".")
+        fmt = fmt or layout.fmt
+        dtype = torch.float32 if part in ("master", "exp_avg_absmax", "exp_avg_sq_absmax") \
+            else _MOMENT[fmt]
+        named[name] = buf[pos:pos + (e - s)].view(dtype)
+    regions: Dict[str, Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor],
+                             Optional[torch.Tensor]]] = {}
+    base: Dict[str, int] = {}
+    for fmt in layout.formats:
+        prefix = f"{fmt}." if layout.mixed else ""
+        empty = torch.empty(0, dtype=_MOMENT[fmt])
+        nof = torch.empty(0, dtype=torch.float32)
+        get = lambda part, dflt: named.get(prefix + part, dflt)  # noqa: E731
+        regions[fmt] = (get("exp_avg", empty), get("exp_avg_sq", empty),
+                        get("exp_avg_absmax", nof) if fmt == "8bit" else None,
+                        get("exp_avg_sq_absmax", nof) if fmt == "8bit" else None)
+        base[fmt] = (region_pos(layout, slots, fmt, unit.start) if layout.mixed
+                     else unit.start)
+    return UnitViews(named.get("master", torch.empty(0, dtype=torch.float32)), regions, base)
 
 
 def combine_pieces(pieces: List[Tuple[int, int, int]], nbytes: int) -> int:

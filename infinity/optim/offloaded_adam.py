@@ -43,7 +43,7 @@ from ._common import ShardState, States, _check_hyper, _float, _read_grads, _Run
 from .grad_checks import GradientChecks
 from .overlap import BackwardOverlap
 from .state_dicts import StateDicts
-from .chunks import Unit, UnitViews, unit_views
+from .chunks import Unit, unit_views
 from .swapper import BufferSets, StepStats, run_pipeline, write_units
 from ..ops.adam_compact import BLOCK_SIZE, num_blocks
 from ..sizes import Size, parse_size
@@ -628,60 +628,67 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
         the same kernels over the runs' elements inside ``[unit.start, unit.end)``. Unit
         boundaries are slot edges or 256-element block boundaries inside a slot, so an
         8-bit slot cut by them is quantized in exactly the blocks it has whole; fp32 and bf16
-        moments are element-wise. Only one-format layouts with an fp32 master are cut."""
+        moments are element-wise. Layouts with an fp32 master are cut (one format or several,
+        each format's moments in its own region)."""
         if unit.whole:
             self._apply(shard, runs, buf, staging, multiplier, grad, hypers)
             return
         flat, engine = shard.flat, shard.engine
         store = self._stores[id(engine)]
         layout = store.layout(shard)
-        views = unit_views(layout, unit, buf)
+        slots = flat.slots
+        views = unit_views(layout, [(x.offset, x.numel) for x in slots], unit, buf)
         grad = engine.grads.in_ram(flat) if grad is None else grad
         out = self._working_out(shard, staging)
         if out is None:
             raise RuntimeError(f"infinity.optim: {flat.key} is stepped in units but has no "
                                "working buffer to write (a bug in the unit plan)")
         a, b = unit.start, unit.end
+        master = views.master
         written: List[Tuple[int, int]] = []
-        fmt = layout.fmt
+
+        def pos(i: int) -> int:  # slot i's first element in its format's region
+            return layout.slot_pos[i] if layout.mixed else slots[i].offset
+
         for j, r in enumerate(runs):
-            lo, hi = max(r.start, a), min(r.end, b)
-            if lo >= hi:
+            if min(r.end, b) <= max(r.start, a):
                 continue
             hyper = hypers[j] if hypers is not None else self._hyper(r, multiplier)
-            if fmt != "8bit":
+            for fmt, first, last in layout.split(r.first, r.last):
+                m, v, m_abs, v_abs = views.regions[fmt]
+                base = views.base[fmt]
+                if fmt == "8bit":  # slot by slot: each slot's blocks start at its first element
+                    for i in range(first, last + 1):
+                        s = slots[i]
+                        lo, hi = max(s.offset, a), min(s.offset + s.numel, b)
+                        if lo >= hi:
+                            continue
+                        p = pos(i) + (lo - s.offset) - base
+                        b0 = layout.block_start[i] + (lo - s.offset) // BLOCK_SIZE \
+                            - unit.blocks[0]
+                        nb = num_blocks(hi - lo)
+                        cpu_adam_step_8bit(master[lo - a:hi - a], grad[lo:hi], m[p:p + hi - lo],
+                                           m_abs[b0:b0 + nb], v[p:p + hi - lo],
+                                           v_abs[b0:b0 + nb], out=out[lo:hi], **hyper)
+                        written.append((lo, hi))
+                    continue
+                # one call over the sub-run inside the unit, the padding between slots included
+                start = slots[first].offset
+                lo = max(start, a)
+                hi = min(slots[last].offset + slots[last].numel, b)
+                if lo >= hi:
+                    continue
+                p = pos(first) + (lo - start) - base
                 kernel = cpu_adam_step if fmt == "fp32" else cpu_adam_step_bf16_moments
-                kernel(views.master[lo - a:hi - a], grad[lo:hi], views.exp_avg[lo - a:hi - a],
-                       views.exp_avg_sq[lo - a:hi - a], out=out[lo:hi], **hyper)
+                kernel(master[lo - a:hi - a], grad[lo:hi], m[p:p + hi - lo], v[p:p + hi - lo],
+                       out=out[lo:hi], **hyper)
                 written.append((lo, hi))
-                continue
-            self._step_8bit_slots(flat, layout, unit, views, grad, out, r, hyper, written)
         if engine.stages_working_copy(flat):
-            pos = a  # elements the kernels did not write: the working copy from the master
+            at = a  # elements the kernels did not write: the working copy from the master
             for lo, hi in written + [(b, b)]:
-                if lo > pos:
-                    out[pos:lo].copy_(views.master[pos - a:lo - a])
-                pos = max(pos, hi)
-
-    @staticmethod
-    def _step_8bit_slots(flat: Any, layout: Any, unit: Unit, views: UnitViews,
-                         grad: torch.Tensor, out: torch.Tensor, r: _Run,
-                         hyper: Dict[str, Any], written: List[Tuple[int, int]]) -> None:
-        """The 8-bit kernel over each slot of run ``r`` inside the unit, slot by slot (each
-        slot's blocks start at its first element)."""
-        a, b = unit.start, unit.end
-        for i in range(r.first, r.last + 1):
-            s = flat.slots[i]
-            lo, hi = max(s.offset, a), min(s.offset + s.numel, b)
-            if lo >= hi:
-                continue
-            b0 = layout.block_start[i] + (lo - s.offset) // BLOCK_SIZE - unit.blocks[0]
-            nb = num_blocks(hi - lo)
-            cpu_adam_step_8bit(views.master[lo - a:hi - a], grad[lo:hi],
-                               views.exp_avg[lo - a:hi - a], views.exp_avg_absmax[b0:b0 + nb],
-                               views.exp_avg_sq[lo - a:hi - a],
-                               views.exp_avg_sq_absmax[b0:b0 + nb], out=out[lo:hi], **hyper)
-            written.append((lo, hi))
+                if lo > at:
+                    out[at:lo].copy_(master[at - a:lo - a])
+                at = max(at, hi)
 
     @staticmethod
     def _keep_unstepped(shard: Shard, written: List[Tuple[int, int]],
@@ -786,9 +793,10 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
         else:
             home = engine.home.working_buffer(flat)
         layout = store.layout(shard)
+        slots = [(x.offset, x.numel) for x in flat.slots]
 
         def fill(un: Unit, buf: torch.Tensor) -> None:
-            views = unit_views(layout, un, buf)
+            views = unit_views(layout, slots, un, buf)
             views.master.copy_(home[un.start:un.end])  # moments: zero (the buffer is zeroed)
 
         write_units(store, shard, sets, fill, "initializing")
