@@ -291,6 +291,31 @@ def test_host_bytes_bounded_by_sets_times_chunk(tmp_path):
     infinity.unwrap(model)
 
 
+def test_host_bytes_with_gradients_and_parameters_on_nvme(tmp_path):
+    """Where the engine keeps gradients and parameters on NVMe, the step reads a shard's whole
+    gradient and writes its whole working copy (the engine moves those per flat): on top of
+    the chunk-sized sets, 1-2 shard buffers of (4 + home bytes) per element of the largest
+    shard, not one per set as before."""
+    chunk = 64 << 10
+    torch.manual_seed(0)
+    model = TinyGPT(BIG)
+    infinity.wrap(model, nvme_path=str(tmp_path), optimizer_tier="nvme", **NVME_HOMES)
+    engine = infinity.runtime.engine_of(model)
+    opt = infinity.optim.AdamW(model.parameters(), lr=1e-3, chunk_bytes=chunk)
+    gen = torch.Generator().manual_seed(1)
+    x, y = synthetic_batch(BIG, 2, 8, gen)
+    lm_loss(model(x), y).backward()
+    opt.step()
+    sets = next(iter(opt._sets.values()))
+    largest = max(engine.flats, key=lambda f: f.numel)
+    assert sets.slot_nbytes == largest.numel * 4 + largest.home_nbytes
+    assert sets.set_nbytes <= chunk and 1 <= sets.shard_slots <= 2
+    assert engine.tier_bytes()["host"]["optimizer"] == sets.nbytes == (
+        sets.count * sets.set_nbytes + sets.shard_slots * sets.slot_nbytes)
+    opt.close()
+    infinity.unwrap(model)
+
+
 def test_budget_below_minimum_refused_at_construction(tmp_path):
     def wrapped(budget):
         torch.manual_seed(0)
