@@ -451,3 +451,24 @@ def test_crc_of_pieces_combines_to_the_whole():
     assert chunks.combine_pieces(pieces[::-1], len(data)) == inf_io.crc32c(data)
     with pytest.raises(RuntimeError):
         chunks.combine_pieces(pieces[1:], len(data))
+
+
+def test_bench_nvme_chunked_step_quick(tmp_path):
+    import json
+    import subprocess
+    import sys
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, os.path.join(repo, "benchmarks",
+                                                        "bench_nvme_chunked_step.py"),
+                           "--quick", "--nvme-path", str(tmp_path), "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=repo)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    before, *after = res["set_bytes_3b"]
+    assert before["sets"] == 16_585_175_040  # the figure the 3B run was refused with
+    for row in after:
+        assert row["sets"] <= 3 * row["chunk"] and row["units"] > 1
+    assert {r["states"] for r in res["step"]} == {"fp32", "8bit"}
+    assert all(r["step_ms"] > 0 for r in res["step"])
+    assert any(r["units"] > 10 for r in res["step"])
