@@ -76,8 +76,9 @@ def _units(opt) -> Dict[str, int]:
 
 
 def _run(tmp_path, name: str, chunk: int, *, tiers=None, steps: int = 3, inspect=None,
+         dtype: torch.dtype = torch.float32,
          **opt_kwargs) -> Tuple[List[float], Dict, Dict, Dict[str, int]]:
-    model = _model()
+    model = _model().to(dtype)
     d = tmp_path / name
     d.mkdir()
     infinity.wrap(model, nvme_path=str(d), optimizer_tier="nvme", **(tiers or {}))
@@ -92,15 +93,32 @@ def _run(tmp_path, name: str, chunk: int, *, tiers=None, steps: int = 3, inspect
         infinity.unwrap(model)
 
 
+HOMES = {"host": dict(param_tier="host", grad_tier="host"), "nvme": NVME_HOMES,
+         "device": dict(param_tier="device", grad_tier="host")}
+
+
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "8bit"])
-@pytest.mark.parametrize("homes", ["host", "nvme"])
+@pytest.mark.parametrize("homes", ["host", "nvme", "device"])
 def test_chunked_step_is_bitwise_the_whole_step(tmp_path, fmt, homes):
-    tiers = NVME_HOMES if homes == "nvme" else None
+    tiers = HOMES[homes]
     kw = dict(states=fmt, min_8bit_size=0)  # every layer slot 8-bit (the embedding: fp32)
     l1, w1, s1, units = _run(tmp_path, "tiny", TINY, tiers=tiers, **kw)
     l2, w2, s2, whole = _run(tmp_path, "huge", HUGE, tiers=tiers, **kw)
     assert max(units.values()) >= 20, units          # the shards really were cut
     assert set(whole.values()) == {1}
+    assert l1 == l2
+    _equal(w1, w2)
+    _equal(s1, s2)
+
+
+@pytest.mark.parametrize("homes", ["host", "nvme"])
+def test_chunked_step_bf16_weights(tmp_path, homes):
+    """bf16 parameters (the working copy the kernel writes is bf16; fp32 masters in the
+    states)."""
+    kw = dict(states="8bit", min_8bit_size=0, dtype=torch.bfloat16, tiers=HOMES[homes])
+    l1, w1, s1, units = _run(tmp_path, "tiny", TINY, **kw)
+    l2, w2, s2, _ = _run(tmp_path, "huge", HUGE, **kw)
+    assert max(units.values()) >= 20
     assert l1 == l2
     _equal(w1, w2)
     _equal(s1, s2)
