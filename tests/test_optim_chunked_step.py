@@ -124,6 +124,18 @@ def test_chunked_step_bf16_weights(tmp_path, homes):
     _equal(s1, s2)
 
 
+def test_chunked_step_without_checksums(tmp_path):
+    """verify_checksums=False: pieces are moved without CRCs and nothing is recorded."""
+    kw = dict(states="8bit", min_8bit_size=0,
+              tiers=dict(NVME_HOMES, verify_checksums=False))
+    l1, w1, s1, units = _run(tmp_path, "tiny", TINY, **kw)
+    l2, w2, s2, _ = _run(tmp_path, "huge", HUGE, **kw)
+    assert max(units.values()) >= 20
+    assert l1 == l2
+    _equal(w1, w2)
+    _equal(s1, s2)
+
+
 def test_chunked_fp32_equals_torch_adamw(tmp_path):
     ref = _model()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
