@@ -244,9 +244,9 @@ class BufferSets:
         return (f"infinity.optim: host_budget={limit:,} bytes has {limit - held:,} free "
                 f"({held:,} held by the engine and others{later}), but the NVMe optimizer step "
                 f"needs at least {minimum:,}: {' + '.join(parts)}. This needs host_budget >= "
-                f"{held + minimum:,} bytes: raise it to at least that, or pass a smaller chunk_bytes= to the optimizer "
-                "(a multiple of 4096), or keep gradients / parameters of the largest block in "
-                "host RAM")
+                f"{held + minimum:,} bytes: raise it to at least that, or pass a smaller "
+                "chunk_bytes= to the optimizer (a multiple of 4096), or keep gradients / "
+                "parameters of the largest block in host RAM")
 
     def fits(self, states: NvmeStates, shards: List[Shard], staging: bool, grads: bool) -> bool:
         return (all(states.plan(s).buffer_nbytes <= self.states_nbytes for s in shards)
