@@ -244,6 +244,41 @@ def test_state_dict_after_step_and_resume(tmp_path):
     _equal(s_t, s_h)
 
 
+def test_parameters_written_between_steps(tmp_path):
+    """A parameter written outside forward (an EMA copied back) is taken into the master
+    weights of a shard stepped in units, as in one stepped whole, and as torch AdamW sees it
+    (fp32 states: bitwise)."""
+    def halve(model):
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("weight") and p.dim() == 2:
+                    p.mul_(0.5)
+
+    ref = _model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    _train(ref, ref_opt, 2)
+    halve(ref)
+    want = _train(ref, ref_opt, 2, seed=9)
+    results = []
+    for chunk in (TINY, HUGE):
+        model = _model()
+        d = tmp_path / f"c{chunk}"
+        d.mkdir()
+        infinity.wrap(model, nvme_path=str(d), optimizer_tier="nvme", **NVME_HOMES)
+        opt = infinity.optim.AdamW(model.parameters(), lr=1e-2, chunk_bytes=chunk)
+        _train(model, opt, 2)
+        halve(model)
+        losses = _train(model, opt, 2, seed=9)
+        results.append((losses, _weights(model), _states(opt)))
+        opt.close()
+        infinity.unwrap(model)
+    (l1, w1, s1), (l2, w2, s2) = results
+    assert l1 == l2 == want
+    _equal(w1, w2)
+    _equal(w1, _weights(ref))
+    _equal(s1, s2)
+
+
 def test_extent_checksum_after_chunked_write(tmp_path):
     """The CRC the store records for an extent written in pieces is the CRC32C of the file's
     bytes (checkpoints copy the extent with it), and a whole read verifies against it."""
