@@ -1,31 +1,45 @@
 """The optimizer's sub-chunk setting and the geometry of stepping a shard in element ranges.
 
-Not used by the step yet (groundwork; the optimizer takes no ``chunk_bytes=`` until the NVMe
-pipeline streams shards in pieces). ``chunk_bytes`` is to be the size of the state bytes one
-NVMe step moves per piece: a shard whose states are larger is meant to be stepped as
-a sequence of element ranges, each range's state bytes read into, stepped in and written from
-a buffer of about that size, so the pipeline's buffers are bounded by the chunk, not by the
-largest shard (a Llama-3 embedding). :func:`~infinity.tiers.chunk_size.resolve_chunk_bytes` is the one place its
-value is checked and its default derived.
+``chunk_bytes`` is the size of the state bytes one NVMe step moves per piece: a shard whose
+states are larger is stepped as a sequence of element ranges (*units*), each unit's state
+bytes read into, stepped in and written from a buffer of about that size, so the pipeline's
+buffers are bounded by the chunk, not by the largest shard (a Llama-3 embedding).
+:func:`~infinity.tiers.chunk_size.resolve_chunk_bytes` is the one place its value is checked
+and its default derived.
 
 The geometry (pure functions, no I/O): :func:`element_ranges` cuts a shard into ranges whose
 boundaries are slot starts or 256-element 8-bit block boundaries inside a slot (each slot's
 blocks start at its first element, see :class:`.state_store.StateLayout`), and
 :func:`byte_spans` maps one range to the byte span it occupies in each region of a
-one-format state layout. Spans are not 4096-byte aligned in general (regions start wherever
-the previous one ends); the pipeline reading them with O_DIRECT must cover their partial
-pages separately.
+one-format state layout. :func:`plan_chunks` turns them into O_DIRECT requests.
+
+Partial pages. The extent keeps its layout (checkpoints copy it as is), so a unit's spans are
+not 4096-byte aligned in general and neighbouring units (and, across a region boundary, the
+last and the first unit) share edge pages. Each unit reads the whole pages its spans touch.
+Every page is *owned* by the last unit (in step order) that touches it, and only its owner
+writes it: an earlier unit that touches the page hands its new bytes on in a one-page
+*carry* (copied into the next toucher's buffer just before that unit is stepped). So each
+page of the new extent is written exactly once, with every unit's new bytes in it, and the
+pieces each unit writes (its owned pages) tile the extent: their CRC32Cs, combined in file
+order (:func:`crc32c_combine`), are the extent's. Reads are split the same way (owned pages /
+edge pages owned by another unit), so the owned read pieces tile the committed extent too and
+their combined CRC is checked against the one recorded for it.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Dict, List, Optional, Set, Tuple
+
+import torch
 
 from .. import io as inf_io
 from ..ops.adam_compact import BLOCK_SIZE, num_blocks
 from ..tiers.chunk_size import (  # noqa: F401 (the optimizer's chunk is the engine's)
     BUDGET_FRACTION, DEFAULT_CHUNK_BYTES, MIN_DEFAULT_CHUNK_BYTES, check_chunk_bytes,
     resolve_chunk_bytes)
-from .state_store import StateLayout
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .state_store import StateLayout
 
 _BYTES_PER_ELEMENT = {"fp32": 12.0, "bf16": 8.0, "8bit": 6.0 + 8.0 / BLOCK_SIZE}
 
@@ -35,7 +49,7 @@ def bytes_per_element(fmt: str) -> float:
     return _BYTES_PER_ELEMENT[fmt]
 
 
-def element_ranges(layout: StateLayout, slots: List[Tuple[int, int]],
+def element_ranges(layout: "StateLayout", slots: List[Tuple[int, int]],
                    chunk_bytes: int) -> List[Tuple[int, int]]:
     """[start, end) element ranges covering ``[0, layout.numel)`` whose state bytes are at
     most about ``chunk_bytes`` each (one page of slack per region is left for the partial
@@ -77,7 +91,7 @@ def blocks_before(slots: List[Tuple[int, int]], x: int) -> int:
     return total
 
 
-def byte_spans(layout: StateLayout, slots: List[Tuple[int, int]], a: int,
+def byte_spans(layout: "StateLayout", slots: List[Tuple[int, int]], a: int,
                b: int) -> List[Tuple[str, int, int]]:
     """The byte spans (name, start, end) in the state extent of elements ``[a, b)``, one per
     region part, in file order (as :func:`.state_store.state_views` lays them out)."""
@@ -100,6 +114,258 @@ def byte_spans(layout: StateLayout, slots: List[Tuple[int, int]], a: int,
     out.append(("exp_avg", codes + a, codes + b))
     out.append(("exp_avg_sq", codes + n + a, codes + n + b))
     return out
+
+
+# ---- mixed layouts: one moment region per format ------------------------------------------
+def _mixed_spans_count(layout: "StateLayout") -> int:
+    return 1 + sum(4 if f == "8bit" else 2 for f in layout.formats)
+
+
+def mixed_ranges(layout: "StateLayout", slots: List[Tuple[int, int]],
+                 chunk_bytes: int) -> List[Tuple[int, int]]:
+    """:func:`element_ranges` of a layout whose slots have several formats: sized by the
+    widest format present (12 B/element with fp32 moments), boundaries as there."""
+    spans = _mixed_spans_count(layout)
+    usable = chunk_bytes - 2 * spans * inf_io.ALIGNMENT
+    widest = max(bytes_per_element(f) for f in layout.formats)
+    per = max(BLOCK_SIZE, int(usable // widest) // BLOCK_SIZE * BLOCK_SIZE)
+    n = layout.numel
+    out: List[Tuple[int, int]] = []
+    a = 0
+    while a < n:
+        b = min(n, a + per)
+        if b < n:
+            for off, numel in slots:
+                if off < b < off + numel:
+                    snapped = off + (b - off) // BLOCK_SIZE * BLOCK_SIZE
+                    b = snapped if snapped > a else min(off + numel, a + BLOCK_SIZE)
+                    break
+        out.append((a, b))
+        a = b
+    return out
+
+
+def region_pos(layout: "StateLayout", slots: List[Tuple[int, int]], fmt: str, x: int) -> int:
+    """Where shard element ``x`` (a range boundary) falls in ``fmt``'s region of a mixed
+    layout: the region position of the first element at or after ``x`` of a slot of that
+    format (the region's end when there is none), so consecutive ranges tile each region,
+    the alignment gaps between its slots included."""
+    for i, (off, numel) in enumerate(slots):
+        if layout.slot_formats[i] == fmt and off + numel > x:
+            return layout.slot_pos[i] + max(0, x - off)
+    return layout.region_numel(fmt)
+
+
+def slots_of(layout: "StateLayout", slots: List[Tuple[int, int]],
+             fmt: str) -> List[Tuple[int, int]]:
+    return [s for i, s in enumerate(slots) if layout.format_of(i) == fmt]
+
+
+def mixed_spans(layout: "StateLayout", slots: List[Tuple[int, int]], a: int,
+                b: int) -> List[Tuple[str, int, int]]:
+    """:func:`byte_spans` of a mixed layout: the master, then each format's region in
+    :func:`.state_store.state_views` order, spans named ``"<format>.<part>"``."""
+    out = [("master", 4 * a, 4 * b)]
+    base = layout.master_nbytes
+    for fmt in layout.formats:
+        rn = layout.region_numel(fmt)
+        ra, rb = region_pos(layout, slots, fmt, a), region_pos(layout, slots, fmt, b)
+        if fmt == "8bit":
+            blocks = layout.blocks
+            eight = slots_of(layout, slots, "8bit")
+            ba, bb = blocks_before(eight, a), blocks_before(eight, b)
+            out.append(("8bit.exp_avg_absmax", base + 4 * ba, base + 4 * bb))
+            out.append(("8bit.exp_avg_sq_absmax", base + 4 * (blocks + ba),
+                        base + 4 * (blocks + bb)))
+            codes = base + 8 * blocks
+            out.append(("8bit.exp_avg", codes + ra, codes + rb))
+            out.append(("8bit.exp_avg_sq", codes + rn + ra, codes + rn + rb))
+            base = codes + 2 * rn
+        else:
+            size = 4 if fmt == "fp32" else 2
+            out.append((f"{fmt}.exp_avg", base + size * ra, base + size * rb))
+            out.append((f"{fmt}.exp_avg_sq", base + size * (rn + ra), base + size * (rn + rb)))
+            base += 2 * size * rn
+    return out
+
+
+# ---- units: the O_DIRECT requests of one element range ------------------------------------
+@dataclass(frozen=True)
+class Piece:
+    """A page-aligned request: ``nbytes`` at ``offset`` of the extent, at ``pos`` of the unit's
+    buffer; ``owned``: the unit owns these pages (it writes them; they count for the CRC)."""
+
+    offset: int
+    nbytes: int
+    pos: int
+    owned: bool
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One element range ``[start, end)`` of a shard and where its bytes go.
+
+    ``whole``: the unit is the whole extent (a shard not larger than a chunk, or a layout that
+    is not cut): one read and one write of ``nbytes``, as :class:`.state_store.NvmeStates`
+    always did. Else ``spans`` (name, extent start, extent end, buffer position) place each
+    state region's bytes in the buffer, ``reads``/``writes`` are its requests and ``shared``
+    (extent page offset, buffer position, owned) the pages another unit touches too."""
+
+    index: int
+    start: int
+    end: int
+    nbytes: int
+    whole: bool = True
+    last: bool = True
+    blocks: Tuple[int, int] = (0, 0)
+    spans: Tuple[Tuple[str, int, int, int], ...] = ()
+    reads: Tuple[Piece, ...] = ()
+    writes: Tuple[Piece, ...] = ()
+    shared: Tuple[Tuple[int, int, bool], ...] = ()
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """A shard's units, in step order."""
+
+    nbytes: int
+    units: Tuple[Unit, ...]
+
+    @property
+    def chunked(self) -> bool:
+        return not self.units[0].whole
+
+    @property
+    def buffer_nbytes(self) -> int:
+        """The buffer one unit needs (the largest unit)."""
+        return max(u.nbytes for u in self.units)
+
+
+def chunkable(layout: "StateLayout") -> bool:
+    """Layouts that can be stepped in element ranges: an fp32 master (bf16 masters are
+    stepped whole)."""
+    return layout.master == "fp32" and layout.with_master
+
+
+def whole_plan(layout: "StateLayout") -> ChunkPlan:
+    n = layout.nbytes
+    return ChunkPlan(n, (Unit(0, 0, layout.numel, n, reads=(Piece(0, n, 0, True),),
+                              writes=(Piece(0, n, 0, True),)),))
+
+
+def plan_chunks(layout: "StateLayout", slots: List[Tuple[int, int]],
+                chunk_bytes: Optional[int]) -> ChunkPlan:
+    """The units of a shard (see the module docstring): one whole unit when its states fit in
+    ``chunk_bytes`` (None: never cut) or the layout is not :func:`chunkable`."""
+    if chunk_bytes is None or layout.nbytes <= chunk_bytes or not chunkable(layout):
+        return whole_plan(layout)
+    ranges = (mixed_ranges if layout.mixed else element_ranges)(layout, slots, chunk_bytes)
+    if len(ranges) <= 1:
+        return whole_plan(layout)
+    page = inf_io.ALIGNMENT
+    extent = layout.nbytes
+    spans_of = mixed_spans if layout.mixed else byte_spans
+    all_spans = [[sp for sp in spans_of(layout, slots, a, b) if sp[2] > sp[1]]
+                 for a, b in ranges]
+    eight = slots_of(layout, slots, "8bit")
+    touchers: Dict[int, Set[int]] = {}  # edge page index -> units touching it
+    for r, spans in enumerate(all_spans):
+        for _, s, e in spans:
+            for p in {s // page, (e - 1) // page}:
+                touchers.setdefault(p, set()).add(r)
+    # the extent's padding after the last region lies in the last region's last page
+    units: List[Unit] = []
+    owned_total = 0
+    for r, ((a, b), spans) in enumerate(zip(ranges, all_spans)):
+        pages: List[int] = []
+        for _, s, e in spans:
+            pages.extend(range(s // page, (e - 1) // page + 1))
+        pages = sorted(set(pages))
+        pos_of = {p: i * page for i, p in enumerate(pages)}
+
+        def owned(p: int, r: int = r) -> bool:
+            ts = touchers.get(p)
+            return ts is None or max(ts) == r
+
+        reads: List[Piece] = []
+        for i, p in enumerate(pages):  # maximal runs of consecutive pages, same ownership
+            own = owned(p)
+            last = reads[-1] if reads else None
+            if (last is not None and last.owned == own
+                    and last.offset + last.nbytes == p * page
+                    and last.pos + last.nbytes == pos_of[p]):
+                reads[-1] = Piece(last.offset, last.nbytes + page, last.pos, own)
+            else:
+                reads.append(Piece(p * page, page, pos_of[p], own))
+        writes = tuple(q for q in reads if q.owned)
+        owned_total += sum(q.nbytes for q in writes)
+        shared = tuple((p * page, pos_of[p], owned(p)) for p in pages
+                       if len(touchers.get(p, ())) > 1)
+        placed = tuple((name, s, e, pos_of[s // page] + s % page) for name, s, e in spans)
+        blocks = (blocks_before(eight, a), blocks_before(eight, b)) if eight else (0, 0)
+        units.append(Unit(r, a, b, len(pages) * page, whole=False,
+                          last=r == len(ranges) - 1, blocks=blocks, spans=placed,
+                          reads=tuple(reads), writes=writes, shared=shared))
+    if owned_total != extent:  # every page owned exactly once: the pieces tile the extent
+        raise RuntimeError(f"infinity.optim: chunk plan owns {owned_total} of {extent} bytes "
+                           "(a bug in the unit geometry)")
+    return ChunkPlan(extent, tuple(units))
+
+
+@dataclass
+class UnitViews:
+    """Typed views of one unit's buffer: ``master`` indexed from the unit's first element;
+    per format, ``regions[fmt]`` = (exp_avg, exp_avg_sq, exp_avg_absmax, exp_avg_sq_absmax)
+    (absmax None unless 8bit) indexed from region position ``base[fmt]`` (absmax from the
+    unit's first 8-bit block)."""
+
+    master: torch.Tensor
+    regions: Dict[str, Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor],
+                             Optional[torch.Tensor]]]
+    base: Dict[str, int]
+
+
+_MOMENT = {"fp32": torch.float32, "bf16": torch.bfloat16, "8bit": torch.uint8}
+
+
+def unit_views(layout: "StateLayout", slots: List[Tuple[int, int]], unit: Unit,
+               buf: torch.Tensor) -> UnitViews:
+    """Views of a (not whole) unit's buffer ``buf`` (uint8)."""
+    named: Dict[str, torch.Tensor] = {}
+    for name, s, e, pos in unit.spans:
+        fmt, _, part = name.rpartition(".")
+        fmt = fmt or layout.fmt
+        dtype = torch.float32 if part in ("master", "exp_avg_absmax", "exp_avg_sq_absmax") \
+            else _MOMENT[fmt]
+        named[name] = buf[pos:pos + (e - s)].view(dtype)
+    regions: Dict[str, Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor],
+                             Optional[torch.Tensor]]] = {}
+    base: Dict[str, int] = {}
+    for fmt in layout.formats:
+        prefix = f"{fmt}." if layout.mixed else ""
+        empty = torch.empty(0, dtype=_MOMENT[fmt])
+        nof = torch.empty(0, dtype=torch.float32)
+        get = lambda part, dflt: named.get(prefix + part, dflt)  # noqa: E731
+        regions[fmt] = (get("exp_avg", empty), get("exp_avg_sq", empty),
+                        get("exp_avg_absmax", nof) if fmt == "8bit" else None,
+                        get("exp_avg_sq_absmax", nof) if fmt == "8bit" else None)
+        base[fmt] = (region_pos(layout, slots, fmt, unit.start) if layout.mixed
+                     else unit.start)
+    return UnitViews(named.get("master", torch.empty(0, dtype=torch.float32)), regions, base)
+
+
+def combine_pieces(pieces: List[Tuple[int, int, int]], nbytes: int) -> int:
+    """CRC32C of an extent of ``nbytes`` from (offset, nbytes, crc32c) pieces that tile it."""
+    crc, pos = 0, 0
+    for offset, size, piece_crc in sorted(pieces):
+        if offset != pos:
+            raise RuntimeError(f"infinity.optim: extent pieces do not tile it (a piece at "
+                               f"{offset}, expected {pos})")
+        crc = crc32c_combine(crc, piece_crc, size) if pos else piece_crc
+        pos += size
+    if pos != nbytes:
+        raise RuntimeError(f"infinity.optim: extent pieces cover {pos} of {nbytes} bytes")
+    return crc
 
 
 # ---- CRC32C of a whole extent from the CRCs of its pieces -----------------------------------

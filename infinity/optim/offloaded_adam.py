@@ -38,12 +38,16 @@ from ..runtime.engine import Engine, locate
 from .formats import (MIN_8BIT_SIZE, Choice, FormatSpec, States as StatesArg,
                       format_summary, param_owners)
 from .state_store import (HostStates, NvmeStates, OptimizerStateIOError, Shard,
-                          choose_tier, init_states, state_nbytes)
+                          choose_tier, engine_bytes_later, init_states, state_nbytes)
 from ._common import ShardState, States, _check_hyper, _float, _read_grads, _Run  # noqa: F401 (ShardState re-exported)
 from .grad_checks import GradientChecks
 from .overlap import BackwardOverlap
 from .state_dicts import StateDicts
-from .swapper import BufferSets, StepStats, run_pipeline
+from .chunks import Unit, unit_views
+from .swapper import BufferSets, StepStats, run_pipeline, write_units
+from ..ops.adam_compact import BLOCK_SIZE, num_blocks
+from ..sizes import Size, parse_size
+from ..tiers.chunk_size import check_chunk_bytes, resolve_chunk_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -117,9 +121,20 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
             Only models whose gradients and states are on NVMe. Exact in every case: an update
             that differs from what ``step()`` computes (clipping that triggers, loss scaling,
             an lr change, gradient accumulation) is rolled back and redone.
+        chunk_bytes: with states on NVMe, a shard whose states are larger than this is read,
+            stepped and written in element ranges of about this many bytes of states, so the
+            step's buffer sets are bounded by it, not by the largest shard (the result is bit
+            for bit the same). A positive multiple of 4096 (an int or a size string such as
+            "64MiB"); None (default): the wrapped model's ``chunk_bytes`` policy, else derived
+            from its ``host_budget`` (:func:`infinity.tiers.chunk_size.resolve_chunk_bytes`).
+            With a ``host_budget``, the buffer sets are counted in it when the optimizer is
+            constructed: below the minimum (3 sets of one chunk, plus a whole-shard buffer
+            where the engine's gradients or parameters are on NVMe) the constructor raises,
+            naming the bytes needed; above it, the number of sets adapts to what is left.
 
     The tier of the states of each wrapped model is chosen by ``choose_tier`` (from the
-    model's ``optimizer_tier`` policy) at the first step. After each step,
+    model's ``optimizer_tier`` policy) when the optimizer is constructed if the model has a
+    ``host_budget``, else at the first step. After each step,
     ``last_step_stats`` (a :class:`StepStats`) holds time, bytes moved and the share of NVMe
     traffic hidden behind compute.
     """
@@ -132,7 +147,11 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
                  amsgrad: bool = False, maximize: bool = False,
                  check_finite: Union[bool, str] = "auto", states: StatesArg = "fp32",
                  overlap: Union[bool, str] = "auto", master: str = "fp32",
-                 sr_seed: int = 0, min_8bit_size: int = MIN_8BIT_SIZE) -> None:
+                 sr_seed: int = 0, min_8bit_size: int = MIN_8BIT_SIZE,
+                 chunk_bytes: Optional[Size] = None) -> None:
+        self._chunk_arg = check_chunk_bytes(parse_size(chunk_bytes, "chunk_bytes")
+                                            if isinstance(chunk_bytes, str) else chunk_bytes,
+                                            "infinity.optim")
         self._format_spec = FormatSpec(states, min_8bit_size)
         self.states_format = self._format_spec.default  # the default format's name
         self.min_8bit_size = self._format_spec.min_8bit_size
@@ -168,6 +187,7 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
         self.last_step_stats: Optional[StepStats] = None
         super().__init__(params, defaults)
         _LIVE.add(self)
+        self._reserve_buffers()
 
     # =====================================================================================
     # param groups and shards
@@ -288,21 +308,52 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
         return (shard.groups[i] is not None and flat.slots[i].param.requires_grad
                 and shard.engine.grads.ready(flat, i))
 
-    def _store(self, engine: Engine) -> States:
+    def _store(self, engine: Engine, later: int = 0) -> States:
+        """The engine's state store, created on first use (``later``: host bytes the engine
+        still takes from its budget, set aside when the tier is chosen before the first
+        backward)."""
         store = self._stores.get(id(engine))
         if store is None:
             shards = [s for s in self._shards.values() if s.engine is engine
                       and any(g is not None for g in s.groups)]
             flats, fmts = [s.flat for s in shards], [s.formats for s in shards]
             master = self.master_format
-            tier = choose_tier(engine, flats, fmts, master)
-            store = NvmeStates(engine, master) if tier == "nvme" else HostStates(engine, master)
+            tier = choose_tier(engine, flats, fmts, master, later)
+            store = (NvmeStates(engine, master, self._chunk_for(engine)) if tier == "nvme"
+                     else HostStates(engine, master))
             present = sorted({f for ff in fmts for f in ff})
             logger.info("infinity.optim: %s bytes of %s optimizer states (%s master) on %s",
                         f"{sum(state_nbytes(f, ff, master) for f, ff in zip(flats, fmts)):,}",
                         "+".join(present) or self.states_format, master, tier)
             self._stores[id(engine)] = store
         return store
+
+    def _chunk_for(self, engine: Engine) -> int:
+        """The chunk of this engine's NVMe step: ``chunk_bytes=`` given here, else the engine's
+        policy, else derived from its host budget."""
+        if self._chunk_arg is not None:
+            return self._chunk_arg
+        return resolve_chunk_bytes(getattr(engine.policy, "chunk_bytes", None),
+                                   engine.host_budget.limit, "infinity.optim")
+
+    def _reserve_buffers(self) -> None:
+        """With a host budget: the state tier is chosen and, on NVMe, the buffer sets are
+        counted in the budget now, so a budget below their minimum is refused here rather
+        than at the first step (after a whole forward and backward)."""
+        for engine in self._engines():
+            if engine.host_budget.limit is None:
+                continue
+            shards = [s for s in self._shards.values() if s.engine is engine]
+            if not shards:
+                continue
+            try:
+                later = engine_bytes_later(engine)  # before the first backward: its gradients
+                store = self._store(engine, later)
+                if isinstance(store, NvmeStates):
+                    self._sets_for(engine, shards, later)
+            except BaseException:
+                self.close()
+                raise
 
     @property
     def state_bytes(self) -> Dict[str, int]:
@@ -569,6 +620,76 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
                 out[a:b].copy_(home[a:b] if home is not None
                                else views.master_value(slice(a, b)))
 
+    def _apply_unit(self, shard: Shard, runs: List[_Run], unit: Unit, buf: torch.Tensor,
+                    staging: Optional[torch.Tensor], multiplier: float,
+                    grad: Optional[torch.Tensor] = None,
+                    hypers: Optional[List[Dict[str, Any]]] = None) -> None:
+        """:meth:`_apply` of one unit of an NVMe shard (the whole shard for a whole unit):
+        the same kernels over the runs' elements inside ``[unit.start, unit.end)``. Unit
+        boundaries are slot edges or 256-element block boundaries inside a slot, so an
+        8-bit slot cut by them is quantized in exactly the blocks it has whole; fp32 and bf16
+        moments are element-wise. Layouts with an fp32 master are cut (one format or several,
+        each format's moments in its own region)."""
+        if unit.whole:
+            self._apply(shard, runs, buf, staging, multiplier, grad, hypers)
+            return
+        flat, engine = shard.flat, shard.engine
+        store = self._stores[id(engine)]
+        layout = store.layout(shard)
+        slots = flat.slots
+        views = unit_views(layout, [(x.offset, x.numel) for x in slots], unit, buf)
+        grad = engine.grads.in_ram(flat) if grad is None else grad
+        out = self._working_out(shard, staging)
+        if out is None:
+            raise RuntimeError(f"infinity.optim: {flat.key} is stepped in units but has no "
+                               "working buffer to write (a bug in the unit plan)")
+        a, b = unit.start, unit.end
+        master = views.master
+        written: List[Tuple[int, int]] = []
+
+        def pos(i: int) -> int:  # slot i's first element in its format's region
+            return layout.slot_pos[i] if layout.mixed else slots[i].offset
+
+        for j, r in enumerate(runs):
+            if min(r.end, b) <= max(r.start, a):
+                continue
+            hyper = hypers[j] if hypers is not None else self._hyper(r, multiplier)
+            for fmt, first, last in layout.split(r.first, r.last):
+                m, v, m_abs, v_abs = views.regions[fmt]
+                base = views.base[fmt]
+                if fmt == "8bit":  # slot by slot: each slot's blocks start at its first element
+                    for i in range(first, last + 1):
+                        s = slots[i]
+                        lo, hi = max(s.offset, a), min(s.offset + s.numel, b)
+                        if lo >= hi:
+                            continue
+                        p = pos(i) + (lo - s.offset) - base
+                        b0 = layout.block_start[i] + (lo - s.offset) // BLOCK_SIZE \
+                            - unit.blocks[0]
+                        nb = num_blocks(hi - lo)
+                        cpu_adam_step_8bit(master[lo - a:hi - a], grad[lo:hi], m[p:p + hi - lo],
+                                           m_abs[b0:b0 + nb], v[p:p + hi - lo],
+                                           v_abs[b0:b0 + nb], out=out[lo:hi], **hyper)
+                        written.append((lo, hi))
+                    continue
+                # one call over the sub-run inside the unit, the padding between slots included
+                start = slots[first].offset
+                lo = max(start, a)
+                hi = min(slots[last].offset + slots[last].numel, b)
+                if lo >= hi:
+                    continue
+                p = pos(first) + (lo - start) - base
+                kernel = cpu_adam_step if fmt == "fp32" else cpu_adam_step_bf16_moments
+                kernel(master[lo - a:hi - a], grad[lo:hi], m[p:p + hi - lo], v[p:p + hi - lo],
+                       out=out[lo:hi], **hyper)
+                written.append((lo, hi))
+        if engine.stages_working_copy(flat):
+            at = a  # elements the kernels did not write: the working copy from the master
+            for lo, hi in written + [(b, b)]:
+                if lo > at:
+                    out[at:lo].copy_(master[at - a:lo - a])
+                at = max(at, hi)
+
     @staticmethod
     def _keep_unstepped(shard: Shard, written: List[Tuple[int, int]],
                         value: torch.Tensor) -> torch.Tensor:
@@ -633,7 +754,7 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
             stats.shards += 1
             stats.params += sum(r.end - r.start for r in runs)
 
-    def _sets_for(self, engine: Engine, shards: List[Shard]) -> BufferSets:
+    def _sets_for(self, engine: Engine, shards: List[Shard], later: int = 0) -> BufferSets:
         staging = engine.working_copy_staged
         grads = engine.grads.on_nvme
         store = self._stores[id(engine)]
@@ -643,7 +764,7 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
             sets = None
         if sets is None:
             sets = BufferSets(store, [s for s in self._shards.values()
-                                      if s.engine is engine], staging, grads)
+                                      if s.engine is engine], staging, grads, later=later)
             self._sets[id(engine)] = sets
         return sets
 
@@ -651,11 +772,34 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
         """First use of a shard: states from the home copy, written and committed at once, so
         every later step has a committed state to fall back to."""
         store.create(shard)
+        if store.plan(shard).chunked:
+            self._init_nvme_units(store, sets, shard)
+            return
         buf = sets.state_view(0, store, shard)
         init_states(shard, store.views(shard, buf),
                     sets.staging[0] if sets.staging[0] is not None
                     else inf_io.aligned_empty(shard.flat.home_nbytes))
         store.write_and_commit(shard, buf, "initializing")
+        shard.initialized = True
+
+    def _init_nvme_units(self, store: NvmeStates, sets: BufferSets, shard: Shard) -> None:
+        """:meth:`_init_nvme` of a shard stepped in units: the master of each unit from the
+        home copy (through the staging slot for NVMe homes, else the working buffer), zero
+        moments, written unit by unit."""
+        engine, flat = shard.engine, shard.flat
+        if engine.stages_working_copy(flat):
+            home = sets.staging[0][:flat.home_nbytes].view(flat.home_dtype)
+            engine.read_home(flat, home)
+        else:
+            home = engine.home.working_buffer(flat)
+        layout = store.layout(shard)
+        slots = [(x.offset, x.numel) for x in flat.slots]
+
+        def fill(un: Unit, buf: torch.Tensor) -> None:
+            views = unit_views(layout, slots, un, buf)
+            views.master.copy_(home[un.start:un.end])  # moments: zero (the buffer is zeroed)
+
+        write_units(store, shard, sets, fill, "initializing")
         shard.initialized = True
 
     def _step_nvme(self, engine: Engine, store: NvmeStates,
@@ -671,8 +815,8 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
         write_home = engine.working_copy_staged
         try:
             run_pipeline(shards, store, sets,
-                         lambda s, buf, st, g: self._apply(s, runs_of[s.key], buf, st,
-                                                           multiplier, g),
+                         lambda s, un, buf, st, g: self._apply_unit(s, runs_of[s.key], un, buf,
+                                                                    st, multiplier, g),
                          write_home, stats, computed)
         except BaseException as failure:
             for shard in computed:

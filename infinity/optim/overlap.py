@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
 import torch
 
 from ._common import _Run
+from .chunks import Unit
 from .state_store import NvmeStates, Shard
 from .swapper import ShardFeed, StepStats, run_pipeline
 
@@ -98,11 +99,11 @@ class _Worker:
         self.poisoned: Optional[str] = None
         sets = opt._sets_for(engine, [s for s in opt._shards.values() if s.engine is engine])
 
-        def compute(shard: Shard, buf: torch.Tensor, staging: Optional[torch.Tensor],
-                    grad: Optional[torch.Tensor]) -> None:
+        def compute(shard: Shard, unit: Unit, buf: torch.Tensor,
+                    staging: Optional[torch.Tensor], grad: Optional[torch.Tensor]) -> None:
             spec = self.specs[shard.key]
-            opt._apply(shard, list(spec.runs), buf, staging, 1.0, grad,
-                       hypers=[dict(h) for h in spec.hypers])
+            opt._apply_unit(shard, list(spec.runs), unit, buf, staging, 1.0, grad,
+                            hypers=[dict(h) for h in spec.hypers])
 
         def run() -> None:
             try:

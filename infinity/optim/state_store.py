@@ -13,7 +13,10 @@ masters (``"bf16_sr"`` 2 B/param, ``"bf16_kahan"`` 4 B/param).
 - :class:`NvmeStates`: the buffers live in the optimizer's own SwapStore (a private directory
   under ``nvme_path``). Each shard has two extents, A and B: a step reads the committed one and
   writes the other; :meth:`NvmeStates.commit` flips them only after every write of the step
-  succeeded, so a failed write (disk full, I/O error) leaves the previous states valid.
+  succeeded, so a failed write (disk full, I/O error) leaves the previous states valid. A
+  shard whose states are larger than the chunk is moved in units (element ranges, see
+  :mod:`.chunks`): :meth:`NvmeStates.plan`, :meth:`~NvmeStates.read_unit`,
+  :meth:`~NvmeStates.write_unit`.
 
 :func:`choose_tier` is the one place that decides between them.
 """
@@ -35,6 +38,8 @@ from ..runtime.engine import Engine
 from ..runtime.flat import FlatParam
 from ..runtime.homes import master_is_home
 from ..tiers import SwapStore
+from ..tiers.swap_store import SwapCorruptionError
+from .chunks import ChunkPlan, Piece, Unit, combine_pieces, plan_chunks
 from .formats import STATE_FORMATS, check_format
 
 logger = logging.getLogger(__name__)
@@ -440,11 +445,12 @@ def quantize_exact(x: torch.Tensor, signed: bool, codes: torch.Tensor,
 # ---- tier -----------------------------------------------------------------------------------
 def choose_tier(engine: Engine, flats: List[FlatParam],
                 fmt: Union[str, Sequence[Union[str, Sequence[str]]]] = "fp32",
-                master: str = "fp32") -> str:
+                master: str = "fp32", later: int = 0) -> str:
     """The one place the optimizer-state tier is chosen, from ``engine.policy.optimizer_tier``:
     "host" or "nvme" as given; "auto" = "nvme" when ``nvme_path`` is set and (no
     ``host_budget`` is set, or the states (in format ``fmt``: one for all, or per flat one
-    format or one per slot) do not fit in what is left of it), else "host"."""
+    format or one per slot) do not fit in what is left of it, ``later`` bytes that the engine
+    still takes from it set aside), else "host"."""
     policy = engine.policy
     if policy.optimizer_tier in ("host", "nvme"):
         return policy.optimizer_tier
@@ -452,9 +458,19 @@ def choose_tier(engine: Engine, flats: List[FlatParam],
         return "host"
     per_flat = [fmt] * len(flats) if isinstance(fmt, str) else list(fmt)
     need = sum(state_nbytes(f, ff, master) for f, ff in zip(flats, per_flat))
-    if policy.host_budget is None or not engine.host_budget.fits(need):
+    if policy.host_budget is None or not engine.host_budget.fits(need + later):
         return "nvme"
     return "host"
+
+
+def engine_bytes_later(engine: Engine) -> int:
+    """Host bytes the engine still takes from its budget after wrap: the host gradient
+    accumulators of the flats that have none yet (allocated at their first backward)."""
+    if engine.host_budget.limit is None or engine.grads.on_nvme \
+            or getattr(engine, "partitioner", None) is not None:  # ZeRO: per-rank parts
+        return 0
+    return sum(f.numel * 4 for f in engine.flats
+               if f.trainable and engine.grads.in_ram(f) is None)
 
 
 @dataclass
@@ -587,12 +603,17 @@ class HostStates(_Store):
 
 class NvmeStates(_Store):
     """Shard states in two extents per shard (A/B) of the optimizer's own SwapStore (each
-    extent the size of the shard's layout: compact formats shrink both)."""
+    extent the size of the shard's layout: compact formats shrink both). ``chunk_bytes``: a
+    shard whose states are larger is read, stepped and written in units of about that size
+    (None: always whole)."""
 
     tier = "nvme"
 
-    def __init__(self, engine: Engine, master: str = "fp32") -> None:
+    def __init__(self, engine: Engine, master: str = "fp32",
+                 chunk_bytes: Optional[int] = None) -> None:
         super().__init__(engine, master)
+        self.chunk_bytes = chunk_bytes
+        self._plans: Dict[str, ChunkPlan] = {}
         self.nvme_path = engine.policy.nvme_path
         self.store = SwapStore(self.nvme_path, require_direct=engine.policy.require_direct_io,
                                verify=engine.policy.verify_checksums,
@@ -618,6 +639,76 @@ class NvmeStates(_Store):
                 continue  # already there (created by an earlier, failed attempt)
             except inf_io.InfinityIOError as exc:
                 raise self.wrap_error(exc, shard, "preallocating") from exc
+
+    # ---- units (a shard moved in element ranges, see .chunks) -----------------------------
+    def plan(self, shard: Shard) -> ChunkPlan:
+        """The shard's units. Cut only where the kernel writes the working copy itself (a
+        staging buffer or a working buffer in RAM); otherwise whole."""
+        plan = self._plans.get(shard.key)
+        if plan is None:
+            layout = self.layout(shard)
+            engine, flat = shard.engine, shard.flat
+            cut = engine.stages_working_copy(flat) or \
+                engine.home.working_buffer(flat) is not None
+            plan = plan_chunks(layout, [(s.offset, s.numel) for s in flat.slots],
+                               self.chunk_bytes if cut else None)
+            self._plans[shard.key] = plan
+        return plan
+
+    def _target(self, shard: Shard) -> str:
+        """The extent this step writes (the inactive one), marked pending."""
+        target = 1 - self.committed[shard.key] if shard.key in self.committed else 0
+        self._pending[shard.key] = target
+        return self.extent(shard.key, target)
+
+    def read_unit(self, shard: Shard, unit: Unit, buf: torch.Tensor
+                  ) -> List[Tuple["inf_io.IOFuture", Piece]]:
+        """Starts reading one unit of the committed states into ``buf`` (its first
+        ``unit.nbytes`` bytes)."""
+        if unit.whole:
+            return [(self.read(shard, buf[:unit.nbytes]), unit.reads[0])]
+        name = self.extent(shard.key, self.committed[shard.key])
+        return [(self.store.read_at(name, buf[q.pos:q.pos + q.nbytes], q.offset), q)
+                for q in unit.reads]
+
+    def write_unit(self, shard: Shard, unit: Unit, buf: torch.Tensor
+                   ) -> List[Tuple["inf_io.IOFuture", Piece]]:
+        """Starts writing the pages one unit owns to the inactive extent."""
+        if unit.whole:
+            return [(self.write(shard, buf[:unit.nbytes]), unit.writes[0])]
+        name = self._target(shard)
+        return [(self.store.write_at(name, buf[q.pos:q.pos + q.nbytes], q.offset), q)
+                for q in unit.writes]
+
+    def check_pieces(self, shard: Shard, crcs: List[Tuple[int, int, int]]) -> None:
+        """Checks the owned read pieces of a unit-read shard, (offset, nbytes, crc32c) that
+        tile the committed extent, against the CRC recorded when it was written."""
+        if not self.store.verify:
+            return
+        name = self.extent(shard.key, self.committed[shard.key])
+        recorded = self.store.recorded_crc(name)
+        if recorded is None:
+            raise SwapCorruptionError(f"swap file {self.store.path(name)!r} holds no completed "
+                                      "write (never written, or its last write failed)")
+        crc = combine_pieces(crcs, self.layout(shard).nbytes)
+        if crc != recorded:
+            raise SwapCorruptionError(
+                f"swap file {self.store.path(name)!r} (optimizer states of {shard.key!r}) is "
+                f"corrupted: CRC32C {crc:#010x} of what was read does not match {recorded:#010x} "
+                "recorded when it was written; the step was not applied (restart from a "
+                "checkpoint)")
+
+    def record_pieces(self, shard: Shard, crcs: Optional[List[Tuple[int, int, int]]]) -> None:
+        """Records the CRC of the inactive extent written in units from its pieces' CRCs
+        (None: a piece failed, no valid checksum)."""
+        which = self._pending.get(shard.key)
+        if which is None:
+            raise RuntimeError(f"infinity.optim: no pending state write of {shard.key}")
+        name = self.extent(shard.key, which)
+        crc = None
+        if crcs is not None and self.store.verify:
+            crc = combine_pieces(crcs, self.layout(shard).nbytes)
+        self.store.record_crc(name, crc)
 
     def read(self, shard: Shard, buf: torch.Tensor) -> "inf_io.IOFuture":
         """Starts reading the committed states of ``shard`` into ``buf`` (layout.nbytes)."""

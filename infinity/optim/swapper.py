@@ -1,11 +1,15 @@
-"""The NVMe state pipeline: read(i+1..i+D) | compute(i) | write(i-1) over shards, with S >= 3
-sets of aligned host buffers (D = S - 2 shards read ahead; S = 3 by default, see
-:func:`choose_sets`), and the clock that measures how much of the I/O was hidden.
+"""The NVMe state pipeline: read(i+1..i+D) | compute(i) | write(i-1) over *units* (a shard
+not larger than the chunk is one unit; a larger one is a sequence of element ranges of about
+``chunk_bytes`` of states, see :mod:`.chunks`), with S >= 3 sets of aligned host buffers of
+one unit each (D = S - 2 units read ahead; S = 3 by default, see :func:`choose_sets`), and
+the clock that measures how much of the I/O was hidden.
 
-Set ``k = i % S`` serves shard i. Before shard j's read goes into its set, the writes issued
-from that set (shard j - S, written at least two iterations earlier) must have finished, so at
-any moment up to D sets are being read into, one computed on and one written from. Nothing
-here decides *what* a step computes: the caller passes ``compute(shard, states_buf, staging)``.
+Set ``k = u % S`` serves unit u. Before unit u's read goes into its set, the writes issued
+from that set (unit u - S, written at least two iterations earlier) must have finished, so at
+any moment up to D sets are being read into, one computed on and one written from. What the
+engine moves per whole shard (gradients read from NVMe, the working copy written to an NVMe
+home) goes through one of 1-2 *shard slots*. Nothing here decides *what* a step computes: the
+caller passes ``compute(shard, unit, states_buf, staging, grad)``.
 """
 from __future__ import annotations
 
@@ -19,6 +23,8 @@ import torch
 
 from .. import io as inf_io
 from .. import trace_events
+from ..tiers.budget import BudgetExceededError
+from .chunks import Piece, Unit
 from .state_store import NvmeStates, Shard
 
 logger = logging.getLogger(__name__)
@@ -168,46 +174,89 @@ def record_requests(on: bool) -> None:
     _record = bool(on)
 
 
+SHARD_SLOTS = 2  # whole-shard gradient / working-copy buffers: one stepped, one read or written
+
+
 class BufferSets:
-    """``count`` (>= 3, see :func:`choose_sets`) sets of aligned host buffers: states (the
-    largest shard's layout in its formats: 12, 8 or ~6 B/param) and, when the
-    parameters are homed on NVMe, a staging buffer for the updated working copy, and fp32
-    gradients when those are on NVMe."""
+    """The NVMe step's host buffers.
+
+    ``count`` (>= 3, see :func:`choose_sets`) *state sets*, each one unit's buffer: a chunk
+    (``chunk_bytes`` of states, plus the edge pages of its spans) or, for a shard not larger
+    than a chunk, its whole layout (12, 8 or ~6 B/param) -- bounded by the chunk, never by the
+    largest shard. And ``shard_slots`` (1 or 2) *shard buffers*, where the engine needs a whole
+    shard: a staging buffer for the updated working copy when the parameters are homed on
+    NVMe, and the fp32 gradients when those are on NVMe (the engine reads and writes those
+    per flat). With a host budget the minimum (3 sets and 1 shard slot) is checked here, and
+    what is left above it buys a second shard slot, then more sets."""
 
     def __init__(self, states: NvmeStates, shards: List[Shard], staging: bool,
-                 grads: bool, count: Optional[int] = None) -> None:
+                 grads: bool, count: Optional[int] = None, later: int = 0) -> None:
         engine = states.engine
         self.engine = engine
-        max_numel = max(s.numel for s in shards)
-        self.states_nbytes = max(states.layout(s).nbytes for s in shards)
+        self.states_nbytes = max(states.plan(s).buffer_nbytes for s in shards)
         self.staging_nbytes = max(s.flat.home_nbytes for s in shards) if staging else 0
-        self.grad_numel = max_numel if grads else 0
-        set_nbytes = self.states_nbytes + self.staging_nbytes + self.grad_numel * 4
+        self.grad_numel = max(s.numel for s in shards) if grads else 0
+        self.set_nbytes = self.states_nbytes
+        self.slot_nbytes = self.staging_nbytes + self.grad_numel * 4
+        budget = engine.host_budget
+        # later: bytes the engine still takes from the budget (its host gradient accumulators,
+        # allocated at the first backward)
+        left = None if budget.limit is None else budget.limit - budget.used - later
+        self.later = later
+        slots = SHARD_SLOTS if self.slot_nbytes else 1
+        if left is not None:
+            minimum = SETS * self.set_nbytes + self.slot_nbytes
+            if minimum > left:
+                raise BudgetExceededError(self._refusal(states, budget.limit, budget.used,
+                                                        minimum))
+            if SETS * self.set_nbytes + slots * self.slot_nbytes > left:
+                slots = 1
         if count is None:
-            budget = engine.host_budget
-            left = None if budget.limit is None else budget.limit - budget.used
-            count = choose_sets(set_nbytes, left)
+            count = choose_sets(self.set_nbytes,
+                                None if left is None else left - slots * self.slot_nbytes)
         if not isinstance(count, int) or count < SETS:
             raise ValueError(f"infinity.optim: the NVMe state pipeline needs at least {SETS} "
                              f"buffer sets, got {count!r}")
         self.count = count
-        self.nbytes = count * set_nbytes
-        engine.host_budget.acquire(self.nbytes, what=f"{count} optimizer swap buffer sets")
+        self.shard_slots = slots
+        self.nbytes = count * self.set_nbytes + slots * self.slot_nbytes
+        engine.host_budget.acquire(
+            self.nbytes, what=f"{count} optimizer swap buffer sets of {self.set_nbytes:,} bytes "
+                              f"and {slots} shard buffer(s) of {self.slot_nbytes:,} bytes")
         self.states = [inf_io.aligned_empty(self.states_nbytes) for _ in range(count)]
         self.staging = [inf_io.aligned_empty(self.staging_nbytes) if staging else None
-                        for _ in range(count)]
+                        for _ in range(slots)]
         self.grads = [inf_io.aligned_empty(self.grad_numel, torch.float32) if grads else None
-                      for _ in range(count)]
+                      for _ in range(slots)]
         self._closed = False
 
+    def _refusal(self, states: NvmeStates, limit: int, used: int, minimum: int) -> str:
+        chunk = states.chunk_bytes
+        parts = [f"{SETS} buffer sets of {self.set_nbytes:,} bytes (one unit of states each: "
+                 f"chunk_bytes={chunk:,} plus its edge pages, or a whole shard smaller than "
+                 "that)"]
+        if self.slot_nbytes:
+            parts.append(f"1 shard buffer of {self.slot_nbytes:,} bytes (the largest shard's "
+                         "gradients read from NVMe and/or its working copy written to it)")
+        held = used + self.later
+        later = (f", {self.later:,} of it for the gradient accumulators the engine allocates "
+                 "at the first backward" if self.later else "")
+        return (f"infinity.optim: host_budget={limit:,} bytes has {limit - held:,} free "
+                f"({held:,} held by the engine and others{later}), but the NVMe optimizer step "
+                f"needs at least {minimum:,}: {' + '.join(parts)}. This needs host_budget >= "
+                f"{held + minimum:,} bytes: raise it to at least that, or pass a smaller "
+                "chunk_bytes= to the optimizer (a multiple of 4096), or keep gradients / "
+                "parameters of the largest block in host RAM")
+
     def fits(self, states: NvmeStates, shards: List[Shard], staging: bool, grads: bool) -> bool:
-        return (all(states.layout(s).nbytes <= self.states_nbytes for s in shards)
+        return (all(states.plan(s).buffer_nbytes <= self.states_nbytes for s in shards)
                 and (not staging or all(s.flat.home_nbytes <= self.staging_nbytes
                                         for s in shards))
                 and (not grads or all(s.numel <= self.grad_numel for s in shards)))
 
     def state_view(self, k: int, states: NvmeStates, shard: Shard) -> torch.Tensor:
-        """Set k's state buffer cut to ``shard``'s layout (uint8; ``states.views`` types it)."""
+        """Set k's state buffer cut to ``shard``'s layout (uint8; ``states.views`` types it);
+        only for a shard stepped whole."""
         return self.states[k][:states.layout(shard).nbytes]
 
     def close(self) -> None:
@@ -217,7 +266,8 @@ class BufferSets:
             self.engine.host_budget.release(self.nbytes)
 
 
-Compute = Callable[[Shard, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]], None]
+Compute = Callable[[Shard, Unit, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]],
+                   None]
 Pending = Tuple["inf_io.IOFuture", Shard, str]
 
 
@@ -259,104 +309,165 @@ class ShardFeed:
 def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets: BufferSets,
                  compute: Compute, write_home: bool, stats: StepStats,
                  computed: List[Shard]) -> None:
-    """Reads, computes and writes every shard; returns once every write finished. On error,
-    waits for everything in flight, aborts the pending extents and raises an
-    OptimizerStateIOError naming the shard; ``computed`` lists the shards whose working copy
-    may already have been updated (the caller restores them). A gradient read waits for the
-    write of those gradients first (in a feed filled during backward it may still run)."""
+    """Reads, computes and writes every unit of every shard (a shard larger than a chunk is
+    several units, see :mod:`.chunks`); returns once every write finished. Unit u uses state
+    set ``u % count``; shard j uses shard slot ``j % shard_slots`` (its gradients read from
+    NVMe, its working copy staged for NVMe). On error, waits for everything in flight, aborts
+    the pending extents and raises an OptimizerStateIOError (or SwapCorruptionError) naming
+    the shard; ``computed`` lists the shards whose working copy may already have been updated
+    (the caller restores them). A gradient read waits for the write of those gradients first
+    (in a feed filled during backward it may still run)."""
     feed = shards if isinstance(shards, ShardFeed) else ShardFeed(shards)
     engine = states.engine
     clock = IOClock(record=_record)
     count = sets.count
     ahead = count - 2
-    reads: Dict[int, "inf_io.IOFuture"] = {}
+    slots = sets.shard_slots
+    page = inf_io.ALIGNMENT
+    units: List[Tuple[int, Shard, Unit]] = []   # (shard index, shard, unit), in step order
+    given: List[Shard] = []
+    reads: Dict[int, List[Tuple["inf_io.IOFuture", Piece]]] = {}
     grad_reads: Dict[int, "inf_io.IOFuture"] = {}
     writes: List[List[Pending]] = [[] for _ in range(count)]
+    slot_writes: List[List[Pending]] = [[] for _ in range(slots)]
+    read_crcs: Dict[int, List[Tuple[int, int, int]]] = {}
+    written: Dict[int, List[Tuple["inf_io.IOFuture", Piece]]] = {}  # unit-written shards
+    carries: Dict[int, Dict[int, torch.Tensor]] = {}
+    computed_shards = 0  # shards 0 .. computed_shards - 1 are fully stepped
 
-    def drain(k: int) -> None:
-        pending, writes[k] = writes[k], []
+    def unit_at(u: int, block: bool) -> Optional[Tuple[int, Shard, Unit]]:
+        while u >= len(units):
+            shard = feed.get(len(given), block)
+            if shard is None:
+                return None
+            given.append(shard)
+            j = len(given) - 1
+            units.extend((j, shard, un) for un in states.plan(shard).units)
+        return units[u]
+
+    def drain(pending_list: List[List[Pending]], k: int) -> None:
+        pending, pending_list[k] = pending_list[k], []
         for i, (future, shard, what) in enumerate(pending):
             try:
                 stats.write_wait_s += clock.wait(future)
             except inf_io.InfinityIOError as exc:
-                writes[k] = pending[i + 1:]
+                pending_list[k] = pending[i + 1:]
                 raise states.wrap_error(exc, shard, what) from exc
 
-    def issue_read(i: int, shard: Shard) -> None:
-        k = i % count
-        drain(k)
-        nbytes = states.layout(shard).nbytes
-        reads[i] = clock.submitted(states.read(shard, sets.state_view(k, states, shard)),
-                                   "optimizer_read", shard.key, nbytes)
+    def issue(u: int, block: bool) -> bool:
+        j, shard, un = units[u]
+        if un.index == 0:  # the shard's slot: free once shard j - slots is stepped and written
+            if j - slots >= computed_shards:
+                if block:
+                    raise RuntimeError("infinity.optim: pipeline order broken (a shard slot "
+                                       "is still in use)")
+                return False
+            g = j % slots
+            drain(slot_writes, g)
+            if engine.grads.in_ram(shard.flat) is None and sets.grads[g] is not None:
+                engine.grads.wait_written(shard.flat)  # on NVMe
+                grad_reads[j] = clock.submitted(
+                    engine.grads.read(shard.flat, sets.grads[g][:shard.numel]))
+                stats.bytes_read += shard.numel * 4
+        k = u % count
+        drain(writes, k)
+        got = states.read_unit(shard, un, sets.states[k])
+        nbytes = 0
+        for future, q in got:
+            clock.submitted(future, "optimizer_read", shard.key, q.nbytes)
+            nbytes += q.nbytes
+        reads[u] = got
         stats.bytes_read += nbytes
         engine.stats.add_moved("nvme_to_host", nbytes)
-        if engine.grads.in_ram(shard.flat) is None and sets.grads[k] is not None:  # on NVMe
-            engine.grads.wait_written(shard.flat)
-            grad_reads[i] = clock.submitted(
-                engine.grads.read(shard.flat, sets.grads[k][:shard.numel]))
-            stats.bytes_read += shard.numel * 4
+        return True
 
     try:
         issued = 0
-        i = 0
+        u = 0
         while True:
-            shard = feed.get(i, block=True)
-            if shard is None:
+            item = unit_at(u, block=True)
+            if item is None:
                 break
-            k = i % count
-            while issued <= i + ahead:
-                nxt = feed.get(issued, block=False)
-                if nxt is None:
+            j, shard, un = item
+            k, g = u % count, j % slots
+            while issued <= u + ahead:
+                now = issued == u
+                if unit_at(issued, block=False) is None or not issue(issued, now):
                     break
-                issue_read(issued, nxt)
                 issued += 1
-            buf = sets.state_view(k, states, shard)
-            try:
-                stats.read_wait_s += clock.wait(reads[i])
-            except inf_io.InfinityIOError as exc:
-                raise states.wrap_error(exc, shard, "reading") from exc
-            del reads[i]
-            t0 = time.perf_counter()
-            states.verify(shard, buf)
-            stats.verify_s += time.perf_counter() - t0
-            grad = None
-            if i in grad_reads:
-                grad = sets.grads[k][:shard.numel]
+            buf = sets.states[k]
+            for future, q in reads.pop(u):
                 try:
-                    stats.read_wait_s += clock.wait(grad_reads[i])
+                    stats.read_wait_s += clock.wait(future)
+                except inf_io.InfinityIOError as exc:
+                    raise states.wrap_error(exc, shard, "reading") from exc
+                if not un.whole and q.owned and states.store.verify:
+                    read_crcs.setdefault(j, []).append((q.offset, q.nbytes, future.crc32c()))
+            t0 = time.perf_counter()
+            if un.whole:
+                states.verify(shard, buf[:un.nbytes])
+            elif un.last:  # every page of the committed extent read: check it, unstepped
+                states.check_pieces(shard, read_crcs.pop(j, []))
+            stats.verify_s += time.perf_counter() - t0
+            grad = sets.grads[g][:shard.numel] if sets.grads[g] is not None else None
+            if un.index == 0 and j in grad_reads:
+                try:
+                    stats.read_wait_s += clock.wait(grad_reads.pop(j))
                 except inf_io.InfinityIOError as exc:
                     raise states.wrap_error(exc, shard, "reading the gradients for the") from exc
-                del grad_reads[i]
                 t0 = time.perf_counter()
                 engine.grads.verify(shard.flat, grad)
                 stats.verify_s += time.perf_counter() - t0
+            if engine.grads.in_ram(shard.flat) is not None:
+                grad = None
             clock.poll()
+            carry = carries.setdefault(j, {})
+            for offset, pos, _owned in un.shared:  # earlier units' new bytes of shared pages
+                if offset in carry:
+                    buf[pos:pos + page].copy_(carry[offset])
             t0 = time.perf_counter()
-            computed.append(shard)
-            compute(shard, buf, sets.staging[k], grad)
+            if un.index == 0:
+                computed.append(shard)
+            compute(shard, un, buf[:un.nbytes], sets.staging[g], grad)
             t1 = time.perf_counter()
             stats.compute_s += t1 - t0
             if clock.requests is not None:
-                clock.requests.append(("compute", shard.numel, t0, t0, t1, 0.0))
-            trace_events.span("optimizer_compute", shard.key, shard.numel, t0)
+                clock.requests.append(("compute", un.end - un.start, t0, t0, t1, 0.0))
+            trace_events.span("optimizer_compute", shard.key, un.end - un.start, t0)
+            for offset, pos, owned in un.shared:  # hand this unit's bytes on
+                if owned:
+                    carry.pop(offset, None)
+                else:
+                    carry[offset] = buf[pos:pos + page].clone()
             clock.poll()
-            writes[k].append((clock.submitted(states.write(shard, buf), "optimizer_write",
-                                              shard.key, states.layout(shard).nbytes),
-                              shard, "writing"))
-            stats.bytes_written += states.layout(shard).nbytes
-            engine.stats.add_moved("host_to_nvme", states.layout(shard).nbytes)
-            if write_home and engine.stages_working_copy(shard.flat):
-                home = sets.staging[k][:shard.flat.home_nbytes].view(shard.flat.home_dtype)
-                writes[k].append((clock.submitted(engine.write_home(shard.flat, home),
-                                                  "optimizer_write", shard.flat.key,
-                                                  shard.flat.home_nbytes), shard,
-                                  "writing the parameters updated with the"))
-                stats.bytes_written += shard.flat.home_nbytes  # a disk write of this step too
-            i += 1
+            for future, q in states.write_unit(shard, un, buf):
+                writes[k].append((clock.submitted(future, "optimizer_write", shard.key,
+                                                  q.nbytes), shard, "writing"))
+                stats.bytes_written += q.nbytes
+                engine.stats.add_moved("host_to_nvme", q.nbytes)
+                if not un.whole:
+                    written.setdefault(j, []).append((future, q))
+            if un.last:
+                carries.pop(j, None)
+                computed_shards = j + 1
+                if write_home and engine.stages_working_copy(shard.flat):
+                    home = sets.staging[g][:shard.flat.home_nbytes].view(shard.flat.home_dtype)
+                    slot_writes[g].append((clock.submitted(engine.write_home(shard.flat, home),
+                                                           "optimizer_write", shard.flat.key,
+                                                           shard.flat.home_nbytes), shard,
+                                           "writing the parameters updated with the"))
+                    stats.bytes_written += shard.flat.home_nbytes  # a disk write of this step
+            u += 1
         for k in range(count):
-            drain(k)
+            drain(writes, k)
+        for g in range(slots):
+            drain(slot_writes, g)
+        for j, pieces in written.items():  # the new extents' checksums, from their pieces
+            states.record_pieces(given[j], [(q.offset, q.nbytes, f.crc32c()) for f, q in pieces]
+                                 if states.store.verify else None)
     except BaseException:
-        _settle(list(reads.values()) + list(grad_reads.values()), writes)
+        _settle([f for got in reads.values() for f, _ in got] + list(grad_reads.values()),
+                writes + slot_writes)
         states.abort()
         raise
     finally:
@@ -365,6 +476,42 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
         stats.crc_s += clock.crc_s
         if clock.requests is not None:
             stats.requests = (stats.requests or []) + clock.requests
+
+
+def write_units(states: NvmeStates, shard: Shard, sets: BufferSets,
+                fill: Callable[[Unit, torch.Tensor], None], doing: str) -> None:
+    """Writes a shard's states unit by unit through state set 0 and commits them at once
+    (first use of a shard larger than a chunk): ``fill(unit, buf)`` puts the unit's values in
+    its (zeroed) buffer. On failure nothing is committed."""
+    page = inf_io.ALIGNMENT
+    carry: Dict[int, torch.Tensor] = {}
+    pieces: List[Tuple[int, int, int]] = []
+    buf = sets.states[0]
+    try:
+        for un in states.plan(shard).units:
+            view = buf[:un.nbytes]
+            view.zero_()
+            for offset, pos, _owned in un.shared:
+                if offset in carry:
+                    view[pos:pos + page].copy_(carry[offset])
+            fill(un, view)
+            for offset, pos, owned in un.shared:
+                if owned:
+                    carry.pop(offset, None)
+                else:
+                    carry[offset] = view[pos:pos + page].clone()
+            for future, q in states.write_unit(shard, un, view):
+                future.wait()
+                if states.store.verify:
+                    pieces.append((q.offset, q.nbytes, future.crc32c()))
+        states.record_pieces(shard, pieces if states.store.verify else None)
+    except inf_io.InfinityIOError as exc:
+        states.abort()
+        raise states.wrap_error(exc, shard, doing) from exc
+    except BaseException:
+        states.abort()
+        raise
+    states.commit()
 
 
 def _settle(reads: List[Optional["inf_io.IOFuture"]], writes: List[List[Pending]]) -> None:
