@@ -52,10 +52,13 @@ def _weights(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
 
 
 def _run(path: Path, chunk: int, *, fault: bool = False, reload: bool = False,
+         outside: bool = False, user_grads: bool = False,
          **kw) -> Tuple[List[float], Dict[str, torch.Tensor], Dict]:
     """4 steps of 2 micro-batches each, clipped; optionally a failed gradient write in step
-    2 (zero_grad, backward again) and a state_dict/load_state_dict round trip after step 1.
-    Returns the losses, the final weights and the optimizer's state dict."""
+    2 (zero_grad, backward again), a state_dict/load_state_dict round trip after step 1,
+    in-place writes to parameters outside forward (``outside``), or ``p.grad`` set to None
+    and replaced between micro-batches (``user_grads``). Returns the losses, the final
+    weights and the optimizer's state dict."""
     model = _wrap(path, chunk, **kw)
     engine = engine_of(model)
     opt = infinity.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
@@ -78,9 +81,27 @@ def _run(path: Path, chunk: int, *, fault: bool = False, reload: bool = False,
             loss = loss_of(model, x, y)
             loss.backward()
             losses.append(loss.item())
+            if user_grads and micro == 0:
+                named = dict(model.named_parameters())
+                # larger than the chunks (64 KiB) and straddling them, next to other slots
+                assert named["layers.0.fc.weight"].grad is not None
+                named["layers.0.fc.weight"].grad = None
+                p = named["layers.1.out.weight"]
+                p.grad = torch.full_like(p.grad, 1e-3)
         opt.clip_grad_norm_(0.05)
         opt.step()
         opt.zero_grad()
+        if outside and step == 1:
+            with torch.no_grad():
+                params = sorted(model.named_parameters())
+                for name, p in params[::3]:
+                    p.mul_(0.5)  # through the memory-mapped home: re-checksummed per chunk
+                for name, p in params[1::5]:
+                    p.data = p.detach() * 0.25 + 0.01  # rebound: written to the home's chunks
+            with infinity.materialized(model):  # written back from the compute buffers
+                with torch.no_grad():
+                    for name, p in sorted(model.named_parameters())[2::4]:
+                        p.add_(0.125)
         if reload and step == 1:
             sd_model = _weights(model)
             sd_opt = opt.state_dict()
@@ -124,10 +145,17 @@ def _reference(tmp_path: Path, **kw):
     return _REF[key]
 
 
+CASES = {"plain": {}, "reload": {"reload": True}, "fault": {"fault": True},
+         "outside": {"outside": True}, "user_grads": {"user_grads": True},
+         # a compute dtype other than the home's: fetches stage each chunk and cast it
+         "compute_bf16": {"compute_dtype": torch.bfloat16},
+         "states_nvme": {"optimizer_tier": "nvme"}}
+
+
 @pytest.mark.parametrize("chunk", SMALL_CHUNKS)
-@pytest.mark.parametrize("case", ["plain", "reload", "fault"])
+@pytest.mark.parametrize("case", sorted(CASES))
 def test_training_through_chunks_equals_one_buffer_per_flat(tmp_path, chunk, case):
-    kw = {"reload": case == "reload", "fault": case == "fault"}
+    kw = CASES[case]
     ref = _reference(tmp_path, **kw)
     got = _run(tmp_path / "chunked", chunk, **kw)
     _assert_same(got, ref)
@@ -141,11 +169,52 @@ def test_training_through_chunks_equals_one_buffer_per_flat(tmp_path, chunk, cas
 
 
 @pytest.mark.parametrize("chunk", [8 << 10])
-def test_states_on_nvme_bf16_homes_equal(tmp_path, chunk):
+def test_bf16_homes_states_on_nvme_equal(tmp_path, chunk):
     """bf16 parameter homes (2-byte elements per chunk) and optimizer states on NVMe."""
     kw = dict(optimizer_tier="nvme", bf16=True)
     ref = _run(tmp_path / "ref", LARGE, **kw)
     _assert_same(_run(tmp_path / "chunked", chunk, **kw), ref)
+
+
+def test_tied_embedding_norms_are_those_of_the_written_gradients(tmp_path):
+    """A tied embedding's slot receives two gradients in one backward, and the sums of two
+    micro-batches: each norm the sink hands the optimizer (where it measured one) equals the
+    norm of the gradient it wrote; the run equals the unchunked one."""
+    cfg = GPTConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, max_seq=32,
+                    tie_embeddings=True)
+    results = []
+    for chunk in (LARGE, 8 << 10, 64 << 10):
+        path = tmp_path / f"t{chunk}"
+        path.mkdir()
+        torch.manual_seed(0)
+        model = infinity.wrap(TinyGPT(cfg), nvme_path=str(path), param_tier="nvme",
+                              grad_tier="nvme", chunk_bytes=chunk)
+        engine = engine_of(model)
+        sink = engine.grads
+        checked = 0
+        for x, y in batches(cfg, 2, batch=2, seq=16, seed=5):
+            loss_of(model, x, y).backward()
+            for flat in engine.home_flats:
+                norms = sink.slot_norms(flat)
+                if not flat.trainable or norms is None:
+                    continue
+                for i, s in enumerate(flat.slots):
+                    g = sink.gradient(flat, i)
+                    if g is None:
+                        assert norms[i] is None
+                        continue
+                    want = torch.linalg.vector_norm(g.reshape(-1), 2.0, dtype=torch.float32)
+                    assert torch.equal(norms[i], want), s.qualname
+                    checked += 1
+        assert checked > 0
+        results.append({n: sink.gradient(f, i).clone() for f in engine.home_flats
+                        for i, n in enumerate(s.qualname for s in f.slots)
+                        if f.grad_ready[i]})
+        infinity.unwrap(model)
+    for other in results[1:]:
+        assert other.keys() == results[0].keys()
+        for k in other:
+            assert torch.equal(other[k], results[0][k]), k
 
 
 def test_pool_bytes_are_count_times_chunk_and_independent_of_the_largest_flat(tmp_path):
