@@ -310,7 +310,8 @@ def test_ranged_home_write_and_gradient_reads(tmp_path):
     model = _wrap(tmp_path / "r", chunk)
     engine = engine_of(model)
     flat = max(engine.flats, key=lambda f: f.numel)
-    per = engine.home.chunk_elems(flat)
+    per = engine.home.range_elems(flat)
+    assert per == engine.home.chunk_elems(flat)  # chunks up to 4 MiB are one piece
     before = engine.home.snapshot(flat)
     new = infinity.io.aligned_empty(2 * per, flat.home_dtype)
     new.copy_(torch.arange(2 * per, dtype=torch.float32).to(flat.home_dtype))
@@ -406,3 +407,74 @@ def test_peak_rss_does_not_grow_with_the_largest_flat(tmp_path):
     # (one flat each) plus activations and the layers; well below the old pools alone
     assert growth < 3 * largest, (growth, largest)
     assert growth < old_pools - largest, (growth, old_pools)
+
+
+def test_swap_store_ranged_io_checksums_per_piece(tmp_path):
+    """Ranged writes and reads of whole pieces; the whole file's CRC is combined from the
+    pieces'; a range that splits a piece is refused; a corrupted piece is named."""
+    from infinity.tiers import SwapStore
+    from infinity.tiers.pool_plan import piece_bytes
+    for chunk in (8192, 4 << 20, 6 << 20, 256 << 20, 4096 * 1031 * 2):
+        assert chunk % piece_bytes(chunk) == 0 and piece_bytes(chunk) <= max(chunk, 4 << 20)
+    store = SwapStore(str(tmp_path))
+    try:
+        piece = 8192
+        nbytes = 5 * piece + 4096  # a shorter last piece
+        store.create("k", nbytes)
+        store.use_pieces("k", piece)
+        data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+        whole = infinity.io.aligned_empty(nbytes)
+        whole.copy_(data)
+        store.write("k", whole).wait()
+        assert store.recorded_crc("k") == infinity.io.crc32c(data)
+        # rewrite pieces 1-2 only
+        new = infinity.io.aligned_empty(2 * piece)
+        new.fill_(7)
+        store.write_at("k", piece, new).wait()
+        data[piece:3 * piece] = 7
+        assert store.recorded_crc("k") == infinity.io.crc32c(data)
+        back = infinity.io.aligned_empty(nbytes)
+        store.read_sync("k", back)
+        assert torch.equal(back, data)
+        tail = infinity.io.aligned_empty(nbytes - 4 * piece)
+        store.read_at_sync("k", 4 * piece, tail)  # ends at the end of the file
+        assert torch.equal(tail, data[4 * piece:])
+        with pytest.raises(ValueError, match="whole pieces"):
+            store.read_at("k", 4096, infinity.io.aligned_empty(piece))
+        with pytest.raises(ValueError, match="whole pieces"):
+            store.write_at("k", 0, infinity.io.aligned_empty(piece + 4096))
+        with open(store.path("k"), "r+b") as f:
+            f.seek(3 * piece + 5)
+            f.write(b"\x00\x01")
+        part = infinity.io.aligned_empty(2 * piece)
+        store.read_at("k", 2 * piece, part).wait()
+        with pytest.raises(SwapCorruptionError, match=rf"bytes {3 * piece:,}-{4 * piece:,}"):
+            store.verify_read_at("k", 2 * piece, part)
+        with pytest.raises(RuntimeError, match="written already"):
+            store.use_pieces("k", 4096)
+    finally:
+        store.close()
+
+
+def test_zero3_nvme_shards_through_chunks_equal_one_buffer(tmp_path):
+    """ZeRO-3 on 3 ranks, everything on NVMe, 2 micro-batches per step: each rank's shard
+    flats (parameters straddling the parts, starting inside a parameter) stream through
+    4 KiB chunks; the run equals the
+    same one with one buffer per flat, bitwise, on every rank."""
+    from dist_helpers import run_ranks
+    runs = []
+    for chunk in (None, 4096):
+        settings = dict(nvme=True, param_tier="nvme", grad_tier="nvme", optimizer_tier="nvme")
+        if chunk is not None:
+            settings["chunk_bytes"] = chunk
+        opts = {"steps": 4, "batch": 12, "clip": 1.0, "settings": settings, "micro": 2,
+                "big": 96}  # layers of ~18k elements: ~6k per rank, 6 chunks of 4 KiB
+        results = run_ranks("train", 3, opts, tmp_path / f"c{chunk}")
+        for r, res in enumerate(results):
+            if "error" in res:
+                raise AssertionError(f"rank {r}: {res['error']}\n{res['log'][-3000:]}")
+        runs.append(results)
+    for ref, got in zip(*runs):
+        assert got["losses"] == ref["losses"]
+        for name, value in ref["params"].items():
+            assert torch.equal(got["params"][name], value), name

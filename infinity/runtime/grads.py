@@ -34,6 +34,7 @@ NVMe-tier gradients are not exposed (``p.grad`` stays None; a torch optimizer re
 """
 from __future__ import annotations
 
+import bisect
 import collections
 import concurrent.futures as cf
 import contextlib
@@ -49,7 +50,7 @@ from .. import trace_events
 from .. import io as inf_io
 from ..ops import all_finite
 from ..tiers import ByteBudget, HostPool, SwapStore, Tier
-from ..tiers.pool_plan import buffer_bytes
+from ..tiers.pool_plan import buffer_bytes, piece_bytes
 from ..tiers.swap_store import IOResult
 from .flat import FlatParam
 from .stats import Stats
@@ -113,6 +114,7 @@ class GradientSink:
         # and chunks to write again at the flat's next close (a slot's p.grad set to None)
         self._valid: Dict[int, Set[int]] = {}
         self._stale: Dict[int, Set[int]] = {}
+        self._offsets: Dict[int, List[int]] = {}  # chunked flats: their slots' offsets
         # (write, buffer, flat, chunk index or None for a whole flat)
         self._writes: List[Tuple[_PendingWrite, torch.Tensor, FlatParam, Optional[int]]] = []
         self.chunk_bytes = chunk_bytes
@@ -134,10 +136,10 @@ class GradientSink:
             largest = max(f.numel * 4 for f in trainable)
             size = buffer_bytes(chunk_bytes, largest) if chunk_bytes else largest
             self.pool = HostPool(pool_count, size, host_budget)
-            # checksummed per chunk, so a chunk is read, verified and written on its own
+            # checksummed per piece (a chunk, at most 4 MiB): read, verified, written alone
             for f in trainable:
                 store.create(grad_key(f), f.numel * 4)
-                store.use_pieces(grad_key(f), size)
+                store.use_pieces(grad_key(f), piece_bytes(size))
             # one thread: writes are submitted in the order their blocks' backward ended;
             # their buffers stay out of the pool until reaped, so the RAM in flight is bounded
             # by the pool (pool_count buffers, counted in the host budget)
@@ -402,7 +404,14 @@ class GradientSink:
         start, end = self._chunk_span(flat, k)
         view = buf[:(end - start) * 4].view(torch.float32)
         pos = start
-        for i, s in enumerate(flat.slots):
+        offsets = self._offsets.get(id(flat))
+        if offsets is None:
+            offsets = self._offsets[id(flat)] = [s.offset for s in flat.slots]
+        first = max(0, bisect.bisect_right(offsets, start) - 1)  # slots in offset order
+        for i in range(first, len(flat.slots)):
+            s = flat.slots[i]
+            if s.offset >= end:
+                break
             a, b = max(start, s.offset), min(end, s.offset + s.numel)
             if a >= b or not flat.grad_ready[i]:
                 continue
@@ -680,9 +689,9 @@ class GradientSink:
         return future
 
     def range_elems(self, flat: FlatParam) -> int:
-        """NVMe tier: the unit of :meth:`read_range` in elements (a chunk; the whole flat
-        when it fits one buffer). Ranges start at a multiple of it and end at one or at the
-        end of the flat."""
+        """NVMe tier: the unit of :meth:`read_range` in elements (the gradient file's checksum
+        piece: a chunk, at most 4 MiB; the whole flat when it fits one piece). Ranges start
+        at a multiple of it and end at one or at the end of the flat."""
         return self.store.piece_bytes(grad_key(flat)) // 4
 
     def read_range(self, flat: FlatParam, start: int, end: int,

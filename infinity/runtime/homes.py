@@ -34,6 +34,7 @@ import torch
 
 from .. import io as inf_io
 from ..tiers import ByteBudget, HostPool, SwapStore, Tier
+from ..tiers.pool_plan import piece_bytes
 from ..tiers.swap_store import IOResult
 from .flat import FlatParam
 from .stats import Stats
@@ -145,13 +146,18 @@ class HostHome(Home):
 def _gather_range(flat: FlatParam, out: torch.Tensor, start: int, end: int) -> None:
     """Elements [start, end) of the flat (its parameters' current values, zeros in the gaps
     and the padding) into ``out`` (home dtype, ``end - start`` elements)."""
+    if start == 0 and end == flat.numel:
+        flat.gather_into(out)
+        return
     out.zero_()
     with torch.no_grad():
         for s in flat.slots:
             a, b = max(start, s.offset), min(end, s.offset + s.numel)
             if a < b:
+                # a slot of a ZeRO shard's flat is the part of its parameter from param_start
+                first = getattr(s, "param_start", 0) + a - s.offset
                 out[a - start:b - start].copy_(
-                    s.param.detach().reshape(-1)[a - s.offset:b - s.offset])
+                    s.param.detach().reshape(-1)[first:first + b - a])
 
 
 class NvmeHome(Home):
@@ -162,8 +168,8 @@ class NvmeHome(Home):
 
     Every copy that needs host memory passes through the staging pool chunk by chunk: a pool
     buffer is one chunk (``pool.nbytes``), whatever the size of the flat, and each swap file is
-    checksummed per chunk (its pieces), so a range of whole chunks is read, verified and
-    written on its own. A fetch into an aligned CPU buffer of the home's dtype and size (the
+    checksummed per piece (a chunk, at most 4 MiB), so a range of whole pieces is read,
+    verified and written on its own. A fetch into an aligned CPU buffer of the home's dtype and size (the
     compute buffer on a CPU device) reads straight into it, with no staging."""
 
     tier = Tier.NVME
@@ -177,8 +183,13 @@ class NvmeHome(Home):
 
     # ---- chunks --------------------------------------------------------------------------
     def chunk_elems(self, flat: FlatParam) -> int:
-        """Elements of the home per chunk: ranged writes start at a multiple of it."""
+        """Elements of the home per chunk (per staging buffer)."""
         return self.chunk_bytes // flat.home_itemsize
+
+    def range_elems(self, flat: FlatParam) -> int:
+        """The unit of :meth:`write_range_async` in elements (the swap file's checksum piece:
+        a chunk, at most 4 MiB; the whole flat when smaller)."""
+        return self.store.piece_bytes(flat.key) // flat.home_itemsize
 
     def _chunks(self, flat: FlatParam) -> Iterator[Tuple[int, int]]:
         per = self.chunk_elems(flat)
@@ -197,7 +208,7 @@ class NvmeHome(Home):
     # ---- the Home interface ----------------------------------------------------------------
     def fill(self, flat: FlatParam) -> None:
         self.store.create(flat.key, flat.home_nbytes)
-        self.store.use_pieces(flat.key, self.chunk_bytes)
+        self.store.use_pieces(flat.key, piece_bytes(self.chunk_bytes))
         buf = self.pool.acquire()
         try:
             for start, end in self._chunks(flat):
@@ -245,7 +256,7 @@ class NvmeHome(Home):
     def write_range_async(self, flat: FlatParam, start: int, src: torch.Tensor) -> "IOResult":
         """Starts writing ``src`` (home dtype, aligned, contiguous) over elements
         [start, start + len(src)) of the home. ``start`` is a multiple of
-        :meth:`chunk_elems`, and the range ends at one or at the end of the flat."""
+        :meth:`range_elems`, and the range ends at one or at the end of the flat."""
         if src.dtype != flat.home_dtype:
             raise TypeError(f"infinity: {flat.key}: a ranged home write takes the home dtype "
                             f"{flat.home_dtype}, got {src.dtype}")

@@ -16,6 +16,24 @@ from .. import io as inf_io
 
 MIN_STAGING_BUFFERS = 1
 MIN_GRAD_BUFFERS = 2
+# the unit of ranged swap-file I/O and of its checksums: a chunk, at most this (so a caller
+# stepping in element ranges, such as the optimizer, is not tied to the chunk, and a whole
+# read is split into requests of the I/O engine's tuned size, not more)
+MAX_PIECE_BYTES = 4 << 20
+
+
+def piece_bytes(chunk_bytes: int) -> int:
+    """Checksum / ranged-I/O unit of the engine's swap files for a given chunk: the chunk
+    itself up to 4 MiB; above, the largest size <= 4 MiB (and >= 1 MiB) that divides it, so
+    chunk boundaries are piece boundaries (else the chunk itself)."""
+    align = inf_io.ALIGNMENT
+    if chunk_bytes <= MAX_PIECE_BYTES:
+        return chunk_bytes
+    pages = chunk_bytes // align
+    for d in range(MAX_PIECE_BYTES // align, (1 << 20) // align - 1, -1):
+        if pages % d == 0:
+            return d * align
+    return chunk_bytes
 
 
 def buffer_bytes(chunk_bytes: int, largest: int) -> int:
