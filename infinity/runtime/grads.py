@@ -274,9 +274,9 @@ class GradientSink:
     def _acquire_buffer(self) -> torch.Tensor:
         self._reap(block=False)
         while self._free_count() <= 0:
-            if self._open_chunks and len(self._writes) < max(1, self.pool.count // 2):
+            if self._open_chunks and len(self._writes) < max(1, self.pool.count - 2):
                 # the least recently used chunk goes to disk (read back if touched again);
-                # up to half the pool writes while the rest keeps accumulating
+                # all but two buffers may be writing while accumulation goes on in the rest
                 self._evict_chunk()
             elif self._writes:
                 self._reap(block=True, count=1)
@@ -362,7 +362,10 @@ class GradientSink:
         norm: Optional[torch.Tensor] = None
 
         def parts():
-            for k in chunks:
+            # highest chunk first: backward reaches a flat's slots from the last to the first,
+            # so the slot's lowest chunk, which the next slot shares, stays the most recently
+            # used (not written out and read back in between)
+            for k in reversed(chunks):
                 a, b = max(lo, k * per), min(hi, (k + 1) * per)
                 yield k, a, b
 
