@@ -11,7 +11,7 @@ import torch
 
 from infinity.io._lib import native
 
-__all__ = ["crc32c"]
+__all__ = ["crc32c", "crc32c_combine"]
 
 BytesLike = Union[torch.Tensor, bytes, bytearray, memoryview, np.ndarray]
 
@@ -63,3 +63,42 @@ def crc32c(data: BytesLike, seed: int = 0) -> int:
     if lib is not None:
         return int(lib.inf_crc_crc32c(arr.ctypes.data, arr.size, seed))
     return _crc32c_python(memoryview(arr), seed)
+
+
+# ---- CRC32C of A + B from the CRCs of A and B ---------------------------------------------
+# crc(A + B) = x^(8|B|) * crc(A) ^ crc(B) over GF(2) modulo the (reflected) Castagnoli
+# polynomial: zlib's crc32_combine method. Lets a store that reads and writes an extent in
+# pieces (each checksummed by the I/O workers) give the CRC of the whole extent.
+_POLY = 0x82F63B78
+
+
+def _multmodp(a: int, b: int) -> int:
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if a & (m - 1) == 0:
+                break
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+    return p
+
+
+_X2N = [1 << 30]  # x^(2^k) mod P
+for _ in range(31):
+    _X2N.append(_multmodp(_X2N[-1], _X2N[-1]))
+
+
+def _x2nmodp(n: int, k: int) -> int:
+    p = 1 << 31  # x^0
+    while n:
+        if n & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return p
+
+
+def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
+    """CRC32C of the bytes A + B from ``crc32c(A)``, ``crc32c(B)`` and ``len(B)``."""
+    return _multmodp(_x2nmodp(len_b, 3), crc_a) ^ crc_b

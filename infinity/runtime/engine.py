@@ -29,6 +29,8 @@ from tqdm.auto import tqdm
 from .. import io as inf_io
 from ..policy import OffloadPolicy
 from ..tiers import BudgetExceededError, ByteBudget, HostPool, SwapStore, Tier
+from ..tiers.chunk_size import resolve_chunk_bytes
+from ..tiers.pool_plan import PoolPlan, plan_pools
 from . import hooks as hooks_mod
 from . import compute_pool
 from .block import Block
@@ -279,28 +281,56 @@ class Engine(Residence, OutsideWrites, HookHandlers):
         return buffers
 
     def _host_needs(self) -> Dict[str, int]:
-        """What the engine itself holds in host RAM (bytes), by purpose, before any optimizer."""
-        streamed = [b for b in self.blocks if not b.resident]
+        """What the engine itself holds in host RAM (bytes), by purpose, before any optimizer.
+        Staging and NVMe gradient buffers are chunk-sized (see :meth:`_pool_plan`)."""
         trainable = [f for f in self._sink_flats() if f.trainable]
+        plan = self._pool_plan()
         needs: Dict[str, int] = {}
         host_flats = [f for b in self.blocks if b.home is Tier.HOST for f in b.flats]
         if host_flats:
             needs["parameter homes"] = sum(self._home_flat(f).home_nbytes for f in host_flats)
-        from_nvme = [b for b in streamed if b.home is Tier.NVME]
-        if from_nvme:
-            count = 1 if self.compute_buffers is not None else self._transfer_workers()
-            needs["staging"] = count * max(self._home_flat(f).home_nbytes
-                                           for b in from_nvme for f in b.flats)
+        if plan.staging_bytes:
+            needs["staging"] = plan.staging_total
         if trainable:
             if self.grad_tier is Tier.HOST:
                 needs["gradient accumulators"] = sum(f.numel * 4 for f in trainable)
             else:
-                needs["gradient buffers"] = (self._grad_buffer_count()
-                                             * max(f.numel * 4 for f in trainable))
+                needs["gradient buffers"] = plan.grad_total
         return needs
 
     def _grad_buffer_count(self) -> int:
-        return self.policy.prefetch_window + 2
+        return self._pool_plan().grad_count
+
+    def _pool_plan(self) -> PoolPlan:
+        """Sizes and counts of the staging and NVMe gradient pools: buffers of one chunk
+        (``chunk_bytes``, by default derived from the host budget), or of the largest flat
+        when that is smaller; with a host budget, counts shrink towards 1 staging + 2 gradient
+        buffers to leave room for the rest (parameter homes, host gradients, and on a CPU
+        device the compute buffers' minimum: the root block + the largest block)."""
+        from_nvme = [b for b in self.blocks if not b.resident and b.home is Tier.NVME]
+        largest_home = max((self._home_flat(f).home_nbytes for b in from_nvme for f in b.flats),
+                           default=0)
+        trainable = [f for f in self._sink_flats() if f.trainable]
+        largest_grad = (max((f.numel * 4 for f in trainable), default=0)
+                        if self.grad_tier is Tier.NVME else 0)
+        limit = self.host_budget.limit
+        room: Optional[int] = None
+        if limit is not None:
+            fixed = sum(self._home_flat(f).home_nbytes for b in self.blocks
+                        if b.home is Tier.HOST for f in b.flats)
+            if self.grad_tier is Tier.HOST:
+                fixed += sum(f.numel * 4 for f in trainable)
+            if self.compute_buffers is not None:
+                streamed = [b for b in self.blocks if not b.resident]
+                fixed += sum(b.compute_nbytes for b in streamed if b.is_root)
+                fixed += max((b.compute_nbytes for b in streamed if not b.is_root), default=0)
+            room = limit - fixed
+        return plan_pools(resolve_chunk_bytes(self.policy.chunk_bytes, limit),
+                          largest_home=largest_home,
+                          staging_default=(1 if self.compute_buffers is not None
+                                           else self._transfer_workers()),
+                          largest_grad=largest_grad,
+                          grad_default=self.policy.prefetch_window + 2, room=room)
 
     def _check_host_budget(self) -> int:
         """With a host budget: checks that what the engine holds in host RAM fits, naming the
@@ -394,13 +424,12 @@ class Engine(Residence, OutsideWrites, HookHandlers):
                 self.store = SwapStore(self.policy.nvme_path,
                                        require_direct=self.policy.require_direct_io,
                                        verify=self.policy.verify_checksums, tag=self.swap_tag)
-            from_nvme = [b for b in self.blocks if not b.resident and b.home is Tier.NVME]
-            if from_nvme:
-                largest = max(self._home_flat(f).home_nbytes for b in from_nvme for f in b.flats)
-                # CPU device with pooled compute buffers: fetches read straight into them, so
-                # one staging buffer serves the rest (wrap, partial writes, rehash)
-                count = 1 if self.compute_buffers is not None else self._transfer_workers()
-                self.pool = HostPool(count, largest, self.host_budget)
+            plan = self._pool_plan()
+            if plan.staging_bytes:
+                # chunk-sized buffers: every flat streams through them chunk by chunk. CPU
+                # device with pooled compute buffers: fetches read straight into those, so one
+                # staging buffer serves the rest (wrap, partial writes, rehash)
+                self.pool = HostPool(plan.staging_count, plan.staging_bytes, self.host_budget)
             self.home = self._make_homes()
             total = sum(b.home_nbytes for b in self.blocks)
             with tqdm(total=total, unit="B", unit_scale=True, desc="infinity: offloading",
@@ -416,7 +445,7 @@ class Engine(Residence, OutsideWrites, HookHandlers):
                 self._fill_blocks(fill)
             self.grads = GradientSink(self.grad_tier, self.device, self.stats, self.host_budget,
                                       self.store, self._sink_flats(),
-                                      self._grad_buffer_count())
+                                      plan.grad_count, chunk_bytes=plan.chunk_bytes)
         except BaseException as failure:
             self._unfill(originals, filled, failure)
             for home in self.homes.values():
@@ -752,7 +781,9 @@ class Engine(Residence, OutsideWrites, HookHandlers):
         """Bytes per tier. Host: everything counted in the host budget (``now``: the engine's
         and its optimizer's buffers), by purpose; ``compute`` is the RAM reserved for the
         compute buffers on a CPU device, ``optimizer`` what an optimizer holds (states on host,
-        its NVMe buffer sets, staging). With ZeRO sharding: this rank's parts."""
+        its NVMe buffer sets, staging). ``staging`` and (NVMe tier) ``grads`` are
+        ``staging_buffers`` / ``grad_buffers`` buffers of at most ``chunk`` bytes each. With
+        ZeRO sharding: this rank's parts."""
         mine = self._sink_flats() if self.partitioner is not None else self.flats
         host_homes = sum(self._home_flat(f).home_nbytes for f in self.flats
                          if self._home_flat(f).home is not None)
@@ -771,7 +802,9 @@ class Engine(Residence, OutsideWrites, HookHandlers):
             "device": device,
             "host": {"now": used, "peak": self.host_budget.peak, "limit": self.host_budget.limit,
                      "params": host_homes, "grads": grads, "staging": staging,
-                     "compute": self._compute_reserved,
+                     "compute": self._compute_reserved, "chunk": self.grads.chunk_bytes,
+                     "staging_buffers": self.pool.count if self.pool is not None else 0,
+                     "grad_buffers": self.grads.pool.count if self.grads.pool is not None else 0,
                      "optimizer": max(0, used - engine_host)},
             "nvme": {"now": nvme, "peak": nvme, "params": nvme_homes},
         }

@@ -12,6 +12,19 @@ it is on disk.
 On CUDA the device->host copy runs on a side stream into pinned memory, with an event that the
 accumulation waits on.
 
+The NVMe pool's buffers are one chunk each (``chunk_bytes``), not the largest flat. A flat that
+fits one buffer is accumulated there whole, as described above. A larger flat is accumulated
+chunk by chunk: each arriving slot's gradient is copied (or, across micro-batches, added) into
+the chunk buffers it overlaps, which are opened on demand (read back from the swap file when
+it already holds this accumulation's sums), written out when the pool needs room (least
+recently used first) and at the end of the flat's backward; each chunk's bytes are exactly
+those a whole-flat buffer would have written (zeros where no gradient landed). Each slot's L2
+norm is measured once, while its accumulated values are in RAM (the incoming gradient itself
+on the first backward, or the chunk / a slot-sized temporary of at most one chunk across
+micro-batches); a slot larger than a chunk that accumulates across micro-batches gets no
+norm (``slot_norms`` says None: the optimizer reads the gradients). ``in_ram`` is None for
+such flats; :meth:`GradientSink.read_range` reads whole chunks of them.
+
 Outside backward, host-tier gradients are also ``p.grad``: after backward each trainable
 parameter's ``.grad`` is its slot of the accumulator (fp32 parameters: a view, so in-place
 changes such as ``clip_grad_norm_`` reach it; other dtypes: a copy in the parameter's dtype,
@@ -21,10 +34,12 @@ NVMe-tier gradients are not exposed (``p.grad`` stays None; a torch optimizer re
 """
 from __future__ import annotations
 
+import bisect
+import collections
 import concurrent.futures as cf
 import contextlib
 import time
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, OrderedDict, Set, Tuple
 
 import logging
 
@@ -35,6 +50,8 @@ from .. import trace_events
 from .. import io as inf_io
 from ..ops import all_finite
 from ..tiers import ByteBudget, HostPool, SwapStore, Tier
+from ..tiers.pool_plan import buffer_bytes, piece_bytes
+from ..tiers.swap_store import IOResult
 from .flat import FlatParam
 from .stats import Stats
 
@@ -44,6 +61,9 @@ logger = logging.getLogger(__name__)
 
 def grad_key(flat: FlatParam) -> str:
     return f"{flat.key}.grad"
+
+
+_UNTOUCHED = object()  # a chunked flat's slot that no gradient reached in this backward
 
 
 class GradientWriteError(OSError):
@@ -73,7 +93,8 @@ class _PendingWrite:
 
 class GradientSink:
     def __init__(self, tier: Tier, device: torch.device, stats: Stats, host_budget: ByteBudget,
-                 store: Optional[SwapStore], flats: List[FlatParam], pool_count: int) -> None:
+                 store: Optional[SwapStore], flats: List[FlatParam], pool_count: int,
+                 *, chunk_bytes: Optional[int] = None) -> None:
         if tier not in (Tier.HOST, Tier.NVME):
             raise ValueError(f"gradients live on host or nvme, not {tier}")
         self.tier = tier
@@ -84,7 +105,19 @@ class GradientSink:
         self.store = store
         self.pool: Optional[HostPool] = None
         self._open: Dict[int, Tuple[FlatParam, torch.Tensor]] = {}
-        self._writes: List[Tuple[_PendingWrite, torch.Tensor, FlatParam]] = []
+        # flats larger than one buffer, accumulating in this backward, and their open chunks
+        # ((id(flat), chunk) -> (flat, buffer), least recently used first)
+        self._chunked: Dict[int, FlatParam] = {}
+        self._open_chunks: "OrderedDict[Tuple[int, int], Tuple[FlatParam, torch.Tensor]]" = \
+            collections.OrderedDict()
+        # chunked flats: chunks whose file holds this accumulation's sums (zeros elsewhere),
+        # and chunks to write again at the flat's next close (a slot's p.grad set to None)
+        self._valid: Dict[int, Set[int]] = {}
+        self._stale: Dict[int, Set[int]] = {}
+        self._offsets: Dict[int, List[int]] = {}  # chunked flats: their slots' offsets
+        # (write, buffer, flat, chunk index or None for a whole flat)
+        self._writes: List[Tuple[_PendingWrite, torch.Tensor, FlatParam, Optional[int]]] = []
+        self.chunk_bytes = chunk_bytes
         self._writer: Optional[cf.ThreadPoolExecutor] = None  # NVMe: submits the writes
         self._finite: Dict[int, bool] = {}  # NVMe tier: checked while the buffer was in RAM
         self._norms: Dict[int, List[Optional[torch.Tensor]]] = {}  # per-slot L2 norms, ditto
@@ -101,9 +134,12 @@ class GradientSink:
             if store is None:
                 raise ValueError("gradients on NVMe need a swap store (nvme_path)")
             largest = max(f.numel * 4 for f in trainable)
-            self.pool = HostPool(pool_count, largest, host_budget)
+            size = buffer_bytes(chunk_bytes, largest) if chunk_bytes else largest
+            self.pool = HostPool(pool_count, size, host_budget)
+            # checksummed per piece (a chunk, at most 4 MiB): read, verified, written alone
             for f in trainable:
                 store.create(grad_key(f), f.numel * 4)
+                store.use_pieces(grad_key(f), piece_bytes(size))
             # one thread: writes are submitted in the order their blocks' backward ended;
             # their buffers stay out of the pool until reaped, so the RAM in flight is bounded
             # by the pool (pool_count buffers, counted in the host budget)
@@ -114,7 +150,13 @@ class GradientSink:
         from . import pinned as pinned_mod
         self._staging: Optional["pinned_mod.StagingRing"] = None
         if trainable and pinned_mod.pin_for_dma(device):
+            # packs whole gradients: room for the largest slot, else a chunk (never more than
+            # the largest flat)
             largest_grad = max(f.compute_nbytes for f in trainable)
+            largest_slot = max(s.numel * (f.compute_nbytes // max(1, f.numel))
+                               for f in trainable for s in f.slots)
+            if chunk_bytes:
+                largest_grad = min(largest_grad, max(chunk_bytes, largest_slot))
             try:
                 self._staging = pinned_mod.StagingRing(
                     pinned_mod.D2H_STAGING_BUFFERS, largest_grad, host_budget, pin=True,
@@ -169,6 +211,9 @@ class GradientSink:
         self.stats.add_moved("device_to_host", grad.numel() * grad.element_size())
 
     def _accumulate(self, flat: FlatParam, index: int, grad: torch.Tensor) -> None:
+        if id(flat) in self._chunked:
+            self._put_chunked(flat, index, grad, add=bool(flat.grad_ready[index]))
+            return
         view = flat.grad_view(index)
         if flat.grad_ready[index]:
             view.add_(grad)
@@ -210,11 +255,15 @@ class GradientSink:
                 self.host_budget.acquire(flat.numel * 4, what=f"gradient buffer of {flat.key}")
                 flat.ensure_grad_buffer()
             return
-        if id(flat) in self._open:
+        if id(flat) in self._open or id(flat) in self._chunked:
+            return
+        if flat.numel * 4 > self.pool.nbytes:
+            self._open_chunked(flat)
             return
         buf = self._acquire_buffer()
         view = buf[:flat.numel * 4].view(torch.float32)
         if any(flat.grad_ready):  # accumulating across micro-batches: bring back the sum so far
+            self.wait_written(flat)  # a write of it may still be queued on the writer thread
             self.store.read_sync(grad_key(flat), view)
             self.stats.add_moved("nvme_to_host", flat.numel * 4)
         # else: the buffer holds stale bytes; every slot that gets a gradient is overwritten
@@ -224,17 +273,197 @@ class GradientSink:
 
     def _acquire_buffer(self) -> torch.Tensor:
         self._reap(block=False)
-        if self._free_count() == 0 and not self._writes:
-            # more flats are accumulating at once than the pool holds (tied weights, blocks
-            # whose backward is not over): write the oldest out; it is read back if reopened
-            oldest, _ = next(iter(self._open.values()))
-            self.close(oldest)
-        if self._free_count() == 0:
-            self._reap(block=True, count=1)
+        while self._free_count() <= 0:
+            if self._open_chunks and len(self._writes) < max(1, self.pool.count - 2):
+                # the least recently used chunk goes to disk (read back if touched again);
+                # all but two buffers may be writing while accumulation goes on in the rest
+                self._evict_chunk()
+            elif self._writes:
+                self._reap(block=True, count=1)
+            elif self._open_chunks:
+                self._evict_chunk()
+            elif self._open:
+                # more flats are accumulating at once than the pool holds (tied weights,
+                # blocks whose backward is not over): write the oldest out; it is read back
+                # if reopened
+                oldest, _ = next(iter(self._open.values()))
+                self.close(oldest)
+            else:
+                raise RuntimeError("infinity: the gradient buffer pool has no buffer to give "
+                                   "and nothing to write out (accounting bug)")
         return self.pool.acquire()
 
     def _free_count(self) -> int:
-        return self.pool.count - len(self._open) - len(self._writes)
+        return (self.pool.count - len(self._open) - len(self._open_chunks)
+                - len(self._writes))
+
+    # ---- flats larger than one buffer: chunk by chunk ------------------------------------
+    @property
+    def _chunk_elems(self) -> int:
+        return self.pool.nbytes // 4
+
+    def _chunk_span(self, flat: FlatParam, k: int) -> Tuple[int, int]:
+        start = k * self._chunk_elems
+        return start, min(flat.numel, start + self._chunk_elems)
+
+    def _open_chunked(self, flat: FlatParam) -> None:
+        self._chunked[id(flat)] = flat
+        self._pending_norms[id(flat)] = [_UNTOUCHED] * len(flat.slots)  # type: ignore[list-item]
+
+    def _chunk(self, flat: FlatParam, k: int) -> torch.Tensor:
+        """Chunk ``k`` of the flat's gradients in a pool buffer (fp32 view): as it is in the
+        swap file when that holds this accumulation's sums, else unset (every byte of it is
+        written by a gradient or zeroed before it is written out)."""
+        key = (id(flat), k)
+        held = self._open_chunks.get(key)
+        if held is not None:
+            self._open_chunks.move_to_end(key)
+            return held[1]
+        buf = self._acquire_buffer()
+        start, end = self._chunk_span(flat, k)
+        if k in self._valid.get(id(flat), ()):
+            try:
+                self._wait_chunk_written(flat, k)
+                self.store.read_at_sync(grad_key(flat), start * 4,
+                                        buf[:(end - start) * 4].view(torch.float32))
+            except BaseException:
+                self.pool.release(buf)
+                raise
+            self.stats.add_moved("nvme_to_host", (end - start) * 4)
+        self._open_chunks[key] = (flat, buf)
+        return buf
+
+    def _chunk_part(self, flat: FlatParam, k: int, a: int, b: int) -> torch.Tensor:
+        """Elements [a, b) of the flat (within chunk ``k``) in its open chunk buffer."""
+        start = k * self._chunk_elems
+        return self._chunk(flat, k)[(a - start) * 4:(b - start) * 4].view(torch.float32)
+
+    def _wait_chunk_written(self, flat: FlatParam, k: int) -> None:
+        pending = [w for w in self._writes if w[2] is flat and w[3] == k]
+        for future, _buf, _f, _k in pending:
+            try:
+                future.wait()
+            except Exception:  # noqa: BLE001 - reported by _reap below, once
+                pass
+        if pending:
+            self._reap(block=False)
+
+    def _put_chunked(self, flat: FlatParam, index: int, grad: torch.Tensor, *,
+                     add: bool) -> None:
+        """Copies (or adds) a slot's gradient into the chunks it overlaps and measures the
+        slot's L2 norm of the result exactly as on a whole-flat buffer (same values, one
+        contiguous fp32 tensor), where it can without more than a chunk of RAM."""
+        s = flat.slots[index]
+        per = self._chunk_elems
+        lo, hi = s.offset, s.offset + s.numel
+        chunks = range(lo // per, (hi - 1) // per + 1)
+        g = grad.detach().reshape(-1)
+        flat.grad_ready[index] = True  # first: a chunk written out meanwhile keeps its part
+        norm: Optional[torch.Tensor] = None
+
+        def parts():
+            # highest chunk first: backward reaches a flat's slots from the last to the first,
+            # so the slot's lowest chunk, which the next slot shares, stays the most recently
+            # used (not written out and read back in between)
+            for k in reversed(chunks):
+                a, b = max(lo, k * per), min(hi, (k + 1) * per)
+                yield k, a, b
+
+        if len(chunks) == 1:
+            view = self._chunk_part(flat, chunks[0], lo, hi)
+            if add:
+                view.add_(g)
+            else:
+                view.copy_(g)
+            norm = torch.linalg.vector_norm(view, 2.0, dtype=torch.float32)
+        elif not add:
+            for k, a, b in parts():
+                self._chunk_part(flat, k, a, b).copy_(g[a - lo:b - lo])
+            if g.dtype == torch.float32 and g.is_contiguous():
+                norm = torch.linalg.vector_norm(g, 2.0, dtype=torch.float32)
+            elif s.numel * 4 <= self.pool.nbytes:
+                norm = torch.linalg.vector_norm(g.to(torch.float32).contiguous(), 2.0,
+                                                dtype=torch.float32)
+        elif s.numel * 4 <= self.pool.nbytes:
+            total = torch.empty(s.numel, dtype=torch.float32)  # at most one chunk
+            for k, a, b in parts():
+                total[a - lo:b - lo].copy_(self._chunk_part(flat, k, a, b))
+            total.add_(g)
+            norm = torch.linalg.vector_norm(total, 2.0, dtype=torch.float32)
+            for k, a, b in parts():
+                self._chunk_part(flat, k, a, b).copy_(total[a - lo:b - lo])
+        else:  # larger than a chunk, accumulating: no norm (the optimizer reads it)
+            for k, a, b in parts():
+                self._chunk_part(flat, k, a, b).add_(g[a - lo:b - lo])
+        self._slot_norms(flat)[index] = norm
+
+    def _evict_chunk(self) -> None:
+        (_fid, k), (flat, buf) = self._open_chunks.popitem(last=False)
+        self._write_chunk(flat, k, buf)
+
+    def _write_chunk(self, flat: FlatParam, k: int, buf: torch.Tensor) -> None:
+        """Zeroes what no gradient reached in the chunk (gaps, padding, slots without one)
+        and hands it to the writer thread; the buffer returns to the pool once written."""
+        start, end = self._chunk_span(flat, k)
+        view = buf[:(end - start) * 4].view(torch.float32)
+        pos = start
+        offsets = self._offsets.get(id(flat))
+        if offsets is None:
+            offsets = self._offsets[id(flat)] = [s.offset for s in flat.slots]
+        first = max(0, bisect.bisect_right(offsets, start) - 1)  # slots in offset order
+        for i in range(first, len(flat.slots)):
+            s = flat.slots[i]
+            if s.offset >= end:
+                break
+            a, b = max(start, s.offset), min(end, s.offset + s.numel)
+            if a >= b or not flat.grad_ready[i]:
+                continue
+            if a > pos:
+                view[pos - start:a - start].zero_()
+            pos = max(pos, b)
+        if pos < end:
+            view[pos - start:].zero_()
+        future = _PendingWrite(self._writer.submit(self.store.write_at, grad_key(flat),
+                                                   start * 4, view))
+        self.stats.add_moved("host_to_nvme", (end - start) * 4)
+        self._writes.append((future, buf, flat, k))
+        self._valid.setdefault(id(flat), set()).add(k)
+
+    def _close_chunked(self, flat: FlatParam) -> None:
+        """Writes the flat's open chunks, and every chunk whose file does not hold this
+        accumulation's sums yet (zeros where no gradient landed: the bytes a whole-flat
+        buffer would have written), then records the slots' norms."""
+        self._drain_d2h()
+        fid = id(flat)
+        count = -(-flat.numel // self._chunk_elems)
+        stale = self._stale.pop(fid, set())
+        for k in range(count):
+            held = self._open_chunks.pop((fid, k), None)
+            if held is None and (k in stale or k not in self._valid.get(fid, ())):
+                self._chunk(flat, k)
+                held = self._open_chunks.pop((fid, k))
+            if held is not None:
+                self._write_chunk(flat, k, held[1])
+        del self._chunked[fid]
+        pending = self._pending_norms.pop(fid, None) or [_UNTOUCHED] * len(flat.slots)
+        previous = self._norms.get(fid)
+        norms: Optional[List[Optional[torch.Tensor]]] = []
+        for i in range(len(flat.slots)):
+            if not flat.grad_ready[i]:
+                norms.append(None)
+                continue
+            n = pending[i]
+            if n is _UNTOUCHED:  # summed in an earlier backward: its norm as written then
+                n = previous[i] if previous is not None else None
+            if n is None:  # not measured: unknown for the whole flat (read it)
+                norms = None
+                break
+            norms.append(n)  # type: ignore[arg-type]
+        self._norms[fid] = norms  # type: ignore[assignment]
+        if norms is not None and all(n is None or bool(torch.isfinite(n)) for n in norms):
+            self._finite[fid] = True
+        else:  # a non-finite norm may be an overflow of finite values: read them to check
+            self._finite.pop(fid, None)
 
     def _reap(self, *, block: bool, count: Optional[int] = None) -> None:
         """Collects finished gradient writes. A failed write gives its buffer back, marks the
@@ -242,13 +471,14 @@ class GradientSink:
         remaining = []
         reaped = 0
         failure: Optional[BaseException] = None
-        for future, buf, flat in self._writes:
+        for future, buf, flat, k in self._writes:
             if (block and (count is None or reaped < count)) or future.done():
                 try:
                     future.wait()
                 except Exception as exc:  # noqa: BLE001 - reported below, once
                     self._lost[id(flat)] = str(exc)
                     flat.grad_ready = [False] * len(flat.slots)
+                    self._valid.pop(id(flat), None)
                     failure = failure or GradientWriteError(
                         getattr(exc, "errno", None) or 5,
                         f"infinity: writing the gradients of {flat.key} to NVMe failed ({exc}). "
@@ -258,18 +488,22 @@ class GradientSink:
                     self.pool.release(buf)
                 reaped += 1
             else:
-                remaining.append((future, buf, flat))
+                remaining.append((future, buf, flat, k))
         self._writes = remaining
         if failure is not None:
             raise failure
 
     def close(self, flat: FlatParam) -> None:
         """The flat's gradients for this backward are complete (NVMe: start writing them)."""
-        if self.tier is Tier.HOST or id(flat) not in self._open:
+        if self.tier is Tier.HOST or (id(flat) not in self._open
+                                      and id(flat) not in self._chunked):
             return
         t0 = time.perf_counter()
         with self._timed():
-            self._close(flat)
+            if id(flat) in self._chunked:
+                self._close_chunked(flat)
+            else:
+                self._close(flat)
         trace_events.span("grad_write", flat.key, flat.numel * 4, t0)
 
     @staticmethod
@@ -303,13 +537,15 @@ class GradientSink:
         future = _PendingWrite(self._writer.submit(self.store.write, grad_key(flat), flat.grad))
         self.stats.add_moved("host_to_nvme", flat.numel * 4)
         flat.grad = None
-        self._writes.append((future, buf, flat))
+        self._writes.append((future, buf, flat, None))
 
     def finish_backward(self) -> None:
         """End of backward: every gradient accumulated and, on NVMe, durably written."""
         with self._timed():
             self._drain_d2h()
             for flat, _ in list(self._open.values()):
+                self.close(flat)
+            for flat in list(self._chunked.values()):
                 self.close(flat)
             self._reap(block=True)
 
@@ -386,12 +622,21 @@ class GradientSink:
             current = p.grad
             if current is None:
                 flat.grad_ready[i] = False
+                if nvme and flat.numel * 4 > self.pool.nbytes:  # zeroed at its next close
+                    s = flat.slots[i]
+                    per = self._chunk_elems
+                    self._stale.setdefault(id(flat), set()).update(
+                        range(s.offset // per, (s.offset + s.numel - 1) // per + 1))
             elif current is not given:
                 self._open_flat(flat)
-                flat.grad_view(i).copy_(current.detach().reshape(flat.slots[i].shape))
-                flat.grad_ready[i] = True
-                if nvme:
-                    self._slot_norms(flat)[i] = None  # measured again when written
+                if id(flat) in self._chunked:
+                    self._put_chunked(flat, i, current.detach().reshape(flat.slots[i].shape)
+                                      .to(torch.float32), add=False)
+                else:
+                    flat.grad_view(i).copy_(current.detach().reshape(flat.slots[i].shape))
+                    flat.grad_ready[i] = True
+                    if nvme:
+                        self._slot_norms(flat)[i] = None  # measured again when written
                 if nvme:
                     rewrite[id(flat)] = flat
             elif given._version != version:
@@ -421,7 +666,7 @@ class GradientSink:
         self._finite.pop(id(flat), None)
         buf = self._acquire_buffer()
         try:
-            self.store.rehash(grad_key(flat), buf[:flat.numel * 4].view(torch.float32))
+            self.store.rehash(grad_key(flat), buf)  # chunk by chunk through the buffer
         finally:
             self.pool.release(buf)
 
@@ -432,11 +677,13 @@ class GradientSink:
         self._exposed.clear()
         self._lost.clear()
         self._pending_norms.clear()
+        self._valid.clear()
+        self._stale.clear()
         for flat in self._flats:
             flat.grad_ready = [False] * len(flat.slots)
 
     # ---- reading (optimizer, users) ----------------------------------------------------
-    def read(self, flat: FlatParam, dst: torch.Tensor) -> "inf_io.IOFuture":
+    def read(self, flat: FlatParam, dst: torch.Tensor) -> IOResult:
         """Starts reading the flat's accumulated gradients (NVMe tier) into ``dst``."""
         if self.tier is not Tier.NVME:
             raise RuntimeError("gradients are in host RAM: use flat.grad")
@@ -444,25 +691,50 @@ class GradientSink:
         self.stats.add_moved("nvme_to_host", flat.numel * 4)
         return future
 
+    def range_elems(self, flat: FlatParam) -> int:
+        """NVMe tier: the unit of :meth:`read_range` in elements (the gradient file's checksum
+        piece: a chunk, at most 4 MiB; the whole flat when it fits one piece). Ranges start
+        at a multiple of it and end at one or at the end of the flat."""
+        return self.store.piece_bytes(grad_key(flat)) // 4
+
+    def read_range(self, flat: FlatParam, start: int, end: int,
+                   dst: torch.Tensor) -> IOResult:
+        """Starts reading elements [start, end) of the flat's accumulated gradients (NVMe
+        tier) into ``dst`` (aligned, fp32, ``end - start`` elements); check them with
+        :meth:`verify_range` once read. ``start``/``end``: see :meth:`range_elems`."""
+        if self.tier is not Tier.NVME:
+            raise RuntimeError("gradients are in host RAM: use flat.grad")
+        if dst.dtype != torch.float32 or dst.numel() != end - start:
+            raise ValueError(f"infinity: read_range of {flat.key} [{start}, {end}) needs an fp32 "
+                             f"buffer of {end - start} elements, got {dst.dtype} x {dst.numel()}")
+        future = self.store.read_at(grad_key(flat), start * 4, dst)
+        self.stats.add_moved("nvme_to_host", (end - start) * 4)
+        return future
+
+    def verify_range(self, flat: FlatParam, start: int, dst: torch.Tensor) -> None:
+        """Checks a completed :meth:`read_range` from ``start`` into ``dst`` (each chunk
+        against its checksum; a corrupted one is named)."""
+        self.store.verify_read_at(grad_key(flat), start * 4, dst)
+
     def wait_written(self, flat: FlatParam) -> None:
         """Waits until the flat's gradients closed in this backward are written (NVMe tier; a
         no-op once reaped). Safe from another thread (an optimizer step overlapping backward);
         a failed write raises here too, and is reported by the sink as usual."""
-        for future, _buf, f in list(self._writes):
+        for future, _buf, f, _k in list(self._writes):
             if f is flat:
                 future.wait()
 
     def finite(self, flat: FlatParam) -> Optional[bool]:
         """NVMe tier: whether the flat's accumulated gradients are all finite, as checked when
         they were last written (None: unknown, read them to check)."""
-        if self.tier is not Tier.NVME or id(flat) in self._open:
+        if self.tier is not Tier.NVME or id(flat) in self._open or id(flat) in self._chunked:
             return None
         return self._finite.get(id(flat))
 
     def slot_norms(self, flat: FlatParam) -> Optional[List[Optional[torch.Tensor]]]:
         """NVMe tier: the L2 norm of each slot's accumulated gradient as last written (None
         for a slot without one; None overall when unknown: read the gradients)."""
-        if self.tier is not Tier.NVME or id(flat) in self._open:
+        if self.tier is not Tier.NVME or id(flat) in self._open or id(flat) in self._chunked:
             return None
         return self._norms.get(id(flat))
 
@@ -474,11 +746,31 @@ class GradientSink:
             return None
         if flat.grad is not None:
             return flat.grad_view(index)
+        if flat.numel * 4 > self.pool.nbytes:  # the chunks holding the slot, one at a time
+            return self._read_slot(flat, index)
         full = inf_io.aligned_empty(flat.numel, torch.float32)
         self.read(flat, full).wait()
         self.verify(flat, full)
         s = flat.slots[index]
         return full[s.offset:s.offset + s.numel].view(s.shape).clone()
+
+    def _read_slot(self, flat: FlatParam, index: int) -> torch.Tensor:
+        s = flat.slots[index]
+        per = self._chunk_elems
+        lo, hi = s.offset, s.offset + s.numel
+        out = torch.empty(s.numel, dtype=torch.float32)
+        buf = self._acquire_buffer()
+        try:
+            for k in range(lo // per, (hi - 1) // per + 1):
+                start, end = self._chunk_span(flat, k)
+                view = buf[:(end - start) * 4].view(torch.float32)
+                self.read_range(flat, start, end, view).wait()
+                self.verify_range(flat, start, view)
+                a, b = max(lo, start), min(hi, end)
+                out[a - lo:b - lo].copy_(view[a - start:b - start])
+        finally:
+            self.pool.release(buf)
+        return out.view(s.shape)
 
     # ---- the optimizer's view (a narrow protocol: no flat-buffer internals) --------------
     @property
@@ -490,8 +782,9 @@ class GradientSink:
         return flat.grad_ready[index] and (flat.grad is not None or self.tier is Tier.NVME)
 
     def in_ram(self, flat: FlatParam) -> Optional[torch.Tensor]:
-        """The flat's accumulated gradients when they are in RAM (host tier), else None
-        (read them with :meth:`read`)."""
+        """The flat's accumulated gradients when they are in RAM (host tier, or an NVMe flat
+        open in one buffer), else None (read them with :meth:`read` or
+        :meth:`read_range`; always None for a flat larger than one buffer)."""
         return flat.grad
 
     def host_bytes(self) -> int:

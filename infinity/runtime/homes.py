@@ -9,6 +9,8 @@ live here, not in ``if param_tier is ...`` branches across the engine and the op
     read_into(flat, dst)       the home's values into ``dst`` (any dtype, same numel)
     write_from(flat, src)      a full new working copy (home dtype) becomes the home
     write_slots(flat, src, s)  only the slots ``s`` of ``src`` (home dtype) become the home
+    write_range_async(flat, start, src)   NVMe: elements [start, start + len(src)) of a new
+                               working copy become the home (whole chunks; an IOFuture)
     working_buffer(flat)       where an optimizer may write the working copy in place (or None)
     outside_bytes(flat)        uint8 numpy array over the home's bytes: the parameters' storage
                                outside forward (None: they keep viewing the compute buffer)
@@ -25,13 +27,15 @@ keeps one home per tier and routes each flat to its own through a :class:`Tiered
 from __future__ import annotations
 
 import logging
-from typing import Dict, Optional, Sequence
+from typing import Dict, Iterator, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from .. import io as inf_io
 from ..tiers import ByteBudget, HostPool, SwapStore, Tier
+from ..tiers.pool_plan import piece_bytes
+from ..tiers.swap_store import IOResult
 from .flat import FlatParam
 from .stats import Stats
 
@@ -52,6 +56,12 @@ class Home:
 
     def write_slots(self, flat: FlatParam, src: torch.Tensor, slots: Sequence[int]) -> None:
         raise NotImplementedError
+
+    def write_range_async(self, flat: FlatParam, start: int, src: torch.Tensor) -> "IOResult":
+        """Starts writing elements [start, start + len(src)) of an updated working copy to a
+        home on NVMe (see :meth:`NvmeHome.write_range_async`)."""
+        raise RuntimeError(f"{flat.key}: ranged home writes are only for parameters homed on "
+                           "NVMe")
 
     def working_buffer(self, flat: FlatParam) -> Optional[torch.Tensor]:
         return None
@@ -133,11 +143,34 @@ class HostHome(Home):
         self._held.clear()
 
 
+def _gather_range(flat: FlatParam, out: torch.Tensor, start: int, end: int) -> None:
+    """Elements [start, end) of the flat (its parameters' current values, zeros in the gaps
+    and the padding) into ``out`` (home dtype, ``end - start`` elements)."""
+    if start == 0 and end == flat.numel:
+        flat.gather_into(out)
+        return
+    out.zero_()
+    with torch.no_grad():
+        for s in flat.slots:
+            a, b = max(start, s.offset), min(end, s.offset + s.numel)
+            if a < b:
+                # a slot of a ZeRO shard's flat is the part of its parameter from param_start
+                first = getattr(s, "param_start", 0) + a - s.offset
+                out[a - start:b - start].copy_(
+                    s.param.detach().reshape(-1)[first:first + b - a])
+
+
 class NvmeHome(Home):
     """The home is a swap file of the engine's SwapStore. Outside forward the parameters view a
     shared memory map of that file: a read pages in what it touches (the OS's page cache, not
     the engine's budget), a write reaches the file and is detected by the engine, which then
-    re-checksums the file (:meth:`after_outside_write`)."""
+    re-checksums the file (:meth:`after_outside_write`).
+
+    Every copy that needs host memory passes through the staging pool chunk by chunk: a pool
+    buffer is one chunk (``pool.nbytes``), whatever the size of the flat, and each swap file is
+    checksummed per piece (a chunk, at most 4 MiB), so a range of whole pieces is read,
+    verified and written on its own. A fetch into an aligned CPU buffer of the home's dtype and size (the
+    compute buffer on a CPU device) reads straight into it, with no staging."""
 
     tier = Tier.NVME
 
@@ -145,26 +178,50 @@ class NvmeHome(Home):
         self.store = store
         self.pool = pool
         self.stats = stats
+        self.chunk_bytes = pool.nbytes
         self._maps: Dict[str, np.memmap] = {}
 
-    def _staging(self, buf: torch.Tensor, flat: FlatParam) -> torch.Tensor:
-        return buf[:flat.home_nbytes].view(flat.home_dtype)
+    # ---- chunks --------------------------------------------------------------------------
+    def chunk_elems(self, flat: FlatParam) -> int:
+        """Elements of the home per chunk (per staging buffer)."""
+        return self.chunk_bytes // flat.home_itemsize
 
+    def range_elems(self, flat: FlatParam) -> int:
+        """The unit of :meth:`write_range_async` in elements (the swap file's checksum piece:
+        a chunk, at most 4 MiB; the whole flat when smaller)."""
+        return self.store.piece_bytes(flat.key) // flat.home_itemsize
+
+    def _chunks(self, flat: FlatParam) -> Iterator[Tuple[int, int]]:
+        per = self.chunk_elems(flat)
+        for start in range(0, flat.numel, per):
+            yield start, min(flat.numel, start + per)
+
+    @staticmethod
+    def _staging(buf: torch.Tensor, flat: FlatParam, numel: int) -> torch.Tensor:
+        return buf[:numel * flat.home_itemsize].view(flat.home_dtype)
+
+    def _read_chunk(self, flat: FlatParam, start: int, staging: torch.Tensor) -> None:
+        # a fetch (forward, backward or a prefetch for them) or a read for one: ahead of bulk
+        # I/O such as the optimizer's states, which an update overlapping backward moves
+        self.store.read_at_sync(flat.key, start * flat.home_itemsize, staging, urgent=True)
+
+    # ---- the Home interface ----------------------------------------------------------------
     def fill(self, flat: FlatParam) -> None:
+        self.store.create(flat.key, flat.home_nbytes)
+        self.store.use_pieces(flat.key, piece_bytes(self.chunk_bytes))
         buf = self.pool.acquire()
         try:
-            staging = self._staging(buf, flat)
-            flat.gather_into(staging)
-            self.store.create(flat.key, flat.home_nbytes)
-            self.store.write_sync(flat.key, staging)
+            for start, end in self._chunks(flat):
+                staging = self._staging(buf, flat, end - start)
+                _gather_range(flat, staging, start, end)
+                self.store.write_at(flat.key, start * flat.home_itemsize, staging).wait()
             self.stats.add_moved("host_to_nvme", flat.home_nbytes)
         finally:
             self.pool.release(buf)
 
-    def _read(self, flat: FlatParam, staging: torch.Tensor) -> None:
-        # a fetch (forward, backward or a prefetch for them): ahead of bulk I/O such as the
-        # optimizer's states, which an update overlapping backward moves at the same time
-        self.store.read_sync(flat.key, staging, urgent=True)
+    def _read(self, flat: FlatParam, dst: torch.Tensor) -> None:
+        """The whole swap file straight into ``dst`` (aligned, home dtype and size)."""
+        self.store.read_sync(flat.key, dst, urgent=True)
         self.stats.add_moved("nvme_to_host", flat.home_nbytes)
 
     @staticmethod
@@ -179,39 +236,69 @@ class NvmeHome(Home):
         if self._direct(flat, dst):
             self._read(flat, dst)
             return
+        out = dst.view(-1)
         buf = self.pool.acquire()
         try:
-            staging = self._staging(buf, flat)
-            self._read(flat, staging)
-            dst.copy_(staging)
+            for start, end in self._chunks(flat):
+                staging = self._staging(buf, flat, end - start)
+                self._read_chunk(flat, start, staging)
+                out[start:end].copy_(staging)
+            self.stats.add_moved("nvme_to_host", flat.home_nbytes)
         finally:
             self.pool.release(buf)
 
-    def write_async(self, flat: FlatParam, src: torch.Tensor) -> "inf_io.IOFuture":
+    def write_async(self, flat: FlatParam, src: torch.Tensor) -> "IOResult":
         """Starts writing a full working copy (home dtype, aligned) to the swap file."""
         future = self.store.write(flat.key, src)
         self.stats.add_moved("host_to_nvme", flat.home_nbytes)
         return future
 
+    def write_range_async(self, flat: FlatParam, start: int, src: torch.Tensor) -> "IOResult":
+        """Starts writing ``src`` (home dtype, aligned, contiguous) over elements
+        [start, start + len(src)) of the home. ``start`` is a multiple of
+        :meth:`range_elems`, and the range ends at one or at the end of the flat."""
+        if src.dtype != flat.home_dtype:
+            raise TypeError(f"infinity: {flat.key}: a ranged home write takes the home dtype "
+                            f"{flat.home_dtype}, got {src.dtype}")
+        future = self.store.write_at(flat.key, start * flat.home_itemsize, src)
+        self.stats.add_moved("host_to_nvme", src.numel() * flat.home_itemsize)
+        return future
+
     def write_from(self, flat: FlatParam, src: torch.Tensor) -> None:
-        if inf_io.is_aligned(src) and src.dtype == flat.home_dtype and src.numel() == flat.numel:
+        if inf_io.is_aligned(src) and src.dtype == flat.home_dtype and src.numel() == flat.numel \
+                and src.is_contiguous():
             self.write_async(flat, src).wait()
             return
+        values = src.view(-1)
         buf = self.pool.acquire()
         try:
-            staging = self._staging(buf, flat)
-            staging.copy_(src)
-            self.write_async(flat, staging).wait()
+            for start, end in self._chunks(flat):
+                staging = self._staging(buf, flat, end - start)
+                staging.copy_(values[start:end])
+                self.store.write_at(flat.key, start * flat.home_itemsize, staging).wait()
+            self.stats.add_moved("host_to_nvme", flat.home_nbytes)
         finally:
             self.pool.release(buf)
 
     def write_slots(self, flat: FlatParam, src: torch.Tensor, slots: Sequence[int]) -> None:
+        """Only the chunks holding the slots are read, changed and written back."""
+        values = src.view(-1)
+        ranges = [(flat.slots[i].offset, flat.slots[i].offset + flat.slots[i].numel)
+                  for i in slots]
         buf = self.pool.acquire()
         try:
-            staging = self._staging(buf, flat)
-            self._read(flat, staging)
-            _copy_slots(staging, src, flat, slots)
-            self.write_async(flat, staging).wait()
+            for start, end in self._chunks(flat):
+                parts = [(max(a, start), min(b, end)) for a, b in ranges
+                         if max(a, start) < min(b, end)]
+                if not parts:
+                    continue
+                staging = self._staging(buf, flat, end - start)
+                self._read_chunk(flat, start, staging)
+                self.stats.add_moved("nvme_to_host", staging.numel() * flat.home_itemsize)
+                for a, b in parts:
+                    staging[a - start:b - start].copy_(values[a:b])
+                self.store.write_at(flat.key, start * flat.home_itemsize, staging).wait()
+                self.stats.add_moved("host_to_nvme", staging.numel() * flat.home_itemsize)
         finally:
             self.pool.release(buf)
 
@@ -226,32 +313,36 @@ class NvmeHome(Home):
     def after_outside_write(self, flat: FlatParam) -> None:
         buf = self.pool.acquire()
         try:
-            self.store.rehash(flat.key, self._staging(buf, flat))
+            self.store.rehash(flat.key, buf)  # chunk by chunk through the staging buffer
         finally:
             self.pool.release(buf)
 
     def fetch_into(self, flat: FlatParam, dst: torch.Tensor, non_blocking: bool) -> None:
-        """Reads the swap file into a pinned staging buffer and uploads it on the current
-        (transfer) stream. The buffer goes back to the pool once an event recorded after the
-        upload has completed: nothing here waits on the GPU."""
+        """Reads the swap file chunk by chunk into pinned staging buffers and uploads each on
+        the current (transfer) stream. A buffer goes back to the pool once an event recorded
+        after its upload has completed: nothing here waits on the GPU, and the next chunk's
+        read overlaps the previous chunk's upload when the pool has a second buffer free."""
         from .pinned import upload
         if self._direct(flat, dst):  # CPU device: straight from the file into the buffer
             self._read(flat, dst)
             self.stats.add_moved("host_to_device", flat.home_nbytes)
             return
-        buf = self.pool.acquire()
-        uploading = False
-        try:
-            staging = self._staging(buf, flat)
-            self._read(flat, staging)
-            uploading = True
-            upload(dst, staging, non_blocking)
-            self.stats.add_moved("host_to_device", flat.home_nbytes)
-        finally:
-            event = None
-            if uploading and non_blocking and dst.device.type == "cuda":
-                event = torch.cuda.current_stream(dst.device).record_event()
-            self.pool.release_after(buf, event)
+        out = dst.view(-1)
+        for start, end in self._chunks(flat):
+            buf = self.pool.acquire()
+            uploading = False
+            try:
+                staging = self._staging(buf, flat, end - start)
+                self._read_chunk(flat, start, staging)
+                self.stats.add_moved("nvme_to_host", staging.numel() * flat.home_itemsize)
+                uploading = True
+                upload(out[start:end], staging, non_blocking)
+            finally:
+                event = None
+                if uploading and non_blocking and dst.device.type == "cuda":
+                    event = torch.cuda.current_stream(dst.device).record_event()
+                self.pool.release_after(buf, event)
+        self.stats.add_moved("host_to_device", flat.home_nbytes)
 
     def close(self) -> None:
         self._maps.clear()  # the parameters' views keep their own map alive until replaced
@@ -346,6 +437,9 @@ class TieredHome(Home):
         if not isinstance(home, NvmeHome):
             raise RuntimeError(f"{flat.key}: write_async is only for parameters homed on NVMe")
         return home.write_async(flat, src)
+
+    def write_range_async(self, flat: FlatParam, start: int, src: torch.Tensor) -> "IOResult":
+        return self._home(flat).write_range_async(flat, start, src)
 
     def write_slots(self, flat: FlatParam, src: torch.Tensor, slots: Sequence[int]) -> None:
         self._home(flat).write_slots(flat, src, slots)

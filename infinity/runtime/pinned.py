@@ -76,7 +76,8 @@ class StagingRing:
     current buffer is full the next one is used; if that one still holds committed copies,
     they are waited for (their last event) and given to ``consume(item, view)`` in the order
     they were committed, then the buffer is reused. ``drain()`` does that for all of them.
-    ``nbytes`` must hold the largest single tensor (the largest flat's gradients).
+    ``nbytes`` must hold the largest single tensor (the engine sizes it from the largest
+    parameter's gradient or the chunk, whichever is larger, never above the largest flat).
     """
 
     def __init__(self, count: int, nbytes: int, budget: ByteBudget, *, pin: bool,

@@ -50,7 +50,9 @@ class ByteBudget:
                 f"{self.limit - self._used:,} of {self.limit:,} bytes free ({self._used:,} "
                 f"already held). This needs {self.name}_budget >= {self._used + nbytes:,} "
                 f"bytes (more if later allocations follow); raise {self.name}_budget to at "
-                f"least that, or use smaller blocks (block_rule)")
+                f"least that, or use smaller blocks (block_rule)"
+                + (", or a smaller chunk_bytes (staging and gradient buffers are one chunk "
+                   "each)" if self.name == "host" else ""))
 
     def release(self, nbytes: int) -> None:
         with self._lock:

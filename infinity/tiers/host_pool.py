@@ -18,7 +18,8 @@ _POLL_MAX_S = 2e-3      # doubled up to this
 class HostPool:
     """A fixed set of reusable, 4 KiB-aligned host staging buffers within the host budget.
 
-    Sized once from the largest block, so no allocation happens per step. ``acquire`` waits
+    Sized once (the engine's buffers are one chunk each, see infinity.tiers.pool_plan: a flat
+    of any size streams through them), so no allocation happens per step. ``acquire`` waits
     until a buffer is free, with a timeout that raises instead of hanging.
 
     Pinned (registered for DMA) with ``pin=True`` or later by :meth:`pin`: exactly

@@ -12,14 +12,16 @@ import threading
 import time
 import uuid
 import warnings
-from dataclasses import dataclass
-from typing import Dict, Optional
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
 from .. import io as inf_io
 
 logger = logging.getLogger(__name__)
+
+IOResult = Union["inf_io.IOFuture", "PieceFutures"]
 
 _DIR_PREFIX = "infinity-swap-"
 _LOCK_NAME = ".lock"  # held (flock, exclusive) by the live store owning the directory
@@ -36,11 +38,88 @@ class SwapCorruptionError(RuntimeError):
 
 @dataclass
 class _Entry:
+    """One swap file. Its bytes are checksummed in pieces of ``piece`` bytes (the last one may
+    be shorter): one CRC32C per piece, so a byte range made of whole pieces can be written or
+    read and verified on its own. A store whose callers always move the whole file creates
+    its entries with one piece (the file): then nothing differs from one whole-file CRC."""
     handle: "inf_io.FileHandle"
     nbytes: int
-    crc: Optional[int] = None
-    pending_write: Optional["inf_io.IOFuture"] = None  # its CRC becomes ``crc`` once done
-    last_read: Optional[tuple] = None  # (buffer address, future) of the latest read
+    piece: int
+    crcs: List[Optional[int]] = field(default_factory=list)
+    # per piece: the write in flight whose CRC becomes crcs[i] once done
+    pending: List[Optional["inf_io.IOFuture"]] = field(default_factory=list)
+    # per piece: (buffer address, future) of the latest read of it
+    last_read: Dict[int, tuple] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        count = self.pieces
+        self.crcs = [None] * count
+        self.pending = [None] * count
+
+    @property
+    def pieces(self) -> int:
+        return max(1, -(-self.nbytes // self.piece))
+
+    def span(self, i: int) -> Tuple[int, int]:
+        """Byte range [start, end) of piece ``i``."""
+        return i * self.piece, min(self.nbytes, (i + 1) * self.piece)
+
+
+class PieceFutures:
+    """The requests of one ranged read or write that spans several pieces, as one future:
+    ``wait`` waits for all of them (so no buffer is freed under a running transfer) and
+    raises the first error; ``crc32c`` is the CRC of the whole range (combined)."""
+
+    def __init__(self, futures: List["inf_io.IOFuture"], op: str, nbytes: int) -> None:
+        self._futures = futures
+        self._op = op
+        self._nbytes = nbytes
+
+    def done(self) -> bool:
+        return all(f.done() for f in self._futures)
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        total = 0
+        error: Optional[BaseException] = None
+        for f in self._futures:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                total += f.wait(left)
+            except TimeoutError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the others are waited for first
+                error = error or exc
+        if error is not None:
+            raise error
+        return total
+
+    result = wait
+
+    def crc32c(self) -> int:
+        self.wait()
+        crc = 0
+        for f in self._futures:
+            crc = inf_io.crc32c_combine(crc, f.crc32c(), f.nbytes)
+        return crc
+
+    def timing(self) -> Optional[Tuple[float, float, float, float]]:
+        timings = [f.timing() for f in self._futures]
+        if not timings or any(t is None for t in timings):
+            return None
+        return (min(t[0] for t in timings), min(t[1] for t in timings),
+                max(t[2] for t in timings), sum(t[3] for t in timings))
+
+    @property
+    def op(self) -> str:
+        return self._op
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+    def __repr__(self) -> str:
+        return f"PieceFutures({self._op} {self._nbytes} bytes in {len(self._futures)} pieces)"
 
 
 def _log_no_locking(path: str, err: OSError) -> None:
@@ -265,8 +344,11 @@ class SwapStore:
         safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in key)
         return os.path.join(self.directory, f"{safe}.swp")
 
-    def create(self, key: str, nbytes: int) -> None:
-        """Creates the key's file with ``nbytes`` preallocated (ENOSPC is raised here, up front)."""
+    def create(self, key: str, nbytes: int, piece_bytes: Optional[int] = None) -> None:
+        """Creates the key's file with ``nbytes`` preallocated (ENOSPC is raised here, up front).
+
+        ``piece_bytes``: the unit of ranged I/O and of checksums (a multiple of the alignment;
+        None: the whole file is one piece, and only whole-file reads and writes are allowed)."""
         if self._closed:
             raise RuntimeError("SwapStore is closed")
         if key in self._entries:
@@ -274,13 +356,36 @@ class SwapStore:
         if nbytes % inf_io.ALIGNMENT:
             raise ValueError(f"swap extent for {key!r} must be a multiple of "
                              f"{inf_io.ALIGNMENT} bytes, got {nbytes}")
+        piece = self._piece_for(key, nbytes, piece_bytes)
         handle = inf_io.FileHandle(self._path(key), "w+", require_direct=self._require_direct)
         try:
             handle.allocate(nbytes)
         except BaseException:
             handle.close()
             raise
-        self._entries[key] = _Entry(handle=handle, nbytes=nbytes)
+        self._entries[key] = _Entry(handle=handle, nbytes=nbytes, piece=piece)
+
+    @staticmethod
+    def _piece_for(key: str, nbytes: int, piece_bytes: Optional[int]) -> int:
+        if piece_bytes is None or piece_bytes >= nbytes:
+            return max(nbytes, inf_io.ALIGNMENT)
+        if piece_bytes <= 0 or piece_bytes % inf_io.ALIGNMENT:
+            raise ValueError(f"swap pieces of {key!r} must be a positive multiple of "
+                             f"{inf_io.ALIGNMENT} bytes, got {piece_bytes}")
+        return piece_bytes
+
+    def use_pieces(self, key: str, piece_bytes: Optional[int]) -> None:
+        """Sets the key's unit of ranged I/O and checksums (see :meth:`create`) before its
+        first write."""
+        entry = self._entry(key)
+        if any(c is not None for c in entry.crcs) or any(f is not None for f in entry.pending):
+            raise RuntimeError(f"swap file {key!r} was written already: its pieces are fixed")
+        self._entries[key] = _Entry(handle=entry.handle, nbytes=entry.nbytes,
+                                    piece=self._piece_for(key, entry.nbytes, piece_bytes))
+
+    def piece_bytes(self, key: str) -> int:
+        """The unit of the key's ranged I/O and checksums (its size when it is one piece)."""
+        return self._entry(key).piece
 
     def nbytes(self, key: str) -> int:
         return self._entry(key).nbytes
@@ -296,92 +401,178 @@ class SwapStore:
         return sum(e.nbytes for e in self._entries.values())
 
     # ---- I/O -----------------------------------------------------------------------------
+    @staticmethod
+    def _bytes_of(buf: torch.Tensor) -> torch.Tensor:
+        if not buf.is_contiguous():
+            raise ValueError("swap I/O needs a contiguous buffer")
+        return buf.reshape(-1).view(torch.uint8)
+
+    def _check_range(self, key: str, entry: _Entry, offset: int, nbytes: int) -> None:
+        """A ranged request must cover whole pieces: it starts at a piece boundary and ends at
+        one or at the end of the file (its checksums are those of the pieces)."""
+        end = offset + nbytes
+        if (offset < 0 or nbytes <= 0 or end > entry.nbytes or offset % entry.piece
+                or (end % entry.piece and end != entry.nbytes)):
+            raise ValueError(
+                f"infinity: swap I/O of {key!r} must cover whole pieces of {entry.piece:,} "
+                f"bytes within its {entry.nbytes:,} bytes (start at a multiple of the piece, "
+                f"end at one or at the end of the file); got bytes [{offset:,}, {end:,})")
+
     def _check_buffer(self, key: str, buf: torch.Tensor, entry: _Entry) -> None:
         nbytes = buf.numel() * buf.element_size()
         if nbytes != entry.nbytes:
             raise ValueError(f"swap buffer for {key!r} has {nbytes} bytes, the file holds "
                              f"{entry.nbytes}")
 
-    def write(self, key: str, buf: torch.Tensor) -> "inf_io.IOFuture":
-        """Starts writing ``buf`` (all of it) to the key's file; its CRC (computed by the I/O
-        workers) is recorded when the write completes."""
+    def _pieces_in(self, entry: _Entry, offset: int, nbytes: int) -> range:
+        return range(offset // entry.piece, -(-(offset + nbytes) // entry.piece))
+
+    def _submit(self, key: str, entry: _Entry, op: str, offset: int, buf: torch.Tensor,
+                urgent: bool = False) -> IOResult:
+        """One request per piece of [offset, offset + len(buf)) (one in all for a one-piece
+        file), each checksummed by the I/O workers."""
+        raw = self._bytes_of(buf)
+        nbytes = raw.numel()
+        self._check_range(key, entry, offset, nbytes)
+        futures = []
+        for i in self._pieces_in(entry, offset, nbytes):
+            start, end = entry.span(i)
+            part = raw[start - offset:end - offset]
+            if op == "write":
+                with self._lock:
+                    entry.crcs[i] = None
+                    entry.last_read.pop(i, None)
+                future = entry.handle.pwrite(part, start, crc=self.verify)
+                entry.pending[i] = future if self.verify else None
+            else:
+                self._settle(entry, i)
+                future = entry.handle.pread(part, start, crc=self.verify, urgent=urgent)
+                if self.verify:
+                    entry.last_read[i] = (part.data_ptr(), future)
+            futures.append(future)
+        if len(futures) == 1:
+            return futures[0]
+        return PieceFutures(futures, op, nbytes)
+
+    def write(self, key: str, buf: torch.Tensor) -> IOResult:
+        """Starts writing ``buf`` (all of it) to the key's file; its CRCs (computed by the I/O
+        workers) are recorded when the write completes."""
         entry = self._entry(key)
         self._check_buffer(key, buf, entry)
-        future = entry.handle.pwrite(buf, 0, crc=self.verify)
-        entry.crc = None
-        entry.pending_write = future if self.verify else None
-        return future
+        return self._submit(key, entry, "write", 0, buf)
 
-    @staticmethod
-    def _settle(entry: _Entry) -> None:
-        """Takes the checksum of the entry's last write (waits for it; a failed write leaves
+    def write_at(self, key: str, offset: int, buf: torch.Tensor) -> IOResult:
+        """Starts writing ``buf`` over bytes [offset, offset + len(buf)) of the key's file
+        (whole pieces: see :meth:`piece_bytes`); the other pieces keep their content."""
+        return self._submit(key, self._entry(key), "write", offset, buf)
+
+    def _settle(self, entry: _Entry, i: int) -> None:
+        """Takes the checksum of piece ``i``'s last write (waits for it; a failed write leaves
         no valid checksum, so a later read of that content is refused)."""
-        future, entry.pending_write = entry.pending_write, None
+        future, entry.pending[i] = entry.pending[i], None
         if future is not None:
             try:
-                entry.crc = future.crc32c()
+                crc: Optional[int] = future.crc32c()
             except (OSError, RuntimeError):
-                entry.crc = None
+                crc = None
+            entry.crcs[i] = crc
 
     def write_sync(self, key: str, buf: torch.Tensor) -> None:
         self.write(key, buf).wait()
 
-    def read(self, key: str, buf: torch.Tensor, urgent: bool = False) -> "inf_io.IOFuture":
+    def read(self, key: str, buf: torch.Tensor, urgent: bool = False) -> IOResult:
         """Starts reading the key's file into ``buf``. ``urgent``: ahead of queued requests
         that are not (a parameter fetch compute will wait for)."""
         entry = self._entry(key)
         self._check_buffer(key, buf, entry)
-        self._settle(entry)
-        future = entry.handle.pread(buf, 0, crc=self.verify, urgent=urgent)
-        entry.last_read = (buf.data_ptr(), future) if self.verify else None
-        return future
+        return self._submit(key, entry, "read", 0, buf, urgent)
+
+    def read_at(self, key: str, offset: int, buf: torch.Tensor,
+                urgent: bool = False) -> IOResult:
+        """Starts reading bytes [offset, offset + len(buf)) of the key's file (whole pieces)
+        into ``buf``; check it with :meth:`verify_read_at` once complete."""
+        return self._submit(key, self._entry(key), "read", offset, buf, urgent)
 
     def verify_read(self, key: str, buf: torch.Tensor) -> None:
-        """Checks a completed read of ``key`` into ``buf`` against the recorded checksum."""
+        """Checks a completed read of ``key`` into ``buf`` against the recorded checksums."""
+        entry = self._entry(key)
+        self._check_buffer(key, buf, entry)
+        self.verify_read_at(key, 0, buf)
+
+    def verify_read_at(self, key: str, offset: int, buf: torch.Tensor) -> None:
+        """Checks a completed :meth:`read_at` of ``key`` at ``offset`` into ``buf``, piece by
+        piece; a piece that does not match is named (file and byte range)."""
         entry = self._entry(key)
         if not self.verify:
             return
-        self._settle(entry)
-        if entry.crc is None:
-            raise SwapCorruptionError(f"swap file {self._path(key)!r} holds no completed write "
-                                      "(never written, or its last write failed)")
-        last, entry.last_read = entry.last_read, None
-        if last is not None and last[0] == buf.data_ptr():
-            crc = last[1].crc32c()  # computed by the I/O workers during the read
-        else:
-            crc = inf_io.crc32c(buf)
-        if crc != entry.crc:
-            raise SwapCorruptionError(
-                f"swap file {self._path(key)!r} is corrupted: CRC32C {crc:#010x} does not match "
-                f"{entry.crc:#010x} recorded when it was written. Either the disk or another "
-                "process changed it (training cannot continue from it; restart from a "
-                "checkpoint), or code wrote a wrapped parameter in place through `p.data` "
-                "outside forward, which infinity cannot see: write through the parameter "
-                "under torch.no_grad() instead, or call infinity.parameters_changed(model) "
-                "right after such writes")
+        raw = self._bytes_of(buf)
+        self._check_range(key, entry, offset, raw.numel())
+        whole = entry.pieces == 1
+        for i in self._pieces_in(entry, offset, raw.numel()):
+            start, end = entry.span(i)
+            where = "" if whole else f" (bytes {start:,}-{end:,}, piece {i} of {entry.pieces})"
+            self._settle(entry, i)
+            recorded = entry.crcs[i]
+            if recorded is None:
+                raise SwapCorruptionError(
+                    f"swap file {self._path(key)!r}{where} holds no completed write (never "
+                    "written, or its last write failed)")
+            part = raw[start - offset:end - offset]
+            last = entry.last_read.pop(i, None)
+            if last is not None and last[0] == part.data_ptr():
+                crc = last[1].crc32c()  # computed by the I/O workers during the read
+            else:
+                crc = inf_io.crc32c(part)
+            if crc != recorded:
+                raise SwapCorruptionError(
+                    f"swap file {self._path(key)!r} is corrupted{where}: CRC32C {crc:#010x} "
+                    f"does not match {recorded:#010x} recorded when it was written. Either the "
+                    "disk or another process changed it (training cannot continue from it; "
+                    "restart from a checkpoint), or code wrote a wrapped parameter in place "
+                    "through `p.data` outside forward, which infinity cannot see: write "
+                    "through the parameter under torch.no_grad() instead, or call "
+                    "infinity.parameters_changed(model) right after such writes")
 
     def read_sync(self, key: str, buf: torch.Tensor, urgent: bool = False) -> None:
         self.read(key, buf, urgent=urgent).wait()
         self.verify_read(key, buf)
 
+    def read_at_sync(self, key: str, offset: int, buf: torch.Tensor,
+                     urgent: bool = False) -> None:
+        self.read_at(key, offset, buf, urgent=urgent).wait()
+        self.verify_read_at(key, offset, buf)
+
     def recorded_crc(self, key: str) -> Optional[int]:
         """The CRC32C of the key's last completed write (waits for a write in flight); None
         without one (never written, a failed write, or verify=False)."""
         entry = self._entry(key)
-        self._settle(entry)
-        return entry.crc
+        crc = 0
+        for i in range(entry.pieces):
+            self._settle(entry, i)
+            piece = entry.crcs[i]
+            if piece is None:
+                return None
+            start, end = entry.span(i)
+            crc = piece if i == 0 else inf_io.crc32c_combine(crc, piece, end - start)
+        return crc
 
     def rehash(self, key: str, scratch: torch.Tensor) -> None:
         """The key's file was changed outside this store (through a memory map of it): reads it
-        into ``scratch`` (aligned, the file's size) and records its checksum as the valid one."""
+        piece by piece into ``scratch`` (aligned, at least one piece or the whole file) and
+        records its checksums as the valid ones."""
         entry = self._entry(key)
-        self._check_buffer(key, scratch, entry)
-        self._settle(entry)
-        future = entry.handle.pread(scratch, 0, crc=self.verify)
-        future.wait()
-        entry.last_read = None
-        if self.verify:
-            entry.crc = future.crc32c()
+        raw = self._bytes_of(scratch)
+        if raw.numel() < min(entry.piece, entry.nbytes):
+            raise ValueError(f"rehash of {key!r} needs a scratch buffer of at least "
+                             f"{min(entry.piece, entry.nbytes):,} bytes, got {raw.numel():,}")
+        for i in range(entry.pieces):
+            self._settle(entry, i)
+            start, end = entry.span(i)
+            future = entry.handle.pread(raw[:end - start], start, crc=self.verify)
+            future.wait()
+            entry.last_read.pop(i, None)
+            if self.verify:
+                entry.crcs[i] = future.crc32c()
 
     # ---- ranged I/O: an extent moved in page-aligned pieces ----------------------------
     # (the optimizer steps a large shard in element ranges). The store keeps one CRC32C per
