@@ -668,7 +668,7 @@ class NvmeStates(_Store):
         if unit.whole:
             return [(self.read(shard, buf[:unit.nbytes]), unit.reads[0])]
         name = self.extent(shard.key, self.committed[shard.key])
-        return [(self.store.read_at(name, buf[q.pos:q.pos + q.nbytes], q.offset), q)
+        return [(self.store.read_span(name, buf[q.pos:q.pos + q.nbytes], q.offset), q)
                 for q in unit.reads]
 
     def write_unit(self, shard: Shard, unit: Unit, buf: torch.Tensor
@@ -677,7 +677,7 @@ class NvmeStates(_Store):
         if unit.whole:
             return [(self.write(shard, buf[:unit.nbytes]), unit.writes[0])]
         name = self._target(shard)
-        return [(self.store.write_at(name, buf[q.pos:q.pos + q.nbytes], q.offset), q)
+        return [(self.store.write_span(name, buf[q.pos:q.pos + q.nbytes], q.offset), q)
                 for q in unit.writes]
 
     def check_pieces(self, shard: Shard, crcs: List[Tuple[int, int, int]]) -> None:

@@ -574,43 +574,50 @@ class SwapStore:
             if self.verify:
                 entry.crcs[i] = future.crc32c()
 
-    # ---- ranged I/O: an extent moved in page-aligned pieces ----------------------------
-    # (the optimizer steps a large shard in element ranges). The store keeps one CRC32C per
-    # extent: the caller combines the pieces' CRCs (each computed by the I/O workers) into
-    # the extent's and records it with :meth:`record_crc` once every piece is written, or
-    # checks a combination of read pieces against :meth:`recorded_crc`.
-    def _check_piece(self, key: str, entry: _Entry, buf: torch.Tensor, offset: int) -> None:
+    # ---- spans of a one-piece extent, checksummed by the caller --------------------------
+    # (the optimizer steps a large shard in element ranges whose page-aligned spans do not
+    # follow pieces). The extent keeps its one CRC32C: the caller combines the spans' CRCs
+    # (each computed by the I/O workers) into the extent's and records it with
+    # :meth:`record_crc` once every span is written, or checks a combination of read spans
+    # against :meth:`recorded_crc`.
+    def _check_span(self, key: str, entry: _Entry, buf: torch.Tensor, offset: int) -> None:
         nbytes = buf.numel() * buf.element_size()
         align = inf_io.ALIGNMENT
+        if entry.pieces != 1:
+            raise ValueError(f"infinity: span I/O of {key!r} needs an extent checksummed whole "
+                             f"(one piece); it has {entry.pieces} pieces: use read_at/write_at")
         if offset % align or nbytes % align or nbytes <= 0 or offset + nbytes > entry.nbytes:
-            raise ValueError(f"swap piece of {key!r} at offset {offset} with {nbytes} bytes: "
+            raise ValueError(f"swap span of {key!r} at offset {offset} with {nbytes} bytes: "
                              f"both must be multiples of {align} inside the {entry.nbytes}-byte "
                              "extent")
 
-    def read_at(self, key: str, buf: torch.Tensor, offset: int) -> "inf_io.IOFuture":
+    def read_span(self, key: str, buf: torch.Tensor, offset: int) -> "inf_io.IOFuture":
         """Starts reading ``buf``'s size of the key's file at ``offset`` (CRC32C computed by
         the workers when the store verifies)."""
         entry = self._entry(key)
-        self._check_piece(key, entry, buf, offset)
-        self._settle(entry)  # a whole write in flight lands first
-        return entry.handle.pread(buf, offset, crc=self.verify)
+        self._check_span(key, entry, buf, offset)
+        self._settle(entry, 0)  # a whole write in flight lands first
+        return entry.handle.pread(self._bytes_of(buf), offset, crc=self.verify)
 
-    def write_at(self, key: str, buf: torch.Tensor, offset: int) -> "inf_io.IOFuture":
+    def write_span(self, key: str, buf: torch.Tensor, offset: int) -> "inf_io.IOFuture":
         """Starts writing ``buf`` at ``offset``. The extent has no valid checksum until
         :meth:`record_crc`, so a read that verifies it before then is refused."""
         entry = self._entry(key)
-        self._check_piece(key, entry, buf, offset)
-        self._settle(entry)
-        entry.crc = None
-        entry.last_read = None
-        return entry.handle.pwrite(buf, offset, crc=self.verify)
+        self._check_span(key, entry, buf, offset)
+        self._settle(entry, 0)
+        with self._lock:
+            entry.crcs[0] = None
+            entry.last_read.pop(0, None)
+        return entry.handle.pwrite(self._bytes_of(buf), offset, crc=self.verify)
 
     def record_crc(self, key: str, crc: Optional[int]) -> None:
-        """Records the CRC32C of the key's whole content after a write in pieces (None: no
-        valid checksum, e.g. a piece failed)."""
+        """Records the CRC32C of the key's whole content after a write in spans (None: no
+        valid checksum, e.g. a span failed)."""
         entry = self._entry(key)
-        self._settle(entry)
-        entry.crc = crc if self.verify else None
+        if entry.pieces != 1:
+            raise ValueError(f"infinity: record_crc of {key!r} needs a one-piece extent")
+        self._settle(entry, 0)
+        entry.crcs[0] = crc if self.verify else None
 
     def path(self, key: str) -> str:
         self._entry(key)
