@@ -178,7 +178,8 @@ def plan(model: Union[nn.Module, ModelShape, int, float], policy: Optional[Offlo
         policy = OffloadPolicy(**settings)
     elif settings:
         raise TypeError("pass either policy= or keyword settings, not both")
-    shape = describe(model, block_rule=policy.block_rule)
+    shape = describe(model, block_rule=policy.block_rule,
+                     param_persistence_threshold=policy.param_persistence_threshold)
     pr = probe if probe is not None else run_probe(policy.nvme_path, quick=True)
     if policy.nvme_path is not None and pr.disk is None:
         pr = run_probe(policy.nvme_path, quick=True)
