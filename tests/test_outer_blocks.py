@@ -379,3 +379,42 @@ def test_estimate_shape_has_outer_blocks_and_a_small_root():
     # the old layout (threshold None): the root holds the embedding
     old = describe(dims, param_persistence_threshold=None)
     assert old.root_bytes == (LLAMA_VOCAB * 3072 + 3072) * 4 and old.outer_block_bytes == 0
+
+
+# ---- checkpoints: saved with the root layout, loaded into outer blocks ---------------------
+def test_checkpoint_saved_with_the_root_layout_loads_into_outer_blocks(tmp_path):
+    """Checkpoints are matched by parameter name, not by block: one saved when the embedding
+    and head were in the root block (param_persistence_threshold above them: the layout
+    before outer blocks) loads into the new layout, optimizer states included, and training
+    goes on bitwise as the uninterrupted run."""
+    cfg = GPTConfig(**GPT, tie_embeddings=True)
+    data = [synthetic_batch(cfg, 2, 16, torch.Generator().manual_seed(9)) for _ in range(4)]
+
+    def train(model, opt, batches):
+        for x, y in batches:
+            lm_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+
+    dirs = [tmp_path / n for n in ("a", "b", "c")]
+    for d in dirs:
+        d.mkdir()
+    old = _gpt(True)
+    infinity.wrap(old, nvme_path=str(dirs[0]), param_persistence_threshold=10**12, **NVME_ALL)
+    assert [b.kind for b in _blocks(old)] == ["layer"] * 4 + ["root"]
+    opt_old = infinity.optim.AdamW(old.parameters(), lr=1e-2)
+    train(old, opt_old, data[:2])
+    ckpt = infinity.save_checkpoint(str(tmp_path / "ckpt"), old, opt_old)
+    train(old, opt_old, data[2:])  # the uninterrupted run
+
+    new = _gpt(True, seed=5)  # other weights: all of them come from the checkpoint
+    infinity.wrap(new, nvme_path=str(dirs[1]), **NVME_ALL)
+    assert [b.kind for b in _blocks(new)] == ["layer"] * 4 + ["outer", "root"]
+    opt_new = infinity.optim.AdamW(new.parameters(), lr=1e-2)
+    infinity.load_checkpoint(ckpt, new, opt_new)
+    train(new, opt_new, data[2:])
+    for (name, p), q in zip(old.named_parameters(), new.parameters()):
+        assert torch.equal(p, q), name
+    for o in (opt_old, opt_new):
+        o.close()
+    infinity.unwrap(old), infinity.unwrap(new)

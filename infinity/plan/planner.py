@@ -142,7 +142,7 @@ def _split(shape: ModelShape, pr: ProbeResult, nvme_pl: Placement, e_nvme: Estim
         if cuda and b["device"] is not None and e_nvme.device_bytes > b["device"]:
             return None
         k, held = 0, 0
-        for nbytes in shape.block_bytes[:-1]:  # engine order: layers, then the root block
+        for nbytes in shape.block_bytes[:-1]:  # engine order: layers, outer blocks, the root
             if held + nbytes > room:
                 break
             k, held = k + 1, held + nbytes
