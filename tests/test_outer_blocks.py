@@ -153,8 +153,11 @@ def _watch_layers(model, names, log):
     return handles
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["step", "overlap"])
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-def test_gpt_parity_on_nvme_and_blocks_released_between_uses(tmp_path, tied):
+def test_gpt_parity_on_nvme_and_blocks_released_between_uses(tmp_path, tied, overlap):
+    """``overlap=True``: each block's update starts in backward once its gradient is complete
+    (the embedding's while its block is not materialized; a tied block's after both uses)."""
     ref = _gpt(tied)
     model = copy.deepcopy(ref)
     infinity.wrap(model, nvme_path=str(tmp_path), host_budget="1GiB", prefetch_window=1,
@@ -172,7 +175,7 @@ def test_gpt_parity_on_nvme_and_blocks_released_between_uses(tmp_path, tied):
     log = []
     _watch_layers(model, outer, log)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
-    opt = infinity.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = infinity.optim.AdamW(model.parameters(), lr=1e-2, overlap=overlap)
     g = torch.Generator().manual_seed(1)
     cfg = GPTConfig(**GPT, tie_embeddings=tied)
     for step in range(4):
@@ -201,6 +204,9 @@ def test_gpt_parity_on_nvme_and_blocks_released_between_uses(tmp_path, tied):
             assert states["tok"] == "on_nvme", (layer, states)
     s = infinity.stats(model)
     assert s["schedule_deviations"] == 0
+    if overlap:  # every block's update but the root's ran during backward and was kept
+        streamed = [f for b in _blocks(model) if not b.is_root for f in b.flats]
+        assert opt.last_step_stats.overlapped_shards == len(streamed)
     assert engine_of(model).schedule.recorded["forward"][0] == _by_name(model, "tok").index
     opt.close()
     infinity.unwrap(model)
