@@ -60,7 +60,8 @@ class OffloadPolicy:
     host_blocks: with parameters on NVMe, the parameters of the first ``host_blocks`` blocks
         stay in host RAM instead (a per-block split: "the first blocks on host, the rest on
         NVMe"). Blocks count in the engine's order: the repeated layers in model order, then
-        the root block (the parameters outside them: embeddings, head). None or 0: every
+        the outer blocks (embedding, head: see param_persistence_threshold), then the root
+        block (the small parameters outside the layers). None or 0: every
         block on ``param_tier``. Needs param_tier "nvme" (or "auto" resolving to it).
     grad_tier: where the fp32 gradient accumulators live between backward and the optimizer
         step: "host", "nvme" (a few blocks' worth of host buffers, the rest in swap files), or
@@ -115,6 +116,8 @@ class OffloadPolicy:
         head) whose parameters hold at least this many elements are blocks of their own,
         fetched when they run and released after; smaller ones stay in the root block,
         materialized for the whole step (DeepSpeed's stage3_param_persistence_threshold).
+        Each module is counted with the parameters it owns directly; modules sharing a
+        parameter (a tied embedding and head) count together and make one block.
     """
 
     param_tier: str = "auto"

@@ -176,7 +176,12 @@ def estimate_one(shape: ModelShape, pl: Placement, pr: ProbeResult, *, batch: in
     largest = shape.largest_block_params
     layer_bytes = shape.layer_block_bytes * cbpp / bpp
     root_bytes = shape.root_bytes * cbpp / bpp
-    window_bytes = root_bytes + (prefetch_window + 1) * layer_bytes
+    # materialized at once: the root block (the whole step), the running block (a layer or
+    # an outer block: the embedding, the head) and the layers prefetched or kept around it
+    streamed_bytes = shape.streamed_block_bytes * cbpp / bpp
+    window_bytes = root_bytes + streamed_bytes + prefetch_window * layer_bytes
+    # read before the first compute: the root and the first block (the embedding's, if any)
+    first_bytes = root_bytes + (shape.outer_block_bytes * cbpp / bpp or layer_bytes)
     compute = (compute_s if compute_s is not None
                else model_flops(shape, tokens, seq) / pr.flops_at(shape.d_model))
     blocks = len(shape.block_bytes)
@@ -229,7 +234,7 @@ def estimate_one(shape: ModelShape, pl: Placement, pr: ProbeResult, *, batch: in
             nvme = pbytes + 4.0 * n + 2 * s * n
             disk = pr.disk
             io_fb = 2 * pbytes / disk.read_bps + 4.0 * n / disk.write_bps
-            first = (root_bytes + layer_bytes) / disk.read_bps
+            first = first_bytes / disk.read_bps
             io_opt = (s + 4.0) * n / disk.read_bps + (s * n + pbytes) / disk.write_bps
             adam = n / adam_rate + 2 * pbytes / mem     # + the working copy staged for the file
             written = 4.0 * n + s * n + pbytes

@@ -142,7 +142,7 @@ def _split(shape: ModelShape, pr: ProbeResult, nvme_pl: Placement, e_nvme: Estim
         if cuda and b["device"] is not None and e_nvme.device_bytes > b["device"]:
             return None
         k, held = 0, 0
-        for nbytes in shape.block_bytes[:-1]:  # engine order: layers, then the root block
+        for nbytes in shape.block_bytes[:-1]:  # engine order: layers, outer blocks, the root
             if held + nbytes > room:
                 break
             k, held = k + 1, held + nbytes
@@ -178,7 +178,8 @@ def plan(model: Union[nn.Module, ModelShape, int, float], policy: Optional[Offlo
         policy = OffloadPolicy(**settings)
     elif settings:
         raise TypeError("pass either policy= or keyword settings, not both")
-    shape = describe(model, block_rule=policy.block_rule)
+    shape = describe(model, block_rule=policy.block_rule,
+                     param_persistence_threshold=policy.param_persistence_threshold)
     pr = probe if probe is not None else run_probe(policy.nvme_path, quick=True)
     if policy.nvme_path is not None and pr.disk is None:
         pr = run_probe(policy.nvme_path, quick=True)

@@ -13,14 +13,21 @@ from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 from torch import nn
 
-from ..runtime.partition import partition
+from ..policy import OffloadPolicy
+from ..runtime.partition import LAYER, OUTER, ROOT, partition
+
+# modules outside the layers holding at least this many elements are blocks of their own
+# (the engine's default: OffloadPolicy.param_persistence_threshold)
+PERSISTENCE_THRESHOLD: int = OffloadPolicy.param_persistence_threshold
 
 
 @dataclass(frozen=True)
 class ModelShape:
     params: int                  # parameter count (tied weights once)
     param_bytes: int             # home bytes (the model's own dtypes)
-    block_params: Tuple[int, ...]  # parameters per block, root block last
+    # parameters per block in the engine's order: layer blocks, outer blocks (modules outside
+    # the layers: embedding, head), the root block last
+    block_params: Tuple[int, ...]
     block_bytes: Tuple[int, ...]
     n_layers: int
     d_model: int
@@ -30,6 +37,18 @@ class ModelShape:
     # parameters that keep fp32 moments when the optimizer's states are "8bit" (embeddings,
     # tensors under min_8bit_size: infinity.optim.formats' safeguards)
     full_moment_params: int = 0
+    # each block's kind ("layer", "outer", "root"); empty: layers, then the root block last
+    block_kinds: Tuple[str, ...] = ()
+
+    @property
+    def kinds(self) -> Tuple[str, ...]:
+        if self.block_kinds:
+            return self.block_kinds
+        n = len(self.block_bytes)
+        return (LAYER,) * (n - 1) + (ROOT,) if n > 1 else (LAYER,)
+
+    def _bytes_of(self, kind: str) -> Tuple[int, ...]:
+        return tuple(b for b, k in zip(self.block_bytes, self.kinds) if k == kind)
 
     @property
     def largest_block_bytes(self) -> int:
@@ -41,12 +60,23 @@ class ModelShape:
 
     @property
     def layer_block_bytes(self) -> int:
-        """The largest non-root block (what streams), or the root when it is the only one."""
-        return max(self.block_bytes[:-1] or self.block_bytes)
+        """The largest layer block (what streams), else the largest block."""
+        return max(self._bytes_of(LAYER) or self.block_bytes)
+
+    @property
+    def outer_block_bytes(self) -> int:
+        """The largest outer block (embedding, head: fetched when it runs), 0 without one."""
+        return max(self._bytes_of(OUTER), default=0)
+
+    @property
+    def streamed_block_bytes(self) -> int:
+        """The largest block fetched and released during a step (layer or outer)."""
+        return max(self.layer_block_bytes, self.outer_block_bytes)
 
     @property
     def root_bytes(self) -> int:
-        return self.block_bytes[-1]
+        """The root block, materialized for the whole step (0 without one)."""
+        return sum(self._bytes_of(ROOT))
 
     @property
     def bytes_per_param(self) -> float:
@@ -63,15 +93,18 @@ def _guess_d_model(model: nn.Module) -> int:
     return widths.most_common(1)[0][0] if widths else 512
 
 
-def shape_of(model: nn.Module, block_rule=None) -> ModelShape:
-    specs = partition(model, block_rule)
+def shape_of(model: nn.Module, block_rule=None,
+             persistence_threshold: Optional[int] = PERSISTENCE_THRESHOLD) -> ModelShape:
+    """The blocks ``infinity.wrap`` makes of ``model`` (``block_rule``,
+    ``param_persistence_threshold``) and its size."""
+    specs = partition(model, block_rule, persistence_threshold)
     if not specs:
         raise ValueError("infinity.estimate: the model has no parameters")
     params, nbytes = [], []
     for s in specs:
         params.append(sum(p.numel() for _, _, _, p in s.params))
         nbytes.append(sum(p.numel() * p.element_size() for _, _, _, p in s.params))
-    layers = sum(1 for s in specs if not s.is_root)
+    layers = sum(1 for s in specs if s.kind == LAYER)
     embs = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
     cfg = getattr(model, "cfg", None) or getattr(model, "config", None)
     heads = getattr(cfg, "n_heads", None) or getattr(cfg, "num_attention_heads", None)
@@ -82,7 +115,7 @@ def shape_of(model: nn.Module, block_rule=None) -> ModelShape:
     return ModelShape(sum(params), sum(nbytes), tuple(params), tuple(nbytes), max(1, layers),
                       _guess_d_model(model), type(model).__name__,
                       max(embs) if embs else None, heads if isinstance(heads, int) else None,
-                      full)
+                      full, tuple(s.kind for s in specs))
 
 
 def shape_of_count(params: int, *, n_layers: Optional[int] = None,
@@ -104,9 +137,12 @@ def shape_of_count(params: int, *, n_layers: Optional[int] = None,
         n_layers = max(1, round((params - emb) / per_layer))
     emb = max(0, params - n_layers * per_layer)
     blocks = (per_layer,) * n_layers + (emb,)
+    # the embedding (tied head) is a block of its own from the persistence threshold on
+    kinds = (LAYER,) * n_layers + ((OUTER,) if emb >= PERSISTENCE_THRESHOLD else (ROOT,))
     return ModelShape(params, params * bytes_per_param, blocks,
                       tuple(b * bytes_per_param for b in blocks), n_layers, d_model,
-                      f"GPT {params / 1e6:.0f}M", vocab_size, max(1, d_model // 64))
+                      f"GPT {params / 1e6:.0f}M", vocab_size, max(1, d_model // 64),
+                      block_kinds=kinds)
 
 
 # The decoder dimensions, each as (DecoderDims field and estimate() keyword, config.json key,
@@ -202,14 +238,23 @@ class DecoderDims:
     def params(self) -> int:
         return self.n_layers * self.layer_params + self.root_params
 
-    def shape(self, bytes_per_param: int = 4) -> ModelShape:
-        """The engine's blocks: one per layer, then the root block (embedding, final norm and
-        head together), as ``partition`` makes them for the transformers model."""
-        blocks = (self.layer_params,) * self.n_layers + (self.root_params,)
+    def shape(self, bytes_per_param: int = 4,
+              persistence_threshold: Optional[int] = PERSISTENCE_THRESHOLD) -> ModelShape:
+        """The engine's blocks, as ``partition`` makes them for the transformers model: one
+        per layer; the embedding (with a tied head) and an untied head as outer blocks when
+        they hold at least ``persistence_threshold`` elements; the root block last (the final
+        norm and whatever stayed under the threshold)."""
+        emb = self.vocab_size * self.d_model
+        outer = [emb] + ([] if self.tied else [emb])
+        big = [n for n in outer if persistence_threshold is not None
+               and n >= persistence_threshold]
+        root = self.root_params - sum(big)
+        blocks = (self.layer_params,) * self.n_layers + tuple(big) + ((root,) if root else ())
+        kinds = ((LAYER,) * self.n_layers + (OUTER,) * len(big) + ((ROOT,) if root else ()))
         return ModelShape(self.params, self.params * bytes_per_param, blocks,
                           tuple(b * bytes_per_param for b in blocks), self.n_layers,
                           self.d_model, self.name, self.vocab_size, self.n_heads,
-                          self.full_moment_params)
+                          self.full_moment_params, kinds)
 
     @property
     def full_moment_params(self) -> int:
@@ -327,7 +372,8 @@ def _is_config(obj: Any) -> bool:
 
 
 def describe(model_or_count: Any = None, **kw: Any) -> ModelShape:
-    """The :class:`ModelShape` of: a ModelShape; an nn.Module (``block_rule``); a Hugging Face
+    """The :class:`ModelShape` of: a ModelShape; an nn.Module (``block_rule``,
+    ``param_persistence_threshold``: the blocks as the engine makes them); a Hugging Face
     config (a dict, a transformers config, a ``config.json`` path or a model folder), the
     keyword dimensions of :func:`decoder_dims` overriding it; None with those keywords alone
     (a Llama-style decoder); or a parameter count (``2e9``, ``"2B"``: a GPT, refined by
@@ -341,10 +387,11 @@ def describe(model_or_count: Any = None, **kw: Any) -> ModelShape:
                          "(leave them out, or pass the config instead of the model)")
     if isinstance(model_or_count, ModelShape):
         return model_or_count
+    threshold = kw.get("param_persistence_threshold", PERSISTENCE_THRESHOLD)
     if isinstance(model_or_count, nn.Module):
-        return shape_of(model_or_count, kw.get("block_rule"))
+        return shape_of(model_or_count, kw.get("block_rule"), threshold)
     if model_or_count is None or _is_config(model_or_count):
-        return decoder_dims(model_or_count, **dims).shape(bpp)
+        return decoder_dims(model_or_count, **dims).shape(bpp, threshold)
     llama_only = sorted(set(dims) - {"n_layers", "d_model", "vocab_size"})
     if llama_only:
         raise ValueError(f"infinity.estimate: the dimension(s) {', '.join(llama_only)} describe "

@@ -1,8 +1,13 @@
-"""Block: the unit of offload, prefetch and I/O -- a module subtree and its flat buffers."""
+"""Block: the unit of offload, prefetch and I/O -- a module subtree and its flat buffers.
+
+Kinds (``kind``): a *layer* block (a child of the layer list: one module subtree), an *outer*
+block (parameters of modules outside the layers, such as the input embedding or the LM head:
+used by ``modules``, several when they share a parameter, as a tied embedding and head), or
+the *root* block (the small parameters left, materialized for the whole step)."""
 from __future__ import annotations
 
 import concurrent.futures as cf
-from typing import List, Optional, Set, Tuple
+from typing import List, Optional, Sequence, Set, Tuple
 
 from torch import nn
 
@@ -13,11 +18,15 @@ from .residency import Residency, check_transition
 
 class Block:
     def __init__(self, index: int, name: str, module: nn.Module, is_root: bool,
-                 flats: List[FlatParam], home: Tier, resident: bool) -> None:
+                 flats: List[FlatParam], home: Tier, resident: bool, kind: str = "",
+                 modules: Sequence[nn.Module] = ()) -> None:
         self.index = index
         self.name = name
         self.module = module
         self.is_root = is_root
+        self.kind = kind or ("root" if is_root else "layer")
+        # the modules whose forward uses it (hooked); more than one: a shared (tied) block
+        self.modules: List[nn.Module] = list(modules) or [module]
         self.flats = flats
         self.home = home
         self.state = Residency.RESIDENT if resident else self._home_state()
@@ -33,6 +42,15 @@ class Block:
         # wait for the gradients of their inputs.
         self.needs_input_signal = self.n_trainable < sum(len(f.slots) for f in flats)
         self.inputs_done = False
+
+    @property
+    def shared(self) -> bool:
+        """Used by more than one module (a tied parameter): fetched at each use."""
+        return len(self.modules) > 1
+
+    def contains(self, module: nn.Module) -> bool:
+        """Whether ``module`` is one of the block's modules or inside one."""
+        return any(m is module for own in self.modules for m in own.modules())
 
     def _home_state(self) -> Residency:
         return Residency.ON_NVME if self.home is Tier.NVME else Residency.ON_HOST

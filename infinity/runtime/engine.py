@@ -88,7 +88,7 @@ class Engine(Residence, OutsideWrites, HookHandlers):
         self.partitioner = make_partitioner(process_group, policy.shard,
                                             policy.collective_timeout, self.device)
 
-        specs = partition(model, policy.block_rule)
+        specs = partition(model, policy.block_rule, policy.param_persistence_threshold)
         if not specs:
             raise ValueError("the model has no parameters: there is nothing to offload")
         self._check_params(specs)
@@ -100,10 +100,7 @@ class Engine(Residence, OutsideWrites, HookHandlers):
         if self.partitioner is not None:
             self.partitioner.attach(self.blocks)
         self._check_budgets()
-        # first step: blocks in registration order (forward) and its reverse (backward)
-        order = [b.index for b in self.blocks if not b.is_root]
-        self.schedule = Schedule(policy.prefetch_window,
-                                 guess={"forward": order, "backward": order[::-1]})
+        self.schedule = Schedule(policy.prefetch_window, guess=self._guess_order())
         self._callback_task = -1
         self._last_backward_block: Optional[Block] = None
         self._model_forward_depth = 0
@@ -255,8 +252,28 @@ class Engine(Residence, OutsideWrites, HookHandlers):
             if self.partitioner is not None and self.partitioner.shards_params:
                 resident = False  # a rank's home holds only its part: always all-gathered
             blocks.append(Block(index, spec.name, spec.module, spec.is_root, flats, tier,
-                                resident))
+                                resident, spec.kind, spec.modules))
         return blocks
+
+    def _guess_order(self) -> Dict[str, List[int]]:
+        """The first step's schedule: the blocks' modules in the order the model registers
+        them (an embedding before the layers, the head after; a tied block at both) for
+        forward, the reverse for backward, leaving out the uses whose backward does not read
+        the parameters (an nn.Embedding: its block is not fetched for backward)."""
+        use_of: Dict[int, int] = {}
+        for b in self.blocks:
+            if not b.is_root:
+                for m in b.modules:
+                    use_of.setdefault(id(m), b.index)
+        forward: List[int] = []
+        backward: List[int] = []
+        for _, module in self.model.named_modules():
+            index = use_of.get(id(module))
+            if index is not None:
+                forward.append(index)
+                if hooks_mod.reads_params_in_backward(module):
+                    backward.append(index)
+        return {"forward": forward, "backward": backward[::-1]}
 
     def _transfer_workers(self) -> int:
         """Fetches in flight at once (one transfer thread each)."""
@@ -332,31 +349,46 @@ class Engine(Residence, OutsideWrites, HookHandlers):
                           largest_grad=largest_grad,
                           grad_default=self.policy.prefetch_window + 2, room=room)
 
+    def _working_set(self) -> Tuple[int, Optional[Block], int, int]:
+        """What streamed compute buffers must hold at once: (root bytes, the largest streamed
+        block other than the root, its bytes, the largest layer block's bytes). The root
+        block stays materialized for the whole step; every other block (layers, outer
+        blocks such as the embedding or the head) is fetched when used and released after."""
+        streamed = [b for b in self.blocks if not b.resident]
+        root = sum(b.compute_nbytes for b in streamed if b.is_root)
+        others = [b for b in streamed if not b.is_root]
+        largest = max(others, key=lambda b: b.compute_nbytes, default=None)
+        layer = max((b.compute_nbytes for b in others if b.kind == "layer"), default=0)
+        return root, largest, (largest.compute_nbytes if largest is not None else 0), layer
+
     def _check_host_budget(self) -> int:
         """With a host budget: checks that what the engine holds in host RAM fits, naming the
         minimum if not; on a CPU device also reserves the compute buffers of the streamed
-        blocks there (they are RAM too): root + (window + 2) x the largest block when it fits,
-        at least root + the largest block. Returns the bytes reserved."""
+        blocks there (they are RAM too): root + the largest block + (window + 1) x the
+        largest layer block when it fits (the current block and those prefetched or kept
+        around it), at least root + the largest block. Returns the bytes reserved."""
         limit = self.host_budget.limit
         if limit is None:
             return 0
         needs = self._host_needs()
         minimal = comfortable = 0
+        largest_block: Optional[Block] = None
         if self.compute_buffers is not None:
-            streamed = [b for b in self.blocks if not b.resident]
-            root = sum(b.compute_nbytes for b in streamed if b.is_root)
-            layers = [b.compute_nbytes for b in streamed if not b.is_root]
-            largest = max(layers, default=0)
+            root, largest_block, largest, layer = self._working_set()
+            streamed = [b for b in self.blocks if not b.resident and not b.is_root]
             minimal = root + largest
-            comfortable = min(root + (self.policy.prefetch_window + 2) * largest,
-                              root + sum(layers))
+            comfortable = min(root + largest + (self.policy.prefetch_window + 1) * layer,
+                              root + sum(b.compute_nbytes for b in streamed))
+            comfortable = max(minimal, comfortable)
             if self.device_budget.limit is not None:
                 comfortable = max(minimal, min(comfortable, self.device_budget.limit))
         fixed = sum(needs.values())
         if fixed + minimal > limit:
             parts = dict(needs)
             if minimal:
-                parts["compute buffers (CPU device: the root block + the largest block)"] = minimal
+                who = f" {largest_block.name!r}" if largest_block is not None else ""
+                parts[f"compute buffers (CPU device: the root block + the largest "
+                      f"block{who})"] = minimal
             listed = " + ".join(f"{k} {v:,}" for k, v in parts.items())
             raise BudgetExceededError(
                 f"infinity: host_budget={limit:,} bytes is smaller than what the engine holds in "
@@ -373,26 +405,35 @@ class Engine(Residence, OutsideWrites, HookHandlers):
         return reserve
 
     def _check_budgets(self) -> None:
-        streamed = [b for b in self.blocks if not b.resident]
+        """With a device budget: the root block (materialized for the whole step), the blocks
+        resident on the device and the largest streamed block must fit at once."""
         if self.device_budget.limit is None:
             return
-        root = next((b for b in streamed if b.is_root), None)
-        root_bytes = root.compute_nbytes if root is not None else 0
+        root_bytes, largest, largest_bytes, _ = self._working_set()
         resident_dev = sum(b.compute_nbytes for b in self.blocks
                            if b.resident and b.home is Tier.DEVICE)
-        layers = [b for b in streamed if not b.is_root]
-        largest = max(layers, key=lambda b: b.compute_nbytes, default=None)
-        need = resident_dev + root_bytes + (largest.compute_nbytes if largest else 0)
+        need = resident_dev + root_bytes + largest_bytes
         if need > self.device_budget.limit:
+            root = next((b for b in self.blocks if b.is_root), None)
             who = largest if largest is not None else root
+            if who is None or who.kind == "layer":
+                remedy = "split the block with block_rule"
+            elif who.kind == "outer":
+                remedy = (f"compute in a narrower dtype (compute_dtype=torch.bfloat16); module "
+                          f"{who.name!r} is fetched whole (a vocabulary-tiled head and an "
+                          "embedding fetched row by row are not built)")
+            else:
+                remedy = ("lower param_persistence_threshold so that more modules outside the "
+                          "layers become blocks of their own")
             raise BudgetExceededError(
-                f"device_budget={self.device_budget.limit:,} bytes is smaller than what must be "
-                f"materialized at once: block {who.name!r} needs {who.compute_nbytes:,} bytes"
-                + (f", plus {root_bytes:,} for the root block (embeddings, head), which stays "
-                   "materialized during a step" if root_bytes and who is not root else "")
+                f"infinity: device_budget={self.device_budget.limit:,} bytes is smaller than "
+                f"what must be materialized at once: block {who.name!r} needs "
+                f"{who.compute_nbytes:,} bytes"
+                + (f", plus {root_bytes:,} for the root block (the parameters outside the "
+                   "layers under param_persistence_threshold), which stays materialized "
+                   "during a step" if root_bytes and who is not root else "")
                 + (f", plus {resident_dev:,} resident" if resident_dev else "")
-                + f" = {need:,} bytes. Raise device_budget to at least {need:,} or split the "
-                  "block with block_rule")
+                + f" = {need:,} bytes. Raise device_budget to at least {need:,} or {remedy}")
 
     def _make_home(self, tier: Tier) -> Home:
         if tier is Tier.DEVICE:
@@ -744,9 +785,8 @@ class Engine(Residence, OutsideWrites, HookHandlers):
             if self._closed:
                 raise RuntimeError("this model was unwrapped")
             self.sync_outside_writes()
-            chosen = [b for b in self.blocks if module is None or module is b.module
-                      or any(m is b.module for m in module.modules())
-                      or any(m is module for m in b.module.modules())]
+            chosen = [b for b in self.blocks if module is None or b.contains(module)
+                      or any(m is own for own in b.modules for m in module.modules())]
             pinned: List[Block] = []
             try:
                 for b in chosen:

@@ -5,6 +5,7 @@ import weakref
 from typing import TYPE_CHECKING, Any, Callable, List
 
 import torch
+from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from .block import Block
@@ -91,10 +92,11 @@ def register(engine: "Engine") -> HookSet:
     for block in engine.blocks:
         if block.is_root:
             continue  # the root block is driven by the model hooks above
-        hooks.add(block.module.register_forward_pre_hook(
-            EngineHook(engine, "on_block_pre_forward", block)))
-        hooks.add(block.module.register_forward_hook(
-            EngineHook(engine, "on_block_post_forward", block), always_call=True))
+        for module in block.modules:  # several for a shared (tied) block: fetched at each use
+            hooks.add(module.register_forward_pre_hook(
+                EngineHook(engine, "on_block_pre_forward", block)))
+            hooks.add(module.register_forward_hook(
+                EngineHook(engine, "on_block_post_forward", block), always_call=True))
     for block in engine.blocks:
         for fi, flat in enumerate(block.flats):
             for si, slot in enumerate(flat.slots):
@@ -102,6 +104,13 @@ def register(engine: "Engine") -> HookSet:
                     cb: Callable = EngineHook(engine, "on_grad_ready", block, fi, si)
                     hooks.add(slot.param.register_post_accumulate_grad_hook(cb))
     return hooks
+
+
+def reads_params_in_backward(module: nn.Module) -> bool:
+    """Whether the backward of ``module``'s forward reads its parameters. An nn.Embedding's
+    (its own forward, not a subclass's) does not: the gradient of a lookup needs only the
+    indices, so its block is not fetched again for backward."""
+    return type(module).forward is not nn.Embedding.forward
 
 
 def register_pre_backward(output: Any, callback: Callable[[], None]) -> None:

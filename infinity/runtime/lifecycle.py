@@ -165,7 +165,10 @@ class HookHandlers:
                 block.active_forward += 1
                 if self.activations is not None:
                     self.activations.enter(block.index)
-            if block.needs_input_signal and torch.is_grad_enabled():
+            if (block.needs_input_signal or block.shared) and torch.is_grad_enabled():
+                # a shared block: the end of this use's backward (its inputs' gradients) lets
+                # it go until its next use, though its gradient is complete only after the
+                # backward of every use
                 hooks_mod.register_post_backward(args, lambda: self.on_inputs_grad(block))
 
     @_timed_hook
@@ -174,7 +177,34 @@ class HookHandlers:
             if self._closed:
                 return
             block.inputs_done = True
-            self._release_if_backward_done(block)
+            if block.backward_done():
+                self._release_if_backward_done(block)
+            elif block.shared:
+                self._release_between_uses(block)
+
+    def _release_between_uses(self, block: Block) -> None:
+        """A shared block after one use's backward: released unless a use running now holds it
+        or the recorded backward uses it again within the prefetch window."""
+        if block.active_forward > 0 or block.resident or not block.materialized:
+            return
+        ahead = self.schedule.next_visit("backward", block.index)
+        if ahead is not None and ahead <= self.schedule.window + 1:
+            return  # the next visit would prefetch it again
+        if block is self._last_backward_block:
+            self._last_backward_block = None
+        self._release(block)
+
+    def _keep_after_forward(self, block: Block, backward_reads: bool) -> bool:
+        """After a forward use: keep the block materialized when the recorded forward uses it
+        again before the prefetch window would fetch it anew (within window + 1 visits), or
+        when this was its last use in forward and the first blocks of backward (as many as
+        the window) include it."""
+        window = self.schedule.window
+        ahead = self.schedule.next_visit("forward", block.index)
+        if ahead is not None:
+            return ahead <= window + 1
+        return backward_reads and block.index in self.schedule.upcoming("backward",
+                                                                         max(1, window))
 
     def _release_if_backward_done(self, block: Block) -> None:
         if block.is_root or not block.backward_done():
@@ -207,17 +237,17 @@ class HookHandlers:
                     self._release(block)
                 return
             needs_backward = torch.is_grad_enabled() and bool(hooks_mod.output_tensors(output))
-            if needs_backward:
+            # an nn.Embedding's backward needs only the indices: its block is not fetched
+            backward_reads = needs_backward and hooks_mod.reads_params_in_backward(module)
+            if backward_reads:
                 hooks_mod.register_pre_backward(output, lambda: self.on_pre_backward(block))
             if self._in_backward():
                 return  # recomputed for backward: its backward comes next
-            keep = self.schedule.upcoming("backward", max(1, self.schedule.window))
-            if needs_backward and block.index in keep:
-                # the last blocks of forward are the first of backward (as many as the
-                # prefetch window): keep them rather than read them again; under a device
-                # budget a required fetch still releases them (_make_room)
-                return
-            if block.active_forward == 0:
+            # the last blocks of forward are the first of backward (as many as the prefetch
+            # window), and a block used again soon in forward: keep them rather than read them
+            # again; under a device budget a required fetch still releases them (_make_room)
+            if block.active_forward == 0 and not self._keep_after_forward(block,
+                                                                          backward_reads):
                 self._release(block)
 
     def _start_backward_if_needed(self) -> None:

@@ -77,6 +77,19 @@ class Schedule:
         pos = len(self._current[phase])
         return rec[pos] if pos < len(rec) else None
 
+    def next_visit(self, phase: str, block: int) -> Optional[int]:
+        """How many visits after the last one the recorded ``phase`` uses ``block`` again (1:
+        next), while the open pass follows the record; None when it does not (or when the
+        pass left the record, or none is open)."""
+        rec = self.recorded[phase]
+        if not self._open[phase] or self._deviated[phase] or rec is None:
+            return None
+        pos = len(self._current[phase])
+        for distance, index in enumerate(rec[pos:], 1):
+            if index == block:
+                return distance
+        return None
+
     def abort(self, phase: str) -> None:
         """Closes a pass that did not finish (it raised): its partial order is not recorded."""
         self._open[phase] = False

@@ -278,8 +278,12 @@ def load_sharded(path: str, model: nn.Module, optimizer: Optional[Any] = None) -
         diff = sorted(k for k in set(mine) | set(manifest["layout"])
                       if mine.get(k) != manifest["layout"].get(k))
         raise ValueError(f"infinity.sharding.load_sharded: the checkpoint's parameters differ "
-                         f"from this model's in {diff[:3]} (other model, block_rule or dtype): "
-                         "it cannot be loaded here")
+                         f"from this model's in {diff[:3]} (other model, block_rule, "
+                         "param_persistence_threshold or dtype): it cannot be loaded here. A "
+                         "checkpoint saved with the embedding and head in the root block (the "
+                         "layout before outer blocks) loads into the model wrapped with "
+                         "param_persistence_threshold above the element count of its largest "
+                         "module outside the layers (e.g. 10**12)")
     # memory-mapped: a rank reads only the pages of the ranges it copies out (_assemble)
     files = [torch.load(os.path.join(path, f), weights_only=False, mmap=True)
              for f in manifest["files"]]
