@@ -297,11 +297,12 @@ class Engine(Residence, OutsideWrites, HookHandlers):
             flat.buffers = buffers
         return buffers
 
-    def _host_needs(self) -> Dict[str, int]:
-        """What the engine itself holds in host RAM (bytes), by purpose, before any optimizer.
-        Staging and NVMe gradient buffers are chunk-sized (see :meth:`_pool_plan`)."""
+    def _host_needs(self, limit: Optional[int] = None) -> Dict[str, int]:
+        """What the engine itself holds in host RAM (bytes), by purpose, before any optimizer,
+        under the host budget (``limit``: under that budget instead). Staging and NVMe gradient
+        buffers are chunk-sized (see :meth:`_pool_plan`)."""
         trainable = [f for f in self._sink_flats() if f.trainable]
-        plan = self._pool_plan()
+        plan = self._pool_plan(limit)
         needs: Dict[str, int] = {}
         host_flats = [f for b in self.blocks if b.home is Tier.HOST for f in b.flats]
         if host_flats:
@@ -318,7 +319,7 @@ class Engine(Residence, OutsideWrites, HookHandlers):
     def _grad_buffer_count(self) -> int:
         return self._pool_plan().grad_count
 
-    def _pool_plan(self) -> PoolPlan:
+    def _pool_plan(self, limit: Optional[int] = None) -> PoolPlan:
         """Sizes and counts of the staging and NVMe gradient pools: buffers of one chunk
         (``chunk_bytes``, by default derived from the host budget), or of the largest flat
         when that is smaller; with a host budget, counts shrink towards 1 staging + 2 gradient
@@ -330,7 +331,7 @@ class Engine(Residence, OutsideWrites, HookHandlers):
         trainable = [f for f in self._sink_flats() if f.trainable]
         largest_grad = (max((f.numel * 4 for f in trainable), default=0)
                         if self.grad_tier is Tier.NVME else 0)
-        limit = self.host_budget.limit
+        limit = self.host_budget.limit if limit is None else limit
         room: Optional[int] = None
         if limit is not None:
             fixed = sum(self._home_flat(f).home_nbytes for b in self.blocks
@@ -384,6 +385,16 @@ class Engine(Residence, OutsideWrites, HookHandlers):
                 comfortable = max(minimal, min(comfortable, self.device_budget.limit))
         fixed = sum(needs.values())
         if fixed + minimal > limit:
+            # the chunk follows the budget (1/32 of it by default), and the pools with it: the
+            # smallest budget that holds what it implies, found by iterating up to it
+            need = fixed + minimal
+            for _ in range(64):
+                implied = sum(self._host_needs(need).values()) + minimal
+                if implied <= need:
+                    break
+                need = implied
+            needs = self._host_needs(need)
+            fixed = sum(needs.values())
             parts = dict(needs)
             if minimal:
                 who = f" {largest_block.name!r}" if largest_block is not None else ""
@@ -392,8 +403,8 @@ class Engine(Residence, OutsideWrites, HookHandlers):
             listed = " + ".join(f"{k} {v:,}" for k, v in parts.items())
             raise BudgetExceededError(
                 f"infinity: host_budget={limit:,} bytes is smaller than what the engine holds in "
-                f"host RAM: {listed} = {fixed + minimal:,} bytes. Raise host_budget to at least "
-                f"{fixed + minimal:,} bytes (an optimizer needs more on top: its states on host, "
+                f"host RAM: {listed} = {fixed + minimal:,} bytes (with the pools of that budget). "
+                f"Raise host_budget to at least {need:,} bytes (an optimizer needs more on top: its states on host, "
                 "or with states on NVMe its buffer sets), or use smaller blocks (block_rule)")
         if not minimal:
             return 0
