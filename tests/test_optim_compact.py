@@ -385,3 +385,35 @@ def test_benchmark_quick_runs(tmp_path):
     assert {c["task"] for c in res["convergence"]} == {"demo", "llama"}
     for c in res["convergence"]:
         assert set(c["final_loss"]) == set(STATE_FORMATS)
+
+
+def test_benchmark_nvme_step_sequential_frees_each_format(tmp_path, monkeypatch):
+    """bench_compact_states' NVMe step one format at a time (what it picks when all formats would
+    not fit in RAM, e.g. at 1e9 parameters): at most one format's model is alive at any time,
+    and each is garbage once its rows are taken."""
+    import gc
+    import importlib.util
+    import weakref
+    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))  # its _common helper
+    spec = importlib.util.spec_from_file_location(
+        "bench_compact_states", os.path.join(REPO, "benchmarks", "bench_compact_states.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    live: List[weakref.ref] = []
+    most = []
+    real = bench.StepCase
+
+    class Counting(real):
+        def __init__(self, *args, **kwargs):
+            most.append(sum(r() is not None for r in live) + 1)
+            super().__init__(*args, **kwargs)
+            live.append(weakref.ref(self.model))
+
+    monkeypatch.setattr(bench, "StepCase", Counting)
+    n_params, rows = bench.bench_nvme_step(2 * 256 * 256, 256, 1, 1, str(tmp_path),
+                                           sequential=True)
+    gc.collect()
+    assert [r["states"] for r in rows] == list(bench.FORMATS)
+    assert all(r["schedule"] == "sequential" for r in rows)
+    assert max(most) == 1, most
+    assert len(live) == len(bench.FORMATS) and all(r() is None for r in live)
