@@ -742,6 +742,12 @@ def test_bench_adam_formats_quick_runs(tmp_path):
                            "--quick", "--no-plot", "--out", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = json.loads(out.read_text())["results"][0]["kernels"]
-    assert set(rows) == {"torch_fused", "fp32", "bf16", "8bit", "copy"}
-    assert all(r["median_s"] > 0 for r in rows.values())
+    results = json.loads(out.read_text())["results"]
+    assert {r["grads"] for r in results} == {"fresh", "constant"}
+    for result in results:
+        rows = result["kernels"]
+        assert set(rows) == {"torch_fused", "fp32", "bf16", "8bit", "rmw", "copy"}
+        assert all(r["median_s"] > 0 and r["memory_limit_s"] > 0 for r in rows.values())
+        assert rows["fp32"]["speed_vs_fp32_same_rep_median"] == 1.0
+        assert rows["8bit"]["bytes_per_param"] < rows["bf16"]["bytes_per_param"] \
+            < rows["fp32"]["bytes_per_param"]
