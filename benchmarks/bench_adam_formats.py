@@ -5,6 +5,7 @@ the machine's memory-bandwidth limit measured in the same run.
     python benchmarks/bench_adam_formats.py --quick          # seconds (run by the tests)
     python benchmarks/bench_adam_formats.py --threads 1 2    # a thread sweep
     python benchmarks/bench_adam_formats.py --caps avx512 avx2 --grads fresh constant
+    python benchmarks/bench_adam_formats.py --threads 1 --timer cpu   # robust to a busy machine
 
 Each rep runs every kernel once, in a rotating order (drift of this shared machine hits all
 alike); medians are reported, and each kernel's speed against fp32 is the median over reps of
@@ -89,9 +90,10 @@ def _loadavg() -> List[float]:
         return []
 
 
-def run(n: int, threads: int, reps: int, cap: str, grads: str) -> Dict:
+def run(n: int, threads: int, reps: int, cap: str, grads: str, timer: str = "wall") -> Dict:
     torch.set_num_threads(threads)
     ops.set_num_threads(threads)
+    clock = time.perf_counter if timer == "wall" else time.thread_time
     load_before = _loadavg()
     with ops.cpu_capability_override(cap):
         kernels = _kernels(n, grads)
@@ -102,9 +104,9 @@ def run(n: int, threads: int, reps: int, cap: str, grads: str) -> Dict:
         for rep in range(reps):
             order = names[rep % len(names):] + names[:rep % len(names)]
             for name in order:
-                t0 = time.perf_counter()
+                t0 = clock()
                 kernels[name](rep + 2)
-                times[name].append(time.perf_counter() - t0)
+                times[name].append(clock() - t0)
         del kernels
     med = {k: statistics.median(v) for k, v in times.items()}
     bandwidth = {k: BYTES[k] * n / med[k] for k in BANDWIDTH_REFS}
@@ -119,6 +121,7 @@ def run(n: int, threads: int, reps: int, cap: str, grads: str) -> Dict:
                    "speed_vs_fp32_same_rep_median": statistics.median(ratios),
                    "speed_vs_fp32_of_medians": med["fp32"] / med[k]}
     return {"params": n, "threads": threads, "reps": reps, "capability": cap, "grads": grads,
+            "timer": timer,
             "bandwidth_gbs": {k: v / 1e9 for k, v in bandwidth.items()},
             "loadavg_before": load_before, "loadavg_after": _loadavg(), "kernels": rows}
 
@@ -133,6 +136,10 @@ def main() -> None:
                     help="CPU paths to run (default: the one chosen for this machine)")
     ap.add_argument("--grads", nargs="+", default=["fresh", "constant"],
                     choices=["fresh", "constant"])
+    ap.add_argument("--timer", choices=["wall", "cpu"], default="wall",
+                    help="cpu: the calling thread's CPU time (time.thread_time), which a busy "
+                         "shared machine's preemption does not inflate; with --threads 1 only "
+                         "(the kernels then run on the calling thread)")
     ap.add_argument("--out", type=Path,
                     default=Path(__file__).parent / "results" / "bench_adam_formats.json")
     ap.add_argument("--no-plot", action="store_true")
@@ -144,11 +151,16 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"bench_adam_formats: capabilities {unknown} are not available here "
                          f"(available: {ops.available_cpu_capabilities()})")
-    results = [run(n, t, reps, cap, g) for cap in caps for g in args.grads for t in args.threads]
+    if args.timer == "cpu" and args.threads != [1]:
+        raise SystemExit("bench_adam_formats: --timer cpu measures the calling thread only; "
+                         "use it with --threads 1")
+    results = [run(n, t, reps, cap, g, args.timer) for cap in caps for g in args.grads
+               for t in args.threads]
     for r in results:
         bw = ", ".join(f"{k} {v:.1f}" for k, v in r["bandwidth_gbs"].items())
         print(f"{r['params'] / 1e6:.1f}M params, {r['threads']} threads, {r['capability']}, "
-              f"{r['grads']} gradients, bandwidth GB/s: {bw}; load {r['loadavg_before']}")
+              f"{r['grads']} gradients, {r['timer']} time, bandwidth GB/s: {bw}; "
+              f"load {r['loadavg_before']}")
         for k, row in r["kernels"].items():
             print(f"  {k:12s} {row['median_s'] * 1e3:8.2f} ms  {row['mparams_per_s']:7.0f} Mp/s"
                   f"  {row['bytes_per_param']:6.2f} B/param  memory limit "
