@@ -16,7 +16,8 @@ master is in the optimizer state (the fp32 model's parameters then hold bf16 val
     into the engine's gradient buffers (no backward), so only ``opt.step()`` is timed. Each
     format runs one warm-up step (creates the extents), then ``--steps`` timed steps; the
     formats run round-robin (``--rounds`` rounds) so drift of this shared machine hits all
-    alike. Medians of step time, CPU Adam time, I/O wait; bytes per step from StepStats.
+    alike -- or, when all formats' models would not fit in half the free RAM (or with
+    ``--sequential``), one format at a time, each model freed before the next is built. Medians of step time, CPU Adam time, I/O wait; bytes per step from StepStats.
 (2) Convergence: the demo task (infinity/demo.py's TinyGPT and synthetic data at 4 layers x
     d_model 128, seq 32, batch 8; its optimizer settings: AdamW lr 5e-4, wd 0.01, 5-step
     warm-up) and a tiny Llama (transformers LlamaForCausalLM from a LlamaConfig, hidden 128, 4
@@ -120,25 +121,67 @@ class StepCase:
         gc.collect()
 
 
+# Host bytes per parameter a live StepCase holds (fp32 parameter and gradient, the engine's
+# buffers and the optimizer's staging); a rough bound used to decide whether every format's
+# case fits in RAM at once.
+HOST_BYTES_PER_PARAM = 16
+
+
+def _available_bytes() -> Optional[int]:
+    """MemAvailable from /proc/meminfo, or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def bench_nvme_step(n_target: float, width: int, steps: int, rounds: int, nvme: str,
-                    formats: tuple = FORMATS) -> tuple:
+                    formats: tuple = FORMATS, sequential: Optional[bool] = None) -> tuple:
+    """Round-robin over the formats when every format's case fits in half the available RAM
+    (drift of the shared machine then hits all alike); otherwise (or with sequential=True) one
+    format at a time, each case closed and freed before the next is built."""
     layers = max(1, round(n_target / (width * width)))
     n_params = layers * width * width
-    logger.info("(1) NVMe step: %d x Linear(%d, %d) = %s params, %d rounds x %d steps",
-                layers, width, width, f"{n_params:,}", rounds, steps)
+    if sequential is None:
+        avail = _available_bytes()
+        need = len(formats) * n_params * HOST_BYTES_PER_PARAM
+        sequential = avail is not None and need > avail // 2
+    logger.info("(1) NVMe step: %d x Linear(%d, %d) = %s params, %d rounds x %d steps, %s",
+                layers, width, width, f"{n_params:,}", rounds, steps,
+                "one format at a time" if sequential else "formats round-robin")
     rows = []
-    cases = {}
-    try:
-        for fmt in formats:  # all live at once: their states on disk, buffers in RAM
-            cases[fmt] = StepCase(fmt, layers, width, nvme)
-        for _ in range(rounds):
-            for fmt in formats:
-                for _ in range(steps):
-                    cases[fmt].step()
-        rows = [cases[fmt].row(n_params) for fmt in formats]
-    finally:
-        for case in cases.values():
-            case.close()
+    if sequential:
+        for fmt in formats:
+            case = StepCase(fmt, layers, width, nvme)
+            try:
+                for _ in range(rounds * steps):
+                    case.step()
+                rows.append(case.row(n_params))
+            finally:
+                case.close()
+                del case
+                gc.collect()
+    else:
+        cases = {}
+        try:
+            for fmt in formats:  # all live at once: their states on disk, buffers in RAM
+                cases[fmt] = StepCase(fmt, layers, width, nvme)
+            for _ in range(rounds):
+                for fmt in formats:
+                    for _ in range(steps):
+                        cases[fmt].step()
+            rows = [cases[fmt].row(n_params) for fmt in formats]
+        finally:
+            for case in cases.values():
+                case.close()
+            cases.clear()
+            gc.collect()
+    for r in rows:
+        r["schedule"] = "sequential" if sequential else "round-robin"
     ref = rows[0]
     for r in rows:
         r["time_vs_fp32"] = r["step_s_median"] / ref["step_s_median"]
@@ -270,6 +313,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny sizes, a few seconds")
     ap.add_argument("--steps", type=int, default=2, help="timed NVMe steps per round")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--sequential", action="store_true",
+                    help="NVMe step: one format at a time, each freed before the next (chosen "
+                         "automatically when all formats would not fit in half the free RAM)")
     ap.add_argument("--train-steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--nvme-path", default=None, help="directory for the state files "
@@ -293,7 +339,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     with tempfile.TemporaryDirectory(dir=args.nvme_path or "/tmp",
                                      prefix="bench-compact-") as nvme:
         n_params, rows = bench_nvme_step(args.params, width, args.steps, args.rounds, nvme,
-                                         formats)
+                                         formats, sequential=True if args.sequential else None)
     conv = [bench_convergence(task, args.train_steps, args.batch, args.quick, formats)
             for task in ("demo", "llama")]
     print_tables(n_params, rows, conv, formats)

@@ -5,9 +5,11 @@
 //       elements one fp32 absmax scale per moment, a signed dynamic map for exp_avg and an
 //       unsigned one for exp_avg_sq; 2 + 8/256 bytes per parameter.
 // Gradients fp32/bf16/fp16 in, optional working copy fp32/bf16/fp16 out, in the same pass, as
-// inf_adam_step (csrc/cpu_adam.cpp), whose math (FMAs included, in the same order) and
-// host-side scalars these kernels share: given the same fp32 moments they produce bitwise the
-// same parameter. The moments are widened to fp32, updated, the parameter is updated with the
+// inf_adam_step (csrc/cpu_adam.cpp), whose moment math (FMAs included, in the same order) and
+// host-side scalars these kernels share. The bf16 kernel's parameter update is inf_adam_step's
+// too (given the same fp32 moments, bitwise the same parameter); the 8-bit kernel's divides once,
+// with the bias corrections folded into two scalars (scalar_q8_adam), so that it is not bound by
+// the divider. The moments are widened to fp32, updated, the parameter is updated with the
 // unrounded fp32 moments, and only then are the moments rounded / re-quantized for storage.
 //
 // Every kernel works on blocks of 256 elements (the quantization block; the bf16 kernel uses the
@@ -50,7 +52,9 @@ using inf_adam::avx512_f32_to_bf16;
 using inf_adam::avx512_load_grad;
 using inf_adam::avx512_store_out;
 using inf_adam::bf16_to_f32;
+using inf_adam::bits_f32;
 using inf_adam::dtype_size;
+using inf_adam::f32_bits;
 using inf_adam::f32_to_bf16;
 using inf_adam::make_coeffs;
 using inf_adam::make_v256;
@@ -73,6 +77,10 @@ using inf_adam::kErrNegativeLength;
 
 enum Kernel : int { kKernelBF16Moments = 0, kKernel8bit = 1 };
 enum Signedness : int { kUnsigned = 0, kSigned = 1 };  // index into QMaps tables
+
+// The 8-bit kernels' per-vector helpers are inlined into their loops (the compiler's own limits
+// left some as calls that spill every vector register around each call).
+#define INF_INLINE inline __attribute__((always_inline))
 
 constexpr int kBlock = 256;                      // quantization block (elements)
 constexpr int64_t kSingleThreadBelow = 1 << 16;  // elements
@@ -97,31 +105,50 @@ constexpr int64_t kMinPerThread = 1 << 15;       // elements
 // index into the sorted table. These are the values bitsandbytes' create_dynamic_map(signed)
 // builds (max_exponent_bits=7). infinity/ops/adam_compact.py builds the same table in Python
 // with the same double operations (the tests check they are equal).
-// Quantization (value -> code) without a search. The map is a decimal exponent (decade e) and a
-// linear fraction, so the nearest code is found arithmetically, from per-map level tables:
-//   level L = #{lim[j] * absmax <= |x|, j = 0..6}: lim are the fp32 midpoints between
-//     neighbouring decades (decade 6 | 5, ..., 1 | 0) and between decade 0's top value and 1.0;
-//     L = 0..6 is decade 6 - L, L = 7 is the value 1.0;
-//   k = clamp(trunc(|x| * (S[L] / absmax) - O[L]), 0, kmax[L]) is the bin inside the decade (the
-//     values are bin midpoints, so the nearest value is the bin that holds x: S = 10^e 2^f / 0.9,
-//     O = 0.1 * 2^f / 0.9; the clamp takes the spill-over at the decade's edges);
-//   code = pos[L] + k for x >= 0, neg[L] - k for x < 0 (signed map; -1.0 is not in it, level 7
-//     of a negative x is the lowest code);
-//   zero: signed: |x| < zlim * absmax (the midpoint between 0 and the smallest value); unsigned
-//     (exp_avg_sq): x <= 0 only, so a positive second moment never becomes 0 (the smallest code
-//     is its floor; see the moment guard below); NaN -> code 0. A zero absmax: every code is
-//     0's code; a NaN absmax: every code is 0.
+//
+// Dequantization (code -> value) is map[code] * absmax. The vector paths compute map[code] from
+// the decade formula instead of a lookup: j = code + 1 (unsigned) or |code - 127| (signed) has
+// f = floor(log2 j) as its fp32 exponent - 127 and k = j - 2^f, and map[code] =
+// fma(B[f], k, A[f]) (build_dynamic_map's own operation, so bitwise the table's value), negated
+// below code 127 of the signed map; f = 8 (unsigned) / 7 (signed) is 1.0, code 127 (signed) 0.
+//
+// Quantization (value -> code) without a search: the map is a decimal exponent (decade) and a
+// linear fraction, so the nearest code is computed, on the ratio r = |x| * (1 / absmax) (x itself
+// for the unsigned map), from per-map constant tables of 8 levels:
+//   r = max(|x| * inv, 2^-31), inv = fp32(1 / absmax) (one division per block; max as vmaxps:
+//     a NaN product gives 2^-31);
+//   level L = #{j = 0..6 : r >= lim[j]}: lim are the fp32 midpoints between neighbouring decades
+//     (decade 6 | 5, ..., 1 | 0) and between decade 0's top value and 1.0; L = 0..6 is decade
+//     6 - L, L = 7 is the value 1.0. The lims are ~10x apart, so each binary octave of r holds at
+//     most one: the AVX-512 path reads L as oct_base[octave] + (r >= oct_lim[octave]) from two
+//     32-entry tables indexed by r's exponent, the others count or binary-search; same L;
+//   code = min(cvtt(fma(r, S[L], C[L])), cap[L]) (cvtt: truncation, 0x80000000 for NaN or out of
+//     range; the min unsigned, so that one becomes cap[L]). The decade's values are the
+//     midpoints of 2^f equal bins, so the nearest value is the bin that holds r:
+//     S = 10^e 2^f / 0.9, C = (first code of the decade) - 0.1 * 2^f / 0.9, and cap = the
+//     decade's last code takes the spill-over above its top value (up to the next midpoint).
+//     Level 0 (decade 6) also holds the codes below it: signed, S = 1 / zlim, C = 127, cap = 128
+//     (0 below zlim, the midpoint between 0 and the smallest value); unsigned, S = 1 / mid12,
+//     C = 1, cap = 2 (codes 1 and 2 split at their midpoint mid12; everything below is code 1,
+//     the floor). Level 7: S = 0, C = cap = 255 (1.0);
+//   signed: a negative x (sign bit set) takes the mirror code 254 - code (the map is symmetric
+//     but for +1.0; -1.0 -> -1 -> 0, the lowest value). unsigned: code = min(code, bits(x)) as
+//     int32: x = +0 is code 0, any positive x keeps at least code 1 (a positive second moment is
+//     never stored as 0), a negative x is below 0;
+//   the result is saturated to 0..255. A zero absmax: every code is 0's code; a NaN absmax (any
+//     element NaN): every code is 0.
 // Every path (scalar, AVX2, AVX-512, the PyTorch fallback in infinity/ops/adam_compact.py)
-// computes the same fp32 products (the per-block lim * absmax and S / absmax, then |x| * s - O)
-// and so the same codes. Up to fp32 rounding at a midpoint this is the nearest code.
+// computes the same fp32 operations (the per-block 1 / absmax, the product, one fma) and so the
+// same codes. Up to fp32 rounding next to a midpoint this is the nearest code.
+constexpr float kRatioMin = 4.656612873077393e-10f;  // 2^-31: r's exponent field is 96..127
+
 struct QLevels {
-  alignas(64) float lim[8];      // 7 level boundaries (lim[7] unused)
-  alignas(64) float S[16];       // per level (8 used; 16 wide for the AVX-512 permutes)
-  alignas(64) float O[16];
-  alignas(64) int32_t kmax[16];
-  alignas(64) int32_t pos[16];
-  alignas(64) int32_t neg[16];
-  float zlim;                    // signed: zero below zlim * absmax
+  alignas(64) float lim[16];         // 7 level boundaries of r (lim[7..] = +inf)
+  alignas(64) float S[16];           // per level (8 used; 16 wide for the AVX-512 permutes)
+  alignas(64) float C[16];
+  alignas(64) int32_t cap[16];
+  alignas(64) int32_t oct_base[32];  // by r's exponent field & 31: lims below the octave
+  alignas(64) float oct_lim[32];     // the lim inside the octave, or +inf
   int32_t zero_code;
 };
 
@@ -130,16 +157,44 @@ struct DecadeTable {
   alignas(32) float B[8];
 };
 
+// The decade formula's coefficients indexed by the low bits of the fp32 exponent of j (127 + f):
+// 16 entries (AVX-512 permutes) and 8 (AVX2). Unsigned: f = 0 (code 0) is 0, f = 8 (code 255)
+// is 1.0; with 8 entries both land on index 7, which holds 0 (the AVX2 path sets 1.0 itself).
+// Signed: f = 7 (code 255) is 1.0; code 127 (j = 0) is masked to 0 by the paths.
+struct ExpTable {
+  alignas(64) float A16[16];
+  alignas(64) float B16[16];
+  alignas(32) float A8[8];
+  alignas(32) float B8[8];
+};
+
+// Vector constants, read from memory (built at run time, so the compiler loads them instead of
+// re-materialising each one on the shuffle port inside the loops).
+struct VConsts {
+  alignas(64) int32_t one[16];
+  alignas(64) int32_t c2[16];
+  alignas(64) int32_t c4[16];
+  alignas(64) int32_t c127[16];
+  alignas(64) int32_t c254[16];
+  alignas(64) int32_t c255[16];
+  alignas(64) int32_t abs_mask[16];
+  alignas(64) int32_t sign_mask[16];
+  alignas(64) int32_t exp_mask[16];  // sign and exponent field
+  alignas(64) float ratio_min[16];
+  alignas(64) float one_f[16];
+};
+
 struct QMaps {
   alignas(64) float map[2][kBlock];
   QLevels lv[2];
   DecadeTable dec[2];
+  ExpTable ex[2];
+  VConsts k;
 };
 
 // The map's values by decade, as fp32 arithmetic: decade e holds 2^f values (f = 6 - e signed,
 // 7 - e unsigned), value k = fma(B[f], k, A[f]) with A[f] = fp32((0.1 + 0.45 / 2^f) / 10^e) and
-// B[f] = fp32(0.9 / 2^f / 10^e): the bin midpoints of [0.1, 1] / 10^e. One formula, so the AVX2
-// path computes a code's value instead of gathering it from the table (and equals the table).
+// B[f] = fp32(0.9 / 2^f / 10^e): the bin midpoints of [0.1, 1] / 10^e.
 DecadeTable build_decades(bool is_signed) {
   static constexpr double kTenE[7] = {1.0, 10.0, 100.0, 1e3, 1e4, 1e5, 1e6};  // exact
   const int bits = is_signed ? 6 : 7;
@@ -149,6 +204,22 @@ DecadeTable build_decades(bool is_signed) {
     if (e < 0 || e > 6) continue;
     t.A[f] = static_cast<float>((0.1 + 0.45 / (1 << f)) / kTenE[e]);
     t.B[f] = static_cast<float>(0.9 / (1 << f) / kTenE[e]);
+  }
+  return t;
+}
+
+ExpTable build_exp_table(bool is_signed, const DecadeTable& d) {
+  ExpTable t{};
+  const int top = is_signed ? 7 : 8;  // the f of 1.0
+  for (int f = 0; f <= top; ++f) {
+    const float a = f == top ? 1.0f : d.A[f];  // unsigned f = 0: A = B = 0 (the value 0)
+    const float b = f == top ? 0.0f : d.B[f];
+    t.A16[(127 + f) & 15] = a;
+    t.B16[(127 + f) & 15] = b;
+    if (!(is_signed == false && f == 8)) {  // unsigned 1.0 shares index 7 with 0: keep 0
+      t.A8[(127 + f) & 7] = a;
+      t.B8[(127 + f) & 7] = b;
+    }
   }
   return t;
 }
@@ -172,7 +243,8 @@ void build_dynamic_map(bool is_signed, float* out) {
   out[kBlock - 1] = 1.0f;
 }
 
-// The level tables of one map (its fp32 values for the boundaries, double for the bins).
+// The level tables of one map (its fp32 values for the boundaries, double for the rest, each
+// rounded once to fp32).
 QLevels build_levels(bool is_signed, const float* map) {
   static constexpr double kTenE[7] = {1.0, 10.0, 100.0, 1e3, 1e4, 1e5, 1e6};
   QLevels lv{};
@@ -182,19 +254,35 @@ QLevels build_levels(bool is_signed, const float* map) {
     const int e = 6 - L;
     const int count = 1 << (bits - e);
     lv.S[L] = static_cast<float>(kTenE[e] * count / 0.9);
-    lv.O[L] = static_cast<float>(0.1 * count / 0.9);
-    lv.kmax[L] = count - 1;
-    lv.pos[L] = base;
-    lv.neg[L] = is_signed ? 254 - base : 0;
+    lv.C[L] = static_cast<float>(base - 0.1 * count / 0.9);
+    lv.cap[L] = base + count - 1;
     base += count;  // the first code of the next decade (or 1.0's)
     lv.lim[L] = static_cast<float>(0.5 * (static_cast<double>(map[base - 1]) + map[base]));
   }
+  if (is_signed) {  // 0 below the midpoint between 0 and the smallest value, then code 128
+    lv.S[0] = static_cast<float>(1.0 / (0.5 * static_cast<double>(map[128])));
+    lv.C[0] = 127.0f;
+  } else {  // codes 1 and 2 split at their midpoint; the floor below
+    lv.S[0] = static_cast<float>(1.0 / (0.5 * (static_cast<double>(map[1]) + map[2])));
+    lv.C[0] = 1.0f;
+  }
   lv.S[7] = 0.f;
-  lv.O[7] = 0.f;
-  lv.kmax[7] = 0;
-  lv.pos[7] = kBlock - 1;  // 1.0
-  lv.neg[7] = 0;           // signed: the lowest value (-0.99297)
-  lv.zlim = static_cast<float>(0.5 * static_cast<double>(map[is_signed ? 128 : 1]));
+  lv.C[7] = 255.0f;
+  lv.cap[7] = kBlock - 1;  // 1.0
+  for (int j = 7; j < 16; ++j) lv.lim[j] = std::numeric_limits<float>::infinity();
+  for (int i = 0; i < 32; ++i) {  // octave [2^(i-31), 2^(i-30)) of r, exponent field 96 + i
+    const float lo = std::ldexp(1.0f, i - 31);
+    const float hi = 2.0f * lo;
+    lv.oct_base[i] = 0;
+    lv.oct_lim[i] = std::numeric_limits<float>::infinity();
+    for (int j = 0; j < 7; ++j) {
+      if (lv.lim[j] <= lo) {
+        ++lv.oct_base[i];
+      } else if (lv.lim[j] < hi) {
+        lv.oct_lim[i] = lv.lim[j];  // at most one: the lims are ~10x apart
+      }
+    }
+  }
   lv.zero_code = is_signed ? 127 : 0;
   return lv;
 }
@@ -205,6 +293,20 @@ QMaps build_qmaps() {
     build_dynamic_map(s == kSigned, q.map[s]);
     q.lv[s] = build_levels(s == kSigned, q.map[s]);
     q.dec[s] = build_decades(s == kSigned);
+    q.ex[s] = build_exp_table(s == kSigned, q.dec[s]);
+  }
+  for (int i = 0; i < 16; ++i) {
+    q.k.one[i] = 1;
+    q.k.c2[i] = 2;
+    q.k.c4[i] = 4;
+    q.k.c127[i] = 127;
+    q.k.c254[i] = 254;
+    q.k.c255[i] = 255;
+    q.k.abs_mask[i] = 0x7FFFFFFF;
+    q.k.sign_mask[i] = static_cast<int32_t>(0x80000000u);
+    q.k.exp_mask[i] = static_cast<int32_t>(0xFF800000u);
+    q.k.ratio_min[i] = kRatioMin;
+    q.k.one_f[i] = 1.0f;
   }
   return q;
 }
@@ -245,6 +347,8 @@ struct Job {
   const QMaps* q = nullptr;
   float m_bound = 0.f;     // 8-bit: the moment guard's bound (inf_adam_step_q8g)
   float m_bound_sq = 0.f;  // m_bound * m_bound (fp32)
+  float q8_step = 0.f;     // 8-bit: lr / bc1 * sqrt(bc2) (scalar_q8_adam)
+  float q8_eps = 0.f;      // 8-bit: eps * sqrt(bc2)
   BlockFn block = nullptr;
   RangeFn range = nullptr;
   // inf_q8_quantize / inf_q8_dequantize
@@ -337,19 +441,17 @@ void scalar_bf16m_block(const Job& job, const Span& s) {
 }
 
 // ---- quantization: shared block set-up --------------------------------------------------------
-// absmax of 256 values (NaN if any is NaN), as every path computes it.
+// absmax of 256 values, as every path computes it: the largest |x| as an fp32 bit pattern (the
+// order of non-negative floats is that of their bits, and any NaN's |bits| exceed inf's), a NaN
+// result returned as the quiet NaN.
+inline float absmax_from_bits(uint32_t bits) {
+  return bits > 0x7F800000u ? std::numeric_limits<float>::quiet_NaN() : bits_f32(bits);
+}
+
 inline float scalar_absmax(const float* buf) {
-  float mx = 0.f;
-  bool nan = false;
-  for (int i = 0; i < kBlock; ++i) {
-    const float a = std::fabs(buf[i]);
-    if (std::isnan(a)) {
-      nan = true;
-    } else if (a > mx) {
-      mx = a;
-    }
-  }
-  return nan ? std::numeric_limits<float>::quiet_NaN() : mx;
+  uint32_t mx = 0;
+  for (int i = 0; i < kBlock; ++i) mx = std::max(mx, f32_bits(buf[i]) & 0x7FFFFFFFu);
+  return absmax_from_bits(mx);
 }
 
 // A block whose absmax is 0 (every code is 0's) or NaN (every code 0): true when handled.
@@ -359,22 +461,8 @@ inline bool degenerate_block(const QLevels& lv, float absmax, uint8_t* codes) {
   return true;
 }
 
-// The per-block constants of the level rule, computed the same way for every path.
-struct BlockConsts {
-  alignas(32) float lim[8];  // lim[j] * absmax (7 used)
-  alignas(32) float sc[8];   // S[L] / absmax
-  float zlim;                // zlim * absmax
-};
-
-inline BlockConsts block_consts(const QLevels& lv, float absmax) {
-  BlockConsts k;
-  for (int j = 0; j < 8; ++j) {
-    k.lim[j] = lv.lim[j] * absmax;
-    k.sc[j] = lv.S[j] / absmax;
-  }
-  k.zlim = lv.zlim * absmax;
-  return k;
-}
+// The per-block constant of the level rule, computed the same way for every path.
+inline float block_inv(float absmax) { return 1.0f / absmax; }
 
 // cvttps2dq: truncation, 0x80000000 for NaN and out-of-range values.
 inline int32_t cvtt(float t) {
@@ -382,18 +470,22 @@ inline int32_t cvtt(float t) {
   return static_cast<int32_t>(t);
 }
 
+// max(p, kRatioMin) as vmaxps(p, kRatioMin) computes it: a NaN p gives kRatioMin.
+inline float ratio_clamp(float p) { return p > kRatioMin ? p : kRatioMin; }
+
 template <bool SIGNED>
-inline int scalar_code(const QLevels& lv, const BlockConsts& k, float x) {
-  if (std::isnan(x)) return 0;
-  const float a = std::fabs(x);
+inline int scalar_code(const QLevels& lv, float inv, float x) {
+  const float r = ratio_clamp((SIGNED ? std::fabs(x) : x) * inv);
   int level = 0;
-  for (int j = 0; j < 7; ++j) level += a >= k.lim[j] ? 1 : 0;
-  int32_t bin = cvtt(a * k.sc[level] - lv.O[level]);
-  bin = bin > 0 ? bin : 0;
-  bin = bin < lv.kmax[level] ? bin : lv.kmax[level];
-  int code = (SIGNED && x < 0.f) ? lv.neg[level] - bin : lv.pos[level] + bin;
-  if (SIGNED ? a < k.zlim : x <= 0.f) code = lv.zero_code;
-  return code;
+  for (int j = 0; j < 7; ++j) level += r >= lv.lim[j] ? 1 : 0;
+  const uint32_t t = static_cast<uint32_t>(cvtt(std::fma(r, lv.S[level], lv.C[level])));
+  int32_t code = static_cast<int32_t>(std::min(t, static_cast<uint32_t>(lv.cap[level])));
+  if constexpr (SIGNED) {
+    if (std::signbit(x)) code = 254 - code;
+  } else {
+    code = std::min(code, static_cast<int32_t>(f32_bits(x)));
+  }
+  return std::min(std::max(code, 0), 255);
 }
 
 // absmax of 256 values, then each value's code by the level rule.
@@ -403,10 +495,10 @@ void scalar_quantize_block(const float* buf, const QMaps& q, int sign, uint8_t* 
   *absmax = scale;
   const QLevels& lv = q.lv[sign];
   if (degenerate_block(lv, scale, codes)) return;
-  const BlockConsts k = block_consts(lv, scale);
+  const float inv = block_inv(scale);
   for (int i = 0; i < kBlock; ++i) {
-    codes[i] = static_cast<uint8_t>(sign == kSigned ? scalar_code<true>(lv, k, buf[i])
-                                                    : scalar_code<false>(lv, k, buf[i]));
+    codes[i] = static_cast<uint8_t>(sign == kSigned ? scalar_code<true>(lv, inv, buf[i])
+                                                    : scalar_code<false>(lv, inv, buf[i]));
   }
 }
 
@@ -416,6 +508,28 @@ void scalar_quantize_block(const float* buf, const QMaps& q, int sign, uint8_t* 
 inline float scalar_guard(float m, float v, float bound, float bound_sq) {
   if (m * m > bound_sq * v) return std::copysign(std::sqrt(v) * bound, m);
   return m;
+}
+
+// One element of the 8-bit step's Adam(W) update (grad not yet multiplied): the moments exactly
+// as scalar_adam (csrc/adam_common.h), the parameter with one division,
+//     p - (step * m) / (sqrt(v) + eps'),   step = lr / bc1 * sqrt(bc2),  eps' = eps * sqrt(bc2),
+// (Adam's p - lr/bc1 * m / (sqrt(v) / sqrt(bc2) + eps) with the bias corrections folded into
+// the two host-side scalars). Every path computes these operations in this order.
+inline float scalar_q8_adam(const Job& job, float grad, float param, float mi, float vi,
+                            float& mo, float& vo) {
+  const Coeffs& c = job.c;
+  grad = grad * c.grad_multiplier;
+  if (c.has_weight_decay) {
+    if (c.adamw) {
+      param = param * c.decay;
+    } else {
+      grad = std::fma(param, c.weight_decay, grad);
+    }
+  }
+  const float diff = grad - mi;
+  mo = c.lerp_small ? std::fma(c.lerp_coeff, diff, mi) : std::fma(c.lerp_coeff, diff, grad);
+  vo = std::fma(c.one_minus_beta2 * grad, grad, vi * c.beta2);
+  return param - (job.q8_step * mo) / (std::sqrt(vo) + job.q8_eps);
 }
 
 template <int GD, int OD>
@@ -431,7 +545,7 @@ void scalar_q8_block(const Job& job, const Span& s) {
     const float vi = q.map[kUnsigned][vq[i]] * va;
     const float mi = scalar_guard(q.map[kSigned][mq[i]] * ma, vi, job.m_bound, job.m_bound_sq);
     const float param =
-        scalar_adam(job.c, scalar_load_grad<GD>(s.g, i), s.p[i], mi, vi, mbuf[i], vbuf[i]);
+        scalar_q8_adam(job, scalar_load_grad<GD>(s.g, i), s.p[i], mi, vi, mbuf[i], vbuf[i]);
     s.p[i] = param;
     if constexpr (OD != kNone) scalar_store_out<OD>(s.out, i, param);
   }
@@ -458,6 +572,37 @@ void requantize(const Span& s, const QMaps& q, float* mbuf, float* vbuf) {
   QUANTIZE(vbuf, q, kUnsigned, static_cast<uint8_t*>(s.v), s.v_scale);
 }
 
+// A block's codes still to be written (the pipelined ranges): the new moments of the block just
+// updated (src, fp32) are quantized during the next block's update loop.
+struct Pending {
+  bool m = false, v = false;  // a moment's codes still to write
+  float minv = 0.f, vinv = 0.f;  // 1 / absmax
+  uint8_t* mcodes = nullptr;
+  uint8_t* vcodes = nullptr;
+  const float* mbuf = nullptr;
+  const float* vbuf = nullptr;
+};
+
+// Block b's new scales from its absmax bit patterns; its codes pending (or written now for a
+// degenerate block).
+inline void set_pending(const QMaps& q, const Span& s, uint32_t mbits, uint32_t vbits,
+                        const float* mb, const float* vb, Pending& pend) {
+  const float mscale = absmax_from_bits(mbits);
+  const float vscale = absmax_from_bits(vbits);
+  *s.m_scale = mscale;
+  *s.v_scale = vscale;
+  uint8_t* mcodes = static_cast<uint8_t*>(s.m);
+  uint8_t* vcodes = static_cast<uint8_t*>(s.v);
+  pend.m = !degenerate_block(q.lv[kSigned], mscale, mcodes);
+  pend.v = !degenerate_block(q.lv[kUnsigned], vscale, vcodes);
+  if (pend.m) pend.minv = block_inv(mscale);
+  if (pend.v) pend.vinv = block_inv(vscale);
+  pend.mcodes = mcodes;
+  pend.vcodes = vcodes;
+  pend.mbuf = mb;
+  pend.vbuf = vb;
+}
+
 // ---- AVX-512 path -------------------------------------------------------------------------------
 INF_TARGET_AVX512 inline __m512 avx512_bf16_to_f32(const uint16_t* src) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
@@ -481,116 +626,271 @@ INF_TARGET_AVX512 void avx512_bf16m_block(const Job& job, const Span& s) {
   }
 }
 
+// The codes of 16 values by the level rule (see the map comment); inv = 1 / absmax broadcast.
+// The level from r's exponent: two 32-entry permutes and one compare.
+template <bool SIGNED>
+INF_TARGET_AVX512 INF_INLINE __m512i avx512_codes(const QLevels& lv, const VConsts& k, __m512 inv,
+                                                  __m512 x) {
+  const __m512i xb = _mm512_castps_si512(x);
+  const __m512 a =
+      SIGNED ? _mm512_castsi512_ps(_mm512_and_si512(xb, _mm512_load_si512(k.abs_mask))) : x;
+  const __m512 r = _mm512_max_ps(_mm512_mul_ps(a, inv), _mm512_load_ps(k.ratio_min));
+  const __m512i octave = _mm512_srli_epi32(_mm512_castps_si512(r), 23);  // & 31 by the permutes
+  __m512i level = _mm512_permutex2var_epi32(_mm512_load_si512(lv.oct_base), octave,
+                                            _mm512_load_si512(lv.oct_base + 16));
+  const __m512 lim = _mm512_permutex2var_ps(_mm512_load_ps(lv.oct_lim), octave,
+                                            _mm512_load_ps(lv.oct_lim + 16));
+  level = _mm512_mask_add_epi32(level, _mm512_cmp_ps_mask(r, lim, _CMP_GE_OQ), level,
+                                _mm512_load_si512(k.one));
+  const __m512 t = _mm512_fmadd_ps(r, _mm512_permutexvar_ps(level, _mm512_load_ps(lv.S)),
+                                   _mm512_permutexvar_ps(level, _mm512_load_ps(lv.C)));
+  __m512i code = _mm512_min_epu32(_mm512_cvttps_epi32(t),
+                                  _mm512_permutexvar_epi32(level, _mm512_load_si512(lv.cap)));
+  if constexpr (SIGNED) {
+    code = _mm512_mask_sub_epi32(code, _mm512_cmplt_epi32_mask(xb, _mm512_setzero_si512()),
+                                 _mm512_load_si512(k.c254), code);
+  } else {
+    code = _mm512_min_epi32(code, xb);
+  }
+  return code;  // saturated to 0..255 by avx512_store_codes
+}
+
+// 64 codes (4 x 16 int32, in order) saturated to 0..255 and stored as bytes.
+INF_TARGET_AVX512 INF_INLINE void avx512_store_codes(uint8_t* dst, __m512i c0, __m512i c1,
+                                                     __m512i c2, __m512i c3) {
+  const __m512i b = _mm512_packus_epi16(_mm512_packus_epi32(c0, c1), _mm512_packus_epi32(c2, c3));
+  // lane L of b holds c0[4L..4L+3], c1[4L..], c2[4L..], c3[4L..]: a 4x4 transpose of dwords
+  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  _mm512_storeu_si512(dst, _mm512_permutexvar_epi32(order, b));
+}
+
+template <bool SIGNED>
+INF_TARGET_AVX512 INF_INLINE void avx512_codes64(const QLevels& lv, const VConsts& k, __m512 inv,
+                                                 const float* src, uint8_t* dst) {
+  avx512_store_codes(dst, avx512_codes<SIGNED>(lv, k, inv, _mm512_loadu_ps(src)),
+                     avx512_codes<SIGNED>(lv, k, inv, _mm512_loadu_ps(src + 16)),
+                     avx512_codes<SIGNED>(lv, k, inv, _mm512_loadu_ps(src + 32)),
+                     avx512_codes<SIGNED>(lv, k, inv, _mm512_loadu_ps(src + 48)));
+}
+
+// absmax bits of 16 lanes folded into mx (as scalar_absmax).
+INF_TARGET_AVX512 INF_INLINE __m512i avx512_absmax_step(const VConsts& k, __m512 x, __m512i mx) {
+  return _mm512_max_epu32(
+      _mm512_and_si512(_mm512_castps_si512(x), _mm512_load_si512(k.abs_mask)), mx);
+}
+
 INF_TARGET_AVX512 void avx512_quantize_block(const float* buf, const QMaps& q, int sign,
                                              uint8_t* codes, float* absmax) {
-  __m512 mx = _mm512_setzero_ps();
-  __mmask16 nan = 0;
+  __m512i mx = _mm512_setzero_si512();
   for (int i = 0; i < kBlock; i += 16) {
-    const __m512 x = _mm512_loadu_ps(buf + i);
-    nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    mx = _mm512_max_ps(_mm512_abs_ps(x), mx);  // a NaN first operand yields the second
+    mx = avx512_absmax_step(q.k, _mm512_loadu_ps(buf + i), mx);
   }
-  const float scale = nan ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(mx);
+  const float scale = absmax_from_bits(_mm512_reduce_max_epu32(mx));
   *absmax = scale;
   const QLevels& lv = q.lv[sign];
   if (degenerate_block(lv, scale, codes)) return;
-  const BlockConsts k = block_consts(lv, scale);
-  const __m512 lim = _mm512_castps256_ps512(_mm256_load_ps(k.lim));
-  const __m512 lim3 = _mm512_set1_ps(k.lim[3]);
-  const __m512 sc = _mm512_castps256_ps512(_mm256_load_ps(k.sc));  // levels 0..7
-  const __m512 off = _mm512_load_ps(lv.O);
-  const __m512i kmax = _mm512_load_si512(lv.kmax);
-  const __m512i pos = _mm512_load_si512(lv.pos);
-  const __m512i neg = _mm512_load_si512(lv.neg);
-  const __m512 zlim = _mm512_set1_ps(k.zlim);
-  const __m512i zero_code = _mm512_set1_epi32(lv.zero_code);
-  const __m512i one = _mm512_set1_epi32(1);
-  const bool is_signed = sign == kSigned;
-  for (int i = 0; i < kBlock; i += 16) {
-    const __m512 x = _mm512_loadu_ps(buf + i);
-    const __m512 a = _mm512_abs_ps(x);
-    // level = #{j < 7 : lim[j] <= a} by a binary search over the sorted lim (3 compares)
-    __m512i level = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(a, lim3, _CMP_GE_OQ),
-                                           _mm512_set1_epi32(4));
-    level = _mm512_mask_add_epi32(
-        level,
-        _mm512_cmp_ps_mask(a, _mm512_permutexvar_ps(_mm512_add_epi32(level, one), lim),
-                           _CMP_GE_OQ),
-        level, _mm512_set1_epi32(2));
-    level = _mm512_mask_add_epi32(
-        level, _mm512_cmp_ps_mask(a, _mm512_permutexvar_ps(level, lim), _CMP_GE_OQ), level, one);
-    const __m512 t = _mm512_sub_ps(_mm512_mul_ps(a, _mm512_permutexvar_ps(level, sc)),
-                                   _mm512_permutexvar_ps(level, off));
-    __m512i bin = _mm512_max_epi32(_mm512_cvttps_epi32(t), _mm512_setzero_si512());
-    bin = _mm512_min_epi32(bin, _mm512_permutexvar_epi32(level, kmax));
-    __m512i code = _mm512_add_epi32(_mm512_permutexvar_epi32(level, pos), bin);
-    __mmask16 zero;
-    if (is_signed) {
-      const __m512i ncode = _mm512_sub_epi32(_mm512_permutexvar_epi32(level, neg), bin);
-      code = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ),
-                                     code, ncode);
-      zero = _mm512_cmp_ps_mask(a, zlim, _CMP_LT_OQ);
+  const __m512 inv = _mm512_set1_ps(block_inv(scale));
+  for (int i = 0; i < kBlock; i += 64) {
+    if (sign == kSigned) {
+      avx512_codes64<true>(lv, q.k, inv, buf + i, codes + i);
     } else {
-      zero = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LE_OQ);
+      avx512_codes64<false>(lv, q.k, inv, buf + i, codes + i);
     }
-    code = _mm512_mask_blend_epi32(zero, code, zero_code);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), _mm512_cvtepi32_epi8(code));
   }
 }
 
-// table[idx] for 16 indices in 0..255 without a gather: eight 32-entry lookups (vpermt2ps on
-// the low 5 bits), then a selection by bits 5, 6 and 7.
-INF_TARGET_AVX512 inline __m512 avx512_lookup256(const float* table, __m512i idx) {
-  __m512 r[8];
-  for (int k = 0; k < 8; ++k) {
-    r[k] = _mm512_permutex2var_ps(_mm512_load_ps(table + 32 * k), idx,
-                                  _mm512_load_ps(table + 32 * k + 16));
-  }
-  const __mmask16 b5 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(32));
-  const __mmask16 b6 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(64));
-  const __mmask16 b7 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(128));
-  for (int k = 0; k < 4; ++k) r[k] = _mm512_mask_blend_ps(b5, r[2 * k], r[2 * k + 1]);
-  for (int k = 0; k < 2; ++k) r[k] = _mm512_mask_blend_ps(b6, r[2 * k], r[2 * k + 1]);
-  return _mm512_mask_blend_ps(b7, r[0], r[1]);
+// map[code] of 16 codes by the decade formula (see the map comment): exponent-indexed tables.
+INF_TARGET_AVX512 INF_INLINE __m512 avx512_value_unsigned(const QMaps& q, __m512i code) {
+  const ExpTable& t = q.ex[kUnsigned];
+  const __m512 j = _mm512_cvtepi32_ps(_mm512_add_epi32(code, _mm512_load_si512(q.k.one)));
+  const __m512i jb = _mm512_castps_si512(j);
+  const __m512i idx = _mm512_srli_epi32(jb, 23);
+  const __m512 k = _mm512_sub_ps(
+      j, _mm512_castsi512_ps(_mm512_and_si512(jb, _mm512_load_si512(q.k.exp_mask))));
+  return _mm512_fmadd_ps(_mm512_permutexvar_ps(idx, _mm512_load_ps(t.B16)), k,
+                         _mm512_permutexvar_ps(idx, _mm512_load_ps(t.A16)));
 }
 
+INF_TARGET_AVX512 INF_INLINE __m512 avx512_value_signed(const QMaps& q, __m512i code) {
+  const ExpTable& t = q.ex[kSigned];
+  const __m512i sign = _mm512_load_si512(q.k.sign_mask);
+  const __m512i sj =
+      _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_sub_epi32(code, _mm512_load_si512(q.k.c127))));
+  const __m512i jb = _mm512_andnot_si512(sign, sj);  // |j|
+  const __m512i idx = _mm512_srli_epi32(jb, 23);
+  const __m512 k = _mm512_sub_ps(
+      _mm512_castsi512_ps(jb),
+      _mm512_castsi512_ps(_mm512_and_si512(jb, _mm512_load_si512(q.k.exp_mask))));
+  // j = 0 (code 127) shares its table slot with f = 1: masked to 0
+  const __m512 mag = _mm512_maskz_fmadd_ps(
+      _mm512_cmpneq_epi32_mask(code, _mm512_load_si512(q.k.c127)),
+      _mm512_permutexvar_ps(idx, _mm512_load_ps(t.B16)), k,
+      _mm512_permutexvar_ps(idx, _mm512_load_ps(t.A16)));
+  // mag | (sj & sign)
+  return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(_mm512_castps_si512(mag), sj, sign, 0xF8));
+}
+
+// The 8-bit step's scalars as vectors (scalar_q8_adam).
+struct Q8V512 {
+  __m512 gmul, decay, wd, lerp, b2, omb2, step, eps, bound, bound_sq;
+  bool gmul_one;  // grad_multiplier == 1: no multiply (bitwise the same)
+};
+
+INF_TARGET_AVX512 INF_INLINE Q8V512 make_q8v512(const Job& job) {
+  const Coeffs& c = job.c;
+  return Q8V512{_mm512_set1_ps(c.grad_multiplier), _mm512_set1_ps(c.decay),
+                _mm512_set1_ps(c.weight_decay),    _mm512_set1_ps(c.lerp_coeff),
+                _mm512_set1_ps(c.beta2),           _mm512_set1_ps(c.one_minus_beta2),
+                _mm512_set1_ps(job.q8_step),       _mm512_set1_ps(job.q8_eps),
+                _mm512_set1_ps(job.m_bound),       _mm512_set1_ps(job.m_bound_sq),
+                c.grad_multiplier == 1.0f};
+}
+
+// U x 16 elements at i of the AVX-512 8-bit step: dequantize, guard, update (scalar_q8_adam's
+// operations); stores the parameters (and working copy) and returns the new fp32 moments. The
+// guard's clamp (a square root per element) runs for the U vectors together when any lane of
+// them needs it: rare in training, but in a run of constant gradients the state sits on
+// Adam's bound and it fires at random, element by element.
+template <int GD, int OD, int U>
+INF_TARGET_AVX512 INF_INLINE void avx512_q8_update(const Job& job, const Q8V512& c, const Span& s,
+                                                   int i, __m512 ma, __m512 va, __m512* mo,
+                                                   __m512* vo) {
+  const QMaps& q = *job.q;
+  __m512 mi[U], vi[U];
+  __mmask16 over[U];
+  __mmask16 any = 0;
+  for (int u = 0; u < U; ++u) {
+    const int e = i + 16 * u;
+    const __m512i mc = _mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(s.m) + e)));
+    const __m512i vc = _mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(s.v) + e)));
+    vi[u] = _mm512_mul_ps(avx512_value_unsigned(q, vc), va);
+    mi[u] = _mm512_mul_ps(avx512_value_signed(q, mc), ma);
+    over[u] = _mm512_cmp_ps_mask(_mm512_mul_ps(mi[u], mi[u]), _mm512_mul_ps(c.bound_sq, vi[u]),
+                                 _CMP_GT_OQ);  // the moment guard
+    any = _kor_mask16(any, over[u]);
+  }
+  if (any) {
+    for (int u = 0; u < U; ++u) {
+      const __m512 sb = _mm512_mul_ps(_mm512_sqrt_ps(vi[u]), c.bound);
+      mi[u] = _mm512_mask_mov_ps(
+          mi[u], over[u],
+          _mm512_castsi512_ps(_mm512_ternarylogic_epi32(
+              _mm512_castps_si512(sb), _mm512_castps_si512(mi[u]),
+              _mm512_load_si512(q.k.sign_mask), 0xF8)));  // sb | (mi & sign)
+    }
+  }
+  for (int u = 0; u < U; ++u) {
+    const int e = i + 16 * u;
+    __m512 grad = avx512_load_grad<GD, false>(s.g, e, 0);
+    if (!c.gmul_one) grad = _mm512_mul_ps(grad, c.gmul);
+    __m512 param = _mm512_loadu_ps(s.p + e);
+    if (job.c.has_weight_decay) {
+      if (job.c.adamw) {
+        param = _mm512_mul_ps(param, c.decay);
+      } else {
+        grad = _mm512_fmadd_ps(param, c.wd, grad);
+      }
+    }
+    mo[u] = _mm512_fmadd_ps(c.lerp, _mm512_sub_ps(grad, mi[u]), job.c.lerp_small ? mi[u] : grad);
+    vo[u] = _mm512_fmadd_ps(_mm512_mul_ps(c.omb2, grad), grad, _mm512_mul_ps(vi[u], c.b2));
+    param = _mm512_sub_ps(param, _mm512_div_ps(_mm512_mul_ps(c.step, mo[u]),
+                                               _mm512_add_ps(_mm512_sqrt_ps(vo[u]), c.eps)));
+    _mm512_storeu_ps(s.p + e, param);
+    if constexpr (OD != kNone) avx512_store_out<OD, false, false>(s.out, e, 0, param);
+  }
+}
+
+// One block (the padded last block): update into buffers, then re-quantize.
 template <int GD, int OD>
 INF_TARGET_AVX512 void avx512_q8_block(const Job& job, const Span& s) {
-  const V512 c = make_v512(job.c);
-  const QMaps& q = *job.q;
-  const uint8_t* mq = static_cast<const uint8_t*>(s.m);
-  const uint8_t* vq = static_cast<const uint8_t*>(s.v);
+  const Q8V512 c = make_q8v512(job);
   const __m512 ma = _mm512_set1_ps(*s.m_scale);
   const __m512 va = _mm512_set1_ps(*s.v_scale);
-  const __m512 bound = _mm512_set1_ps(job.m_bound);
-  const __m512 bound_sq = _mm512_set1_ps(job.m_bound_sq);
-  const __m512i sign_bit = _mm512_set1_epi32(static_cast<int32_t>(0x80000000u));
   alignas(64) float mbuf[kBlock];
   alignas(64) float vbuf[kBlock];
-  for (int i = 0; i < kBlock; i += 16) {
-    const __m512i mc =
-        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mq + i)));
-    const __m512i vc =
-        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(vq + i)));
-    const __m512 vi = _mm512_mul_ps(avx512_lookup256(q.map[kUnsigned], vc), va);
-    __m512 mi = _mm512_mul_ps(avx512_lookup256(q.map[kSigned], mc), ma);
-    const __mmask16 over = _mm512_cmp_ps_mask(_mm512_mul_ps(mi, mi), _mm512_mul_ps(bound_sq, vi),
-                                              _CMP_GT_OQ);  // the moment guard
-    if (over) {
-      const __m512 sb = _mm512_mul_ps(_mm512_sqrt_ps(vi), bound);
-      const __m512i sgn = _mm512_and_si512(_mm512_castps_si512(mi), sign_bit);
-      mi = _mm512_mask_mov_ps(mi, over, _mm512_castsi512_ps(
-                                            _mm512_or_si512(_mm512_castps_si512(sb), sgn)));
+  for (int i = 0; i < kBlock; i += 64) {
+    __m512 mo[4], vo[4];
+    avx512_q8_update<GD, OD, 4>(job, c, s, i, ma, va, mo, vo);
+    for (int u = 0; u < 4; ++u) {
+      _mm512_store_ps(mbuf + i + 16 * u, mo[u]);
+      _mm512_store_ps(vbuf + i + 16 * u, vo[u]);
     }
-    __m512 mo, vo;
-    const __m512 param = avx512_adam(job.c, c, avx512_load_grad<GD, false>(s.g, i, 0),
-                                     _mm512_loadu_ps(s.p + i), mi, vi, mo, vo);
-    _mm512_storeu_ps(s.p + i, param);
-    _mm512_store_ps(mbuf + i, mo);
-    _mm512_store_ps(vbuf + i, vo);
-    if constexpr (OD != kNone) avx512_store_out<OD, false, false>(s.out, i, 0, param);
   }
-  requantize<&avx512_quantize_block>(s, q, mbuf, vbuf);
+  requantize<&avx512_quantize_block>(s, *job.q, mbuf, vbuf);
+}
+
+INF_TARGET_AVX512 void avx512_flush_codes(const QMaps& q, Pending& pend) {
+  if (pend.m) {
+    const __m512 inv = _mm512_set1_ps(pend.minv);
+    for (int i = 0; i < kBlock; i += 64) {
+      avx512_codes64<true>(q.lv[kSigned], q.k, inv, pend.mbuf + i, pend.mcodes + i);
+    }
+  }
+  if (pend.v) {
+    const __m512 inv = _mm512_set1_ps(pend.vinv);
+    for (int i = 0; i < kBlock; i += 64) {
+      avx512_codes64<false>(q.lv[kUnsigned], q.k, inv, pend.vbuf + i, pend.vcodes + i);
+    }
+  }
+  pend.m = pend.v = false;
+}
+
+// A range of blocks, software-pipelined: the re-quantization of block b-1 (ALU and permute work)
+// runs in the loop that updates block b (which waits on the divider), 64 elements at a time, so
+// the two overlap; the update loop also folds the new moments' absmax. The same operations as
+// avx512_q8_block, block by block, so the same bits.
+template <int GD, int OD>
+INF_TARGET_AVX512 void avx512_q8_range(const Job& job, int64_t b0, int64_t b1) {
+  const Q8V512 c = make_q8v512(job);
+  const QMaps& q = *job.q;
+  alignas(64) float bufs[2][2][kBlock];  // [which][m, v]
+  Pending pend;
+  int which = 0;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t i0 = b * kBlock;
+    const Span s{job.p + i0,
+                 static_cast<const char*>(job.g) + i0 * job.gsize,
+                 static_cast<char*>(job.m) + i0,
+                 static_cast<char*>(job.v) + i0,
+                 job.m_scale + b,
+                 job.v_scale + b,
+                 job.out != nullptr ? static_cast<char*>(job.out) + i0 * job.osize : nullptr,
+                 static_cast<int>(std::min<int64_t>(kBlock, job.n - i0))};
+    if (s.count < kBlock) {
+      avx512_flush_codes(q, pend);
+      step_padded(job, s);
+      continue;
+    }
+    float* mb = bufs[which][0];
+    float* vb = bufs[which][1];
+    const __m512 ma = _mm512_set1_ps(*s.m_scale);
+    const __m512 va = _mm512_set1_ps(*s.v_scale);
+    __m512i mmx = _mm512_setzero_si512(), vmx = _mm512_setzero_si512();
+    const bool overlap = pend.m && pend.v;  // else at most one moment (a degenerate block)
+    if (!overlap) avx512_flush_codes(q, pend);
+    const __m512 minv = _mm512_set1_ps(pend.minv);
+    const __m512 vinv = _mm512_set1_ps(pend.vinv);
+    for (int i = 0; i < kBlock; i += 64) {
+      __m512 mo[4], vo[4];
+      avx512_q8_update<GD, OD, 4>(job, c, s, i, ma, va, mo, vo);
+      for (int u = 0; u < 4; ++u) {
+        _mm512_store_ps(mb + i + 16 * u, mo[u]);
+        _mm512_store_ps(vb + i + 16 * u, vo[u]);
+        mmx = avx512_absmax_step(q.k, mo[u], mmx);
+        vmx = avx512_absmax_step(q.k, vo[u], vmx);
+      }
+      if (overlap) {
+        avx512_codes64<true>(q.lv[kSigned], q.k, minv, pend.mbuf + i, pend.mcodes + i);
+        avx512_codes64<false>(q.lv[kUnsigned], q.k, vinv, pend.vbuf + i, pend.vcodes + i);
+      }
+    }
+    pend.m = pend.v = false;
+    set_pending(q, s, _mm512_reduce_max_epu32(mmx), _mm512_reduce_max_epu32(vmx), mb, vb, pend);
+    which ^= 1;
+  }
+  avx512_flush_codes(q, pend);
 }
 
 // ---- AVX2 path ----------------------------------------------------------------------------------
@@ -618,199 +918,244 @@ INF_TARGET_AVX2 void avx2_bf16m_block(const Job& job, const Span& s) {
   }
 }
 
-// The level rule's per-block registers (from block_consts) and the codes of 8 values.
-struct QReg {
-  __m256 lim, lim3, sc, off, zlim;
-  __m256i kmax, pos, neg, zero_code;
-};
+// The codes of 8 values by the level rule (see the map comment); inv = 1 / absmax broadcast.
+// The level by a binary search over the sorted lims (3 compares).
+template <bool SIGNED>
+INF_TARGET_AVX2 INF_INLINE __m256i avx2_codes(const QLevels& lv, const VConsts& k, __m256 inv,
+                                              __m256 x) {
+  const __m256 a =
+      SIGNED ? _mm256_and_ps(x, _mm256_load_ps(reinterpret_cast<const float*>(k.abs_mask))) : x;
+  const __m256 r = _mm256_max_ps(_mm256_mul_ps(a, inv), _mm256_load_ps(k.ratio_min));
+  // level = 4 * (r >= lim[3]), + 2 * (r >= lim[level + 1]), + (r >= lim[level])
+  __m256i level = _mm256_and_si256(
+      _mm256_castps_si256(_mm256_cmp_ps(r, _mm256_broadcast_ss(lv.lim + 3), _CMP_GE_OQ)),
+      _mm256_load_si256(reinterpret_cast<const __m256i*>(k.c4)));
+  level = _mm256_add_epi32(
+      level, _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(
+                                  r, _mm256_permutevar8x32_ps(_mm256_loadu_ps(lv.lim + 1), level),
+                                  _CMP_GE_OQ)),
+                              _mm256_load_si256(reinterpret_cast<const __m256i*>(k.c2))));
+  level = _mm256_sub_epi32(level,
+                           _mm256_castps_si256(_mm256_cmp_ps(
+                               r, _mm256_permutevar8x32_ps(_mm256_load_ps(lv.lim), level),
+                               _CMP_GE_OQ)));
+  const __m256 t = _mm256_fmadd_ps(r, _mm256_permutevar8x32_ps(_mm256_load_ps(lv.S), level),
+                                   _mm256_permutevar8x32_ps(_mm256_load_ps(lv.C), level));
+  __m256i code = _mm256_min_epu32(
+      _mm256_cvttps_epi32(t),
+      _mm256_permutevar8x32_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(lv.cap)),
+                                  level));
+  if constexpr (SIGNED) {  // 254 - code where the sign bit of x is set
+    const __m256i mirror =
+        _mm256_sub_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(k.c254)), code);
+    code = _mm256_castps_si256(
+        _mm256_blendv_ps(_mm256_castsi256_ps(code), _mm256_castsi256_ps(mirror), x));
+  } else {
+    code = _mm256_min_epi32(code, _mm256_castps_si256(x));
+  }
+  return code;  // saturated to 0..255 by avx2_store_codes
+}
 
-INF_TARGET_AVX2 inline QReg avx2_qreg(const QLevels& lv, const BlockConsts& k) {
-  QReg r;
-  r.lim = _mm256_load_ps(k.lim);
-  r.lim3 = _mm256_set1_ps(k.lim[3]);
-  r.sc = _mm256_load_ps(k.sc);
-  r.off = _mm256_load_ps(lv.O);
-  r.zlim = _mm256_set1_ps(k.zlim);
-  r.kmax = _mm256_load_si256(reinterpret_cast<const __m256i*>(lv.kmax));
-  r.pos = _mm256_load_si256(reinterpret_cast<const __m256i*>(lv.pos));
-  r.neg = _mm256_load_si256(reinterpret_cast<const __m256i*>(lv.neg));
-  r.zero_code = _mm256_set1_epi32(lv.zero_code);
-  return r;
+// 32 codes (4 x 8 int32, in order) saturated to 0..255 and stored as bytes.
+INF_TARGET_AVX2 INF_INLINE void avx2_store_codes(uint8_t* dst, __m256i c0, __m256i c1, __m256i c2,
+                                                 __m256i c3) {
+  const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(c0, c1), _mm256_packus_epi32(c2, c3));
+  // lane L of b holds c0[4L..4L+3], c1[4L..], c2[4L..], c3[4L..]
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm256_permutevar8x32_epi32(b, order));
 }
 
 template <bool SIGNED>
-INF_TARGET_AVX2 inline __m256i avx2_codes(const QReg& r, __m256 x) {
-  const __m256 a = _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)));
-  const __m256i one = _mm256_set1_epi32(1);
-  // level = #{j < 7 : lim[j] <= a} by a binary search over the sorted lim (3 compares)
-  __m256i level = _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(a, r.lim3, _CMP_GE_OQ)),
-                                   _mm256_set1_epi32(4));
-  level = _mm256_add_epi32(
-      level,
-      _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(
-                           a, _mm256_permutevar8x32_ps(r.lim, _mm256_add_epi32(level, one)),
-                           _CMP_GE_OQ)),
-                       _mm256_set1_epi32(2)));
-  level = _mm256_sub_epi32(level, _mm256_castps_si256(_mm256_cmp_ps(
-                                      a, _mm256_permutevar8x32_ps(r.lim, level), _CMP_GE_OQ)));
-  const __m256 t = _mm256_sub_ps(_mm256_mul_ps(a, _mm256_permutevar8x32_ps(r.sc, level)),
-                                 _mm256_permutevar8x32_ps(r.off, level));
-  __m256i bin = _mm256_max_epi32(_mm256_cvttps_epi32(t), _mm256_setzero_si256());
-  bin = _mm256_min_epi32(bin, _mm256_permutevar8x32_epi32(r.kmax, level));
-  __m256i code = _mm256_add_epi32(_mm256_permutevar8x32_epi32(r.pos, level), bin);
-  __m256 is_zero;
-  if constexpr (SIGNED) {
-    const __m256i ncode = _mm256_sub_epi32(_mm256_permutevar8x32_epi32(r.neg, level), bin);
-    code = _mm256_blendv_epi8(
-        code, ncode, _mm256_castps_si256(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ)));
-    is_zero = _mm256_cmp_ps(a, r.zlim, _CMP_LT_OQ);
-  } else {
-    is_zero = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LE_OQ);
-  }
-  return _mm256_blendv_epi8(code, r.zero_code, _mm256_castps_si256(is_zero));
+INF_TARGET_AVX2 INF_INLINE void avx2_codes32(const QLevels& lv, const VConsts& k, __m256 inv,
+                                             const float* src, uint8_t* dst) {
+  avx2_store_codes(dst, avx2_codes<SIGNED>(lv, k, inv, _mm256_loadu_ps(src)),
+                   avx2_codes<SIGNED>(lv, k, inv, _mm256_loadu_ps(src + 8)),
+                   avx2_codes<SIGNED>(lv, k, inv, _mm256_loadu_ps(src + 16)),
+                   avx2_codes<SIGNED>(lv, k, inv, _mm256_loadu_ps(src + 24)));
 }
 
-INF_TARGET_AVX2 inline void avx2_store_codes(uint8_t* dst, __m256i code) {
-  const __m128i w =
-      _mm_packus_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
-  _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), _mm_packus_epi16(w, w));
+// absmax bits of 8 lanes folded into mx (as scalar_absmax), and their maximum.
+INF_TARGET_AVX2 INF_INLINE __m256i avx2_absmax_step(const VConsts& k, __m256 x, __m256i mx) {
+  return _mm256_max_epu32(
+      _mm256_and_si256(_mm256_castps_si256(x),
+                       _mm256_load_si256(reinterpret_cast<const __m256i*>(k.abs_mask))),
+      mx);
 }
 
-// The absmax of 8 lanes folded into (mx, nan), and its value at the end (as scalar_absmax).
-INF_TARGET_AVX2 inline void avx2_absmax_step(__m256 x, __m256& mx, __m256& nan) {
-  nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-  mx = _mm256_max_ps(_mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))),
-                     mx);  // a NaN first operand yields the second
-}
-
-INF_TARGET_AVX2 inline float avx2_absmax_value(__m256 mx, __m256 nan) {
-  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-  m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
-  return _mm256_movemask_ps(nan) != 0 ? std::numeric_limits<float>::quiet_NaN()
-                                      : _mm_cvtss_f32(m4);
+INF_TARGET_AVX2 INF_INLINE uint32_t avx2_reduce_max(__m256i mx) {
+  __m128i m4 = _mm_max_epu32(_mm256_castsi256_si128(mx), _mm256_extracti128_si256(mx, 1));
+  m4 = _mm_max_epu32(m4, _mm_shuffle_epi32(m4, 0x4E));
+  m4 = _mm_max_epu32(m4, _mm_shuffle_epi32(m4, 0xB1));
+  return static_cast<uint32_t>(_mm_cvtsi128_si32(m4));
 }
 
 INF_TARGET_AVX2 void avx2_quantize_block(const float* buf, const QMaps& q, int sign,
                                          uint8_t* codes, float* absmax) {
-  __m256 mx = _mm256_setzero_ps();
-  __m256 nan = _mm256_setzero_ps();
-  for (int i = 0; i < kBlock; i += 8) avx2_absmax_step(_mm256_loadu_ps(buf + i), mx, nan);
-  const float scale = avx2_absmax_value(mx, nan);
+  __m256i mx = _mm256_setzero_si256();
+  for (int i = 0; i < kBlock; i += 8) mx = avx2_absmax_step(q.k, _mm256_loadu_ps(buf + i), mx);
+  const float scale = absmax_from_bits(avx2_reduce_max(mx));
   *absmax = scale;
   const QLevels& lv = q.lv[sign];
   if (degenerate_block(lv, scale, codes)) return;
-  const QReg r = avx2_qreg(lv, block_consts(lv, scale));
-  if (sign == kSigned) {
-    for (int i = 0; i < kBlock; i += 8) {
-      avx2_store_codes(codes + i, avx2_codes<true>(r, _mm256_loadu_ps(buf + i)));
-    }
-  } else {
-    for (int i = 0; i < kBlock; i += 8) {
-      avx2_store_codes(codes + i, avx2_codes<false>(r, _mm256_loadu_ps(buf + i)));
+  const __m256 inv = _mm256_set1_ps(block_inv(scale));
+  for (int i = 0; i < kBlock; i += 32) {
+    if (sign == kSigned) {
+      avx2_codes32<true>(lv, q.k, inv, buf + i, codes + i);
+    } else {
+      avx2_codes32<false>(lv, q.k, inv, buf + i, codes + i);
     }
   }
 }
 
-// map[code] for 8 codes without a gather, by the decade formula of build_dynamic_map: j = code + 1
-// (unsigned) or |code - 127| (signed), f = floor(log2 j) from j's fp32 exponent, k = j - 2^f,
-// value = fma(B[f], k, A[f]) (negative below code 127 of the signed map); 0 and 1.0 blended in.
-template <bool SIGNED>
-INF_TARGET_AVX2 inline __m256 avx2_code_value(const DecadeTable& t, __m256i code) {
-  const __m256i j = SIGNED ? _mm256_abs_epi32(_mm256_sub_epi32(code, _mm256_set1_epi32(127)))
-                           : _mm256_add_epi32(code, _mm256_set1_epi32(1));
-  const __m256i f = _mm256_sub_epi32(
-      _mm256_srli_epi32(_mm256_castps_si256(_mm256_cvtepi32_ps(j)), 23), _mm256_set1_epi32(127));
-  const __m256i k = _mm256_sub_epi32(j, _mm256_sllv_epi32(_mm256_set1_epi32(1), f));
-  __m256 value = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(_mm256_load_ps(t.B), f),
-                                 _mm256_cvtepi32_ps(k),
-                                 _mm256_permutevar8x32_ps(_mm256_load_ps(t.A), f));
-  const __m256i zero_code = _mm256_set1_epi32(SIGNED ? 127 : 0);
-  if (SIGNED) {
-    const __m256 neg = _mm256_castsi256_ps(_mm256_cmpgt_epi32(zero_code, code));
-    value = _mm256_or_ps(value, _mm256_and_ps(neg, _mm256_set1_ps(-0.0f)));
-  }
-  value = _mm256_andnot_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(code, zero_code)), value);
-  return _mm256_blendv_ps(value, _mm256_set1_ps(1.0f),
-                          _mm256_castsi256_ps(_mm256_cmpeq_epi32(code, _mm256_set1_epi32(255))));
+// map[code] of 8 codes by the decade formula (see the map comment): exponent-indexed tables
+// (8 entries: unsigned code 255 takes 1.0 from a compare).
+INF_TARGET_AVX2 INF_INLINE __m256 avx2_value_unsigned(const QMaps& q, __m256i code) {
+  const ExpTable& t = q.ex[kUnsigned];
+  const __m256i one = _mm256_load_si256(reinterpret_cast<const __m256i*>(q.k.one));
+  const __m256 j = _mm256_cvtepi32_ps(_mm256_add_epi32(code, one));
+  const __m256i jb = _mm256_castps_si256(j);
+  const __m256i idx = _mm256_srli_epi32(jb, 23);
+  const __m256 k = _mm256_sub_ps(
+      j, _mm256_castsi256_ps(_mm256_and_si256(
+             jb, _mm256_load_si256(reinterpret_cast<const __m256i*>(q.k.exp_mask)))));
+  const __m256 value = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(_mm256_load_ps(t.B8), idx), k,
+                                       _mm256_permutevar8x32_ps(_mm256_load_ps(t.A8), idx));
+  // code 255 (f = 8) shares index 7 with code 0: its value there is 0, or it with 1.0
+  const __m256i top = _mm256_cmpeq_epi32(
+      code, _mm256_load_si256(reinterpret_cast<const __m256i*>(q.k.c255)));
+  return _mm256_or_ps(value, _mm256_and_ps(_mm256_castsi256_ps(top), _mm256_load_ps(q.k.one_f)));
 }
 
-// One vector (8 elements at i) of the AVX2 8-bit step: dequantize, guard, update; stores the
-// parameter (and working copy) and returns the new fp32 moments in mo, vo.
-template <int GD, int OD>
-INF_TARGET_AVX2 inline void avx2_q8_vector(const Job& job, const V256& c, const Span& s, int i,
-                                           __m256 ma, __m256 va, __m256& mo, __m256& vo) {
+INF_TARGET_AVX2 INF_INLINE __m256 avx2_value_signed(const QMaps& q, __m256i code) {
+  const ExpTable& t = q.ex[kSigned];
+  const __m256i c127 = _mm256_load_si256(reinterpret_cast<const __m256i*>(q.k.c127));
+  const __m256 sj = _mm256_cvtepi32_ps(_mm256_sub_epi32(code, c127));
+  const __m256 sign = _mm256_load_ps(reinterpret_cast<const float*>(q.k.sign_mask));
+  const __m256 j = _mm256_andnot_ps(sign, sj);  // |j|
+  const __m256i jb = _mm256_castps_si256(j);
+  const __m256i idx = _mm256_srli_epi32(jb, 23);
+  const __m256 k = _mm256_sub_ps(
+      j, _mm256_castsi256_ps(_mm256_and_si256(
+             jb, _mm256_load_si256(reinterpret_cast<const __m256i*>(q.k.exp_mask)))));
+  const __m256 mag = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(_mm256_load_ps(t.B8), idx), k,
+                                     _mm256_permutevar8x32_ps(_mm256_load_ps(t.A8), idx));
+  // code 127 (j = 0) is 0; the sign of code - 127
+  const __m256 zero = _mm256_castsi256_ps(_mm256_cmpeq_epi32(code, c127));
+  return _mm256_or_ps(_mm256_andnot_ps(zero, mag), _mm256_and_ps(sj, sign));
+}
+
+// The 8-bit step's scalars as vectors (scalar_q8_adam).
+struct Q8V256 {
+  __m256 gmul, decay, wd, lerp, b2, omb2, step, eps, bound, bound_sq;
+  bool gmul_one;  // grad_multiplier == 1: no multiply (bitwise the same)
+};
+
+INF_TARGET_AVX2 INF_INLINE Q8V256 make_q8v256(const Job& job) {
+  const Coeffs& c = job.c;
+  return Q8V256{_mm256_set1_ps(c.grad_multiplier), _mm256_set1_ps(c.decay),
+                _mm256_set1_ps(c.weight_decay),    _mm256_set1_ps(c.lerp_coeff),
+                _mm256_set1_ps(c.beta2),           _mm256_set1_ps(c.one_minus_beta2),
+                _mm256_set1_ps(job.q8_step),       _mm256_set1_ps(job.q8_eps),
+                _mm256_set1_ps(job.m_bound),       _mm256_set1_ps(job.m_bound_sq),
+                c.grad_multiplier == 1.0f};
+}
+
+// U x 8 elements at i of the AVX2 8-bit step: dequantize, guard, update (scalar_q8_adam's
+// operations); stores the parameters (and working copy) and returns the new fp32 moments. The
+// guard's clamp runs for the U vectors together when any lane needs it (avx512_q8_update).
+template <int GD, int OD, int U>
+INF_TARGET_AVX2 INF_INLINE void avx2_q8_update(const Job& job, const Q8V256& c, const Span& s,
+                                               int i, __m256 ma, __m256 va, __m256* mo,
+                                               __m256* vo) {
   const QMaps& q = *job.q;
-  const __m256i mc = _mm256_cvtepu8_epi32(
-      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(s.m) + i)));
-  const __m256i vc = _mm256_cvtepu8_epi32(
-      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(s.v) + i)));
-  const __m256 vi = _mm256_mul_ps(avx2_code_value<false>(q.dec[kUnsigned], vc), va);
-  __m256 mi = _mm256_mul_ps(avx2_code_value<true>(q.dec[kSigned], mc), ma);
-  const __m256 over = _mm256_cmp_ps(_mm256_mul_ps(mi, mi),
-                                    _mm256_mul_ps(_mm256_set1_ps(job.m_bound_sq), vi),
-                                    _CMP_GT_OQ);  // the moment guard
-  if (_mm256_movemask_ps(over) != 0) {
-    const __m256 sb = _mm256_mul_ps(_mm256_sqrt_ps(vi), _mm256_set1_ps(job.m_bound));
-    mi = _mm256_blendv_ps(mi, _mm256_or_ps(sb, _mm256_and_ps(mi, _mm256_set1_ps(-0.0f))), over);
+  __m256 mi[U], vi[U], over[U];
+  __m256 any = _mm256_setzero_ps();
+  for (int u = 0; u < U; ++u) {
+    const int e = i + 8 * u;
+    const __m256i mc = _mm256_cvtepu8_epi32(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(s.m) + e)));
+    const __m256i vc = _mm256_cvtepu8_epi32(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(s.v) + e)));
+    vi[u] = _mm256_mul_ps(avx2_value_unsigned(q, vc), va);
+    mi[u] = _mm256_mul_ps(avx2_value_signed(q, mc), ma);
+    over[u] = _mm256_cmp_ps(_mm256_mul_ps(mi[u], mi[u]), _mm256_mul_ps(c.bound_sq, vi[u]),
+                            _CMP_GT_OQ);  // the moment guard
+    any = _mm256_or_ps(any, over[u]);
   }
-  const __m256 param =
-      avx2_adam(job.c, c, avx2_load_grad<GD>(static_cast<const char*>(s.g) + i * dtype_size(GD)),
-                _mm256_loadu_ps(s.p + i), mi, vi, mo, vo);
-  _mm256_storeu_ps(s.p + i, param);
-  if constexpr (OD != kNone) {
-    avx2_store_out<OD, false>(static_cast<char*>(s.out) + i * dtype_size(OD), param);
+  if (_mm256_movemask_ps(any) != 0) {
+    const __m256 sign = _mm256_load_ps(reinterpret_cast<const float*>(q.k.sign_mask));
+    for (int u = 0; u < U; ++u) {
+      const __m256 sb = _mm256_mul_ps(_mm256_sqrt_ps(vi[u]), c.bound);
+      mi[u] = _mm256_blendv_ps(mi[u], _mm256_or_ps(sb, _mm256_and_ps(mi[u], sign)), over[u]);
+    }
+  }
+  for (int u = 0; u < U; ++u) {
+    const int e = i + 8 * u;
+    __m256 grad = avx2_load_grad<GD>(static_cast<const char*>(s.g) + e * dtype_size(GD));
+    if (!c.gmul_one) grad = _mm256_mul_ps(grad, c.gmul);
+    __m256 param = _mm256_loadu_ps(s.p + e);
+    if (job.c.has_weight_decay) {
+      if (job.c.adamw) {
+        param = _mm256_mul_ps(param, c.decay);
+      } else {
+        grad = _mm256_fmadd_ps(param, c.wd, grad);
+      }
+    }
+    mo[u] = _mm256_fmadd_ps(c.lerp, _mm256_sub_ps(grad, mi[u]), job.c.lerp_small ? mi[u] : grad);
+    vo[u] = _mm256_fmadd_ps(_mm256_mul_ps(c.omb2, grad), grad, _mm256_mul_ps(vi[u], c.b2));
+    param = _mm256_sub_ps(param, _mm256_div_ps(_mm256_mul_ps(c.step, mo[u]),
+                                               _mm256_add_ps(_mm256_sqrt_ps(vo[u]), c.eps)));
+    _mm256_storeu_ps(s.p + e, param);
+    if constexpr (OD != kNone) {
+      avx2_store_out<OD, false>(static_cast<char*>(s.out) + e * dtype_size(OD), param);
+    }
   }
 }
 
+// One block (the padded last block): update into buffers, then re-quantize.
 template <int GD, int OD>
 INF_TARGET_AVX2 void avx2_q8_block(const Job& job, const Span& s) {
-  const V256 c = make_v256(job.c);
+  const Q8V256 c = make_q8v256(job);
   const __m256 ma = _mm256_set1_ps(*s.m_scale);
   const __m256 va = _mm256_set1_ps(*s.v_scale);
   alignas(64) float mbuf[kBlock];
   alignas(64) float vbuf[kBlock];
-  for (int i = 0; i < kBlock; i += 8) {
-    __m256 mo, vo;
-    avx2_q8_vector<GD, OD>(job, c, s, i, ma, va, mo, vo);
-    _mm256_store_ps(mbuf + i, mo);
-    _mm256_store_ps(vbuf + i, vo);
+  for (int i = 0; i < kBlock; i += 32) {
+    __m256 mo[4], vo[4];
+    avx2_q8_update<GD, OD, 4>(job, c, s, i, ma, va, mo, vo);
+    for (int u = 0; u < 4; ++u) {
+      _mm256_store_ps(mbuf + i + 8 * u, mo[u]);
+      _mm256_store_ps(vbuf + i + 8 * u, vo[u]);
+    }
   }
   requantize<&avx2_quantize_block>(s, *job.q, mbuf, vbuf);
 }
 
-// The codes of a block whose moments are computed but not yet quantized (avx2_q8_range).
-struct PendingCodes {
-  bool m = false, v = false;  // a moment's codes still to write
-  QReg mr, vr;
-  uint8_t* mcodes = nullptr;
-  uint8_t* vcodes = nullptr;
-  const float* mbuf = nullptr;
-  const float* vbuf = nullptr;
-};
-
-INF_TARGET_AVX2 void avx2_flush_codes(PendingCodes& pend) {
-  for (int i = 0; i < kBlock; i += 8) {
-    if (pend.m) {
-      avx2_store_codes(pend.mcodes + i, avx2_codes<true>(pend.mr, _mm256_load_ps(pend.mbuf + i)));
+INF_TARGET_AVX2 void avx2_flush_codes(const QMaps& q, Pending& pend) {
+  if (pend.m) {
+    const __m256 inv = _mm256_set1_ps(pend.minv);
+    for (int i = 0; i < kBlock; i += 32) {
+      avx2_codes32<true>(q.lv[kSigned], q.k, inv, pend.mbuf + i, pend.mcodes + i);
     }
-    if (pend.v) {
-      avx2_store_codes(pend.vcodes + i,
-                       avx2_codes<false>(pend.vr, _mm256_load_ps(pend.vbuf + i)));
+  }
+  if (pend.v) {
+    const __m256 inv = _mm256_set1_ps(pend.vinv);
+    for (int i = 0; i < kBlock; i += 32) {
+      avx2_codes32<false>(q.lv[kUnsigned], q.k, inv, pend.vbuf + i, pend.vcodes + i);
     }
   }
   pend.m = pend.v = false;
 }
 
-// A range of blocks, software-pipelined: the re-quantization of block b-1 (ALU work) runs in
-// the loop that updates block b (bound by the divider: sqrt and two divisions per element), so
-// the two overlap. The same operations as avx2_q8_block block by block, so the same bits.
+// A range of blocks, software-pipelined as avx512_q8_range: the re-quantization of block b-1
+// runs in the loop that updates block b, 32 elements at a time. The same operations as
+// avx2_q8_block block by block, so the same bits.
 template <int GD, int OD>
 INF_TARGET_AVX2 void avx2_q8_range(const Job& job, int64_t b0, int64_t b1) {
-  const V256 c = make_v256(job.c);
+  const Q8V256 c = make_q8v256(job);
   const QMaps& q = *job.q;
   alignas(64) float bufs[2][2][kBlock];  // [which][m, v]
-  PendingCodes pend;
+  Pending pend;
   int which = 0;
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t i0 = b * kBlock;
@@ -823,7 +1168,7 @@ INF_TARGET_AVX2 void avx2_q8_range(const Job& job, int64_t b0, int64_t b1) {
                  job.out != nullptr ? static_cast<char*>(job.out) + i0 * job.osize : nullptr,
                  static_cast<int>(std::min<int64_t>(kBlock, job.n - i0))};
     if (s.count < kBlock) {
-      avx2_flush_codes(pend);
+      avx2_flush_codes(q, pend);
       step_padded(job, s);
       continue;
     }
@@ -831,45 +1176,30 @@ INF_TARGET_AVX2 void avx2_q8_range(const Job& job, int64_t b0, int64_t b1) {
     float* vb = bufs[which][1];
     const __m256 ma = _mm256_set1_ps(*s.m_scale);
     const __m256 va = _mm256_set1_ps(*s.v_scale);
-    __m256 mmx = _mm256_setzero_ps(), mnan = _mm256_setzero_ps();
-    __m256 vmx = _mm256_setzero_ps(), vnan = _mm256_setzero_ps();
+    __m256i mmx = _mm256_setzero_si256(), vmx = _mm256_setzero_si256();
     const bool overlap = pend.m && pend.v;  // else at most one moment (a degenerate block)
-    if (!overlap) avx2_flush_codes(pend);
-    for (int i = 0; i < kBlock; i += 8) {
-      __m256 mo, vo;
-      avx2_q8_vector<GD, OD>(job, c, s, i, ma, va, mo, vo);
-      _mm256_store_ps(mb + i, mo);
-      _mm256_store_ps(vb + i, vo);
-      avx2_absmax_step(mo, mmx, mnan);
-      avx2_absmax_step(vo, vmx, vnan);
+    if (!overlap) avx2_flush_codes(q, pend);
+    const __m256 minv = _mm256_set1_ps(pend.minv);
+    const __m256 vinv = _mm256_set1_ps(pend.vinv);
+    for (int i = 0; i < kBlock; i += 32) {
+      __m256 mo[4], vo[4];
+      avx2_q8_update<GD, OD, 4>(job, c, s, i, ma, va, mo, vo);
+      for (int u = 0; u < 4; ++u) {
+        _mm256_store_ps(mb + i + 8 * u, mo[u]);
+        _mm256_store_ps(vb + i + 8 * u, vo[u]);
+        mmx = avx2_absmax_step(q.k, mo[u], mmx);
+        vmx = avx2_absmax_step(q.k, vo[u], vmx);
+      }
       if (overlap) {
-        avx2_store_codes(pend.mcodes + i,
-                         avx2_codes<true>(pend.mr, _mm256_load_ps(pend.mbuf + i)));
-        avx2_store_codes(pend.vcodes + i,
-                         avx2_codes<false>(pend.vr, _mm256_load_ps(pend.vbuf + i)));
+        avx2_codes32<true>(q.lv[kSigned], q.k, minv, pend.mbuf + i, pend.mcodes + i);
+        avx2_codes32<false>(q.lv[kUnsigned], q.k, vinv, pend.vbuf + i, pend.vcodes + i);
       }
     }
     pend.m = pend.v = false;
-    // block b's new scales, and its codes pending for the next block's loop
-    const float mscale = avx2_absmax_value(mmx, mnan);
-    const float vscale = avx2_absmax_value(vmx, vnan);
-    *s.m_scale = mscale;
-    *s.v_scale = vscale;
-    uint8_t* mcodes = static_cast<uint8_t*>(s.m);
-    uint8_t* vcodes = static_cast<uint8_t*>(s.v);
-    const QLevels& ml = q.lv[kSigned];
-    const QLevels& vl = q.lv[kUnsigned];
-    pend.m = !degenerate_block(ml, mscale, mcodes);
-    pend.v = !degenerate_block(vl, vscale, vcodes);
-    if (pend.m) pend.mr = avx2_qreg(ml, block_consts(ml, mscale));
-    if (pend.v) pend.vr = avx2_qreg(vl, block_consts(vl, vscale));
-    pend.mcodes = mcodes;
-    pend.vcodes = vcodes;
-    pend.mbuf = mb;
-    pend.vbuf = vb;
+    set_pending(q, s, avx2_reduce_max(mmx), avx2_reduce_max(vmx), mb, vb, pend);
     which ^= 1;
   }
-  avx2_flush_codes(pend);
+  avx2_flush_codes(q, pend);
 }
 
 // ---- dispatch -----------------------------------------------------------------------------------
@@ -907,6 +1237,14 @@ BlockFn select_block(int cap, int gd, int od) {
 
 template <int GD>
 RangeFn pick_q8_range_out(int cap, int od) {
+  if (cap == kAVX512) {
+    switch (od) {
+      case kF32: return &avx512_q8_range<GD, kF32>;
+      case kBF16: return &avx512_q8_range<GD, kBF16>;
+      case kF16: return &avx512_q8_range<GD, kF16>;
+      default: return &avx512_q8_range<GD, kNone>;
+    }
+  }
   if (cap != kAVX2) return &step_range;
   switch (od) {
     case kF32: return &avx2_q8_range<GD, kF32>;
@@ -916,7 +1254,8 @@ RangeFn pick_q8_range_out(int cap, int od) {
   }
 }
 
-// The 8-bit step's range function: the pipelined one on AVX2, block by block elsewhere.
+// The 8-bit step's range function: the pipelined ones on AVX-512 and AVX2, block by block
+// on the scalar path.
 RangeFn select_q8_range(int cap, int gd, int od) {
   switch (gd) {
     case kF32: return pick_q8_range_out<kF32>(cap, od);
@@ -1008,8 +1347,8 @@ INF_API int inf_adam_step_bf16m(float* p, const void* g, int g_dtype, uint16_t* 
 
 // One Adam/AdamW step with 8-bit block-wise quantized moments. m_codes/v_codes: n codes each
 // (signed / unsigned dynamic map); m_absmax/v_absmax: ceil(n/256) fp32 scales each. Per block:
-// dequantize (map[code] * absmax), guard, update in fp32, update p with the fp32 moments, then
-// store the new absmax and the codes of the level rule. All-zero codes with zero scales are a
+// dequantize (map[code] * absmax), guard, update in fp32, update p with the fp32 moments (one
+// division: scalar_q8_adam), then store the new absmax and the codes of the level rule. All-zero codes with zero scales are a
 // zero state. Non-finite gradients poison the block (its absmax becomes NaN or inf).
 //
 // The moment guard: exact Adam keeps |m_t| <= K_t sqrt(v_t), K_t = (1 - beta1) / sqrt(1 - beta2)
@@ -1054,6 +1393,8 @@ INF_API int inf_adam_step_q8g(float* p, const void* g, int g_dtype, uint8_t* m_c
   job.m_bound = static_cast<float>(
       std::min(m_bound, static_cast<double>(std::numeric_limits<float>::max())));
   job.m_bound_sq = job.m_bound * job.m_bound;
+  job.q8_step = static_cast<float>(lr / bias_correction1 * bias_correction2_sqrt);
+  job.q8_eps = static_cast<float>(eps * bias_correction2_sqrt);
   job.block = select_block<kKernel8bit>(cap, g_dtype, out_dtype);
   job.range = select_q8_range(cap, g_dtype, out_dtype);
   run_job(job);

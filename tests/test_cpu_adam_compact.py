@@ -4,7 +4,9 @@ Every native path (avx512 / avx2 / scalar, forced with cpu_capability_override) 
 pure-PyTorch fallback ("torch") are checked three ways:
 - composition, bitwise: from the same stored state, the compact step equals "widen the moments,
   run the fp32 kernel (ops.cpu_adam_step) on the same path, store the new moments compactly"
-  (bf16: ``m32.to(torch.bfloat16)``, round to nearest even; 8-bit: ``quantize_8bit``);
+  (bf16: ``m32.to(torch.bfloat16)``, round to nearest even; 8-bit: ``quantize_8bit``). The 8-bit
+  step's moments are the fp32 kernel's; its parameter update divides once, with the bias
+  corrections folded into two scalars (q8_update_reference, in fp32 tensor operations);
 - against a float64 reference of the same algorithm, from the state before each step:
   param within 4e-6 * (|p| + |update|) + 1e-12 (as tests/test_cpu_adam.py); bf16 moments equal
   to the float64 moment rounded to nearest even, except where that moment lies within the fp32
@@ -29,6 +31,7 @@ from infinity import _native
 from infinity import ops
 from infinity.ops import _adam_native
 from infinity.ops import adam_compact
+from infinity.ops.adam import bias_corrections
 
 NATIVE_CAPS: List[str] = ops.available_cpu_capabilities()
 ALL_CAPS: List[str] = NATIVE_CAPS + ["torch"]
@@ -248,14 +251,13 @@ def test_8bit_moments_steps(cap, grad_dtype, out_dtype, weight_decay, adamw):
                 v64 = _exact_dequant(vq, va, False)
                 ref = reference_f64(param, grad, _guard_f64(_exact_dequant(mq, ma, True), v64,
                                                             bound), v64, step=step, **kw)
-                p32, out32 = param.clone(), out_tensor(n, out_dtype)
-                ops.cpu_adam_step(p32, grad, m32, v32, step=step, out=out32, **kw)
+                p32 = q8_update_reference(param, grad, m32, v32, step=step, **kw)
                 out = out_tensor(n, out_dtype)
                 ops.cpu_adam_step_8bit(param, grad, mq, ma, vq, va, step=step, out=out, **kw)
                 what = f"n={n} step={step}"
-                assert torch.equal(param, p32), f"{what}: param != guard + fp32 kernel"
+                assert torch.equal(param, p32), f"{what}: param != guard + the 8-bit update"
                 if out is not None:
-                    assert torch.equal(out, out32) and torch.equal(out, param.to(out_dtype))
+                    assert torch.equal(out, param.to(out_dtype))
                 for (codes, absmax), moment, signed in (((mq, ma), m32, True),
                                                         ((vq, va), v32, False)):
                     qc, qa = ops.quantize_8bit(moment, signed=signed)
@@ -266,6 +268,27 @@ def test_8bit_moments_steps(cap, grad_dtype, out_dtype, weight_decay, adamw):
                                   f"{what} exp_avg")
                 check_8bit_moment(vq, va, ref["exp_avg_sq"], ref["exp_avg_sq_scale"], False,
                                   f"{what} exp_avg_sq")
+
+
+def q8_update_reference(param: torch.Tensor, grad: torch.Tensor, m32: torch.Tensor,
+                        v32: torch.Tensor, *, step: int, lr: float, beta1: float, beta2: float,
+                        eps: float, weight_decay: float, adamw: bool,
+                        grad_multiplier: float) -> torch.Tensor:
+    """The 8-bit step's update from fp32 moments, bitwise: the new moments are the fp32 kernel's
+    (ops.cpu_adam_step, the same operations; updated in place in m32 and v32), the parameter is
+    ``p' - (step * m) / (sqrt(v) + eps')`` in fp32 operations (p' the decayed parameter for
+    AdamW, step = lr / bc1 * sqrt(bc2) and eps' = eps * sqrt(bc2) rounded to fp32, the sqrt
+    correctly rounded). Returns the new parameter; param is not changed."""
+    kw = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw,
+              grad_multiplier=grad_multiplier)
+    ops.cpu_adam_step(param.clone(), grad, m32, v32, step=step, **kw)
+    bc1, bc2_sqrt = bias_corrections(step, beta1, beta2)
+    step_size, eps_ = adam_compact.update_scalars_8bit(lr, eps, bc1, bc2_sqrt)
+    p = param.clone()
+    if weight_decay and adamw:
+        p = p * float(torch.tensor(1.0 - lr * weight_decay, dtype=torch.float32))
+    denom = v32.double().sqrt().float() + torch.tensor(eps_, dtype=torch.float32)
+    return p - (m32 * torch.tensor(step_size, dtype=torch.float32)) / denom
 
 
 def _guard_f64(m: torch.Tensor, v: torch.Tensor, bound: float) -> torch.Tensor:
@@ -343,6 +366,38 @@ def test_quantize_dequantize(cap):
             tc, ta = ops.quantize_8bit(torch.cat([torch.tensor([1.0]), thr]), signed=signed)
             lo = torch.arange(255)
             assert bool(((tc[1:].long() == lo) | (tc[1:].long() == lo + 1)).all())
+
+
+@pytest.mark.parametrize("cap", ALL_CAPS)
+def test_8bit_step_reads_every_code(cap):
+    """Every code of both maps, in full blocks and in a padded last block, is read as
+    map[code] * absmax by the step (the vector paths compute map[code] from the decade formula,
+    not the table): the step equals guard + update + quantize_8bit of those values, bitwise."""
+    n = 3 * 256 + 100
+    codes = torch.arange(n, dtype=torch.int64).remainder(256).to(torch.uint8)
+    gen = torch.Generator().manual_seed(12)
+    grad = torch.randn(n, generator=gen) * 1e-3
+    kw = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw=True,
+              grad_multiplier=1.0)
+    with ops.cpu_capability_override(cap):
+        mq, vq = codes.clone(), codes.flip(0).contiguous()
+        ma = torch.tensor([0.37, 2e-3, 5.0, 1e-6])
+        va = torch.tensor([1e-2, 3e-5, 4.0, 1e-9])
+        m32 = ops.dequantize_8bit(mq, ma, signed=True)
+        v32 = ops.dequantize_8bit(vq, va, signed=False)
+        table_m, table_v = ops.dynamic_map(True), ops.dynamic_map(False)
+        scale_m, scale_v = ma.repeat_interleave(256)[:n], va.repeat_interleave(256)[:n]
+        assert torch.equal(m32, table_m[mq.long()] * scale_m)
+        assert torch.equal(v32, table_v[vq.long()] * scale_v)
+        bound = ops.moment_bound(4, 0.9, 0.999)
+        m32 = ops.guard_moment(m32, v32, bound)
+        param = torch.randn(n, generator=gen)
+        expected = q8_update_reference(param, grad, m32, v32, step=5, **kw)
+        ops.cpu_adam_step_8bit(param, grad, mq, ma, vq, va, step=5, **kw)
+        assert torch.equal(param, expected)
+        for (c, a), moment, signed in (((mq, ma), m32, True), ((vq, va), v32, False)):
+            qc, qa = ops.quantize_8bit(moment, signed=signed)
+            assert torch.equal(c, qc) and torch.equal(a, qa)
 
 
 @pytest.mark.parametrize("cap", ALL_CAPS)
@@ -655,8 +710,8 @@ def test_moment_bound_is_adams_bound():
 @pytest.mark.parametrize("cap", ALL_CAPS)
 def test_8bit_guard_leaves_reachable_states_alone(cap):
     """A state that exact Adam can reach is not changed by the guard: from fp32 moments that
-    satisfy |m| <= K sqrt(v) by a margin, the 8-bit step equals the fp32 kernel run on the
-    same dequantized moments."""
+    satisfy |m| <= K sqrt(v) by a margin, the 8-bit step equals its update run on the same
+    dequantized moments without the guard (q8_update_reference)."""
     n = 2309
     gen = torch.Generator().manual_seed(8)
     v = torch.rand(n, generator=gen) * 1e-2
@@ -667,11 +722,11 @@ def test_8bit_guard_leaves_reachable_states_alone(cap):
         m32 = ops.dequantize_8bit(mq, ma, signed=True)
         v32 = ops.dequantize_8bit(vq, va, signed=False)
         assert not bool((m32 * m32 > ops.moment_bound(1, 0.9, 0.999) ** 2 * v32).any())
-        p8, p32 = torch.randn(n, generator=gen), None
-        p32 = p8.clone()
+        p8 = torch.randn(n, generator=gen)
         g = torch.randn(n, generator=gen)
+        p32 = q8_update_reference(p8, g, m32, v32, step=2, lr=1e-2, beta1=0.9, beta2=0.999,
+                                  eps=1e-8, weight_decay=0.0, adamw=True, grad_multiplier=1.0)
         ops.cpu_adam_step_8bit(p8, g, mq, ma, vq, va, step=2, lr=1e-2)
-        ops.cpu_adam_step(p32, g, m32, v32, step=2, lr=1e-2)
     assert torch.equal(p8, p32)
 
 
@@ -687,6 +742,12 @@ def test_bench_adam_formats_quick_runs(tmp_path):
                            "--quick", "--no-plot", "--out", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = json.loads(out.read_text())["results"][0]["kernels"]
-    assert set(rows) == {"torch_fused", "fp32", "bf16", "8bit", "copy"}
-    assert all(r["median_s"] > 0 for r in rows.values())
+    results = json.loads(out.read_text())["results"]
+    assert {r["grads"] for r in results} == {"fresh", "constant"}
+    for result in results:
+        rows = result["kernels"]
+        assert set(rows) == {"torch_fused", "fp32", "bf16", "8bit", "rmw", "copy"}
+        assert all(r["median_s"] > 0 and r["memory_limit_s"] > 0 for r in rows.values())
+        assert rows["fp32"]["speed_vs_fp32_same_rep_median"] == 1.0
+        assert rows["8bit"]["bytes_per_param"] < rows["bf16"]["bytes_per_param"] \
+            < rows["fp32"]["bytes_per_param"]

@@ -5,7 +5,9 @@ with its moments replaced after every step by their compact value, computed with
 pure-PyTorch fallbacks: bf16 = ``m.to(bfloat16).float()`` (nearest even); 8bit = quantize then
 dequantize in 256-element blocks per parameter (``adam_compact._torch_quantize`` /
 ``_torch_dequantize``). That is the algorithm of the compact kernels (the update uses the
-unrounded fp32 moments, the stored moments are rounded afterwards). Tolerance: losses and
+unrounded fp32 moments, the stored moments are rounded afterwards). For 8bit the parameter is
+then recomputed with the 8-bit step's update, ``p' - (step * m) / (sqrt(v) + eps')`` (one
+division, the bias corrections folded into two fp32 scalars), from the same fp32 moments. Tolerance: losses and
 weights equal to rtol 1e-6 / atol 1e-7 (FP32_TOL, as test_optim); measured bitwise equal.
 """
 from __future__ import annotations
@@ -23,6 +25,7 @@ import infinity
 from infinity import ops
 from infinity.models import GPTConfig, TinyGPT, lm_loss, synthetic_batch
 from infinity.ops import adam_compact
+from infinity.ops.adam import bias_corrections
 from infinity.optim.state_store import (STATE_FORMATS, layout_for, quantize_exact,
                                         state_views)
 from engine_helpers import assert_tensors_equal
@@ -78,6 +81,29 @@ def _round_torch_states(opt: torch.optim.Optimizer, fmt: str) -> None:
             m.copy_(adam_compact.guard_moment(m.clone(), v, bound))
 
 
+def _redo_8bit_update(opt: torch.optim.Optimizer, before: Dict) -> None:
+    """The reference's 8-bit parameter update (``adam_compact.update_scalars_8bit``) for each
+    parameter that took this step, from its value before the step and the fp32 moments torch
+    just computed (bitwise the 8-bit kernel's moments), in fp32 tensor operations."""
+    for group in opt.param_groups:
+        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+        beta1, beta2 = group["betas"]
+        for p in group["params"]:
+            if p not in before:
+                continue
+            state = opt.state[p]
+            step = int(state["step"])
+            bc1, bc2_sqrt = bias_corrections(step, beta1, beta2)
+            step_size, eps_ = adam_compact.update_scalars_8bit(lr, eps, bc1, bc2_sqrt)
+            q = before[p]
+            if wd:
+                q = q * float(torch.tensor(1.0 - lr * wd, dtype=torch.float32))
+            m, v = state["exp_avg"], state["exp_avg_sq"]
+            denom = v.double().sqrt().float() + torch.tensor(eps_, dtype=torch.float32)
+            with torch.no_grad():
+                p.copy_(q - (m * torch.tensor(step_size, dtype=torch.float32)) / denom)
+
+
 def _every_param(fmt: str, model: torch.nn.Module) -> Dict:
     """``states=fmt`` for every parameter of ``model``: "8bit" names the whole model
     explicitly and sets ``min_8bit_size=0``, so the 8-bit safeguards (fp32 moments for
@@ -113,7 +139,11 @@ def _train(model, opt, steps: int, *, seed: int = 1, fmt: Optional[str] = None,
             named[NO_GRAD].requires_grad_(True)
             with _materialized(model):
                 observe["before"] = named[NO_GRAD].detach().clone()
+        before = {p: p.detach().clone() for p in model.parameters()
+                  if p.grad is not None} if fmt == "8bit" else None
         opt.step()
+        if before is not None:
+            _redo_8bit_update(opt, before)
         if skip:
             with _materialized(model):
                 observe["after"] = named[NO_GRAD].detach().clone()
@@ -385,3 +415,35 @@ def test_benchmark_quick_runs(tmp_path):
     assert {c["task"] for c in res["convergence"]} == {"demo", "llama"}
     for c in res["convergence"]:
         assert set(c["final_loss"]) == set(STATE_FORMATS)
+
+
+def test_benchmark_nvme_step_sequential_frees_each_format(tmp_path, monkeypatch):
+    """bench_compact_states' NVMe step one format at a time (what it picks when all formats would
+    not fit in RAM, e.g. at 1e9 parameters): at most one format's model is alive at any time,
+    and each is garbage once its rows are taken."""
+    import gc
+    import importlib.util
+    import weakref
+    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))  # its _common helper
+    spec = importlib.util.spec_from_file_location(
+        "bench_compact_states", os.path.join(REPO, "benchmarks", "bench_compact_states.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    live: List[weakref.ref] = []
+    most = []
+    real = bench.StepCase
+
+    class Counting(real):
+        def __init__(self, *args, **kwargs):
+            most.append(sum(r() is not None for r in live) + 1)
+            super().__init__(*args, **kwargs)
+            live.append(weakref.ref(self.model))
+
+    monkeypatch.setattr(bench, "StepCase", Counting)
+    n_params, rows = bench.bench_nvme_step(2 * 256 * 256, 256, 1, 1, str(tmp_path),
+                                           sequential=True)
+    gc.collect()
+    assert [r["states"] for r in rows] == list(bench.FORMATS)
+    assert all(r["schedule"] == "sequential" for r in rows)
+    assert max(most) == 1, most
+    assert len(live) == len(bench.FORMATS) and all(r() is None for r in live)

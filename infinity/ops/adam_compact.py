@@ -1,9 +1,10 @@
 """Adam/AdamW steps with compact optimizer states (opt-in): bf16 moments or 8-bit moments.
 
 The fp32 master weights stay fp32; only ``exp_avg`` and ``exp_avg_sq`` shrink. Each step widens
-the moments to fp32, runs exactly the update of :func:`infinity.ops.cpu_adam_step` (same fp32
-operations, so the parameter equals what the fp32 kernel computes from those moments), updates
-the parameter with the unrounded fp32 moments, and then stores the moments compactly:
+the moments to fp32, updates them exactly as :func:`infinity.ops.cpu_adam_step` does (same fp32
+operations), updates the parameter with the unrounded fp32 moments, and then stores the moments
+compactly. The bf16 step's parameter update is the fp32 kernel's too; the 8-bit step's divides
+once (below).
 
 =====================  ===================================================  ==================
 variant                state per parameter                                  bytes / parameter
@@ -25,7 +26,12 @@ of :data:`BLOCK_SIZE` = 256 consecutive elements one fp32 absmax per moment; eac
 index (uint8 code) of an entry of a 256-entry dynamic map, ``value ~ map[code] * absmax``: the
 signed map for ``exp_avg``, the unsigned map for ``exp_avg_sq`` (:func:`dynamic_map`). A step
 dequantizes a block (``map[code] * absmax``, fp32), applies the moment guard, updates it in fp32,
-takes the new absmax and stores the codes of the level rule (below). All-zero codes with all-zero
+takes the new absmax and stores the codes of the level rule (below). Its parameter update is
+Adam's with the bias corrections folded into two host-side scalars,
+``p - (step * m) / (sqrt(v) + eps')`` with ``step = lr / bc1 * sqrt(bc2)`` and
+``eps' = eps * sqrt(bc2)`` (:func:`update_scalars_8bit`): one division and one square root per
+element instead of two divisions and a root, so the step is not bound by the divider. The
+moments are the fp32 kernel's; the parameter can differ from it by an ulp of the update. All-zero codes with all-zero
 scales are a zero state (:func:`new_8bit_state`). A non-finite gradient poisons its block
 (absmax becomes NaN or inf): skip such steps, as the optimizer already does.
 
@@ -41,12 +47,16 @@ do. A positive ``exp_avg_sq`` is never stored as 0 either (its smallest code is 
 quiet element keeps a small step instead of none.
 
 *The level rule* (quantization without a search): the map is a decimal exponent and a linear
-fraction, so the code is computed: the decade from seven compares of ``|x|`` with the per-block
-boundaries ``lim * absmax`` (fp32 midpoints between neighbouring decades, and between the top
-value and 1.0), the bin inside the decade as ``trunc(|x| * (S / absmax) - O)`` clamped to the
-decade, then the decade's first code plus (or, for negative values, minus) the bin. Up to fp32
-rounding next to a midpoint this is the nearest code; every path (AVX-512, AVX2, scalar, the
-fallback here) computes the same fp32 operations and so the same codes.
+fraction, so the code is computed from the ratio ``r = max(|x| * (1 / absmax), 2**-31)`` (one
+fp32 division per block): the decade ("level") from the fp32 midpoints ``lim`` between
+neighbouring decades (and between the top value and 1.0; the AVX-512 path reads it from two
+tables indexed by r's exponent, as the lims are ~10x apart), then
+``min(trunc(fma(r, S[level], C[level])), cap[level])`` -- the bin inside the decade plus its first
+code in one fma, capped at the decade's last code; a negative ``x`` takes the mirror code
+``254 - code``. Level 0 also holds 0 (signed: below the midpoint to the smallest value) and the
+floor (unsigned). Up to fp32 rounding next to a midpoint this is the nearest code; every path
+(AVX-512, AVX2, scalar, the fallback here) computes the same fp32 operations and so the same
+codes (csrc/cpu_adam_compact.cpp spells the rule out).
 
 The dynamic map is dynamic tree quantization (Dettmers 2016): a code reads
 ``[sign][e zero bits][indicator bit][f fraction bits]``; the zeros are a decimal exponent and the
@@ -72,8 +82,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from infinity.ops import _adam_native as _an
-from infinity.ops.adam import (GRAD_DTYPES, OUT_DTYPES, _check_tensor, _overlap, check_hyper,
-                               _torch_adam_step, bias_corrections)
+from infinity.ops.adam import (GRAD_DTYPES, OUT_DTYPES, _check_tensor, _fma, _fma_t, _overlap,
+                               check_hyper, _torch_adam_step, bias_corrections)
 from infinity.ops.cpu import use_torch_fallback
 
 logger = logging.getLogger(__name__)
@@ -160,27 +170,27 @@ def _python_map(signed: bool) -> torch.Tensor:
 @functools.lru_cache(maxsize=2)
 def _levels(signed: bool) -> Dict[str, torch.Tensor]:
     """The level tables of the quantization rule, built from the same double-precision values as
-    the native ones (csrc/cpu_adam_compact.cpp, build_levels)."""
+    the native ones (csrc/cpu_adam_compact.cpp, build_levels), each rounded once to fp32."""
     bits = 6 if signed else 7
     table = [float(x) for x in _python_map(signed)]
-    lim, S, O, kmax, pos, neg = [], [], [], [], [], []
+    lim, S, C, cap = [], [], [], []
     base = 128 if signed else 1
     for level in range(7):
         e = 6 - level
         count = 1 << (bits - e)
         S.append(float(10 ** e) * count / 0.9)
-        O.append(0.1 * count / 0.9)
-        kmax.append(count - 1)
-        pos.append(base)
-        neg.append(254 - base if signed else 0)
+        C.append(base - 0.1 * count / 0.9)
+        cap.append(base + count - 1)
         base += count  # the next decade's first code (or 1.0's)
         lim.append(0.5 * (table[base - 1] + table[base]))
-    S.append(0.0), O.append(0.0), kmax.append(0), pos.append(255), neg.append(0)
-    f32 = dict(dtype=torch.float64)
-    return {"lim": torch.tensor(lim, **f32).float(), "S": torch.tensor(S, **f32).float(),
-            "O": torch.tensor(O, **f32).float(), "kmax": torch.tensor(kmax),
-            "pos": torch.tensor(pos), "neg": torch.tensor(neg),
-            "zlim": torch.tensor(0.5 * table[128 if signed else 1], **f32).float(),
+    if signed:  # level 0: 0 below the midpoint between 0 and the smallest value, then code 128
+        S[0], C[0] = 1.0 / (0.5 * table[128]), 127.0
+    else:       # level 0: codes 1 and 2 split at their midpoint; every positive x below is 1
+        S[0], C[0] = 1.0 / (0.5 * (table[1] + table[2])), 1.0
+    S.append(0.0), C.append(255.0), cap.append(255)  # level 7: 1.0
+    f64 = dict(dtype=torch.float64)
+    return {"lim": torch.tensor(lim, **f64).float(), "S": torch.tensor(S, **f64).float(),
+            "C": torch.tensor(C, **f64).float(), "cap": torch.tensor(cap),
             "zero_code": 127 if signed else 0}
 
 
@@ -308,8 +318,8 @@ def cpu_adam_step_8bit(param: torch.Tensor, grad: torch.Tensor, exp_avg_codes: t
         m32 = _torch_dequantize(exp_avg_codes.view(-1), exp_avg_absmax.view(-1), True)
         v32 = _torch_dequantize(exp_avg_sq_codes.view(-1), exp_avg_sq_absmax.view(-1), False)
         m32 = guard_moment(m32, v32, bound)
-        _torch_adam_step(param, grad, m32, v32, out, lr, beta1, beta2, eps, weight_decay, adamw,
-                         bc1, bc2_sqrt, grad_multiplier)
+        _torch_adam_step_8bit(param, grad, m32, v32, out, lr, beta1, beta2, eps, weight_decay,
+                              adamw, bc1, bc2_sqrt, grad_multiplier)
         _torch_quantize(m32, True, exp_avg_codes.view(-1), exp_avg_absmax.view(-1))
         _torch_quantize(v32, False, exp_avg_sq_codes.view(-1), exp_avg_sq_absmax.view(-1))
         return
@@ -331,6 +341,44 @@ def _torch_dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -
     return _python_map(signed)[codes.long()] * scale
 
 
+def update_scalars_8bit(lr: float, eps: float, bc1: float, bc2_sqrt: float) -> Tuple[float, float]:
+    """The 8-bit step's two host-side scalars, as fp32 values: ``step = lr / bc1 * sqrt(bc2)``
+    and ``eps' = eps * sqrt(bc2)`` (the bias corrections folded in, so the update divides once:
+    ``p - step * m / (sqrt(v) + eps')``)."""
+    step = float(torch.tensor(lr / bc1 * bc2_sqrt, dtype=torch.float32))
+    eps_ = float(torch.tensor(eps * bc2_sqrt, dtype=torch.float32))
+    return step, eps_
+
+
+@torch.no_grad()
+def _torch_adam_step_8bit(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                          exp_avg_sq: torch.Tensor, out: Optional[torch.Tensor], lr: float,
+                          beta1: float, beta2: float, eps: float, weight_decay: float,
+                          adamw: bool, bc1: float, bc2_sqrt: float,
+                          grad_multiplier: float) -> None:
+    """The 8-bit step's update on fp32 moments, as the kernels compute it: the moments exactly as
+    :func:`infinity.ops.cpu_adam_step` (same operations), the parameter with one division,
+    ``p - (step * m) / (sqrt(v) + eps')`` (:func:`update_scalars_8bit`)."""
+    p, m, v = param.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1)
+    g = grad.reshape(-1).to(torch.float32, copy=True)
+    if grad_multiplier != 1.0:
+        g.mul_(grad_multiplier)
+    if weight_decay != 0.0:
+        if adamw:
+            p.mul_(1.0 - lr * weight_decay)
+        else:
+            g = _fma(p, weight_decay, g)
+    m.lerp_(g, 1.0 - beta1)
+    v.copy_(_fma_t(g.mul(1.0 - beta2), g, v.mul(beta2)))  # fma((1 - beta2)*g, g, v*beta2)
+    step, eps_ = update_scalars_8bit(lr, eps, bc1, bc2_sqrt)
+    # the float sqrt correctly rounded (the double sqrt of a float, rounded to float), as the
+    # kernels' (torch's own CPU float sqrt is not always)
+    denom = v.double().sqrt().float().add_(eps_)
+    p.sub_(m.mul(step).div_(denom))
+    if out is not None:
+        out.view(-1).copy_(p)
+
+
 @torch.no_grad()
 def guard_moment(m: torch.Tensor, v: torch.Tensor, bound: float) -> torch.Tensor:
     """The moment guard on fp32 tensors, as the kernels compute it: where ``m*m > bound**2 * v``
@@ -346,10 +394,15 @@ def guard_moment(m: torch.Tensor, v: torch.Tensor, bound: float) -> torch.Tensor
     return torch.where(over, torch.copysign(root * k, m), m)
 
 
+_RATIO_MIN = 2.0 ** -31
+"""The ratio's floor in the level rule (csrc/cpu_adam_compact.cpp, kRatioMin)."""
+
+
 @torch.no_grad()
 def _torch_quantize(x: torch.Tensor, signed: bool, codes: torch.Tensor,
                     absmax: torch.Tensor) -> None:
-    """The kernels' rule: absmax per block (NaN if one is NaN), codes by the level rule."""
+    """The kernels' rule: absmax per block (NaN if one is NaN), codes by the level rule (module
+    docstring; csrc/cpu_adam_compact.cpp, the map comment), in fp32 operations."""
     n = x.numel()
     blocks = num_blocks(n)
     padded = torch.zeros(blocks * BLOCK_SIZE, dtype=torch.float32)
@@ -358,22 +411,24 @@ def _torch_quantize(x: torch.Tensor, signed: bool, codes: torch.Tensor,
     scale = padded.abs().amax(dim=1)  # propagates NaN
     lv = _levels(signed)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # degenerate blocks: below
-    lim = lv["lim"][None, :] * safe[:, None]                        # (blocks, 7)
-    sc = lv["S"][None, :] / safe[:, None]                           # (blocks, 8)
-    a = padded.abs()
-    level = (a[:, :, None] >= lim[:, None, :]).sum(dim=2)           # 0..7
-    t = a * sc.gather(1, level) - lv["O"][level]
-    finite = torch.isfinite(t) & (t.abs() < 2.0 ** 31)
-    bin_ = torch.where(finite, t.trunc(), torch.zeros_like(t)).long().clamp(min=0)
-    bin_ = torch.minimum(bin_, lv["kmax"][level])
-    code = lv["pos"][level] + bin_
+    inv = torch.ones_like(safe) / safe                              # fp32 1 / absmax
+    r = (padded.abs() if signed else padded) * inv[:, None]         # fp32 products
+    floor = torch.tensor(_RATIO_MIN, dtype=torch.float32)
+    r = torch.where(r > floor, r, floor)                            # NaN -> the floor, as vmaxps
+    level = (r[:, :, None] >= lv["lim"][None, None, :]).sum(dim=2)  # 0..7
+    # fma(r, S, C) in fp32: the product is exact in float64, the sum rounded (twice: float64,
+    # then fp32, which can differ from one rounding by an ulp in rare ties)
+    t = (r.double() * lv["S"][level].double() + lv["C"][level].double()).float()
+    # cvtt, then an unsigned min with the level's cap: NaN / out of range (0x80000000) -> cap
+    ok = torch.isfinite(t) & (t > -2.0 ** 31) & (t < 2.0 ** 31)
+    trunc = torch.where(ok, t, torch.zeros_like(t)).trunc().long()
+    cap = lv["cap"][level]
+    code = torch.where(ok & (trunc >= 0), torch.minimum(trunc, cap), cap)
     if signed:
-        code = torch.where(padded < 0, lv["neg"][level] - bin_, code)
-        zero = a < (lv["zlim"] * safe)[:, None]
+        code = torch.where(torch.signbit(padded), 254 - code, code)
     else:
-        zero = padded <= 0
-    code = torch.where(zero, torch.full_like(code, lv["zero_code"]), code)
-    code = torch.where(torch.isnan(padded), torch.zeros_like(code), code)
+        code = torch.minimum(code, padded.view(torch.int32).long())
+    code = code.clamp(0, 255)
     code = torch.where((scale == 0)[:, None], torch.full_like(code, lv["zero_code"]), code)
     code = torch.where(torch.isnan(scale)[:, None], torch.zeros_like(code), code)
     codes.copy_(code.view(-1)[:n].to(torch.uint8).view(codes.shape))
