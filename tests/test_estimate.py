@@ -192,3 +192,30 @@ def test_states_override_matches_the_named_placement_and_is_checked(pr):
         estimate_one(shape, placement("device"), pr, batch=2, seq=32, states="8bit")
     with pytest.raises(ValueError, match="states must be"):
         estimate_one(shape, placement("host"), pr, batch=2, seq=32, states="fp8")
+
+
+@pytest.mark.parametrize("vocab", [32000, 128256, 256000])
+def test_nvme_host_ram_is_flat_in_the_vocabulary_and_bytes_are_categorised(pr, vocab):
+    """With parameters on NVMe the engine's host pools and the optimizer's buffer sets are
+    bounded by the chunk: the estimated host RAM does not grow with the vocabulary (the
+    embedding is 0.4-3x the 256 MiB chunk here), the device working set (the compute buffers:
+    the embedding block is fetched whole) does; the swap bytes by category add up to the
+    total, and the SSD-wear figure follows the bytes written."""
+    dims = dict(d_model=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn=8192, tied=True)
+    t = estimate(None, probe=pr, placements=["nvme_8bit", "nvme"], batch=1, seq=256,
+                 vocab_size=vocab, **dims)
+    ref = estimate(None, probe=pr, placements=["nvme_8bit", "nvme"], batch=1, seq=256,
+                   vocab_size=32000, **dims)
+    for name in ("nvme_8bit", "nvme"):
+        r, r0 = t.row(name), ref.row(name)
+        assert r.host_bytes == r0.host_bytes < 3 << 30
+        assert (r.device_bytes > r0.device_bytes) == (vocab > 32000)
+        assert sum(r.nvme_by_category.values()) == pytest.approx(r.nvme_bytes, rel=1e-6)
+        assert set(r.nvme_by_category) == {"parameters", "gradients", "master", "moments",
+                                           "spare"}
+        assert r.tb_written_per_1000_steps == pytest.approx(
+            r.nvme_written_per_step * 1000 / 1e12)
+    small = estimate(None, probe=pr, placements=["nvme_8bit"], batch=1, seq=256,
+                     vocab_size=vocab, chunk_bytes=64 << 20, **dims).row("nvme_8bit")
+    assert small.host_bytes < t.row("nvme_8bit").host_bytes  # the chunk bounds it
+    assert "SSD wear" in str(t) and "swap bytes/param" in str(t)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 from torch import nn
 
@@ -39,6 +39,7 @@ from .placements import (MASTER_BYTES, PLACEMENTS, Placement, placement as get_p
                          state_bytes_per_param)
 from .probe import ProbeResult, probe as run_probe
 from .shape import ModelShape, describe
+from ..tiers.chunk_size import DEFAULT_CHUNK_BYTES
 
 # Per block and step when the probe did not measure the engine's fixed costs (an old result).
 BLOCK_OVERHEAD_S = 2e-4
@@ -60,6 +61,14 @@ class Estimate:
     tokens_per_step: int
     what: str = ""
     engine_s: float = 0.0       # the engine's fixed cost per block and step (in step_s)
+    # swap bytes by category: parameters, gradients, master, moments, spare (the second
+    # extent the optimizer keeps so a failed step leaves the previous states)
+    nvme_by_category: Dict[str, int] = field(default_factory=dict)
+
+    @property
+    def tb_written_per_1000_steps(self) -> float:
+        """SSD wear: terabytes written to the swap disk per 1,000 steps."""
+        return self.nvme_written_per_step * 1000 / 1e12
 
     @property
     def tokens_per_s(self) -> float:
@@ -146,10 +155,13 @@ def estimate_one(shape: ModelShape, pl: Placement, pr: ProbeResult, *, batch: in
                  ranks: int = 1, prefetch_window: int = 2,
                  compute_bytes_per_param: Optional[float] = None,
                  compute_s: Optional[float] = None, states: Optional[str] = None,
-                 master: Optional[str] = None) -> Estimate:
+                 master: Optional[str] = None, chunk_bytes: Optional[int] = None) -> Estimate:
     """One placement's bytes per tier and predicted step. ``compute_s``: forward + backward
     seconds timed at this shape (else from the probe's FLOP rate); ``states`` / ``master``:
-    the optimizer's moment / master-weight format, overriding the placement's own."""
+    the optimizer's moment / master-weight format, overriding the placement's own;
+    ``chunk_bytes``: the size of the host buffers swap-file I/O and the optimizer pass
+    through (None: the default, 256 MiB): staging, gradient buffers and the optimizer's
+    buffer sets are bounded by it, never by the largest block."""
     if master is not None and master != pl.master:
         if pl.plain:
             raise ValueError("infinity.estimate: the device placement (plain PyTorch) has no "
@@ -190,6 +202,8 @@ def estimate_one(shape: ModelShape, pl: Placement, pr: ProbeResult, *, batch: in
     s = _state_bpp(shape, pl)
     fetch = grad = opt = 0.0
     written = 0.0
+    chunk = float(chunk_bytes or DEFAULT_CHUNK_BYTES)
+    categories: Dict[str, float] = {}
     if pl.plain:
         device = shape.param_bytes * 2 + 8 * shape.params
         host = nvme = 0.0
@@ -219,19 +233,28 @@ def estimate_one(shape: ModelShape, pl: Placement, pr: ProbeResult, *, batch: in
                 nvme = 0.0
                 opt = n / adam_rate + copy_back
             else:
-                host += 3 * largest * s
+                unit = min(largest, chunk / s)  # elements a buffer set steps at once
+                host += 3 * unit * s
                 nvme = 2 * s * n
+                categories = _state_categories(pl, s, n)
                 disk = pr.disk
                 io = s * n / disk.read_bps + s * n / disk.write_bps
-                edge = s * largest / disk.read_bps + s * largest / disk.write_bps
+                edge = s * unit / disk.read_bps + s * unit / disk.write_bps
                 opt = max(n / adam_rate + copy_back, io) + edge
                 written = s * n
         else:  # nvme
             device = window_bytes
-            pool = min(2, max(1, prefetch_window))
-            host = (pool * shape.layer_block_bytes + (prefetch_window + 2) * 4.0 * largest
-                    + 3 * largest * (s + bpp + 4.0))
+            # the engine's pools and the optimizer's buffer sets, each buffer one chunk (or
+            # the largest block when that is smaller): staging (one on a CPU device, where
+            # fetches read straight into the compute buffers), window + 2 gradient buffers,
+            # 3 sets of one unit's states, gradients and working copy
+            staging = (1 if not cuda else min(2, max(1, prefetch_window))) * \
+                min(chunk, shape.largest_block_bytes / ranks)
+            grad_bufs = (prefetch_window + 2) * min(chunk, 4.0 * largest)
+            unit = min(largest, chunk / (s + bpp + 4.0))
+            host = staging + grad_bufs + 3 * unit * (s + bpp + 4.0)
             nvme = pbytes + 4.0 * n + 2 * s * n
+            categories = dict(parameters=pbytes, gradients=4.0 * n, **_state_categories(pl, s, n))
             disk = pr.disk
             io_fb = 2 * pbytes / disk.read_bps + 4.0 * n / disk.write_bps
             first = first_bytes / disk.read_bps
@@ -242,12 +265,20 @@ def estimate_one(shape: ModelShape, pl: Placement, pr: ProbeResult, *, batch: in
             # shard's read and the last one's write. Its updates may also start during
             # backward (gradients and states both on NVMe); that is not credited: on a
             # CPU-only machine the same cores compute, and the fetches use the same disk
-            edge = (s + 4.0) * largest / disk.read_bps + (s + bpp) * largest / disk.write_bps
+            edge = (s + 4.0) * unit / disk.read_bps + (s + bpp) * unit / disk.write_bps
             fetch = max(0.0, io_fb - compute - grad) + first
             opt = max(adam, io_opt) + edge
         step = compute + fetch + grad + opt + overhead
     return Estimate(pl.name, ranks, int(device), int(host), int(nvme), step, compute, fetch,
-                    grad, opt, int(written), tokens, pl.what, overhead)
+                    grad, opt, int(written), tokens, pl.what, overhead,
+                    {k: int(v) for k, v in categories.items()})
+
+
+def _state_categories(pl: Placement, s: float, n: float) -> Dict[str, float]:
+    """The optimizer's swap bytes by category: its master weights, its moments, and the spare
+    second extent (the previous states, kept until a step commits)."""
+    master = MASTER_BYTES[pl.master]
+    return {"master": master * n, "moments": (s - master) * n, "spare": s * n}
 
 
 def estimate(model_or_count: Union[nn.Module, int, float, str, ModelShape, Any] = None, *,
@@ -258,7 +289,8 @@ def estimate(model_or_count: Union[nn.Module, int, float, str, ModelShape, Any] 
              quick_probe: bool = False, calibrate: bool = False,
              master: str = "fp32", vocab_size: Optional[int] = None, ffn: Optional[int] = None,
              n_heads: Optional[int] = None, n_kv_heads: Optional[int] = None,
-             tied: Optional[bool] = None, head_dim: Optional[int] = None) -> EstimateTable:
+             tied: Optional[bool] = None, head_dim: Optional[int] = None,
+             chunk_bytes: Optional[int] = None) -> EstimateTable:
     """Predicts, before anything is allocated, what each placement needs and how fast a step
     runs. ``model_or_count``: an nn.Module (built on the meta device is fine); a Hugging Face
     config of a Llama-style decoder (the path of a ``config.json`` or of the model folder, a
@@ -272,7 +304,9 @@ def estimate(model_or_count: Union[nn.Module, int, float, str, ModelShape, Any] 
     the disk figures: pass ``nvme_path`` (probed) or a ``probe`` result with a disk.
     ``calibrate``: time forward + backward of one layer and of the head at this exact shape
     (seconds for large models) instead of using the probe's FLOP rate. ``master``: the
-    optimizer's master-weight format (``AdamW(master=...)``) for every infinity placement."""
+    optimizer's master-weight format (``AdamW(master=...)``) for every infinity placement.
+    ``chunk_bytes``: the engine's chunk (``wrap(chunk_bytes=)``; None: 256 MiB), which bounds
+    the host buffers of the NVMe placements."""
     shape = describe(model_or_count, n_layers=n_layers, d_model=d_model, vocab_size=vocab_size,
                      ffn=ffn, n_heads=n_heads, n_kv_heads=n_kv_heads, tied=tied,
                      head_dim=head_dim)
@@ -301,6 +335,6 @@ def estimate(model_or_count: Union[nn.Module, int, float, str, ModelShape, Any] 
         notes.append("compute timed at this shape (one layer + head)")
     rows = [estimate_one(shape, p, pr, batch=batch, seq=seq, ranks=r,
                          prefetch_window=prefetch_window, compute_s=compute_s,
-                         master=None if p.plain else master)
+                         master=None if p.plain else master, chunk_bytes=chunk_bytes)
             for r in rank_list for p in chosen if not (p.plain and r > 1)]
     return EstimateTable(shape, rows, batch, seq, pr.device, notes)

@@ -46,6 +46,12 @@ def format_estimates(t: "EstimateTable") -> str:
             f"{r.tokens_per_s:>9,.0f} {fmt_s(r.compute_s):>9} {fmt_s(r.fetch_s):>8} "
             f"{fmt_s(r.grad_offload_s):>8} {fmt_s(r.optimizer_s):>8} "
             f"{fmt_bytes(r.nvme_written_per_step):>11}")
+    for r in t.rows:
+        if r.nvme_by_category:
+            n = max(1, sh.params // r.ranks)
+            parts = ", ".join(f"{k} {v / n:.2f}" for k, v in r.nvme_by_category.items())
+            lines.append(f"swap bytes/param ({r.placement}, {r.ranks} rank{'s' if r.ranks > 1 else ''}): "
+                         f"{parts}; SSD wear {r.tb_written_per_1000_steps:.2f} TB per 1,000 steps")
     lines += [f"note: {n}" for n in t.notes]
     return "\n".join(lines) + "\n"
 
