@@ -201,3 +201,32 @@ def test_process_killed_mid_run_leaves_nothing_behind(tmp_path):
         assert torch.equal(ref(x), wrapped(x))
     infinity.unwrap(wrapped)
     assert not list(tmp_path.iterdir())
+
+
+def test_disk_too_small_for_the_swap_files_is_refused_before_anything_is_written(
+        tmp_path, monkeypatch):
+    """A disk under nvme_path with less free space than the parameters' and gradients' swap
+    files: wrap raises ENOSPC naming infinity, the bytes needed and free and the remedy, the
+    model is left as it was, and nothing is written under nvme_path."""
+    import collections
+    import errno
+    import os
+    import re
+    from infinity.models import GPTConfig, TinyGPT
+    from infinity.tiers import disk_space
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(disk_space.shutil, "disk_usage", lambda p: usage(1 << 30, 0, 100_000))
+    model = TinyGPT(GPTConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=2, max_seq=16))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(OSError) as err:
+        infinity.wrap(model, nvme_path=str(tmp_path), param_tier="nvme", grad_tier="nvme",
+                      optimizer_tier="host")
+    assert err.value.errno == errno.ENOSPC
+    msg = str(err.value)
+    assert "infinity:" in msg and "100,000 bytes free" in msg and "grad_tier" in msg
+    need = int(re.search(r"need ([\d,]+) bytes", msg).group(1).replace(",", ""))
+    n = sum(p.numel() for p in model.parameters())
+    assert need >= 8 * n  # fp32 homes + fp32 gradients
+    assert os.listdir(tmp_path) == []
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name

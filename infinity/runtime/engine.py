@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 from .. import io as inf_io
 from ..policy import OffloadPolicy
 from ..tiers import BudgetExceededError, ByteBudget, HostPool, SwapStore, Tier
+from ..tiers.disk_space import check_free_space
 from ..tiers.chunk_size import resolve_chunk_bytes
 from ..tiers.pool_plan import PoolPlan, plan_pools
 from . import hooks as hooks_mod
@@ -124,6 +125,7 @@ class Engine(Residence, OutsideWrites, HookHandlers):
                                                      self._owned_ranges)
         try:
             self._compute_reserved = self._check_host_budget()
+            self._check_disk()
             self._materialize_homes()
         except BaseException:
             if self.activations is not None:
@@ -414,6 +416,21 @@ class Engine(Residence, OutsideWrites, HookHandlers):
             self.device_budget = ByteBudget("device", reserve)
         self.compute_buffers.limit = reserve
         return reserve
+
+    def _check_disk(self) -> None:
+        """The parameter homes and gradient files this engine puts on NVMe must fit on the
+        disk under nvme_path: refused before anything is written (an optimizer checks its
+        states' extents the same way when it is constructed)."""
+        if Tier.NVME not in self.param_blocks() and self.grad_tier is not Tier.NVME:
+            return
+        align = inf_io.ALIGNMENT
+        needs = {"parameters": sum(-(-self._home_flat(f).home_nbytes // align) * align
+                                   for b in self.blocks if b.home is Tier.NVME
+                                   for f in b.flats)}
+        if self.grad_tier is Tier.NVME:
+            needs["gradients"] = sum(-(-f.numel * 4 // align) * align
+                                     for f in self._sink_flats() if f.trainable)
+        check_free_space(self.policy.nvme_path, needs, "the model's parameters and gradients")
 
     def _check_budgets(self) -> None:
         """With a device budget: the root block (materialized for the whole step), the blocks
