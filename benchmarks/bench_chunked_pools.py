@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -76,6 +77,8 @@ def main() -> None:
                      "grad_buffer_bytes": host["grads"], "largest_flat_bytes": largest}
         opt.close()
         infinity.unwrap(model)
+    if args.nvme is None:
+        shutil.rmtree(base, ignore_errors=True)
     ratio = out["chunked"]["median_step_s"] / out["one_buffer_per_flat"]["median_step_s"]
     result = {"machine": _common.machine_info(), "config": vars(cfg), "runs": out,
               "ratio_chunked": ratio}

@@ -115,6 +115,9 @@ class GradientSink:
         self._valid: Dict[int, Set[int]] = {}
         self._stale: Dict[int, Set[int]] = {}
         self._offsets: Dict[int, List[int]] = {}  # chunked flats: their slots' offsets
+        # chunked flats accumulating: reads started ahead ((id(flat), chunk) -> flat, buffer,
+        # future), taken by _chunk
+        self._ahead: Dict[Tuple[int, int], tuple] = {}
         # (write, buffer, flat, chunk index or None for a whole flat)
         self._writes: List[Tuple[_PendingWrite, torch.Tensor, FlatParam, Optional[int]]] = []
         self.chunk_bytes = chunk_bytes
@@ -280,6 +283,8 @@ class GradientSink:
                 self._evict_chunk()
             elif self._writes:
                 self._reap(block=True, count=1)
+            elif self._ahead:
+                self._drop_ahead()
             elif self._open_chunks:
                 self._evict_chunk()
             elif self._open:
@@ -295,7 +300,7 @@ class GradientSink:
 
     def _free_count(self) -> int:
         return (self.pool.count - len(self._open) - len(self._open_chunks)
-                - len(self._writes))
+                - len(self._writes) - len(self._ahead))
 
     # ---- flats larger than one buffer: chunk by chunk ------------------------------------
     @property
@@ -319,19 +324,68 @@ class GradientSink:
         if held is not None:
             self._open_chunks.move_to_end(key)
             return held[1]
-        buf = self._acquire_buffer()
         start, end = self._chunk_span(flat, k)
-        if k in self._valid.get(id(flat), ()):
+        ahead = self._ahead.pop(key, None)
+        if ahead is not None:  # read ahead: wait for it and check it
+            _flat, buf, future = ahead
+            view = buf[:(end - start) * 4].view(torch.float32)
             try:
-                self._wait_chunk_written(flat, k)
-                self.store.read_at_sync(grad_key(flat), start * 4,
-                                        buf[:(end - start) * 4].view(torch.float32))
+                future.wait()
+                self.store.verify_read_at(grad_key(flat), start * 4, view)
+            except BaseException:
+                self.pool.release(buf)
+                raise
+        else:
+            buf = self._acquire_buffer()
+            if k in self._valid.get(id(flat), ()):
+                try:
+                    self._wait_chunk_written(flat, k)
+                    self.store.read_at_sync(grad_key(flat), start * 4,
+                                            buf[:(end - start) * 4].view(torch.float32))
+                except BaseException:
+                    self.pool.release(buf)
+                    raise
+                self.stats.add_moved("nvme_to_host", (end - start) * 4)
+        self._open_chunks[key] = (flat, buf)
+        if k in self._valid.get(id(flat), ()):
+            self._read_ahead(flat, k)
+        return buf
+
+    def _read_ahead(self, flat: FlatParam, k: int) -> None:
+        """Accumulating across micro-batches: starts reading the chunks below ``k`` that
+        backward reaches next (it goes from a flat's last slot to its first) into buffers
+        that are free now, keeping two for accumulation and writes."""
+        fid = id(flat)
+        valid = self._valid.get(fid, ())
+        for j in range(k - 1, -1, -1):
+            if self._free_count() <= 2 or len(self._ahead) >= self.pool.count - 2:
+                return
+            key = (fid, j)
+            if j not in valid or key in self._open_chunks or key in self._ahead:
+                return  # not summed in the file yet (or already here): stop at the gap
+            if any(w[2] is flat and w[3] == j for w in self._writes):
+                return  # still being written
+            start, end = self._chunk_span(flat, j)
+            buf = self.pool.acquire()
+            try:
+                future = self.store.read_at(grad_key(flat), start * 4,
+                                            buf[:(end - start) * 4].view(torch.float32))
             except BaseException:
                 self.pool.release(buf)
                 raise
             self.stats.add_moved("nvme_to_host", (end - start) * 4)
-        self._open_chunks[key] = (flat, buf)
-        return buf
+            self._ahead[key] = (flat, buf, future)
+
+    def _drop_ahead(self, flat: Optional[FlatParam] = None) -> None:
+        """Gives back the buffers of reads ahead (of ``flat``, or all) that were not used."""
+        for key in [key for key, v in self._ahead.items() if flat is None or v[0] is flat]:
+            _f, buf, future = self._ahead.pop(key)
+            try:
+                future.wait()
+            except Exception:  # noqa: BLE001 - nothing was read from it
+                pass
+            finally:
+                self.pool.release(buf)
 
     def _chunk_part(self, flat: FlatParam, k: int, a: int, b: int) -> torch.Tensor:
         """Elements [a, b) of the flat (within chunk ``k``) in its open chunk buffer."""
@@ -434,6 +488,7 @@ class GradientSink:
         accumulation's sums yet (zeros where no gradient landed: the bytes a whole-flat
         buffer would have written), then records the slots' norms."""
         self._drain_d2h()
+        self._drop_ahead(flat)
         fid = id(flat)
         count = -(-flat.numel // self._chunk_elems)
         stale = self._stale.pop(fid, set())
@@ -547,6 +602,7 @@ class GradientSink:
                 self.close(flat)
             for flat in list(self._chunked.values()):
                 self.close(flat)
+            self._drop_ahead()
             self._reap(block=True)
 
     def abort_backward(self) -> None:
@@ -671,7 +727,14 @@ class GradientSink:
             self.pool.release(buf)
 
     def zero_grad(self) -> None:
-        """Forgets every accumulated gradient (set_to_none semantics) and lost marks."""
+        """Forgets every accumulated gradient (set_to_none semantics) and lost marks. Writes
+        still in flight (left by a backward that raised) are settled first, so a failure
+        among them is not reported against the gradients that follow."""
+        if self._writes:
+            try:
+                self._reap(block=True)
+            except GradientWriteError as exc:
+                logger.warning("%s (forgotten by zero_grad)", exc)
         for flat, i, _given, _v, _view in self._exposed.values():
             flat.slots[i].param.grad = None
         self._exposed.clear()
@@ -799,6 +862,7 @@ class GradientSink:
             self._staging.close()
             self._staging = None
         try:
+            self._drop_ahead()
             self._reap(block=True)
         finally:
             if self._writer is not None:
