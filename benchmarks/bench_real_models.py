@@ -83,6 +83,16 @@ _CHILD = textwrap.dedent(r"""
         with open("/proc/self/clear_refs", "w") as fh:
             fh.write("5")  # VmHWM := VmRSS (Linux >= 4.0)
 
+    class Sampler:  # the kernel keeps no peak of RssAnon / RssFile: sample them
+        def __init__(self):
+            self.anon = self.file = 0
+            threading.Thread(target=self.run, daemon=True).start()
+        def run(self):
+            while True:
+                self.anon = max(self.anon, status("RssAnon"))
+                self.file = max(self.file, status("RssFile"))
+                time.sleep(0.005)
+
     def category(name):
         if name.endswith(".grad.swp"):
             return "gradients"
@@ -128,6 +138,7 @@ _CHILD = textwrap.dedent(r"""
 
     base = status("VmRSS")
     reset_peak()
+    sampler = Sampler()
     t0 = time.perf_counter()
     infinity.wrap(model, nvme_path=args["nvme"], init=init, param_tier="nvme",
                   grad_tier="nvme", optimizer_tier="nvme", host_budget=args["budget"],
@@ -136,7 +147,8 @@ _CHILD = textwrap.dedent(r"""
     wrap_s = time.perf_counter() - t0
     after_wrap = {"VmHWM": status("VmHWM"), "VmRSS": status("VmRSS")}
     t0 = time.perf_counter()
-    opt = infinity.optim.AdamW(model.parameters(), lr=1e-5, states=args["states"])
+    opt = infinity.optim.AdamW(model.parameters(), lr=1e-5, states=args["states"],
+                               overlap=args["overlap"])
     opt_s = time.perf_counter() - t0
     steps = []
     infinity.stats(model, reset=True)
@@ -153,9 +165,13 @@ _CHILD = textwrap.dedent(r"""
                       "moved": s.get("moved"), "nvme_written": s["nvme_bytes_written"]["last_step"],
                       "host": s["tiers"]["host"], "device": s["tiers"]["device"],
                       "stall_s": s["stall_seconds"], "VmHWM": status("VmHWM"),
+                      "peak_rss_anon_sampled": sampler.anon,
+                      "peak_rss_file_sampled": sampler.file,
                       "VmRSS": status("VmRSS"), "swap": swap_bytes(args["nvme"])})
         print(json.dumps({"progress": i, "loss": loss.item(), "fwd_bwd_s": t1 - t0,
-                          "step_s": t2 - t1, "VmHWM": status("VmHWM")}), file=sys.stderr,
+                          "step_s": t2 - t1, "VmHWM": status("VmHWM"),
+                          "anon_peak": sampler.anon, "file_peak": sampler.file,
+                          "engine_host_peak": s["tiers"]["host"]["peak"]}), file=sys.stderr,
               flush=True)
     model.eval()
     with torch.no_grad():
@@ -200,6 +216,8 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--states", default="8bit", choices=("fp32", "bf16", "8bit"))
     p.add_argument("--weights", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--compute", default="float32", choices=("bfloat16", "float32"))
+    p.add_argument("--overlap", default="auto", choices=("auto", "on", "off"),
+                   help="the optimizer's update overlapping backward")
     p.add_argument("--nvme-path", default=None, help="swap directory (default: temp dir)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -218,7 +236,8 @@ def main(argv: Optional[list] = None) -> int:
     os.makedirs(swap_dir, exist_ok=True)
     payload = {"config": config, "batch": args.batch, "seq": seq, "budget": budget,
                "chunk": chunk, "states": args.states, "steps": steps, "nvme": swap_dir,
-               "weights": args.weights, "compute": args.compute}
+               "weights": args.weights, "compute": args.compute,
+               "overlap": {"auto": "auto", "on": True, "off": False}[args.overlap]}
     try:
         run = run_child(payload, timeout=900 if args.quick else 4 * 3600)
     finally:
@@ -235,7 +254,7 @@ def main(argv: Optional[list] = None) -> int:
         "machine": _common.machine_info(),
         "model": name, "config": config, "params": n, "batch": args.batch, "seq": seq,
         "states": args.states, "weights": args.weights, "compute_dtype": args.compute,
-        "host_budget": budget, "chunk_bytes": chunk,
+        "host_budget": budget, "chunk_bytes": chunk, "overlap": args.overlap,
         "rss_before_wrap": run["base"], "peak_rss": run["peak"], "bound": bound,
         "within_bound": run["peak"] <= bound, "peak_over_base": run["peak"] - run["base"],
         "swap_bytes": run["swap"], "swap_bytes_total": swap_total,
