@@ -677,7 +677,8 @@ class NvmeStates(_Store):
     def beside(self, shard: Shard) -> Beside:
         """What a unit of the shard moves beside its states through its buffer set: fp32
         gradients read from NVMe (its window of whole pieces) and the working copy written to
-        an NVMe home (from the piece holding its first element)."""
+        an NVMe home (from the piece holding its first element; the whole pieces covering
+        it when the states are first made from the home)."""
         per, fixed = 0.0, 0
         g = self.grad_piece(shard)
         if g is not None:
@@ -686,7 +687,7 @@ class NvmeStates(_Store):
         h = self.home_piece(shard)
         if h is not None:
             per += shard.flat.home_itemsize
-            fixed += h * shard.flat.home_itemsize
+            fixed += 2 * h * shard.flat.home_itemsize
         return Beside(per, fixed)
 
     def _target(self, shard: Shard) -> str:

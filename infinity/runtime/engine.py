@@ -44,6 +44,8 @@ from .host_malloc import trim_heap
 from .host_memory import HOST_MEMORY, RELEASE, REUSE, HostMemoryLease
 from .partition import partition
 from ..sharding.partitioner import make_partitioner
+from ..sharding.shard_flat import ShardFlat
+from ..sharding.sharded_home import ShardedHome
 from .activations import make_activation_offloader
 from .lifecycle import HookHandlers
 from .outside import OutsideWrites
@@ -738,6 +740,8 @@ class Engine(Residence, OutsideWrites, HookHandlers):
     # ---- ranged working-copy I/O: an optimizer stepping a flat in element ranges ----------
     def _nvme_home(self, flat: FlatParam, what: str) -> NvmeHome:
         home = self.homes.get(Tier.NVME)
+        if isinstance(home, ShardedHome) and isinstance(flat, ShardFlat):
+            home = home.inner  # ZeRO: a rank's part has a swap file of its own
         if not isinstance(home, NvmeHome) or self.home.tier_of(flat) is not Tier.NVME:
             raise RuntimeError(f"infinity: {what} is only for parameters homed on NVMe, not "
                                f"{flat.key!r}")
