@@ -276,3 +276,57 @@ def test_budget_minimum_counts_one_chunk_per_set(tmp_path):
     assert engine.host_budget.used <= engine.host_budget.limit
     opt.close()
     infinity.unwrap(model)
+
+
+def test_inf_in_a_large_accumulated_gradient_is_found_in_ranges(tmp_path):
+    """A slot larger than the engine's chunk that accumulates over micro-batches has no
+    measured norm, so check_finite=True reads the gradients back: range by range (never the
+    whole flat), finding a nan that only the second micro-batch put in; the step is skipped
+    and nothing changes. The same run without the nan steps."""
+    results = []
+    for poison in (True, False):
+        model = _model()
+        d = tmp_path / f"p{poison}"
+        d.mkdir()
+        infinity.wrap(model, nvme_path=str(d), chunk_bytes=16 << 10, **ALL_NVME)
+        engine = infinity.runtime.engine_of(model)
+        opt = infinity.optim.AdamW(model.parameters(), lr=1e-2, check_finite=True)
+        before = _weights(model)
+        calls: List[int] = []
+        read, read_range = engine.grads.read, engine.grads.read_range
+
+        def no_whole(flat, dst):
+            raise AssertionError(f"whole gradient read of {flat.key}")
+
+        def counted(flat, start, end, dst):
+            calls.append(end - start)
+            return read_range(flat, start, end, dst)
+
+        engine.grads.read, engine.grads.read_range = no_whole, counted
+        gen = torch.Generator().manual_seed(1)
+        for micro in range(2):
+            x, y = synthetic_batch(CFG, 2, 8, gen)
+            handle = None
+            if poison and micro == 1:
+                def hook(g: torch.Tensor) -> torch.Tensor:
+                    g = g.clone()
+                    g[-1, -1] = float("nan")
+                    return g
+                handle = model.tok.weight.register_hook(hook)
+            lm_loss(model(x), y).backward()
+            if handle is not None:
+                handle.remove()
+        big = max(engine.flats, key=lambda f: f.numel)
+        assert big.numel * 4 > 4 * (16 << 10)
+        assert engine.grads.finite(big) is None  # unknown: the optimizer reads them
+        calls.clear()
+        opt.step()
+        assert calls and max(calls) * 4 <= max(16 << 10, opt._chunk_for(engine))
+        results.append((opt.skipped_steps, _weights(model), before))
+        engine.grads.read = read
+        opt.close()
+        infinity.unwrap(model)
+    (skipped, after, before), (skipped2, after2, before2) = results
+    assert skipped == 1
+    _equal(after, before)
+    assert skipped2 == 0 and not torch.equal(after2["tok.weight"], before2["tok.weight"])
