@@ -43,7 +43,7 @@ from ._common import ShardState, States, _check_hyper, _float, _read_grads, _Run
 from .grad_checks import GradientChecks
 from .overlap import BackwardOverlap
 from .state_dicts import StateDicts
-from .chunks import Unit, piece_window, unit_views
+from .chunks import Unit, home_write_range, piece_window, unit_views
 from .swapper import BufferSets, StepStats, run_pipeline, write_units
 from ..ops.adam_compact import BLOCK_SIZE, num_blocks
 from ..sizes import Size, parse_size
@@ -865,6 +865,10 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
             store = self._stores[id(shard.engine)]
             engine = shard.engine
             engine.release_all()
+            if isinstance(store, NvmeStates) and store.plan(shard).chunked:
+                self._restore_units(store, shard)
+                del self._dirty[key]
+                continue
             if isinstance(store, HostStates):
                 buf = store.buffer(shard)
             else:
@@ -873,6 +877,53 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
                 store.verify(shard, buf)
             engine.home.write_from(shard.flat, store.views(shard, buf).master_value())
             del self._dirty[key]
+
+    def _restore_units(self, store: NvmeStates, shard: Shard) -> None:
+        """:meth:`_restore_dirty` of a shard stepped in units, through buffer set 0: the
+        committed extent is read unit by unit and checked (its owned pieces' CRCs combined),
+        then read again unit by unit, each unit's masters written to the working copy (whole
+        pieces of an NVMe home, the partial one at a unit's end finished by the next)."""
+        engine, flat = shard.engine, shard.flat
+        sets = self._sets_for(engine, [s for s in self._shards.values() if s.engine is engine])
+        plan, layout = store.plan(shard), store.layout(shard)
+        slots = [(x.offset, x.numel) for x in flat.slots]
+        buf = sets.states[0]
+
+        def read(un: Unit) -> List[Tuple[int, int, int]]:
+            got = store.read_unit(shard, un, buf)
+            crcs = []
+            for future, q in got:
+                try:
+                    future.wait()
+                except inf_io.InfinityIOError as exc:
+                    raise store.wrap_error(exc, shard, "reading") from exc
+                if q.owned and store.store.verify:
+                    crcs.append((q.offset, q.nbytes, future.crc32c()))
+            return crcs
+
+        if store.store.verify:
+            store.check_pieces(shard, [c for un in plan.units for c in read(un)])
+        h = store.home_piece(shard)
+        home = None if h is not None else engine.home.working_buffer(flat)
+        if h is None and home is None:
+            raise RuntimeError(f"infinity.optim: {flat.key} is stepped in units but has no "
+                               "working buffer (a bug in the unit plan)")
+        carry: Optional[torch.Tensor] = None  # the start of the piece the next unit finishes
+        for un in plan.units:
+            read(un)
+            master = unit_views(layout, slots, un, buf).master
+            if home is not None:
+                home[un.start:un.end].copy_(master)
+                continue
+            base = un.start // h * h
+            out = sets.home_view(0, flat, un.end - base)
+            if un.start > base:
+                out[:un.start - base].copy_(carry)
+            out[un.start - base:].copy_(master)
+            a, b = home_write_range(un.start, un.end, flat.numel, h)
+            if b > a:
+                engine.write_home_range(flat, a, out[a - base:b - base]).wait()
+            carry = out[b - base:].clone() if b < un.end else None
 
     # ---- unwrapped parameters ---------------------------------------------------------------
     def _step_unwrapped(self, multiplier: float, stats: StepStats) -> None:
