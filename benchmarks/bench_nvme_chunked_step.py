@@ -81,7 +81,8 @@ def step_times(nvme_path: str, quick: bool) -> List[Dict[str, object]]:
             rows.append({"states": fmt, "chunk": chunk, "units": units,
                          "step_ms": 1e3 * statistics.median(times),
                          "ratio": statistics.median(times) / base, "sets": sets.count,
-                         "set_bytes": sets.set_nbytes, "slot_bytes": sets.slot_nbytes})
+                         "set_bytes": sets.set_nbytes,
+                         "beside_bytes": sets.grad_nbytes + sets.staging_nbytes})
             opt.close()
             infinity.unwrap(model)
     return rows
@@ -99,7 +100,7 @@ def main() -> None:
     for r in out["step"]:
         print(f"{r['states']:5s} chunk {r['chunk'] >> 10:8d} KiB  {r['units']:4d} units  "
               f"step {r['step_ms']:7.1f} ms  {r['ratio']:.2f}x whole  sets {r['sets']} x "
-              f"{r['set_bytes']:,} + shard slots of {r['slot_bytes']:,} B")
+              f"{r['set_bytes']:,} B ({r['beside_bytes']:,} of gradients and working copy)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

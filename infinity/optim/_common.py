@@ -6,7 +6,7 @@ import logging
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, Optional, Tuple, Union
 
 import torch
 
@@ -84,6 +84,23 @@ def _read_grads(shard: Shard, dst: Optional[torch.Tensor] = None) -> torch.Tenso
     shard.engine.grads.read(shard.flat, dst).wait()
     shard.engine.grads.verify(shard.flat, dst)
     return dst
+
+
+def _grad_ranges(shard: Shard, max_elems: int) -> Iterator[Tuple[int, torch.Tensor]]:
+    """The shard's accumulated gradients read from NVMe range by range: (first element,
+    fp32 values) of whole pieces of the gradient file, about ``max_elems`` at a time (one
+    piece at least), through one buffer that the next item reuses (consume each before
+    asking for the next)."""
+    grads, flat = shard.engine.grads, shard.flat
+    piece = grads.range_elems(flat)
+    per = max(piece, max_elems // piece * piece)
+    buf = inf_io.aligned_empty(min(per, flat.numel), torch.float32)
+    for start in range(0, flat.numel, per):
+        end = min(flat.numel, start + per)
+        view = buf[:end - start]
+        grads.read_range(flat, start, end, view).wait()
+        grads.verify_range(flat, start, view)
+        yield start, view
 
 
 def _float(value: object) -> float:

@@ -49,20 +49,43 @@ def bytes_per_element(fmt: str) -> float:
     return _BYTES_PER_ELEMENT[fmt]
 
 
+@dataclass(frozen=True)
+class Beside:
+    """What a unit moves through its buffer set beside its states: ``per_element`` bytes per
+    element (4 for fp32 gradients read from NVMe, plus the home's item size for a working
+    copy written to NVMe) and ``fixed`` bytes whatever its size (the partial gradient /
+    working-copy pieces at its edges). The unit's elements are chosen so that states and
+    these fit the chunk together; ``fixed`` is left out when it would take more than half of
+    the chunk (the set is then larger than the chunk by about those pieces)."""
+
+    per_element: float = 0.0
+    fixed: int = 0
+
+
+NOTHING_BESIDE = Beside()
+
+
+def _per_unit(chunk_bytes: int, spans: int, bpe: float, beside: Beside) -> int:
+    usable = chunk_bytes - 2 * spans * inf_io.ALIGNMENT
+    if beside.fixed <= usable // 2:
+        usable -= beside.fixed
+    return max(BLOCK_SIZE, int(usable // (bpe + beside.per_element)) // BLOCK_SIZE
+               * BLOCK_SIZE)
+
+
 def element_ranges(layout: "StateLayout", slots: List[Tuple[int, int]],
-                   chunk_bytes: int) -> List[Tuple[int, int]]:
-    """[start, end) element ranges covering ``[0, layout.numel)`` whose state bytes are at
-    most about ``chunk_bytes`` each (one page of slack per region is left for the partial
-    pages of unaligned spans). ``slots``: (offset, numel) of each slot, in shard order.
-    Every boundary is a slot start, a slot end, or a 256-element block boundary inside a slot,
-    so no 8-bit block is ever split. Only one-format layouts with an fp32 master."""
+                   chunk_bytes: int, beside: Beside = NOTHING_BESIDE) -> List[Tuple[int, int]]:
+    """[start, end) element ranges covering ``[0, layout.numel)`` whose state bytes (plus
+    what moves ``beside`` them) are at most about ``chunk_bytes`` each (one page of slack per
+    region is left for the partial pages of unaligned spans). ``slots``: (offset, numel) of
+    each slot, in shard order. Every boundary is a slot start, a slot end, or a 256-element
+    block boundary inside a slot, so no 8-bit block is ever split. Only one-format layouts
+    with an fp32 master."""
     if layout.mixed or layout.master != "fp32" or not layout.with_master:
         raise ValueError("infinity.optim: element ranges need a one-format layout with an "
                          "fp32 master")
     spans = 5 if layout.fmt == "8bit" else 3
-    usable = chunk_bytes - 2 * spans * inf_io.ALIGNMENT
-    per = max(BLOCK_SIZE, int(usable // bytes_per_element(layout.fmt)) // BLOCK_SIZE
-              * BLOCK_SIZE)
+    per = _per_unit(chunk_bytes, spans, bytes_per_element(layout.fmt), beside)
     n = layout.numel
     out: List[Tuple[int, int]] = []
     a = 0
@@ -122,13 +145,12 @@ def _mixed_spans_count(layout: "StateLayout") -> int:
 
 
 def mixed_ranges(layout: "StateLayout", slots: List[Tuple[int, int]],
-                 chunk_bytes: int) -> List[Tuple[int, int]]:
+                 chunk_bytes: int, beside: Beside = NOTHING_BESIDE) -> List[Tuple[int, int]]:
     """:func:`element_ranges` of a layout whose slots have several formats: sized by the
     widest format present (12 B/element with fp32 moments), boundaries as there."""
     spans = _mixed_spans_count(layout)
-    usable = chunk_bytes - 2 * spans * inf_io.ALIGNMENT
     widest = max(bytes_per_element(f) for f in layout.formats)
-    per = max(BLOCK_SIZE, int(usable // widest) // BLOCK_SIZE * BLOCK_SIZE)
+    per = _per_unit(chunk_bytes, spans, widest, beside)
     n = layout.numel
     out: List[Tuple[int, int]] = []
     a = 0
@@ -254,12 +276,15 @@ def whole_plan(layout: "StateLayout") -> ChunkPlan:
 
 
 def plan_chunks(layout: "StateLayout", slots: List[Tuple[int, int]],
-                chunk_bytes: Optional[int]) -> ChunkPlan:
-    """The units of a shard (see the module docstring): one whole unit when its states fit in
-    ``chunk_bytes`` (None: never cut) or the layout is not :func:`chunkable`."""
-    if chunk_bytes is None or layout.nbytes <= chunk_bytes or not chunkable(layout):
+                chunk_bytes: Optional[int], beside: Beside = NOTHING_BESIDE) -> ChunkPlan:
+    """The units of a shard (see the module docstring): one whole unit when its states (plus
+    what moves ``beside`` them per element) fit in ``chunk_bytes`` (None: never cut) or the
+    layout is not :func:`chunkable`."""
+    whole_bytes = layout.nbytes + int(layout.numel * beside.per_element)
+    if chunk_bytes is None or whole_bytes <= chunk_bytes or not chunkable(layout):
         return whole_plan(layout)
-    ranges = (mixed_ranges if layout.mixed else element_ranges)(layout, slots, chunk_bytes)
+    ranges = (mixed_ranges if layout.mixed else element_ranges)(layout, slots, chunk_bytes,
+                                                                beside)
     if len(ranges) <= 1:
         return whole_plan(layout)
     page = inf_io.ALIGNMENT
@@ -310,6 +335,21 @@ def plan_chunks(layout: "StateLayout", slots: List[Tuple[int, int]],
         raise RuntimeError(f"infinity.optim: chunk plan owns {owned_total} of {extent} bytes "
                            "(a bug in the unit geometry)")
     return ChunkPlan(extent, tuple(units))
+
+
+# ---- gradients and working copies of a unit: whole pieces of the engine's swap files ------
+def piece_window(a: int, b: int, n: int, piece: int) -> Tuple[int, int]:
+    """The whole pieces (``piece`` elements each, the last one ending at ``n``) that cover
+    elements [a, b): their first element and their end."""
+    return a // piece * piece, min(n, -(-b // piece) * piece)
+
+
+def home_write_range(a: int, b: int, n: int, piece: int) -> Tuple[int, int]:
+    """The pieces of the working copy a unit [a, b) writes: from the piece holding ``a``
+    (the elements before ``a`` in it come from the units before) up to the piece holding
+    ``b``, which is left to the next unit, unless ``b`` is the flat's end. Empty (start ==
+    end) when the unit lies inside one piece that a later unit finishes."""
+    return a // piece * piece, n if b >= n else b // piece * piece
 
 
 @dataclass

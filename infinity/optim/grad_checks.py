@@ -9,7 +9,7 @@ from typing import Dict, Iterator, List, Optional
 import torch
 
 from . import clip as clip_mod
-from ._common import _number, _read_grads
+from ._common import _grad_ranges, _number, _read_grads
 
 logger = logging.getLogger("infinity.optim")
 
@@ -27,6 +27,17 @@ class GradientChecks:
             if skip_checked and shard.engine.grads.finite(shard.flat) is not None:
                 continue
             grad = shard.engine.grads.in_ram(shard.flat)
+            if grad is None and shard.engine.grads.on_nvme:
+                # from NVMe about a chunk at a time (the parts of the ready slots in each)
+                per = self._chunk_for(shard.engine) // 4
+                for start, part in _grad_ranges(shard, per):
+                    end = start + part.numel()
+                    for i in ready:
+                        s = shard.flat.slots[i]
+                        lo, hi = max(s.offset, start), min(s.offset + s.numel, end)
+                        if lo < hi:
+                            yield part[lo - start:hi - start]
+                continue
             grad = grad if grad is not None else _read_grads(shard)
             for i in ready:
                 s = shard.flat.slots[i]

@@ -43,7 +43,7 @@ from ._common import ShardState, States, _check_hyper, _float, _read_grads, _Run
 from .grad_checks import GradientChecks
 from .overlap import BackwardOverlap
 from .state_dicts import StateDicts
-from .chunks import Unit, unit_views
+from .chunks import Unit, home_write_range, piece_window, unit_views
 from .swapper import BufferSets, StepStats, run_pipeline, write_units
 from ..ops.adam_compact import BLOCK_SIZE, num_blocks
 from ..sizes import Size, parse_size
@@ -621,28 +621,39 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
                                else views.master_value(slice(a, b)))
 
     def _apply_unit(self, shard: Shard, runs: List[_Run], unit: Unit, buf: torch.Tensor,
-                    staging: Optional[torch.Tensor], multiplier: float,
-                    grad: Optional[torch.Tensor] = None,
+                    multiplier: float, out: Optional[Tuple[torch.Tensor, int]] = None,
+                    grad: Optional[Tuple[torch.Tensor, int]] = None,
                     hypers: Optional[List[Dict[str, Any]]] = None) -> None:
         """:meth:`_apply` of one unit of an NVMe shard (the whole shard for a whole unit):
         the same kernels over the runs' elements inside ``[unit.start, unit.end)``. Unit
         boundaries are slot edges or 256-element block boundaries inside a slot, so an
         8-bit slot cut by them is quantized in exactly the blocks it has whole; fp32 and bf16
         moments are element-wise. Layouts with an fp32 master are cut (one format or several,
-        each format's moments in its own region)."""
+        each format's moments in its own region). ``out``: (working copy in the home dtype,
+        the element it starts at) where the pipeline stages it for an NVMe home (None: the
+        home's working buffer); ``grad``: (fp32 gradients, the element they start at) read
+        from NVMe (None: those in RAM)."""
         if unit.whole:
-            self._apply(shard, runs, buf, staging, multiplier, grad, hypers)
+            staging = out[0].view(torch.uint8) if out is not None else None
+            self._apply(shard, runs, buf, staging, multiplier,
+                        grad[0] if grad is not None else None, hypers)
             return
         flat, engine = shard.flat, shard.engine
         store = self._stores[id(engine)]
         layout = store.layout(shard)
         slots = flat.slots
         views = unit_views(layout, [(x.offset, x.numel) for x in slots], unit, buf)
-        grad = engine.grads.in_ram(flat) if grad is None else grad
-        out = self._working_out(shard, staging)
+        g, gb = grad if grad is not None else (engine.grads.in_ram(flat), 0)
         if out is None:
+            if engine.stages_working_copy(flat):
+                raise RuntimeError(f"infinity.optim: {flat.key} is stepped in units but no "
+                                   "working-copy buffer was given (a bug in the pipeline)")
+            out = (engine.home.working_buffer(flat), 0)
+        o, ob = out
+        if o is None or g is None:
             raise RuntimeError(f"infinity.optim: {flat.key} is stepped in units but has no "
-                               "working buffer to write (a bug in the unit plan)")
+                               "working buffer to write or no gradients (a bug in the unit "
+                               "plan)")
         a, b = unit.start, unit.end
         master = views.master
         written: List[Tuple[int, int]] = []
@@ -667,9 +678,10 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
                         b0 = layout.block_start[i] + (lo - s.offset) // BLOCK_SIZE \
                             - unit.blocks[0]
                         nb = num_blocks(hi - lo)
-                        cpu_adam_step_8bit(master[lo - a:hi - a], grad[lo:hi], m[p:p + hi - lo],
-                                           m_abs[b0:b0 + nb], v[p:p + hi - lo],
-                                           v_abs[b0:b0 + nb], out=out[lo:hi], **hyper)
+                        cpu_adam_step_8bit(master[lo - a:hi - a], g[lo - gb:hi - gb],
+                                           m[p:p + hi - lo], m_abs[b0:b0 + nb],
+                                           v[p:p + hi - lo], v_abs[b0:b0 + nb],
+                                           out=o[lo - ob:hi - ob], **hyper)
                         written.append((lo, hi))
                     continue
                 # one call over the sub-run inside the unit, the padding between slots included
@@ -680,14 +692,14 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
                     continue
                 p = pos(first) + (lo - start) - base
                 kernel = cpu_adam_step if fmt == "fp32" else cpu_adam_step_bf16_moments
-                kernel(master[lo - a:hi - a], grad[lo:hi], m[p:p + hi - lo], v[p:p + hi - lo],
-                       out=out[lo:hi], **hyper)
+                kernel(master[lo - a:hi - a], g[lo - gb:hi - gb], m[p:p + hi - lo],
+                       v[p:p + hi - lo], out=o[lo - ob:hi - ob], **hyper)
                 written.append((lo, hi))
         if engine.stages_working_copy(flat):
             at = a  # elements the kernels did not write: the working copy from the master
             for lo, hi in written + [(b, b)]:
                 if lo > at:
-                    out[at:lo].copy_(master[at - a:lo - a])
+                    o[at - ob:lo - ob].copy_(master[at - a:lo - a])
                 at = max(at, hi)
 
     @staticmethod
@@ -778,26 +790,30 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
         buf = sets.state_view(0, store, shard)
         init_states(shard, store.views(shard, buf),
                     sets.staging[0] if sets.staging[0] is not None
+                    and sets.staging_nbytes >= shard.flat.home_nbytes
                     else inf_io.aligned_empty(shard.flat.home_nbytes))
         store.write_and_commit(shard, buf, "initializing")
         shard.initialized = True
 
     def _init_nvme_units(self, store: NvmeStates, sets: BufferSets, shard: Shard) -> None:
         """:meth:`_init_nvme` of a shard stepped in units: the master of each unit from the
-        home copy (through the staging slot for NVMe homes, else the working buffer), zero
-        moments, written unit by unit."""
+        home copy (NVMe homes: the whole pieces covering the unit, read into set 0's
+        working-copy buffer; else the working buffer), zero moments, written unit by unit."""
         engine, flat = shard.engine, shard.flat
-        if engine.stages_working_copy(flat):
-            home = sets.staging[0][:flat.home_nbytes].view(flat.home_dtype)
-            engine.read_home(flat, home)
-        else:
-            home = engine.home.working_buffer(flat)
+        h = store.home_piece(shard)
+        home = None if h is not None else engine.home.working_buffer(flat)
         layout = store.layout(shard)
         slots = [(x.offset, x.numel) for x in flat.slots]
 
         def fill(un: Unit, buf: torch.Tensor) -> None:
             views = unit_views(layout, slots, un, buf)
-            views.master.copy_(home[un.start:un.end])  # moments: zero (the buffer is zeroed)
+            if home is not None:
+                views.master.copy_(home[un.start:un.end])  # moments: zero (buffer zeroed)
+                return
+            base, end = piece_window(un.start, un.end, flat.numel, h)
+            part = sets.home_view(0, flat, end - base)
+            engine.read_home_range(flat, base, part)
+            views.master.copy_(part[un.start - base:un.end - base])
 
         write_units(store, shard, sets, fill, "initializing")
         shard.initialized = True
@@ -815,8 +831,8 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
         write_home = engine.working_copy_staged
         try:
             run_pipeline(shards, store, sets,
-                         lambda s, un, buf, st, g: self._apply_unit(s, runs_of[s.key], un, buf,
-                                                                    st, multiplier, g),
+                         lambda s, un, buf, out, g: self._apply_unit(s, runs_of[s.key], un, buf,
+                                                                     multiplier, out, g),
                          write_home, stats, computed)
         except BaseException as failure:
             for shard in computed:
@@ -849,6 +865,10 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
             store = self._stores[id(shard.engine)]
             engine = shard.engine
             engine.release_all()
+            if isinstance(store, NvmeStates) and store.plan(shard).chunked:
+                self._restore_units(store, shard)
+                del self._dirty[key]
+                continue
             if isinstance(store, HostStates):
                 buf = store.buffer(shard)
             else:
@@ -857,6 +877,53 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
                 store.verify(shard, buf)
             engine.home.write_from(shard.flat, store.views(shard, buf).master_value())
             del self._dirty[key]
+
+    def _restore_units(self, store: NvmeStates, shard: Shard) -> None:
+        """:meth:`_restore_dirty` of a shard stepped in units, through buffer set 0: the
+        committed extent is read unit by unit and checked (its owned pieces' CRCs combined),
+        then read again unit by unit, each unit's masters written to the working copy (whole
+        pieces of an NVMe home, the partial one at a unit's end finished by the next)."""
+        engine, flat = shard.engine, shard.flat
+        sets = self._sets_for(engine, [s for s in self._shards.values() if s.engine is engine])
+        plan, layout = store.plan(shard), store.layout(shard)
+        slots = [(x.offset, x.numel) for x in flat.slots]
+        buf = sets.states[0]
+
+        def read(un: Unit) -> List[Tuple[int, int, int]]:
+            got = store.read_unit(shard, un, buf)
+            crcs = []
+            for future, q in got:
+                try:
+                    future.wait()
+                except inf_io.InfinityIOError as exc:
+                    raise store.wrap_error(exc, shard, "reading") from exc
+                if q.owned and store.store.verify:
+                    crcs.append((q.offset, q.nbytes, future.crc32c()))
+            return crcs
+
+        if store.store.verify:
+            store.check_pieces(shard, [c for un in plan.units for c in read(un)])
+        h = store.home_piece(shard)
+        home = None if h is not None else engine.home.working_buffer(flat)
+        if h is None and home is None:
+            raise RuntimeError(f"infinity.optim: {flat.key} is stepped in units but has no "
+                               "working buffer (a bug in the unit plan)")
+        carry: Optional[torch.Tensor] = None  # the start of the piece the next unit finishes
+        for un in plan.units:
+            read(un)
+            master = unit_views(layout, slots, un, buf).master
+            if home is not None:
+                home[un.start:un.end].copy_(master)
+                continue
+            base = un.start // h * h
+            out = sets.home_view(0, flat, un.end - base)
+            if un.start > base:
+                out[:un.start - base].copy_(carry)
+            out[un.start - base:].copy_(master)
+            a, b = home_write_range(un.start, un.end, flat.numel, h)
+            if b > a:
+                engine.write_home_range(flat, a, out[a - base:b - base]).wait()
+            carry = out[b - base:].clone() if b < un.end else None
 
     # ---- unwrapped parameters ---------------------------------------------------------------
     def _step_unwrapped(self, multiplier: float, stats: StepStats) -> None:

@@ -54,7 +54,7 @@ import torch
 from ._common import _Run
 from .chunks import Unit
 from .state_store import NvmeStates, Shard
-from .swapper import ShardFeed, StepStats, run_pipeline
+from .swapper import ShardFeed, StepStats, Window, run_pipeline
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..runtime.engine import Engine
@@ -100,9 +100,9 @@ class _Worker:
         sets = opt._sets_for(engine, [s for s in opt._shards.values() if s.engine is engine])
 
         def compute(shard: Shard, unit: Unit, buf: torch.Tensor,
-                    staging: Optional[torch.Tensor], grad: Optional[torch.Tensor]) -> None:
+                    out: Optional[Window], grad: Optional[Window]) -> None:
             spec = self.specs[shard.key]
-            opt._apply_unit(shard, list(spec.runs), unit, buf, staging, 1.0, grad,
+            opt._apply_unit(shard, list(spec.runs), unit, buf, 1.0, out, grad,
                             hypers=[dict(h) for h in spec.hypers])
 
         def run() -> None:

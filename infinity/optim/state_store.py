@@ -39,7 +39,7 @@ from ..runtime.flat import FlatParam
 from ..runtime.homes import master_is_home
 from ..tiers import SwapStore
 from ..tiers.swap_store import SwapCorruptionError
-from .chunks import ChunkPlan, Piece, Unit, combine_pieces, plan_chunks
+from .chunks import Beside, ChunkPlan, Piece, Unit, combine_pieces, plan_chunks
 from .formats import STATE_FORMATS, check_format
 
 logger = logging.getLogger(__name__)
@@ -651,9 +651,44 @@ class NvmeStates(_Store):
             cut = engine.stages_working_copy(flat) or \
                 engine.home.working_buffer(flat) is not None
             plan = plan_chunks(layout, [(s.offset, s.numel) for s in flat.slots],
-                               self.chunk_bytes if cut else None)
+                               self.chunk_bytes if cut else None, self.beside(shard))
             self._plans[shard.key] = plan
         return plan
+
+    def grad_piece(self, shard: Shard) -> Optional[int]:
+        """Elements per piece of the shard's gradient file when its gradients are read from
+        NVMe (None: they are in RAM, or the flat has none)."""
+        grads = shard.engine.grads
+        if not grads.on_nvme:
+            return None
+        try:
+            return grads.range_elems(shard.flat)
+        except KeyError:  # no gradient file: a flat without trainable parameters
+            return None
+
+    def home_piece(self, shard: Shard) -> Optional[int]:
+        """Elements per piece of the working copy's swap file when the step writes it there
+        (None: written in place)."""
+        engine, flat = shard.engine, shard.flat
+        if not engine.stages_working_copy(flat):
+            return None
+        return engine.home_range_elems(flat)
+
+    def beside(self, shard: Shard) -> Beside:
+        """What a unit of the shard moves beside its states through its buffer set: fp32
+        gradients read from NVMe (its window of whole pieces) and the working copy written to
+        an NVMe home (from the piece holding its first element; the whole pieces covering
+        it when the states are first made from the home)."""
+        per, fixed = 0.0, 0
+        g = self.grad_piece(shard)
+        if g is not None:
+            per += 4
+            fixed += 2 * g * 4
+        h = self.home_piece(shard)
+        if h is not None:
+            per += shard.flat.home_itemsize
+            fixed += 2 * h * shard.flat.home_itemsize
+        return Beside(per, fixed)
 
     def _target(self, shard: Shard) -> str:
         """The extent this step writes (the inactive one), marked pending."""

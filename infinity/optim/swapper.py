@@ -6,10 +6,11 @@ the clock that measures how much of the I/O was hidden.
 
 Set ``k = u % S`` serves unit u. Before unit u's read goes into its set, the writes issued
 from that set (unit u - S, written at least two iterations earlier) must have finished, so at
-any moment up to D sets are being read into, one computed on and one written from. What the
-engine moves per whole shard (gradients read from NVMe, the working copy written to an NVMe
-home) goes through one of 1-2 *shard slots*. Nothing here decides *what* a step computes: the
-caller passes ``compute(shard, unit, states_buf, staging, grad)``.
+any moment up to D sets are being read into, one computed on and one written from. Where the
+engine keeps gradients and/or parameters on NVMe, each set also holds its unit's gradients and
+updated working copy, in whole pieces of the engine's swap files (no buffer of a whole shard).
+Nothing here decides *what* a step computes: the caller passes
+``compute(shard, unit, states_buf, out, grad)``.
 """
 from __future__ import annotations
 
@@ -17,14 +18,14 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
 from .. import io as inf_io
 from .. import trace_events
 from ..tiers.budget import BudgetExceededError
-from .chunks import Piece, Unit
+from .chunks import Piece, Unit, home_write_range, piece_window
 from .state_store import NvmeStates, Shard
 
 logger = logging.getLogger(__name__)
@@ -174,90 +175,120 @@ def record_requests(on: bool) -> None:
     _record = bool(on)
 
 
-SHARD_SLOTS = 2  # whole-shard gradient / working-copy buffers: one stepped, one read or written
+def unit_windows(states: NvmeStates, shard: Shard, un: Unit) -> Tuple[int, int]:
+    """Elements of gradients and of working copy unit ``un`` of ``shard`` needs room for in
+    its set (0 where they do not pass through the set): a whole unit, the whole shard; a cut
+    one, its window of whole gradient pieces (:func:`.chunks.piece_window`) and its working
+    copy from the first element of the piece holding its start to the end of the piece
+    holding its end (that much is read when the states are first made from the home)."""
+    n = shard.flat.numel
+    g, h = states.grad_piece(shard), states.home_piece(shard)
+    if un.whole:
+        return (n if g is not None else 0), (n if h is not None else 0)
+    grads = home = 0
+    if g is not None:
+        base, end = piece_window(un.start, un.end, n, g)
+        grads = end - base
+    if h is not None:
+        base, end = piece_window(un.start, un.end, n, h)
+        home = end - base
+    return grads, home
+
+
+def _pages(nbytes: int) -> int:
+    return -(-nbytes // inf_io.ALIGNMENT) * inf_io.ALIGNMENT
 
 
 class BufferSets:
-    """The NVMe step's host buffers.
-
-    ``count`` (>= 3, see :func:`choose_sets`) *state sets*, each one unit's buffer: a chunk
-    (``chunk_bytes`` of states, plus the edge pages of its spans) or, for a shard not larger
-    than a chunk, its whole layout (12, 8 or ~6 B/param) -- bounded by the chunk, never by the
-    largest shard. And ``shard_slots`` (1 or 2) *shard buffers*, where the engine needs a whole
-    shard: a staging buffer for the updated working copy when the parameters are homed on
-    NVMe, and the fp32 gradients when those are on NVMe (the engine reads and writes those
-    per flat). With a host budget the minimum (3 sets and 1 shard slot) is checked here, and
-    what is left above it buys a second shard slot, then more sets."""
+    """The NVMe step's host buffers: ``count`` (>= 3, see :func:`choose_sets`) sets, each
+    serving one unit at a time: its states (a chunk, plus the edge pages of its spans, or,
+    for a shard not larger than a chunk, its whole layout), and, where the engine keeps them
+    on NVMe, its gradients (the whole pieces of the gradient file that cover it) and its
+    updated working copy (from the start of the home piece holding its first element). The
+    units are cut so that the three fit the chunk together (:meth:`.NvmeStates.beside`), so
+    every buffer is bounded by the chunk, never by the largest shard. With a host budget the
+    minimum (3 sets) is checked here, and what is left above it buys more sets."""
 
     def __init__(self, states: NvmeStates, shards: List[Shard], staging: bool,
                  grads: bool, count: Optional[int] = None, later: int = 0) -> None:
         engine = states.engine
         self.engine = engine
         self.states_nbytes = max(states.plan(s).buffer_nbytes for s in shards)
-        self.staging_nbytes = max(s.flat.home_nbytes for s in shards) if staging else 0
-        self.grad_numel = max(s.numel for s in shards) if grads else 0
-        self.set_nbytes = self.states_nbytes
-        self.slot_nbytes = self.staging_nbytes + self.grad_numel * 4
+        grad_numel = home_nbytes = 0
+        for s in shards:
+            for un in states.plan(s).units:
+                g, h = unit_windows(states, s, un)
+                grad_numel = max(grad_numel, g)
+                home_nbytes = max(home_nbytes, h * s.flat.home_itemsize)
+        self.grad_nbytes = _pages(4 * grad_numel) if grads else 0
+        self.staging_nbytes = _pages(home_nbytes) if staging else 0
+        self.set_nbytes = self.states_nbytes + self.grad_nbytes + self.staging_nbytes
         budget = engine.host_budget
         # later: bytes the engine still takes from the budget (its host gradient accumulators,
         # allocated at the first backward)
         left = None if budget.limit is None else budget.limit - budget.used - later
         self.later = later
-        slots = SHARD_SLOTS if self.slot_nbytes else 1
-        if left is not None:
-            minimum = SETS * self.set_nbytes + self.slot_nbytes
-            if minimum > left:
-                raise BudgetExceededError(self._refusal(states, budget.limit, budget.used,
-                                                        minimum))
-            if SETS * self.set_nbytes + slots * self.slot_nbytes > left:
-                slots = 1
+        if left is not None and SETS * self.set_nbytes > left:
+            raise BudgetExceededError(self._refusal(states, budget.limit, budget.used,
+                                                    SETS * self.set_nbytes))
         if count is None:
-            count = choose_sets(self.set_nbytes,
-                                None if left is None else left - slots * self.slot_nbytes)
+            count = choose_sets(self.set_nbytes, left)
         if not isinstance(count, int) or count < SETS:
             raise ValueError(f"infinity.optim: the NVMe state pipeline needs at least {SETS} "
                              f"buffer sets, got {count!r}")
         self.count = count
-        self.shard_slots = slots
-        self.nbytes = count * self.set_nbytes + slots * self.slot_nbytes
+        self.nbytes = count * self.set_nbytes
+        parts = [f"{self.states_nbytes:,} bytes of states"]
+        if self.grad_nbytes:
+            parts.append(f"{self.grad_nbytes:,} of gradients")
+        if self.staging_nbytes:
+            parts.append(f"{self.staging_nbytes:,} of working copy")
         engine.host_budget.acquire(
-            self.nbytes, what=f"{count} optimizer swap buffer sets of {self.set_nbytes:,} bytes "
-                              f"and {slots} shard buffer(s) of {self.slot_nbytes:,} bytes")
+            self.nbytes, what=f"{count} optimizer swap buffer sets of {self.set_nbytes:,} "
+                              f"bytes ({' + '.join(parts)})")
         self.states = [inf_io.aligned_empty(self.states_nbytes) for _ in range(count)]
-        self.staging = [inf_io.aligned_empty(self.staging_nbytes) if staging else None
-                        for _ in range(slots)]
-        self.grads = [inf_io.aligned_empty(self.grad_numel, torch.float32) if grads else None
-                      for _ in range(slots)]
+        self.grads = [inf_io.aligned_empty(self.grad_nbytes // 4, torch.float32)
+                      if self.grad_nbytes else None for _ in range(count)]
+        self.staging = [inf_io.aligned_empty(self.staging_nbytes) if self.staging_nbytes
+                        else None for _ in range(count)]
         self._closed = False
 
     def _refusal(self, states: NvmeStates, limit: int, used: int, minimum: int) -> str:
         chunk = states.chunk_bytes
-        parts = [f"{SETS} buffer sets of {self.set_nbytes:,} bytes (one unit of states each: "
-                 f"chunk_bytes={chunk:,} plus its edge pages, or a whole shard smaller than "
-                 "that)"]
-        if self.slot_nbytes:
-            parts.append(f"1 shard buffer of {self.slot_nbytes:,} bytes (the largest shard's "
-                         "gradients read from NVMe and/or its working copy written to it)")
+        what = (f"{SETS} buffer sets of {self.set_nbytes:,} bytes (one unit each: its states, "
+                f"about chunk_bytes={chunk:,} with its edge pages, or a whole shard smaller "
+                "than that")
+        if self.grad_nbytes or self.staging_nbytes:
+            what += (", with the gradients read from NVMe and/or the working copy written to "
+                     "it for that unit, in whole pieces of their swap files")
         held = used + self.later
         later = (f", {self.later:,} of it for the gradient accumulators the engine allocates "
                  "at the first backward" if self.later else "")
         return (f"infinity.optim: host_budget={limit:,} bytes has {limit - held:,} free "
                 f"({held:,} held by the engine and others{later}), but the NVMe optimizer step "
-                f"needs at least {minimum:,}: {' + '.join(parts)}. This needs host_budget >= "
+                f"needs at least {minimum:,}: {what}). This needs host_budget >= "
                 f"{held + minimum:,} bytes: raise it to at least that, or pass a smaller "
-                "chunk_bytes= to the optimizer (a multiple of 4096), or keep gradients / "
-                "parameters of the largest block in host RAM")
+                "chunk_bytes= to the optimizer (a multiple of 4096)")
 
     def fits(self, states: NvmeStates, shards: List[Shard], staging: bool, grads: bool) -> bool:
-        return (all(states.plan(s).buffer_nbytes <= self.states_nbytes for s in shards)
-                and (not staging or all(s.flat.home_nbytes <= self.staging_nbytes
-                                        for s in shards))
-                and (not grads or all(s.numel <= self.grad_numel for s in shards)))
+        if any(states.plan(s).buffer_nbytes > self.states_nbytes for s in shards):
+            return False
+        for s in shards:
+            for un in states.plan(s).units:
+                g, h = unit_windows(states, s, un)
+                if (grads and 4 * g > self.grad_nbytes) or \
+                        (staging and h * s.flat.home_itemsize > self.staging_nbytes):
+                    return False
+        return True
 
     def state_view(self, k: int, states: NvmeStates, shard: Shard) -> torch.Tensor:
         """Set k's state buffer cut to ``shard``'s layout (uint8; ``states.views`` types it);
         only for a shard stepped whole."""
         return self.states[k][:states.layout(shard).nbytes]
+
+    def home_view(self, k: int, flat: Any, numel: int) -> torch.Tensor:
+        """Set k's working-copy buffer as ``numel`` elements of the home's dtype."""
+        return self.staging[k][:numel * flat.home_itemsize].view(flat.home_dtype)
 
     def close(self) -> None:
         if not self._closed:
@@ -266,8 +297,11 @@ class BufferSets:
             self.engine.host_budget.release(self.nbytes)
 
 
-Compute = Callable[[Shard, Unit, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]],
-                   None]
+# compute(shard, unit, states, out, grad): ``out`` = (working copy in the home dtype, its
+# first element) where the set holds it (None: written in place); ``grad`` = (fp32
+# gradients, their first element) where they were read from NVMe (None: in RAM)
+Window = Tuple[torch.Tensor, int]
+Compute = Callable[[Shard, Unit, torch.Tensor, Optional[Window], Optional[Window]], None]
 Pending = Tuple["inf_io.IOFuture", Shard, str]
 
 
@@ -310,30 +344,35 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
                  compute: Compute, write_home: bool, stats: StepStats,
                  computed: List[Shard]) -> None:
     """Reads, computes and writes every unit of every shard (a shard larger than a chunk is
-    several units, see :mod:`.chunks`); returns once every write finished. Unit u uses state
-    set ``u % count``; shard j uses shard slot ``j % shard_slots`` (its gradients read from
-    NVMe, its working copy staged for NVMe). On error, waits for everything in flight, aborts
-    the pending extents and raises an OptimizerStateIOError (or SwapCorruptionError) naming
-    the shard; ``computed`` lists the shards whose working copy may already have been updated
-    (the caller restores them). A gradient read waits for the write of those gradients first
-    (in a feed filled during backward it may still run)."""
+    several units, see :mod:`.chunks`); returns once every write finished. Unit u uses set
+    ``u % count`` for its states and, where the engine keeps them on NVMe, its gradients
+    (read as whole pieces of the gradient file; the piece it shares with the unit before is
+    copied from that unit's set rather than read again) and its working copy (written as the
+    whole pieces of the home it finishes; the elements before its start in its first piece
+    are copied from the unit before, whose set still holds them). On error, waits for
+    everything in flight, aborts the pending extents and raises an OptimizerStateIOError (or
+    SwapCorruptionError) naming the shard; ``computed`` lists the shards whose working copy
+    may already have been updated (the caller restores them). A shard's gradient reads wait
+    for the write of those gradients first (in a feed filled during backward it may still
+    run)."""
     feed = shards if isinstance(shards, ShardFeed) else ShardFeed(shards)
     engine = states.engine
     clock = IOClock(record=_record)
     count = sets.count
     ahead = count - 2
-    slots = sets.shard_slots
     page = inf_io.ALIGNMENT
     units: List[Tuple[int, Shard, Unit]] = []   # (shard index, shard, unit), in step order
     given: List[Shard] = []
     reads: Dict[int, List[Tuple["inf_io.IOFuture", Piece]]] = {}
-    grad_reads: Dict[int, "inf_io.IOFuture"] = {}
+    # unit -> (gradient read or None, first element read, the buffer it reads into)
+    grad_reads: Dict[int, Tuple[Optional["inf_io.IOFuture"], int, Optional[torch.Tensor]]] = {}
+    grad_base: Dict[int, int] = {}   # unit -> first element of its gradient window
+    home_base: Dict[int, int] = {}   # unit -> first element of its working-copy window
     writes: List[List[Pending]] = [[] for _ in range(count)]
-    slot_writes: List[List[Pending]] = [[] for _ in range(slots)]
     read_crcs: Dict[int, List[Tuple[int, int, int]]] = {}
     written: Dict[int, List[Tuple["inf_io.IOFuture", Piece]]] = {}  # unit-written shards
     carries: Dict[int, Dict[int, torch.Tensor]] = {}
-    computed_shards = 0  # shards 0 .. computed_shards - 1 are fully stepped
+    held: List[Optional[int]] = [None] * count  # the unit whose values set k holds
 
     def unit_at(u: int, block: bool) -> Optional[Tuple[int, Shard, Unit]]:
         while u >= len(units):
@@ -354,23 +393,41 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
                 pending_list[k] = pending[i + 1:]
                 raise states.wrap_error(exc, shard, what) from exc
 
+    def grads_from_nvme(shard: Shard, k: int) -> Optional[int]:
+        """The gradient file's piece (elements) when this shard's gradients are read."""
+        if sets.grads[k] is None or engine.grads.in_ram(shard.flat) is not None:
+            return None
+        return states.grad_piece(shard)
+
+    def issue_grads(u: int, shard: Shard, un: Unit, k: int) -> None:
+        g = grads_from_nvme(shard, k)
+        if g is None:
+            return
+        flat = shard.flat
+        if un.index == 0:
+            engine.grads.wait_written(flat)  # on NVMe (written by the engine's writer thread)
+        if un.whole:
+            dst = sets.grads[k][:flat.numel]
+            grad_base[u] = 0
+            grad_reads[u] = (clock.submitted(engine.grads.read(flat, dst)), 0, dst)
+            stats.bytes_read += flat.numel * 4
+            return
+        base, end = piece_window(un.start, un.end, flat.numel, g)
+        grad_base[u] = base
+        first = base + g if un.start % g else base  # the shared first piece: copied
+        if first >= end:
+            grad_reads[u] = (None, first, None)
+            return
+        dst = sets.grads[k][first - base:end - base]
+        grad_reads[u] = (clock.submitted(engine.grads.read_range(flat, first, end, dst)),
+                         first, dst)
+        stats.bytes_read += (end - first) * 4
+
     def issue(u: int, block: bool) -> bool:
         j, shard, un = units[u]
-        if un.index == 0:  # the shard's slot: free once shard j - slots is stepped and written
-            if j - slots >= computed_shards:
-                if block:
-                    raise RuntimeError("infinity.optim: pipeline order broken (a shard slot "
-                                       "is still in use)")
-                return False
-            g = j % slots
-            drain(slot_writes, g)
-            if engine.grads.in_ram(shard.flat) is None and sets.grads[g] is not None:
-                engine.grads.wait_written(shard.flat)  # on NVMe
-                grad_reads[j] = clock.submitted(
-                    engine.grads.read(shard.flat, sets.grads[g][:shard.numel]))
-                stats.bytes_read += shard.numel * 4
         k = u % count
         drain(writes, k)
+        held[k] = None
         got = states.read_unit(shard, un, sets.states[k])
         nbytes = 0
         for future, q in got:
@@ -379,7 +436,80 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
         reads[u] = got
         stats.bytes_read += nbytes
         engine.stats.add_moved("nvme_to_host", nbytes)
+        issue_grads(u, shard, un, k)
         return True
+
+    def previous(u: int, what: str) -> int:
+        """Set of unit u - 1, which must still hold that unit's values."""
+        k = (u - 1) % count
+        if u == 0 or held[k] != u - 1 or units[u - 1][0] != units[u][0]:
+            raise RuntimeError(f"infinity.optim: the {what} of the unit before is gone (a bug "
+                               "in the pipeline order)")
+        return k
+
+    def gradients(u: int, shard: Shard, un: Unit, k: int) -> Optional[Window]:
+        if u not in grad_reads:
+            return None
+        flat = shard.flat
+        future, first, dst = grad_reads.pop(u)
+        if future is not None:
+            try:
+                stats.read_wait_s += clock.wait(future)
+            except inf_io.InfinityIOError as exc:
+                raise states.wrap_error(exc, shard, "reading the gradients for the") from exc
+            t0 = time.perf_counter()
+            if un.whole:
+                engine.grads.verify(flat, dst)
+            else:
+                engine.grads.verify_range(flat, first, dst)
+            stats.verify_s += time.perf_counter() - t0
+        if un.whole:
+            return sets.grads[k][:flat.numel], 0
+        base = grad_base[u]
+        if first > base:  # the piece shared with the unit before: in its set
+            pk = previous(u, "gradients")
+            pb = grad_base[u - 1]
+            size = min(first, flat.numel) - base
+            sets.grads[k][:size].copy_(sets.grads[pk][base - pb:base - pb + size])
+        end = piece_window(un.start, un.end, flat.numel, states.grad_piece(shard))[1]
+        return sets.grads[k][:end - base], base
+
+    def working_copy(u: int, shard: Shard, un: Unit, k: int) -> Optional[Window]:
+        flat = shard.flat
+        if sets.staging[k] is None or not engine.stages_working_copy(flat):
+            return None
+        if un.whole:
+            home_base[u] = 0
+            return sets.home_view(k, flat, flat.numel), 0
+        h = states.home_piece(shard)
+        base = un.start // h * h
+        home_base[u] = base
+        out = sets.home_view(k, flat, un.end - base)
+        if un.start > base:  # the start of its first piece: computed by the units before
+            pk = previous(u, "working copy")
+            pb = home_base[u - 1]
+            prev = sets.home_view(pk, flat, un.start - pb)
+            out[:un.start - base].copy_(prev[base - pb:un.start - pb])
+        return out, base
+
+    def write_working_copy(u: int, shard: Shard, un: Unit, k: int,
+                           out: Optional[Window]) -> None:
+        flat = shard.flat
+        if out is None or not write_home:
+            return
+        if un.whole:
+            future = engine.write_home(flat, out[0])
+            nbytes = flat.home_nbytes
+        else:
+            a, b = home_write_range(un.start, un.end, flat.numel, states.home_piece(shard))
+            if b <= a:
+                return  # inside one piece: a later unit writes it
+            base = out[1]
+            future = engine.write_home_range(flat, a, out[0][a - base:b - base])
+            nbytes = (b - a) * flat.home_itemsize
+        writes[k].append((clock.submitted(future, "optimizer_write", flat.key, nbytes), shard,
+                          "writing the parameters updated with the"))
+        stats.bytes_written += nbytes  # a disk write of this step
 
     try:
         issued = 0
@@ -389,7 +519,7 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
             if item is None:
                 break
             j, shard, un = item
-            k, g = u % count, j % slots
+            k = u % count
             while issued <= u + ahead:
                 now = issued == u
                 if unit_at(issued, block=False) is None or not issue(issued, now):
@@ -409,17 +539,8 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
             elif un.last:  # every page of the committed extent read: check it, unstepped
                 states.check_pieces(shard, read_crcs.pop(j, []))
             stats.verify_s += time.perf_counter() - t0
-            grad = sets.grads[g][:shard.numel] if sets.grads[g] is not None else None
-            if un.index == 0 and j in grad_reads:
-                try:
-                    stats.read_wait_s += clock.wait(grad_reads.pop(j))
-                except inf_io.InfinityIOError as exc:
-                    raise states.wrap_error(exc, shard, "reading the gradients for the") from exc
-                t0 = time.perf_counter()
-                engine.grads.verify(shard.flat, grad)
-                stats.verify_s += time.perf_counter() - t0
-            if engine.grads.in_ram(shard.flat) is not None:
-                grad = None
+            grad = gradients(u, shard, un, k)
+            out = working_copy(u, shard, un, k)
             clock.poll()
             carry = carries.setdefault(j, {})
             for offset, pos, _owned in un.shared:  # earlier units' new bytes of shared pages
@@ -428,7 +549,8 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
             t0 = time.perf_counter()
             if un.index == 0:
                 computed.append(shard)
-            compute(shard, un, buf[:un.nbytes], sets.staging[g], grad)
+            compute(shard, un, buf[:un.nbytes], out, grad)
+            held[k] = u
             t1 = time.perf_counter()
             stats.compute_s += t1 - t0
             if clock.requests is not None:
@@ -447,27 +569,21 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
                 engine.stats.add_moved("host_to_nvme", q.nbytes)
                 if not un.whole:
                     written.setdefault(j, []).append((future, q))
+            write_working_copy(u, shard, un, k, out)
+            if u >= 1:
+                grad_base.pop(u - 1, None)
+                home_base.pop(u - 1, None)
             if un.last:
                 carries.pop(j, None)
-                computed_shards = j + 1
-                if write_home and engine.stages_working_copy(shard.flat):
-                    home = sets.staging[g][:shard.flat.home_nbytes].view(shard.flat.home_dtype)
-                    slot_writes[g].append((clock.submitted(engine.write_home(shard.flat, home),
-                                                           "optimizer_write", shard.flat.key,
-                                                           shard.flat.home_nbytes), shard,
-                                           "writing the parameters updated with the"))
-                    stats.bytes_written += shard.flat.home_nbytes  # a disk write of this step
             u += 1
         for k in range(count):
             drain(writes, k)
-        for g in range(slots):
-            drain(slot_writes, g)
         for j, pieces in written.items():  # the new extents' checksums, from their pieces
             states.record_pieces(given[j], [(q.offset, q.nbytes, f.crc32c()) for f, q in pieces]
                                  if states.store.verify else None)
     except BaseException:
-        _settle([f for got in reads.values() for f, _ in got] + list(grad_reads.values()),
-                writes + slot_writes)
+        _settle([f for got in reads.values() for f, _ in got]
+                + [r[0] for r in grad_reads.values()], writes)
         states.abort()
         raise
     finally:

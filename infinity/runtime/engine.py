@@ -45,6 +45,8 @@ from .host_malloc import trim_heap
 from .host_memory import HOST_MEMORY, RELEASE, REUSE, HostMemoryLease
 from .partition import partition
 from ..sharding.partitioner import make_partitioner
+from ..sharding.shard_flat import ShardFlat
+from ..sharding.sharded_home import ShardedHome
 from .activations import make_activation_offloader
 from .lifecycle import HookHandlers
 from .outside import OutsideWrites
@@ -803,6 +805,37 @@ class Engine(Residence, OutsideWrites, HookHandlers):
 
     def read_home(self, flat: FlatParam, dst: torch.Tensor) -> None:
         self.home.read_into(flat, dst)
+
+    # ---- ranged working-copy I/O: an optimizer stepping a flat in element ranges ----------
+    def _nvme_home(self, flat: FlatParam, what: str) -> NvmeHome:
+        home = self.homes.get(Tier.NVME)
+        if isinstance(home, ShardedHome) and isinstance(flat, ShardFlat):
+            home = home.inner  # ZeRO: a rank's part has a swap file of its own
+        if not isinstance(home, NvmeHome) or self.home.tier_of(flat) is not Tier.NVME:
+            raise RuntimeError(f"infinity: {what} is only for parameters homed on NVMe, not "
+                               f"{flat.key!r}")
+        return home
+
+    def home_range_elems(self, flat: FlatParam) -> int:
+        """Elements per piece of an NVMe-homed flat's swap file: a ranged read or write of
+        its working copy starts at a multiple of it and ends at one or at the flat's end."""
+        return self._nvme_home(flat, "home_range_elems").range_elems(flat)
+
+    def write_home_range(self, flat: FlatParam, start: int,
+                         src: torch.Tensor) -> "inf_io.IOFuture":
+        """Starts writing elements [start, start + len(src)) of an updated working copy
+        (home dtype, aligned) to the NVMe home (whole pieces: :meth:`home_range_elems`)."""
+        return self._nvme_home(flat, "write_home_range").write_range_async(flat, start, src)
+
+    def read_home_range(self, flat: FlatParam, start: int, dst: torch.Tensor) -> None:
+        """Reads elements [start, start + len(dst)) of the NVMe home into ``dst`` (home dtype,
+        aligned; whole pieces) and checks them against their checksums."""
+        self._nvme_home(flat, "read_home_range")
+        if dst.dtype != flat.home_dtype:
+            raise TypeError(f"infinity: {flat.key}: a ranged home read takes the home dtype "
+                            f"{flat.home_dtype}, got {dst.dtype}")
+        self.store.read_at_sync(flat.key, start * flat.home_itemsize, dst)
+        self.stats.add_moved("nvme_to_host", dst.numel() * flat.home_itemsize)
 
     @contextlib.contextmanager
     def materialized(self, module: Optional[nn.Module] = None) -> Iterator[None]:
