@@ -14,6 +14,7 @@ Results: benchmarks/results/bench_chunked_pools.json.
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import shutil
 import statistics
@@ -39,6 +40,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--chunk", type=int, default=1 << 20, help="the small chunk (bytes)")
     ap.add_argument("--nvme", default=None, help="swap directory (default: a temp dir)")
+    ap.add_argument("--out", default=None, help="results JSON (default: benchmarks/results/, "
+                    "none with --quick)")
     args = ap.parse_args()
     cfg = (GPTConfig(vocab_size=512, d_model=128, n_layers=2, n_heads=4, max_seq=64)
            if args.quick else
@@ -80,16 +83,18 @@ def main() -> None:
     if args.nvme is None:
         shutil.rmtree(base, ignore_errors=True)
     ratio = out["chunked"]["median_step_s"] / out["one_buffer_per_flat"]["median_step_s"]
-    result = {"machine": _common.machine_info(), "config": vars(cfg), "runs": out,
+    result = {"date": datetime.date.today().isoformat(),
+              "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+              "machine": _common.machine_info(), "config": vars(cfg), "runs": out,
               "ratio_chunked": ratio}
     for name, r in out.items():
         print(f"{name:22s} chunk {r['chunk']:>11,}  step {r['median_step_s']:.3f} s  staging "
               f"{r['staging_bytes']:>11,}  grad buffers {r['grad_buffer_bytes']:>11,}")
     print(f"chunked / one buffer per flat: {ratio:.3f}x")
-    if not args.quick:
-        os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
-        _common.write_json(os.path.join(ROOT, "benchmarks", "results",
-                                        "bench_chunked_pools.json"), result)
+    out_path = args.out or (None if args.quick else os.path.join(
+        ROOT, "benchmarks", "results", "bench_chunked_pools.json"))
+    if out_path:
+        _common.write_json(out_path, result)
 
 
 if __name__ == "__main__":

@@ -12,19 +12,29 @@ layouts, their steps alternated:
 Reports per layout: the root block and the largest other block, the peak of the compute buffers
 (``stats()["tiers"]["device"]["peak"]``: device memory on a GPU, RAM on a CPU-only machine) and
 the median step time (steps of the two layouts alternated; single runs on a shared machine are
-noisy). Usage: ``python benchmarks/bench_outer_blocks.py [--hidden 256] [--steps 4]``.
+noisy). Usage: ``python benchmarks/bench_outer_blocks.py [--hidden 256] [--steps 4]``;
+``--quick`` (hidden 32, 3 steps) runs in the tests. Results: benchmarks/results/
+bench_outer_blocks.json (or ``--out``).
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
 import statistics
+import sys
 import tempfile
 import time
 
 import torch
 
 import infinity
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import _common  # noqa: E402
+from infinity.runtime.registry import engine_of  # noqa: E402
 
 
 def _model(hidden: int, tied: bool, seed: int = 0):
@@ -62,7 +72,7 @@ class _Case:
     def report(self) -> dict:
         s = infinity.stats(self.model)
         blocks = [(b.name, b.kind, b.compute_nbytes)
-                  for b in self.model._infinity_engine.blocks]
+                  for b in engine_of(self.model).blocks]
         out = {"layout": self.layout, "tied": self.tied, "hidden": self.hidden,
                "device_peak_bytes": s["tiers"]["device"]["peak"],
                "root_bytes": sum(n for _, k, n in blocks if k == "root"),
@@ -92,7 +102,11 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--no-overlap", action="store_true",
                     help="the optimizer steps after backward only (AdamW(overlap=False))")
+    ap.add_argument("--quick", action="store_true", help="hidden 32, 3 steps, seq 16 (CI)")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "bench_outer_blocks.json"))
     args = ap.parse_args()
+    if args.quick:
+        args.hidden, args.steps, args.seq = 32, 3, 16
     rows = []
     for tied in (True, False):
         for row in run(args.hidden, tied, args.steps, args.seq,
@@ -105,6 +119,11 @@ def main() -> None:
         print(f"{'tied' if r['tied'] else 'untied':8} {r['layout']:6} {r['root_bytes']:>13,} "
               f"{r['largest_block_bytes']:>13,} {r['device_peak_bytes']:>13,} "
               f"{r['step_s_median']:>7.2f}")
+    _common.write_json(args.out, {
+        "date": datetime.date.today().isoformat(),
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "machine": _common.machine_info(), "hidden": args.hidden, "steps": args.steps,
+        "seq": args.seq, "rows": rows})
 
 
 if __name__ == "__main__":

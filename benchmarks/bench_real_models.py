@@ -136,13 +136,25 @@ _CHILD = textwrap.dedent(r"""
                 else:
                     p.normal_(0.0, 0.02)
 
+    planned = None
+    if args["tiers"] == "plan":  # the planner's placement for this budget and these states
+        from infinity.plan.planner import plan
+        p = plan(model, nvme_path=args["nvme"], host_budget=args["budget"],
+                 states=args["states"], batch=args["batch"], seq=args["seq"])
+        tiers = dict(p.policy_changes())
+        planned = {"placement": p.placement, "predicted_step_s": p.estimate.step_s,
+                   "host_bytes": p.estimate.host_bytes, "device_bytes": p.estimate.device_bytes,
+                   "nvme_bytes": p.estimate.nvme_bytes,
+                   "settings": {k: str(v) for k, v in tiers.items()}}
+        print(json.dumps({"plan": planned}), file=sys.stderr, flush=True)
+    else:
+        tiers = dict(param_tier="nvme", grad_tier="nvme", optimizer_tier="nvme")
     base = status("VmRSS")
     reset_peak()
     sampler = Sampler()
     t0 = time.perf_counter()
-    infinity.wrap(model, nvme_path=args["nvme"], init=init, param_tier="nvme",
-                  grad_tier="nvme", optimizer_tier="nvme", host_budget=args["budget"],
-                  compute_dtype=getattr(torch, args["compute"]),
+    infinity.wrap(model, nvme_path=args["nvme"], init=init, host_budget=args["budget"],
+                  compute_dtype=getattr(torch, args["compute"]), placement=None, **tiers,
                   **({"chunk_bytes": args["chunk"]} if args["chunk"] else {}))
     wrap_s = time.perf_counter() - t0
     after_wrap = {"VmHWM": status("VmHWM"), "VmRSS": status("VmRSS")}
@@ -178,7 +190,7 @@ _CHILD = textwrap.dedent(r"""
         eval_loss = model(input_ids=ids, labels=ids).loss.item()
     print(json.dumps({"params": n_params, "base": base, "peak": status("VmHWM"),
                       "after_wrap": after_wrap, "wrap_s": wrap_s, "optimizer_init_s": opt_s,
-                      "steps": steps, "eval_loss": eval_loss,
+                      "steps": steps, "eval_loss": eval_loss, "plan": planned,
                       "state_formats": infinity.stats(model).get("optimizer_states"),
                       "swap": swap_bytes(args["nvme"])}))
     opt.close()
@@ -216,6 +228,8 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--states", default="8bit", choices=("fp32", "bf16", "8bit"))
     p.add_argument("--weights", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--compute", default="float32", choices=("bfloat16", "float32"))
+    p.add_argument("--tiers", default="nvme", choices=("nvme", "plan"),
+                   help="everything on NVMe, or the planner's placement for the budget")
     p.add_argument("--overlap", default="auto", choices=("auto", "on", "off"),
                    help="the optimizer's update overlapping backward")
     p.add_argument("--nvme-path", default=None, help="swap directory (default: temp dir)")
@@ -237,7 +251,8 @@ def main(argv: Optional[list] = None) -> int:
     payload = {"config": config, "batch": args.batch, "seq": seq, "budget": budget,
                "chunk": chunk, "states": args.states, "steps": steps, "nvme": swap_dir,
                "weights": args.weights, "compute": args.compute,
-               "overlap": {"auto": "auto", "on": True, "off": False}[args.overlap]}
+               "overlap": {"auto": "auto", "on": True, "off": False}[args.overlap],
+               "tiers": args.tiers}
     try:
         run = run_child(payload, timeout=900 if args.quick else 4 * 3600)
     finally:
@@ -261,6 +276,7 @@ def main(argv: Optional[list] = None) -> int:
         "swap_bytes_per_param": {k: v / n for k, v in run["swap"].items()},
         "wrap_s": run["wrap_s"], "optimizer_init_s": run["optimizer_init_s"],
         "eval_loss": run["eval_loss"], "state_formats": run["state_formats"],
+        "tiers": args.tiers, "plan": run["plan"],
         "steps": run["steps"],
     }
     print(f"{name}: {n / 1e9:.3f}B params ({config['num_hidden_layers']} layers, vocab "
