@@ -140,7 +140,7 @@ _CHILD = textwrap.dedent(r"""
     if args["tiers"] == "plan":  # the planner's placement for this budget and these states
         from infinity.plan.planner import plan
         p = plan(model, nvme_path=args["nvme"], host_budget=args["budget"],
-                 states=args["states"], batch=args["batch"], seq=args["seq"])
+                 states=args["states"].replace("-all", ""), batch=args["batch"], seq=args["seq"])
         tiers = dict(p.policy_changes())
         planned = {"placement": p.placement, "predicted_step_s": p.estimate.step_s,
                    "host_bytes": p.estimate.host_bytes, "device_bytes": p.estimate.device_bytes,
@@ -159,7 +159,11 @@ _CHILD = textwrap.dedent(r"""
     wrap_s = time.perf_counter() - t0
     after_wrap = {"VmHWM": status("VmHWM"), "VmRSS": status("VmRSS")}
     t0 = time.perf_counter()
-    opt = infinity.optim.AdamW(model.parameters(), lr=1e-5, states=args["states"],
+    states = args["states"]
+    if states == "8bit-all":  # 8-bit moments for the embedding and head too (named)
+        states = {"default": "8bit", model.get_input_embeddings(): "8bit",
+                  model.get_output_embeddings(): "8bit"}
+    opt = infinity.optim.AdamW(model.parameters(), lr=1e-5, states=states,
                                overlap=args["overlap"])
     opt_s = time.perf_counter() - t0
     steps = []
@@ -225,7 +229,9 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--budget", default="4GiB", help="host_budget (e.g. 4GiB)")
     p.add_argument("--chunk", default=None, help="chunk_bytes (default: from the budget)")
-    p.add_argument("--states", default="8bit", choices=("fp32", "bf16", "8bit"))
+    p.add_argument("--states", default="8bit", choices=("fp32", "bf16", "8bit", "8bit-all"),
+                   help="optimizer states; 8bit keeps fp32 moments for embeddings (the "
+                   "optimizer's safeguard), 8bit-all names them 8-bit too")
     p.add_argument("--weights", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--compute", default="float32", choices=("bfloat16", "float32"))
     p.add_argument("--tiers", default="nvme", choices=("nvme", "plan"),
