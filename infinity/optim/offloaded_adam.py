@@ -122,15 +122,18 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
             that differs from what ``step()`` computes (clipping that triggers, loss scaling,
             an lr change, gradient accumulation) is rolled back and redone.
         chunk_bytes: with states on NVMe, a shard whose states are larger than this is read,
-            stepped and written in element ranges of about this many bytes of states, so the
+            stepped and written in element ranges (units) of about this many bytes, so the
             step's buffer sets are bounded by it, not by the largest shard (the result is bit
-            for bit the same). A positive multiple of 4096 (an int or a size string such as
-            "64MiB"); None (default): the wrapped model's ``chunk_bytes`` policy, else derived
-            from its ``host_budget`` (:func:`infinity.tiers.chunk_size.resolve_chunk_bytes`).
-            With a ``host_budget``, the buffer sets are counted in it when the optimizer is
-            constructed: below the minimum (3 sets of one chunk, plus a whole-shard buffer
-            where the engine's gradients or parameters are on NVMe) the constructor raises,
-            naming the bytes needed; above it, the number of sets adapts to what is left.
+            for bit the same). Where the engine keeps gradients and/or parameters on NVMe, a
+            unit's gradients are read and its updated working copy written in whole pieces
+            of their swap files through the same set, and the chunk covers those too (plus
+            up to three pieces when a piece is not small against the chunk). A positive
+            multiple of 4096 (an int or a size string such as "64MiB"); None (default): the
+            wrapped model's ``chunk_bytes`` policy, else derived from its ``host_budget``
+            (:func:`infinity.tiers.chunk_size.resolve_chunk_bytes`). With a ``host_budget``,
+            the buffer sets are counted in it when the optimizer is constructed: below the
+            minimum (3 sets) the constructor raises, naming the bytes needed; above it, the
+            number of sets adapts to what is left.
 
     The tier of the states of each wrapped model is chosen by ``choose_tier`` (from the
     model's ``optimizer_tier`` policy) when the optimizer is constructed if the model has a
