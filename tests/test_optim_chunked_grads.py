@@ -357,3 +357,35 @@ def test_overlap_rolled_back_by_accumulation_restores_parameters(tmp_path):
     assert l1 == l2
     _equal(w1, w2)
     _equal(s1, s2)
+
+
+@pytest.mark.parametrize("tiers", ["nvme", "host"])
+def test_parameters_written_between_steps_follow_unit_by_unit(tmp_path, tiers):
+    """A weight written outside forward (halved, like an EMA copied back) is taken into the
+    masters of a shard stepped in units, read and rewritten unit by unit (home pieces of 16
+    KiB, or the host home): bitwise torch AdamW."""
+    def halve(model):
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("weight") and p.dim() == 2:
+                    p.mul_(0.5)
+
+    ref = _model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    _train(ref, ref_opt, 2, micro=1, clip=None, torch_opt=True)
+    halve(ref)
+    want = _train(ref, ref_opt, 2, micro=1, clip=None, seed=9, torch_opt=True)
+    model = _model()
+    settings = ALL_NVME if tiers == "nvme" else dict(param_tier="host", grad_tier="host",
+                                                     optimizer_tier="nvme")
+    infinity.wrap(model, nvme_path=str(tmp_path), chunk_bytes=16 << 10, **settings)
+    opt = infinity.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, 2, micro=1, clip=None)
+    halve(model)
+    got = _train(model, opt, 2, micro=1, clip=None, seed=9)
+    store = next(iter(opt._stores.values()))
+    assert max(len(store.plan(s).units) for s in opt._shards.values()) >= 10
+    assert got == want
+    _equal(_weights(model), _weights(ref))
+    opt.close()
+    infinity.unwrap(model)

@@ -122,15 +122,18 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
             that differs from what ``step()`` computes (clipping that triggers, loss scaling,
             an lr change, gradient accumulation) is rolled back and redone.
         chunk_bytes: with states on NVMe, a shard whose states are larger than this is read,
-            stepped and written in element ranges of about this many bytes of states, so the
+            stepped and written in element ranges (units) of about this many bytes, so the
             step's buffer sets are bounded by it, not by the largest shard (the result is bit
-            for bit the same). A positive multiple of 4096 (an int or a size string such as
-            "64MiB"); None (default): the wrapped model's ``chunk_bytes`` policy, else derived
-            from its ``host_budget`` (:func:`infinity.tiers.chunk_size.resolve_chunk_bytes`).
-            With a ``host_budget``, the buffer sets are counted in it when the optimizer is
-            constructed: below the minimum (3 sets of one chunk, plus a whole-shard buffer
-            where the engine's gradients or parameters are on NVMe) the constructor raises,
-            naming the bytes needed; above it, the number of sets adapts to what is left.
+            for bit the same). Where the engine keeps gradients and/or parameters on NVMe, a
+            unit's gradients are read and its updated working copy written in whole pieces
+            of their swap files through the same set, and the chunk covers those too (plus
+            up to three pieces when a piece is not small against the chunk). A positive
+            multiple of 4096 (an int or a size string such as "64MiB"); None (default): the
+            wrapped model's ``chunk_bytes`` policy, else derived from its ``host_budget``
+            (:func:`infinity.tiers.chunk_size.resolve_chunk_bytes`). With a ``host_budget``,
+            the buffer sets are counted in it when the optimizer is constructed: below the
+            minimum (3 sets) the constructor raises, naming the bytes needed; above it, the
+            number of sets adapts to what is left.
 
     The tier of the states of each wrapped model is chosen by ``choose_tier`` (from the
     model's ``optimizer_tier`` policy) when the optimizer is constructed if the model has a
@@ -471,6 +474,9 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
         flat = shard.flat
         if not store.layout(shard).with_master:
             return  # host states of an fp32 host home: the home is the master
+        if isinstance(store, NvmeStates) and store.plan(shard).chunked:
+            self._sync_units(store, shard, written)
+            return
         if isinstance(store, HostStates):
             buf = store.buffer(shard)
         else:
@@ -487,6 +493,58 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
             views.set_master(torch.where(changed, new.float(), value), sl)
         if isinstance(store, NvmeStates):
             store.write_and_commit(shard, buf, "updating the master weights of")
+
+    def _sync_units(self, store: NvmeStates, shard: Shard, written: Any) -> None:
+        """:meth:`_sync_user_writes` of a shard stepped in units: the committed extent is
+        checked, then each unit's states are read into buffer set 0, the masters of the
+        written slots in it follow the home's values (read as the whole home pieces covering
+        the unit, or from the working buffer), and the new extent is written unit by unit and
+        committed."""
+        engine, flat = shard.engine, shard.flat
+        sets = self._sets_for(engine, [s for s in self._shards.values() if s.engine is engine])
+        layout = store.layout(shard)
+        slots = [(x.offset, x.numel) for x in flat.slots]
+        self._check_units(store, shard, sets.states[0])
+        h = store.home_piece(shard)
+        working = None if h is not None else engine.home.working_buffer(flat)
+        ranges = [(flat.slots[i].offset, flat.slots[i].offset + flat.slots[i].numel)
+                  for i in sorted(written)]
+
+        def fill(un: Unit, buf: torch.Tensor) -> None:
+            mine = [(max(lo, un.start), min(hi, un.end)) for lo, hi in ranges
+                    if max(lo, un.start) < min(hi, un.end)]
+            if not mine:
+                return
+            if working is not None:
+                home, base = working, 0
+            else:
+                base, end = piece_window(un.start, un.end, flat.numel, h)
+                home = sets.home_view(0, flat, end - base)
+                engine.read_home_range(flat, base, home)
+            master = unit_views(layout, slots, un, buf).master
+            for lo, hi in mine:
+                new = home[lo - base:hi - base]
+                value = master[lo - un.start:hi - un.start]
+                changed = new != value.to(flat.home_dtype)
+                value.copy_(torch.where(changed, new.float(), value))
+
+        write_units(store, shard, sets, fill, "updating the master weights of", read=True)
+
+    def _check_units(self, store: NvmeStates, shard: Shard, buf: torch.Tensor) -> None:
+        """Reads a unit-stepped shard's committed extent unit by unit into ``buf`` and checks
+        it against its recorded checksum (the owned pieces' CRCs combined)."""
+        if not store.store.verify:
+            return
+        crcs: List[Tuple[int, int, int]] = []
+        for un in store.plan(shard).units:
+            for future, q in store.read_unit(shard, un, buf):
+                try:
+                    future.wait()
+                except inf_io.InfinityIOError as exc:
+                    raise store.wrap_error(exc, shard, "reading") from exc
+                if q.owned:
+                    crcs.append((q.offset, q.nbytes, future.crc32c()))
+        store.check_pieces(shard, crcs)
 
     def _runs(self, shard: Shard) -> List[_Run]:
         runs: List[_Run] = []
@@ -889,20 +947,14 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
         slots = [(x.offset, x.numel) for x in flat.slots]
         buf = sets.states[0]
 
-        def read(un: Unit) -> List[Tuple[int, int, int]]:
-            got = store.read_unit(shard, un, buf)
-            crcs = []
-            for future, q in got:
+        def read(un: Unit) -> None:
+            for future, _q in store.read_unit(shard, un, buf):
                 try:
                     future.wait()
                 except inf_io.InfinityIOError as exc:
                     raise store.wrap_error(exc, shard, "reading") from exc
-                if q.owned and store.store.verify:
-                    crcs.append((q.offset, q.nbytes, future.crc32c()))
-            return crcs
 
-        if store.store.verify:
-            store.check_pieces(shard, [c for un in plan.units for c in read(un)])
+        self._check_units(store, shard, buf)
         h = store.home_piece(shard)
         home = None if h is not None else engine.home.working_buffer(flat)
         if h is None and home is None:

@@ -595,10 +595,12 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
 
 
 def write_units(states: NvmeStates, shard: Shard, sets: BufferSets,
-                fill: Callable[[Unit, torch.Tensor], None], doing: str) -> None:
+                fill: Callable[[Unit, torch.Tensor], None], doing: str,
+                read: bool = False) -> None:
     """Writes a shard's states unit by unit through state set 0 and commits them at once
     (first use of a shard larger than a chunk): ``fill(unit, buf)`` puts the unit's values in
-    its (zeroed) buffer. On failure nothing is committed."""
+    its buffer, zeroed (``read``: holding the unit's committed states, which the caller has
+    checked). On failure nothing is committed."""
     page = inf_io.ALIGNMENT
     carry: Dict[int, torch.Tensor] = {}
     pieces: List[Tuple[int, int, int]] = []
@@ -606,7 +608,11 @@ def write_units(states: NvmeStates, shard: Shard, sets: BufferSets,
     try:
         for un in states.plan(shard).units:
             view = buf[:un.nbytes]
-            view.zero_()
+            if read:
+                for future, _q in states.read_unit(shard, un, buf):
+                    future.wait()
+            else:
+                view.zero_()
             for offset, pos, _owned in un.shared:
                 if offset in carry:
                     view[pos:pos + page].copy_(carry[offset])
