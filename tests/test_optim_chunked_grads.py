@@ -9,13 +9,14 @@ units, or one unit spans several pieces) against a run whose chunk is larger tha
 and, for fp32 states, against ``torch.optim.AdamW(fused=True)``."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import pytest
 import torch
 
 import infinity
 from infinity.models import GPTConfig, TinyGPT, lm_loss, synthetic_batch
+from optim_helpers import assert_equal as _equal, states as _states, weights as _weights
 
 CFG = GPTConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=2, max_seq=16)
 HUGE = 1 << 30
@@ -49,25 +50,6 @@ def _train(model, opt, steps: int, *, micro: int = 2, clip: Optional[float] = 0.
             after_step(opt)
         opt.zero_grad()
     return losses
-
-
-def _weights(model) -> Dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def _states(opt) -> Dict[Any, Dict[str, torch.Tensor]]:
-    sd = opt.state_dict()
-    return {i: {k: t.clone() for k, t in e.items() if isinstance(t, torch.Tensor)}
-            for i, e in sd["state"].items()}
-
-
-def _equal(a: Dict, b: Dict) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        if isinstance(a[k], dict):
-            _equal(a[k], b[k])
-        else:
-            assert torch.equal(a[k], b[k]), k
 
 
 def _no_whole_shard_io(engine, opt) -> List[str]:

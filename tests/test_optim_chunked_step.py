@@ -21,6 +21,7 @@ from infinity.models import GPTConfig, TinyGPT, lm_loss, synthetic_batch
 from infinity.optim import chunks
 from infinity.tiers.budget import BudgetExceededError
 from infinity.tiers.swap_store import SwapCorruptionError
+from optim_helpers import assert_equal as _equal, states as _states, weights as _weights
 
 CFG = GPTConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=2, max_seq=16)
 TINY = 16 << 10          # many units per shard
@@ -49,25 +50,6 @@ def _train(model, opt, steps: int, *, seed: int = 1, clip: Optional[float] = Non
         opt.zero_grad()
         losses.append(loss.item())
     return losses
-
-
-def _weights(model) -> Dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def _states(opt) -> Dict[Any, Dict[str, torch.Tensor]]:
-    sd = opt.state_dict()
-    return {i: {k: t.clone() for k, t in e.items() if isinstance(t, torch.Tensor)}
-            for i, e in sd["state"].items()}
-
-
-def _equal(a: Dict, b: Dict) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        if isinstance(a[k], dict):
-            _equal(a[k], b[k])
-        else:
-            assert torch.equal(a[k], b[k]), k
 
 
 def _units(opt) -> Dict[str, int]:

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Set, Tuple
 import torch
 
 from .. import io as inf_io
+from ..io.crc import crc32c_combine  # noqa: F401 (the extent CRC from its pieces')
 from ..ops.adam_compact import BLOCK_SIZE, num_blocks
 from ..tiers.chunk_size import (  # noqa: F401 (the optimizer's chunk is the engine's)
     BUDGET_FRACTION, DEFAULT_CHUNK_BYTES, MIN_DEFAULT_CHUNK_BYTES, check_chunk_bytes,
@@ -406,42 +407,3 @@ def combine_pieces(pieces: List[Tuple[int, int, int]], nbytes: int) -> int:
     if pos != nbytes:
         raise RuntimeError(f"infinity.optim: extent pieces cover {pos} of {nbytes} bytes")
     return crc
-
-
-# ---- CRC32C of a whole extent from the CRCs of its pieces -----------------------------------
-# A sub-chunked step reads and writes an extent in pieces (the I/O workers checksum each);
-# the store records and checks one CRC32C per extent. crc(A + B) = x^(8|B|) * crc(A) ^ crc(B)
-# over GF(2) modulo the (reflected) Castagnoli polynomial: zlib's crc32_combine method.
-_POLY = 0x82F63B78
-
-
-def _multmodp(a: int, b: int) -> int:
-    m, p = 1 << 31, 0
-    while True:
-        if a & m:
-            p ^= b
-            if a & (m - 1) == 0:
-                break
-        m >>= 1
-        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
-    return p
-
-
-_X2N = [1 << 30]  # x^(2^k) mod P
-for _ in range(31):
-    _X2N.append(_multmodp(_X2N[-1], _X2N[-1]))
-
-
-def _x2nmodp(n: int, k: int) -> int:
-    p = 1 << 31  # x^0
-    while n:
-        if n & 1:
-            p = _multmodp(_X2N[k & 31], p)
-        n >>= 1
-        k += 1
-    return p
-
-
-def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
-    """CRC32C of the bytes A + B from ``crc32c(A)``, ``crc32c(B)`` and ``len(B)``."""
-    return _multmodp(_x2nmodp(len_b, 3), crc_a) ^ crc_b
