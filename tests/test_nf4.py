@@ -71,8 +71,13 @@ def test_nan_block_and_odd_lengths():
 
 
 def test_matches_bitsandbytes():
+    """Against bitsandbytes on a flat tensor (its blocks are the flat 64-element runs, as ours).
+    On a 2-D tensor whose rows are shorter than a block, bitsandbytes 0.50's CPU dequantization
+    on an AVX-512 CPU disagrees with its own format from the second block on (its codes and
+    absmax do not: they are checked here); so the comparison uses the flat tensor, and every
+    path is also checked against the format's definition: level[code] * absmax[block]."""
     bnb_f = pytest.importorskip("bitsandbytes.functional")
-    x = _x(64 * 257 + 32, seed=3).view(-1, 32)
+    x = _x(64 * 257 + 32, seed=3)
     try:
         q, state = bnb_f.quantize_4bit(x, blocksize=64, quant_type="nf4")
         ref = bnb_f.dequantize_4bit(q, state)
@@ -80,10 +85,16 @@ def test_matches_bitsandbytes():
         pytest.skip(f"bitsandbytes NF4 unavailable on this CPU: {exc}")
     n = x.numel()
     assert torch.equal(state.code.float(), nf4.nf4_levels()), "the same 16 levels"
+    packed = q.view(-1)
+    codes_of = torch.stack([(packed >> 4) & 15, packed & 15], 1).view(-1)[:n].long()
+    definition = nf4.nf4_levels()[codes_of] * state.absmax.float().repeat_interleave(64)[:n]
     for cap in CAPS:
         with ops.cpu_capability_override(cap):
-            y = nf4.dequantize_nf4(q.view(-1), state.absmax.float(), n)
-        assert torch.equal(y.view(x.shape), ref.float()), f"{cap}: dequantization != bitsandbytes"
+            y = nf4.dequantize_nf4(packed, state.absmax.float(), n)
+        assert torch.equal(y, definition), f"{cap}: dequantization != level[code] * absmax"
+        assert torch.equal(y, ref.float().view(-1)), f"{cap}: dequantization != bitsandbytes"
+    q_2d, state_2d = bnb_f.quantize_4bit(x.view(-1, 32), blocksize=64, quant_type="nf4")
+    assert torch.equal(q_2d.view(-1), packed) and torch.equal(state_2d.absmax, state.absmax)
     codes, absmax = nf4.quantize_nf4(x)
     assert torch.equal(absmax, state.absmax.float())
     differ = (codes != q.view(-1)).sum().item()
@@ -94,7 +105,7 @@ def test_matches_bitsandbytes():
     am = nf4.absmax_from_nested(st2.absmax, st2.state2.code, st2.state2.absmax, st2.offset,
                                 st2.state2.blocksize)
     y2 = nf4.dequantize_nf4(q2.view(-1), am, n)
-    assert torch.allclose(y2.view(x.shape), ref2.float(), rtol=1e-6, atol=0)
+    assert torch.allclose(y2, ref2.float().view(-1), rtol=1e-6, atol=0)
 
 
 def test_bad_input():
