@@ -31,7 +31,7 @@ from ..policy import OffloadPolicy
 from ..tiers import BudgetExceededError, ByteBudget, HostPool, SwapStore, Tier
 from ..tiers.disk_space import check_free_space
 from ..tiers.chunk_size import resolve_chunk_bytes
-from ..tiers.pool_plan import PoolPlan, plan_pools
+from ..tiers.pool_plan import MAX_PIECE_BYTES, PoolPlan, plan_pools
 from . import hooks as hooks_mod
 from . import compute_pool
 from .block import Block
@@ -412,7 +412,14 @@ class Engine(Residence, OutsideWrites, HookHandlers):
                 "or with states on NVMe its buffer sets), or use smaller blocks (block_rule)")
         if not minimal:
             return 0
-        reserve = min(comfortable, limit - fixed)
+        # the compute buffers beyond their minimum leave room for what an optimizer with its
+        # states on NVMe needs at least (3 buffer sets of about a chunk, with edge pieces)
+        optimizer_room = 0
+        if self.policy.optimizer_tier != "host":
+            chunk = resolve_chunk_bytes(self.policy.chunk_bytes, limit)
+            optimizer_room = 3 * (chunk + 2 * MAX_PIECE_BYTES)
+        reserve = max(minimal, min(comfortable, limit - fixed - optimizer_room))
+        reserve = min(reserve, limit - fixed)
         self.host_budget.acquire(reserve, what="compute buffers of the streamed blocks (CPU)")
         if self.device_budget.limit is None or reserve < self.device_budget.limit:
             self.device_budget = ByteBudget("device", reserve)
