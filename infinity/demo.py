@@ -104,8 +104,10 @@ def run(args: argparse.Namespace, write: Write) -> List[float]:
               f"{args.steps * tokens / elapsed:,.0f} tokens/s overall\n")
         write("\nwhat each tier held (now / peak):\n")
         for tier, d in s["tiers"].items():
-            extra = ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in d.items()
-                              if k not in ("now", "peak") and v)
+            extra = ", ".join(
+                f"{k.replace('_buffers', ' buffers')} {v}" if k.endswith("_buffers")
+                else f"{k} {_fmt_bytes(v)}"
+                for k, v in d.items() if k not in ("now", "peak", "limit") and v)
             write(f"  {tier:<7} {_fmt_bytes(d['now']):>12} / {_fmt_bytes(d['peak']):>12}"
                   f"{'   (' + extra + ')' if extra else ''}\n")
         held = ", ".join(f"{_fmt_bytes(n)} on {t}" for t, n in opt.state_bytes.items() if n)
