@@ -82,12 +82,13 @@ def check_hyper(step, lr, beta1, beta2, eps, weight_decay, adamw, grad_multiplie
 
 # ---- pure-PyTorch fallback ----------------------------------------------------------------------
 
-@torch.no_grad()
-def _torch_adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
-                     exp_avg_sq: torch.Tensor, out: Optional[torch.Tensor], lr: float,
-                     beta1: float, beta2: float, eps: float, weight_decay: float, adamw: bool,
-                     bc1: float, bc2_sqrt: float, grad_multiplier: float) -> None:
-    """Same math and order as the native kernel (and torch's fused AdamW), in fp32 tensors."""
+def update_moments(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                   exp_avg_sq: torch.Tensor, lr: float, beta1: float, beta2: float,
+                   weight_decay: float, adamw: bool, grad_multiplier: float
+                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernels' first half of a step in fp32 tensors: the gradient scaled, weight decay
+    (decoupled into the parameter, or added to the gradient), both moments updated in place.
+    Returns the flat parameter and moments."""
     p, m, v = param.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1)
     g = grad.reshape(-1).to(torch.float32, copy=True)
     if grad_multiplier != 1.0:
@@ -99,6 +100,17 @@ def _torch_adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Ten
             g = _fma(p, weight_decay, g)
     m.lerp_(g, 1.0 - beta1)
     v.copy_(_fma_t(g.mul(1.0 - beta2), g, v.mul(beta2)))  # fma((1 - beta2)*g, g, v*beta2)
+    return p, m, v
+
+
+@torch.no_grad()
+def _torch_adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                     exp_avg_sq: torch.Tensor, out: Optional[torch.Tensor], lr: float,
+                     beta1: float, beta2: float, eps: float, weight_decay: float, adamw: bool,
+                     bc1: float, bc2_sqrt: float, grad_multiplier: float) -> None:
+    """Same math and order as the native kernel (and torch's fused AdamW), in fp32 tensors."""
+    p, m, v = update_moments(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2,
+                             weight_decay, adamw, grad_multiplier)
     denom = v.sqrt().div_(bc2_sqrt).add_(eps)
     p.sub_(m.mul(lr / bc1).div_(denom))
     if out is not None:

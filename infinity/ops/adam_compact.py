@@ -82,8 +82,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from infinity.ops import _adam_native as _an
-from infinity.ops.adam import (GRAD_DTYPES, OUT_DTYPES, _check_tensor, _fma, _fma_t, _overlap,
-                               check_hyper, _torch_adam_step, bias_corrections)
+from infinity.ops.adam import (GRAD_DTYPES, OUT_DTYPES, _check_tensor, _overlap,
+                               check_hyper, _torch_adam_step, bias_corrections, update_moments)
 from infinity.ops.cpu import use_torch_fallback
 
 logger = logging.getLogger(__name__)
@@ -359,17 +359,8 @@ def _torch_adam_step_8bit(param: torch.Tensor, grad: torch.Tensor, exp_avg: torc
     """The 8-bit step's update on fp32 moments, as the kernels compute it: the moments exactly as
     :func:`infinity.ops.cpu_adam_step` (same operations), the parameter with one division,
     ``p - (step * m) / (sqrt(v) + eps')`` (:func:`update_scalars_8bit`)."""
-    p, m, v = param.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1)
-    g = grad.reshape(-1).to(torch.float32, copy=True)
-    if grad_multiplier != 1.0:
-        g.mul_(grad_multiplier)
-    if weight_decay != 0.0:
-        if adamw:
-            p.mul_(1.0 - lr * weight_decay)
-        else:
-            g = _fma(p, weight_decay, g)
-    m.lerp_(g, 1.0 - beta1)
-    v.copy_(_fma_t(g.mul(1.0 - beta2), g, v.mul(beta2)))  # fma((1 - beta2)*g, g, v*beta2)
+    p, m, v = update_moments(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2,
+                             weight_decay, adamw, grad_multiplier)
     step, eps_ = update_scalars_8bit(lr, eps, bc1, bc2_sqrt)
     # the float sqrt correctly rounded (the double sqrt of a float, rounded to float), as the
     # kernels' (torch's own CPU float sqrt is not always)
