@@ -54,6 +54,23 @@ def machine_info(extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     return info
 
 
+# Source text for benchmark child processes: ``status(key)`` reads a /proc/self/status field
+# in bytes (VmRSS, VmHWM, RssAnon...), ``reset_peak()`` resets the kernel's VmHWM to VmRSS.
+CHILD_RSS_HELPERS = """
+def status(key):
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def reset_peak():
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")  # VmHWM := VmRSS (Linux >= 4.0)
+"""
+
+
 def write_json(path: "os.PathLike[str] | str", data: Any, indent: int = 2) -> None:
     """Write ``data`` to ``path``, creating its folder."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

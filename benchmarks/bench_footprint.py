@@ -58,17 +58,7 @@ _PRELUDE = textwrap.dedent(r"""
     import torch
     import infinity
     from infinity.models import GPTConfig, TinyGPT, lm_loss, synthetic_batch
-
-    def status(key):
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-        return 0
-
-    def reset_peak():
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")  # VmHWM := VmRSS (Linux >= 4.0)
+""") + _common.CHILD_RSS_HELPERS + textwrap.dedent(r"""
 
     class Sampler:  # the kernel keeps no peak of RssAnon: sample it
         def __init__(self):

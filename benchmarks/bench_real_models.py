@@ -71,17 +71,7 @@ _CHILD = textwrap.dedent(r"""
     import infinity
 
     args = json.loads(sys.argv[1])
-
-    def status(key):
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-        return 0
-
-    def reset_peak():
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")  # VmHWM := VmRSS (Linux >= 4.0)
+""") + _common.CHILD_RSS_HELPERS + textwrap.dedent(r"""
 
     class Sampler:  # the kernel keeps no peak of RssAnon / RssFile: sample them
         def __init__(self):
