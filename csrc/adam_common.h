@@ -130,9 +130,10 @@ inline void scalar_store_out(void* out, int64_t i, float x) {
   if constexpr (OD == kF16) static_cast<uint16_t*>(out)[i] = f32_to_f16(x);
 }
 
-// One element of Adam(W) (grad not yet multiplied); returns the new param, sets mo and vo.
-inline float scalar_adam(const Coeffs& c, float grad, float param, float mi, float vi, float& mo,
-                         float& vo) {
+// One element's moments (grad not yet multiplied): weight decay applied, mo and vo set;
+// returns the parameter after a decoupled decay. Shared by every format's scalar step.
+inline float scalar_adam_moments(const Coeffs& c, float grad, float param, float mi, float vi,
+                                 float& mo, float& vo) {
   grad = grad * c.grad_multiplier;
   if (c.has_weight_decay) {
     if (c.adamw) {
@@ -144,6 +145,13 @@ inline float scalar_adam(const Coeffs& c, float grad, float param, float mi, flo
   const float diff = grad - mi;
   mo = c.lerp_small ? std::fma(c.lerp_coeff, diff, mi) : std::fma(c.lerp_coeff, diff, grad);
   vo = std::fma(c.one_minus_beta2 * grad, grad, vi * c.beta2);
+  return param;
+}
+
+// One element of Adam(W) (grad not yet multiplied); returns the new param, sets mo and vo.
+inline float scalar_adam(const Coeffs& c, float grad, float param, float mi, float vi, float& mo,
+                         float& vo) {
+  param = scalar_adam_moments(c, grad, param, mi, vi, mo, vo);
   const float denom = std::sqrt(vo) / c.bc2_sqrt + c.eps;
   return param - (c.step_size * mo) / denom;
 }

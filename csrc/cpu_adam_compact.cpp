@@ -517,18 +517,7 @@ inline float scalar_guard(float m, float v, float bound, float bound_sq) {
 // the two host-side scalars). Every path computes these operations in this order.
 inline float scalar_q8_adam(const Job& job, float grad, float param, float mi, float vi,
                             float& mo, float& vo) {
-  const Coeffs& c = job.c;
-  grad = grad * c.grad_multiplier;
-  if (c.has_weight_decay) {
-    if (c.adamw) {
-      param = param * c.decay;
-    } else {
-      grad = std::fma(param, c.weight_decay, grad);
-    }
-  }
-  const float diff = grad - mi;
-  mo = c.lerp_small ? std::fma(c.lerp_coeff, diff, mi) : std::fma(c.lerp_coeff, diff, grad);
-  vo = std::fma(c.one_minus_beta2 * grad, grad, vi * c.beta2);
+  param = inf_adam::scalar_adam_moments(job.c, grad, param, mi, vi, mo, vo);
   return param - (job.q8_step * mo) / (std::sqrt(vo) + job.q8_eps);
 }
 

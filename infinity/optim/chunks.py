@@ -74,20 +74,9 @@ def _per_unit(chunk_bytes: int, spans: int, bpe: float, beside: Beside) -> int:
                * BLOCK_SIZE)
 
 
-def element_ranges(layout: "StateLayout", slots: List[Tuple[int, int]],
-                   chunk_bytes: int, beside: Beside = NOTHING_BESIDE) -> List[Tuple[int, int]]:
-    """[start, end) element ranges covering ``[0, layout.numel)`` whose state bytes (plus
-    what moves ``beside`` them) are at most about ``chunk_bytes`` each (one page of slack per
-    region is left for the partial pages of unaligned spans). ``slots``: (offset, numel) of
-    each slot, in shard order. Every boundary is a slot start, a slot end, or a 256-element
-    block boundary inside a slot, so no 8-bit block is ever split. Only one-format layouts
-    with an fp32 master."""
-    if layout.mixed or layout.master != "fp32" or not layout.with_master:
-        raise ValueError("infinity.optim: element ranges need a one-format layout with an "
-                         "fp32 master")
-    spans = 5 if layout.fmt == "8bit" else 3
-    per = _per_unit(chunk_bytes, spans, bytes_per_element(layout.fmt), beside)
-    n = layout.numel
+def _cut(n: int, per: int, slots: List[Tuple[int, int]]) -> List[Tuple[int, int]]:
+    """[0, n) cut into ranges of about ``per`` elements, each boundary a slot edge or a
+    256-element block boundary inside the slot holding it."""
     out: List[Tuple[int, int]] = []
     a = 0
     while a < n:
@@ -101,6 +90,22 @@ def element_ranges(layout: "StateLayout", slots: List[Tuple[int, int]],
         out.append((a, b))
         a = b
     return out
+
+
+def element_ranges(layout: "StateLayout", slots: List[Tuple[int, int]],
+                   chunk_bytes: int, beside: Beside = NOTHING_BESIDE) -> List[Tuple[int, int]]:
+    """[start, end) element ranges covering ``[0, layout.numel)`` whose state bytes (plus
+    what moves ``beside`` them) are at most about ``chunk_bytes`` each (one page of slack per
+    region is left for the partial pages of unaligned spans). ``slots``: (offset, numel) of
+    each slot, in shard order. Every boundary is a slot start, a slot end, or a 256-element
+    block boundary inside a slot, so no 8-bit block is ever split. Only one-format layouts
+    with an fp32 master."""
+    if layout.mixed or layout.master != "fp32" or not layout.with_master:
+        raise ValueError("infinity.optim: element ranges need a one-format layout with an "
+                         "fp32 master")
+    spans = 5 if layout.fmt == "8bit" else 3
+    per = _per_unit(chunk_bytes, spans, bytes_per_element(layout.fmt), beside)
+    return _cut(layout.numel, per, slots)
 
 
 def blocks_before(slots: List[Tuple[int, int]], x: int) -> int:
@@ -152,20 +157,7 @@ def mixed_ranges(layout: "StateLayout", slots: List[Tuple[int, int]],
     spans = _mixed_spans_count(layout)
     widest = max(bytes_per_element(f) for f in layout.formats)
     per = _per_unit(chunk_bytes, spans, widest, beside)
-    n = layout.numel
-    out: List[Tuple[int, int]] = []
-    a = 0
-    while a < n:
-        b = min(n, a + per)
-        if b < n:
-            for off, numel in slots:
-                if off < b < off + numel:
-                    snapped = off + (b - off) // BLOCK_SIZE * BLOCK_SIZE
-                    b = snapped if snapped > a else min(off + numel, a + BLOCK_SIZE)
-                    break
-        out.append((a, b))
-        a = b
-    return out
+    return _cut(layout.numel, per, slots)
 
 
 def region_pos(layout: "StateLayout", slots: List[Tuple[int, int]], fmt: str, x: int) -> int:
