@@ -50,14 +50,23 @@ constexpr int kOutBF16 = 1;
 
 std::atomic<int64_t> g_calls[2][3];  // [quantize, dequantize][capability]
 
-float midpoint(int i) {  // between level i and i + 1, in double, rounded once
+constexpr float midpoint(int i) {  // between level i and i + 1, in double, rounded once
   return static_cast<float>(0.5 * (static_cast<double>(kLevels[i]) + kLevels[i + 1]));
 }
 
-int nearest_level(float y) {  // #{midpoints < y}: above a midpoint takes the upper level
+// the midpoints as a table built at compile time (the comparisons below unroll over it)
+struct Midpoints {
+  float v[15];
+  constexpr Midpoints() : v() {
+    for (int i = 0; i < 15; ++i) v[i] = midpoint(i);
+  }
+};
+constexpr Midpoints kMid{};
+
+inline int nearest_level(float y) {  // #{midpoints < y}: above a midpoint takes the upper level
   if (std::isnan(y)) return 7;
   int code = 0;
-  for (int i = 0; i < 15; ++i) code += y > midpoint(i) ? 1 : 0;
+  for (int i = 0; i < 15; ++i) code += y > kMid.v[i] ? 1 : 0;
   return code;
 }
 
@@ -98,11 +107,17 @@ void quantize_blocks(const Job& job, int64_t b0, int64_t b1) {
     const float scale = nan ? std::nanf("") : mx;
     job.absmax[b] = scale;
     const float inv = scale > 0.f ? 1.0f / scale : 0.f;
-    for (int64_t i = i0; i < i1; ++i) {
-      const int c = (scale > 0.f && std::isfinite(scale)) ? nearest_level(job.x[i] * inv) : 7;
-      uint8_t& byte = job.codes[i >> 1];
-      byte = (i & 1) ? static_cast<uint8_t>((byte & 0xF0) | c)
-                     : static_cast<uint8_t>((byte & 0x0F) | (c << 4));
+    const bool ok = scale > 0.f && std::isfinite(scale);
+    // i0 is even (blocks hold an even count): whole bytes, the even element in the high nibble
+    int64_t i = i0;
+    for (; i + 1 < i1; i += 2) {
+      const int hi = ok ? nearest_level(job.x[i] * inv) : 7;
+      const int lo = ok ? nearest_level(job.x[i + 1] * inv) : 7;
+      job.codes[i >> 1] = static_cast<uint8_t>((hi << 4) | lo);
+    }
+    if (i < i1) {  // the last element of an odd count: its byte's low nibble stays 0
+      const int hi = ok ? nearest_level(job.x[i] * inv) : 7;
+      job.codes[i >> 1] = static_cast<uint8_t>(hi << 4);
     }
   }
 }

@@ -116,7 +116,10 @@ def stats(model: nn.Module, *, reset: bool = False) -> Dict[str, Any]:
     to NVMe in the last optimizer step and in all steps (SSD wear). ``reset=True`` starts a new
     measurement period. ``optimizer_states`` (when an ``infinity.optim`` optimizer steps the
     model): per moment format ("fp32"/"bf16"/"8bit") the number of parameters, their elements
-    and their moments' bytes (``{"params", "numel", "moment_bytes"}``)."""
+    and their moments' bytes (``{"params", "numel", "moment_bytes"}``). ``fetched``: bytes
+    fetched into compute buffers in their stored format, by category
+    ``"<frozen|trainable|mixed>.<layer|outer|root>.<nf4|int8|dtype>"`` (with frozen_format,
+    ``frozen.layer.nf4`` is the quantized base)."""
     engine = _engine(model)
     s = engine.stats
     out = {
@@ -124,6 +127,7 @@ def stats(model: nn.Module, *, reset: bool = False) -> Dict[str, Any]:
         "param_blocks": {t.value: n for t, n in engine.param_blocks().items()},
         "tiers": engine.tier_bytes(),
         "moved": dict(s.moved),
+        "fetched": dict(s.fetched),
         "prefetch_hits": s.prefetch_hits,
         "prefetch_misses": s.prefetch_misses,
         "prefetch_hit_rate": s.hit_rate,

@@ -112,6 +112,14 @@ class OffloadPolicy:
         size streams through them chunk by chunk. An int or a size string, a multiple of 4096
         (None: 1/32 of host_budget, at least 1 MiB and at most 256 MiB; 256 MiB without one).
         See ``infinity.tiers.chunk_size``.
+    frozen_format: None (frozen parameters keep their dtype), "nf4" (bitsandbytes' NF4, blocks
+        of 64: 0.5625 bytes per parameter) or "int8" (symmetric block-wise int8, blocks of 256:
+        1.0156 bytes per parameter). The frozen matrices (``requires_grad=False`` at wrap, two
+        or more dimensions) of the layer blocks are quantized when their home is filled, stored
+        in that format on host or NVMe, and dequantized into the compute buffer at each fetch.
+        Trainable parameters, frozen vectors (norms, biases) and the blocks outside the layers
+        (embeddings, LM head) keep their own dtype, as bitsandbytes' QLoRA does. See
+        docs/frozen_formats.md.
     param_persistence_threshold: modules outside the layer list (embeddings, final norm, LM
         head) whose parameters hold at least this many elements are blocks of their own,
         fetched when they run and released after; smaller ones stay in the root block,
@@ -141,6 +149,7 @@ class OffloadPolicy:
     host_blocks: Optional[int] = None
     chunk_bytes: Optional[Size] = None
     param_persistence_threshold: int = 100_000
+    frozen_format: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.param_tier != "auto":
@@ -191,6 +200,13 @@ class OffloadPolicy:
             raise ValueError(f"collective_timeout must be a positive number of seconds, got "
                              f"{self.collective_timeout!r}")
         self._check_activations()
+        if self.frozen_format is not None and self.frozen_format not in ("nf4", "int8"):
+            raise ValueError(f"infinity: frozen_format={self.frozen_format!r} is not supported; "
+                             "use 'nf4', 'int8' or None")
+        if self.frozen_format is not None and self.param_tier == "device":
+            raise ValueError(f"infinity: frozen_format={self.frozen_format!r} stores frozen "
+                             "parameters quantized on host or NVMe; param_tier='device' keeps "
+                             "them materialized. Use param_tier='host' or 'nvme'")
         rule = self.block_rule
         if rule is not None and not callable(rule):
             if (not isinstance(rule, (list, tuple)) or not rule

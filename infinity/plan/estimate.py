@@ -185,9 +185,12 @@ def estimate_one(shape: ModelShape, pl: Placement, pr: ProbeResult, *, batch: in
             raise ValueError(f"infinity.estimate: states must be 'fp32', 'bf16' or '8bit', "
                              f"got {states!r}")
         pl = dataclasses.replace(pl, states=states)
-    n = shape.params / ranks              # parameters this rank holds (homes, grads, states)
-    pbytes = shape.param_bytes / ranks    # their home bytes
+    # parameters this rank steps (grads, states): all of them, or a frozen base's adapters
+    n = (shape.params if shape.trainable_params is None else shape.trainable_params) / ranks
+    stored = shape.param_bytes if shape.stored_bytes is None else shape.stored_bytes
+    pbytes = stored / ranks               # home bytes (a frozen base in its stored format)
     bpp = shape.bytes_per_param
+    wbytes = n * bpp                      # working copies the optimizer writes back
     cbpp = compute_bytes_per_param or bpp
     tokens = batch * seq
     cuda = pr.device == "cuda"
@@ -234,8 +237,8 @@ def estimate_one(shape: ModelShape, pl: Placement, pr: ProbeResult, *, batch: in
             device = window_bytes if cuda else 0.0
             host = pbytes + 4.0 * n
             if cuda:
-                fetch = max(0.0, 2 * shape.param_bytes / pr.h2d_pinned_bps - compute)
-            copy_back = 0.0 if master_in_home else 2 * pbytes / mem
+                fetch = max(0.0, 2 * stored / pr.h2d_pinned_bps - compute)
+            copy_back = 0.0 if master_in_home else 2 * wbytes / mem
             if pl.optimizer_tier == "host":
                 host += _state_bpp(shape, pl, not master_in_home) * n
                 nvme = 0.0
@@ -266,9 +269,9 @@ def estimate_one(shape: ModelShape, pl: Placement, pr: ProbeResult, *, batch: in
             disk = pr.disk
             io_fb = 2 * pbytes / disk.read_bps + 4.0 * n / disk.write_bps
             first = first_bytes / disk.read_bps
-            io_opt = (s + 4.0) * n / disk.read_bps + (s * n + pbytes) / disk.write_bps
-            adam = n / adam_rate + 2 * pbytes / mem     # + the working copy staged for the file
-            written = 4.0 * n + s * n + pbytes
+            io_opt = (s + 4.0) * n / disk.read_bps + (s * n + wbytes) / disk.write_bps
+            adam = n / adam_rate + 2 * wbytes / mem     # + the working copy staged for the file
+            written = 4.0 * n + s * n + wbytes
             # the optimizer's pipeline: the longer of CPU Adam and the disk, plus the first
             # shard's read and the last one's write. Its updates may also start during
             # backward (gradients and states both on NVMe); that is not credited: on a
@@ -299,7 +302,8 @@ def estimate(model_or_count: Union[nn.Module, int, float, str, ModelShape, Any] 
              n_heads: Optional[int] = None, n_kv_heads: Optional[int] = None,
              tied: Optional[bool] = None, head_dim: Optional[int] = None,
              chunk_bytes: Optional[int] = None,
-             dtype: Optional[torch.dtype] = None) -> EstimateTable:
+             dtype: Optional[torch.dtype] = None, frozen_format: Optional[str] = None,
+             trainable_params: Optional[int] = None) -> EstimateTable:
     """Predicts, before anything is allocated, what each placement needs and how fast a step
     runs. ``model_or_count``: an nn.Module (built on the meta device is fine); a Hugging Face
     config of a Llama-style decoder (the path of a ``config.json`` or of the model folder, a
@@ -317,7 +321,11 @@ def estimate(model_or_count: Union[nn.Module, int, float, str, ModelShape, Any] 
     (seconds for large models) instead of using the probe's FLOP rate. ``master``: the
     optimizer's master-weight format (``AdamW(master=...)``) for every infinity placement.
     ``chunk_bytes``: the engine's chunk (``wrap(chunk_bytes=)``; None: 256 MiB), which bounds
-    the host buffers of the NVMe placements."""
+    the host buffers of the NVMe placements. ``frozen_format`` ("nf4", "int8"): the base is
+    frozen and its layer matrices stored in that format (``wrap(frozen_format=)``): homes and
+    fetches count the stored bytes (0.5625 B/param for NF4), gradients and optimizer states
+    only ``trainable_params`` (None: a module's ``requires_grad`` parameters; 0 for a config or
+    a count: give the adapters' count); the device placements are left out."""
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise ValueError(f"infinity.estimate: dtype must be a torch.dtype, got {dtype!r}")
     if dtype is not None and isinstance(model_or_count, (nn.Module, ModelShape)):
@@ -327,6 +335,9 @@ def estimate(model_or_count: Union[nn.Module, int, float, str, ModelShape, Any] 
                      ffn=ffn, n_heads=n_heads, n_kv_heads=n_kv_heads, tied=tied,
                      head_dim=head_dim,
                      bytes_per_param=None if dtype is None else dtype.itemsize)
+    if frozen_format is not None:
+        from .frozen import frozen_shape
+        shape = frozen_shape(shape, frozen_format, model_or_count, trainable_params)
     if isinstance(batch, bool) or not isinstance(batch, int) or batch <= 0 or \
             not isinstance(seq, int) or seq <= 0:
         raise ValueError(f"infinity.estimate: batch and seq must be positive ints, got "
@@ -337,6 +348,10 @@ def estimate(model_or_count: Union[nn.Module, int, float, str, ModelShape, Any] 
         raise ValueError(f"infinity.estimate: ranks must be >= 1, got {ranks!r}")
     chosen = [get_placement(p) for p in placements] if placements else list(PLACEMENTS)
     notes = []
+    if frozen_format is not None:
+        chosen = [p for p in chosen if not p.plain and p.param_tier != "device"]
+        notes.append(f"frozen_format={frozen_format!r}: base homes {shape.stored_bytes:,} "
+                     f"bytes; {shape.trainable_params:,} trainable parameters")
     if pr.disk is None and any(p.uses_nvme for p in chosen):
         notes.append("no nvme_path given: NVMe placements left out (pass nvme_path=...)")
         chosen = [p for p in chosen if not p.uses_nvme]

@@ -181,6 +181,10 @@ def plan(model: Union[nn.Module, ModelShape, int, float], policy: Optional[Offlo
         raise TypeError("pass either policy= or keyword settings, not both")
     shape = describe(model, block_rule=policy.block_rule,
                      param_persistence_threshold=policy.param_persistence_threshold)
+    if policy.frozen_format is not None:  # homes in the stored format, the adapters trained
+        from .frozen import frozen_shape
+        shape = frozen_shape(shape, policy.frozen_format, model, None, policy.block_rule,
+                             policy.param_persistence_threshold)
     pr = probe if probe is not None else run_probe(policy.nvme_path, quick=True)
     if policy.nvme_path is not None and pr.disk is None:
         pr = run_probe(policy.nvme_path, quick=True)
@@ -197,6 +201,8 @@ def plan(model: Union[nn.Module, ModelShape, int, float], policy: Optional[Offlo
             continue
         if not cuda and pl.param_tier == "device":
             continue  # on a CPU the device tier is the host RAM: "host" is the same, in place
+        if policy.frozen_format is not None and pl.param_tier == "device":
+            continue  # a quantized base lives on host or NVMe
         pl = dataclasses.replace(pl, states=states)
         if any(getattr(pl, k) != v for k, v in explicit.items()):
             continue

@@ -39,6 +39,10 @@ class ModelShape:
     full_moment_params: int = 0
     # each block's kind ("layer", "outer", "root"); empty: layers, then the root block last
     block_kinds: Tuple[str, ...] = ()
+    # with a frozen base (frozen_format, LoRA): the homes' bytes in their stored format and the
+    # parameters the optimizer steps (None: param_bytes, and every parameter trainable)
+    stored_bytes: Optional[int] = None
+    trainable_params: Optional[int] = None
 
     @property
     def kinds(self) -> Tuple[str, ...]:

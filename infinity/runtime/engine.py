@@ -43,7 +43,9 @@ from .grads import GradientSink
 from .homes import DeviceHome, Home, HostHome, NvmeHome, TieredHome
 from .host_malloc import trim_heap
 from .host_memory import HOST_MEMORY, RELEASE, REUSE, HostMemoryLease
-from .partition import partition
+from .partition import LAYER, partition
+from .quant_format import frozen_format
+from .quant_home import QuantFlat, QuantizedHome
 from ..sharding.partitioner import make_partitioner
 from ..sharding.shard_flat import ShardFlat
 from ..sharding.sharded_home import ShardedHome
@@ -91,6 +93,9 @@ class Engine(Residence, OutsideWrites, HookHandlers):
         self.partitioner = make_partitioner(process_group, policy.shard,
                                             policy.collective_timeout, self.device)
 
+        if policy.frozen_format is not None and self.partitioner is not None:
+            raise ValueError("infinity: frozen_format with shard=zero1/2/3 is not built; use "
+                             "one process (shard='none') or frozen_format=None")
         specs = partition(model, policy.block_rule, policy.param_persistence_threshold)
         if not specs:
             raise ValueError("the model has no parameters: there is nothing to offload")
@@ -137,6 +142,10 @@ class Engine(Residence, OutsideWrites, HookHandlers):
         self.transfers = Transfers(self.device, self.stats, self.home, self.pool,
                                    self.home_flats, workers=self._transfer_workers())
         self._hooks = hooks_mod.register(self)
+        if any(isinstance(f, QuantFlat) for f in self.flats):
+            # model.state_dict(): the quantized frozen parameters' dequantized values
+            self._hooks.add(model._register_state_dict_hook(
+                hooks_mod.EngineHook(self, "on_state_dict_quantized")))
         if self.partitioner is not None and self.partitioner.shards_params:
             # model.state_dict() gathers the whole parameters (every rank must call it)
             self._hooks.add(model._register_state_dict_hook(
@@ -239,24 +248,49 @@ class Engine(Residence, OutsideWrites, HookHandlers):
         return self.policy.compute_dtype or home_dtype
 
     def _plan_blocks(self, specs, tiers: List[Tier]) -> List[Block]:
+        fmt = frozen_format(self.policy.frozen_format) if self.policy.frozen_format else None
         blocks: List[Block] = []
         for index, (spec, tier) in enumerate(zip(specs, tiers)):
             by_dtype: Dict[torch.dtype, list] = defaultdict(list)
+            frozen: Dict[torch.dtype, list] = defaultdict(list)
             for entry in spec.params:
-                by_dtype[entry[3].dtype].append(entry)
-            flats = []
+                p = entry[3]
+                if fmt is not None and spec.kind == LAYER and not p.requires_grad \
+                        and p.dim() >= 2:
+                    frozen[p.dtype].append(entry)
+                else:
+                    by_dtype[p.dtype].append(entry)
+            flats: List[FlatParam] = []
             for dtype, entries in by_dtype.items():
                 key = f"block{index:04d}.{str(dtype).replace('torch.', '')}"
                 pad = self.partitioner.pad_multiple(dtype) if self.partitioner else 0
                 flats.append(FlatParam(key, entries, dtype, self._compute_dtype(dtype),
                                        self.device, pad))
+            for dtype, entries in frozen.items():
+                name = str(dtype).replace('torch.', '')
+                flats.append(QuantFlat(f"block{index:04d}.{fmt.name}.{name}", entries, dtype,
+                                       self._compute_dtype(dtype), self.device, fmt))
+            for flat in flats:
+                trainable = [s.trainable for s in flat.slots]
+                use = "trainable" if all(trainable) else "frozen" if not any(trainable) \
+                    else "mixed"
+                stored = flat.fmt.name if isinstance(flat, QuantFlat) \
+                    else str(flat.home_dtype).replace("torch.", "")
+                flat.category = f"{use}.{spec.kind}.{stored}"
             resident = tier is Tier.DEVICE or (
                 tier is Tier.HOST and self.device.type == "cpu"
-                and all(f.compute_dtype == f.home_dtype for f in flats))
+                and all(f.compute_dtype == f.home_dtype and not isinstance(f, QuantFlat)
+                        for f in flats))
             if self.partitioner is not None and self.partitioner.shards_params:
                 resident = False  # a rank's home holds only its part: always all-gathered
             blocks.append(Block(index, spec.name, spec.module, spec.is_root, flats, tier,
                                 resident, spec.kind, spec.modules))
+        if fmt is not None and not any(isinstance(f, QuantFlat) for b in blocks
+                                       for f in b.flats):
+            logger.warning("infinity: frozen_format=%r, but no layer block has frozen matrices "
+                           "(requires_grad=False at wrap, 2 or more dimensions): nothing was "
+                           "quantized. Freeze the base before wrap (e.g. apply PEFT's "
+                           "get_peft_model first) or drop frozen_format", fmt.name)
         return blocks
 
     def _guess_order(self) -> Dict[str, List[int]]:
@@ -487,9 +521,15 @@ class Engine(Residence, OutsideWrites, HookHandlers):
         for tier in Tier:
             if any(b.home is tier for b in self.blocks):
                 self.homes[tier] = self._make_home(tier)
-        if len(self.homes) == 1:
-            return next(iter(self.homes.values()))
-        return TieredHome(self.homes, {f.key: b.home for b in self.blocks for f in b.flats})
+        routed = dict(self.homes)
+        for tier, home in self.homes.items():  # frozen_format: quantized flats of this tier
+            if any(isinstance(f, QuantFlat) for b in self.blocks if b.home is tier
+                   for f in b.flats):
+                routed[tier] = QuantizedHome(home, tier, self.host_budget, self.store,
+                                             self.pool, self.stats)
+        if len(routed) == 1:
+            return next(iter(routed.values()))
+        return TieredHome(routed, {f.key: b.home for b in self.blocks for f in b.flats})
 
     def _materialize_homes(self) -> None:
         """Moves every block's parameters to their home tier. On any error, the model is put
@@ -528,6 +568,8 @@ class Engine(Residence, OutsideWrites, HookHandlers):
             self._unfill(originals, filled, failure)
             for home in self.homes.values():
                 home.close()
+            if self.home is not None:
+                self.home.close()  # a quantized home's budget (closing twice is harmless)
             if self.pool is not None:
                 self.pool.close()
             if self.store is not None:
@@ -637,6 +679,21 @@ class Engine(Residence, OutsideWrites, HookHandlers):
                     elif values is not None:
                         s.param.data = values[s.offset:s.offset + s.numel].view(
                             s.shape).clone()
+
+    def on_state_dict_quantized(self, module, state_dict, prefix, local_metadata) -> None:
+        """``model.state_dict()``: each parameter stored quantized (frozen_format) is given
+        its dequantized values (home dtype), decoded from its home one flat at a time."""
+        with self._lock:
+            for flat in self.flats:
+                if not isinstance(flat, QuantFlat):
+                    continue
+                keys = [(s, prefix + s.qualname) for s in flat.slots
+                        if prefix + s.qualname in state_dict]
+                if not keys:
+                    continue
+                values = self.home.snapshot(flat)
+                for s, key in keys:
+                    state_dict[key] = values[s.offset:s.offset + s.numel].view(s.shape).clone()
 
     def _bind_initial(self, block: Block, flat: FlatParam) -> None:
         """After fill: resident blocks compute on their home; the others get an (unallocated)

@@ -49,8 +49,8 @@ class ParamSlot:
 
 class FlatParam:
     def __init__(self, key: str, params: List[tuple], home_dtype: torch.dtype,
-                 compute_dtype: torch.dtype, device: torch.device, pad_multiple: int = 0
-                 ) -> None:
+                 compute_dtype: torch.dtype, device: torch.device, pad_multiple: int = 0,
+                 align: int = _ELEM_ALIGN) -> None:
         self.key = key
         self.home_dtype = home_dtype
         self.compute_dtype = compute_dtype
@@ -58,7 +58,7 @@ class FlatParam:
         self.slots: List[ParamSlot] = []
         offset = 0
         for qualname, module, attr, param in params:
-            offset = _round_up(offset, _ELEM_ALIGN)
+            offset = _round_up(offset, align)
             self.slots.append(ParamSlot(qualname, module, attr, param, offset, param.numel(),
                                         param.shape, param.requires_grad))
             offset += param.numel()
@@ -69,6 +69,7 @@ class FlatParam:
         self.home: Optional[torch.Tensor] = None     # host home copy (HOST tier)
         self.compute: Optional[torch.Tensor] = None  # the buffer parameters view into
         self.grad: Optional[torch.Tensor] = None     # fp32 host gradient accumulator
+        self.category = ""  # what stats() counts its fetched bytes under ("frozen.layer.nf4")
         self.buffers = None  # ComputeBuffers lending the compute memory (CPU device), or None
         self.grad_ready: List[bool] = [False] * len(self.slots)
         self.binding = Binding.COMPUTE

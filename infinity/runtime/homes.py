@@ -434,9 +434,9 @@ class TieredHome(Home):
 
     def write_async(self, flat: FlatParam, src: torch.Tensor) -> "inf_io.IOFuture":
         home = self._home(flat)
-        if not isinstance(home, NvmeHome):
+        if self._tier_of[flat.key] is not Tier.NVME:
             raise RuntimeError(f"{flat.key}: write_async is only for parameters homed on NVMe")
-        return home.write_async(flat, src)
+        return home.write_async(flat, src)  # type: ignore[attr-defined]
 
     def write_range_async(self, flat: FlatParam, start: int, src: torch.Tensor) -> "IOResult":
         return self._home(flat).write_range_async(flat, start, src)

@@ -7,7 +7,8 @@ them, and they are freed again when the parameters are pointed at their homes.
 
 - :class:`CheckpointSource`: a ``.safetensors`` file, a sharded set with its
   ``*.safetensors.index.json``, or a Hugging Face model folder, read by memory map, converted
-  to the model's dtypes.
+  to the model's dtypes. A bitsandbytes NF4 checkpoint is decoded weight by weight; other
+  quantized formats are refused (runtime/source_quant.py).
 - :class:`InitSource`: the modules' own ``reset_parameters`` (or the user's ``init(module)``),
   run module by module in ``model.named_modules()`` order, so with the same seed the values
   equal a CPU construction that initializes its modules in that order.
@@ -21,6 +22,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple, Union
 
 import torch
 from torch import nn
+
+from . import source_quant
 
 logger = logging.getLogger(__name__)
 
@@ -205,6 +208,8 @@ class CheckpointSource(ParamSource):
                 self._handles.append(handle)
                 for key in handle.keys():
                     self._where[key] = handle
+            self._bnb4 = source_quant.scan(self.path, self._where,
+                                           lambda k: self._where[k].get_tensor(k), SourceError)
         except BaseException:
             self.close()
             raise
@@ -222,7 +227,20 @@ class CheckpointSource(ParamSource):
         """Reads the parameter known by ``names`` into ``out`` (its place in a block's arena;
         converted to ``out``'s dtype)."""
         key = self._key(names, out.shape)
+        if key in self._bnb4:
+            out.copy_(self._decode(key))
+            return
         self._where[key].read_into(key, out)
+
+    def _decode(self, key: str) -> torch.Tensor:
+        """A bitsandbytes NF4 weight, decoded (runtime/source_quant.py)."""
+        weight = self._bnb4[key]
+        self._used.update(k for k in source_quant.companions(weight) if k in self._where)
+        try:
+            return source_quant.decode(weight, lambda k: self._where[k].get_tensor(k),
+                                       lambda k: k in self._where)
+        except ValueError as exc:
+            raise SourceError(f"infinity.wrap(source={self.path!r}): {exc}") from None
 
     def _key(self, names: List[str], shape: torch.Size) -> str:
         key = self._find(names)
@@ -232,15 +250,18 @@ class CheckpointSource(ParamSource):
                                                   if len(names) > 1 else "")
                               + "; check that the checkpoint belongs to this model")
         handle = self._where[key]
-        if handle.shape(key) != tuple(shape):
+        stored = self._bnb4[key].shape if key in self._bnb4 else handle.shape(key)
+        if stored != tuple(shape):
             raise SourceError(f"infinity.wrap: checkpoint {self.path!r} holds {key!r} with shape "
-                              f"{handle.shape(key)} but the model's parameter has shape "
+                              f"{stored} but the model's parameter has shape "
                               f"{tuple(shape)}")
         self._used.update(n for n in names if n in self._where)
         return key
 
     def value(self, names: List[str], shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         key = self._key(names, shape)
+        if key in self._bnb4:
+            return self._decode(key).to(dtype)
         return self._where[key].get_tensor(key).to(dtype)
 
     def buffer_value(self, name: str) -> Optional[torch.Tensor]:

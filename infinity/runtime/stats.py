@@ -13,6 +13,9 @@ DIRECTIONS = ("nvme_to_host", "host_to_nvme", "host_to_device", "device_to_host"
 @dataclass
 class Stats:
     moved: Dict[str, int] = field(default_factory=lambda: {d: 0 for d in DIRECTIONS})
+    # bytes fetched into compute buffers, in the stored format, by the flats' category
+    # ("frozen.layer.nf4", "frozen.outer.bfloat16", "mixed.layer.float32", ...)
+    fetched: Dict[str, int] = field(default_factory=dict)
     prefetch_hits: int = 0
     prefetch_misses: int = 0
     on_demand_fetches: int = 0
@@ -46,9 +49,14 @@ class Stats:
         with self._lock:
             self.moved[direction] += nbytes
 
+    def add_fetched(self, category: str, nbytes: int) -> None:
+        with self._lock:
+            self.fetched[category] = self.fetched.get(category, 0) + nbytes
+
     def reset(self) -> None:
         with self._lock:
             self.moved = {d: 0 for d in DIRECTIONS}
+            self.fetched = {}
             self.prefetch_hits = self.prefetch_misses = self.on_demand_fetches = 0
             self.stall_seconds = 0.0
             self.fetches = self.releases = self.schedule_deviations = 0

@@ -154,6 +154,7 @@ class Transfers:
         t0 = time.perf_counter()
         self.home.fetch_into(flat, flat.compute, self._cuda)
         trace_events.span("fetch", flat.key, flat.home_nbytes, t0)
+        self.stats.add_fetched(flat.category or "other", flat.home_nbytes)
         if self.home.tier_of(flat) is Tier.HOST:
             self.stats.add_moved("host_to_device", flat.home_nbytes)
 
