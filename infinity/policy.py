@@ -118,6 +118,12 @@ class OffloadPolicy:
         materialized for the whole step (DeepSpeed's stage3_param_persistence_threshold).
         Each module is counted with the parameters it owns directly; modules sharing a
         parameter (a tied embedding and head) count together and make one block.
+    embedding_rows: an ``nn.Embedding`` that is an outer block of its own (not tied to a
+        head) on the host or NVMe tier reads only the rows its batch looks up (on NVMe the
+        swap file's pieces that hold them), and its gradient is accumulated row-sparse into
+        the gradient tier (zeros elsewhere): the table is never materialized whole and no
+        full-size dense gradient exists. Numbers are those of the plain lookup.
+        See infinity/runtime/rows.py. False: fetched whole when it runs.
     """
 
     param_tier: str = "auto"
@@ -141,6 +147,7 @@ class OffloadPolicy:
     host_blocks: Optional[int] = None
     chunk_bytes: Optional[Size] = None
     param_persistence_threshold: int = 100_000
+    embedding_rows: bool = True
 
     def __post_init__(self) -> None:
         if self.param_tier != "auto":
@@ -162,6 +169,9 @@ class OffloadPolicy:
             if value is not None:  # frozen: normalised once, downstream code sees ints
                 object.__setattr__(self, name, parse_budget(value, name))
         check_chunk_bytes(self.chunk_bytes, "infinity.wrap")
+        if not isinstance(self.embedding_rows, bool):
+            raise ValueError(f"infinity: embedding_rows must be True or False, got "
+                             f"{self.embedding_rows!r}")
         t = self.param_persistence_threshold
         if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0:
             raise ValueError(f"infinity: param_persistence_threshold must be an integer number "

@@ -34,6 +34,7 @@ from ..tiers.chunk_size import resolve_chunk_bytes
 from ..tiers.pool_plan import MAX_PIECE_BYTES, PoolPlan, plan_pools
 from . import hooks as hooks_mod
 from . import compute_pool
+from . import rows as rows_mod
 from .block import Block
 from .compute_pool import ComputeBuffers
 from .device import resolve_device
@@ -100,6 +101,9 @@ class Engine(Residence, OutsideWrites, HookHandlers):
         self.device_budget = ByteBudget("device", policy.device_budget)
         self.host_budget = ByteBudget("host", policy.host_budget)
         self.blocks = self._plan_blocks(specs, self._choose_block_tiers(len(specs)))
+        if policy.embedding_rows:
+            for block in self.blocks:
+                block.row_lookup = rows_mod.eligible(block, self.partitioner is not None)
         if self.partitioner is not None:
             self.partitioner.attach(self.blocks)
         self._check_budgets()
@@ -361,7 +365,8 @@ class Engine(Residence, OutsideWrites, HookHandlers):
         blocks such as the embedding or the head) is fetched when used and released after."""
         streamed = [b for b in self.blocks if not b.resident]
         root = sum(b.compute_nbytes for b in streamed if b.is_root)
-        others = [b for b in streamed if not b.is_root]
+        # an embedding looked up row by row is never materialized whole in a step
+        others = [b for b in streamed if not b.is_root and not b.row_lookup]
         largest = max(others, key=lambda b: b.compute_nbytes, default=None)
         layer = max((b.compute_nbytes for b in others if b.kind == "layer"), default=0)
         return root, largest, (largest.compute_nbytes if largest is not None else 0), layer

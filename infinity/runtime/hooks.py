@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from . import rows as rows_mod
 from .block import Block
 
 if TYPE_CHECKING:
@@ -97,6 +98,9 @@ def register(engine: "Engine") -> HookSet:
                 EngineHook(engine, "on_block_pre_forward", block)))
             hooks.add(module.register_forward_hook(
                 EngineHook(engine, "on_block_post_forward", block), always_call=True))
+    for block in engine.blocks:
+        if block.row_lookup:  # its forward reads only the looked-up rows (rows.py)
+            hooks.add(rows_mod.RowForward(block.modules[0]))
     for block in engine.blocks:
         for fi, flat in enumerate(block.flats):
             for si, slot in enumerate(flat.slots):

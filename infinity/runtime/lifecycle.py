@@ -13,7 +13,9 @@ import torch
 from torch import nn
 
 from . import hooks as hooks_mod
+from . import rows as rows_mod
 from .block import Block
+from .flat import Binding
 from .residency import Residency
 
 logger = logging.getLogger("infinity.runtime.engine")
@@ -160,7 +162,8 @@ class HookHandlers:
                 self._last_backward_block = block
             else:
                 self._visit(block, "forward")
-            self._ensure_on_device(block)
+            if not block.row_lookup:  # else its forward reads only its rows (rows.py)
+                self._ensure_on_device(block)
             if not recompute:
                 block.active_forward += 1
                 if self.activations is not None:
@@ -170,6 +173,16 @@ class HookHandlers:
                 # it go until its next use, though its gradient is complete only after the
                 # backward of every use
                 hooks_mod.register_post_backward(args, lambda: self.on_inputs_grad(block))
+
+    @_timed_hook
+    def lookup_rows(self, block: Block, module: nn.Module, input: torch.Tensor) -> torch.Tensor:
+        """The forward of an embedding looked up row by row (runtime/rows.py), between its
+        block's pre- and post-forward hooks."""
+        with self._lock:
+            flat = block.flats[0]
+            if flat.binding is Binding.OUTSIDE and flat.written_slots():
+                self.sync_outside_writes()  # written through the parameter: the home first
+            return rows_mod.lookup(self, block, module, input)
 
     @_timed_hook
     def on_inputs_grad(self, block: Block) -> None:
