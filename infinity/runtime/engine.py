@@ -35,6 +35,7 @@ from ..tiers.pool_plan import MAX_PIECE_BYTES, PoolPlan, plan_pools
 from . import hooks as hooks_mod
 from . import compute_pool
 from . import rows as rows_mod
+from . import tiled_head as tiled_head_mod
 from .block import Block
 from .compute_pool import ComputeBuffers
 from .device import resolve_device
@@ -101,9 +102,10 @@ class Engine(Residence, OutsideWrites, HookHandlers):
         self.device_budget = ByteBudget("device", policy.device_budget)
         self.host_budget = ByteBudget("host", policy.host_budget)
         self.blocks = self._plan_blocks(specs, self._choose_block_tiers(len(specs)))
-        if policy.embedding_rows:
-            for block in self.blocks:
-                block.row_lookup = rows_mod.eligible(block, self.partitioner is not None)
+        self.tiled_head: Optional[nn.Linear] = (tiled_head_mod.head_module(model)
+                                                if policy.tiled_head else None)
+        self._loss_follows = False  # a model forward with labels runs (tiled head)
+        self._mark_row_blocks()
         if self.partitioner is not None:
             self.partitioner.attach(self.blocks)
         self._check_budgets()
@@ -262,6 +264,35 @@ class Engine(Residence, OutsideWrites, HookHandlers):
             blocks.append(Block(index, spec.name, spec.module, spec.is_root, flats, tier,
                                 resident, spec.kind, spec.modules))
         return blocks
+
+    def _mark_row_blocks(self) -> None:
+        """The blocks read by rows, never fetched whole: plain embeddings (embedding_rows,
+        runtime/rows.py) and the LM head (tiled_head, runtime/tiled_head.py)."""
+        sharded = self.partitioner is not None
+        for block in self.blocks:
+            block.row_lookup = rows_mod.eligible(block, sharded, self.tiled_head,
+                                                 self.policy.embedding_rows)
+        head = self.tiled_head
+        if head is not None and not any(b.row_lookup and any(m is head for m in b.modules)
+                                        for b in self.blocks):
+            owner = next((b for b in self.blocks if any(m is head for m in b.modules)), None)
+            if owner is None or owner.is_root:
+                why = "its weight stays in the root block (below param_persistence_threshold)"
+            elif sharded:
+                why = "parameters are sharded across ranks (shard=zero3)"
+            elif owner.home is Tier.DEVICE:
+                why = "its block lives on the device tier (nothing to stream)"
+            else:
+                why = (f"its block {owner.name!r} is shared with a module that is not a plain "
+                       "nn.Embedding, or holds more than its weight"
+                       + ("" if self.policy.embedding_rows else " (or embedding_rows=False)"))
+            raise ValueError(f"infinity: tiled_head=True, but the LM head cannot be tiled: "
+                             f"{why}. Pass tiled_head=False")
+
+    @property
+    def chunk_bytes(self) -> int:
+        """The chunk: the size of the host buffers I/O passes through (policy.chunk_bytes)."""
+        return resolve_chunk_bytes(self.policy.chunk_bytes, self.host_budget.limit)
 
     def _guess_order(self) -> Dict[str, List[int]]:
         """The first step's schedule: the blocks' modules in the order the model registers

@@ -18,9 +18,10 @@ unwrap) by :class:`RowLookup`:
   optimizer then steps every row, as torch's AdamW does on a dense gradient.
 
 The whole block is never fetched for forward (nor for backward: an embedding's backward reads
-no parameter), and the compute buffers are not sized for it. Used for a block owned by exactly
-one module whose class forward is ``nn.Embedding.forward`` (no ``max_norm``, which rewrites
-rows in place), with one parameter, when its parameters are not sharded across ranks.
+no parameter), and the compute buffers are not sized for it. Used for a block whose modules
+are plain embeddings (class forward ``nn.Embedding.forward``, no ``max_norm``, which rewrites
+rows in place) -- or, with ``tiled_head``, the LM head, which reads its table in tiles of rows
+(tiled_head.py) -- holding one 2-D parameter not sharded across ranks.
 ``OffloadPolicy.embedding_rows=False`` turns it off."""
 from __future__ import annotations
 
@@ -43,15 +44,23 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def eligible(block: Block, sharded: bool) -> bool:
-    """Whether ``block`` is looked up row by row (see the module docstring)."""
+def _plain_embedding(module: nn.Module) -> bool:
+    return (isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward
+            and module.max_norm is None)
+
+
+def eligible(block: Block, sharded: bool, head: Optional[nn.Module] = None,
+             embeddings: bool = True) -> bool:
+    """Whether ``block`` is read by rows (see the module docstring): each of its modules is a
+    plain embedding, or ``head`` (the LM head tiled over its vocabulary, tiled_head.py)."""
     if block.is_root or block.kind != "outer" or block.home is Tier.DEVICE or sharded:
         return False
-    if len(block.modules) != 1 or len(block.flats) != 1 or len(block.flats[0].slots) != 1:
+    if len(block.flats) != 1 or len(block.flats[0].slots) != 1:
         return False
-    module = block.modules[0]
-    return (type(module).forward is nn.Embedding.forward and module.max_norm is None
-            and block.flats[0].slots[0].attr == "weight")
+    if block.flats[0].slots[0].attr != "weight" or block.flats[0].slots[0].param.dim() != 2:
+        return False
+    return all((embeddings and _plain_embedding(m)) or (head is not None and m is head)
+               for m in block.modules)
 
 
 # ---- reading rows ----------------------------------------------------------------------------
@@ -91,6 +100,47 @@ def _read_rows_nvme(engine: "Engine", flat: FlatParam, rows: torch.Tensor,
     engine.stats.add_moved("nvme_to_host", nread)
     engine.stats.rows_read_bytes += nread
     return out
+
+
+def _read_span_nvme(engine: "Engine", flat: FlatParam, start: int, end: int) -> torch.Tensor:
+    """Elements [start, end) of the flat, read from its swap file: the pieces holding them."""
+    home = engine.homes[Tier.NVME]
+    piece = home.range_elems(flat)
+    itemsize = flat.home_itemsize
+    out = torch.empty(end - start, dtype=flat.home_dtype)
+    buf = home.pool.acquire()
+    nread = 0
+    try:
+        for k in range(start // piece, (end - 1) // piece + 1):
+            ps, pe = k * piece, min(flat.numel, (k + 1) * piece)
+            staging = buf[:(pe - ps) * itemsize].view(flat.home_dtype)
+            engine.store.read_at_sync(flat.key, ps * itemsize, staging, urgent=True)
+            nread += (pe - ps) * itemsize
+            a, b = max(ps, start), min(pe, end)
+            out[a - start:b - start].copy_(staging[a - ps:b - ps])
+    finally:
+        home.pool.release(buf)
+    engine.stats.add_moved("nvme_to_host", nread)
+    engine.stats.rows_read_bytes += nread
+    return out
+
+
+def read_row_span(engine: "Engine", block: Block, weight: torch.Tensor, r0: int,
+                  r1: int) -> torch.Tensor:
+    """Rows [r0, r1) of the block's table (a tile of an LM head), in the compute dtype on the
+    engine's device."""
+    flat = block.flats[0]
+    width = weight.shape[1]
+    if block.state in (Residency.RESIDENT, Residency.ON_DEVICE):
+        return weight.detach()[r0:r1].to(engine.device, flat.compute_dtype)
+    if block.home is Tier.HOST:
+        values = flat.home_view(0)[r0:r1]
+        engine.stats.rows_read_bytes += values.numel() * values.element_size()
+    else:
+        base = flat.slots[0].offset
+        values = _read_span_nvme(engine, flat, base + r0 * width,
+                                 base + r1 * width).view(r1 - r0, width)
+    return values.to(engine.device, flat.compute_dtype)
 
 
 def read_rows(engine: "Engine", block: Block, weight: torch.Tensor,
