@@ -445,7 +445,9 @@ class Engine(Residence, OutsideWrites, HookHandlers):
                 f"infinity: host_budget={limit:,} bytes is smaller than what the engine holds in "
                 f"host RAM: {listed} = {fixed + minimal:,} bytes (with the pools of that budget). "
                 f"Raise host_budget to at least {need:,} bytes (an optimizer needs more on top: its states on host, "
-                "or with states on NVMe its buffer sets), or use smaller blocks (block_rule)")
+                "or with states on NVMe its buffer sets), or "
+                + (self._outer_remedy(largest_block) if largest_block is not None
+                   and largest_block.kind == "outer" else "use smaller blocks (block_rule)"))
         if not minimal:
             return 0
         # the compute buffers beyond their minimum leave room for what an optimizer with its
@@ -461,6 +463,24 @@ class Engine(Residence, OutsideWrites, HookHandlers):
             self.device_budget = ByteBudget("device", reserve)
         self.compute_buffers.limit = reserve
         return reserve
+
+    def _outer_remedy(self, block: Block) -> str:
+        """What lets an outer block that is fetched whole need less memory at once."""
+        head = None
+        get = getattr(self.model, "get_output_embeddings", None)
+        if callable(get):
+            head = get()
+        if head is not None and any(m is head for m in block.modules):
+            return (f"wrap with tiled_head=True: module {block.name!r} (the LM head) is then "
+                    "read in tiles of vocabulary rows, never whole, or compute in a narrower "
+                    "dtype (compute_dtype=torch.bfloat16)")
+        if any(isinstance(m, nn.Embedding) for m in block.modules):
+            return (f"compute in a narrower dtype (compute_dtype=torch.bfloat16); module "
+                    f"{block.name!r} is fetched whole (an embedding is read row by row when "
+                    "it is a plain nn.Embedding with a block of its own and "
+                    "embedding_rows=True)")
+        return (f"compute in a narrower dtype (compute_dtype=torch.bfloat16); module "
+                f"{block.name!r} is fetched whole")
 
     def _check_disk(self) -> None:
         """The parameter homes and gradient files this engine puts on NVMe must fit on the
@@ -492,9 +512,7 @@ class Engine(Residence, OutsideWrites, HookHandlers):
             if who is None or who.kind == "layer":
                 remedy = "split the block with block_rule"
             elif who.kind == "outer":
-                remedy = (f"compute in a narrower dtype (compute_dtype=torch.bfloat16); module "
-                          f"{who.name!r} is fetched whole (a vocabulary-tiled head and an "
-                          "embedding fetched row by row are not built)")
+                remedy = self._outer_remedy(who)
             else:
                 remedy = ("lower param_persistence_threshold so that more modules outside the "
                           "layers become blocks of their own")

@@ -232,7 +232,8 @@ class GradientSink:
             self._slot_norms(flat)[index] = self._norm_of(flat, index)
 
     def _add_rows(self, flat: FlatParam, index: int, grad: torch.Tensor) -> None:
-        """A row-sparse gradient (an embedding looked up row by row, runtime/rows.py): its
+        """A row-sparse gradient (an embedding looked up row by row, runtime/rows.py, or a
+        tile of a tiled LM head, tiled_head.py): its
         rows are copied (added) into the accumulator, zeros elsewhere, exactly the values its
         dense form would have given. A slot larger than a chunk gets no norm (the optimizer
         reads it)."""
@@ -246,7 +247,12 @@ class GradientSink:
         if id(flat) in self._chunked:
             per = self._chunk_elems
             lo, hi = s.offset, s.offset + s.numel
-            for k in reversed(range(lo // per, (hi - 1) // per + 1)):
+            a0, b0 = lo, hi  # a first accumulation writes the whole slot (zeros elsewhere)
+            if add:  # else only the chunks that hold the rows
+                if not rows.numel():
+                    return
+                a0, b0 = lo + int(rows[0]) * width, lo + (int(rows[-1]) + 1) * width
+            for k in reversed(range(a0 // per, (b0 - 1) // per + 1)):
                 a, b = max(lo, k * per), min(hi, (k + 1) * per)
                 scatter_rows(self._chunk_part(flat, k, a, b), a, lo, width, rows, values,
                              add=add)
