@@ -199,12 +199,13 @@ class HookHandlers:
         with self._lock:
             return rows_mod.read_row_span(self, block, weight, r0, r1)
 
-    def add_head_tile_grad(self, block: Block, r0: int, values: torch.Tensor) -> None:
-        """A tile of the LM head's weight gradient (rows r0 .. r0 + len(values))."""
+    def add_row_grads(self, block: Block, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """Gradient rows of a block read by rows (an embedding's lookup, a tile of the LM
+        head): ``rows`` distinct and sorted, ``values`` their gradients."""
         with self._lock:
             self._start_backward_if_needed()
-            rows = torch.arange(r0, r0 + values.shape[0]).unsqueeze(0)
-            grad = torch.sparse_coo_tensor(rows, values.detach().to("cpu", torch.float32),
+            grad = torch.sparse_coo_tensor(rows.to("cpu").unsqueeze(0),
+                                           values.detach().to("cpu", torch.float32),
                                            block.flats[0].slots[0].shape, is_coalesced=True,
                                            check_invariants=False)
             self.grads.add(block.flats[0], 0, grad)

@@ -13,9 +13,10 @@ unwrap) by :class:`RowLookup`:
   plain lookup;
 - backward: ``embedding_dense_backward`` over the compressed indices, so each distinct row's
   gradient is summed in the same order, with the same kernel, as the plain dense gradient's
-  row; it reaches the parameter as a coalesced sparse COO tensor (rows, values), which the
-  gradient sink scatters into the gradient tier with zeros elsewhere (row_grads.py). The
-  optimizer then steps every row, as torch's AdamW does on a dense gradient.
+  row; the rows and their values go straight to the gradient sink, which scatters them into
+  the gradient tier with zeros elsewhere (row_grads.py), and autograd gets an empty sparse
+  gradient (its arrival ends the parameter's backward as usual). The optimizer then steps
+  every row, as torch's AdamW does on a dense gradient.
 
 The whole block is never fetched for forward (nor for backward: an embedding's backward reads
 no parameter), and the compute buffers are not sized for it. Used for a block whose modules
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import types
-from typing import TYPE_CHECKING, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -167,9 +168,11 @@ class RowLookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight: torch.Tensor, rows: torch.Tensor, values: torch.Tensor,
                 inverse: torch.Tensor, padding_idx: Optional[int],
-                scale_grad_by_freq: bool) -> torch.Tensor:
+                scale_grad_by_freq: bool,
+                deliver: Callable[[torch.Tensor, torch.Tensor], None]) -> torch.Tensor:
         ctx.save_for_backward(rows, inverse)
         ctx.weight_meta = (weight.shape, weight.dtype)
+        ctx.deliver = deliver
         ctx.padding_idx = padding_idx
         ctx.scale_grad_by_freq = scale_grad_by_freq
         return torch.nn.functional.embedding(inverse, values)
@@ -184,9 +187,20 @@ class RowLookup(torch.autograd.Function):
             padding = int(hit[0, 0]) if hit.numel() else -1
         values = torch.ops.aten.embedding_dense_backward(
             grad_out, inverse, rows.numel(), padding, ctx.scale_grad_by_freq)
-        grad = torch.sparse_coo_tensor(rows.to(values.device).unsqueeze(0), values.to(dtype),
-                                       shape, is_coalesced=True, check_invariants=False)
-        return grad, None, None, None, None, None
+        # straight to the gradient tier, in the dtype computed (a bf16 home computing in fp32
+        # keeps fp32 gradients, as when the table is fetched whole); autograd gets no rows
+        if ctx.needs_input_grad[0]:
+            ctx.deliver(rows, values)
+        return empty_grad(shape, dtype), None, None, None, None, None, None
+
+
+def empty_grad(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """A parameter's gradient as autograd sees it when its rows went to the gradient tier
+    directly (runtime/rows.py, tiled_head.py): no rows. Its arrival (summed with the other
+    uses' of a tied parameter) tells the engine that the parameter's backward is over."""
+    return torch.sparse_coo_tensor(torch.zeros(1, 0, dtype=torch.int64),
+                                   torch.zeros(0, shape[1], dtype=dtype), shape,
+                                   is_coalesced=True, check_invariants=False)
 
 
 def forward(self: nn.Embedding, input: torch.Tensor) -> torch.Tensor:
@@ -215,9 +229,9 @@ def lookup(engine: "Engine", block: Block, module: nn.Embedding,
     values = read_rows(engine, block, weight, rows)
     engine.stats.rows_lookups += 1
     inverse = inverse.to(values.device).view(input.shape)
-    out = RowLookup.apply(weight, rows, values, inverse, module.padding_idx,
-                          module.scale_grad_by_freq)
-    return out
+    return RowLookup.apply(weight, rows, values, inverse, module.padding_idx,
+                           module.scale_grad_by_freq,
+                           lambda r, v: engine.add_row_grads(block, r, v))
 
 
 class RowForward:

@@ -82,15 +82,12 @@ class _Source:
 
     def grad(self, r0: int, values: torch.Tensor) -> None:
         if self.weight.requires_grad:
-            self.engine.add_head_tile_grad(self.block, r0, values)
+            self.engine.add_row_grads(self.block, torch.arange(r0, r0 + values.shape[0]),
+                                      values)
 
 
 def _empty_grad(weight: torch.Tensor) -> torch.Tensor:
-    """The weight's gradient as autograd sees it: no rows (the tiles went to the gradient tier
-    directly); its arrival tells the engine the head's backward is over."""
-    return torch.sparse_coo_tensor(torch.zeros(1, 0, dtype=torch.int64),
-                                   torch.zeros(0, weight.shape[1], dtype=weight.dtype),
-                                   weight.shape, is_coalesced=True, check_invariants=False)
+    return rows_mod.empty_grad(weight.shape, weight.dtype)
 
 
 class TiledLinear(torch.autograd.Function):
