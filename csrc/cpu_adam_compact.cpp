@@ -110,7 +110,11 @@ constexpr int64_t kMinPerThread = 1 << 15;       // elements
 // the decade formula instead of a lookup: j = code + 1 (unsigned) or |code - 127| (signed) has
 // f = floor(log2 j) as its fp32 exponent - 127 and k = j - 2^f, and map[code] =
 // fma(B[f], k, A[f]) (build_dynamic_map's own operation, so bitwise the table's value), negated
-// below code 127 of the signed map; f = 8 (unsigned) / 7 (signed) is 1.0, code 127 (signed) 0.
+// below code 127 of the signed map; f = 8 (unsigned) / 7 (signed) is 1.0, code 127 (signed) 0
+// (the AVX-512 path reads the signed tables at the exponent of 4j, where j = 0 has a slot of
+// its own: see ExpTable). Lookups measured no faster on an AVX-512 Xeon (Emerald Rapids):
+// 16-lane gathers of the table slower, VBMI byte-plane permutes (vpermi2b) the same, as they
+// load the shuffle port as much as the formula's permutes do.
 //
 // Quantization (value -> code) without a search: the map is a decimal exponent (decade) and a
 // linear fraction, so the nearest code is computed, on the ratio r = |x| * (1 / absmax) (x itself
@@ -120,8 +124,11 @@ constexpr int64_t kMinPerThread = 1 << 15;       // elements
 //   level L = #{j = 0..6 : r >= lim[j]}: lim are the fp32 midpoints between neighbouring decades
 //     (decade 6 | 5, ..., 1 | 0) and between decade 0's top value and 1.0; L = 0..6 is decade
 //     6 - L, L = 7 is the value 1.0. The lims are ~10x apart, so each binary octave of r holds at
-//     most one: the AVX-512 path reads L as oct_base[octave] + (r >= oct_lim[octave]) from two
-//     32-entry tables indexed by r's exponent, the others count or binary-search; same L;
+//     most one: the AVX-512 path indexes 32-entry tables by r's exponent (octave o, the
+//     exponent field & 31; r = inf, from a subnormal absmax, is octave 31 like [1, 2)), where
+//     the level of octave o + 1 is the level above octave o's lim, so S, C and cap are read at
+//     o + (r >= oct_lim[o]) (a NaN oct_lim where an octave holds no lim: never >=); the others
+//     count or binary-search; same L;
 //   code = min(cvtt(fma(r, S[L], C[L])), cap[L]) (cvtt: truncation, 0x80000000 for NaN or out of
 //     range; the min unsigned, so that one becomes cap[L]). The decade's values are the
 //     midpoints of 2^f equal bins, so the nearest value is the bin that holds r:
@@ -148,7 +155,10 @@ struct QLevels {
   alignas(64) float C[16];
   alignas(64) int32_t cap[16];
   alignas(64) int32_t oct_base[32];  // by r's exponent field & 31: lims below the octave
-  alignas(64) float oct_lim[32];     // the lim inside the octave, or +inf
+  alignas(64) float oct_lim[32];     // the lim inside the octave, or NaN (no r compares >= it)
+  alignas(64) float oct_S[32];       // S, C, cap of level oct_base[i] (AVX-512: index o + ge)
+  alignas(64) float oct_C[32];
+  alignas(64) int32_t oct_cap[32];
   int32_t zero_code;
 };
 
@@ -160,7 +170,10 @@ struct DecadeTable {
 // The decade formula's coefficients indexed by the low bits of the fp32 exponent of j (127 + f):
 // 16 entries (AVX-512 permutes) and 8 (AVX2). Unsigned: f = 0 (code 0) is 0, f = 8 (code 255)
 // is 1.0; with 8 entries both land on index 7, which holds 0 (the AVX2 path sets 1.0 itself).
-// Signed: f = 7 (code 255) is 1.0; code 127 (j = 0) is masked to 0 by the paths.
+// Signed: f = 7 (code 255) is 1.0; code 127 (j = 0) is masked to 0 by the AVX2 path. The
+// signed 16-entry tables are read at the exponent of 4j (129 + f: indices 1..8, and 0 for
+// j = 0, which holds 0) with B / 4 (exact), so that fma(B / 4, 4k, A) is fma(B, k, A) bitwise
+// and code 127 needs no mask.
 struct ExpTable {
   alignas(64) float A16[16];
   alignas(64) float B16[16];
@@ -214,8 +227,9 @@ ExpTable build_exp_table(bool is_signed, const DecadeTable& d) {
   for (int f = 0; f <= top; ++f) {
     const float a = f == top ? 1.0f : d.A[f];  // unsigned f = 0: A = B = 0 (the value 0)
     const float b = f == top ? 0.0f : d.B[f];
-    t.A16[(127 + f) & 15] = a;
-    t.B16[(127 + f) & 15] = b;
+    const int i16 = ((is_signed ? 129 : 127) + f) & 15;
+    t.A16[i16] = a;
+    t.B16[i16] = is_signed ? b * 0.25f : b;
     if (!(is_signed == false && f == 8)) {  // unsigned 1.0 shares index 7 with 0: keep 0
       t.A8[(127 + f) & 7] = a;
       t.B8[(127 + f) & 7] = b;
@@ -274,7 +288,7 @@ QLevels build_levels(bool is_signed, const float* map) {
     const float lo = std::ldexp(1.0f, i - 31);
     const float hi = 2.0f * lo;
     lv.oct_base[i] = 0;
-    lv.oct_lim[i] = std::numeric_limits<float>::infinity();
+    lv.oct_lim[i] = std::numeric_limits<float>::quiet_NaN();
     for (int j = 0; j < 7; ++j) {
       if (lv.lim[j] <= lo) {
         ++lv.oct_base[i];
@@ -282,6 +296,11 @@ QLevels build_levels(bool is_signed, const float* map) {
         lv.oct_lim[i] = lv.lim[j];  // at most one: the lims are ~10x apart
       }
     }
+  }
+  for (int i = 0; i < 32; ++i) {
+    lv.oct_S[i] = lv.S[lv.oct_base[i]];
+    lv.oct_C[i] = lv.C[lv.oct_base[i]];
+    lv.oct_cap[i] = lv.cap[lv.oct_base[i]];
   }
   lv.zero_code = is_signed ? 127 : 0;
   return lv;
@@ -624,17 +643,18 @@ INF_TARGET_AVX512 INF_INLINE __m512i avx512_codes(const QLevels& lv, const VCons
   const __m512 a =
       SIGNED ? _mm512_castsi512_ps(_mm512_and_si512(xb, _mm512_load_si512(k.abs_mask))) : x;
   const __m512 r = _mm512_max_ps(_mm512_mul_ps(a, inv), _mm512_load_ps(k.ratio_min));
-  const __m512i octave = _mm512_srli_epi32(_mm512_castps_si512(r), 23);  // & 31 by the permutes
-  __m512i level = _mm512_permutex2var_epi32(_mm512_load_si512(lv.oct_base), octave,
-                                            _mm512_load_si512(lv.oct_base + 16));
+  __m512i octave = _mm512_srli_epi32(_mm512_castps_si512(r), 23);  // & 31 by the permutes
   const __m512 lim = _mm512_permutex2var_ps(_mm512_load_ps(lv.oct_lim), octave,
                                             _mm512_load_ps(lv.oct_lim + 16));
-  level = _mm512_mask_add_epi32(level, _mm512_cmp_ps_mask(r, lim, _CMP_GE_OQ), level,
-                                _mm512_load_si512(k.one));
-  const __m512 t = _mm512_fmadd_ps(r, _mm512_permutexvar_ps(level, _mm512_load_ps(lv.S)),
-                                   _mm512_permutexvar_ps(level, _mm512_load_ps(lv.C)));
-  __m512i code = _mm512_min_epu32(_mm512_cvttps_epi32(t),
-                                  _mm512_permutexvar_epi32(level, _mm512_load_si512(lv.cap)));
+  // the level of octave + 1 is the level above this octave's lim: one index for both
+  octave = _mm512_mask_add_epi32(octave, _mm512_cmp_ps_mask(r, lim, _CMP_GE_OQ), octave,
+                                 _mm512_load_si512(k.one));
+  const __m512 t = _mm512_fmadd_ps(
+      r, _mm512_permutex2var_ps(_mm512_load_ps(lv.oct_S), octave, _mm512_load_ps(lv.oct_S + 16)),
+      _mm512_permutex2var_ps(_mm512_load_ps(lv.oct_C), octave, _mm512_load_ps(lv.oct_C + 16)));
+  __m512i code = _mm512_min_epu32(
+      _mm512_cvttps_epi32(t), _mm512_permutex2var_epi32(_mm512_load_si512(lv.oct_cap), octave,
+                                                        _mm512_load_si512(lv.oct_cap + 16)));
   if constexpr (SIGNED) {
     code = _mm512_mask_sub_epi32(code, _mm512_cmplt_epi32_mask(xb, _mm512_setzero_si512()),
                                  _mm512_load_si512(k.c254), code);
@@ -703,18 +723,16 @@ INF_TARGET_AVX512 INF_INLINE __m512 avx512_value_unsigned(const QMaps& q, __m512
 INF_TARGET_AVX512 INF_INLINE __m512 avx512_value_signed(const QMaps& q, __m512i code) {
   const ExpTable& t = q.ex[kSigned];
   const __m512i sign = _mm512_load_si512(q.k.sign_mask);
-  const __m512i sj =
-      _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_sub_epi32(code, _mm512_load_si512(q.k.c127))));
-  const __m512i jb = _mm512_andnot_si512(sign, sj);  // |j|
+  // 4j, j = code - 127 (exact in fp32): its exponent indexes the tables (see ExpTable)
+  const __m512i sj = _mm512_castps_si512(_mm512_cvtepi32_ps(
+      _mm512_slli_epi32(_mm512_sub_epi32(code, _mm512_load_si512(q.k.c127)), 2)));
+  const __m512i jb = _mm512_andnot_si512(sign, sj);  // |4j|
   const __m512i idx = _mm512_srli_epi32(jb, 23);
   const __m512 k = _mm512_sub_ps(
       _mm512_castsi512_ps(jb),
-      _mm512_castsi512_ps(_mm512_and_si512(jb, _mm512_load_si512(q.k.exp_mask))));
-  // j = 0 (code 127) shares its table slot with f = 1: masked to 0
-  const __m512 mag = _mm512_maskz_fmadd_ps(
-      _mm512_cmpneq_epi32_mask(code, _mm512_load_si512(q.k.c127)),
-      _mm512_permutexvar_ps(idx, _mm512_load_ps(t.B16)), k,
-      _mm512_permutexvar_ps(idx, _mm512_load_ps(t.A16)));
+      _mm512_castsi512_ps(_mm512_and_si512(jb, _mm512_load_si512(q.k.exp_mask))));  // 4k
+  const __m512 mag = _mm512_fmadd_ps(_mm512_permutexvar_ps(idx, _mm512_load_ps(t.B16)), k,
+                                     _mm512_permutexvar_ps(idx, _mm512_load_ps(t.A16)));
   // mag | (sj & sign)
   return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(_mm512_castps_si512(mag), sj, sign, 0xF8));
 }
@@ -810,6 +828,20 @@ INF_TARGET_AVX512 void avx512_q8_block(const Job& job, const Span& s) {
   requantize<&avx512_quantize_block>(s, *job.q, mbuf, vbuf);
 }
 
+// Software prefetch of 64 elements' inputs kPrefetchBlocks blocks ahead (parameters, gradients,
+// both moments' codes): the 8-bit step computes long enough per byte that the hardware
+// prefetchers alone leave it waiting on DRAM at every 4 KiB page.
+constexpr int64_t kPrefetchBlocks = 2;
+
+INF_INLINE void prefetch64(const Job& job, int64_t i) {
+  const char* p = reinterpret_cast<const char*>(job.p + i);
+  for (int k = 0; k < 256; k += 64) _mm_prefetch(p + k, _MM_HINT_T0);
+  const char* g = static_cast<const char*>(job.g) + i * job.gsize;
+  for (int k = 0; k < 64 * job.gsize; k += 64) _mm_prefetch(g + k, _MM_HINT_T0);
+  _mm_prefetch(static_cast<const char*>(job.m) + i, _MM_HINT_T0);
+  _mm_prefetch(static_cast<const char*>(job.v) + i, _MM_HINT_T0);
+}
+
 INF_TARGET_AVX512 void avx512_flush_codes(const QMaps& q, Pending& pend) {
   if (pend.m) {
     const __m512 inv = _mm512_set1_ps(pend.minv);
@@ -861,8 +893,10 @@ INF_TARGET_AVX512 void avx512_q8_range(const Job& job, int64_t b0, int64_t b1) {
     if (!overlap) avx512_flush_codes(q, pend);
     const __m512 minv = _mm512_set1_ps(pend.minv);
     const __m512 vinv = _mm512_set1_ps(pend.vinv);
+    const bool prefetch = b + kPrefetchBlocks < b1;
     for (int i = 0; i < kBlock; i += 64) {
       __m512 mo[4], vo[4];
+      if (prefetch) prefetch64(job, (b + kPrefetchBlocks) * kBlock + i);
       avx512_q8_update<GD, OD, 4>(job, c, s, i, ma, va, mo, vo);
       for (int u = 0; u < 4; ++u) {
         _mm512_store_ps(mb + i + 16 * u, mo[u]);

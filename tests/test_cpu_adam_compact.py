@@ -368,6 +368,41 @@ def test_quantize_dequantize(cap):
             assert bool(((tc[1:].long() == lo) | (tc[1:].long() == lo + 1)).all())
 
 
+def _ratio_sweep(stride: int) -> torch.Tensor:
+    """Blocks of 255 fp32 ratios r in [2**-31, 1] (every ``stride``-th bit pattern, alternating
+    signs) after a 1.0, so that absmax = 1 and each value is its own ratio."""
+    bits = torch.arange(0x30000000, 0x3F800001, stride, dtype=torch.int64)
+    vals = bits.to(torch.int32).view(torch.float32)
+    vals = torch.where(torch.arange(vals.numel()) % 2 == 1, -vals, vals)
+    blocks = (vals.numel() + 254) // 255
+    body = torch.zeros(blocks * 255)
+    body[:vals.numel()] = vals
+    out = torch.cat([torch.ones(blocks, 1), body.view(blocks, 255)], dim=1)
+    return out.reshape(-1)
+
+
+@needs_native
+def test_quantize_paths_agree_over_ratios_and_subnormal_scales():
+    """The level rule on every native path gives the same code for a dense sweep of ratios
+    (each octave, each decade boundary), and for blocks whose absmax is subnormal, where
+    1 / absmax is inf and the ratio of the largest element is inf (octave tables wrap)."""
+    x = _ratio_sweep(stride=997)
+    tiny = torch.zeros(256)
+    tiny[:4] = torch.tensor([2e-39, -2e-39, 1e-39, 1e-45])
+    for signed in (True, False):
+        xs = x if signed else x.abs()
+        got = {}
+        for cap in NATIVE_CAPS + ["torch"]:
+            with ops.cpu_capability_override(cap):
+                got[cap] = (ops.quantize_8bit(xs, signed=signed)[0],
+                            ops.quantize_8bit(tiny if signed else tiny.abs(), signed=signed)[0])
+        for cap, (codes, tiny_codes) in got.items():
+            assert torch.equal(codes, got["torch"][0]), (cap, signed)
+            assert torch.equal(tiny_codes, got["torch"][1]), (cap, signed, tiny_codes[:4])
+        # the largest element of a subnormal-scale block is +1.0's code, not -1.0's
+        assert got["torch"][1][0].item() == 255
+
+
 @pytest.mark.parametrize("cap", ALL_CAPS)
 def test_8bit_step_reads_every_code(cap):
     """Every code of both maps, in full blocks and in a padded last block, is read as
