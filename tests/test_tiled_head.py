@@ -77,6 +77,7 @@ def test_parity_over_steps_generate_and_eval(tmp_path, tied, tier):
         opt_ref.step(), opt.step()
         opt_ref.zero_grad(), opt.zero_grad()
     hook.remove()
+    assert infinity.stats(model)["schedule_deviations"] == 0
     for (name, p), q in zip(ref.named_parameters(), model.parameters()):
         assert torch.allclose(q, p, rtol=0, atol=1e-5), name
     # never fetched whole (on a CPU host tier the block is the home itself)

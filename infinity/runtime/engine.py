@@ -344,7 +344,9 @@ class Engine(Residence, OutsideWrites, HookHandlers):
             index = use_of.get(id(module))
             if index is not None:
                 forward.append(index)
-                if hooks_mod.reads_params_in_backward(module):
+                # a block read by rows reads its tiles itself, not in a pre-backward fetch
+                if (hooks_mod.reads_params_in_backward(module)
+                        and not self.blocks[index].row_lookup):
                     backward.append(index)
         return {"forward": forward, "backward": backward[::-1]}
 

@@ -58,6 +58,8 @@ def eligible(block: Block, sharded: bool, head: Optional[nn.Module] = None,
         return False
     if len(block.flats) != 1 or len(block.flats[0].slots) != 1:
         return False
+    if type(block.flats[0]) is not FlatParam:  # stored in another format (a quantized home)
+        return False
     if block.flats[0].slots[0].attr != "weight" or block.flats[0].slots[0].param.dim() != 2:
         return False
     return all((embeddings and _plain_embedding(m)) or (head is not None and m is head)
