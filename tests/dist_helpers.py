@@ -139,7 +139,7 @@ def _scenario_train(rank: int, world: int, out: Path, opts: Dict[str, Any]) -> D
     infinity.wrap(model, process_group=pg, **settings)
     engine = engine_of(model)
     opt = infinity.optim.AdamW(model.parameters(), lr=opts.get("lr", 1e-2),
-                               weight_decay=0.01)
+                               weight_decay=0.01, **opts.get("optim", {}))
     if opts.get("load_from"):  # resume from whole state dicts saved by any number of ranks
         from infinity.sharding import load_full_optimizer_state_dict, load_full_state_dict
         saved = torch.load(opts["load_from"], weights_only=False)
@@ -297,7 +297,58 @@ def _scenario_load_full(rank: int, world: int, out: Path, opts: Dict[str, Any]
     return {"loaded": loaded, "after": after}
 
 
-SCENARIOS = {"train": _scenario_train, "save_full": _scenario_save_full,
+def _scenario_resume_many(rank: int, world: int, out: Path, opts: Dict[str, Any]
+                          ) -> Dict[str, Any]:
+    """In one process group: for each ``opts["loads"]`` entry ({"from": checkpoint, "nvme":
+    bool}) a fresh model (other seed) is wrapped (everything on NVMe, or on host), loads the
+    checkpoint with its optimizer and trains steps [start, stop) on the global batch split
+    over the ranks; its losses and final whole parameters are reported per entry."""
+    import torch
+    import torch.distributed as dist
+
+    import infinity
+    steps, batch = opts["steps"], opts["batch"]
+    xs = torch.randn(steps, batch, 8, generator=torch.Generator().manual_seed(1))
+    ys = torch.randn(steps, batch, 4, generator=torch.Generator().manual_seed(2))
+    per = batch // world
+    runs = []
+    for k, load in enumerate(opts["loads"]):
+        torch.manual_seed(100 + k)
+        model = _model()
+        settings: Dict[str, Any] = dict(opts.get("settings", {}))
+        if load.get("nvme"):
+            (out / f"swap{k}").mkdir(exist_ok=True)
+            settings.update(nvme_path=str(out / f"swap{k}"), param_tier="nvme",
+                            grad_tier="nvme", optimizer_tier="nvme")
+        else:
+            settings.update(param_tier="host", optimizer_tier="host")
+        infinity.wrap(model, **settings)
+        opt = infinity.optim.AdamW(model.parameters(), lr=opts.get("lr", 1e-2),
+                                   weight_decay=0.01, **opts.get("optim", {}))
+        infinity.load_checkpoint(load["from"], model, opt)
+        losses = []
+        for step in range(opts["start"], opts["stop"]):
+            x = xs[step, rank * per:(rank + 1) * per]
+            y = ys[step, rank * per:(rank + 1) * per]
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            if opts.get("clip"):
+                opt.clip_grad_norm_(opts["clip"])
+            opt.step()
+            opt.zero_grad()
+            value = loss.detach().clone()
+            if world > 1 and dist.is_initialized():
+                dist.all_reduce(value)
+                value /= world
+            losses.append(float(value))
+        infinity.unwrap(model)
+        runs.append({"losses": losses,
+                     "params": {n: v.detach().clone() for n, v in model.state_dict().items()}})
+        del opt
+    return {"runs": runs}
+
+
+SCENARIOS = {"train": _scenario_train, "resume_many": _scenario_resume_many, "save_full": _scenario_save_full,
              "load_full": _scenario_load_full}
 
 

@@ -29,7 +29,8 @@ import torch
 from .. import io as inf_io
 
 FORMAT = "infinity-checkpoint"
-VERSION = 2  # 2: optimizer states may be reused-extent files (header/data CRCs)
+VERSION = 3  # 2: optimizer states may be reused-extent files (header/data CRCs);
+#             3: tensors and states in pieces keyed by element ranges (saved by ranks)
 MANIFEST = "manifest.json"
 _CRC_KEY = "manifest_crc32c"
 

@@ -1,0 +1,82 @@
+"""One checkpoint format for every topology and placement (gloo ranks, CPU, spawned by
+tests/dist_helpers): saved by 1, 2 or 3 ranks after 5 of 8 steps (one process: the
+single-process save; ranks: each its part), with parameters and optimizer states on NVMe or
+in host RAM, and resumed on 1, 2 or 3 ranks with the other placement. The 3 remaining steps
+equal the uninterrupted single-process run on the global batch within TOL (fp32 states:
+sharded runs reduce gradients in another order; see tests/test_zero3.py).
+
+The whole 3 x 3 matrix is marked slow; CI runs every save world size into 2 ranks."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from dist_helpers import run_ranks
+
+STEPS, BATCH, SAVE_AT, TOL = 8, 12, 5, 1e-5
+NVME = {"nvme": True, "param_tier": "nvme", "grad_tier": "nvme", "optimizer_tier": "nvme"}
+HOST = {"param_tier": "host", "optimizer_tier": "host"}
+SAVED_ON = {1: "nvme", 2: "host", 3: "nvme"}  # world size -> placement of the saving run
+
+
+def _opts(**extra):
+    return {"steps": STEPS, "batch": BATCH, "clip": 1.0, **extra}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    res = run_ranks("train", 1, _opts(), tmp_path_factory.mktemp("ref"), dist=False)[0]
+    assert "error" not in res, res.get("log")
+    return res
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """world size -> checkpoint after SAVE_AT steps."""
+    tmp = tmp_path_factory.mktemp("saves")
+    out = {}
+    for world, where in SAVED_ON.items():
+        path = str(tmp / f"ck{world}")
+        settings = dict(NVME if where == "nvme" else HOST)
+        res = run_ranks("train", world, _opts(stop=SAVE_AT, save_sharded_to=path,
+                                              settings=settings), tmp, dist=world > 1)
+        for r in res:
+            assert "error" not in r, r["log"][-3000:]
+        manifest = json.load(open(os.path.join(path, "manifest.json")))
+        assert manifest["format"] == "infinity-checkpoint"
+        assert manifest["world_size"] == world
+        out[world] = path
+    return out
+
+
+def _resume(reference, saved, tmp_path, world):
+    loads = [{"from": saved[w], "nvme": SAVED_ON[w] == "host"} for w in sorted(saved)]
+    res = run_ranks("resume_many", world, _opts(start=SAVE_AT, stop=STEPS, loads=loads),
+                    tmp_path, dist=world > 1, timeout=240)
+    for r in res:
+        assert "error" not in r, r["log"][-3000:]
+    ref_losses = torch.tensor(reference["losses"][SAVE_AT:])
+    for k, w in enumerate(sorted(saved)):
+        case = f"saved by {w} ({SAVED_ON[w]}) -> {world} ranks"
+        run = res[0]["runs"][k]
+        diff = (torch.tensor(run["losses"]) - ref_losses).abs().max().item()
+        assert diff <= TOL, (case, diff)
+        worst = max((run["params"][n] - ref).abs().max().item()
+                    for n, ref in reference["params"].items())
+        assert worst <= TOL, (case, worst)
+        for other in res[1:]:
+            for n, v in other["runs"][k]["params"].items():
+                assert torch.equal(v, run["params"][n]), (case, n)
+
+
+def test_resume_into_two_ranks_from_every_world_size(reference, saved, tmp_path):
+    _resume(reference, saved, tmp_path, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 3])
+def test_resume_matrix(reference, saved, tmp_path, world):
+    _resume(reference, saved, tmp_path, world)
