@@ -80,3 +80,49 @@ def test_resume_into_two_ranks_from_every_world_size(reference, saved, tmp_path)
 @pytest.mark.parametrize("world", [1, 3])
 def test_resume_matrix(reference, saved, tmp_path, world):
     _resume(reference, saved, tmp_path, world)
+
+
+def _wrapped(layers=3):
+    import infinity
+    from dist_helpers import _model
+    torch.manual_seed(7)
+    return infinity.wrap(_model(layers=layers), param_tier="host")
+
+
+def test_checkpoint_saved_by_ranks_is_inspected_verified_and_checked(saved, tmp_path):
+    """In this process: `infinity ckpt inspect` reports the world size; a flipped byte in one
+    rank's file is detected and the file named; a model with other parameters is refused
+    with the differing names listed, and left as it was."""
+    import shutil
+
+    import infinity
+    from infinity.checkpoint import CheckpointMismatchError, CorruptCheckpointError
+    from infinity.checkpoint.inspect import inspect_checkpoint
+    info = inspect_checkpoint(saved[3])
+    assert info["world_size"] == 3 and info["kind"] == "ranks" and info["verified"]
+    model = _wrapped()
+    infinity.load_checkpoint(saved[3], model)  # 3 ranks -> 1 process, weights only
+    infinity.unwrap(model)
+
+    ck = str(tmp_path / "ck")
+    shutil.copytree(saved[2], ck)
+    victim = sorted(f for f in os.listdir(os.path.join(ck, "model")) if "rank1-of-2" in f)[0]
+    with open(os.path.join(ck, "model", victim), "r+b") as fh:
+        fh.seek(-5, os.SEEK_END)
+        byte = fh.read(1)
+        fh.seek(-5, os.SEEK_END)
+        fh.write(bytes([byte[0] ^ 0x40]))
+    info = inspect_checkpoint(ck)
+    assert not info["verified"] and victim in info["problems"][0]
+    model = _wrapped()
+    with pytest.raises(CorruptCheckpointError, match=victim.replace(".", r"\.")):
+        infinity.load_checkpoint(ck, model)
+    infinity.unwrap(model)
+
+    other = _wrapped(layers=2)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(CheckpointMismatchError) as err:
+        infinity.load_checkpoint(saved[2], other)
+    assert "unexpected in the checkpoint (4): layers.2.up.weight" in str(err.value)
+    assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
+    infinity.unwrap(other)
