@@ -348,7 +348,22 @@ def _scenario_resume_many(rank: int, world: int, out: Path, opts: Dict[str, Any]
     return {"runs": runs}
 
 
-SCENARIOS = {"train": _scenario_train, "resume_many": _scenario_resume_many, "save_full": _scenario_save_full,
+def _scenario_dcp_load(rank: int, world: int, out: Path, opts: Dict[str, Any]
+                       ) -> Dict[str, Any]:
+    """A plain model on every rank filled by torch.distributed.checkpoint.load (collective)
+    from the infinity checkpoint opts["from"]."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    import infinity
+    torch.manual_seed(99)
+    model = _model()
+    sd = model.state_dict()
+    dcp.load(sd, storage_reader=infinity.checkpoint.dcp_reader(opts["from"]))
+    return {"params": {k: v.clone() for k, v in sd.items()}}
+
+
+SCENARIOS = {"train": _scenario_train, "dcp_load": _scenario_dcp_load, "resume_many": _scenario_resume_many, "save_full": _scenario_save_full,
              "load_full": _scenario_load_full}
 
 

@@ -221,17 +221,23 @@ def load_into_sharded(root: str, manifest: Dict[str, Any], model: nn.Module,
     """Loads the checkpoint (any format version, saved by any number of ranks) into a sharded
     model: each rank reads only the pieces of the parameters in its part of every flat."""
     names = ModelNames(model)
-    engine = names.engine
-    part = engine.partitioner
     plan = _Plan(manifest, names, root, strict)
     opt = _OptimizerPlan(manifest["optimizer"], optimizer, names, root) \
         if optimizer is not None else None
-    reader = Reader(root, manifest)
-    src = Source(manifest, reader)
+    fill_sharded(names, plan, Source(manifest, Reader(root, manifest)), optimizer,
+                 opt.groups if opt is not None else None, strict)
+
+
+def fill_sharded(names: ModelNames, plan: Any, src: Any, optimizer: Any,
+                 groups: Optional[List[Dict[str, Any]]], strict: bool) -> None:
+    """Each rank's part of every flat (and, with ``optimizer``, its states and the param
+    groups' hyper-parameters ``groups``) from ``src`` (a :class:`~.pieces.Source`)."""
+    engine = names.engine
+    part = engine.partitioner
     engine.quiesce()
     shards: Dict[int, Any] = {}
     if optimizer is not None:
-        for g, saved in zip(optimizer.param_groups, opt.groups):
+        for g, saved in zip(optimizer.param_groups, groups):
             g.update({k: v for k, v in saved.items() if k != "params"})
         optimizer.discard_pending_step()
         for shard in optimizer._shards.values():  # noqa: SLF001 - the optimizer's port
