@@ -363,7 +363,46 @@ def _scenario_dcp_load(rank: int, world: int, out: Path, opts: Dict[str, Any]
     return {"params": {k: v.clone() for k, v in sd.items()}}
 
 
-SCENARIOS = {"train": _scenario_train, "dcp_load": _scenario_dcp_load, "resume_many": _scenario_resume_many, "save_full": _scenario_save_full,
+def _scenario_fsdp2_save(rank: int, world: int, out: Path, opts: Dict[str, Any]
+                         ) -> Dict[str, Any]:
+    """A model sharded by FSDP2 (fully_shard per layer and at the root, CPU, gloo) trains 2
+    steps and is saved by torch.distributed.checkpoint.save; its whole weights are returned."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    model = _model()
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(2):
+        x = torch.randn(6, 8, generator=torch.Generator().manual_seed(step))
+        torch.nn.functional.mse_loss(model(x[rank * 3:(rank + 1) * 3]),
+                                     torch.zeros(3, 4)).backward()
+        opt.step()
+        opt.zero_grad()
+    sd = model.state_dict()
+    dcp.save({"model": sd}, checkpoint_id=opts["to"])
+    return {"params": {k: v.full_tensor().clone() for k, v in sd.items()}}
+
+
+def _scenario_dcp_into_wrapped(rank: int, world: int, out: Path, opts: Dict[str, Any]
+                               ) -> Dict[str, Any]:
+    """A wrapped (sharded on ranks) model loads the DCP checkpoint opts["from"]."""
+    import torch
+
+    import infinity
+    torch.manual_seed(99)
+    model = infinity.wrap(_model(), param_tier="host")
+    infinity.checkpoint.load_dcp(opts["from"], model, prefix=opts.get("prefix", ""))
+    infinity.unwrap(model)
+    return {"params": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+SCENARIOS = {"train": _scenario_train, "dcp_load": _scenario_dcp_load,
+             "dcp_into_wrapped": _scenario_dcp_into_wrapped,
+             "fsdp2_save": _scenario_fsdp2_save, "resume_many": _scenario_resume_many, "save_full": _scenario_save_full,
              "load_full": _scenario_load_full}
 
 

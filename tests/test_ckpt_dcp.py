@@ -98,3 +98,22 @@ def test_dcp_load_on_three_ranks_reads_a_checkpoint_saved_by_two(tmp_path):
         assert "error" not in r, r["log"][-3000:]
         for k, v in saved[0]["params"].items():
             assert torch.equal(r["params"][k], v), k
+
+
+def test_an_fsdp2_checkpoint_loads_into_wrapped_models_on_one_and_three_ranks(tmp_path):
+    """FSDP2 on 2 ranks (CPU, gloo) saves with dcp.save; one process and 3 sharded ranks load
+    it into a wrapped model (infinity.checkpoint.load_dcp), weights exact."""
+    ck = str(tmp_path / "fsdp2")
+    saved = run_ranks("fsdp2_save", 2, {"to": ck}, tmp_path)
+    assert all("error" not in r for r in saved), saved[0]["log"][-3000:]
+    model = infinity.wrap(_model(), param_tier="host")
+    infinity.checkpoint.load_dcp(ck, model, prefix="model.")
+    got = model.state_dict()
+    for k, v in saved[0]["params"].items():
+        assert torch.equal(got[k], v), k
+    infinity.unwrap(model)
+    three = run_ranks("dcp_into_wrapped", 3, {"from": ck, "prefix": "model."}, tmp_path)
+    for r in three:
+        assert "error" not in r, r["log"][-3000:]
+        for k, v in saved[0]["params"].items():
+            assert torch.equal(r["params"][k], v), k

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -167,8 +168,10 @@ class _DcpSource:
             from torch.distributed.checkpoint import FileSystemReader
             info = self.tensors[name]
             t = torch.empty(info["shape"], dtype=parse_dtype(info["dtype"]))
-            dcp.load({self.prefix + name: t}, storage_reader=FileSystemReader(self.path),
-                     no_dist=True)
+            with warnings.catch_warnings():  # "assuming ... a single process": on purpose
+                warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
+                dcp.load({self.prefix + name: t}, storage_reader=FileSystemReader(self.path),
+                         no_dist=True)
             self._last = (name, t)
         return self._last[1]
 
