@@ -248,8 +248,9 @@ class Engine(Residence, OutsideWrites, HookHandlers):
             for dtype, entries in by_dtype.items():
                 key = f"block{index:04d}.{str(dtype).replace('torch.', '')}"
                 pad = self.partitioner.pad_multiple(dtype) if self.partitioner else 0
+                align = self.partitioner.slot_align() if self.partitioner else 0
                 flats.append(FlatParam(key, entries, dtype, self._compute_dtype(dtype),
-                                       self.device, pad))
+                                       self.device, pad, align))
             resident = tier is Tier.DEVICE or (
                 tier is Tier.HOST and self.device.type == "cpu"
                 and all(f.compute_dtype == f.home_dtype for f in flats))

@@ -49,8 +49,8 @@ class ParamSlot:
 
 class FlatParam:
     def __init__(self, key: str, params: List[tuple], home_dtype: torch.dtype,
-                 compute_dtype: torch.dtype, device: torch.device, pad_multiple: int = 0
-                 ) -> None:
+                 compute_dtype: torch.dtype, device: torch.device, pad_multiple: int = 0,
+                 elem_align: int = 0) -> None:
         self.key = key
         self.home_dtype = home_dtype
         self.compute_dtype = compute_dtype
@@ -58,7 +58,7 @@ class FlatParam:
         self.slots: List[ParamSlot] = []
         offset = 0
         for qualname, module, attr, param in params:
-            offset = _round_up(offset, _ELEM_ALIGN)
+            offset = _round_up(offset, elem_align or _ELEM_ALIGN)  # ZeRO: a Partitioner's
             self.slots.append(ParamSlot(qualname, module, attr, param, offset, param.numel(),
                                         param.shape, param.requires_grad))
             offset += param.numel()
