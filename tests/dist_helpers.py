@@ -221,6 +221,8 @@ def _scenario_train(rank: int, world: int, out: Path, opts: Dict[str, Any]) -> D
         "sched_last_epoch": sched.last_epoch if sched is not None else None,
         "lr": opt.param_groups[0]["lr"],
     }
+    if opts.get("legacy_to"):  # one process: the earlier per-rank format, as 1 rank wrote it
+        _write_legacy(opts["legacy_to"], engine, opt)
     if opts.get("probe"):  # what ordinary PyTorch code sees on a sharded model
         result["state_dict"] = {k: v.clone() for k, v in model.state_dict().items()}
         try:
@@ -231,6 +233,32 @@ def _scenario_train(rank: int, world: int, out: Path, opts: Dict[str, Any]) -> D
     infinity.unwrap(model)  # sharded: every rank gets the whole parameters (all-gather)
     result["params"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return result
+
+
+def _write_legacy(path: str, engine: Any, opt: Any) -> None:
+    """A checkpoint in the per-rank format infinity wrote before the one format
+    (``rank0-of-1.pt`` + a manifest with the flats' layout), from a single-process model."""
+    import torch
+    os.makedirs(path)
+    flats = {}
+    shards = {s.key: s for s in opt.shard_states()}
+    for flat in engine.flats:
+        entry = {"start": 0, "end": flat.numel, "home": engine.home.snapshot(flat).clone()}
+        st = shards.get(flat.key)
+        if st is not None and st.exp_avg is not None:
+            entry.update(master=st.master.clone(), exp_avg=st.exp_avg.clone(),
+                         exp_avg_sq=st.exp_avg_sq.clone(),
+                         steps={i: st.steps[i] for i in range(len(flat.slots))
+                                if st.steps[i] > 0})
+        flats[flat.key] = entry
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    torch.save({"flats": flats, "param_groups": groups}, os.path.join(path, "rank0-of-1.pt"))
+    layout = {f.key: {"used": f.used_numel, "dtype": str(f.home_dtype),
+                      "slots": [[s.qualname, s.offset, s.numel] for s in f.slots]}
+              for f in engine.flats}
+    with open(os.path.join(path, "manifest.json"), "w") as fh:
+        json.dump({"format": "infinity-zero-sharded", "version": 1, "world": 1,
+                   "files": ["rank0-of-1.pt"], "layout": layout, "optimizer": True}, fh)
 
 
 def _scenario_save_full(rank: int, world: int, out: Path, opts: Dict[str, Any]

@@ -126,3 +126,21 @@ def test_checkpoint_saved_by_ranks_is_inspected_verified_and_checked(saved, tmp_
     assert "unexpected in the checkpoint (4): layers.2.up.weight" in str(err.value)
     assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
     infinity.unwrap(other)
+
+
+def test_checkpoint_in_the_earlier_per_rank_format_resumes_on_two_ranks(reference, tmp_path):
+    """A checkpoint in the per-rank format of earlier versions (its flats laid out with
+    parameters 16-element aligned) resumes on 2 ranks, whose flats now align parameters to
+    8-bit blocks: loaded parameter by parameter, equal to the uninterrupted run."""
+    ck = str(tmp_path / "legacy")
+    first = run_ranks("train", 1, _opts(stop=SAVE_AT, legacy_to=ck), tmp_path, dist=False)
+    assert "error" not in first[0], first[0]["log"][-3000:]
+    rest = run_ranks("train", 2, _opts(start=SAVE_AT, load_sharded_from=ck), tmp_path)
+    for r in rest:
+        assert "error" not in r, r["log"][-3000:]
+    diff = (torch.tensor(rest[0]["losses"])
+            - torch.tensor(reference["losses"][SAVE_AT:])).abs().max().item()
+    assert diff <= TOL, diff
+    worst = max((rest[0]["params"][n] - ref).abs().max().item()
+                for n, ref in reference["params"].items())
+    assert worst <= TOL, worst

@@ -48,23 +48,6 @@ def _rank_world(engine) -> Tuple[int, int]:
     return part.rank, part.world
 
 
-def _range(engine, flat) -> Tuple[int, int]:
-    part = engine.partitioner
-    if part is None:
-        return 0, flat.numel
-    local = part.local(flat)
-    return local.start, local.end
-
-
-def _home_values(engine, flat) -> torch.Tensor:
-    """This rank's part of the flat's home (no collective)."""
-    part = engine.partitioner
-    if part is not None and part.shards_params:
-        return engine.home.inner.snapshot(part.local(flat))
-    start, end = _range(engine, flat)
-    return engine.home.snapshot(flat)[start:end]
-
-
 def _atomic():
     """checkpoint.atomic, imported when used: infinity.checkpoint imports the runtime, which
     imports this package."""
@@ -240,9 +223,17 @@ def load_sharded(path: str, model: nn.Module, optimizer: Optional[Any] = None) -
         raise ValueError(f"infinity.sharding.load_sharded: {path} is not a sharded infinity "
                          "checkpoint")
     mine = _layout(engine)
-    if manifest["layout"] != mine:
-        diff = sorted(k for k in set(mine) | set(manifest["layout"])
-                      if mine.get(k) != manifest["layout"].get(k))
+    saved_layout = manifest["layout"]
+
+    def params_of(entry: Optional[Dict[str, Any]]) -> Any:
+        # names, sizes and dtype; offsets may differ (slot alignment changed since)
+        if entry is None:
+            return None
+        return entry.get("dtype"), [(q, n) for q, _, n in entry.get("slots", [])]
+
+    diff = sorted(k for k in set(mine) | set(saved_layout)
+                  if params_of(mine.get(k)) != params_of(saved_layout.get(k)))
+    if diff:
         raise ValueError(f"infinity.sharding.load_sharded: the checkpoint's parameters differ "
                          f"from this model's in {diff[:3]} (other model, block_rule, "
                          "param_persistence_threshold or dtype): it cannot be loaded here. A "
@@ -265,20 +256,29 @@ def load_sharded(path: str, model: nn.Module, optimizer: Optional[Any] = None) -
         optimizer.discard_pending_step()
         for shard in optimizer._shards.values():  # noqa: SLF001
             shards[id(getattr(shard.flat, "full", shard.flat))] = shard
+
+    def saved_range(key: str, s: Any, i: int) -> Tuple[int, int]:
+        """Where slot ``s`` (index ``i``; a rank's piece or a whole slot) was saved."""
+        fi = getattr(s, "full_index", i)
+        at = saved_layout[key]["slots"][fi][1] + getattr(s, "param_start", 0)
+        return at, at + s.numel
+
     for flat in engine.flats:
-        start, end = _range(engine, flat)
-        home = _assemble(files, flat.key, "home", start, end, flat.home_dtype)
-        if part is not None and part.shards_params:
-            engine.home.inner.write_from(part.local(flat), home)
+        zero3 = part is not None and part.shards_params
+        target = part.local(flat) if zero3 else flat
+        home = torch.zeros(target.numel, dtype=flat.home_dtype)
+        for i, s in enumerate(target.slots):
+            home[s.offset:s.offset + s.numel].copy_(
+                _assemble(files, flat.key, "home", *saved_range(flat.key, s, i),
+                          flat.home_dtype))
+        if zero3:
+            engine.home.inner.write_from(target, home)
         else:
-            full = _assemble(files, flat.key, "home", 0, flat.numel, flat.home_dtype)
-            engine.home.write_from(flat, full)
+            engine.home.write_from(flat, home)
         engine.note_home_written(flat, range(len(flat.slots)))
         shard = shards.get(id(flat))
         if shard is None:
             continue
-        seg = {n: _assemble(files, flat.key, n, start, end, torch.float32)
-               for n in ("master", "exp_avg", "exp_avg_sq")}
         steps: Dict[int, int] = {}
         for f in files:
             steps.update(f["flats"][flat.key].get("steps", {}))
@@ -288,10 +288,10 @@ def load_sharded(path: str, model: nn.Module, optimizer: Optional[Any] = None) -
                 fi = getattr(s, "full_index", i)
                 if fi not in steps:
                     continue
-                sl = slice(s.offset, s.offset + s.numel)
-                by_param[id(s.param)] = {"step": steps[fi], "master": seg["master"][sl],
-                                         "exp_avg": seg["exp_avg"][sl],
-                                         "exp_avg_sq": seg["exp_avg_sq"][sl]}
+                lo, hi = saved_range(flat.key, s, i)
+                entry = {n: _assemble(files, flat.key, n, lo, hi, torch.float32)
+                         for n in ("master", "exp_avg", "exp_avg_sq")}
+                by_param[id(s.param)] = {"step": steps[fi], **entry}
         optimizer._load_shard(shard, by_param)  # noqa: SLF001
 
 
