@@ -49,17 +49,19 @@ def saved(tmp_path_factory):
         assert manifest["format"] == "infinity-checkpoint"
         assert manifest["world_size"] == world
         out[world] = path
+        out[f"params{world}"] = res[0]["params"]  # the weights it saved
     return out
 
 
 def _resume(reference, saved, tmp_path, world):
-    loads = [{"from": saved[w], "nvme": SAVED_ON[w] == "host"} for w in sorted(saved)]
+    worlds = sorted(SAVED_ON)
+    loads = [{"from": saved[w], "nvme": SAVED_ON[w] == "host"} for w in worlds]
     res = run_ranks("resume_many", world, _opts(start=SAVE_AT, stop=STEPS, loads=loads),
                     tmp_path, dist=world > 1, timeout=240)
     for r in res:
         assert "error" not in r, r["log"][-3000:]
     ref_losses = torch.tensor(reference["losses"][SAVE_AT:])
-    for k, w in enumerate(sorted(saved)):
+    for k, w in enumerate(worlds):
         case = f"saved by {w} ({SAVED_ON[w]}) -> {world} ranks"
         run = res[0]["runs"][k]
         diff = (torch.tensor(run["losses"]) - ref_losses).abs().max().item()
@@ -144,3 +146,17 @@ def test_checkpoint_in_the_earlier_per_rank_format_resumes_on_two_ranks(referenc
     worst = max((rest[0]["params"][n] - ref).abs().max().item()
                 for n, ref in reference["params"].items())
     assert worst <= TOL, worst
+
+
+def test_consolidate_a_checkpoint_saved_by_ranks(saved, tmp_path):
+    """HF export from the one format: the pieces of 3 ranks consolidate into one safetensors
+    file equal to the weights they saved."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    import infinity
+    out = tmp_path / "hf"
+    infinity.consolidate(saved[3], str(out))
+    got = safetensors_torch.load_file(str(out / "model.safetensors"))
+    want = saved["params3"]
+    assert sorted(got) == sorted(want)
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k

@@ -43,24 +43,28 @@ def test_8bit_states_on_ranks_equal_one_process(reference, tmp_path, world):
 
 
 def test_sharded_parameters_start_on_quantization_blocks():
-    """Layout alone: with a partitioner, slots are 256-element aligned and every cut between
-    2 or 3 ranks lands on a multiple of 256 inside the parameter it splits."""
+    """Layout alone: with a partitioner, parameters of a block or more start on a block and
+    every cut between 2 or 3 ranks lands on a multiple of 256 inside the parameter it splits
+    (smaller parameters are never split)."""
     from torch import nn
 
     from infinity.ops.adam_compact import BLOCK_SIZE
     from infinity.runtime.flat import FlatParam
     from infinity.sharding.shard_flat import ShardFlat
-    mods = [nn.Linear(37, 29), nn.Linear(29, 300)]
+    mods = [nn.Linear(37, 29), nn.Linear(29, 300), nn.Linear(11, 20), nn.Linear(300, 7)]
     entries = [(f"m{i}.{n}", m, n, p) for i, m in enumerate(mods)
                for n, p in m.named_parameters()]
     for world in (2, 3):
         flat = FlatParam("blk", entries, torch.float32, torch.float32, torch.device("cpu"),
                          pad_multiple=world * 1024, elem_align=BLOCK_SIZE)
-        assert all(s.offset % BLOCK_SIZE == 0 for s in flat.slots)
+        assert all(s.offset % BLOCK_SIZE == 0 for s in flat.slots if s.numel >= BLOCK_SIZE)
+        assert any(s.offset % BLOCK_SIZE for s in flat.slots)  # small ones are not padded
         n = flat.numel // world
         cut = 0
         for rank in range(world):
             for s in ShardFlat(flat, rank * n, (rank + 1) * n, rank, world).slots:
                 assert s.param_start % BLOCK_SIZE == 0
+                if not s.whole:
+                    assert flat.slots[s.full_index].numel >= BLOCK_SIZE
                 cut += s.param_start > 0
         assert cut >= 1

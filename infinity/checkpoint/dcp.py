@@ -73,7 +73,7 @@ class InfinityStorageReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         root, manifest = open_checkpoint(self.path)
-        self._source = Source(manifest, Reader(root, manifest, keep=2))
+        self._source = Source(manifest, Reader(root, manifest, keep=2), ranged=True)
         entries: Dict[str, TensorStorageMetadata] = {}
         names = {n: n for n in manifest.get("tensors", {})}
         names.update({alias: name for alias, name in manifest.get("aliases", {}).items()

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 from .. import io as inf_io
 from ..runtime.engine import locate
 from .atomic import resolve
-from .files import TensorFile, read_tensor_file
+from .files import RangedFile, TensorFile, read_tensor_file
 from .manifest import (CheckpointError, CheckpointMismatchError, CorruptCheckpointError,
                        decode, read_manifest)
 from .names import ModelNames
@@ -39,6 +39,7 @@ class Reader:
         self.progress = progress
         self.keep = keep
         self._cache: "OrderedDict[str, TensorFile]" = OrderedDict()
+        self._ranged: Dict[str, RangedFile] = {}
 
     def file(self, rel: str) -> TensorFile:
         cached = self._cache.get(rel)
@@ -63,6 +64,20 @@ class Reader:
         while len(self._cache) > self.keep:
             self._cache.popitem(last=False)
         return tf
+
+    def elements(self, rel: str, name: str, a: int, b: int) -> torch.Tensor:
+        """Elements [a, b) of tensor ``name`` of file ``rel``: only the chunks around them are
+        read and verified where the manifest has chunk checksums (files written since), else
+        the whole file (cached, as :meth:`tensor`)."""
+        info = self.files.get(rel)
+        if info is None or "chunk_crc32c" not in info:
+            return self.tensor(rel, name).reshape(-1)[a:b]
+        ranged = self._ranged.get(rel)
+        if ranged is None:
+            ranged = RangedFile(os.path.join(self.root, rel), rel, info["size"],
+                                info["chunk_bytes"], info["chunk_crc32c"])
+            self._ranged = {rel: ranged}  # one file's last chunk in RAM
+        return ranged.elements(name, a, b)
 
     def tensor(self, rel: str, name: str) -> torch.Tensor:
         tf = self.file(rel)

@@ -39,7 +39,10 @@ def piece_name(name: str, a: int, b: int, numel: int) -> str:
 class Source:
     """Element ranges of the checkpoint's tensors and optimizer states, by saved name."""
 
-    def __init__(self, manifest: Dict[str, Any], reader: Any) -> None:
+    def __init__(self, manifest: Dict[str, Any], reader: Any, ranged: bool = False) -> None:
+        """``ranged``: read only the chunks of each file around the ranges asked for (a rank
+        reading its part), instead of whole files (one process reading every tensor)."""
+        self.ranged = ranged
         self.tensors: Dict[str, Any] = manifest.get("tensors", {})
         opt = manifest.get("optimizer") or {}
         self.states: Dict[str, Any] = opt.get("states", {})
@@ -56,20 +59,27 @@ class Source:
             lo, hi = max(a, pa), min(b, pb)
             if hi <= lo:
                 continue
-            t = self.reader.tensor(rel, piece_name(name, pa, pb, numel) + suffix).reshape(-1)
-            if t.numel() != pb - pa:
-                raise CorruptCheckpointError(
-                    f"checkpoint file {rel}: {name}{suffix} elements [{pa}, {pb}) hold "
-                    f"{t.numel()} values ({self.reader.root})")
+            t = self._read(rel, piece_name(name, pa, pb, numel) + suffix, lo - pa, hi - pa,
+                           pb - pa)
             if out is None:
                 out = torch.empty(b - a, dtype=dtype or t.dtype)
-            out[lo - a:hi - a].copy_(t[lo - pa:hi - pa])
+            out[lo - a:hi - a].copy_(t)
             covered += hi - lo
         if out is None or covered != b - a:
             raise CorruptCheckpointError(
                 f"checkpoint {self.reader.root}: elements [{a}, {b}) of {name}{suffix} are not "
                 "all in its files (the manifest's pieces leave a gap)")
         return out
+
+    def _read(self, rel: str, stored: str, a: int, b: int, numel: int) -> torch.Tensor:
+        """Elements [a, b) of the ``numel`` elements stored as ``stored`` in ``rel``."""
+        if self.ranged:
+            return self.reader.elements(rel, stored, a, b)
+        t = self.reader.tensor(rel, stored).reshape(-1)
+        if t.numel() != numel:
+            raise CorruptCheckpointError(f"checkpoint file {rel}: {stored} holds {t.numel()} "
+                                         f"values, not {numel} ({self.reader.root})")
+        return t[a:b]
 
     def param(self, name: str, a: int = 0, b: Optional[int] = None,
               dtype: Optional[torch.dtype] = None) -> torch.Tensor:
@@ -80,7 +90,7 @@ class Source:
         b = numel if b is None else b
         if "pieces" in record:
             return self._gather(record["pieces"], name, "", a, b, dtype, numel)
-        t = self.reader.tensor(record["file"], name).reshape(-1)[a:b]
+        t = self._read(record["file"], name, a, b, numel)
         return t if dtype is None or t.dtype == dtype else t.to(dtype)
 
     def whole(self, name: str) -> torch.Tensor:
@@ -102,9 +112,9 @@ class Source:
             rel = record["tensors"].get(key)
             if rel is None:
                 return None
-            t = self.reader.tensor(rel, f"{name}::{key}").reshape(-1)
-            b = t.numel() if b is None else b
-            return t[a:b].to(torch.float32)
+            if b is None:
+                return self.reader.tensor(rel, f"{name}::{key}").reshape(-1).to(torch.float32)
+            return self._read(rel, f"{name}::{key}", a, b, self.numel(name)).to(torch.float32)
         numel = self.numel(name)
         b = numel if b is None else b
         pieces: List[Sequence[Any]] = [p for p in record["pieces"]

@@ -224,7 +224,7 @@ def load_into_sharded(root: str, manifest: Dict[str, Any], model: nn.Module,
     plan = _Plan(manifest, names, root, strict)
     opt = _OptimizerPlan(manifest["optimizer"], optimizer, names, root) \
         if optimizer is not None else None
-    fill_sharded(names, plan, Source(manifest, Reader(root, manifest)), optimizer,
+    fill_sharded(names, plan, Source(manifest, Reader(root, manifest), ranged=True), optimizer,
                  opt.groups if opt is not None else None, strict)
 
 

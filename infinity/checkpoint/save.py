@@ -58,9 +58,11 @@ class _Writer:
               metadata: Optional[Dict[str, str]] = None) -> str:
         path = os.path.join(self.root, rel)
         os.makedirs(os.path.dirname(path), exist_ok=True)
+        chunks: List[int] = []
         size, crc = write_tensor_file(path, items, {"format": "pt", **(metadata or {})},
-                                      self.progress)
-        self.files[rel] = {"size": size, "crc32c": crc}
+                                      self.progress, chunks)
+        self.files[rel] = {"size": size, "crc32c": crc, "chunk_bytes": files_mod.CRC_CHUNK,
+                           "chunk_crc32c": chunks}
         return rel
 
 

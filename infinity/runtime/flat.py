@@ -47,6 +47,22 @@ class ParamSlot:
     trainable: bool
 
 
+def _slot_offset(offset: int, numel: int, block: int, page: int) -> int:
+    """Where a parameter of ``numel`` elements starts after ``offset``: on a 16-element
+    boundary; with ``block`` (ZeRO: the 8-bit quantization block, a divisor of ``page``) a
+    parameter of at least ``block`` elements starts on a multiple of it, and a smaller one
+    never crosses a multiple of ``page`` (where ranks' parts are cut), so a cut never splits
+    a quantization block."""
+    at = _round_up(offset, _ELEM_ALIGN)
+    if not block:
+        return at
+    if numel >= block:
+        return _round_up(offset, block)
+    if numel and at // page != (at + numel - 1) // page:
+        return _round_up(at, page)
+    return at
+
+
 class FlatParam:
     def __init__(self, key: str, params: List[tuple], home_dtype: torch.dtype,
                  compute_dtype: torch.dtype, device: torch.device, pad_multiple: int = 0,
@@ -56,13 +72,13 @@ class FlatParam:
         self.compute_dtype = compute_dtype
         self.device = device
         self.slots: List[ParamSlot] = []
+        elems_per_page = max(1, inf_io.ALIGNMENT // torch.empty((), dtype=home_dtype).element_size())
         offset = 0
         for qualname, module, attr, param in params:
-            offset = _round_up(offset, elem_align or _ELEM_ALIGN)  # ZeRO: a Partitioner's
+            offset = _slot_offset(offset, param.numel(), elem_align, elems_per_page)
             self.slots.append(ParamSlot(qualname, module, attr, param, offset, param.numel(),
                                         param.shape, param.requires_grad))
             offset += param.numel()
-        elems_per_page = max(1, inf_io.ALIGNMENT // torch.empty((), dtype=home_dtype).element_size())
         multiple = pad_multiple or elems_per_page  # ZeRO: world * page (a Partitioner's)
         self.numel = max(_round_up(offset, multiple), multiple)
         self.used_numel = offset
