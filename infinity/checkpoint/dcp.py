@@ -30,8 +30,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata,
-                                                   MetadataIndex, TensorProperties,
-                                                   TensorStorageMetadata)
+                                                   TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future

@@ -142,11 +142,6 @@ class _Plan:
             logger.warning("infinity: loading %s non-strictly: %d model tensors missing in it, "
                            "%d of its tensors unused", root, len(missing), len(unexpected))
 
-    def file_of(self, name: str) -> Optional[Tuple[str, str]]:
-        """(file, saved name) of the model tensor ``name``, or None when not loaded."""
-        src = self.source.get(name)
-        return None if src is None else (self.saved[src]["file"], src)
-
 
 class _OptimizerPlan:
     """The saved optimizer state, matched to ``optimizer`` by parameter names."""

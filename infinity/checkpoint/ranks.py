@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from .load import Reader, _OptimizerPlan, _Plan, _set_rng
+from .load import Reader, _OptimizerPlan, _Plan
 from .manifest import (FORMAT, VERSION, CheckpointError, decode, dtype_name, encode)
 from .names import ModelNames
 from .pieces import STATE_KEYS, Source, piece_name
@@ -293,5 +293,5 @@ def trainer_state_v3(manifest: Dict[str, Any], rank: int) -> Dict[str, Any]:
             "rng": decode(rng) if rng is not None else None}
 
 
-__all__ = ["write_rank_part", "merge_rank_parts", "load_into_sharded", "trainer_state_v3",
-           "write_index_json", "_set_rng"]
+__all__ = ["write_rank_part", "merge_rank_parts", "load_into_sharded", "fill_sharded",
+           "trainer_state_v3", "write_index_json"]
