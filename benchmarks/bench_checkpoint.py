@@ -3,6 +3,8 @@ parameters, gradients and optimizer states in host RAM and on NVMe.
 
     python benchmarks/bench_checkpoint.py            # ~210M params fp32, 5 measured rounds
     python benchmarks/bench_checkpoint.py --quick    # ~10M params, a few seconds
+    python benchmarks/bench_checkpoint.py --ranks 2  # ZeRO-3 over 2 gloo ranks (one thread
+                                                     # each): each rank saves / loads its part
 
 Model: TinyGPT (tied head), fp32, batch 4 x 128 tokens (--quick: 2 x 32); optimizer
 ``infinity.optim.AdamW``. Configurations: ``host`` (param/grad/optimizer tiers all "host") and
@@ -50,6 +52,37 @@ def model_config(quick: bool) -> GPTConfig:
     return GPTConfig(vocab_size=8192, d_model=1024, n_layers=16, n_heads=16, max_seq=128)
 
 
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _world() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _barrier() -> None:
+    if _world() > 1:
+        import torch.distributed as dist
+        dist.barrier()
+
+
+def spawn_ranks(ranks: int, argv: List[str]) -> int:
+    """Runs this script on ``ranks`` gloo ranks (subprocesses); rank 0 reports."""
+    import socket
+    import subprocess
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = []
+    for r in range(ranks):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r),
+                   WORLD_SIZE=str(ranks), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__)] + argv,
+                                      env=env, stdout=None if r == 0 else subprocess.DEVNULL))
+    codes = [p.wait() for p in procs]
+    return max(codes)
+
+
 def build(tier: str, cfg: GPTConfig, swap: str):
     torch.manual_seed(0)
     model = TinyGPT(cfg)
@@ -86,16 +119,25 @@ def drop_cache(path: str) -> None:
 
 
 def one_round(model, opt, x, y, ckpt: str) -> Dict:
-    row = {"step_s": train_step(model, opt, x, y)}
+    """Step, save, cold load (every rank; times from this rank, after a barrier each)."""
+    per = x.shape[0] // _world()
+    lo = _rank() * per
+    _barrier()
+    row = {"step_s": train_step(model, opt, x[lo:lo + per], y[lo:lo + per])}
+    _barrier()
     t0 = time.perf_counter()
     infinity.save_checkpoint(ckpt, model, opt)
     row["save_s"] = time.perf_counter() - t0
     row["bytes"] = dir_bytes(ckpt)
-    drop_cache(ckpt)
+    if _rank() == 0:
+        drop_cache(ckpt)
+    _barrier()
     t0 = time.perf_counter()
     infinity.load_checkpoint(ckpt, model, opt)
     row["load_s"] = time.perf_counter() - t0
-    shutil.rmtree(ckpt)
+    _barrier()
+    if _rank() == 0:
+        shutil.rmtree(ckpt)
     return row
 
 
@@ -153,16 +195,30 @@ def main(argv: Optional[List[str]] = None) -> int:
                     "checkpoints (default: a temporary directory under /tmp)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "bench_checkpoint.json"))
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--ranks", type=int, default=1,
+                    help="ZeRO-3 over this many gloo ranks on this machine (default 1)")
     args = ap.parse_args(argv)
+    if args.ranks > 1 and "RANK" not in os.environ:
+        return spawn_ranks(args.ranks, argv)
+    if args.ranks > 1:
+        import datetime as _dt
+
+        import torch.distributed as dist
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", timeout=_dt.timedelta(seconds=1800))
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     rounds = args.rounds or (3 if args.quick else 5)
     if rounds < 1:
         ap.error("--rounds must be >= 1")
     batch = args.batch or (2 if args.quick else 4)
+    if batch % args.ranks:
+        ap.error("--batch must divide by --ranks")
     seq = args.seq or (32 if args.quick else 128)
     cfg = model_config(args.quick)
     x, y = synthetic_batch(cfg, batch, seq, torch.Generator().manual_seed(1))
-    work = tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.nvme_path or "/tmp")
+    work = os.path.join(args.nvme_path or "/tmp", f"bench-ckpt-{os.getppid()}") \
+        if args.ranks > 1 else tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.nvme_path or "/tmp")
+    os.makedirs(work, exist_ok=True)
     per: Dict[str, List[Dict]] = {c: [] for c in CONFIGS}
     try:
         built = {c: build(c, cfg, os.path.join(work, f"swap-{c}")) for c in CONFIGS}
@@ -174,6 +230,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             for c in CONFIGS:
                 model, opt = built[c]
                 row = one_round(model, opt, x, y, os.path.join(work, f"ckpt-{c}-{r}"))
+                if _rank():
+                    continue
                 gc.collect()
                 logger.info("round %d %-5s step %.2fs save %.2fs load %.2fs (%.2f GB)%s", r, c,
                             row["step_s"], row["save_s"], row["load_s"], row["bytes"] / 1e9,
@@ -184,7 +242,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             opt.close()
             infinity.unwrap(model)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        _barrier()
+        if _rank() == 0:
+            shutil.rmtree(work, ignore_errors=True)
+    if _rank():
+        return 0
     rows = [summarize(c, per[c], n_params) for c in CONFIGS]
     print_table(rows)
     result = {"date": datetime.date.today().isoformat(),
@@ -192,7 +254,7 @@ def main(argv: Optional[List[str]] = None) -> int:
               "params": n_params, "config": {"vocab_size": cfg.vocab_size,
                                              "d_model": cfg.d_model, "n_layers": cfg.n_layers,
                                              "n_heads": cfg.n_heads},
-              "batch": batch, "seq": seq, "rounds": rounds,
+              "batch": batch, "seq": seq, "rounds": rounds, "ranks": args.ranks,
               **_common.machine_info({"torch": torch.__version__,
                                       "torch_threads": torch.get_num_threads()}),
               "rows": rows}

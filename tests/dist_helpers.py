@@ -139,7 +139,7 @@ def _scenario_train(rank: int, world: int, out: Path, opts: Dict[str, Any]) -> D
     infinity.wrap(model, process_group=pg, **settings)
     engine = engine_of(model)
     opt = infinity.optim.AdamW(model.parameters(), lr=opts.get("lr", 1e-2),
-                               weight_decay=0.01)
+                               weight_decay=0.01, **opts.get("optim", {}))
     if opts.get("load_from"):  # resume from whole state dicts saved by any number of ranks
         from infinity.sharding import load_full_optimizer_state_dict, load_full_state_dict
         saved = torch.load(opts["load_from"], weights_only=False)
@@ -221,6 +221,8 @@ def _scenario_train(rank: int, world: int, out: Path, opts: Dict[str, Any]) -> D
         "sched_last_epoch": sched.last_epoch if sched is not None else None,
         "lr": opt.param_groups[0]["lr"],
     }
+    if opts.get("legacy_to"):  # one process: the earlier per-rank format, as 1 rank wrote it
+        _write_legacy(opts["legacy_to"], engine, opt)
     if opts.get("probe"):  # what ordinary PyTorch code sees on a sharded model
         result["state_dict"] = {k: v.clone() for k, v in model.state_dict().items()}
         try:
@@ -231,6 +233,32 @@ def _scenario_train(rank: int, world: int, out: Path, opts: Dict[str, Any]) -> D
     infinity.unwrap(model)  # sharded: every rank gets the whole parameters (all-gather)
     result["params"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return result
+
+
+def _write_legacy(path: str, engine: Any, opt: Any) -> None:
+    """A checkpoint in the per-rank format infinity wrote before the one format
+    (``rank0-of-1.pt`` + a manifest with the flats' layout), from a single-process model."""
+    import torch
+    os.makedirs(path)
+    flats = {}
+    shards = {s.key: s for s in opt.shard_states()}
+    for flat in engine.flats:
+        entry = {"start": 0, "end": flat.numel, "home": engine.home.snapshot(flat).clone()}
+        st = shards.get(flat.key)
+        if st is not None and st.exp_avg is not None:
+            entry.update(master=st.master.clone(), exp_avg=st.exp_avg.clone(),
+                         exp_avg_sq=st.exp_avg_sq.clone(),
+                         steps={i: st.steps[i] for i in range(len(flat.slots))
+                                if st.steps[i] > 0})
+        flats[flat.key] = entry
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    torch.save({"flats": flats, "param_groups": groups}, os.path.join(path, "rank0-of-1.pt"))
+    layout = {f.key: {"used": f.used_numel, "dtype": str(f.home_dtype),
+                      "slots": [[s.qualname, s.offset, s.numel] for s in f.slots]}
+              for f in engine.flats}
+    with open(os.path.join(path, "manifest.json"), "w") as fh:
+        json.dump({"format": "infinity-zero-sharded", "version": 1, "world": 1,
+                   "files": ["rank0-of-1.pt"], "layout": layout, "optimizer": True}, fh)
 
 
 def _scenario_save_full(rank: int, world: int, out: Path, opts: Dict[str, Any]
@@ -297,7 +325,112 @@ def _scenario_load_full(rank: int, world: int, out: Path, opts: Dict[str, Any]
     return {"loaded": loaded, "after": after}
 
 
-SCENARIOS = {"train": _scenario_train, "save_full": _scenario_save_full,
+def _scenario_resume_many(rank: int, world: int, out: Path, opts: Dict[str, Any]
+                          ) -> Dict[str, Any]:
+    """In one process group: for each ``opts["loads"]`` entry ({"from": checkpoint, "nvme":
+    bool}) a fresh model (other seed) is wrapped (everything on NVMe, or on host), loads the
+    checkpoint with its optimizer and trains steps [start, stop) on the global batch split
+    over the ranks; its losses and final whole parameters are reported per entry."""
+    import torch
+    import torch.distributed as dist
+
+    import infinity
+    steps, batch = opts["steps"], opts["batch"]
+    xs = torch.randn(steps, batch, 8, generator=torch.Generator().manual_seed(1))
+    ys = torch.randn(steps, batch, 4, generator=torch.Generator().manual_seed(2))
+    per = batch // world
+    runs = []
+    for k, load in enumerate(opts["loads"]):
+        torch.manual_seed(100 + k)
+        model = _model()
+        settings: Dict[str, Any] = dict(opts.get("settings", {}))
+        if load.get("nvme"):
+            (out / f"swap{k}").mkdir(exist_ok=True)
+            settings.update(nvme_path=str(out / f"swap{k}"), param_tier="nvme",
+                            grad_tier="nvme", optimizer_tier="nvme")
+        else:
+            settings.update(param_tier="host", optimizer_tier="host")
+        infinity.wrap(model, **settings)
+        opt = infinity.optim.AdamW(model.parameters(), lr=opts.get("lr", 1e-2),
+                                   weight_decay=0.01, **opts.get("optim", {}))
+        infinity.load_checkpoint(load["from"], model, opt)
+        losses = []
+        for step in range(opts["start"], opts["stop"]):
+            x = xs[step, rank * per:(rank + 1) * per]
+            y = ys[step, rank * per:(rank + 1) * per]
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            if opts.get("clip"):
+                opt.clip_grad_norm_(opts["clip"])
+            opt.step()
+            opt.zero_grad()
+            value = loss.detach().clone()
+            if world > 1 and dist.is_initialized():
+                dist.all_reduce(value)
+                value /= world
+            losses.append(float(value))
+        infinity.unwrap(model)
+        runs.append({"losses": losses,
+                     "params": {n: v.detach().clone() for n, v in model.state_dict().items()}})
+        del opt
+    return {"runs": runs}
+
+
+def _scenario_dcp_load(rank: int, world: int, out: Path, opts: Dict[str, Any]
+                       ) -> Dict[str, Any]:
+    """A plain model on every rank filled by torch.distributed.checkpoint.load (collective)
+    from the infinity checkpoint opts["from"]."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    import infinity
+    torch.manual_seed(99)
+    model = _model()
+    sd = model.state_dict()
+    dcp.load(sd, storage_reader=infinity.checkpoint.dcp_reader(opts["from"]))
+    return {"params": {k: v.clone() for k, v in sd.items()}}
+
+
+def _scenario_fsdp2_save(rank: int, world: int, out: Path, opts: Dict[str, Any]
+                         ) -> Dict[str, Any]:
+    """A model sharded by FSDP2 (fully_shard per layer and at the root, CPU, gloo) trains 2
+    steps and is saved by torch.distributed.checkpoint.save; its whole weights are returned."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    model = _model()
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(2):
+        x = torch.randn(6, 8, generator=torch.Generator().manual_seed(step))
+        torch.nn.functional.mse_loss(model(x[rank * 3:(rank + 1) * 3]),
+                                     torch.zeros(3, 4)).backward()
+        opt.step()
+        opt.zero_grad()
+    sd = model.state_dict()
+    dcp.save({"model": sd}, checkpoint_id=opts["to"])
+    return {"params": {k: v.full_tensor().clone() for k, v in sd.items()}}
+
+
+def _scenario_dcp_into_wrapped(rank: int, world: int, out: Path, opts: Dict[str, Any]
+                               ) -> Dict[str, Any]:
+    """A wrapped (sharded on ranks) model loads the DCP checkpoint opts["from"]."""
+    import torch
+
+    import infinity
+    torch.manual_seed(99)
+    model = infinity.wrap(_model(), param_tier="host")
+    infinity.checkpoint.load_dcp(opts["from"], model, prefix=opts.get("prefix", ""))
+    infinity.unwrap(model)
+    return {"params": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+SCENARIOS = {"train": _scenario_train, "dcp_load": _scenario_dcp_load,
+             "dcp_into_wrapped": _scenario_dcp_into_wrapped,
+             "fsdp2_save": _scenario_fsdp2_save, "resume_many": _scenario_resume_many, "save_full": _scenario_save_full,
              "load_full": _scenario_load_full}
 
 

@@ -238,9 +238,11 @@ def checkpoint_after_5(tmp_path_factory):
     saved = torch.load(files["full"], weights_only=False)
     assert len(saved["optim"]["state"]) == len(saved["model"])  # every parameter stepped
     assert all(int(e["step"]) == 5 for e in saved["optim"]["state"].values())
+    import json
     import os
-    assert sorted(os.listdir(files["sharded"])) == ["manifest.json", "rank0-of-2.pt",
-                                                     "rank1-of-2.pt"]
+    manifest = json.load(open(os.path.join(files["sharded"], "manifest.json")))
+    assert manifest["world_size"] == 2 and manifest["version"] == 3
+    assert any(f.endswith("rank1-of-2.safetensors") for f in manifest["files"])
     return files
 
 
@@ -334,8 +336,14 @@ def test_load_checkpoint_recognises_sharded_checkpoints_and_refuses_what_it_lack
 
 
 def _tree(path):
+    """Every file under ``path`` (relative name -> bytes)."""
     import os
-    return {name: open(os.path.join(path, name), "rb").read() for name in os.listdir(path)}
+    out = {}
+    for root, _, files in os.walk(path):
+        for name in files:
+            full = os.path.join(root, name)
+            out[os.path.relpath(full, path)] = open(full, "rb").read()
+    return out
 
 
 def test_sharded_save_is_atomic_when_a_rank_fails_or_is_killed(reference, checkpoint_after_5,
@@ -348,7 +356,7 @@ def test_sharded_save_is_atomic_when_a_rank_fails_or_is_killed(reference, checkp
     import os
     import shutil
 
-    from infinity.sharding.checkpoint import is_sharded_checkpoint
+    from infinity.checkpoint.load import open_checkpoint
     ck = str(tmp_path / "ck")
     shutil.copytree(checkpoint_after_5["sharded"], ck)
     before = _tree(ck)
@@ -364,13 +372,14 @@ def test_sharded_save_is_atomic_when_a_rank_fails_or_is_killed(reference, checkp
         run_ranks("train", 2, dict(_opts(collective_timeout=8), stop=2, save_sharded_to=ck,
                                    fail_save_ranks=[1], fail_save_how="kill"),
                   tmp_path / "runs", timeout=90)
-    assert _tree(ck) == before and is_sharded_checkpoint(ck)
+    assert _tree(ck) == before and open_checkpoint(ck)[1]["world_size"] == 2
     assert len(leftovers()) == 1  # the killed save's directory, until the next save
 
     saved = run_ranks("train", 2, dict(_opts(), stop=3, save_sharded_to=ck), tmp_path / "runs")
     assert all("error" not in r for r in saved), saved[0]["log"][-2000:]
     assert leftovers() == [] and _tree(ck) != before
-    assert sorted(os.listdir(ck)) == ["manifest.json", "rank0-of-2.pt", "rank1-of-2.pt"]
+    assert sorted(os.listdir(ck)) == ["manifest.json", "model"]
+    assert any(f.endswith(".rank1-of-2.safetensors") for f in os.listdir(os.path.join(ck, "model")))
     rest = run_ranks("train", 3, dict(_opts(), start=3, load_sharded_from=ck),
                      tmp_path / "runs")
     assert all("error" not in r for r in rest), rest[0]["log"][-2000:]
@@ -387,7 +396,8 @@ def test_sharded_checkpoint_keeps_scheduler_rng_and_extras(tmp_path):
     saved = run_ranks("train", 2, dict(_opts(), stop=3, sched=True, rng=True,
                                        save_sharded_to=ck), tmp_path / "a")
     assert all("error" not in r for r in saved), saved[0]["log"][-3000:]
-    assert os.path.isfile(os.path.join(ck, "rank1-of-2.pt")), "a sharded checkpoint"
+    assert any(f.endswith(".rank1-of-2.safetensors")
+               for f in os.listdir(os.path.join(ck, "model"))), "saved by 2 ranks"
     assert [r["sched_last_epoch"] for r in saved] == [3, 3]
     resumed = run_ranks("train", 2, dict(_opts(), start=3, stop=3, sched=True, rng=True,
                                          load_sharded_from=ck), tmp_path / "b")

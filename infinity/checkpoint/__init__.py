@@ -4,6 +4,9 @@
     extra = infinity.load_checkpoint("ckpt/step-1000", model, opt, scheduler=sched, rng=True)
     infinity.consolidate("ckpt/step-1000", "export/", dtype="bf16")   # or: infinity consolidate
 
+PyTorch's DCP reads infinity checkpoints through ``dcp_reader(path)`` and ``load_dcp`` loads
+DCP checkpoints into wrapped models (see dcp.py).
+
 Files: manifest (format, codec, checksum), files (safetensors streaming), atomic (temporary
 directory + renames), names (a model's tensors by name), save, load, consolidate.
 """
@@ -12,5 +15,19 @@ from .load import load_checkpoint
 from .manifest import CheckpointError, CheckpointMismatchError, CorruptCheckpointError
 from .save import save_checkpoint
 
-__all__ = ["save_checkpoint", "load_checkpoint", "consolidate", "CheckpointError",
+
+def dcp_reader(path: str):
+    """A torch.distributed.checkpoint StorageReader over an infinity checkpoint (see .dcp)."""
+    from .dcp import dcp_reader as _reader
+    return _reader(path)
+
+
+def load_dcp(path: str, model, **kwargs) -> None:
+    """Loads a torch.distributed.checkpoint directory into a (wrapped) model (see .dcp)."""
+    from .dcp import load_dcp as _load
+    _load(path, model, **kwargs)
+
+
+__all__ = ["save_checkpoint", "load_checkpoint", "consolidate", "dcp_reader", "load_dcp",
+           "CheckpointError",
            "CheckpointMismatchError", "CorruptCheckpointError"]

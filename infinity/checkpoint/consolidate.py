@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from .files import TensorFileWriter, aligned_order, fsync_dir, nbytes_of
 from .load import Reader, open_checkpoint
+from .pieces import Source
 from .manifest import dtype_name, parse_dtype
 
 _PROGRESS_MIN_BYTES = 1 << 30
@@ -95,7 +96,7 @@ def consolidate(checkpoint: str, out: str, dtype: Optional[Union[str, torch.dtyp
     total = sum(nbytes_of(d, s) for _, d, s in entries)
     with tqdm(total=total, unit="B", unit_scale=True, leave=False, desc="infinity: consolidating",
               disable=total < _PROGRESS_MIN_BYTES) as bar:
-        reader = Reader(root, manifest)
+        source = Source(manifest, Reader(root, manifest))
         for fname, specs in zip(names, shards):
             specs = aligned_order(specs)
             path = os.path.join(out, fname)
@@ -105,7 +106,7 @@ def consolidate(checkpoint: str, out: str, dtype: Optional[Union[str, torch.dtyp
             writer = TensorFileWriter(tmp, specs, {"format": "pt"}, bar)
             try:
                 for name, target, _ in specs:
-                    t = reader.tensor(tensors[name]["file"], name)
+                    t = source.whole(name)  # whole, or assembled from the ranks' pieces
                     writer.write(name, t if t.dtype == target else t.to(target))
                 writer.close()
             except BaseException:

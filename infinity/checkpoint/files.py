@@ -33,6 +33,8 @@ for _name, _st in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"),
 _ST_DTYPES = {v: k for k, v in _ST_NAMES.items()}
 
 WRITE_CHUNK = 64 << 20  # bytes per write call (and per progress update)
+CRC_CHUNK = 64 << 20    # the manifest records a CRC32C per this many bytes of each file it
+#                         writes, so a range is verified by reading only the chunks around it
 
 Spec = Tuple[str, torch.dtype, Tuple[int, ...]]
 
@@ -103,6 +105,9 @@ class TensorFileWriter:
         self.path = path
         self.size = 8 + len(raw) + offset
         self.crc = 0
+        self.chunk_crcs: List[int] = []  # CRC32C of bytes [k*CRC_CHUNK, (k+1)*CRC_CHUNK)
+        self._chunk_crc = 0
+        self._pos = 0
         self._progress = progress
         self._next = 0
         self._fd: Optional[int] = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL
@@ -118,8 +123,19 @@ class TensorFileWriter:
             chunk = data[start:start + WRITE_CHUNK]
             _write_bytes(self._fd, memoryview(chunk))
             self.crc = inf_io.crc32c(chunk, self.crc)
+            self._chunk_crc_update(chunk)
             if self._progress is not None:
                 self._progress.update(chunk.size)
+
+    def _chunk_crc_update(self, data: np.ndarray) -> None:
+        while data.size:
+            take = min(data.size, CRC_CHUNK - self._pos % CRC_CHUNK)
+            self._chunk_crc = inf_io.crc32c(data[:take], self._chunk_crc)
+            self._pos += take
+            data = data[take:]
+            if self._pos % CRC_CHUNK == 0:
+                self.chunk_crcs.append(self._chunk_crc)
+                self._chunk_crc = 0
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         if self._next >= len(self._pending):
@@ -137,6 +153,9 @@ class TensorFileWriter:
             missing = [p[0] for p in self._pending[self._next:]]
             raise ValueError(f"{self.path}: tensors {missing[:5]} were announced but not "
                              "written")
+        if self._pos % CRC_CHUNK:
+            self.chunk_crcs.append(self._chunk_crc)
+            self._chunk_crc = 0
         fd, self._fd = self._fd, None
         try:
             os.fsync(fd)
@@ -151,16 +170,20 @@ class TensorFileWriter:
 
 
 def write_tensor_file(path: str, items: Iterable[Tuple[str, torch.Tensor]],
-                      metadata: Optional[Dict[str, str]] = None, progress: Any = None
-                      ) -> Tuple[int, int]:
-    """Writes ``items`` (name, tensor) as one safetensors file; returns (size, crc32c)."""
+                      metadata: Optional[Dict[str, str]] = None, progress: Any = None,
+                      chunk_crcs: Optional[List[int]] = None) -> Tuple[int, int]:
+    """Writes ``items`` (name, tensor) as one safetensors file; returns (size, crc32c) and
+    fills ``chunk_crcs`` (when given) with the CRC32C of each CRC_CHUNK of the file."""
     tensors = dict(items)
     specs = aligned_order([(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()])
     writer = TensorFileWriter(path, specs, metadata, progress)
     try:
         for name, _, _ in specs:
             writer.write(name, tensors[name])
-        return writer.close()
+        done = writer.close()
+        if chunk_crcs is not None:
+            chunk_crcs.extend(writer.chunk_crcs)
+        return done
     except BaseException:
         writer.abort()
         raise
@@ -325,3 +348,90 @@ def read_tensor_file(path: str, label: str, size: Optional[int] = None,
             raise CorruptCheckpointError(f"checkpoint file {label}: entry {name!r} is invalid "
                                          f"({path})")
     return TensorFile(path, label, buf, header, start)
+
+
+class RangedFile:
+    """Element ranges of the tensors of one checkpoint file, read chunk by chunk: only the
+    CRC_CHUNK-sized chunks around a range are read (``os.pread``), each checked against the
+    CRC32C the manifest recorded for it before its bytes are used; the last chunk is kept for
+    the next range. The header is parsed from the chunks that hold it."""
+
+    def __init__(self, path: str, label: str, size: int, chunk_bytes: int,
+                 chunk_crcs: Sequence[int]) -> None:
+        self.path, self.label, self.size = path, label, size
+        self.chunk_bytes, self.chunk_crcs = chunk_bytes, list(chunk_crcs)
+        try:
+            actual = os.path.getsize(path)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"checkpoint file {label} is missing ({path})") from None
+        if actual != size:
+            raise CorruptCheckpointError(f"checkpoint file {label} has {actual:,} bytes but the "
+                                         f"manifest recorded {size:,} ({path}): it is truncated "
+                                         "or was replaced")
+        if len(self.chunk_crcs) != -(-size // chunk_bytes):
+            raise CorruptCheckpointError(f"checkpoint file {label}: the manifest's chunk "
+                                         "checksums do not cover the file")
+        self._last: Optional[Tuple[int, np.ndarray]] = None
+        (hlen,) = struct.unpack("<Q", self._bytes(0, 8).tobytes())
+        if not 0 < hlen <= size - 8:
+            raise CorruptCheckpointError(f"checkpoint file {label} is not a valid safetensors "
+                                         f"file ({path})")
+        self._header = json.loads(self._bytes(8, 8 + hlen).tobytes().decode("utf-8"))
+        self._start = 8 + hlen
+
+    def _chunk(self, k: int) -> np.ndarray:
+        if self._last is not None and self._last[0] == k:
+            return self._last[1]
+        lo = k * self.chunk_bytes
+        n = min(self.chunk_bytes, self.size - lo)
+        buf = np.empty(n, dtype=np.uint8)
+        fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            done = 0
+            while done < n:
+                got = os.preadv(fd, [memoryview(buf)[done:]], lo + done)
+                if got <= 0:
+                    raise CorruptCheckpointError(f"checkpoint file {self.label} ended early "
+                                                 f"({self.path})")
+                done += got
+        finally:
+            os.close(fd)
+        if inf_io.crc32c(buf) != self.chunk_crcs[k]:
+            raise CorruptCheckpointError(
+                f"checkpoint file {self.label} is corrupted: the CRC32C of its bytes "
+                f"[{lo:,}, {lo + n:,}) does not match the manifest ({self.path}). Restore it "
+                "from a copy or use another checkpoint")
+        self._last = (k, buf)
+        return buf
+
+    def _bytes(self, lo: int, hi: int) -> np.ndarray:
+        out = np.empty(hi - lo, dtype=np.uint8)
+        pos = lo
+        while pos < hi:
+            k = pos // self.chunk_bytes
+            chunk = self._chunk(k)
+            base = k * self.chunk_bytes
+            take = min(hi, base + chunk.size) - pos
+            out[pos - lo:pos - lo + take] = chunk[pos - base:pos - base + take]
+            pos += take
+        return out
+
+    def __contains__(self, name: str) -> bool:
+        return name != "__metadata__" and name in self._header
+
+    def elements(self, name: str, a: int, b: int) -> torch.Tensor:
+        """Elements [a, b) of tensor ``name`` (flattened)."""
+        info = self._header.get(name)
+        if info is None or name == "__metadata__" or info.get("dtype") not in _ST_DTYPES:
+            raise CorruptCheckpointError(f"checkpoint file {self.label} has no tensor "
+                                         f"{name!r} ({self.path})")
+        dtype = _ST_DTYPES[info["dtype"]]
+        size = _itemsize(dtype)
+        begin, end = info["data_offsets"]
+        if not (0 <= a <= b and begin + b * size <= end):
+            raise CorruptCheckpointError(f"checkpoint file {self.label}: {name!r} holds no "
+                                         f"elements [{a}, {b}) ({self.path})")
+        if b == a:
+            return torch.empty(0, dtype=dtype)
+        raw = self._bytes(self._start + begin + a * size, self._start + begin + b * size)
+        return torch.from_numpy(raw).view(dtype)

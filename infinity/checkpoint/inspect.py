@@ -18,7 +18,8 @@ from .manifest import MANIFEST, CheckpointError, read_manifest
 
 
 def inspect_checkpoint(path: str, verify: bool = True) -> Dict[str, Any]:
-    """A summary dict: kind ("single"/"sharded"), world size, model class, wrapped / tier,
+    """A summary dict: kind ("single": one process; "ranks": saved by sharded ranks, one
+    file per rank and flat; "sharded": the earlier per-rank format), world size, model class, wrapped / tier,
     tensors and their dtypes, bytes, optimizer (format, states, steps), trainer state present,
     and ``verified`` (True, or False with ``problems`` naming each bad file)."""
     root = resolve(path)
@@ -30,7 +31,8 @@ def inspect_checkpoint(path: str, verify: bool = True) -> Dict[str, Any]:
     files = manifest.get("files", {})
     tensors = manifest.get("tensors", {})
     out: Dict[str, Any] = {
-        "path": root, "kind": "single", "format_version": manifest.get("version"),
+        "path": root, "kind": "single" if manifest.get("world_size", 1) == 1 else "ranks",
+        "format_version": manifest.get("version"),
         "infinity_version": manifest.get("infinity_version"),
         "created": manifest.get("created"), "model_class": manifest.get("model_class"),
         "world_size": manifest.get("world_size", 1), "wrapped": manifest.get("wrapped"),

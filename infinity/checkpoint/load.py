@@ -17,10 +17,11 @@ from tqdm.auto import tqdm
 from .. import io as inf_io
 from ..runtime.engine import locate
 from .atomic import resolve
-from .files import TensorFile, read_tensor_file
+from .files import RangedFile, TensorFile, read_tensor_file
 from .manifest import (CheckpointError, CheckpointMismatchError, CorruptCheckpointError,
                        decode, read_manifest)
 from .names import ModelNames
+from .pieces import Source
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ class Reader:
         self.progress = progress
         self.keep = keep
         self._cache: "OrderedDict[str, TensorFile]" = OrderedDict()
+        self._ranged: Dict[str, RangedFile] = {}
 
     def file(self, rel: str) -> TensorFile:
         cached = self._cache.get(rel)
@@ -62,6 +64,20 @@ class Reader:
         while len(self._cache) > self.keep:
             self._cache.popitem(last=False)
         return tf
+
+    def elements(self, rel: str, name: str, a: int, b: int) -> torch.Tensor:
+        """Elements [a, b) of tensor ``name`` of file ``rel``: only the chunks around them are
+        read and verified where the manifest has chunk checksums (files written since), else
+        the whole file (cached, as :meth:`tensor`)."""
+        info = self.files.get(rel)
+        if info is None or "chunk_crc32c" not in info:
+            return self.tensor(rel, name).reshape(-1)[a:b]
+        ranged = self._ranged.get(rel)
+        if ranged is None:
+            ranged = RangedFile(os.path.join(self.root, rel), rel, info["size"],
+                                info["chunk_bytes"], info["chunk_crc32c"])
+            self._ranged = {rel: ranged}  # one file's last chunk in RAM
+        return ranged.elements(name, a, b)
 
     def tensor(self, rel: str, name: str) -> torch.Tensor:
         tf = self.file(rel)
@@ -126,11 +142,6 @@ class _Plan:
             logger.warning("infinity: loading %s non-strictly: %d model tensors missing in it, "
                            "%d of its tensors unused", root, len(missing), len(unexpected))
 
-    def file_of(self, name: str) -> Optional[Tuple[str, str]]:
-        """(file, saved name) of the model tensor ``name``, or None when not loaded."""
-        src = self.source.get(name)
-        return None if src is None else (self.saved[src]["file"], src)
-
 
 class _OptimizerPlan:
     """The saved optimizer state, matched to ``optimizer`` by parameter names."""
@@ -157,22 +168,30 @@ class _OptimizerPlan:
             raise CheckpointMismatchError(f"the optimizer state in checkpoint {root} was saved "
                                           f"for other parameters: {why}")
 
-    def entry(self, reader: Reader, name: str, copy: bool = False) -> Optional[Dict[str, Any]]:
+    def entry(self, source: Source, name: str, copy: bool = False
+              ) -> Optional[Dict[str, Any]]:
         record = self.states.get(name)
         if record is None:
             return None
         out = {k: decode(v) for k, v in record["values"].items()}
+        if "pieces" in record:  # saved by ranks: assembled from their pieces
+            shape = source.tensors[name]["shape"]
+            for key in ("exp_avg", "exp_avg_sq", "master"):
+                t = source.state(name, key)
+                if t is not None:
+                    out[key] = t.view(shape)
+            return out
         for key, rel in record["tensors"].items():
-            t = reader.tensor(rel, f"{name}::{key}")
+            t = source.reader.tensor(rel, f"{name}::{key}")
             out[key] = t.clone() if copy else t
         return out
 
-    def torch_state_dict(self, reader: Reader, skip=lambda p: False) -> Dict[str, Any]:
+    def torch_state_dict(self, source: Source, skip=lambda p: False) -> Dict[str, Any]:
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         state = {}
         for i, p in enumerate(params):
             if not skip(p):
-                e = self.entry(reader, self.names[id(p)], copy=True)
+                e = self.entry(source, self.names[id(p)], copy=True)
                 if e is not None:
                     state[i] = e
         groups, start = [], 0
@@ -182,30 +201,30 @@ class _OptimizerPlan:
             start += len(g["params"])
         return {"state": state, "param_groups": groups}
 
-    def shard_entries(self, reader: Reader, shard: Any) -> Dict[int, Dict[str, Any]]:
+    def shard_entries(self, source: Source, shard: Any) -> Dict[int, Dict[str, Any]]:
         per_slot = {}
         for i, slot in enumerate(shard.flat.slots):
             if shard.groups[i] is None:
                 continue
-            e = self.entry(reader, self.names[id(slot.param)])
+            e = self.entry(source, self.names[id(slot.param)])
             if e is not None:
                 per_slot[i] = e
         return per_slot
 
 
 # ---- loading ----------------------------------------------------------------------------------
-def _load_wrapped(names: ModelNames, plan: _Plan, reader: Reader,
+def _load_wrapped(names: ModelNames, plan: _Plan, source: Source,
                   opt: Optional[_OptimizerPlan]) -> None:
     engine = names.engine
     engine.quiesce()  # no block materialized: every fetch after this reads the new homes
     shards: Dict[int, Any] = {}
     if opt is not None:
         # groups, hyper-parameters and unwrapped parameters' states; wrapped shards start empty
-        opt.optimizer.load_state_dict(opt.torch_state_dict(reader, skip=lambda p: locate(p)
+        opt.optimizer.load_state_dict(opt.torch_state_dict(source, skip=lambda p: locate(p)
                                                            is not None))
         shards = {id(s.flat): s for s in opt.optimizer.shard_states()}  # none holds states now
     for flat in engine.flats:
-        sources = [(i, slot, plan.file_of(names.of(slot.param) or slot.qualname))
+        sources = [(i, slot, plan.source.get(names.of(slot.param) or slot.qualname))
                    for i, slot in enumerate(flat.slots)]
         buf = inf_io.aligned_empty(flat.numel, flat.home_dtype, lock=False)
         if all(src is not None for _, _, src in sources):
@@ -214,31 +233,34 @@ def _load_wrapped(names: ModelNames, plan: _Plan, reader: Reader,
             engine.home.read_into(flat, buf)  # non-strict: keep what the checkpoint lacks
         for _, slot, src in sources:
             if src is not None:
-                buf[slot.offset:slot.offset + slot.numel].copy_(reader.tensor(*src).reshape(-1))
+                buf[slot.offset:slot.offset + slot.numel].copy_(source.param(src))
         engine.home.write_from(flat, buf)
         # the optimizer's masters follow these values (unless its states are loaded below)
         engine.note_home_written(flat, [i for i, _, src in sources if src is not None])
         shard = shards.pop(id(flat), None)
         if shard is not None:
-            opt.optimizer.load_shard_state(shard.key, opt.shard_entries(reader, shard))
+            opt.optimizer.load_shard_state(shard.key, opt.shard_entries(source, shard))
     for shard in shards.values():  # blocks of another wrapped model stepped by this optimizer
-        opt.optimizer.load_shard_state(shard.key, opt.shard_entries(reader, shard))
+        opt.optimizer.load_shard_state(shard.key, opt.shard_entries(source, shard))
     with torch.no_grad():
         for name, t in names.buffers():
-            src = plan.file_of(name)
+            src = plan.source.get(name)
             if src is not None:
-                t.copy_(reader.tensor(*src))
+                t.copy_(source.whole(src))
     engine.resume()
 
 
-def _load_plain(model: nn.Module, names: ModelNames, plan: _Plan, reader: Reader) -> None:
+def _load_plain(model: nn.Module, names: ModelNames, plan: _Plan, source: Source) -> None:
+    """File by file (tensors in pieces: one by one), through ``model.load_state_dict``."""
     by_file: Dict[str, Dict[str, str]] = {}
     for name in names.tensors:
-        src = plan.file_of(name)
+        src = plan.source.get(name)
         if src is not None:
-            by_file.setdefault(src[0], {})[name] = src[1]
-    for rel, wanted in by_file.items():
-        part = {name: reader.tensor(rel, saved) for name, saved in wanted.items()}
+            record = plan.saved[src]
+            rel = record["file"] if "file" in record else f"{src} (pieces)"
+            by_file.setdefault(rel, {})[name] = src
+    for wanted in by_file.values():
+        part = {name: source.whole(saved) for name, saved in wanted.items()}
         model.load_state_dict(part, strict=False)
 
 
@@ -292,19 +314,35 @@ def load_checkpoint(path: str, model: nn.Module,
         if rng:
             _set_rng(state["rng"])
         return dict(state.get("extra") or {})
-    if getattr(_engine_of(model), "partitioner", None) is not None:
-        raise ValueError(f"infinity.load_checkpoint: {path} is a single-process checkpoint; a "
-                         "sharded model loads checkpoints saved by save_checkpoint on sharded "
-                         "ranks (consolidate is not needed for those). Load it on one process "
-                         "and save it again from the sharded ranks, or use "
-                         "infinity.sharding.load_full_state_dict with a whole state dict")
+    part = getattr(_engine_of(model), "partitioner", None)
     root, manifest = open_checkpoint(path)
     for what, obj, key in (("an optimizer", optimizer, "optimizer"),
                            ("a scheduler", scheduler, "scheduler"),
-                           ("a loss scaler", scaler, "scaler"), ("RNG states", rng, "rng")):
-        if obj is not None and obj is not False and manifest.get(key) is None:
+                           ("a loss scaler", scaler, "scaler")):
+        if obj is not None and manifest.get(key) is None:
             raise CheckpointError(f"checkpoint {root} was saved without {what}; do not pass "
                                   f"{key}= to load_checkpoint, or save it with one")
+    from .ranks import load_into_sharded, trainer_state_v3
+    trainer = trainer_state_v3(manifest, part.rank if part is not None else 0)
+    if rng and trainer["rng"] is None:
+        raise CheckpointError(
+            f"checkpoint {root} holds no RNG states for this rank (saved without rng=True, or "
+            f"by {manifest.get('world_size', 1)} rank(s), fewer than load it); load without "
+            "rng=True")
+    if part is not None:  # each rank reads the pieces of its part, whoever saved them
+        try:
+            load_into_sharded(root, manifest, model, optimizer, strict)
+        except CorruptCheckpointError as exc:
+            raise CorruptCheckpointError(
+                f"{exc}. The model{' and optimizer' if optimizer is not None else ''} may be "
+                "partly loaded: load an intact checkpoint before training on") from None
+        if scheduler is not None:
+            scheduler.load_state_dict(trainer["scheduler"])
+        if scaler is not None:
+            scaler.load_state_dict(trainer["scaler"])
+        if rng:
+            _set_rng(trainer["rng"])
+        return dict(trainer["extra"])
     names = ModelNames(model)
     plan = _Plan(manifest, names, root, strict)
     opt = _OptimizerPlan(manifest["optimizer"], optimizer, names, root) \
@@ -312,17 +350,17 @@ def load_checkpoint(path: str, model: nn.Module,
     total = sum(f["size"] for f in manifest.get("files", {}).values())
     with tqdm(total=total, unit="B", unit_scale=True, leave=False,
               desc="infinity: loading checkpoint", disable=total < _PROGRESS_MIN_BYTES) as bar:
-        reader = Reader(root, manifest, bar)
+        source = Source(manifest, Reader(root, manifest, bar))
         try:
             if names.engine is not None:
-                _load_wrapped(names, plan, reader, opt if opt is not None and
+                _load_wrapped(names, plan, source, opt if opt is not None and
                               hasattr(optimizer, "load_shard_state") else None)
                 if opt is not None and not hasattr(optimizer, "load_shard_state"):
-                    optimizer.load_state_dict(opt.torch_state_dict(reader))
+                    optimizer.load_state_dict(opt.torch_state_dict(source))
             else:
-                _load_plain(model, names, plan, reader)
+                _load_plain(model, names, plan, source)
                 if opt is not None:
-                    optimizer.load_state_dict(opt.torch_state_dict(reader))
+                    optimizer.load_state_dict(opt.torch_state_dict(source))
         except CorruptCheckpointError as exc:
             raise CorruptCheckpointError(
                 f"{exc}. The model{' and optimizer' if optimizer is not None else ''} may be "
@@ -336,5 +374,5 @@ def load_checkpoint(path: str, model: nn.Module,
     if scaler is not None:
         scaler.load_state_dict(decode(manifest["scaler"]))
     if rng:
-        _set_rng(decode(manifest["rng"]))
-    return decode(manifest.get("extra") or {})
+        _set_rng(trainer["rng"])
+    return dict(trainer["extra"])

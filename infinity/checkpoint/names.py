@@ -11,11 +11,30 @@ from torch import nn
 from ..runtime.engine import Engine, engine_of
 
 
+def _named_state(model: nn.Module) -> Dict[str, Any]:
+    """The names and tensors of ``model.state_dict(keep_vars=True)`` (parameters and
+    persistent buffers, module by module) without calling it; no extra state."""
+    out: Dict[str, Any] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        for name, p in module.named_parameters(recurse=False):
+            out[dot + name] = p
+        skip = getattr(module, "_non_persistent_buffers_set", set())
+        for name, b in module.named_buffers(recurse=False):
+            if name not in skip:
+                out[dot + name] = b
+    return out
+
+
 class ModelNames:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.engine: Optional[Engine] = engine_of(model)
-        self._state = model.state_dict(keep_vars=True)  # keeps every id() below alive
+        if self.engine is not None and self.engine.partitioner is not None:
+            # sharded: state_dict() gathers every parameter; the names are all that is needed
+            self._state = _named_state(model)
+        else:
+            self._state = model.state_dict(keep_vars=True)  # keeps every id() below alive
         self.tensors: Dict[str, torch.Tensor] = {}   # canonical name -> tensor, in order
         self.objects: Dict[str, Any] = {}             # non-tensor entries (extra state)
         self.aliases: Dict[str, str] = {}             # other name of a tied tensor -> canonical

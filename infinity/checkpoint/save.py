@@ -58,9 +58,11 @@ class _Writer:
               metadata: Optional[Dict[str, str]] = None) -> str:
         path = os.path.join(self.root, rel)
         os.makedirs(os.path.dirname(path), exist_ok=True)
+        chunks: List[int] = []
         size, crc = write_tensor_file(path, items, {"format": "pt", **(metadata or {})},
-                                      self.progress)
-        self.files[rel] = {"size": size, "crc32c": crc}
+                                      self.progress, chunks)
+        self.files[rel] = {"size": size, "crc32c": crc, "chunk_bytes": files_mod.CRC_CHUNK,
+                           "chunk_crc32c": chunks}
         return rel
 
 
@@ -333,8 +335,8 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim
             body["optimizer"] = _save_optimizer(out, optimizer, names, opt_names, opt_states) \
                 if optimizer is not None else None
             body["files"] = out.files
-            if not any("data_offset" in f for f in out.files.values()):
-                body["version"] = 1  # readable by infinity versions without reused extents
+            # the oldest version that reads it: 1 without reused extents, 2 with them
+            body["version"] = 2 if any("data_offset" in f for f in out.files.values()) else 1
             _write_manifest(tmp, body)
     except OSError as exc:
         if exc.errno in _FULL_DISK:

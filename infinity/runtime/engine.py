@@ -270,8 +270,9 @@ class Engine(Residence, OutsideWrites, HookHandlers):
             for dtype, entries in by_dtype.items():
                 key = f"block{index:04d}.{str(dtype).replace('torch.', '')}"
                 pad = self.partitioner.pad_multiple(dtype) if self.partitioner else 0
+                align = self.partitioner.slot_align() if self.partitioner else 0
                 flats.append(FlatParam(key, entries, dtype, self._compute_dtype(dtype),
-                                       self.device, pad))
+                                       self.device, pad, elem_align=align))
             for dtype, entries in frozen.items():
                 name = str(dtype).replace('torch.', '')
                 flats.append(QuantFlat(f"block{index:04d}.{fmt.name}.{name}", entries, dtype,

@@ -47,22 +47,39 @@ class ParamSlot:
     trainable: bool
 
 
+def _slot_offset(offset: int, numel: int, block: int, page: int,
+                 align: int = _ELEM_ALIGN) -> int:
+    """Where a parameter of ``numel`` elements starts after ``offset``: on an ``align``-element
+    boundary (16: SIMD-friendly; a quantized home's block size); with ``block`` (ZeRO: the 8-bit quantization block, a divisor of ``page``) a
+    parameter of at least ``block`` elements starts on a multiple of it, and a smaller one
+    never crosses a multiple of ``page`` (where ranks' parts are cut), so a cut never splits
+    a quantization block."""
+    at = _round_up(offset, align)
+    if not block:
+        return at
+    if numel >= block:
+        return _round_up(offset, block)
+    if numel and at // page != (at + numel - 1) // page:
+        return _round_up(at, page)
+    return at
+
+
 class FlatParam:
     def __init__(self, key: str, params: List[tuple], home_dtype: torch.dtype,
                  compute_dtype: torch.dtype, device: torch.device, pad_multiple: int = 0,
-                 align: int = _ELEM_ALIGN) -> None:
+                 align: int = _ELEM_ALIGN, elem_align: int = 0) -> None:
         self.key = key
         self.home_dtype = home_dtype
         self.compute_dtype = compute_dtype
         self.device = device
         self.slots: List[ParamSlot] = []
+        elems_per_page = max(1, inf_io.ALIGNMENT // torch.empty((), dtype=home_dtype).element_size())
         offset = 0
         for qualname, module, attr, param in params:
-            offset = _round_up(offset, align)
+            offset = _slot_offset(offset, param.numel(), elem_align, elems_per_page, align)
             self.slots.append(ParamSlot(qualname, module, attr, param, offset, param.numel(),
                                         param.shape, param.requires_grad))
             offset += param.numel()
-        elems_per_page = max(1, inf_io.ALIGNMENT // torch.empty((), dtype=home_dtype).element_size())
         multiple = pad_multiple or elems_per_page  # ZeRO: world * page (a Partitioner's)
         self.numel = max(_round_up(offset, multiple), multiple)
         self.used_numel = offset

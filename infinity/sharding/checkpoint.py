@@ -1,20 +1,22 @@
-"""Sharded checkpoints: one file per rank, each holding only that rank's part of every flat
-buffer (parameters, and the optimizer's fp32 master/moments and step counts), keyed by
-element ranges of the whole flat buffer. Loading on M ranks (any M, or one process) reads
-the ranges each rank needs from whichever files hold them: a checkpoint saved by N ranks
-resumes on M ranks without ever holding the whole model in one process.
+"""Checkpoints of sharded models, in the one checkpoint format (:mod:`infinity.checkpoint`):
+every rank writes the pieces of the parameters (and their optimizer states: fp32 master,
+moments, step counts) that lie in its part of every flat buffer, keyed by element ranges of
+each parameter (``infinity/checkpoint/ranks.py``); rank 0 merges the ranks' indexes into the
+manifest. Such a checkpoint loads on any number of ranks or in one process, and a
+single-process checkpoint loads on any number of ranks: each rank reads the ranges it owns.
 
-    infinity.sharding.save_sharded(path, model, opt)   # every rank; writes path/rank<k>-of-<N>.pt
-    infinity.sharding.load_sharded(path, model, opt)   # every rank, any world size
+    infinity.save_checkpoint(path, model, opt)   # every rank (calls save_sharded)
+    infinity.load_checkpoint(path, model, opt)   # every rank, any world size, or one process
 
-The save is atomic, as :func:`infinity.save_checkpoint` is: rank 0 creates a temporary
+The save is atomic, as a single-process one is: rank 0 creates a temporary
 sibling directory of ``path`` (its name agreed by an all-reduce), every rank writes and fsyncs
-its file there, rank 0 writes the manifest once every rank reported success and renames the
+its files there, rank 0 writes the manifest once every rank reported success and renames the
 directory into place (the previous checkpoint at ``path`` is kept aside until the rename is
 durable). A rank that fails or is killed mid-save leaves ``path`` as it was: the other ranks
 raise (or time out) and the temporary directory is removed, at the latest by the next save.
-With hybrid sharding only the first replica writes. Each rank's part is held in RAM while
-its file is written (1/N of the model and states).
+With hybrid sharding only the first replica writes. One flat's part (1/N of a block, with its
+states) is in RAM at a time. Checkpoints in the earlier per-rank ``rank<k>-of-<N>.pt`` format
+(``FORMAT`` below) still load, through :func:`load_sharded`.
 """
 from __future__ import annotations
 
@@ -46,23 +48,6 @@ def _rank_world(engine) -> Tuple[int, int]:
     return part.rank, part.world
 
 
-def _range(engine, flat) -> Tuple[int, int]:
-    part = engine.partitioner
-    if part is None:
-        return 0, flat.numel
-    local = part.local(flat)
-    return local.start, local.end
-
-
-def _home_values(engine, flat) -> torch.Tensor:
-    """This rank's part of the flat's home (no collective)."""
-    part = engine.partitioner
-    if part is not None and part.shards_params:
-        return engine.home.inner.snapshot(part.local(flat))
-    start, end = _range(engine, flat)
-    return engine.home.snapshot(flat)[start:end]
-
-
 def _atomic():
     """checkpoint.atomic, imported when used: infinity.checkpoint imports the runtime, which
     imports this package."""
@@ -87,39 +72,10 @@ def _first_replica(engine) -> bool:
     return dist.get_rank(group=part.groups.replicate) == 0
 
 
-def _rank_body(engine, optimizer) -> Dict[str, Any]:
-    """This rank's part of every flat: home values and, with ``optimizer``, its states."""
-    shards = {}
-    if optimizer is not None:
-        for shard in optimizer._shards.values():  # noqa: SLF001
-            optimizer._sync_user_writes(shard)  # noqa: SLF001
-            shards[id(getattr(shard.flat, "full", shard.flat))] = shard
-    body: Dict[str, Any] = {}
-    for flat in engine.flats:
-        start, end = _range(engine, flat)
-        entry: Dict[str, Any] = {"start": start, "end": end,
-                                 "home": _home_values(engine, flat).clone()}
-        shard = shards.get(id(flat))
-        buf = optimizer._read_committed(shard) if shard is not None else None  # noqa: SLF001
-        if buf is not None:
-            views = optimizer._stores[id(shard.engine)].views(shard, buf)  # noqa: SLF001
-            m, v = views.moments_fp32(shard.flat)
-            n = end - start
-            entry["master"] = views.master[:n].clone()
-            entry["exp_avg"] = m[:n].clone()
-            entry["exp_avg_sq"] = v[:n].clone()
-            full_index = [getattr(s, "full_index", i) for i, s in enumerate(shard.flat.slots)]
-            entry["steps"] = {full_index[i]: shard.steps[i]
-                              for i in range(len(shard.flat.slots))
-                              if shard.groups[i] is not None and shard.steps[i] > 0}
-        body[flat.key] = entry
-    return body
-
-
 def _write_durably(obj: Any, path: str) -> None:
-    torch.save(obj, path)
-    with open(path, "rb") as fh:
-        os.fsync(fh.fileno())
+    """The rank's index of its files, written last: the one place a rank's save ends."""
+    from ..checkpoint.ranks import write_index_json
+    write_index_json(obj, path)
 
 
 @torch.no_grad()
@@ -160,16 +116,10 @@ def save_sharded(path: str, model: nn.Module, optimizer: Optional[Any] = None, *
         if optimizer is not None:
             for e in optimizer._engines():  # noqa: SLF001
                 e.quiesce()
-        body = _rank_body(engine, optimizer)
         if writer:
-            extra: Dict[str, Any] = {}
-            if optimizer is not None:
-                extra["param_groups"] = [{k: v for k, v in g.items() if k != "params"}
-                                         for g in optimizer.param_groups]
-            if trainer:
-                extra["trainer"] = trainer
-            _write_durably({"flats": body, **extra},
-                           os.path.join(tmp, f"rank{rank}-of-{world}.pt"))
+            from ..checkpoint.ranks import write_rank_part
+            write_rank_part(tmp, model, optimizer, rank, world, trainer,
+                            lambda obj, p: _write_durably(obj, p))
             ok = 1.0
     except Exception as exc:  # noqa: BLE001 - the others must not commit without this file
         failure = exc
@@ -185,13 +135,8 @@ def save_sharded(path: str, model: nn.Module, optimizer: Optional[Any] = None, *
     committed = 0.0
     if lead:
         try:
-            manifest = {"format": FORMAT, "version": VERSION, "world": world,
-                        "files": [f"rank{r}-of-{world}.pt" for r in range(world)],
-                        "layout": _layout(engine), "optimizer": optimizer is not None}
-            with open(os.path.join(tmp, "manifest.json"), "w") as fh:
-                json.dump(manifest, fh)
-                fh.flush()
-                os.fsync(fh.fileno())
+            from ..checkpoint.ranks import merge_rank_parts
+            merge_rank_parts(tmp, world)
             atomic.commit_staging(tmp, path)
             committed = 1.0
         except Exception as exc:  # noqa: BLE001
@@ -260,12 +205,16 @@ def trainer_state(path: str, rank: int) -> Dict[str, Any]:
 
 @torch.no_grad()
 def load_sharded(path: str, model: nn.Module, optimizer: Optional[Any] = None) -> None:
-    """Loads a :func:`save_sharded` checkpoint saved by any number of ranks into this model
-    (and optimizer) on any number of ranks. Every rank reads the files that hold its ranges.
-    The model must have the same parameters (names, shapes, dtypes, blocks)."""
+    """Loads a checkpoint saved by any number of ranks (or one process) into this model (and
+    optimizer) on any number of ranks. Every rank reads the files that hold its ranges. In
+    the earlier per-rank format, the model must have the same blocks, too."""
     engine = engine_of(model)
     if engine is None:
         raise ValueError("infinity.sharding.load_sharded: the model is not wrapped by infinity")
+    if not is_sharded_checkpoint(path):  # the one format
+        from ..checkpoint.load import load_checkpoint
+        load_checkpoint(path, model, optimizer)
+        return
     path = _atomic().resolve(path)  # or the previous one, kept aside by a save that crashed
     mpath = os.path.join(path, "manifest.json")
     with open(mpath) as fh:
@@ -274,9 +223,17 @@ def load_sharded(path: str, model: nn.Module, optimizer: Optional[Any] = None) -
         raise ValueError(f"infinity.sharding.load_sharded: {path} is not a sharded infinity "
                          "checkpoint")
     mine = _layout(engine)
-    if manifest["layout"] != mine:
-        diff = sorted(k for k in set(mine) | set(manifest["layout"])
-                      if mine.get(k) != manifest["layout"].get(k))
+    saved_layout = manifest["layout"]
+
+    def params_of(entry: Optional[Dict[str, Any]]) -> Any:
+        # names, sizes and dtype; offsets may differ (slot alignment changed since)
+        if entry is None:
+            return None
+        return entry.get("dtype"), [(q, n) for q, _, n in entry.get("slots", [])]
+
+    diff = sorted(k for k in set(mine) | set(saved_layout)
+                  if params_of(mine.get(k)) != params_of(saved_layout.get(k)))
+    if diff:
         raise ValueError(f"infinity.sharding.load_sharded: the checkpoint's parameters differ "
                          f"from this model's in {diff[:3]} (other model, block_rule, "
                          "param_persistence_threshold or dtype): it cannot be loaded here. A "
@@ -299,20 +256,29 @@ def load_sharded(path: str, model: nn.Module, optimizer: Optional[Any] = None) -
         optimizer.discard_pending_step()
         for shard in optimizer._shards.values():  # noqa: SLF001
             shards[id(getattr(shard.flat, "full", shard.flat))] = shard
+
+    def saved_range(key: str, s: Any, i: int) -> Tuple[int, int]:
+        """Where slot ``s`` (index ``i``; a rank's piece or a whole slot) was saved."""
+        fi = getattr(s, "full_index", i)
+        at = saved_layout[key]["slots"][fi][1] + getattr(s, "param_start", 0)
+        return at, at + s.numel
+
     for flat in engine.flats:
-        start, end = _range(engine, flat)
-        home = _assemble(files, flat.key, "home", start, end, flat.home_dtype)
-        if part is not None and part.shards_params:
-            engine.home.inner.write_from(part.local(flat), home)
+        zero3 = part is not None and part.shards_params
+        target = part.local(flat) if zero3 else flat
+        home = torch.zeros(target.numel, dtype=flat.home_dtype)
+        for i, s in enumerate(target.slots):
+            home[s.offset:s.offset + s.numel].copy_(
+                _assemble(files, flat.key, "home", *saved_range(flat.key, s, i),
+                          flat.home_dtype))
+        if zero3:
+            engine.home.inner.write_from(target, home)
         else:
-            full = _assemble(files, flat.key, "home", 0, flat.numel, flat.home_dtype)
-            engine.home.write_from(flat, full)
+            engine.home.write_from(flat, home)
         engine.note_home_written(flat, range(len(flat.slots)))
         shard = shards.get(id(flat))
         if shard is None:
             continue
-        seg = {n: _assemble(files, flat.key, n, start, end, torch.float32)
-               for n in ("master", "exp_avg", "exp_avg_sq")}
         steps: Dict[int, int] = {}
         for f in files:
             steps.update(f["flats"][flat.key].get("steps", {}))
@@ -322,10 +288,10 @@ def load_sharded(path: str, model: nn.Module, optimizer: Optional[Any] = None) -
                 fi = getattr(s, "full_index", i)
                 if fi not in steps:
                     continue
-                sl = slice(s.offset, s.offset + s.numel)
-                by_param[id(s.param)] = {"step": steps[fi], "master": seg["master"][sl],
-                                         "exp_avg": seg["exp_avg"][sl],
-                                         "exp_avg_sq": seg["exp_avg_sq"][sl]}
+                lo, hi = saved_range(flat.key, s, i)
+                entry = {n: _assemble(files, flat.key, n, lo, hi, torch.float32)
+                         for n in ("master", "exp_avg", "exp_avg_sq")}
+                by_param[id(s.param)] = {"step": steps[fi], **entry}
         optimizer._load_shard(shard, by_param)  # noqa: SLF001
 
 

@@ -13,7 +13,8 @@ Stages (``shard=``):
 
 Every rank keeps part ``rank`` = elements ``[rank*n, (rank+1)*n)`` of each flat buffer, whose
 length is padded to a multiple of ``world * elements per 4 KiB page`` (every part is
-page-aligned for O_DIRECT). The engine calls in here at a few points (its own code is
+page-aligned for O_DIRECT). Parameters start on 8-bit quantization block boundaries
+(:meth:`Partitioner.slot_align`), so a cut never splits a block. The engine calls in here at a few points (its own code is
 unchanged without a partitioner); collectives run on the engine's thread, in the order the
 model runs its blocks, through :class:`~.collectives.Collectives`.
 """
@@ -25,6 +26,7 @@ from typing import Dict, List, Optional, Set
 import torch
 
 from .. import io as inf_io
+from ..ops.adam_compact import BLOCK_SIZE
 from ..runtime.flat import Binding, FlatParam
 from ..runtime.homes import Home
 from ..tiers import Tier
@@ -75,6 +77,14 @@ class Partitioner:
         """Flat buffers are padded to a multiple of this many elements."""
         itemsize = torch.empty((), dtype=dtype).element_size()
         return self.world * max(1, inf_io.ALIGNMENT // itemsize)
+
+    def slot_align(self) -> int:
+        """Each parameter starts at a multiple of this many elements of its flat buffer: the
+        8-bit quantization block. Parts are cut at multiples of a page of elements (a multiple
+        of it), so every cut falls on a block boundary of the parameter it splits: each rank's
+        piece quantizes in exactly the blocks one process would use, and 8-bit states give
+        the same numbers on any world size."""
+        return BLOCK_SIZE
 
     def _block_name(self, index: int) -> str:
         if 0 <= index < len(self.blocks):
