@@ -213,3 +213,77 @@ def test_stats_report_nvme_bytes_per_step_by_category(base, tmp_path):
     assert b["states_read"] > 0 and b["states_written"] > 0 and b["params_read"] > 0
     n = got["total"] / 4
     assert s["bytes_per_param"]["grads_written"] == pytest.approx(b["grads_written"] / n)
+
+
+_SMALL_POOL = r"""
+import copy, sys, tempfile, torch, infinity
+sys.path.insert(0, "tests")
+from test_optim import _train
+from infinity.models import GPTConfig, TinyGPT
+torch.manual_seed(0)
+base = TinyGPT(GPTConfig(vocab_size=64, d_model=32, n_layers=6, n_heads=2, max_seq=16))
+out = {}
+for name, overlap, keep in (("ref", False, True), ("keep", True, True), ("auto", True, "auto")):
+    with tempfile.TemporaryDirectory() as d:
+        model = infinity.wrap(copy.deepcopy(base), nvme_path=d, param_tier="nvme",
+                              grad_tier="nvme", optimizer_tier="nvme", prefetch_window=0)
+        opt = infinity.optim.AdamW(model.parameters(), lr=1e-3, overlap=overlap,
+                                   keep_grads=keep)
+        losses = _train(model, opt, 6)
+        out[name] = (losses, [p.detach().clone() for p in model.parameters()],
+                     opt._overlap.unwritten_total)
+        opt.close()
+        infinity.unwrap(model)
+for name in ("keep", "auto"):
+    assert out[name][0] == out["ref"][0], name
+    assert all(torch.equal(a, b) for a, b in zip(out[name][1], out["ref"][1])), name
+assert out["auto"][2] > 0
+print("ok")
+"""
+
+
+def test_two_gradient_buffers_backward_waits_for_the_worker_and_stays_exact():
+    """prefetch_window=0: the NVMe gradient pool has its minimum of 2 buffers, fewer than the
+    blocks whose gradients the worker has yet to step, so backward waits for the worker to
+    hand buffers back (never deadlocks), and the result is unchanged. In a subprocess with
+    a timeout, so a hang fails the test instead of the run."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", _SMALL_POOL], cwd=root, capture_output=True,
+                       text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": root + os.pathsep +
+                            os.environ.get("PYTHONPATH", "")})
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("chunk", [16 << 10, 64 << 10])
+def test_blocks_larger_than_a_chunk_keep_the_chunks_still_in_ram(base, tmp_path, chunk):
+    """chunk_bytes below a block's gradients: they are accumulated chunk by chunk; the chunks
+    still in RAM when the block's backward ends (as many as leave two pool buffers) go to
+    the update from RAM, the others were written and are read back. Bitwise either way."""
+    def run(name, overlap, keep):
+        model = _wrap(base, tmp_path / name, chunk_bytes=chunk)
+        opt = infinity.optim.AdamW(model.parameters(), lr=1e-3, overlap=overlap,
+                                   keep_grads=keep)
+        steps = []
+        opt.register_step_post_hook(lambda *_a, **_k: steps.append(_per_step(model)))
+        losses = _train(model, opt, STEPS)
+        out = (losses, _snapshot(opt, model), steps, opt._overlap.unwritten_total)
+        opt.close()
+        infinity.unwrap(model)
+        return out
+
+    ref = run("ref", False, True)
+    keep = run("keep", True, True)
+    auto = run("auto", True, "auto")
+    for got in (keep, auto):
+        assert got[0] == ref[0]
+        _assert_same(got[1], ref[1])
+    total = ref[2][-1]["bytes"]
+    assert total["grads_read"] == total["grads_written"] > 0
+    assert keep[2][-1]["bytes"]["grads_read"] < total["grads_read"]   # chunks served from RAM
+    assert keep[2][-1]["bytes"]["grads_written"] == total["grads_written"]
+    assert auto[3] > 0
+    assert auto[2][-1]["bytes"]["grads_written"] < total["grads_written"]  # chunks not written

@@ -243,7 +243,7 @@ class BackwardOverlap:
         writes them to NVMe too unless this backward skips the writes)."""
         st = self._engines.get(id(engine))
         opt = self._opt()
-        if st is None or not st.armed or opt is None or not engine.grads.fits_one_buffer(flat):
+        if st is None or not st.armed or opt is None:
             return False
         shard = opt._shards.get(id(flat))
         worker = self._workers.get(id(engine))
@@ -307,7 +307,7 @@ class BackwardOverlap:
             return
         runs = opt._runs(shard)
         norms = engine.grads.slot_norms(flat)
-        held = engine.grads.in_ram(flat) is not None
+        held = engine.grads.holds(flat)
         if not runs or norms is None:
             if held:  # (not reached: takes_in_ram asked for the same runs)
                 engine.grads.release_held(flat)

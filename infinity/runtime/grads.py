@@ -32,12 +32,15 @@ taken back if changed). Before the next accumulation :meth:`GradientSink.reconci
 the user did to them: ``None`` (``zero_grad``) forgets the slot, another tensor replaces it.
 NVMe-tier gradients are not exposed (``p.grad`` stays None; a torch optimizer refuses to step).
 
-Kept in RAM (NVMe tier): a flat that fits one buffer may be closed with ``keep_in_ram=True``
-when an optimizer step overlapping backward takes its gradients from RAM (see
-:mod:`infinity.optim.overlap`): nothing is written to the swap file; the buffer stays the
-flat's ``flat.grad`` until the optimizer's worker thread hands it back
-(:meth:`GradientSink.release_held`), and the gradient is then gone (``written`` is False until
-``zero_grad``). Anything that would read it later (a step that has to be redone, ``p.grad``,
+Kept in RAM (NVMe tier): a flat may be closed with ``keep_in_ram=True`` when an optimizer
+step overlapping backward takes its gradients from RAM (see :mod:`infinity.optim.overlap`).
+A flat in one buffer keeps it as ``flat.grad``; a larger flat keeps the chunks still in RAM
+at its close (as many as leave two buffers of the pool to the rest of backward; the others
+are on NVMe already) and :meth:`GradientSink.read_range` copies those from RAM. The buffers
+stay out of the pool until the optimizer's worker thread hands them back
+(:meth:`GradientSink.release_held`); backward waits for that when the pool runs out. With
+``write=False`` what is kept is not written to the swap file, and it is then gone once
+handed back (``written`` is False until ``zero_grad``). Anything that would read it later (a step that has to be redone, ``p.grad``,
 a second micro-batch accumulating onto it) gets a clear error instead of the stale file:
 ``p.grad`` of fp32 parameters is a placeholder that raises when used.
 """
@@ -116,6 +119,20 @@ def gone_gradient(shape: torch.Size, why: str) -> torch.Tensor:
     return g
 
 
+class _Gathered:
+    """The reads of a range some of whose chunks were copied from RAM: waits for the rest."""
+
+    def __init__(self, futures: List[IOResult]) -> None:
+        self._futures = futures
+
+    def done(self) -> bool:
+        return all(f.done() for f in self._futures)
+
+    def wait(self) -> None:
+        for f in self._futures:
+            f.wait()
+
+
 class GradientWriteError(OSError):
     """Writing a block's gradients to NVMe failed: those gradients are lost."""
 
@@ -185,7 +202,9 @@ class GradientSink:
         # kept in RAM for an optimizer's worker (id(flat) -> flat, buffer), the ones it handed
         # back (taken by the engine's thread in _reclaim), and flats whose gradients of this
         # accumulation were never written (id(flat) -> why they are not on NVMe)
-        self._held: Dict[int, Tuple[FlatParam, torch.Tensor]] = {}
+        self._held: Dict[int, Tuple[FlatParam, List[torch.Tensor]]] = {}
+        self._held_chunks: Dict[int, Dict[int, torch.Tensor]] = {}  # chunked flats: k -> buf
+        self._holding_now = 0  # chunks of the flat being closed, kept (not yet handed over)
         self._returned: List[int] = []
         self._returned_cond = threading.Condition()
         self._unwritten: Dict[int, str] = {}
@@ -321,15 +340,19 @@ class GradientSink:
             return
         if id(flat) in self._open or id(flat) in self._chunked:
             return
-        if flat.numel * 4 > self.pool.nbytes:
-            self._open_chunked(flat)
-            return
+        self._reclaim()
+        # a flat kept in RAM for the optimizer reopens (it was handed back, or its block runs
+        # again in this backward): its reads come from the file again
+        self._held_chunks.pop(id(flat), None)
         if any(flat.grad_ready) and id(flat) in self._unwritten:
             # the sum so far was taken from RAM by the step overlapping backward and never
             # written: it cannot be accumulated onto (the step refuses, naming it)
             self._lose_unwritten(flat, "a backward accumulated onto them after the step "
                                        "overlapping the previous backward took them from RAM "
                                        "without writing them to NVMe")
+        if flat.numel * 4 > self.pool.nbytes:
+            self._open_chunked(flat)
+            return
         buf = self._acquire_buffer()
         view = buf[:flat.numel * 4].view(torch.float32)
         if any(flat.grad_ready):  # accumulating across micro-batches: bring back the sum so far
@@ -373,23 +396,22 @@ class GradientSink:
         return self.pool.acquire()
 
     def _free_count(self) -> int:
-        held = sum(1 for _f, buf in self._held.values()
+        held = sum(1 for _f, bufs in self._held.values() for buf in bufs
                    if not any(w[1] is buf for w in self._writes))  # not counted twice
         return (self.pool.count - len(self._open) - len(self._open_chunks)
-                - len(self._writes) - len(self._ahead) - held)
+                - len(self._writes) - len(self._ahead) - held - self._holding_now)
 
     # ---- gradients kept in RAM for an optimizer step overlapping backward ---------------
-    def fits_one_buffer(self, flat: FlatParam) -> bool:
-        """NVMe tier: whether the flat's gradients are accumulated in one pool buffer (only
-        those can be kept in RAM at close)."""
-        return self.pool is not None and flat.numel * 4 <= self.pool.nbytes
-
     def release_held(self, flat: FlatParam) -> None:
         """The optimizer's worker is done with a flat kept in RAM (called from its thread):
-        the buffer goes back to the pool at the engine thread's next :meth:`_reclaim`."""
+        its buffers go back to the pool at the engine thread's next :meth:`_reclaim`."""
         with self._returned_cond:
             self._returned.append(id(flat))
             self._returned_cond.notify_all()
+
+    def holds(self, flat: FlatParam) -> bool:
+        """Whether some of the flat's gradients are kept in RAM for the optimizer."""
+        return id(flat) in self._held
 
     def _reclaim(self, wait: bool = False) -> None:
         """Buffers of flats kept in RAM that the optimizer handed back return to the pool
@@ -400,16 +422,22 @@ class GradientSink:
             returned, self._returned = self._returned, []
         for fid in returned:
             held = self._held.pop(fid, None)
+            self._held_chunks.pop(fid, None)
             if held is None:
                 continue
-            flat, buf = held
-            if flat.grad is not None and flat.grad.data_ptr() == buf.data_ptr():
-                flat.grad = None
-            if not any(w[1] is buf for w in self._writes):  # else given back by _reap
-                self.pool.release(buf)
+            flat, bufs = held
+            for buf in bufs:
+                if flat.grad is not None and flat.grad.data_ptr() == buf.data_ptr():
+                    flat.grad = None
+                if not any(w[1] is buf for w in self._writes):  # else given back by _reap
+                    self.pool.release(buf)
+
+    def _hold(self, flat: FlatParam, bufs: List[torch.Tensor]) -> None:
+        before = self._held.get(id(flat))
+        self._held[id(flat)] = (flat, (before[1] if before is not None else []) + bufs)
 
     def _holds(self, buf: torch.Tensor) -> bool:
-        return any(h[1] is buf for h in self._held.values())
+        return any(b is buf for h in self._held.values() for b in h[1])
 
     def written(self, flat: FlatParam) -> bool:
         """False when the flat's gradients of this accumulation were kept in RAM for the
@@ -593,6 +621,20 @@ class GradientSink:
     def _write_chunk(self, flat: FlatParam, k: int, buf: torch.Tensor) -> None:
         """Zeroes what no gradient reached in the chunk (gaps, padding, slots without one)
         and hands it to the writer thread; the buffer returns to the pool once written."""
+        self._zero_gaps(flat, k, buf)
+        self._submit_chunk(flat, k, buf)
+
+    def _submit_chunk(self, flat: FlatParam, k: int, buf: torch.Tensor) -> None:
+        start, end = self._chunk_span(flat, k)
+        view = buf[:(end - start) * 4].view(torch.float32)
+        future = _PendingWrite(self._writer.submit(self.store.write_at, grad_key(flat),
+                                                   start * 4, view))
+        self.stats.add_moved("host_to_nvme", (end - start) * 4, "grads")
+        self._writes.append((future, buf, flat, k))
+        self._valid.setdefault(id(flat), set()).add(k)
+
+    def _zero_gaps(self, flat: FlatParam, k: int, buf: torch.Tensor) -> None:
+        """Zeroes what no gradient reached in chunk ``k`` (gaps, padding, slots without one)."""
         start, end = self._chunk_span(flat, k)
         view = buf[:(end - start) * 4].view(torch.float32)
         pos = start
@@ -612,28 +654,37 @@ class GradientSink:
             pos = max(pos, b)
         if pos < end:
             view[pos - start:].zero_()
-        future = _PendingWrite(self._writer.submit(self.store.write_at, grad_key(flat),
-                                                   start * 4, view))
-        self.stats.add_moved("host_to_nvme", (end - start) * 4, "grads")
-        self._writes.append((future, buf, flat, k))
-        self._valid.setdefault(id(flat), set()).add(k)
 
-    def _close_chunked(self, flat: FlatParam) -> None:
+    def _close_chunked(self, flat: FlatParam, keep_in_ram: bool = False,
+                       write: bool = True) -> None:
         """Writes the flat's open chunks, and every chunk whose file does not hold this
         accumulation's sums yet (zeros where no gradient landed: the bytes a whole-flat
-        buffer would have written), then records the slots' norms."""
+        buffer would have written), then records the slots' norms. ``keep_in_ram``: the
+        chunks still in RAM are kept for the optimizer (as many as leave two buffers of the
+        pool to the others), and not written unless ``write`` (or their norms are unknown);
+        :meth:`read_range` serves them from RAM."""
         self._drain_d2h()
         self._drop_ahead(flat)
         fid = id(flat)
         count = -(-flat.numel // self._chunk_elems)
         stale = self._stale.pop(fid, set())
-        for k in range(count):
-            held = self._open_chunks.pop((fid, k), None)
-            if held is None and (k in stale or k not in self._valid.get(fid, ())):
-                self._chunk(flat, k)
-                held = self._open_chunks.pop((fid, k))
-            if held is not None:
-                self._write_chunk(flat, k, held[1])
+        kept: Dict[int, torch.Tensor] = {}
+        try:
+            for k in range(count):
+                held = self._open_chunks.pop((fid, k), None)
+                if held is None and (k in stale or k not in self._valid.get(fid, ())):
+                    self._chunk(flat, k)
+                    held = self._open_chunks.pop((fid, k))
+                if held is None:
+                    continue
+                if keep_in_ram and self._holding_now < self.pool.count - 2:
+                    self._zero_gaps(flat, k, held[1])
+                    kept[k] = held[1]
+                    self._holding_now += 1
+                else:
+                    self._write_chunk(flat, k, held[1])
+        finally:
+            self._holding_now -= len(kept)
         del self._chunked[fid]
         pending = self._pending_norms.pop(fid, None) or [_UNTOUCHED] * len(flat.slots)
         previous = self._norms.get(fid)
@@ -654,6 +705,18 @@ class GradientSink:
             self._finite[fid] = True
         else:  # a non-finite norm may be an overflow of finite values: read them to check
             self._finite.pop(fid, None)
+        if not kept:
+            self._unwritten.pop(fid, None)
+            return
+        self._hold(flat, list(kept.values()))
+        self._held_chunks[fid] = kept
+        if write or norms is None:  # unknown norms: the optimizer reads them back
+            for k, buf in kept.items():
+                self._submit_chunk(flat, k, buf)
+            self._unwritten.pop(fid, None)
+        else:
+            self._unwritten[fid] = ("taken from RAM by the optimizer step overlapping backward "
+                                    "and not written to NVMe")
 
     def _reap(self, *, block: bool, count: Optional[int] = None) -> None:
         """Collects finished gradient writes. A failed write gives its buffer back, marks the
@@ -686,19 +749,17 @@ class GradientSink:
 
     def close(self, flat: FlatParam, *, keep_in_ram: bool = False, write: bool = True) -> None:
         """The flat's gradients for this backward are complete (NVMe: start writing them).
-        ``keep_in_ram``: also keep them in their buffer for the optimizer until it hands them
-        back (:meth:`release_held`); with ``write=False`` they are not written at all (see
-        the module docstring). Only for a flat that :meth:`fits_one_buffer`."""
+        ``keep_in_ram``: also keep them in their buffer(s) for the optimizer until it hands
+        them back (:meth:`release_held`); with ``write=False`` they are not written at all
+        (see the module docstring). A flat larger than one buffer keeps the chunks still in
+        RAM (the others are on NVMe already)."""
         if self.tier is Tier.HOST or (id(flat) not in self._open
                                       and id(flat) not in self._chunked):
             return
-        if keep_in_ram and id(flat) in self._chunked:
-            raise RuntimeError(f"infinity: {flat.key}: only gradients held in one buffer can "
-                               "be kept in RAM (a bug in the caller)")
         t0 = time.perf_counter()
         with self._timed():
             if id(flat) in self._chunked:
-                self._close_chunked(flat)
+                self._close_chunked(flat, keep_in_ram, write)
             else:
                 self._close(flat, keep_in_ram, write)
         trace_events.span("grad_write", flat.key, flat.numel * 4, t0)
@@ -732,7 +793,7 @@ class GradientSink:
         self._finite[id(flat)] = (all(n is None or bool(torch.isfinite(n)) for n in norms)
                                   or all_finite(flat.grad))
         if keep_in_ram:  # flat.grad stays the buffer until the optimizer hands it back
-            self._held[id(flat)] = (flat, buf)
+            self._hold(flat, [buf])
             if not write:
                 self._unwritten[id(flat)] = ("taken from RAM by the optimizer step overlapping "
                                              "backward and not written to NVMe")
@@ -926,6 +987,8 @@ class GradientSink:
         """Starts reading the flat's accumulated gradients (NVMe tier) into ``dst``."""
         if self.tier is not Tier.NVME:
             raise RuntimeError("gradients are in host RAM: use flat.grad")
+        if id(flat) in self._held_chunks:
+            return self.read_range(flat, 0, flat.numel, dst[:flat.numel])
         if id(flat) in self._unwritten:
             raise self._not_kept(flat, "the optimizer needed to read")
         future = self.store.read(grad_key(flat), dst)
@@ -948,16 +1011,53 @@ class GradientSink:
         if dst.dtype != torch.float32 or dst.numel() != end - start:
             raise ValueError(f"infinity: read_range of {flat.key} [{start}, {end}) needs an fp32 "
                              f"buffer of {end - start} elements, got {dst.dtype} x {dst.numel()}")
+        kept = self._held_chunks.get(id(flat))
+        if kept is not None:  # chunks kept in RAM are copied, the others read
+            futures = []
+            for a, b, buf in self._chunk_parts(flat, start, end, kept):
+                part = dst[a - start:b - start]
+                if buf is not None:
+                    k0 = a // self._chunk_elems * self._chunk_elems
+                    part.copy_(buf[(a - k0) * 4:(b - k0) * 4].view(torch.float32))
+                else:  # written (evicted during backward, or at close)
+                    futures.append(self.store.read_at(grad_key(flat), a * 4, part))
+                    self.stats.add_moved("nvme_to_host", (b - a) * 4, "grads")
+            return _Gathered(futures)
         if id(flat) in self._unwritten:
             raise self._not_kept(flat, "the optimizer needed to read")
         future = self.store.read_at(grad_key(flat), start * 4, dst)
         self.stats.add_moved("nvme_to_host", (end - start) * 4, "grads")
         return future
 
+    def _chunk_parts(self, flat: FlatParam, start: int, end: int,
+                     kept: Dict[int, torch.Tensor]) -> List[Tuple[int, int, Optional[torch.Tensor]]]:
+        """[start, end) cut at chunk edges: (a, b, the kept chunk's buffer or None), runs of
+        chunks on NVMe merged."""
+        per = self._chunk_elems
+        out: List[Tuple[int, int, Optional[torch.Tensor]]] = []
+        a = start
+        while a < end:
+            k = a // per
+            b = min(end, (k + 1) * per)
+            buf = kept.get(k)
+            if buf is None and out and out[-1][2] is None and out[-1][1] == a:
+                out[-1] = (out[-1][0], b, None)
+            else:
+                out.append((a, b, buf))
+            a = b
+        return out
+
     def verify_range(self, flat: FlatParam, start: int, dst: torch.Tensor) -> None:
         """Checks a completed :meth:`read_range` from ``start`` into ``dst`` (each chunk
-        against its checksum; a corrupted one is named)."""
-        self.store.verify_read_at(grad_key(flat), start * 4, dst)
+        against its checksum; a corrupted one is named; chunks served from RAM are not
+        checked)."""
+        kept = self._held_chunks.get(id(flat))
+        if kept is None:
+            self.store.verify_read_at(grad_key(flat), start * 4, dst)
+            return
+        for a, b, buf in self._chunk_parts(flat, start, start + dst.numel(), kept):
+            if buf is None:
+                self.store.verify_read_at(grad_key(flat), a * 4, dst[a - start:b - start])
 
     def wait_written(self, flat: FlatParam) -> None:
         """Waits until the flat's gradients closed in this backward are written (NVMe tier; a
@@ -982,6 +1082,9 @@ class GradientSink:
         return self._norms.get(id(flat))
 
     def verify(self, flat: FlatParam, dst: torch.Tensor) -> None:
+        if id(flat) in self._held_chunks:
+            self.verify_range(flat, 0, dst[:flat.numel])
+            return
         self.store.verify_read(grad_key(flat), dst)
 
     def gradient(self, flat: FlatParam, index: int) -> Optional[torch.Tensor]:
