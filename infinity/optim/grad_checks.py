@@ -173,6 +173,5 @@ class GradientChecks:
             why = shard.engine.grads.lost(shard.flat)
             if why is not None:
                 raise RuntimeError(
-                    f"infinity.optim: the gradients of {shard.key} were lost when writing them "
-                    f"to NVMe failed ({why}); no step was taken. Call zero_grad() and run the "
-                    "backward of this batch again")
+                    f"infinity.optim: the gradients of {shard.key} were lost: {why}; no step "
+                    "was taken. Call zero_grad() and run the backward of this batch again")

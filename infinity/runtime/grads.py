@@ -453,7 +453,8 @@ class GradientSink:
             "for the infinity optimizer")
 
     def _lose_unwritten(self, flat: FlatParam, why: str) -> None:
-        self._lost[id(flat)] = f"{self._unwritten.pop(id(flat))}, and {why}"
+        self._lost[id(flat)] = (f"they were {self._unwritten.pop(id(flat))}, and {why} "
+                                "(keep_grads=True, the default, keeps them on NVMe)")
         flat.grad_ready = [False] * len(flat.slots)
 
     def mark_lost(self, flat: FlatParam, why: str) -> None:
@@ -729,7 +730,7 @@ class GradientSink:
                 try:
                     future.wait()
                 except Exception as exc:  # noqa: BLE001 - reported below, once
-                    self._lost[id(flat)] = str(exc)
+                    self._lost[id(flat)] = f"writing them to NVMe failed ({exc})"
                     flat.grad_ready = [False] * len(flat.slots)
                     self._valid.pop(id(flat), None)
                     failure = failure or GradientWriteError(
@@ -825,7 +826,8 @@ class GradientSink:
             logger.warning("%s", exc)
 
     def lost(self, flat: FlatParam) -> Optional[str]:
-        """Why the flat's gradients were lost (a failed NVMe write), or None."""
+        """Why the flat's gradients were lost (a failed NVMe write, or gradients stepped from
+        RAM without being written whose update was undone), or None."""
         return self._lost.get(id(flat))
 
     # ---- p.grad outside backward (host tier) -----------------------------------------
