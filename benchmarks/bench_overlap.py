@@ -10,7 +10,9 @@ finishes what is left and checks that every kept update is exactly the step's). 
 benchmark times backward alone and the step alone (the first model) and backward + step (the
 second); after the warm-up steps (auto arms from the third step) medians over ``--steps``.
 Target: backward + step <= 1.15 x max(backward alone, step alone). At the end the states and
-weights of both models are compared bit for bit. Results: benchmarks/results/bench_overlap.json.
+weights of both models are compared bit for bit. Per step the NVMe bytes of each run are
+recorded by category (``infinity.stats(model)["nvme_per_step"]``); ``--keep-grads auto`` lets
+the overlapped run skip its gradient writes. Results: benchmarks/results/bench_overlap.json.
 """
 from __future__ import annotations
 
@@ -63,6 +65,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                     "64: backward about as long as the step here, the hardest case to hide)")
     ap.add_argument("--steps", type=int, default=7, help="timed steps after the warm-up")
     ap.add_argument("--quick", action="store_true", help="4 x Linear(512, 512), 3 timed steps")
+    ap.add_argument("--keep-grads", choices=("true", "auto"), default="true",
+                    help="the overlapped optimizer's keep_grads: true (default: gradients "
+                    "written to NVMe too) or auto (writes skipped once the loop needs none "
+                    "after backward)")
+    ap.add_argument("--clip", type=float, default=None,
+                    help="both runs call opt.clip_grad_norm_(CLIP) before each step (a small "
+                    "value clips every step, a large one never does)")
     ap.add_argument("--nvme-path", default=None)
     ap.add_argument("--json", default=os.path.join(HERE, "results", "bench_overlap.json"))
     args = ap.parse_args(argv)
@@ -81,6 +90,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     rows: List[Dict[str, float]] = []
     with tempfile.TemporaryDirectory(dir=args.nvme_path or "/tmp", prefix="bench-ovl-") as d:
         runs = {}
+        keep = True if args.keep_grads == "true" else "auto"
         for name, mode in (("serial", False), ("overlap", "auto")):
             path = os.path.join(d, name)
             os.mkdir(path)
@@ -88,7 +98,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             infinity.wrap(model, nvme_path=path, param_tier="nvme", grad_tier="nvme",
                           optimizer_tier="nvme")
             runs[name] = (model, infinity.optim.AdamW(model.parameters(), lr=1e-4,
-                                                      overlap=mode))
+                                                      overlap=mode, keep_grads=keep))
         for i, x in enumerate(batches):
             row: Dict[str, float] = {}
             for name, (model, opt) in runs.items():
@@ -96,6 +106,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                 t0 = time.perf_counter()
                 loss.backward()
                 t1 = time.perf_counter()
+                if args.clip is not None:
+                    row[f"{name}_clip_coef"] = min(1.0, args.clip / (float(
+                        opt.clip_grad_norm_(args.clip)) + 1e-6))
                 opt.step()
                 t2 = time.perf_counter()
                 opt.zero_grad()
@@ -103,6 +116,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                 row[f"{name}_step_s"] = t2 - t1
                 row[f"{name}_loss"] = loss.item()
                 row[f"{name}_kept"] = opt.last_step_stats.overlapped_shards
+                nvme = infinity.stats(model)["nvme_per_step"]
+                for k, v in nvme["bytes"].items():
+                    row[f"{name}_nvme_{k}"] = v
             row["backward_s"] = row["serial_backward_s"]
             row["step_s"] = row["serial_step_s"]
             row["overlapped_s"] = row["overlap_backward_s"] + row["overlap_step_s"]
@@ -135,7 +151,17 @@ def main(argv: Optional[List[str]] = None) -> int:
               "serial_sum_s": med("backward_s") + med("step_s"),
               "ratio_vs_max": med("ratio"),
               "kept_shards_per_step": med("overlap_kept"),
-              "shards": args.layers, "bitwise_equal": bool(equal), "rows": rows}
+              "shards": args.layers, "bitwise_equal": bool(equal), "keep_grads": keep,
+              "clip": args.clip,
+              "clipped_steps": sum(1 for r in rows if r.get("serial_clip_coef", 1.0) < 1.0),
+              "nvme_per_step": {name: {k[len(name) + 6:]: med(k) for k in rows[0]
+                                       if k.startswith(f"{name}_nvme_")}
+                                for name in ("serial", "overlap")},
+              "rows": rows}
+    for name, cats in result["nvme_per_step"].items():
+        written = sum(v for k, v in cats.items() if k.endswith("_written"))
+        cats["bytes_per_param"] = {k: v / n_params for k, v in list(cats.items())}
+        cats["tb_written_per_1000_steps"] = written * 1000 / 1e12
     print(f"backward alone {result['backward_s']:.3f} s, step alone {result['step_s']:.3f} s, "
           f"serial sum {result['serial_sum_s']:.3f} s")
     print(f"overlapped: backward {result['overlapped_backward_s']:.3f} s + step "
@@ -143,6 +169,11 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"{result['ratio_vs_max']:.2f}x max(backward, step) (target <= 1.15x); "
           f"{result['kept_shards_per_step']:.0f} of {args.layers} block updates kept per step; "
           f"bitwise equal: {equal}")
+    for name, cats in result["nvme_per_step"].items():
+        per = cats["bytes_per_param"]
+        print(f"NVMe bytes per parameter and step, {name}: " + ", ".join(
+            f"{k} {v:.2f}" for k, v in per.items() if v) +
+            f"; SSD wear {cats['tb_written_per_1000_steps']:.3f} TB per 1,000 steps")
     _common.write_json(args.json, result)
     return 0 if equal else 1
 

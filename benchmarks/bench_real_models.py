@@ -157,7 +157,7 @@ _CHILD = textwrap.dedent(r"""
         states = {"default": "8bit", model.get_input_embeddings(): "8bit",
                   model.get_output_embeddings(): "8bit"}
     opt = infinity.optim.AdamW(model.parameters(), lr=1e-5, states=states,
-                               overlap=args["overlap"])
+                               overlap=args["overlap"], keep_grads=args["keep_grads"])
     opt_s = time.perf_counter() - t0
     steps = []
     infinity.stats(model, reset=True)
@@ -172,6 +172,7 @@ _CHILD = textwrap.dedent(r"""
         s = infinity.stats(model, reset=True)
         steps.append({"loss": loss.item(), "forward_backward_s": t1 - t0, "step_s": t2 - t1,
                       "moved": s.get("moved"), "nvme_written": s["nvme_bytes_written"]["last_step"],
+                      "nvme_per_step": s["nvme_per_step"],
                       "host": s["tiers"]["host"], "device": s["tiers"]["device"],
                       "stall_s": s["stall_seconds"], "VmHWM": status("VmHWM"),
                       "peak_rss_anon_sampled": sampler.anon,
@@ -217,7 +218,7 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--quick", action="store_true", help="the 'quick' config, 2 steps (CI)")
     p.add_argument("--layers", type=int, default=None, help="keep the first N layers")
     p.add_argument("--vocab", type=int, default=None, help="change the vocabulary size")
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=None, help="steps (default 3; 2 with --quick)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--budget", default="4GiB", help="host_budget (e.g. 4GiB)")
@@ -231,6 +232,9 @@ def main(argv: Optional[list] = None) -> int:
                    help="everything on NVMe, or the planner's placement for the budget")
     p.add_argument("--overlap", default="auto", choices=("auto", "on", "off"),
                    help="the optimizer's update overlapping backward")
+    p.add_argument("--keep-grads", default="true", choices=("true", "auto"),
+                   help="the optimizer's keep_grads (auto: gradient writes skipped where the "
+                   "step overlapping backward takes them from RAM and nothing needs them)")
     p.add_argument("--nvme-path", default=None, help="swap directory (default: temp dir)")
     p.add_argument("--tiled-head", action="store_true",
                    help="wrap with tiled_head=True (the LM head and loss in vocabulary tiles)")
@@ -244,7 +248,7 @@ def main(argv: Optional[list] = None) -> int:
         config["num_hidden_layers"] = args.layers
     if args.vocab is not None:
         config["vocab_size"] = args.vocab
-    steps = 2 if args.quick else args.steps
+    steps = args.steps if args.steps is not None else (2 if args.quick else 3)
     seq = 32 if args.quick else args.seq
     budget = parse_size("256MiB" if args.quick and args.budget == "4GiB" else args.budget)
     chunk = parse_size(args.chunk) if args.chunk else None
@@ -255,6 +259,7 @@ def main(argv: Optional[list] = None) -> int:
                "chunk": chunk, "states": args.states, "steps": steps, "nvme": swap_dir,
                "weights": args.weights, "compute": args.compute,
                "overlap": {"auto": "auto", "on": True, "off": False}[args.overlap],
+               "keep_grads": True if args.keep_grads == "true" else "auto",
                "tiers": args.tiers, "tiled_head": args.tiled_head,
                "whole_embedding": args.whole_embedding}
     try:
@@ -275,6 +280,7 @@ def main(argv: Optional[list] = None) -> int:
         "states": args.states, "weights": args.weights, "compute_dtype": args.compute,
         "host_budget": budget, "chunk_bytes": chunk, "overlap": args.overlap,
         "tiled_head": args.tiled_head, "embedding_rows": not args.whole_embedding,
+        "keep_grads": args.keep_grads,
         "rss_before_wrap": run["base"], "peak_rss": run["peak"], "bound": bound,
         "within_bound": run["peak"] <= bound, "peak_over_base": run["peak"] - run["base"],
         "swap_bytes": run["swap"], "swap_bytes_total": swap_total,
@@ -297,6 +303,10 @@ def main(argv: Optional[list] = None) -> int:
         print(f"step {i}: loss {s['loss']:.4f}  fwd+bwd {s['forward_backward_s']:.1f} s  "
               f"opt {s['step_s']:.1f} s  NVMe written {s['nvme_written'] / GIB:.2f} GiB  "
               f"VmHWM {s['VmHWM'] / GIB:.2f} GiB")
+        per = s["nvme_per_step"]["bytes_per_param"]
+        print("  NVMe B/param: " + ", ".join(f"{k} {v:.2f}" for k, v in per.items() if v)
+              + f"; SSD wear {s['nvme_per_step']['tb_written_per_1000_steps']:.3f} TB per "
+              "1,000 steps")
     print(f"eval loss after training: {run['eval_loss']:.4f}")
     out = args.out or os.path.join(
         HERE, "results", "bench_real_models_quick.json" if args.quick else

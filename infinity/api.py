@@ -113,7 +113,12 @@ def stats(model: nn.Module, *, reset: bool = False) -> Dict[str, Any]:
     (forward+backward outside the engine's hooks), ``fetch_wait``, ``grad_offload``, ``engine``
     (the rest of the hooks), ``transfer_cpu`` (transfer threads' CPU time) and the optimizer
     (``cpu_adam``, ``nvme_wait``, ``nvme_busy``, ``total``); ``nvme_bytes_written``: bytes written
-    to NVMe in the last optimizer step and in all steps (SSD wear). ``reset=True`` starts a new
+    to NVMe in the last optimizer step and in all steps (SSD wear); ``nvme_per_step``: the last
+    optimizer step's NVMe bytes by category (``params_read``, ``params_written``,
+    ``grads_read``, ``grads_written``, ``states_read``, ``states_written``,
+    ``activations_read``, ``activations_written``; each period ends at an optimizer step, so
+    the forward and backward before a step count in it), the same per parameter of the
+    model, and ``tb_written_per_1000_steps`` (SSD wear). ``reset=True`` starts a new
     measurement period. ``optimizer_states`` (when an ``infinity.optim`` optimizer steps the
     model): per moment format ("fp32"/"bf16"/"8bit") the number of parameters, their elements
     and their moments' bytes (``{"params", "numel", "moment_bytes"}``). ``fetched``: bytes
@@ -140,6 +145,7 @@ def stats(model: nn.Module, *, reset: bool = False) -> Dict[str, Any]:
         "time": s.time_breakdown(),
         "nvme_bytes_written": {"last_step": s.nvme_written_last_step,
                                "total": s.nvme_written_total},
+        "nvme_per_step": _nvme_per_step(engine),
     }
     from .optim.offloaded_adam import state_formats_of
     formats = state_formats_of(engine)
@@ -156,6 +162,19 @@ def stats(model: nn.Module, *, reset: bool = False) -> Dict[str, Any]:
         engine.device_budget.reset_peak()
         engine.host_budget.reset_peak()
     return out
+
+
+def _nvme_per_step(engine) -> Dict[str, Any]:
+    """NVMe bytes of the last optimizer step by category (``<what>_read``/``<what>_written``
+    for params, grads, states, activations), the same per parameter of the model, and the
+    SSD wear that step's writes mean: terabytes written per 1,000 such steps."""
+    s = engine.stats
+    params = sum(f.numel for f in engine.flats) or 1
+    last = dict(s.nvme_by_category_last_step)
+    return {"bytes": last,
+            "bytes_per_param": {k: v / params for k, v in last.items()},
+            "written": s.nvme_written_last_step,
+            "tb_written_per_1000_steps": s.nvme_written_last_step * 1000 / 1e12}
 
 
 @contextlib.contextmanager

@@ -549,9 +549,12 @@ def test_auto_tier_and_step_stats(tmp_path):
     _train(model, opt, 3)
     assert set(opt.state_tiers.values()) == {"nvme"}
     st = opt.last_step_stats
-    # parameters and gradients are on NVMe too (auto): reads = states + gradients, writes =
-    # states + the updated parameters (fp32: as many bytes)
-    assert st.bytes_read >= st.bytes_written > 0 and st.shards == 3
+    # parameters and gradients are on NVMe too (auto): writes = states + the updated
+    # parameters (fp32: 4 bytes each); reads = states + gradients, except that the third
+    # step overlapped backward (overlap="auto" arms after two steps) and its updates took
+    # their gradients from RAM: only the root block's are read back
+    assert st.overlapped_shards > 0
+    assert st.bytes_written >= st.bytes_read > 0 and st.shards == 3
     assert st.hidden_fraction is not None and 0.0 <= st.hidden_fraction <= 1.0
     moved = infinity.stats(model)["moved"]
     assert moved["nvme_to_host"] >= 2 * st.bytes_read and moved["host_to_nvme"] > 0

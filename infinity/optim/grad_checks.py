@@ -125,6 +125,7 @@ class GradientChecks:
         """Multiplies every gradient by ``factor`` in the next step (inside the kernel; the
         stored gradients are not changed). ``finite``: the caller already checked them."""
         self._multiplier *= float(factor)
+        self._overlap.grads_scaled()
         if finite is not None:
             self._finite = finite if self._finite is None else (self._finite and finite)
 
@@ -150,6 +151,7 @@ class GradientChecks:
         """
         _number("max_norm", max_norm)
         norm_type = float(norm_type)
+        self._overlap.grads_scaled()  # a loop that clips may need its gradients after backward
         for engine in self._engines():
             engine.sync_gradients()
         raw = self._global_norm(clip_mod.norm_of_norms(self._grad_norms(norm_type), norm_type),
@@ -171,6 +173,5 @@ class GradientChecks:
             why = shard.engine.grads.lost(shard.flat)
             if why is not None:
                 raise RuntimeError(
-                    f"infinity.optim: the gradients of {shard.key} were lost when writing them "
-                    f"to NVMe failed ({why}); no step was taken. Call zero_grad() and run the "
-                    "backward of this batch again")
+                    f"infinity.optim: the gradients of {shard.key} were lost: {why}; no step "
+                    "was taken. Call zero_grad() and run the backward of this batch again")

@@ -120,7 +120,18 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
             stepped after every backward for two steps, True for every backward, False never.
             Only models whose gradients and states are on NVMe. Exact in every case: an update
             that differs from what ``step()`` computes (clipping that triggers, loss scaling,
-            an lr change, gradient accumulation) is rolled back and redone.
+            an lr change, gradient accumulation) is rolled back and redone. The update takes
+            each block's gradients from RAM (never read back from NVMe).
+        keep_grads: with the step overlapping backward, whether the gradients are also
+            written to NVMe (:mod:`infinity.optim.overlap`). True (default): always, so a
+            step that must be redone, ``p.grad`` and accumulation decided late work in every
+            case. "auto": written while the loop may need them after backward (clipping, a
+            loss scale, ``p.grad`` changed, accumulation), skipped once an armed step showed
+            it does not: 4 bytes per parameter and step less to write. Where a skipped
+            gradient is needed after all (the loop changed: clipping that clips, an lr or a
+            parameter changed between backward and step, a failed speculative update, a
+            second micro-batch), nothing is guessed: the step is not applied and raises,
+            naming the remedy, and ``p.grad`` of fp32 parameters raises when used.
         chunk_bytes: with states on NVMe, a shard whose states are larger than this is read,
             stepped and written in element ranges (units) of about this many bytes, so the
             step's buffer sets are bounded by it, not by the largest shard (the result is bit
@@ -151,7 +162,8 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
                  check_finite: Union[bool, str] = "auto", states: StatesArg = "fp32",
                  overlap: Union[bool, str] = "auto", master: str = "fp32",
                  sr_seed: int = 0, min_8bit_size: int = MIN_8BIT_SIZE,
-                 chunk_bytes: Optional[Size] = None) -> None:
+                 chunk_bytes: Optional[Size] = None,
+                 keep_grads: Union[bool, str] = True) -> None:
         self._chunk_arg = check_chunk_bytes(parse_size(chunk_bytes, "chunk_bytes")
                                             if isinstance(chunk_bytes, str) else chunk_bytes,
                                             "infinity.optim")
@@ -167,7 +179,7 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
                              f"{sr_seed!r}")
         self.sr_seed = sr_seed
         self._element_bases: Optional[Dict[int, int]] = None
-        self._overlap = BackwardOverlap(self, overlap)
+        self._overlap = BackwardOverlap(self, overlap, keep_grads)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         amsgrad=amsgrad, maximize=maximize)
         _check_hyper(defaults)

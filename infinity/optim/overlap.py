@@ -33,6 +33,22 @@ backward (for loops that step after each backward);
 armed (gradients in RAM can be changed in place through ``p.grad`` without trace, and host
 states have no second extent to fall back to), after the first step (states exist).
 
+Gradients from RAM. An armed block's gradients are handed to the worker in their RAM
+buffer (the sink keeps it until the worker has stepped the block), so the update never reads
+them back from NVMe. Whether they are *also* written to NVMe is ``keep_grads``'s choice: a
+written gradient is what a step that has to be redone (clipping that triggers, a loss scale,
+an lr changed after backward, a parameter or ``p.grad`` changed) steps from, and what ``p.grad``
+shows. ``keep_grads=True`` (the default) always writes it. ``keep_grads="auto"`` skips the
+write once the loop has shown, for
+``SKIP_AFTER`` armed steps in a row, that nothing needs gradients after backward: every
+speculative update kept, no ``clip_grad_norm_`` or grad multiplier, no ``p.grad`` changed, no
+backward accumulating onto an earlier one. A loop that clips (HF Trainer does, with
+``max_grad_norm=1.0``) keeps writing them: the coefficient is known only once the whole
+backward is done, and a redo needs every block's gradient. Where a gradient was not written and something needs it after all, nothing is guessed: the
+step is not applied and raises, naming the block and the remedy (``p.grad`` of fp32 parameters
+is then a placeholder that raises when used; a forward before ``opt.step()`` -- accumulation
+decided late -- makes the next step raise the same way).
+
 Limit: between the end of backward and ``opt.step()``, an armed model's parameters hold the
 speculatively updated values: reading them there (``state_dict()``, a logged weight) shows
 them, and a write there is taken in relative to them (the step then redoes the block from its
@@ -64,6 +80,17 @@ logger = logging.getLogger(__name__)
 
 OVERLAP_MODES = ("auto", True, False)
 AUTO_AFTER = 2  # consecutive steps with exactly one backward each before "auto" arms
+SKIP_AFTER = 1  # armed steps that needed no gradient after backward before writes are skipped
+KEEP_GRADS_MODES = (True, "auto")
+
+
+def check_keep_grads(value: object) -> Union[str, bool]:
+    if not any(value is m or (isinstance(m, str) and value == m) for m in KEEP_GRADS_MODES):
+        raise ValueError(f"infinity.optim: keep_grads must be True (default: with the step "
+                         f"overlapping backward, gradients are written to NVMe too) or 'auto' "
+                         f"(written only while the loop may need them after backward); got "
+                         f"{value!r}")
+    return value  # type: ignore[return-value]
 
 
 def check_overlap(value: object) -> Union[str, bool]:
@@ -97,6 +124,11 @@ class _Worker:
         self.stats = StepStats()
         self.error: Optional[BaseException] = None
         self.poisoned: Optional[str] = None
+        # shards whose gradients the engine keeps in RAM for this worker (key -> shard),
+        # handed back to the engine's sink once stepped (or when the worker ends)
+        self.held: Dict[str, Shard] = {}
+        self.done = False
+        self._lock = threading.Lock()
         sets = opt._sets_for(engine, [s for s in opt._shards.values() if s.engine is engine])
 
         def compute(shard: Shard, unit: Unit, buf: torch.Tensor,
@@ -104,6 +136,8 @@ class _Worker:
             spec = self.specs[shard.key]
             opt._apply_unit(shard, list(spec.runs), unit, buf, 1.0, out, grad,
                             hypers=[dict(h) for h in spec.hypers])
+            if unit.last:
+                self._release(shard)
 
         def run() -> None:
             try:
@@ -111,13 +145,32 @@ class _Worker:
                              self.stats, self.computed)
             except BaseException as exc:  # noqa: BLE001 - reported at step(), then rolled back
                 self.error = exc
+            finally:
+                with self._lock:
+                    self.done = True
+                    for shard in list(self.held.values()):  # never stepped: the buffers go back
+                        self._release(shard)
 
         self.thread = threading.Thread(target=run, name="infinity-optim-overlap", daemon=True)
         self.thread.start()
 
-    def put(self, spec: _Spec) -> None:
-        self.specs[spec.shard.key] = spec
-        self.feed.put(spec.shard)
+    def put(self, spec: _Spec, held: bool) -> None:
+        with self._lock:
+            self.specs[spec.shard.key] = spec
+            if held:
+                self.held[spec.shard.key] = spec.shard
+            if self.done:  # the worker ended (an error): it will not step this one
+                self._release(spec.shard)
+                return
+            self.feed.put(spec.shard)
+
+    def _release(self, shard: Shard) -> None:
+        if self.held.pop(shard.key, None) is not None:
+            self.engine.grads.release_held(shard.flat)
+
+    @property
+    def alive(self) -> bool:
+        return not self.done and self.error is None
 
     def join(self) -> None:
         self.feed.close()
@@ -125,9 +178,13 @@ class _Worker:
 
 
 class _EngineState:
-    __slots__ = ("backwards", "good_steps", "armed", "mismatch", "kept", "backoff", "wait")
+    __slots__ = ("backwards", "good_steps", "armed", "mismatch", "kept", "backoff", "wait",
+                 "write", "quiet", "marks")
 
     def __init__(self) -> None:
+        self.write = True      # this backward's gradients are written to NVMe too
+        self.quiet = 0         # consecutive armed steps that needed no gradient after backward
+        self.marks = (0, 0)    # the sink's (accumulations, p.grad changes) at the last step
         self.backwards = 0     # forwards with grad enabled since the last step
         self.good_steps = 0    # consecutive steps that had exactly one
         self.armed = False
@@ -141,11 +198,15 @@ class BackwardOverlap:
     """Part of OffloadedAdam: the engine's backward listener (``grads_complete``,
     ``forward_started``) and the verification at step()."""
 
-    def __init__(self, opt: "OffloadedAdam", mode: Union[str, bool]) -> None:
+    def __init__(self, opt: "OffloadedAdam", mode: Union[str, bool],
+                 keep_grads: Union[str, bool] = True) -> None:
         # weak: the engine holds this listener, and an optimizer dropped without close() must
         # still be freed (and its state files closed) by reference counting
         self._opt = weakref.ref(opt)
         self.mode = check_overlap(mode)
+        self.keep_grads = check_keep_grads(keep_grads)
+        self.scaled = False  # clip_grad_norm_ or a grad multiplier since the last step
+        self.unwritten_total = 0  # blocks whose gradients were stepped from RAM, never written
         self._engines: Dict[int, _EngineState] = {}
         self._workers: Dict[int, _Worker] = {}
         self.kept_total = 0
@@ -162,11 +223,45 @@ class BackwardOverlap:
             # nothing of this backward may reach the parameters the next forward reads
             self.rollback_engine(engine, "a forward ran before opt.step()")
             st.good_steps = 0
+            st.quiet = 0
         if not torch.is_grad_enabled():
             st.armed = False
             return
         st.backwards += 1
         st.armed = self._may_arm(engine, st)
+        # p.grad changed since (a clip through p.grad, a replaced gradient): not quiet
+        marks = (engine.grads.accumulations, engine.grads.user_grad_changes)
+        if marks[1] != st.marks[1]:
+            st.quiet = 0
+        st.marks = marks
+        st.write = not (st.armed and self.keep_grads == "auto" and st.quiet >= SKIP_AFTER
+                        and not self.scaled)
+
+    def takes_in_ram(self, engine: "Engine", flat: Any) -> bool:
+        """Just before a block's gradients are closed: True when this backward's update of
+        that block will take them from RAM (the sink keeps them for the worker then, and
+        writes them to NVMe too unless this backward skips the writes)."""
+        st = self._engines.get(id(engine))
+        opt = self._opt()
+        if st is None or not st.armed or opt is None:
+            return False
+        shard = opt._shards.get(id(flat))
+        worker = self._workers.get(id(engine))
+        if shard is None or (worker is not None and (not worker.alive
+                                                     or shard.key in worker.specs)):
+            return False
+        if not opt._runs(shard):
+            return False
+        if engine.grads.accumulations != st.marks[0]:
+            # this backward adds to gradients kept from before (no zero_grad since the
+            # last step): the loop accumulates, so its gradients are written from now on
+            st.write, st.quiet = True, 0
+        return True
+
+    def writes(self, engine: "Engine") -> bool:
+        """Whether this backward's gradients taken from RAM are written to NVMe too."""
+        st = self._engines.get(id(engine))
+        return st is None or st.write
 
     @property
     def opt(self) -> "OffloadedAdam":
@@ -212,14 +307,19 @@ class BackwardOverlap:
             return
         runs = opt._runs(shard)
         norms = engine.grads.slot_norms(flat)
+        held = engine.grads.holds(flat)
         if not runs or norms is None:
+            if held:  # (not reached: takes_in_ram asked for the same runs)
+                engine.grads.release_held(flat)
             return
         if worker is None:
             store = opt._stores[id(engine)]
             worker = _Worker(opt, engine, store)
             self._workers[id(engine)] = worker
+        if held and not engine.grads.written(flat):
+            self.unwritten_total += 1
         worker.put(_Spec(shard, tuple(runs), tuple(_freeze(opt._hyper(r, 1.0)) for r in runs),
-                         norms))
+                         norms), held)
 
     # ---- step side ---------------------------------------------------------------------------
     @property
@@ -258,42 +358,78 @@ class BackwardOverlap:
             worker.store.abort_shard(shard)
             if shard not in keep_home:
                 self.opt._dirty[shard.key] = shard
+            # a gradient stepped from RAM and never written is gone with the update
+            worker.engine.grads.mark_lost(shard.flat, f"its update was undone ({why})")
         self.rolled_back_total += len(shards)
         self.opt._restore_dirty()
 
     def settle(self, multiplier: float) -> Tuple[Dict[str, Shard], StepStats]:
         """At step() (workers joined, engines quiesced): commits the speculative updates that
         match this step exactly (their steps counted), rolls back the others; returns the kept
-        shards and what the workers did."""
+        shards and what the workers did. When an update must be redone but its gradients were
+        stepped from RAM and never written, nothing is committed: every update is rolled back
+        and a RuntimeError names the blocks and the remedy."""
         kept: Dict[str, Shard] = {}
         stats = StepStats()
         opt = self.opt
+        decided = []  # (worker, kept updates, updates to redo, why they differ)
+        gone: List[Shard] = []  # updates to redo whose gradients are not on NVMe
         for key in list(self._workers):
             worker = self._workers.pop(key)
             worker.join()
             stats.merge(worker.stats)
+            grads = worker.engine.grads
             if worker.error is not None or worker.poisoned is not None:
                 why = worker.poisoned or f"the update failed ({worker.error})"
+                redo = [spec.shard for spec in worker.specs.values()]
+                decided.append((worker, [], list(worker.computed), why))
+            else:
+                good, bad = [], []
+                for shard in worker.computed:
+                    spec = worker.specs[shard.key]
+                    runs = opt._runs(shard)
+                    same = (multiplier == 1.0 and tuple(runs) == spec.runs
+                            and tuple(_freeze(opt._hyper(r, 1.0)) for r in runs) == spec.hypers
+                            and grads.slot_norms(shard.flat) is spec.norms
+                            and not shard.flat.user_written)
+                    (good if same else bad).append(shard)
+                why = ("the step differs from what backward computed (clipping, loss scale, lr, "
+                       "gradients or parameters changed)")
+                if multiplier != 1.0:
+                    why = (f"the step multiplies the gradients by {multiplier!r} (clip_grad_norm_ "
+                           "that clipped, or a loss scale), which backward could not know")
+                redo = bad
+                decided.append((worker, good, bad, why))
+            gone.extend(s for s in redo if not grads.written(s.flat) and opt._runs(s))
+        if gone:
+            reason = decided[0][3] if len(decided) == 1 else "the step differs from backward's"
+            for worker, _good, _bad, why in decided:
                 self._rollback(worker, list(worker.computed), why)
+                for spec in worker.specs.values():
+                    worker.engine.grads.mark_lost(spec.shard.flat, f"the step was undone ({why})")
+                st = self._state(worker.engine)
+                st.mismatch, st.quiet = True, 0
+            names = ", ".join(s.key for s in gone[:3]) + (" ..." if len(gone) > 3 else "")
+            raise RuntimeError(
+                f"infinity.optim: this step was not applied: {reason}, so the update computed "
+                f"while backward ran must be redone, but the gradients of {len(gone)} block(s) "
+                f"({names}) were stepped from RAM and not written to NVMe (keep_grads='auto' "
+                "skips those writes once the loop's steps needed no gradient after backward). "
+                "Call zero_grad(), run this batch's forward and backward again and step; use "
+                "keep_grads=True (the default) for loops that clip, scale or change the step "
+                "only sometimes")
+        for worker, good, bad, why in decided:
+            if worker.error is not None or worker.poisoned is not None:
+                self._rollback(worker, list(worker.computed), why)
+                self._state(worker.engine).mismatch = True
                 continue
-            good, bad = [], []
-            for shard in worker.computed:
-                spec = worker.specs[shard.key]
-                runs = opt._runs(shard)
-                same = (multiplier == 1.0 and tuple(runs) == spec.runs
-                        and tuple(_freeze(opt._hyper(r, 1.0)) for r in runs) == spec.hypers
-                        and worker.engine.grads.slot_norms(shard.flat) is spec.norms
-                        and not shard.flat.user_written)
-                (good if same else bad).append(shard)
             if bad:
                 self._state(worker.engine).mismatch = True
             elif good:
                 self._state(worker.engine).kept = True
             written = tuple(s for s in bad if s.flat.user_written
                             and tuple(opt._runs(s)) == worker.specs[s.key].runs)
-            self._rollback(worker, bad, "the step differs from what backward computed "
-                                        "(clipping, loss scale, lr, gradients or parameters "
-                                        "changed)", keep_home=written)
+            self._rollback(worker, bad, why, keep_home=written)
             worker.store.commit_shards(good)
             for shard in good:
                 opt._commit_steps(shard)
@@ -301,13 +437,21 @@ class BackwardOverlap:
             self.kept_total += len(good)
         return kept, stats
 
+    def grads_scaled(self) -> None:
+        """clip_grad_norm_ or a grad multiplier was applied for the next step: gradients may
+        be needed after backward, so "auto" keeps writing them for a while."""
+        self.scaled = True
+
     def step_finished(self) -> None:
         """After a step: counts backwards per step for "auto", and backs off exponentially
         (1, 2, 4 .. 64 steps) after steps whose speculative updates had to be redone (a loss
         scaler's multiplier, clipping that keeps triggering), so such loops do not pay a
-        rollback every step."""
+        rollback every step. Counts the armed steps that needed no gradient after backward
+        (``keep_grads="auto"`` skips the writes after :data:`SKIP_AFTER` of them)."""
         for st in self._engines.values():
             st.good_steps = st.good_steps + 1 if st.backwards == 1 else 0
+            quiet = st.kept and not st.mismatch and not self.scaled and st.backwards == 1
+            st.quiet = st.quiet + 1 if quiet else 0
             st.backwards = 0
             st.armed = False
             st.wait = max(0, st.wait - 1)
@@ -318,6 +462,7 @@ class BackwardOverlap:
             elif st.kept:
                 st.backoff = 0
             st.kept = False
+        self.scaled = False
 
     def engine_closing(self, engine: "Engine") -> None:
         """unwrap() between backward and step: the parameters go back without that step."""

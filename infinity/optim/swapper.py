@@ -435,7 +435,7 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
             nbytes += q.nbytes
         reads[u] = got
         stats.bytes_read += nbytes
-        engine.stats.add_moved("nvme_to_host", nbytes)
+        engine.stats.add_moved("nvme_to_host", nbytes, "states")
         issue_grads(u, shard, un, k)
         return True
 
@@ -566,7 +566,7 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
                 writes[k].append((clock.submitted(future, "optimizer_write", shard.key,
                                                   q.nbytes), shard, "writing"))
                 stats.bytes_written += q.nbytes
-                engine.stats.add_moved("host_to_nvme", q.nbytes)
+                engine.stats.add_moved("host_to_nvme", q.nbytes, "states")
                 if not un.whole:
                     written.setdefault(j, []).append((future, q))
             write_working_copy(u, shard, un, k, out)

@@ -399,7 +399,7 @@ class ActivationOffloader:
             self._drop_source(entry)
             if staging is not None:
                 self.files.write(entry.slot, staging.buf)  # scratch: no fsync
-                self.stats.add_moved("host_to_nvme", staging.nbytes)
+                self.stats.add_moved("host_to_nvme", staging.nbytes, "activations")
         except BaseException as exc:  # noqa: BLE001 - kept with the entry, raised later
             entry.error = exc
             self._drop_source(entry)
@@ -541,7 +541,7 @@ class ActivationOffloader:
                     if not self._cuda:  # counted until autograd frees the tensor
                         lease.on_release(done)
                     self.files.read(entry.slot, lease.buf)
-                    self.stats.add_moved("nvme_to_host", lease.nbytes)
+                    self.stats.add_moved("nvme_to_host", lease.nbytes, "activations")
                 if not self._cuda:
                     return lease
                 return self._upload(entry, lease.buf if lease is not None else entry.host.buf)

@@ -121,9 +121,10 @@ class Engine(Residence, OutsideWrites, HookHandlers):
         # Set by an optimizer over this engine: it changes the home copies in step(), so the
         # next forward's blocks are prefetched after the step (resume), not after backward.
         self.optimizer_attached = False
-        # optimizers overlapping their step with backward: grads_complete(engine, flat) when a
-        # block's gradients are complete, forward_started(engine) when a forward begins,
-        # engine_closing(engine) at close
+        # optimizers overlapping their step with backward: takes_in_ram(engine, flat) just
+        # before a block's gradients are closed (True: kept in RAM for it, not written),
+        # grads_complete(engine, flat) when they are complete, forward_started(engine) when a
+        # forward begins, engine_closing(engine) at close
         self.backward_listeners: List[Any] = []
         self.grad_tier = self._choose_grad_tier()
         if self.partitioner is not None:

@@ -31,11 +31,24 @@ changes such as ``clip_grad_norm_`` reach it; other dtypes: a copy in the parame
 taken back if changed). Before the next accumulation :meth:`GradientSink.reconcile` reads what
 the user did to them: ``None`` (``zero_grad``) forgets the slot, another tensor replaces it.
 NVMe-tier gradients are not exposed (``p.grad`` stays None; a torch optimizer refuses to step).
+
+Kept in RAM (NVMe tier): a flat may be closed with ``keep_in_ram=True`` when an optimizer
+step overlapping backward takes its gradients from RAM (see :mod:`infinity.optim.overlap`).
+A flat in one buffer keeps it as ``flat.grad``; a larger flat keeps the chunks still in RAM
+at its close (as many as leave two buffers of the pool to the rest of backward; the others
+are on NVMe already) and :meth:`GradientSink.read_range` copies those from RAM. The buffers
+stay out of the pool until the optimizer's worker thread hands them back
+(:meth:`GradientSink.release_held`); backward waits for that when the pool runs out. With
+``write=False`` what is kept is not written to the swap file, and it is then gone once
+handed back (``written`` is False until ``zero_grad``). Anything that would read it later (a step that has to be redone, ``p.grad``,
+a second micro-batch accumulating onto it) gets a clear error instead of the stale file:
+``p.grad`` of fp32 parameters is a placeholder that raises when used.
 """
 from __future__ import annotations
 
 import bisect
 import collections
+import threading
 import concurrent.futures as cf
 import contextlib
 import time
@@ -65,6 +78,60 @@ def grad_key(flat: FlatParam) -> str:
 
 
 _UNTOUCHED = object()  # a chunked flat's slot that no gradient reached in this backward
+
+
+_PLACEHOLDER_OK = frozenset({"__get__", "size", "dim", "numel", "stride", "is_contiguous",
+                             "element_size", "is_floating_point", "is_complex", "__hash__"})
+
+
+class _GoneGradient(torch.Tensor):
+    """A ``p.grad`` with the gradient's shape, dtype and device but no values: any use other
+    than its metadata raises a RuntimeError naming infinity and the remedy."""
+
+    _infinity_why = ""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        if name in _PLACEHOLDER_OK:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        why = next((a._infinity_why for a in _tensors_in(args) if isinstance(a, _GoneGradient)),
+                   "")
+        raise RuntimeError(
+            f"infinity: {why} ({name} on it). Use the infinity optimizer's "
+            "clip_grad_norm_ (it uses norms measured in RAM), or, to keep gradients readable "
+            "after backward, keep_grads=True (the default) or overlap=False for the infinity "
+            "optimizer")
+
+
+def _tensors_in(args) -> Iterator[object]:
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            yield from _tensors_in(a)
+        else:
+            yield a
+
+
+def gone_gradient(shape: torch.Size, why: str) -> torch.Tensor:
+    """A placeholder ``p.grad`` (fp32, CPU, no storage of its own) that raises when used."""
+    g = torch.Tensor._make_subclass(_GoneGradient, torch.zeros(()).expand(shape))
+    g._infinity_why = why
+    return g
+
+
+class _Gathered:
+    """The reads of a range some of whose chunks were copied from RAM: waits for the rest."""
+
+    def __init__(self, futures: List[IOResult]) -> None:
+        self._futures = futures
+
+    def done(self) -> bool:
+        return all(f.done() for f in self._futures)
+
+    def wait(self) -> None:
+        for f in self._futures:
+            f.wait()
 
 
 class GradientWriteError(OSError):
@@ -133,6 +200,19 @@ class GradientSink:
         self._exposed: Dict[Tuple[int, int], tuple] = {}
         self._lost: Dict[int, str] = {}  # id(flat) -> why its gradients are gone
         self._maps: Dict[int, "np.memmap"] = {}  # NVMe tier: maps of the gradient files
+        # kept in RAM for an optimizer's worker (id(flat) -> flat, buffer), the ones it handed
+        # back (taken by the engine's thread in _reclaim), and flats whose gradients of this
+        # accumulation were never written (id(flat) -> why they are not on NVMe)
+        self._held: Dict[int, Tuple[FlatParam, List[torch.Tensor]]] = {}
+        self._held_chunks: Dict[int, Dict[int, torch.Tensor]] = {}  # chunked flats: k -> buf
+        self._holding_now = 0  # chunks of the flat being closed, kept (not yet handed over)
+        self._returned: List[int] = []
+        self._returned_cond = threading.Condition()
+        self._unwritten: Dict[int, str] = {}
+        # counters an optimizer reads to learn the loop's habits: backwards that added to a
+        # sum read back from NVMe, and p.grad changes taken in by reconcile
+        self.accumulations = 0
+        self.user_grad_changes = 0
         trainable = [f for f in flats if f.trainable]
         if tier is Tier.NVME and trainable:
             if store is None:
@@ -295,15 +375,26 @@ class GradientSink:
             return
         if id(flat) in self._open or id(flat) in self._chunked:
             return
+        self._reclaim()
+        # a flat kept in RAM for the optimizer reopens (it was handed back, or its block runs
+        # again in this backward): its reads come from the file again
+        self._held_chunks.pop(id(flat), None)
+        if any(flat.grad_ready) and id(flat) in self._unwritten:
+            # the sum so far was taken from RAM by the step overlapping backward and never
+            # written: it cannot be accumulated onto (the step refuses, naming it)
+            self._lose_unwritten(flat, "a backward accumulated onto them after the step "
+                                       "overlapping the previous backward took them from RAM "
+                                       "without writing them to NVMe")
         if flat.numel * 4 > self.pool.nbytes:
             self._open_chunked(flat)
             return
         buf = self._acquire_buffer()
         view = buf[:flat.numel * 4].view(torch.float32)
         if any(flat.grad_ready):  # accumulating across micro-batches: bring back the sum so far
+            self.accumulations += 1
             self.wait_written(flat)  # a write of it may still be queued on the writer thread
             self.store.read_sync(grad_key(flat), view)
-            self.stats.add_moved("nvme_to_host", flat.numel * 4)
+            self.stats.add_moved("nvme_to_host", flat.numel * 4, "grads")
         # else: the buffer holds stale bytes; every slot that gets a gradient is overwritten
         # (copy_), and _close zeroes the rest before the write (one pass less over the buffer)
         flat.grad = view
@@ -311,6 +402,7 @@ class GradientSink:
 
     def _acquire_buffer(self) -> torch.Tensor:
         self._reap(block=False)
+        self._reclaim()
         while self._free_count() <= 0:
             if self._open_chunks and len(self._writes) < max(1, self.pool.count - 2):
                 # the least recently used chunk goes to disk (read back if touched again);
@@ -322,6 +414,11 @@ class GradientSink:
                 self._drop_ahead()
             elif self._open_chunks:
                 self._evict_chunk()
+            elif self._held:
+                # the optimizer's worker still steps from them: it hands one back as soon as
+                # it has stepped its block (backward waits for the step here, as it would for
+                # a write)
+                self._reclaim(wait=True)
             elif self._open:
                 # more flats are accumulating at once than the pool holds (tied weights,
                 # blocks whose backward is not over): write the oldest out; it is read back
@@ -334,8 +431,75 @@ class GradientSink:
         return self.pool.acquire()
 
     def _free_count(self) -> int:
+        held = sum(1 for _f, bufs in self._held.values() for buf in bufs
+                   if not any(w[1] is buf for w in self._writes))  # not counted twice
         return (self.pool.count - len(self._open) - len(self._open_chunks)
-                - len(self._writes) - len(self._ahead))
+                - len(self._writes) - len(self._ahead) - held - self._holding_now)
+
+    # ---- gradients kept in RAM for an optimizer step overlapping backward ---------------
+    def release_held(self, flat: FlatParam) -> None:
+        """The optimizer's worker is done with a flat kept in RAM (called from its thread):
+        its buffers go back to the pool at the engine thread's next :meth:`_reclaim`."""
+        with self._returned_cond:
+            self._returned.append(id(flat))
+            self._returned_cond.notify_all()
+
+    def holds(self, flat: FlatParam) -> bool:
+        """Whether some of the flat's gradients are kept in RAM for the optimizer."""
+        return id(flat) in self._held
+
+    def _reclaim(self, wait: bool = False) -> None:
+        """Buffers of flats kept in RAM that the optimizer handed back return to the pool
+        (``wait``: blocks until at least one is handed back)."""
+        with self._returned_cond:
+            while wait and not self._returned:
+                self._returned_cond.wait()
+            returned, self._returned = self._returned, []
+        for fid in returned:
+            held = self._held.pop(fid, None)
+            self._held_chunks.pop(fid, None)
+            if held is None:
+                continue
+            flat, bufs = held
+            for buf in bufs:
+                if flat.grad is not None and flat.grad.data_ptr() == buf.data_ptr():
+                    flat.grad = None
+                if not any(w[1] is buf for w in self._writes):  # else given back by _reap
+                    self.pool.release(buf)
+
+    def _hold(self, flat: FlatParam, bufs: List[torch.Tensor]) -> None:
+        before = self._held.get(id(flat))
+        self._held[id(flat)] = (flat, (before[1] if before is not None else []) + bufs)
+
+    def _holds(self, buf: torch.Tensor) -> bool:
+        return any(b is buf for h in self._held.values() for b in h[1])
+
+    def written(self, flat: FlatParam) -> bool:
+        """False when the flat's gradients of this accumulation were kept in RAM for the
+        optimizer and never written to NVMe (they cannot be read back)."""
+        return id(flat) not in self._unwritten
+
+    def _not_kept(self, flat: FlatParam, what: str) -> RuntimeError:
+        return RuntimeError(
+            f"infinity: {what} the gradients of {flat.key}, but they were "
+            f"{self._unwritten[id(flat)]}. Call zero_grad() and run the backward again; to "
+            "keep gradients readable after backward (p.grad, clipping that changes them, "
+            "accumulation decided late), use keep_grads=True (the default) or overlap=False "
+            "for the infinity optimizer")
+
+    def _lose_unwritten(self, flat: FlatParam, why: str) -> None:
+        self._lost[id(flat)] = (f"they were {self._unwritten.pop(id(flat))}, and {why} "
+                                "(keep_grads=True, the default, keeps them on NVMe)")
+        flat.grad_ready = [False] * len(flat.slots)
+
+    def mark_lost(self, flat: FlatParam, why: str) -> None:
+        """A flat kept in RAM whose step was undone (the optimizer rolled back its update):
+        its gradients are gone; the next step refuses, naming ``why``."""
+        if id(flat) in self._unwritten and any(flat.grad_ready):
+            self._lose_unwritten(flat, why)
+            for key in [k for k in self._exposed if k[0] == id(flat)]:
+                entry = self._exposed.pop(key)
+                flat.slots[entry[1]].param.grad = None
 
     # ---- flats larger than one buffer: chunk by chunk ------------------------------------
     @property
@@ -380,7 +544,7 @@ class GradientSink:
                 except BaseException:
                     self.pool.release(buf)
                     raise
-                self.stats.add_moved("nvme_to_host", (end - start) * 4)
+                self.stats.add_moved("nvme_to_host", (end - start) * 4, "grads")
         self._open_chunks[key] = (flat, buf)
         if k in self._valid.get(id(flat), ()):
             self._read_ahead(flat, k)
@@ -408,7 +572,7 @@ class GradientSink:
             except BaseException:
                 self.pool.release(buf)
                 raise
-            self.stats.add_moved("nvme_to_host", (end - start) * 4)
+            self.stats.add_moved("nvme_to_host", (end - start) * 4, "grads")
             self._ahead[key] = (flat, buf, future)
 
     def _drop_ahead(self, flat: Optional[FlatParam] = None) -> None:
@@ -493,6 +657,20 @@ class GradientSink:
     def _write_chunk(self, flat: FlatParam, k: int, buf: torch.Tensor) -> None:
         """Zeroes what no gradient reached in the chunk (gaps, padding, slots without one)
         and hands it to the writer thread; the buffer returns to the pool once written."""
+        self._zero_gaps(flat, k, buf)
+        self._submit_chunk(flat, k, buf)
+
+    def _submit_chunk(self, flat: FlatParam, k: int, buf: torch.Tensor) -> None:
+        start, end = self._chunk_span(flat, k)
+        view = buf[:(end - start) * 4].view(torch.float32)
+        future = _PendingWrite(self._writer.submit(self.store.write_at, grad_key(flat),
+                                                   start * 4, view))
+        self.stats.add_moved("host_to_nvme", (end - start) * 4, "grads")
+        self._writes.append((future, buf, flat, k))
+        self._valid.setdefault(id(flat), set()).add(k)
+
+    def _zero_gaps(self, flat: FlatParam, k: int, buf: torch.Tensor) -> None:
+        """Zeroes what no gradient reached in chunk ``k`` (gaps, padding, slots without one)."""
         start, end = self._chunk_span(flat, k)
         view = buf[:(end - start) * 4].view(torch.float32)
         pos = start
@@ -512,28 +690,37 @@ class GradientSink:
             pos = max(pos, b)
         if pos < end:
             view[pos - start:].zero_()
-        future = _PendingWrite(self._writer.submit(self.store.write_at, grad_key(flat),
-                                                   start * 4, view))
-        self.stats.add_moved("host_to_nvme", (end - start) * 4)
-        self._writes.append((future, buf, flat, k))
-        self._valid.setdefault(id(flat), set()).add(k)
 
-    def _close_chunked(self, flat: FlatParam) -> None:
+    def _close_chunked(self, flat: FlatParam, keep_in_ram: bool = False,
+                       write: bool = True) -> None:
         """Writes the flat's open chunks, and every chunk whose file does not hold this
         accumulation's sums yet (zeros where no gradient landed: the bytes a whole-flat
-        buffer would have written), then records the slots' norms."""
+        buffer would have written), then records the slots' norms. ``keep_in_ram``: the
+        chunks still in RAM are kept for the optimizer (as many as leave two buffers of the
+        pool to the others), and not written unless ``write`` (or their norms are unknown);
+        :meth:`read_range` serves them from RAM."""
         self._drain_d2h()
         self._drop_ahead(flat)
         fid = id(flat)
         count = -(-flat.numel // self._chunk_elems)
         stale = self._stale.pop(fid, set())
-        for k in range(count):
-            held = self._open_chunks.pop((fid, k), None)
-            if held is None and (k in stale or k not in self._valid.get(fid, ())):
-                self._chunk(flat, k)
-                held = self._open_chunks.pop((fid, k))
-            if held is not None:
-                self._write_chunk(flat, k, held[1])
+        kept: Dict[int, torch.Tensor] = {}
+        try:
+            for k in range(count):
+                held = self._open_chunks.pop((fid, k), None)
+                if held is None and (k in stale or k not in self._valid.get(fid, ())):
+                    self._chunk(flat, k)
+                    held = self._open_chunks.pop((fid, k))
+                if held is None:
+                    continue
+                if keep_in_ram and self._holding_now < self.pool.count - 2:
+                    self._zero_gaps(flat, k, held[1])
+                    kept[k] = held[1]
+                    self._holding_now += 1
+                else:
+                    self._write_chunk(flat, k, held[1])
+        finally:
+            self._holding_now -= len(kept)
         del self._chunked[fid]
         pending = self._pending_norms.pop(fid, None) or [_UNTOUCHED] * len(flat.slots)
         previous = self._norms.get(fid)
@@ -554,6 +741,18 @@ class GradientSink:
             self._finite[fid] = True
         else:  # a non-finite norm may be an overflow of finite values: read them to check
             self._finite.pop(fid, None)
+        if not kept:
+            self._unwritten.pop(fid, None)
+            return
+        self._hold(flat, list(kept.values()))
+        self._held_chunks[fid] = kept
+        if write or norms is None:  # unknown norms: the optimizer reads them back
+            for k, buf in kept.items():
+                self._submit_chunk(flat, k, buf)
+            self._unwritten.pop(fid, None)
+        else:
+            self._unwritten[fid] = ("taken from RAM by the optimizer step overlapping backward "
+                                    "and not written to NVMe")
 
     def _reap(self, *, block: bool, count: Optional[int] = None) -> None:
         """Collects finished gradient writes. A failed write gives its buffer back, marks the
@@ -566,7 +765,7 @@ class GradientSink:
                 try:
                     future.wait()
                 except Exception as exc:  # noqa: BLE001 - reported below, once
-                    self._lost[id(flat)] = str(exc)
+                    self._lost[id(flat)] = f"writing them to NVMe failed ({exc})"
                     flat.grad_ready = [False] * len(flat.slots)
                     self._valid.pop(id(flat), None)
                     failure = failure or GradientWriteError(
@@ -575,7 +774,8 @@ class GradientSink:
                         "These gradients are lost: once the disk is fixed, call zero_grad() and "
                         "run this micro-batch's backward again")
                 finally:
-                    self.pool.release(buf)
+                    if not self._holds(buf):  # else given back by _reclaim
+                        self.pool.release(buf)
                 reaped += 1
             else:
                 remaining.append((future, buf, flat, k))
@@ -583,17 +783,21 @@ class GradientSink:
         if failure is not None:
             raise failure
 
-    def close(self, flat: FlatParam) -> None:
-        """The flat's gradients for this backward are complete (NVMe: start writing them)."""
+    def close(self, flat: FlatParam, *, keep_in_ram: bool = False, write: bool = True) -> None:
+        """The flat's gradients for this backward are complete (NVMe: start writing them).
+        ``keep_in_ram``: also keep them in their buffer(s) for the optimizer until it hands
+        them back (:meth:`release_held`); with ``write=False`` they are not written at all
+        (see the module docstring). A flat larger than one buffer keeps the chunks still in
+        RAM (the others are on NVMe already)."""
         if self.tier is Tier.HOST or (id(flat) not in self._open
                                       and id(flat) not in self._chunked):
             return
         t0 = time.perf_counter()
         with self._timed():
             if id(flat) in self._chunked:
-                self._close_chunked(flat)
+                self._close_chunked(flat, keep_in_ram, write)
             else:
-                self._close(flat)
+                self._close(flat, keep_in_ram, write)
         trace_events.span("grad_write", flat.key, flat.numel * 4, t0)
 
     @staticmethod
@@ -609,7 +813,7 @@ class GradientSink:
         if pos < flat.numel:
             flat.grad[pos:].zero_()
 
-    def _close(self, flat: FlatParam) -> None:
+    def _close(self, flat: FlatParam, keep_in_ram: bool = False, write: bool = True) -> None:
         self._drain_d2h()
         self._zero_unwritten(flat)
         flat, buf = self._open.pop(id(flat))
@@ -624,9 +828,17 @@ class GradientSink:
         self._norms[id(flat)] = norms
         self._finite[id(flat)] = (all(n is None or bool(torch.isfinite(n)) for n in norms)
                                   or all_finite(flat.grad))
+        if keep_in_ram:  # flat.grad stays the buffer until the optimizer hands it back
+            self._hold(flat, [buf])
+            if not write:
+                self._unwritten[id(flat)] = ("taken from RAM by the optimizer step overlapping "
+                                             "backward and not written to NVMe")
+                return
+        self._unwritten.pop(id(flat), None)
         future = _PendingWrite(self._writer.submit(self.store.write, grad_key(flat), flat.grad))
-        self.stats.add_moved("host_to_nvme", flat.numel * 4)
-        flat.grad = None
+        self.stats.add_moved("host_to_nvme", flat.numel * 4, "grads")
+        if not keep_in_ram:
+            flat.grad = None
         self._writes.append((future, buf, flat, None))
 
     def finish_backward(self) -> None:
@@ -649,7 +861,8 @@ class GradientSink:
             logger.warning("%s", exc)
 
     def lost(self, flat: FlatParam) -> Optional[str]:
-        """Why the flat's gradients were lost (a failed NVMe write), or None."""
+        """Why the flat's gradients were lost (a failed NVMe write, or gradients stepped from
+        RAM without being written whose update was undone), or None."""
         return self._lost.get(id(flat))
 
     # ---- p.grad outside backward (host tier) -----------------------------------------
@@ -679,6 +892,9 @@ class GradientSink:
         for flat in self._flats:
             if not flat.trainable or id(flat) in self._lost or not any(flat.grad_ready):
                 continue
+            if id(flat) in self._unwritten:  # nothing on NVMe to map: a placeholder that says so
+                self._expose_placeholders(flat)
+                continue
             mapped = None
             for i, slot in enumerate(flat.slots):
                 p = slot.param
@@ -691,6 +907,21 @@ class GradientSink:
                 g = torch.from_numpy(part).view(torch.float32).view(slot.shape)
                 p.grad = g
                 self._exposed[(id(flat), i)] = (flat, i, g, g._version, True)
+
+    def _expose_placeholders(self, flat: FlatParam) -> None:
+        """fp32 CPU parameters of a flat whose gradients were not kept: ``p.grad`` is a
+        tensor of the right shape that raises, naming infinity and the remedy, when used
+        (so ``clip_grad_norm_`` over ``model.parameters()`` fails loudly instead of leaving
+        it out)."""
+        for i, slot in enumerate(flat.slots):
+            p = slot.param
+            if (not flat.grad_ready[i] or not slot.trainable or p.dtype != torch.float32
+                    or p.device.type != "cpu"):
+                continue
+            g = gone_gradient(slot.shape, f"p.grad of {slot.qualname!r} was read, but the "
+                              f"gradients of {flat.key} were {self._unwritten[id(flat)]}")
+            p.grad = g
+            self._exposed[(id(flat), i)] = (flat, i, g, g._version, True)
 
     def _grad_map(self, flat: FlatParam):
         mapped = self._maps.get(id(flat))
@@ -706,6 +937,7 @@ class GradientSink:
         through the memory map is re-checksummed). ``detach`` also sets ``p.grad = None``
         (before autograd accumulates the next backward)."""
         nvme = self.tier is Tier.NVME
+        self._reclaim()
         rewrite: Dict[int, FlatParam] = {}
         rehash: Dict[int, FlatParam] = {}
         for key, (flat, i, given, version, is_view) in list(self._exposed.items()):
@@ -719,6 +951,10 @@ class GradientSink:
                     self._stale.setdefault(id(flat), set()).update(
                         range(s.offset // per, (s.offset + s.numel - 1) // per + 1))
             elif current is not given:
+                self.user_grad_changes += 1
+                if id(flat) in self._unwritten:
+                    raise self._not_kept(flat, f"p.grad of {flat.slots[i].qualname!r} was "
+                                               "replaced after backward, which would change")
                 self._open_flat(flat)
                 if id(flat) in self._chunked:
                     self._put_chunked(flat, i, current.detach().reshape(flat.slots[i].shape)
@@ -731,6 +967,7 @@ class GradientSink:
                 if nvme:
                     rewrite[id(flat)] = flat
             elif given._version != version:
+                self.user_grad_changes += 1
                 if nvme:
                     rehash[id(flat)] = flat
                 elif not is_view:
@@ -774,6 +1011,8 @@ class GradientSink:
             flat.slots[i].param.grad = None
         self._exposed.clear()
         self._lost.clear()
+        self._unwritten.clear()
+        self._reclaim()
         self._pending_norms.clear()
         self._valid.clear()
         self._stale.clear()
@@ -785,8 +1024,12 @@ class GradientSink:
         """Starts reading the flat's accumulated gradients (NVMe tier) into ``dst``."""
         if self.tier is not Tier.NVME:
             raise RuntimeError("gradients are in host RAM: use flat.grad")
+        if id(flat) in self._held_chunks:
+            return self.read_range(flat, 0, flat.numel, dst[:flat.numel])
+        if id(flat) in self._unwritten:
+            raise self._not_kept(flat, "the optimizer needed to read")
         future = self.store.read(grad_key(flat), dst)
-        self.stats.add_moved("nvme_to_host", flat.numel * 4)
+        self.stats.add_moved("nvme_to_host", flat.numel * 4, "grads")
         return future
 
     def range_elems(self, flat: FlatParam) -> int:
@@ -805,14 +1048,53 @@ class GradientSink:
         if dst.dtype != torch.float32 or dst.numel() != end - start:
             raise ValueError(f"infinity: read_range of {flat.key} [{start}, {end}) needs an fp32 "
                              f"buffer of {end - start} elements, got {dst.dtype} x {dst.numel()}")
+        kept = self._held_chunks.get(id(flat))
+        if kept is not None:  # chunks kept in RAM are copied, the others read
+            futures = []
+            for a, b, buf in self._chunk_parts(flat, start, end, kept):
+                part = dst[a - start:b - start]
+                if buf is not None:
+                    k0 = a // self._chunk_elems * self._chunk_elems
+                    part.copy_(buf[(a - k0) * 4:(b - k0) * 4].view(torch.float32))
+                else:  # written (evicted during backward, or at close)
+                    futures.append(self.store.read_at(grad_key(flat), a * 4, part))
+                    self.stats.add_moved("nvme_to_host", (b - a) * 4, "grads")
+            return _Gathered(futures)
+        if id(flat) in self._unwritten:
+            raise self._not_kept(flat, "the optimizer needed to read")
         future = self.store.read_at(grad_key(flat), start * 4, dst)
-        self.stats.add_moved("nvme_to_host", (end - start) * 4)
+        self.stats.add_moved("nvme_to_host", (end - start) * 4, "grads")
         return future
+
+    def _chunk_parts(self, flat: FlatParam, start: int, end: int,
+                     kept: Dict[int, torch.Tensor]) -> List[Tuple[int, int, Optional[torch.Tensor]]]:
+        """[start, end) cut at chunk edges: (a, b, the kept chunk's buffer or None), runs of
+        chunks on NVMe merged."""
+        per = self._chunk_elems
+        out: List[Tuple[int, int, Optional[torch.Tensor]]] = []
+        a = start
+        while a < end:
+            k = a // per
+            b = min(end, (k + 1) * per)
+            buf = kept.get(k)
+            if buf is None and out and out[-1][2] is None and out[-1][1] == a:
+                out[-1] = (out[-1][0], b, None)
+            else:
+                out.append((a, b, buf))
+            a = b
+        return out
 
     def verify_range(self, flat: FlatParam, start: int, dst: torch.Tensor) -> None:
         """Checks a completed :meth:`read_range` from ``start`` into ``dst`` (each chunk
-        against its checksum; a corrupted one is named)."""
-        self.store.verify_read_at(grad_key(flat), start * 4, dst)
+        against its checksum; a corrupted one is named; chunks served from RAM are not
+        checked)."""
+        kept = self._held_chunks.get(id(flat))
+        if kept is None:
+            self.store.verify_read_at(grad_key(flat), start * 4, dst)
+            return
+        for a, b, buf in self._chunk_parts(flat, start, start + dst.numel(), kept):
+            if buf is None:
+                self.store.verify_read_at(grad_key(flat), a * 4, dst[a - start:b - start])
 
     def wait_written(self, flat: FlatParam) -> None:
         """Waits until the flat's gradients closed in this backward are written (NVMe tier; a
@@ -837,6 +1119,9 @@ class GradientSink:
         return self._norms.get(id(flat))
 
     def verify(self, flat: FlatParam, dst: torch.Tensor) -> None:
+        if id(flat) in self._held_chunks:
+            self.verify_range(flat, 0, dst[:flat.numel])
+            return
         self.store.verify_read(grad_key(flat), dst)
 
     def gradient(self, flat: FlatParam, index: int) -> Optional[torch.Tensor]:
@@ -844,6 +1129,8 @@ class GradientSink:
             return None
         if flat.grad is not None:
             return flat.grad_view(index)
+        if id(flat) in self._unwritten:
+            raise self._not_kept(flat, f"{flat.slots[index].qualname!r}: reading")
         if flat.numel * 4 > self.pool.nbytes:  # the chunks holding the slot, one at a time
             return self._read_slot(flat, index)
         full = inf_io.aligned_empty(flat.numel, torch.float32)
@@ -899,6 +1186,7 @@ class GradientSink:
         try:
             self._drop_ahead()
             self._reap(block=True)
+            self._reclaim()
         finally:
             if self._writer is not None:
                 self._writer.shutdown(wait=True)

@@ -268,7 +268,12 @@ class HookHandlers:
             if self.partitioner is not None:  # reduce(-scatter) now, in backward order
                 self.partitioner.reduce_grads(flat, self.grads)
             else:
-                self.grads.close(flat)
+                # an optimizer stepping this block now may take its gradients from RAM: then
+                # they are not written to NVMe (see GradientSink.close)
+                taker = next((listener for listener in self.backward_listeners
+                              if listener.takes_in_ram(self, flat)), None)
+                self.grads.close(flat, keep_in_ram=taker is not None,
+                                 write=taker is None or taker.writes(self))
         self._release(block)
         for listener in self.backward_listeners:
             for flat in block.flats:

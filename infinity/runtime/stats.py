@@ -1,6 +1,8 @@
 """Counters the engine keeps: bytes per tier now and at peak, bytes moved, prefetch, stalls,
 and where the time of a training step went (forward+backward wall time, gradient offload,
-the optimizer's StepStats) with the bytes written to NVMe per optimizer step (SSD wear)."""
+the optimizer's StepStats) with the bytes written to NVMe per optimizer step (SSD wear), and
+the NVMe bytes per step by what they were (parameters, gradients, optimizer states,
+activations; read and written)."""
 from __future__ import annotations
 
 import threading
@@ -8,6 +10,13 @@ from dataclasses import dataclass, field
 from typing import Dict, Optional
 
 DIRECTIONS = ("nvme_to_host", "host_to_nvme", "host_to_device", "device_to_host")
+# what NVMe bytes were (reads: nvme_to_host, writes: host_to_nvme)
+NVME_CATEGORIES = ("params", "grads", "states", "activations")
+_NVME_DIRECTIONS = {"nvme_to_host": "read", "host_to_nvme": "written"}
+
+
+def _nvme_zero() -> Dict[str, int]:
+    return {f"{c}_{d}": 0 for c in NVME_CATEGORIES for d in ("read", "written")}
 
 
 @dataclass
@@ -45,12 +54,22 @@ class Stats:
     nvme_written_last_step: int = 0
     nvme_written_total: int = 0
     _nvme_written_mark: int = field(default=0, repr=False)
+    # NVMe bytes by what they were ("<category>_read" / "<category>_written"), since the last
+    # reset and in the last optimizer step (cut like nvme_written_last_step)
+    nvme_by_category: Dict[str, int] = field(default_factory=_nvme_zero)
+    nvme_by_category_last_step: Dict[str, int] = field(default_factory=_nvme_zero)
+    _nvme_category_mark: Dict[str, int] = field(default_factory=_nvme_zero, repr=False)
     _fb_t0: Optional[float] = field(default=None, repr=False)  # forward+backward in progress
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def add_moved(self, direction: str, nbytes: int) -> None:
+    def add_moved(self, direction: str, nbytes: int, category: str = "params") -> None:
+        """Counts bytes moved; NVMe reads and writes also by ``category`` (one of
+        :data:`NVME_CATEGORIES`; the parameter homes' swap I/O is the default)."""
         with self._lock:
             self.moved[direction] += nbytes
+            way = _NVME_DIRECTIONS.get(direction)
+            if way is not None:
+                self.nvme_by_category[f"{category}_{way}"] += nbytes
 
     def add_fetched(self, category: str, nbytes: int) -> None:
         with self._lock:
@@ -73,6 +92,9 @@ class Stats:
             self.activation_wait_seconds = 0.0
             self.nvme_written_last_step = self.nvme_written_total = 0
             self._nvme_written_mark = 0
+            self.nvme_by_category = _nvme_zero()
+            self.nvme_by_category_last_step = _nvme_zero()
+            self._nvme_category_mark = _nvme_zero()
             self._fb_t0 = None
 
     def forward_started(self, now: float) -> None:
@@ -102,6 +124,10 @@ class Stats:
             self.nvme_written_last_step = max(0, written - self._nvme_written_mark)
             self.nvme_written_total += self.nvme_written_last_step
             self._nvme_written_mark = written
+            now = dict(self.nvme_by_category)
+            self.nvme_by_category_last_step = {k: max(0, v - self._nvme_category_mark[k])
+                                               for k, v in now.items()}
+            self._nvme_category_mark = now
 
     def time_breakdown(self) -> Dict[str, object]:
         """Seconds since the last reset. Forward+backward wall time splits into ``compute``
