@@ -108,7 +108,7 @@ class _Worker:
         def run() -> None:
             try:
                 run_pipeline(self.feed, store, sets, compute, engine.working_copy_staged,
-                             self.stats, self.computed)
+                             self.stats, self.computed, commit=False)
             except BaseException as exc:  # noqa: BLE001 - reported at step(), then rolled back
                 self.error = exc
 
