@@ -1,6 +1,7 @@
 """The free-extent allocator of the optimizer's state file (infinity.tiers.extents)."""
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -114,3 +115,32 @@ def test_random_workload_against_a_page_map():
         assert sum(n for _, n in free) == a.free_bytes == pages.count(0) * P
         assert a.used == sum(live.values())
     assert a.capacity <= peak + 8 * P * 64
+
+
+def test_swap_store_reserves_grows_and_releases_a_files_blocks(tmp_path):
+    """SwapStore.reserve grows a one-piece file and reserves its blocks (ENOSPC up front);
+    release punches them out (the file keeps its size); span I/O works in both."""
+    import torch
+
+    from infinity import io as inf_io
+    from infinity.tiers import SwapStore
+    store = SwapStore(str(tmp_path), require_direct=False)
+    try:
+        store.create("f", 0)
+        store.reserve("f", 0, 4 * P)
+        store.reserve("f", 4 * P, 2 * P)
+        assert store.nbytes("f") == 6 * P and store.disk_bytes("f") >= 6 * P
+        buf = inf_io.aligned_empty(2 * P)
+        buf.copy_(torch.arange(2 * P, dtype=torch.int64).to(torch.uint8))
+        store.write_span("f", buf, 4 * P).wait()
+        released = store.release("f", 0, 4 * P)
+        if released:
+            assert store.disk_bytes("f") <= 2 * P + P  # the written extent (and metadata)
+        assert os.stat(store.path("f")).st_size == 6 * P
+        back = inf_io.aligned_empty(2 * P)
+        store.read_span("f", back, 4 * P).wait()
+        assert torch.equal(back, buf)
+        with pytest.raises(ValueError, match="outside"):
+            store.release("f", 4 * P, 4 * P)
+    finally:
+        store.close()

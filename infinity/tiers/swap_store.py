@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import errno as errno_mod
 import fcntl
+import functools
 import logging
 import os
 import shutil
@@ -13,7 +14,7 @@ import time
 import uuid
 import warnings
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -699,21 +700,29 @@ _FALLOC_FL_PUNCH_HOLE = 0x02
 _punch_ok = True
 
 
-def punch_hole(path: str, offset: int, nbytes: int) -> bool:
-    """fallocate(PUNCH_HOLE | KEEP_SIZE) on ``path``: True when the blocks were released,
-    False where the filesystem (or platform) cannot (said once in the log)."""
-    global _punch_ok
-    if not _punch_ok:
-        return False
+@functools.lru_cache(maxsize=None)
+def _fallocate() -> Any:
+    """libc's fallocate(2) through ctypes (None where there is none)."""
     import ctypes
     import ctypes.util
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fallocate = libc.fallocate
+        fn = libc.fallocate
     except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    return fn
+
+
+def punch_hole(path: str, offset: int, nbytes: int) -> bool:
+    """fallocate(PUNCH_HOLE | KEEP_SIZE) on ``path``: True when the blocks were released,
+    False where the filesystem (or platform) cannot (said once in the log)."""
+    global _punch_ok
+    fallocate = _fallocate() if _punch_ok else None
+    if fallocate is None:
         _punch_ok = False
         return False
-    fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    import ctypes
     fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
     try:
         if fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, nbytes) == 0:
