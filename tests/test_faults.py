@@ -28,7 +28,7 @@ from infinity.runtime.engine import Engine, engine_of, locate
 from infinity.runtime.flat import FlatParam
 from infinity.runtime.grads import GradientWriteError
 from infinity.tiers import HostPool, SwapStore
-from engine_helpers import assert_optimizer_states_equal, assert_tensors_equal
+from engine_helpers import assert_tensors_equal
 
 CFG = GPTConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=2, max_seq=16)
 STEPS = 5
