@@ -82,8 +82,9 @@ def test_swap_holds_the_states_once_plus_units_in_flight(tmp_path, states, chunk
 def test_overlap_keeps_old_states_of_the_stepped_units_until_the_step(tmp_path):
     """overlap=True (gradients and states on NVMe): the updates during backward write new
     extents and keep the old ones until opt.step() confirms them, so the peak of live extents
-    reaches the states twice (the stepped set: here every shard); after the step the old
-    extents are freed and the disk holds the states once again. The results equal a run
+    grows by the stepped set (here most of the model: at least 1.5x the states, against at
+    most 1.25x without overlap); after the step the old extents are freed and the disk holds
+    the states once again. The results equal a run
     without overlap bitwise."""
     runs = []
     for overlap in (False, True):
