@@ -12,7 +12,7 @@ results in bench_compact_states_master.json (+ .png). With a bf16 master every p
 master is in the optimizer state (the fp32 model's parameters then hold bf16 values).
 
 (1) NVMe step: bias-free square Linear layers (one block each, ~100M params), parameters and
-    gradients in host RAM, states on NVMe (A/B extents). Gradients are random values written
+    gradients in host RAM, states on NVMe. Gradients are random values written
     into the engine's gradient buffers (no backward), so only ``opt.step()`` is timed. Each
     format runs one warm-up step (creates the extents), then ``--steps`` timed steps; the
     formats run round-robin (``--rounds`` rounds) so drift of this shared machine hits all
@@ -91,7 +91,7 @@ class StepCase:
         states, master = split(fmt)
         self.opt = infinity.optim.AdamW(self.model.parameters(), lr=1e-4, states=states,
                                         master=master)
-        self.opt.step()  # warm-up: creates and writes the A/B extents
+        self.opt.step()  # warm-up: creates and writes the state extents
         self.times: List[float] = []
         self.stats: List = []
 

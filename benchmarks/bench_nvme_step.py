@@ -116,36 +116,44 @@ class DiskProbe:
 
 class ExtentProbe:
     """The same measurement on one case's *own* state extents and buffers: reads of the
-    committed extent of every shard, writes to the other one (which the next step overwrites
-    before anything reads it), every request in flight, into/from the case's own pipeline
-    buffer sets (scratch between steps). On the test VM one case of a run could be ~40%
-    slower than the others, with the same code and a fresh-file probe unchanged, so the step
-    is compared with the disk time of its own files and memory."""
+    committed extent of every unit (in the optimizer's state file), writes of as many bytes to
+    a file beside it (preallocated, as the free extents a step writes into), every request in
+    flight, into/from the case's own pipeline buffer sets (scratch between steps). On the test
+    VM one case of a run could be ~40% slower than the others, with the same code and a
+    fresh-file probe unchanged, so the step is compared with the disk time of its own files
+    and memory."""
 
     def __init__(self, case: "Case") -> None:
+        from infinity.optim.nvme_states import STATE_FILE
         store = case.opt._stores[id(case.engine)]
         sets = case.opt._sets[id(case.engine)]
         self.bufs = [sets.states[0], sets.states[1], sets.states[2]]
-        self.extents = []  # (committed path, inactive path, nbytes)
+        self.path = store.store.path(STATE_FILE)
+        self.extents = []  # (offset in the state file, offset in the probe file, nbytes)
+        at = 0
         for shard in case.opt._shards.values():
-            which = store.committed[shard.key]
-            self.extents.append((store.store.path(store.extent(shard.key, which)),
-                                 store.store.path(store.extent(shard.key, 1 - which)),
-                                 store.layout(shard).nbytes))
-        self.nbytes = sum(e[2] for e in self.extents)
+            for ext in store.committed[shard.key]:
+                self.extents.append((ext.offset, at, ext.nbytes))
+                at += ext.nbytes
+        self.nbytes = at
+        self.spare = os.path.join(os.path.dirname(self.path), "probe-writes.swp")
+        h = inf_io.FileHandle(self.spare, "w+", require_direct=True)
+        h.allocate(max(self.nbytes, inf_io.ALIGNMENT))
+        h.close()
 
     def _run(self, reads: bool, writes: bool) -> float:
         handles = []
         try:
             futures = []
             t0 = time.perf_counter()
-            for i, (committed, inactive, n) in enumerate(self.extents):
+            src = inf_io.FileHandle(self.path, "r", require_direct=True) if reads else None
+            dst = inf_io.FileHandle(self.spare, "r+", require_direct=True) if writes else None
+            handles = [h for h in (src, dst) if h is not None]
+            for i, (offset, at, n) in enumerate(self.extents):
                 if reads:
-                    handles.append(inf_io.FileHandle(committed, "r", require_direct=True))
-                    futures.append(handles[-1].pread(self.bufs[i % 2], 0, n))
+                    futures.append(src.pread(self.bufs[i % 2][:n], offset))
                 if writes:
-                    handles.append(inf_io.FileHandle(inactive, "r+", require_direct=True))
-                    futures.append(handles[-1].pwrite(self.bufs[2], 0, n))
+                    futures.append(dst.pwrite(self.bufs[2][:n], at))
             for fut in futures:
                 fut.wait()
             return time.perf_counter() - t0

@@ -87,7 +87,7 @@ _CHILD = textwrap.dedent(r"""
     def category(name):
         if name.endswith(".grad.swp"):
             return "gradients"
-        if ".opt" in name or ".state" in name:
+        if ".opt" in name or ".state" in name or name.startswith("optimizer-states"):
             return "optimizer states"
         if name.endswith(".swp"):
             return "parameters"
@@ -177,7 +177,8 @@ _CHILD = textwrap.dedent(r"""
                       "stall_s": s["stall_seconds"], "VmHWM": status("VmHWM"),
                       "peak_rss_anon_sampled": sampler.anon,
                       "peak_rss_file_sampled": sampler.file,
-                      "VmRSS": status("VmRSS"), "swap": swap_bytes(args["nvme"])})
+                      "VmRSS": status("VmRSS"), "swap": swap_bytes(args["nvme"]),
+                      "swap_categories": s.get("swap")})
         print(json.dumps({"progress": i, "loss": loss.item(), "fwd_bwd_s": t1 - t0,
                           "step_s": t2 - t1, "VmHWM": status("VmHWM"),
                           "anon_peak": sampler.anon, "file_peak": sampler.file,
@@ -307,6 +308,10 @@ def main(argv: Optional[list] = None) -> int:
         print("  NVMe B/param: " + ", ".join(f"{k} {v:.2f}" for k, v in per.items() if v)
               + f"; SSD wear {s['nvme_per_step']['tb_written_per_1000_steps']:.3f} TB per "
               "1,000 steps")
+        sc = s.get("swap_categories")
+        if sc:
+            print("  swap B/param: " + ", ".join(f"{k} {v:.2f}" for k, v in
+                                                  sc["per_param"].items()))
     print(f"eval loss after training: {run['eval_loss']:.4f}")
     out = args.out or os.path.join(
         HERE, "results", "bench_real_models_quick.json" if args.quick else

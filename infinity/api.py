@@ -107,6 +107,27 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
+def _swap_bytes(engine: Any) -> Dict[str, Any]:
+    """Swap bytes by category: ``parameters`` (homes on NVMe), ``gradients`` (gradient files
+    on NVMe), and the NVMe optimizer states' ``master``, ``moments`` and ``spare`` (beyond the
+    committed states: extents in flight or kept for an update not yet confirmed); ``disk``
+    the state files' blocks on the filesystem, ``peak`` their most live bytes so far;
+    ``per_param`` each divided by the model's parameters."""
+    from .optim.offloaded_adam import swap_bytes_of
+    homes = engine.tier_bytes()["nvme"]["params"]
+    grads = sum(f.numel * 4 for f in engine.flats if f.trainable) if engine.grads.on_nvme else 0
+    states = swap_bytes_of(engine)
+    out: Dict[str, Any] = {"parameters": homes, "gradients": grads,
+                           "master": states.get("master", 0),
+                           "moments": states.get("moments", 0),
+                           "spare": states.get("spare", 0),
+                           "states_disk": states.get("disk", 0),
+                           "states_peak": states.get("peak", 0)}
+    n = max(1, sum(f.numel for f in engine.flats))
+    out["per_param"] = {k: v / n for k, v in out.items()}
+    return out
+
+
 def stats(model: nn.Module, *, reset: bool = False) -> Dict[str, Any]:
     """Bytes per tier (now and peak), bytes moved per direction, prefetch hits and misses,
     seconds stalled waiting for data. ``time``: seconds spent since the last reset in compute
@@ -124,7 +145,8 @@ def stats(model: nn.Module, *, reset: bool = False) -> Dict[str, Any]:
     and their moments' bytes (``{"params", "numel", "moment_bytes"}``). ``fetched``: bytes
     fetched into compute buffers in their stored format, by category
     ``"<frozen|trainable|mixed>.<layer|outer|root>.<nf4|int8|dtype>"`` (with frozen_format,
-    ``frozen.layer.nf4`` is the quantized base)."""
+    ``frozen.layer.nf4`` is the quantized base). ``swap``: the swap bytes by category and per
+    parameter (parameters, gradients, master, moments, spare)."""
     engine = _engine(model)
     s = engine.stats
     out = {
@@ -151,6 +173,7 @@ def stats(model: nn.Module, *, reset: bool = False) -> Dict[str, Any]:
     formats = state_formats_of(engine)
     if formats:  # infinity optimizers' moment formats: {fmt: {params, numel, moment_bytes}}
         out["optimizer_states"] = formats
+    out["swap"] = _swap_bytes(engine)
     if engine.partitioner is not None:  # ZeRO: stage, rank, collective calls/bytes/seconds
         out["zero"] = engine.partitioner.stats()
         if reset:

@@ -111,7 +111,7 @@ def run(args: argparse.Namespace, write: Write) -> List[float]:
             write(f"  {tier:<7} {_fmt_bytes(d['now']):>12} / {_fmt_bytes(d['peak']):>12}"
                   f"{'   (' + extra + ')' if extra else ''}\n")
         held = ", ".join(f"{_fmt_bytes(n)} on {t}" for t, n in opt.state_bytes.items() if n)
-        write(f"  optimizer states (fp32 master + 2 moments; on NVMe as A/B extents): {held}\n")
+        write(f"  optimizer states (fp32 master + 2 moments; on NVMe once, plus the units in flight): {held}\n")
         write("what moved where (whole run, optimizer traffic included):\n")
         for direction, n in s["moved"].items():
             write(f"  {direction.replace('_', ' '):<16} {_fmt_bytes(n):>12}\n")

@@ -330,10 +330,13 @@ def test_load_state_dict_from_a_different_model_raises():
 @pytest.mark.parametrize("param_tier", ["host", "nvme"])
 def test_disk_full_during_state_write_keeps_previous_states(tmp_path, param_tier):
     """ENOSPC in the middle of a step's state writes: the error says the disk is full and
-    names the shard and nvme_path; nothing of that step is applied; after the fault is cleared
-    the same step gives exactly what a run that never failed gives. Parameters on host: they
-    are restored from the committed masters before step() raises. Parameters on NVMe: their
-    rewrite also needs the disk, so it is retried at the next step() (checked by the result)."""
+    names the shard and nvme_path; each shard holds either its states from before the step or
+    those of a run that never failed after it (the optimizer counts the step only for the
+    latter, and at least one shard kept its old states); after the fault is cleared the same
+    step gives exactly what a run that never failed gives. Parameters on host: they are
+    restored from the committed masters before step() raises, so they follow their shard's
+    states. Parameters on NVMe: their rewrite also needs the disk, so it is retried at the
+    next step() (checked by the result)."""
     def setup():
         model = infinity.wrap(_model(), nvme_path=str(tmp_path), optimizer_tier="nvme",
                               param_tier=param_tier)
@@ -348,9 +351,16 @@ def test_disk_full_during_state_write_keeps_previous_states(tmp_path, param_tier
     ref_model, ref_opt = setup()
     gen = torch.Generator().manual_seed(1)
     ref_losses = []
-    for _ in range(4):
+    around = {}
+    for step in range(4):
         ref_losses.append(backward(ref_model, gen))
+        if step == 2:
+            with infinity.materialized(ref_model):
+                around["before"] = (_weights(ref_model), ref_opt.state_dict())
         ref_opt.step()
+        if step == 2:
+            with infinity.materialized(ref_model):
+                around["after"] = (_weights(ref_model), ref_opt.state_dict())
         ref_opt.zero_grad()
     infinity.unwrap(ref_model)
     ref_opt.close()
@@ -373,11 +383,29 @@ def test_disk_full_during_state_write_keeps_previous_states(tmp_path, param_tier
                 infinity.io.clear_faults()
             assert info.value.errno == errno.ENOSPC
             assert str(tmp_path) in str(info.value) and "block" in str(info.value)
+            assert_optimizer_states_equal(sd_before, around["before"][1])
+            if param_tier == "host":
+                assert_tensors_equal(before, around["before"][0])
+            sd_mid = opt.state_dict()
             if param_tier == "host":
                 with infinity.materialized(model):
-                    assert_tensors_equal(_weights(model), before)
-            sd_after = opt.state_dict()
-            assert_optimizer_states_equal(sd_before, sd_after)
+                    w_mid = _weights(model)
+            params = [p for g in opt.param_groups for p in g["params"]]
+            index = {id(p): i for i, p in enumerate(params)}
+            names = {id(p): n for n, p in model.named_parameters()}
+            kept = 0
+            for shard in opt._shards.values():
+                took = shard.key in opt._done
+                kept += not took
+                w, sd = around["after" if took else "before"]
+                for slot in shard.flat.slots:
+                    i = index[id(slot.param)]
+                    assert_optimizer_states_equal({"state": {i: sd_mid["state"][i]}},
+                                                  {"state": {i: sd["state"][i]}})
+                    if param_tier == "host":
+                        name = names[id(slot.param)]
+                        assert torch.equal(w_mid[name], w[name]), name
+            assert kept > 0
         opt.step()  # the gradients are still there: retry the step
         opt.zero_grad()
     infinity.unwrap(model)
@@ -558,8 +586,10 @@ def test_auto_tier_and_step_stats(tmp_path):
     assert st.hidden_fraction is not None and 0.0 <= st.hidden_fraction <= 1.0
     moved = infinity.stats(model)["moved"]
     assert moved["nvme_to_host"] >= 2 * st.bytes_read and moved["host_to_nvme"] > 0
-    files = [f for d, _, fs in os.walk(tmp_path) for f in fs if ".opt" in f]
-    assert len(files) == 6  # A and B extents for each of the 3 shards
+    files = [f for d, _, fs in os.walk(tmp_path) for f in fs if f.startswith("optimizer-")]
+    assert len(files) == 1  # one state file: an extent per shard, held once
+    store = next(iter(opt._stores.values()))
+    assert store.nbytes == sum(store.plan(s).nbytes for s in opt._shards.values())
     infinity.unwrap(model)
     opt.close()
     host = infinity.wrap(_model())

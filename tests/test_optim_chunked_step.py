@@ -261,49 +261,63 @@ def test_parameters_written_between_steps(tmp_path):
     _equal(s1, s2)
 
 
-def test_extent_checksum_after_chunked_write(tmp_path):
-    """The CRC the store records for an extent written in pieces is the CRC32C of the file's
-    bytes (checkpoints copy the extent with it), and a whole read verifies against it."""
+def test_unit_checksums_after_chunked_write(tmp_path):
+    """Each unit of a chunked shard is an extent of its own in the state file: the CRC the
+    store records for it is the CRC32C of the file's bytes there, and a whole read (units put
+    together into the shard's layout) verifies against them."""
     model = _model()
     infinity.wrap(model, nvme_path=str(tmp_path), optimizer_tier="nvme")
     opt = infinity.optim.AdamW(model.parameters(), lr=1e-2, chunk_bytes=TINY)
     _train(model, opt, 2)
     store = next(iter(opt._stores.values()))
+    path = store.store.path("optimizer-states")
+    data = open(path, "rb").read()
     checked = 0
     for shard in opt._shards.values():
         if not store.plan(shard).chunked:
             continue
-        path, nbytes, crc = opt.committed_extent(shard.key)
-        with open(path, "rb") as f:
-            data = f.read()
-        assert len(data) == nbytes
-        assert inf_io.crc32c(torch.frombuffer(bytearray(data), dtype=torch.uint8)) == crc
+        assert opt.committed_extent(shard.key) is None  # not one contiguous layout
+        for un, ext in zip(store.plan(shard).units, store.committed[shard.key]):
+            assert ext.nbytes == un.nbytes and ext.offset % 4096 == 0
+            raw = torch.frombuffer(bytearray(data[ext.offset:ext.end]), dtype=torch.uint8)
+            assert inf_io.crc32c(raw) == ext.crc
         buf = store.empty(shard)
-        store.read(shard, buf).wait()
-        store.verify(shard, buf)  # raises on mismatch
+        store.read_whole(shard, buf)  # raises on mismatch
         checked += 1
     assert checked >= 2
     opt.close()
     infinity.unwrap(model)
 
 
-def test_corrupted_chunked_extent_is_detected_before_commit(tmp_path):
+def test_corrupted_unit_is_detected_before_it_is_stepped(tmp_path):
+    """One byte flipped in the last unit of a chunked shard: the step raises
+    SwapCorruptionError naming it; that unit was neither stepped nor committed (its extent
+    and CRC are as before), and every unit that did commit is recorded as stepped."""
     model = _model()
     infinity.wrap(model, nvme_path=str(tmp_path), optimizer_tier="nvme")
     opt = infinity.optim.AdamW(model.parameters(), lr=1e-2, chunk_bytes=TINY)
     _train(model, opt, 1)
     store = next(iter(opt._stores.values()))
     shard = next(s for s in opt._shards.values() if store.plan(s).chunked)
-    path, nbytes, _ = opt.committed_extent(shard.key)
-    committed = dict(store.committed)
-    with open(path, "r+b") as f:  # one byte in the middle of the last unit's pages
-        f.seek(nbytes - 4096 - 17)
+    before = {k: list(v) for k, v in store.committed.items()}
+    last = before[shard.key][-1]
+    path = store.store.path("optimizer-states")
+    with open(path, "r+b") as f:  # one byte in the middle of the last unit's extent
+        f.seek(last.offset + last.nbytes // 2)
         b = f.read(1)
-        f.seek(nbytes - 4096 - 17)
+        f.seek(last.offset + last.nbytes // 2)
         f.write(bytes([b[0] ^ 0x40]))
-    with pytest.raises(SwapCorruptionError, match="corrupted"):
+    with pytest.raises(SwapCorruptionError, match="corrupted") as info:
         _train(model, opt, 1, seed=3)
-    assert store.committed == committed  # nothing committed
+    assert shard.key in str(info.value)
+    assert store.committed[shard.key][-1] == last  # not stepped, not committed
+    for key, units in store.committed.items():
+        s = next(x for x in opt._shards.values() if x.key == key)
+        changed = {i for i, (old, new) in enumerate(zip(before[key], units)) if old != new}
+        if key in opt._done:
+            assert changed == set(range(len(units)))
+        else:
+            assert changed == store.stepped(s)
     opt.close()
     infinity.unwrap(model)
 
@@ -452,10 +466,11 @@ def test_chunk_from_policy_and_size_string(tmp_path):
 # ---- geometry ---------------------------------------------------------------------------
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "8bit", "mixed"])
 @pytest.mark.parametrize("chunk", [8 << 10, 20 << 10, 64 << 10])
-def test_unit_geometry_tiles_the_extent(tmp_path, fmt, chunk):
-    """Every page of the extent is read by every unit touching it and written by exactly one
-    (its last toucher); units cover the elements in order; buffers stay within the chunk
-    (plus its edge pages) once the chunk is above the per-region page slack."""
+def test_unit_geometry_tiles_the_layout(tmp_path, fmt, chunk):
+    """Units cover the elements in order; each unit's extent packs its spans without overlap
+    (4096-aligned size); over all units the spans of each region tile it in order, so the
+    units together hold every byte of the shard's layout once; extents stay within the chunk
+    once the chunk is above the per-region slack."""
     from infinity.optim.state_store import layout_for
     model = _model()
     infinity.wrap(model, nvme_path=str(tmp_path), optimizer_tier="nvme")
@@ -472,35 +487,32 @@ def test_unit_geometry_tiles_the_extent(tmp_path, fmt, chunk):
             continue
         assert [u.start for u in plan.units][0] == 0 and plan.units[-1].end == layout.numel
         assert all(x.end == y.start for x, y in zip(plan.units, plan.units[1:]))
-        written = sorted((q.offset, q.nbytes) for u in plan.units for q in u.writes)
-        pos = 0
-        for off, n in written:
-            assert off == pos and n % page == 0
-            pos += n
-        assert pos == layout.nbytes
+        assert plan.nbytes == sum(u.nbytes for u in plan.units)
+        ends: Dict[str, int] = {}
+        content = 0
         for u in plan.units:
-            for name, s, e, p in u.spans:  # each span lies in pages the unit reads
-                covered = [q for q in u.reads if q.offset <= s and e <= q.offset + q.nbytes
-                           or (q.offset <= s < q.offset + q.nbytes)]
-                assert covered, (name, s, e)
+            assert u.nbytes % page == 0
+            at = 0
+            for name, s0, e0, p in sorted(u.spans, key=lambda x: x[3]):
+                assert p >= at and p + (e0 - s0) <= u.nbytes  # packed, no overlap
+                at = p + (e0 - s0)
+                assert ends.get(name, s0) == s0, name  # the region tiled in order
+                ends[name] = e0
+                content += e0 - s0
             if chunk >= 2 * 9 * page + 256 * 12:
                 assert u.nbytes <= chunk
-        if fmt == "mixed":  # every region tiled by the units' spans, in order
-            ends: Dict[str, int] = {}
-            for u in plan.units:
-                for name, s0, e0, _ in u.spans:
-                    assert ends.get(name, s0) == s0, name
-                    ends[name] = e0
+        assert content == layout.master_nbytes + layout.moment_nbytes
+        # the unit-major extents cost at most a page (and 16-byte span starts) per unit
+        assert plan.nbytes <= layout.nbytes + len(plan.units) * (page + 16 * 9)
+        whole = torch.randint(0, 256, (layout.nbytes,), dtype=torch.uint8)
+        back = torch.zeros_like(whole)
+        tmp = torch.empty(plan.buffer_nbytes, dtype=torch.uint8)
+        for u in plan.units:  # gather then scatter: every content byte comes back
+            chunks.gather_unit(u, whole, tmp)
+            chunks.scatter_unit(u, tmp, back)
+        n = layout.master_nbytes + layout.moment_nbytes
+        assert torch.equal(back[:n], whole[:n])
     infinity.unwrap(model)
-
-
-def test_crc_of_pieces_combines_to_the_whole():
-    data = torch.randint(0, 256, (5 * 4096,), dtype=torch.uint8)
-    cuts = [0, 4096, 8192, 16384, 5 * 4096]
-    pieces = [(a, b - a, inf_io.crc32c(data[a:b])) for a, b in zip(cuts, cuts[1:])]
-    assert chunks.combine_pieces(pieces[::-1], len(data)) == inf_io.crc32c(data)
-    with pytest.raises(RuntimeError):
-        chunks.combine_pieces(pieces[1:], len(data))
 
 
 def test_bench_nvme_chunked_step_quick(tmp_path):

@@ -195,9 +195,11 @@ _COPY_FALLBACK = {errno_mod.EXDEV, errno_mod.ENOSYS, errno_mod.EOPNOTSUPP, errno
                   errno_mod.EBADF}
 
 
-def _kernel_copy(src: int, dst: int, nbytes: int, dst_offset: int, progress: Any) -> None:
-    """Copies ``nbytes`` from offset 0 of ``src`` to ``dst_offset`` of ``dst`` inside the
-    kernel: copy_file_range (a reflink on XFS/btrfs), else sendfile; never through Python."""
+def _kernel_copy(src: int, dst: int, nbytes: int, dst_offset: int, progress: Any,
+                 src_offset: int = 0) -> None:
+    """Copies ``nbytes`` from ``src_offset`` of ``src`` to ``dst_offset`` of ``dst`` inside
+    the kernel: copy_file_range (a reflink on XFS/btrfs), else sendfile; never through
+    Python."""
     done = 0
     use_cfr = hasattr(os, "copy_file_range")
     while done < nbytes:
@@ -205,14 +207,14 @@ def _kernel_copy(src: int, dst: int, nbytes: int, dst_offset: int, progress: Any
         n = 0
         if use_cfr:
             try:
-                n = os.copy_file_range(src, dst, step, done, dst_offset + done)
+                n = os.copy_file_range(src, dst, step, src_offset + done, dst_offset + done)
             except OSError as exc:
                 if exc.errno not in _COPY_FALLBACK:
                     raise
                 use_cfr = False
         if not use_cfr:
             os.lseek(dst, dst_offset + done, os.SEEK_SET)
-            n = os.sendfile(dst, src, done, step)
+            n = os.sendfile(dst, src, src_offset + done, step)
         if n <= 0:
             raise OSError(errno_mod.EIO, f"the state file ended after {done} of {nbytes} bytes")
         done += n
@@ -222,9 +224,10 @@ def _kernel_copy(src: int, dst: int, nbytes: int, dst_offset: int, progress: Any
 
 def write_extent_file(path: str, src_path: str, nbytes: int,
                       tensors: Sequence[Tuple[str, torch.dtype, Tuple[int, ...], int]],
-                      metadata: Optional[Dict[str, str]] = None, progress: Any = None
-                      ) -> Tuple[int, int]:
-    """A safetensors file whose data section is the ``nbytes`` of ``src_path``, copied by the
+                      metadata: Optional[Dict[str, str]] = None, progress: Any = None,
+                      src_offset: int = 0) -> Tuple[int, int]:
+    """A safetensors file whose data section is the ``nbytes`` of ``src_path`` from
+    ``src_offset``, copied by the
     kernel: ``tensors`` (name, dtype, shape, byte offset in the data) describe it, gaps and the
     tail are covered by ``__pad__.N`` U8 tensors, the JSON header is padded with spaces so the
     data starts at byte 4096. Returns (file size, CRC32C of the first 4096*k header bytes)."""
@@ -258,7 +261,7 @@ def write_extent_file(path: str, src_path: str, nbytes: int,
         _write_bytes(fd, memoryview(head))
         src = os.open(src_path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
-            _kernel_copy(src, fd, nbytes, start, progress)
+            _kernel_copy(src, fd, nbytes, start, progress, src_offset)
         finally:
             os.close(src)
         os.fsync(fd)

@@ -39,17 +39,19 @@ class _Writer:
         self.progress = progress
         self.files: Dict[str, Dict[str, int]] = {}
 
-    def write_extent(self, rel: str, src: Tuple[str, int, int],
+    def write_extent(self, rel: str, src: Tuple[Any, ...],
                      tensors: List[Tuple[str, torch.dtype, Tuple[int, ...], int]],
                      metadata: Dict[str, str]) -> str:
-        """A file whose data section is the file ``src`` = (path, nbytes, crc32c), copied by the
-        kernel; the manifest records the header's and the data's CRC32C apart."""
+        """A file whose data section is ``src`` = (path, nbytes, crc32c[, offset]): that many
+        bytes of the file from ``offset`` (default 0), copied by the kernel; the manifest
+        records the header's and the data's CRC32C apart."""
         path = os.path.join(self.root, rel)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        src_path, nbytes, data_crc = src
+        src_path, nbytes, data_crc = src[:3]
+        src_offset = src[3] if len(src) > 3 else 0
         size, header_crc = files_mod.write_extent_file(path, src_path, nbytes, tensors,
                                                        {"format": "pt", **metadata},
-                                                       self.progress)
+                                                       self.progress, src_offset)
         self.files[rel] = {"size": size, "data_offset": size - nbytes,
                            "header_crc32c": header_crc, "data_crc32c": data_crc}
         return rel

@@ -13,27 +13,23 @@ blocks start at its first element, see :class:`.state_store.StateLayout`), and
 :func:`byte_spans` maps one range to the byte span it occupies in each region of a
 one-format state layout. :func:`plan_chunks` turns them into O_DIRECT requests.
 
-Partial pages. The extent keeps its layout (checkpoints copy it as is), so a unit's spans are
-not 4096-byte aligned in general and neighbouring units (and, across a region boundary, the
-last and the first unit) share edge pages. Each unit reads the whole pages its spans touch.
-Every page is *owned* by the last unit (in step order) that touches it, and only its owner
-writes it: an earlier unit that touches the page hands its new bytes on in a one-page
-*carry* (copied into the next toucher's buffer just before that unit is stepped). So each
-page of the new extent is written exactly once, with every unit's new bytes in it, and the
-pieces each unit writes (its owned pages) tile the extent: their CRC32Cs, combined in file
-order (:func:`crc32c_combine`), are the extent's. Reads are split the same way (owned pages /
-edge pages owned by another unit), so the owned read pieces tile the committed extent too and
-their combined CRC is checked against the one recorded for it.
+On disk each unit is an extent of its own (see :class:`.state_store.NvmeStates`): the byte
+spans of its element range in every region of the layout, packed one after the other (each
+at a 16-byte boundary) and padded to 4096 bytes. So a unit is read and written as one
+aligned request, shares no page with another unit, carries its own CRC32C and can be
+committed alone: a step writes it into a free extent and switches the shard's map. The
+layout of the whole shard (what :func:`byte_spans` describes) is what a unit's ``spans``
+scatter to and gather from when the whole shard is read or written at once.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import torch
 
 from .. import io as inf_io
-from ..io.crc import crc32c_combine  # noqa: F401 (the extent CRC from its pieces')
+from ..io.crc import crc32c_combine  # noqa: F401 (re-exported)
 from ..ops.adam_compact import BLOCK_SIZE, num_blocks
 from ..tiers.chunk_size import (  # noqa: F401 (the optimizer's chunk is the engine's)
     BUDGET_FRACTION, DEFAULT_CHUNK_BYTES, MIN_DEFAULT_CHUNK_BYTES, check_chunk_bytes,
@@ -42,6 +38,7 @@ from ..tiers.chunk_size import (  # noqa: F401 (the optimizer's chunk is the eng
 if TYPE_CHECKING:  # pragma: no cover
     from .state_store import StateLayout
 
+_SPAN_ALIGN = 16  # bytes: where each span starts in a unit's extent
 _BYTES_PER_ELEMENT = {"fp32": 12.0, "bf16": 8.0, "8bit": 6.0 + 8.0 / BLOCK_SIZE}
 
 
@@ -67,7 +64,8 @@ NOTHING_BESIDE = Beside()
 
 
 def _per_unit(chunk_bytes: int, spans: int, bpe: float, beside: Beside) -> int:
-    usable = chunk_bytes - 2 * spans * inf_io.ALIGNMENT
+    # the unit's extent: its spans, each at a 16-byte boundary, padded to a page
+    usable = chunk_bytes - inf_io.ALIGNMENT - spans * _SPAN_ALIGN
     if beside.fixed <= usable // 2:
         usable -= beside.fixed
     return max(BLOCK_SIZE, int(usable // (bpe + beside.per_element)) // BLOCK_SIZE
@@ -95,8 +93,8 @@ def _cut(n: int, per: int, slots: List[Tuple[int, int]]) -> List[Tuple[int, int]
 def element_ranges(layout: "StateLayout", slots: List[Tuple[int, int]],
                    chunk_bytes: int, beside: Beside = NOTHING_BESIDE) -> List[Tuple[int, int]]:
     """[start, end) element ranges covering ``[0, layout.numel)`` whose state bytes (plus
-    what moves ``beside`` them) are at most about ``chunk_bytes`` each (one page of slack per
-    region is left for the partial pages of unaligned spans). ``slots``: (offset, numel) of
+    what moves ``beside`` them) are at most about ``chunk_bytes`` each (a page of slack is left
+    for the padding of the unit's extent). ``slots``: (offset, numel) of
     each slot, in shard order. Every boundary is a slot start, a slot end, or a 256-element
     block boundary inside a slot, so no 8-bit block is ever split. Only one-format layouts
     with an fp32 master."""
@@ -204,27 +202,16 @@ def mixed_spans(layout: "StateLayout", slots: List[Tuple[int, int]], a: int,
     return out
 
 
-# ---- units: the O_DIRECT requests of one element range ------------------------------------
-@dataclass(frozen=True)
-class Piece:
-    """A page-aligned request: ``nbytes`` at ``offset`` of the extent, at ``pos`` of the unit's
-    buffer; ``owned``: the unit owns these pages (it writes them; they count for the CRC)."""
-
-    offset: int
-    nbytes: int
-    pos: int
-    owned: bool
+# ---- units: one extent per element range ---------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Unit:
-    """One element range ``[start, end)`` of a shard and where its bytes go.
+    """One element range ``[start, end)`` of a shard and its extent of ``nbytes``.
 
-    ``whole``: the unit is the whole extent (a shard not larger than a chunk, or a layout that
-    is not cut): one read and one write of ``nbytes``, as :class:`.state_store.NvmeStates`
-    always did. Else ``spans`` (name, extent start, extent end, buffer position) place each
-    state region's bytes in the buffer, ``reads``/``writes`` are its requests and ``shared``
-    (extent page offset, buffer position, owned) the pages another unit touches too."""
+    ``whole``: the unit is the whole shard (a shard not larger than a chunk, or a layout that
+    is not cut): its extent is the shard's layout itself. Else ``spans`` (name, layout start,
+    layout end, position in the extent) place each state region's bytes of the range."""
 
     index: int
     start: int
@@ -234,14 +221,11 @@ class Unit:
     last: bool = True
     blocks: Tuple[int, int] = (0, 0)
     spans: Tuple[Tuple[str, int, int, int], ...] = ()
-    reads: Tuple[Piece, ...] = ()
-    writes: Tuple[Piece, ...] = ()
-    shared: Tuple[Tuple[int, int, bool], ...] = ()
 
 
 @dataclass(frozen=True)
 class ChunkPlan:
-    """A shard's units, in step order."""
+    """A shard's units, in step order; ``nbytes``: the bytes of all their extents."""
 
     nbytes: int
     units: Tuple[Unit, ...]
@@ -264,8 +248,7 @@ def chunkable(layout: "StateLayout") -> bool:
 
 def whole_plan(layout: "StateLayout") -> ChunkPlan:
     n = layout.nbytes
-    return ChunkPlan(n, (Unit(0, 0, layout.numel, n, reads=(Piece(0, n, 0, True),),
-                              writes=(Piece(0, n, 0, True),)),))
+    return ChunkPlan(n, (Unit(0, 0, layout.numel, n),))
 
 
 def plan_chunks(layout: "StateLayout", slots: List[Tuple[int, int]],
@@ -280,54 +263,34 @@ def plan_chunks(layout: "StateLayout", slots: List[Tuple[int, int]],
                                                                 beside)
     if len(ranges) <= 1:
         return whole_plan(layout)
-    page = inf_io.ALIGNMENT
-    extent = layout.nbytes
     spans_of = mixed_spans if layout.mixed else byte_spans
-    all_spans = [[sp for sp in spans_of(layout, slots, a, b) if sp[2] > sp[1]]
-                 for a, b in ranges]
     eight = slots_of(layout, slots, "8bit")
-    touchers: Dict[int, Set[int]] = {}  # edge page index -> units touching it
-    for r, spans in enumerate(all_spans):
-        for _, s, e in spans:
-            for p in {s // page, (e - 1) // page}:
-                touchers.setdefault(p, set()).add(r)
-    # the extent's padding after the last region lies in the last region's last page
     units: List[Unit] = []
-    owned_total = 0
-    for r, ((a, b), spans) in enumerate(zip(ranges, all_spans)):
-        pages: List[int] = []
-        for _, s, e in spans:
-            pages.extend(range(s // page, (e - 1) // page + 1))
-        pages = sorted(set(pages))
-        pos_of = {p: i * page for i, p in enumerate(pages)}
-
-        def owned(p: int, r: int = r) -> bool:
-            ts = touchers.get(p)
-            return ts is None or max(ts) == r
-
-        reads: List[Piece] = []
-        for i, p in enumerate(pages):  # maximal runs of consecutive pages, same ownership
-            own = owned(p)
-            last = reads[-1] if reads else None
-            if (last is not None and last.owned == own
-                    and last.offset + last.nbytes == p * page
-                    and last.pos + last.nbytes == pos_of[p]):
-                reads[-1] = Piece(last.offset, last.nbytes + page, last.pos, own)
-            else:
-                reads.append(Piece(p * page, page, pos_of[p], own))
-        writes = tuple(q for q in reads if q.owned)
-        owned_total += sum(q.nbytes for q in writes)
-        shared = tuple((p * page, pos_of[p], owned(p)) for p in pages
-                       if len(touchers.get(p, ())) > 1)
-        placed = tuple((name, s, e, pos_of[s // page] + s % page) for name, s, e in spans)
+    for r, (a, b) in enumerate(ranges):
+        placed, pos = [], 0
+        for name, s, e in spans_of(layout, slots, a, b):
+            if e > s:
+                placed.append((name, s, e, pos))
+                pos = -(-(pos + e - s) // _SPAN_ALIGN) * _SPAN_ALIGN
+        nbytes = -(-max(pos, 1) // inf_io.ALIGNMENT) * inf_io.ALIGNMENT
         blocks = (blocks_before(eight, a), blocks_before(eight, b)) if eight else (0, 0)
-        units.append(Unit(r, a, b, len(pages) * page, whole=False,
-                          last=r == len(ranges) - 1, blocks=blocks, spans=placed,
-                          reads=tuple(reads), writes=writes, shared=shared))
-    if owned_total != extent:  # every page owned exactly once: the pieces tile the extent
-        raise RuntimeError(f"infinity.optim: chunk plan owns {owned_total} of {extent} bytes "
-                           "(a bug in the unit geometry)")
-    return ChunkPlan(extent, tuple(units))
+        units.append(Unit(r, a, b, nbytes, whole=False, last=r == len(ranges) - 1,
+                          blocks=blocks, spans=tuple(placed)))
+    return ChunkPlan(sum(u.nbytes for u in units), tuple(units))
+
+
+def scatter_unit(unit: Unit, src: torch.Tensor, whole: torch.Tensor) -> None:
+    """Copies a unit's extent content ``src`` into the shard's whole layout ``whole``."""
+    for _name, s, e, pos in unit.spans:
+        whole[s:e].copy_(src[pos:pos + e - s])
+
+
+def gather_unit(unit: Unit, whole: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copies a unit's bytes from the shard's whole layout ``whole`` into its extent ``dst``
+    (the padding zeroed)."""
+    dst[:unit.nbytes].zero_()
+    for _name, s, e, pos in unit.spans:
+        dst[pos:pos + e - s].copy_(whole[s:e])
 
 
 # ---- gradients and working copies of a unit: whole pieces of the engine's swap files ------
@@ -385,17 +348,3 @@ def unit_views(layout: "StateLayout", slots: List[Tuple[int, int]], unit: Unit,
         base[fmt] = (region_pos(layout, slots, fmt, unit.start) if layout.mixed
                      else unit.start)
     return UnitViews(named.get("master", torch.empty(0, dtype=torch.float32)), regions, base)
-
-
-def combine_pieces(pieces: List[Tuple[int, int, int]], nbytes: int) -> int:
-    """CRC32C of an extent of ``nbytes`` from (offset, nbytes, crc32c) pieces that tile it."""
-    crc, pos = 0, 0
-    for offset, size, piece_crc in sorted(pieces):
-        if offset != pos:
-            raise RuntimeError(f"infinity.optim: extent pieces do not tile it (a piece at "
-                               f"{offset}, expected {pos})")
-        crc = crc32c_combine(crc, piece_crc, size) if pos else piece_crc
-        pos += size
-    if pos != nbytes:
-        raise RuntimeError(f"infinity.optim: extent pieces cover {pos} of {nbytes} bytes")
-    return crc

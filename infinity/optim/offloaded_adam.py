@@ -67,6 +67,18 @@ def state_formats_of(engine: Engine) -> Dict[str, Dict[str, int]]:
     return format_summary(seen.values())
 
 
+def swap_bytes_of(engine: Engine) -> Dict[str, int]:
+    """The NVMe optimizer-state bytes of the live infinity optimizers stepping ``engine``'s
+    model, by category (see :meth:`.nvme_states.NvmeStates.swap_bytes`; {} when none)."""
+    out: Dict[str, int] = {}
+    for opt in list(_LIVE):
+        store = opt._stores.get(id(engine))
+        if isinstance(store, NvmeStates):
+            for k, v in store.swap_bytes().items():
+                out[k] = out.get(k, 0) + v
+    return out
+
+
 class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
     """Adam / AdamW with states in HOST or NVMe; see the module docstring.
 
@@ -372,8 +384,8 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
 
     @property
     def state_bytes(self) -> Dict[str, int]:
-        """Bytes of optimizer states held per tier ("host", "nvme"; on NVMe both A/B extents
-        of every shard are counted: that is the disk space they take)."""
+        """Bytes of optimizer states held per tier ("host"; "nvme": the live extents of the
+        state file, committed states plus writes not yet committed)."""
         out = {"host": 0, "nvme": 0}
         for store in self._stores.values():
             out[store.tier] += store.nbytes
@@ -507,16 +519,14 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
             store.write_and_commit(shard, buf, "updating the master weights of")
 
     def _sync_units(self, store: NvmeStates, shard: Shard, written: Any) -> None:
-        """:meth:`_sync_user_writes` of a shard stepped in units: the committed extent is
-        checked, then each unit's states are read into buffer set 0, the masters of the
-        written slots in it follow the home's values (read as the whole home pieces covering
-        the unit, or from the working buffer), and the new extent is written unit by unit and
-        committed."""
+        """:meth:`_sync_user_writes` of a shard stepped in units: each unit's states are read
+        into buffer set 0 and checked, the masters of the written slots in it follow the
+        home's values (read as the whole home pieces covering the unit, or from the working
+        buffer), and the new extents are written unit by unit and committed together."""
         engine, flat = shard.engine, shard.flat
         sets = self._sets_for(engine, [s for s in self._shards.values() if s.engine is engine])
         layout = store.layout(shard)
         slots = [(x.offset, x.numel) for x in flat.slots]
-        self._check_units(store, shard, sets.states[0])
         h = store.home_piece(shard)
         working = None if h is not None else engine.home.working_buffer(flat)
         ranges = [(flat.slots[i].offset, flat.slots[i].offset + flat.slots[i].numel)
@@ -541,22 +551,6 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
                 value.copy_(torch.where(changed, new.float(), value))
 
         write_units(store, shard, sets, fill, "updating the master weights of", read=True)
-
-    def _check_units(self, store: NvmeStates, shard: Shard, buf: torch.Tensor) -> None:
-        """Reads a unit-stepped shard's committed extent unit by unit into ``buf`` and checks
-        it against its recorded checksum (the owned pieces' CRCs combined)."""
-        if not store.store.verify:
-            return
-        crcs: List[Tuple[int, int, int]] = []
-        for un in store.plan(shard).units:
-            for future, q in store.read_unit(shard, un, buf):
-                try:
-                    future.wait()
-                except inf_io.InfinityIOError as exc:
-                    raise store.wrap_error(exc, shard, "reading") from exc
-                if q.owned:
-                    crcs.append((q.offset, q.nbytes, future.crc32c()))
-        store.check_pieces(shard, crcs)
 
     def _runs(self, shard: Shard) -> List[_Run]:
         runs: List[_Run] = []
@@ -853,7 +847,6 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
     def _init_nvme(self, store: NvmeStates, sets: BufferSets, shard: Shard) -> None:
         """First use of a shard: states from the home copy, written and committed at once, so
         every later step has a committed state to fall back to."""
-        store.create(shard)
         if store.plan(shard).chunked:
             self._init_nvme_units(store, sets, shard)
             return
@@ -907,6 +900,18 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
         except BaseException as failure:
             for shard in computed:
                 self._dirty[shard.key] = shard
+            whole = [s for s in shards if store.fully_stepped(s)]
+            for shard in whole:  # every unit took the step: done, the retry skips it
+                store.finish(shard)
+                self._commit_steps(shard)
+                self._done[shard.key] = shard
+            partial = store.partial
+            failure.add_note(
+                f"infinity.optim: {len(whole)} of {len(shards)} shards on NVMe took this step "
+                f"before it failed, {len(partial)} part way (units committed one by one); the "
+                "others kept their states. Call opt.step() again once the cause is fixed: it "
+                "finishes this same step (the gradients are kept) for the units that did not "
+                "take it, so training continues as if nothing had failed.")
             try:
                 self._restore_dirty()
             except Exception as exc:  # noqa: BLE001 - e.g. the disk is still full
@@ -918,8 +923,8 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
                                  "step() (or restore_parameters()) does it: call it before "
                                  "reading or running the model.")
             raise
-        store.commit()
         for shard in shards:
+            store.finish(shard)
             self._commit_steps(shard)
         stats.shards += len(shards)
         stats.params += sum(r.end - r.start for runs in runs_of.values() for r in runs)
@@ -943,16 +948,15 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
                 buf = store.buffer(shard)
             else:
                 buf = store.empty(shard)
-                store.read(shard, buf).wait()
-                store.verify(shard, buf)
+                store.read_whole(shard, buf)
             engine.home.write_from(shard.flat, store.views(shard, buf).master_value())
             del self._dirty[key]
 
     def _restore_units(self, store: NvmeStates, shard: Shard) -> None:
-        """:meth:`_restore_dirty` of a shard stepped in units, through buffer set 0: the
-        committed extent is read unit by unit and checked (its owned pieces' CRCs combined),
-        then read again unit by unit, each unit's masters written to the working copy (whole
-        pieces of an NVMe home, the partial one at a unit's end finished by the next)."""
+        """:meth:`_restore_dirty` of a shard stepped in units, through buffer set 0: each
+        unit's committed extent is read and checked, and its masters written to the working
+        copy (whole pieces of an NVMe home, the partial one at a unit's end finished by the
+        next)."""
         engine, flat = shard.engine, shard.flat
         sets = self._sets_for(engine, [s for s in self._shards.values() if s.engine is engine])
         plan, layout = store.plan(shard), store.layout(shard)
@@ -960,13 +964,13 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
         buf = sets.states[0]
 
         def read(un: Unit) -> None:
-            for future, _q in store.read_unit(shard, un, buf):
-                try:
-                    future.wait()
-                except inf_io.InfinityIOError as exc:
-                    raise store.wrap_error(exc, shard, "reading") from exc
+            future = store.read_unit(shard, un, buf)
+            try:
+                future.wait()
+            except inf_io.InfinityIOError as exc:
+                raise store.wrap_error(exc, shard, "reading") from exc
+            store.check_unit(shard, un, future)
 
-        self._check_units(store, shard, buf)
         h = store.home_piece(shard)
         home = None if h is not None else engine.home.working_buffer(flat)
         if h is None and home is None:
@@ -1127,6 +1131,15 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
             logger.warning("infinity.optim: zero_grad() after a failed step that %d shard(s) had "
                            "already taken; the others skip it", len(self._done))
             self._done.clear()
+        for store in self._stores.values():
+            partial = getattr(store, "partial", ())
+            if partial:
+                logger.warning("infinity.optim: zero_grad() after a failed step that shard(s) %s "
+                               "had taken part way: their units that took it keep it (their "
+                               "step count does not), the others skip it", ", ".join(partial))
+                for shard in self._shards.values():
+                    if shard.key in partial:
+                        store.finish(shard)
         for engine in self._engines():
             engine.zero_grad()
         super().zero_grad(set_to_none=set_to_none)

@@ -3,9 +3,9 @@
 When a block's gradients are complete during backward (the engine calls
 :meth:`BackwardOverlap.grads_complete` right after it wrote them to NVMe and released the
 block), its update starts at once on a worker thread: read its committed states, CPU Adam,
-write the states to the shard's *inactive* A/B extent and the updated working copy to the
-parameter home, through the same pipeline as a step (:func:`.swapper.run_pipeline`, fed while
-backward goes on). Nothing is committed then. ``opt.step()`` waits for the worker and keeps a
+write the states to free extents of the state file (pending: the committed ones stay) and
+the updated working copy to the parameter home, through the same pipeline as a step
+(:func:`.swapper.run_pipeline`, fed while backward goes on). Nothing is committed then. ``opt.step()`` waits for the worker and keeps a
 block's speculative update only when it is exactly the one the step would compute:
 
 - the same runs (slots with gradients, param groups, step counts) and hyper-parameters
@@ -31,7 +31,7 @@ sits out 1, 2, 4 .. 64 steps before it speculates again. ``overlap=True`` arms f
 backward (for loops that step after each backward);
 ``overlap=False`` never. Only engines whose gradients *and* optimizer states are on NVMe are
 armed (gradients in RAM can be changed in place through ``p.grad`` without trace, and host
-states have no second extent to fall back to), after the first step (states exist).
+states have no committed copy to fall back to), after the first step (states exist).
 
 Gradients from RAM. An armed block's gradients are handed to the worker in their RAM
 buffer (the sink keeps it until the worker has stepped the block), so the update never reads
@@ -142,7 +142,7 @@ class _Worker:
         def run() -> None:
             try:
                 run_pipeline(self.feed, store, sets, compute, engine.working_copy_staged,
-                             self.stats, self.computed)
+                             self.stats, self.computed, commit=False)
             except BaseException as exc:  # noqa: BLE001 - reported at step(), then rolled back
                 self.error = exc
             finally:

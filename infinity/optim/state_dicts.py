@@ -28,19 +28,15 @@ class StateDicts:
         if isinstance(store, HostStates):
             return store.buffer(shard)
         buf = store.empty(shard)
-        try:
-            store.read(shard, buf).wait()
-        except inf_io.InfinityIOError as exc:
-            raise store.wrap_error(exc, shard, "reading") from exc
-        store.verify(shard, buf)
+        store.read_whole(shard, buf)
         return buf
 
-    def committed_extent(self, key: str) -> Optional[Tuple[str, int, int]]:
-        """(path, nbytes, crc32c) of the NVMe file holding shard ``key``'s committed fp32
-        states (layout [master | exp_avg | exp_avg_sq], fp32, ``flat.numel`` each), for a
-        kernel-side copy; None where the states are not such a file (host states, a shard
-        with compact or mixed moments, no state yet, no recorded checksum). Valid until the
-        next step."""
+    def committed_extent(self, key: str) -> Optional[Tuple[str, int, int, int]]:
+        """(path, nbytes, crc32c, offset): ``nbytes`` at ``offset`` of the NVMe file holding
+        shard ``key``'s committed fp32 states (layout [master | exp_avg | exp_avg_sq], fp32,
+        ``flat.numel`` each), for a kernel-side copy; None where the states are not such an
+        extent (host states, a shard with compact or mixed moments or stored in units, no
+        state yet, no recorded checksum). Valid until the next step."""
         shard = next((s for s in self._shards.values() if s.key == key), None)
         if shard is None or not shard.initialized or self.master_format != "fp32":
             return None
@@ -234,7 +230,6 @@ class StateDicts:
         if isinstance(store, HostStates):
             buf = store.buffer(shard)
         else:
-            store.create(shard)
             buf = store.empty(shard)
         scratch = inf_io.aligned_empty(shard.flat.home_nbytes) \
             if engine.working_copy_staged else None

@@ -10,19 +10,16 @@ moment region per format. Master weights fp32 (4 B/param) unless ``master=`` ask
 masters (``"bf16_sr"`` 2 B/param, ``"bf16_kahan"`` 4 B/param).
 
 - :class:`HostStates`: the buffers stay in host RAM (counted in the engine's host budget).
-- :class:`NvmeStates`: the buffers live in the optimizer's own SwapStore (a private directory
-  under ``nvme_path``). Each shard has two extents, A and B: a step reads the committed one and
-  writes the other; :meth:`NvmeStates.commit` flips them only after every write of the step
-  succeeded, so a failed write (disk full, I/O error) leaves the previous states valid. A
-  shard whose states are larger than the chunk is moved in units (element ranges, see
-  :mod:`.chunks`): :meth:`NvmeStates.plan`, :meth:`~NvmeStates.read_unit`,
-  :meth:`~NvmeStates.write_unit`.
+- :class:`NvmeStates` (:mod:`.nvme_states`): the buffers live in one state file of the
+  optimizer's own SwapStore (a private directory under ``nvme_path``), one extent per unit
+  (element range, see :mod:`.chunks`), committed unit by unit: a step writes a unit into a
+  free extent and switches the shard's map, so the disk holds the states once plus the units
+  in flight.
 
 :func:`choose_tier` is the one place that decides between them.
 """
 from __future__ import annotations
 
-import errno as errno_mod
 import logging
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple, Union
@@ -37,20 +34,17 @@ from ..ops.bf16_master import MASTER_BYTES, check_master
 from ..runtime.engine import Engine
 from ..runtime.flat import FlatParam
 from ..runtime.homes import master_is_home
-from ..tiers import SwapStore
-from ..tiers.swap_store import SwapCorruptionError
-from .chunks import Beside, ChunkPlan, Piece, Unit, combine_pieces, plan_chunks
 from .formats import STATE_FORMATS, check_format
 
 logger = logging.getLogger(__name__)
 
 _MOMENT_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "8bit": torch.uint8}
-_FULL_DISK = (errno_mod.ENOSPC, errno_mod.EFBIG, errno_mod.EDQUOT)
 
 
 class OptimizerStateIOError(inf_io.InfinityIOError):
-    """Reading or writing optimizer states on NVMe failed. The states committed by the last
-    successful step stay valid; the step that failed was not applied."""
+    """Reading or writing optimizer states on NVMe failed. No committed state is lost: each
+    unit holds its states from before the failed step or, where it finished it, after (the
+    optimizer records which, and ``opt.step()`` again finishes the step)."""
 
 
 def check_states(states: object) -> str:
@@ -601,221 +595,5 @@ class HostStates(_Store):
             self._held = 0
 
 
-class NvmeStates(_Store):
-    """Shard states in two extents per shard (A/B) of the optimizer's own SwapStore (each
-    extent the size of the shard's layout: compact formats shrink both). ``chunk_bytes``: a
-    shard whose states are larger is read, stepped and written in units of about that size
-    (None: always whole)."""
-
-    tier = "nvme"
-
-    def __init__(self, engine: Engine, master: str = "fp32",
-                 chunk_bytes: Optional[int] = None) -> None:
-        super().__init__(engine, master)
-        self.chunk_bytes = chunk_bytes
-        self._plans: Dict[str, ChunkPlan] = {}
-        self.nvme_path = engine.policy.nvme_path
-        self.store = SwapStore(self.nvme_path, require_direct=engine.policy.require_direct_io,
-                               verify=engine.policy.verify_checksums,
-                               tag=getattr(engine, "swap_tag", ""))
-        self.committed: Dict[str, int] = {}  # shard key -> 0 (A) or 1 (B)
-        self._pending: Dict[str, int] = {}   # written this step, flipped by commit()
-
-    @staticmethod
-    def extent(key: str, which: int) -> str:
-        return f"{key}.opt{'AB'[which]}"
-
-    def has(self, shard: Shard) -> bool:
-        return shard.key in self.committed
-
-    def create(self, shard: Shard) -> None:
-        """Preallocates both extents (ENOSPC surfaces here, before any state exists)."""
-        nbytes = self.layout(shard).nbytes
-        for which in (0, 1):
-            name = self.extent(shard.key, which)
-            try:
-                self.store.create(name, nbytes)
-            except KeyError:
-                continue  # already there (created by an earlier, failed attempt)
-            except inf_io.InfinityIOError as exc:
-                raise self.wrap_error(exc, shard, "preallocating") from exc
-
-    # ---- units (a shard moved in element ranges, see .chunks) -----------------------------
-    def plan(self, shard: Shard) -> ChunkPlan:
-        """The shard's units. Cut only where the kernel writes the working copy itself (a
-        staging buffer or a working buffer in RAM); otherwise whole."""
-        plan = self._plans.get(shard.key)
-        if plan is None:
-            layout = self.layout(shard)
-            engine, flat = shard.engine, shard.flat
-            cut = engine.stages_working_copy(flat) or \
-                engine.home.working_buffer(flat) is not None
-            plan = plan_chunks(layout, [(s.offset, s.numel) for s in flat.slots],
-                               self.chunk_bytes if cut else None, self.beside(shard))
-            self._plans[shard.key] = plan
-        return plan
-
-    def grad_piece(self, shard: Shard) -> Optional[int]:
-        """Elements per piece of the shard's gradient file when its gradients are read from
-        NVMe (None: they are in RAM, or the flat has none)."""
-        grads = shard.engine.grads
-        if not grads.on_nvme:
-            return None
-        try:
-            return grads.range_elems(shard.flat)
-        except KeyError:  # no gradient file: a flat without trainable parameters
-            return None
-
-    def home_piece(self, shard: Shard) -> Optional[int]:
-        """Elements per piece of the working copy's swap file when the step writes it there
-        (None: written in place)."""
-        engine, flat = shard.engine, shard.flat
-        if not engine.stages_working_copy(flat):
-            return None
-        return engine.home_range_elems(flat)
-
-    def beside(self, shard: Shard) -> Beside:
-        """What a unit of the shard moves beside its states through its buffer set: fp32
-        gradients read from NVMe (its window of whole pieces) and the working copy written to
-        an NVMe home (from the piece holding its first element; the whole pieces covering
-        it when the states are first made from the home)."""
-        per, fixed = 0.0, 0
-        g = self.grad_piece(shard)
-        if g is not None:
-            per += 4
-            fixed += 2 * g * 4
-        h = self.home_piece(shard)
-        if h is not None:
-            per += shard.flat.home_itemsize
-            fixed += 2 * h * shard.flat.home_itemsize
-        return Beside(per, fixed)
-
-    def _target(self, shard: Shard) -> str:
-        """The extent this step writes (the inactive one), marked pending."""
-        target = 1 - self.committed[shard.key] if shard.key in self.committed else 0
-        self._pending[shard.key] = target
-        return self.extent(shard.key, target)
-
-    def read_unit(self, shard: Shard, unit: Unit, buf: torch.Tensor
-                  ) -> List[Tuple["inf_io.IOFuture", Piece]]:
-        """Starts reading one unit of the committed states into ``buf`` (its first
-        ``unit.nbytes`` bytes)."""
-        if unit.whole:
-            return [(self.read(shard, buf[:unit.nbytes]), unit.reads[0])]
-        name = self.extent(shard.key, self.committed[shard.key])
-        return [(self.store.read_span(name, buf[q.pos:q.pos + q.nbytes], q.offset), q)
-                for q in unit.reads]
-
-    def write_unit(self, shard: Shard, unit: Unit, buf: torch.Tensor
-                   ) -> List[Tuple["inf_io.IOFuture", Piece]]:
-        """Starts writing the pages one unit owns to the inactive extent."""
-        if unit.whole:
-            return [(self.write(shard, buf[:unit.nbytes]), unit.writes[0])]
-        name = self._target(shard)
-        return [(self.store.write_span(name, buf[q.pos:q.pos + q.nbytes], q.offset), q)
-                for q in unit.writes]
-
-    def check_pieces(self, shard: Shard, crcs: List[Tuple[int, int, int]]) -> None:
-        """Checks the owned read pieces of a unit-read shard, (offset, nbytes, crc32c) that
-        tile the committed extent, against the CRC recorded when it was written."""
-        if not self.store.verify:
-            return
-        name = self.extent(shard.key, self.committed[shard.key])
-        recorded = self.store.recorded_crc(name)
-        if recorded is None:
-            raise SwapCorruptionError(f"swap file {self.store.path(name)!r} holds no completed "
-                                      "write (never written, or its last write failed)")
-        crc = combine_pieces(crcs, self.layout(shard).nbytes)
-        if crc != recorded:
-            raise SwapCorruptionError(
-                f"swap file {self.store.path(name)!r} (optimizer states of {shard.key!r}) is "
-                f"corrupted: CRC32C {crc:#010x} of what was read does not match {recorded:#010x} "
-                "recorded when it was written; the step was not applied (restart from a "
-                "checkpoint)")
-
-    def record_pieces(self, shard: Shard, crcs: Optional[List[Tuple[int, int, int]]]) -> None:
-        """Records the CRC of the inactive extent written in units from its pieces' CRCs
-        (None: a piece failed, no valid checksum)."""
-        which = self._pending.get(shard.key)
-        if which is None:
-            raise RuntimeError(f"infinity.optim: no pending state write of {shard.key}")
-        name = self.extent(shard.key, which)
-        crc = None
-        if crcs is not None and self.store.verify:
-            crc = combine_pieces(crcs, self.layout(shard).nbytes)
-        self.store.record_crc(name, crc)
-
-    def read(self, shard: Shard, buf: torch.Tensor) -> "inf_io.IOFuture":
-        """Starts reading the committed states of ``shard`` into ``buf`` (layout.nbytes)."""
-        return self.store.read(self.extent(shard.key, self.committed[shard.key]), buf)
-
-    def verify(self, shard: Shard, buf: torch.Tensor) -> None:
-        self.store.verify_read(self.extent(shard.key, self.committed[shard.key]), buf)
-
-    def committed_extent(self, shard: Shard) -> Optional[Tuple[str, int, int]]:
-        """(path, nbytes, crc32c) of the file holding the shard's committed states, for a
-        kernel-side copy (checkpoints); None without committed states or a recorded checksum
-        (``verify_checksums=False``, or the last write failed)."""
-        which = self.committed.get(shard.key)
-        if which is None:
-            return None
-        name = self.extent(shard.key, which)
-        crc = self.store.recorded_crc(name)
-        if crc is None:
-            return None
-        return self.store.path(name), self.store.nbytes(name), crc
-
-    def write(self, shard: Shard, buf: torch.Tensor) -> "inf_io.IOFuture":
-        """Starts writing ``buf`` to the shard's inactive extent; visible after commit()."""
-        target = 1 - self.committed[shard.key] if shard.key in self.committed else 0
-        self._pending[shard.key] = target
-        return self.store.write(self.extent(shard.key, target), buf)
-
-    def write_and_commit(self, shard: Shard, buf: torch.Tensor, doing: str) -> None:
-        """Writes one shard's states and commits them at once (first use, load_state_dict);
-        on failure nothing is committed and the error names the shard and the disk."""
-        try:
-            self.write(shard, buf).wait()
-        except inf_io.InfinityIOError as exc:
-            self.abort()
-            raise self.wrap_error(exc, shard, doing) from exc
-        self.commit()
-
-    def commit(self) -> None:
-        """Makes every write of this step the committed state (call after all succeeded)."""
-        self.committed.update(self._pending)
-        self._pending.clear()
-
-    def abort(self) -> None:
-        """Forgets the writes of a failed step: the committed extents stay as they were."""
-        self._pending.clear()
-
-    def abort_shard(self, shard: Shard) -> None:
-        """Forgets one shard's pending write (a speculative update rolled back)."""
-        self._pending.pop(shard.key, None)
-
-    def commit_shards(self, shards: List[Shard]) -> None:
-        """Commits the pending writes of these shards only (speculative updates kept)."""
-        for shard in shards:
-            which = self._pending.pop(shard.key, None)
-            if which is None:
-                raise RuntimeError(f"infinity.optim: no pending state write of {shard.key} to "
-                                   "commit")
-            self.committed[shard.key] = which
-
-    def wrap_error(self, exc: BaseException, shard: Shard, doing: str) -> OptimizerStateIOError:
-        err = getattr(exc, "errno", None) or errno_mod.EIO
-        what = ("disk full: the disk under nvme_path has no space left" if err in _FULL_DISK
-                else errno_mod.errorcode.get(err, f"errno {err}"))
-        msg = (f"{doing} optimizer states of shard {shard.key!r} under nvme_path "
-               f"{self.nvme_path!r} failed ({what}). The step was not applied; the states of "
-               f"the previous step are intact. Cause: {exc}")
-        return OptimizerStateIOError(err, msg, getattr(exc, "filename", None) or self.nvme_path,
-                                     getattr(exc, "offset", None))
-
-    @property
-    def nbytes(self) -> int:
-        return self.store.total_bytes
-
-    def close(self) -> None:
-        self.store.close()
+# the NVMe tier lives in its own module (it needs the classes above)
+from .nvme_states import NvmeStates  # noqa: E402,F401

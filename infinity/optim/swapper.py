@@ -18,14 +18,14 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 import torch
 
 from .. import io as inf_io
 from .. import trace_events
 from ..tiers.budget import BudgetExceededError
-from .chunks import Piece, Unit, home_write_range, piece_window
+from .chunks import Unit, home_write_range, piece_window
 from .state_store import NvmeStates, Shard
 
 logger = logging.getLogger(__name__)
@@ -302,7 +302,7 @@ class BufferSets:
 # gradients, their first element) where they were read from NVMe (None: in RAM)
 Window = Tuple[torch.Tensor, int]
 Compute = Callable[[Shard, Unit, torch.Tensor, Optional[Window], Optional[Window]], None]
-Pending = Tuple["inf_io.IOFuture", Shard, str]
+Pending = Tuple["inf_io.IOFuture", Shard, str, Optional[Unit]]  # unit: a state write
 
 
 class ShardFeed:
@@ -342,15 +342,24 @@ class ShardFeed:
 
 def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets: BufferSets,
                  compute: Compute, write_home: bool, stats: StepStats,
-                 computed: List[Shard]) -> None:
+                 computed: List[Shard], commit: bool = True) -> None:
     """Reads, computes and writes every unit of every shard (a shard larger than a chunk is
     several units, see :mod:`.chunks`); returns once every write finished. Unit u uses set
     ``u % count`` for its states and, where the engine keeps them on NVMe, its gradients
     (read as whole pieces of the gradient file; the piece it shares with the unit before is
     copied from that unit's set rather than read again) and its working copy (written as the
     whole pieces of the home it finishes; the elements before its start in its first piece
-    are copied from the unit before, whose set still holds them). On error, waits for
-    everything in flight, aborts the pending extents and raises an OptimizerStateIOError (or
+    are copied from the unit before, whose set still holds them).
+
+    Each unit's states are checked against their CRC before it is stepped and written into a
+    free extent; with ``commit`` a unit is committed as soon as its write completed (its old
+    extent freed), so the disk holds only the units in flight twice. Units that a failed
+    earlier run committed (:meth:`.NvmeStates.stepped`) are not stepped again: their
+    neighbours' shared gradient and working-copy pieces are then read from the swap files.
+    ``commit=False`` (an update that may be rolled back) leaves every write pending.
+
+    On error, waits for everything in flight, commits the writes that completed (with
+    ``commit``), forgets the others and raises an OptimizerStateIOError (or
     SwapCorruptionError) naming the shard; ``computed`` lists the shards whose working copy
     may already have been updated (the caller restores them). A shard's gradient reads wait
     for the write of those gradients first (in a feed filled during backward it may still
@@ -360,19 +369,17 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
     clock = IOClock(record=_record)
     count = sets.count
     ahead = count - 2
-    page = inf_io.ALIGNMENT
     units: List[Tuple[int, Shard, Unit]] = []   # (shard index, shard, unit), in step order
     given: List[Shard] = []
-    reads: Dict[int, List[Tuple["inf_io.IOFuture", Piece]]] = {}
+    skipped: Dict[int, Set[int]] = {}           # shard index -> units committed already
+    reads: Dict[int, "inf_io.IOFuture"] = {}
     # unit -> (gradient read or None, first element read, the buffer it reads into)
     grad_reads: Dict[int, Tuple[Optional["inf_io.IOFuture"], int, Optional[torch.Tensor]]] = {}
     grad_base: Dict[int, int] = {}   # unit -> first element of its gradient window
     home_base: Dict[int, int] = {}   # unit -> first element of its working-copy window
     writes: List[List[Pending]] = [[] for _ in range(count)]
-    read_crcs: Dict[int, List[Tuple[int, int, int]]] = {}
-    written: Dict[int, List[Tuple["inf_io.IOFuture", Piece]]] = {}  # unit-written shards
-    carries: Dict[int, Dict[int, torch.Tensor]] = {}
     held: List[Optional[int]] = [None] * count  # the unit whose values set k holds
+    started: Set[int] = set()
 
     def unit_at(u: int, block: bool) -> Optional[Tuple[int, Shard, Unit]]:
         while u >= len(units):
@@ -381,17 +388,48 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
                 return None
             given.append(shard)
             j = len(given) - 1
-            units.extend((j, shard, un) for un in states.plan(shard).units)
+            done = states.stepped(shard)
+            if done and not commit:
+                raise RuntimeError(f"infinity.optim: {shard.key} has a step half done (a "
+                                   "failed step to finish first); it cannot be updated ahead")
+            skipped[j] = done
+            units.extend((j, shard, un) for un in states.plan(shard).units
+                         if un.index not in done)
         return units[u]
 
-    def drain(pending_list: List[List[Pending]], k: int) -> None:
-        pending, pending_list[k] = pending_list[k], []
-        for i, (future, shard, what) in enumerate(pending):
+    def finish_write(future: "inf_io.IOFuture", shard: Shard, un: Optional[Unit]) -> None:
+        if un is not None:
+            states.written(shard, un, future, commit)
+
+    def drain(k: int) -> None:
+        pending, writes[k] = writes[k], []
+        for i, (future, shard, what, un) in enumerate(pending):
             try:
                 stats.write_wait_s += clock.wait(future)
             except inf_io.InfinityIOError as exc:
-                pending_list[k] = pending[i + 1:]
+                writes[k] = pending[i:]
                 raise states.wrap_error(exc, shard, what) from exc
+            finish_write(future, shard, un)
+
+    def reap() -> None:
+        """Commits the units whose writes are done already (keeps the spare small)."""
+        for k in range(count):
+            while writes[k] and writes[k][0][0].done():
+                drain_one(k)
+
+    def drain_one(k: int) -> None:
+        future, shard, what, un = writes[k][0]
+        try:
+            stats.write_wait_s += clock.wait(future)
+        except inf_io.InfinityIOError as exc:
+            raise states.wrap_error(exc, shard, what) from exc
+        writes[k].pop(0)
+        finish_write(future, shard, un)
+
+    def adjacent(u: int) -> bool:
+        """Unit u - 1 of the pipeline is the unit before u in its shard."""
+        return u > 0 and units[u - 1][0] == units[u][0] and \
+            units[u - 1][2].index == units[u][2].index - 1
 
     def grads_from_nvme(shard: Shard, k: int) -> Optional[int]:
         """The gradient file's piece (elements) when this shard's gradients are read."""
@@ -404,7 +442,7 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
         if g is None:
             return
         flat = shard.flat
-        if un.index == 0:
+        if u == 0 or units[u - 1][0] != units[u][0]:
             engine.grads.wait_written(flat)  # on NVMe (written by the engine's writer thread)
         if un.whole:
             dst = sets.grads[k][:flat.numel]
@@ -414,7 +452,8 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
             return
         base, end = piece_window(un.start, un.end, flat.numel, g)
         grad_base[u] = base
-        first = base + g if un.start % g else base  # the shared first piece: copied
+        # the first piece, shared with the unit before: copied from its set
+        first = base + g if un.start % g and adjacent(u) else base
         if first >= end:
             grad_reads[u] = (None, first, None)
             return
@@ -423,26 +462,22 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
                          first, dst)
         stats.bytes_read += (end - first) * 4
 
-    def issue(u: int, block: bool) -> bool:
+    def issue(u: int) -> None:
         j, shard, un = units[u]
         k = u % count
-        drain(writes, k)
+        drain(k)
         held[k] = None
-        got = states.read_unit(shard, un, sets.states[k])
-        nbytes = 0
-        for future, q in got:
-            clock.submitted(future, "optimizer_read", shard.key, q.nbytes)
-            nbytes += q.nbytes
-        reads[u] = got
-        stats.bytes_read += nbytes
-        engine.stats.add_moved("nvme_to_host", nbytes, "states")
+        future = states.read_unit(shard, un, sets.states[k])
+        clock.submitted(future, "optimizer_read", shard.key, un.nbytes)
+        reads[u] = future
+        stats.bytes_read += un.nbytes
+        engine.stats.add_moved("nvme_to_host", un.nbytes, "states")
         issue_grads(u, shard, un, k)
-        return True
 
     def previous(u: int, what: str) -> int:
         """Set of unit u - 1, which must still hold that unit's values."""
         k = (u - 1) % count
-        if u == 0 or held[k] != u - 1 or units[u - 1][0] != units[u][0]:
+        if not adjacent(u) or held[k] != u - 1:
             raise RuntimeError(f"infinity.optim: the {what} of the unit before is gone (a bug "
                                "in the pipeline order)")
         return k
@@ -474,6 +509,16 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
         end = piece_window(un.start, un.end, flat.numel, states.grad_piece(shard))[1]
         return sets.grads[k][:end - base], base
 
+    def from_home(flat: Any, h: int, a: int, b: int, dst: torch.Tensor) -> None:
+        """Elements [a, b) of the working copy on NVMe (inside one piece) into ``dst``."""
+        base = a // h * h
+        logger.debug("infinity.optim: %s elements %d-%d of the working copy read back (a "
+                     "neighbouring unit took the step before)", flat.key, a, b)
+        piece = inf_io.aligned_empty(min(h, flat.numel - base) * flat.home_itemsize)
+        part = piece.view(flat.home_dtype)
+        engine.read_home_range(flat, base, part)
+        dst.copy_(part[a - base:b - base])
+
     def working_copy(u: int, shard: Shard, un: Unit, k: int) -> Optional[Window]:
         flat = shard.flat
         if sets.staging[k] is None or not engine.stages_working_copy(flat):
@@ -484,13 +529,21 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
         h = states.home_piece(shard)
         base = un.start // h * h
         home_base[u] = base
-        out = sets.home_view(k, flat, un.end - base)
+        end = un.end
+        if not un.last and un.index + 1 in skipped[units[u][0]]:
+            end = min(flat.numel, -(-un.end // h) * h)  # the next unit took the step already
+        out = sets.home_view(k, flat, end - base)
         if un.start > base:  # the start of its first piece: computed by the units before
-            pk = previous(u, "working copy")
-            pb = home_base[u - 1]
-            prev = sets.home_view(pk, flat, un.start - pb)
-            out[:un.start - base].copy_(prev[base - pb:un.start - pb])
-        return out, base
+            if adjacent(u):
+                pk = previous(u, "working copy")
+                pb = home_base[u - 1]
+                prev = sets.home_view(pk, flat, un.start - pb)
+                out[:un.start - base].copy_(prev[base - pb:un.start - pb])
+            else:  # stepped by a failed run: on NVMe since its restore
+                from_home(flat, h, base, un.start, out[:un.start - base])
+        if end > un.end:
+            from_home(flat, h, un.end, end, out[un.end - base:end - base])
+        return out[:un.end - base], base
 
     def write_working_copy(u: int, shard: Shard, un: Unit, k: int,
                            out: Optional[Window]) -> None:
@@ -501,14 +554,18 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
             future = engine.write_home(flat, out[0])
             nbytes = flat.home_nbytes
         else:
-            a, b = home_write_range(un.start, un.end, flat.numel, states.home_piece(shard))
+            h = states.home_piece(shard)
+            a, b = home_write_range(un.start, un.end, flat.numel, h)
+            if not un.last and un.index + 1 in skipped[units[u][0]]:
+                b = min(flat.numel, -(-un.end // h) * h)
             if b <= a:
                 return  # inside one piece: a later unit writes it
             base = out[1]
-            future = engine.write_home_range(flat, a, out[0][a - base:b - base])
+            whole = sets.home_view(k, flat, b - base)
+            future = engine.write_home_range(flat, a, whole[a - base:b - base])
             nbytes = (b - a) * flat.home_itemsize
         writes[k].append((clock.submitted(future, "optimizer_write", flat.key, nbytes), shard,
-                          "writing the parameters updated with the"))
+                          "writing the parameters updated with the", None))
         stats.bytes_written += nbytes  # a disk write of this step
 
     try:
@@ -521,33 +578,25 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
             j, shard, un = item
             k = u % count
             while issued <= u + ahead:
-                now = issued == u
-                if unit_at(issued, block=False) is None or not issue(issued, now):
+                if unit_at(issued, block=False) is None:
                     break
+                issue(issued)
                 issued += 1
             buf = sets.states[k]
-            for future, q in reads.pop(u):
-                try:
-                    stats.read_wait_s += clock.wait(future)
-                except inf_io.InfinityIOError as exc:
-                    raise states.wrap_error(exc, shard, "reading") from exc
-                if not un.whole and q.owned and states.store.verify:
-                    read_crcs.setdefault(j, []).append((q.offset, q.nbytes, future.crc32c()))
+            future = reads.pop(u)
+            try:
+                stats.read_wait_s += clock.wait(future)
+            except inf_io.InfinityIOError as exc:
+                raise states.wrap_error(exc, shard, "reading") from exc
             t0 = time.perf_counter()
-            if un.whole:
-                states.verify(shard, buf[:un.nbytes])
-            elif un.last:  # every page of the committed extent read: check it, unstepped
-                states.check_pieces(shard, read_crcs.pop(j, []))
+            states.check_unit(shard, un, future)  # before stepping it: never on garbage
             stats.verify_s += time.perf_counter() - t0
             grad = gradients(u, shard, un, k)
             out = working_copy(u, shard, un, k)
             clock.poll()
-            carry = carries.setdefault(j, {})
-            for offset, pos, _owned in un.shared:  # earlier units' new bytes of shared pages
-                if offset in carry:
-                    buf[pos:pos + page].copy_(carry[offset])
             t0 = time.perf_counter()
-            if un.index == 0:
+            if j not in started:
+                started.add(j)
                 computed.append(shard)
             compute(shard, un, buf[:un.nbytes], out, grad)
             held[k] = u
@@ -556,35 +605,35 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
             if clock.requests is not None:
                 clock.requests.append(("compute", un.end - un.start, t0, t0, t1, 0.0))
             trace_events.span("optimizer_compute", shard.key, un.end - un.start, t0)
-            for offset, pos, owned in un.shared:  # hand this unit's bytes on
-                if owned:
-                    carry.pop(offset, None)
-                else:
-                    carry[offset] = buf[pos:pos + page].clone()
             clock.poll()
-            for future, q in states.write_unit(shard, un, buf):
-                writes[k].append((clock.submitted(future, "optimizer_write", shard.key,
-                                                  q.nbytes), shard, "writing"))
-                stats.bytes_written += q.nbytes
-                engine.stats.add_moved("host_to_nvme", q.nbytes, "states")
-                if not un.whole:
-                    written.setdefault(j, []).append((future, q))
+            future = states.write_unit(shard, un, buf)
+            writes[k].append((clock.submitted(future, "optimizer_write", shard.key, un.nbytes),
+                              shard, "writing", un))
+            stats.bytes_written += un.nbytes
+            engine.stats.add_moved("host_to_nvme", un.nbytes, "states")
             write_working_copy(u, shard, un, k, out)
             if u >= 1:
                 grad_base.pop(u - 1, None)
                 home_base.pop(u - 1, None)
-            if un.last:
-                carries.pop(j, None)
+            reap()
             u += 1
         for k in range(count):
-            drain(writes, k)
-        for j, pieces in written.items():  # the new extents' checksums, from their pieces
-            states.record_pieces(given[j], [(q.offset, q.nbytes, f.crc32c()) for f, q in pieces]
-                                 if states.store.verify else None)
+            drain(k)
     except BaseException:
-        _settle([f for got in reads.values() for f, _ in got]
-                + [r[0] for r in grad_reads.values()], writes)
-        states.abort()
+        _settle(list(reads.values()) + [r[0] for r in grad_reads.values()], writes)
+        for pending in writes:  # what completed is kept (committed with ``commit``)
+            for future, shard, _what, un in pending:
+                if un is None:
+                    continue
+                try:
+                    future.wait()
+                except inf_io.InfinityIOError:
+                    states.failed(shard, un)
+                    continue
+                if commit:
+                    states.written(shard, un, future, True)
+        if commit:
+            states.abort()
         raise
     finally:
         stats.io_wait_s += clock.wait_s
@@ -598,42 +647,30 @@ def write_units(states: NvmeStates, shard: Shard, sets: BufferSets,
                 fill: Callable[[Unit, torch.Tensor], None], doing: str,
                 read: bool = False) -> None:
     """Writes a shard's states unit by unit through state set 0 and commits them at once
-    (first use of a shard larger than a chunk): ``fill(unit, buf)`` puts the unit's values in
-    its buffer, zeroed (``read``: holding the unit's committed states, which the caller has
-    checked). On failure nothing is committed."""
-    page = inf_io.ALIGNMENT
-    carry: Dict[int, torch.Tensor] = {}
-    pieces: List[Tuple[int, int, int]] = []
+    (first use of a shard larger than a chunk; the masters following parameters the user
+    wrote): ``fill(unit, buf)`` puts the unit's values in its buffer, zeroed (``read``:
+    holding the unit's committed states, checked). On failure nothing is committed."""
     buf = sets.states[0]
     try:
         for un in states.plan(shard).units:
             view = buf[:un.nbytes]
             if read:
-                for future, _q in states.read_unit(shard, un, buf):
-                    future.wait()
+                future = states.read_unit(shard, un, buf)
+                future.wait()
+                states.check_unit(shard, un, future)
             else:
                 view.zero_()
-            for offset, pos, _owned in un.shared:
-                if offset in carry:
-                    view[pos:pos + page].copy_(carry[offset])
             fill(un, view)
-            for offset, pos, owned in un.shared:
-                if owned:
-                    carry.pop(offset, None)
-                else:
-                    carry[offset] = view[pos:pos + page].clone()
-            for future, q in states.write_unit(shard, un, view):
-                future.wait()
-                if states.store.verify:
-                    pieces.append((q.offset, q.nbytes, future.crc32c()))
-        states.record_pieces(shard, pieces if states.store.verify else None)
+            future = states.write_unit(shard, un, view)
+            future.wait()
+            states.written(shard, un, future, commit=False)
     except inf_io.InfinityIOError as exc:
-        states.abort()
+        states.abort_shard(shard)
         raise states.wrap_error(exc, shard, doing) from exc
     except BaseException:
-        states.abort()
+        states.abort_shard(shard)
         raise
-    states.commit()
+    states.commit_pending(shard)
 
 
 def _settle(reads: List[Optional["inf_io.IOFuture"]], writes: List[List[Pending]]) -> None:

@@ -40,6 +40,7 @@ from .placements import (MASTER_BYTES, PLACEMENTS, Placement, placement as get_p
                          state_bytes_per_param)
 from .probe import ProbeResult, probe as run_probe
 from .shape import ModelShape, describe
+from ..optim.swapper import SETS  # the optimizer's buffer sets: its units in flight
 from ..tiers.chunk_size import DEFAULT_CHUNK_BYTES
 
 # Per block and step when the probe did not measure the engine's fixed costs (an old result).
@@ -62,9 +63,12 @@ class Estimate:
     tokens_per_step: int
     what: str = ""
     engine_s: float = 0.0       # the engine's fixed cost per block and step (in step_s)
-    # swap bytes by category: parameters, gradients, master, moments, spare (the second
-    # extent the optimizer keeps so a failed step leaves the previous states)
+    # swap bytes by category: parameters, gradients, master, moments, spare (the extents of
+    # the optimizer's units in flight: each is written before the one it replaces is freed)
     nvme_by_category: Dict[str, int] = field(default_factory=dict)
+    # more swap while the step overlapping backward is armed (gradients and states on NVMe):
+    # the previous states of every unit it stepped, kept until opt.step() confirms them
+    nvme_overlap_bytes: int = 0
 
     @property
     def tb_written_per_1000_steps(self) -> float:
@@ -212,7 +216,7 @@ def estimate_one(shape: ModelShape, pl: Placement, pr: ProbeResult, *, batch: in
     adam_rate = pr.adam8_params_per_s if pl.states == "8bit" else pr.adam_params_per_s
     s = _state_bpp(shape, pl)
     fetch = grad = opt = 0.0
-    written = 0.0
+    written = overlap_bytes = 0.0
     chunk = float(chunk_bytes or DEFAULT_CHUNK_BYTES)
     categories: Dict[str, float] = {}
     if pl.plain:
@@ -244,10 +248,11 @@ def estimate_one(shape: ModelShape, pl: Placement, pr: ProbeResult, *, batch: in
                 nvme = 0.0
                 opt = n / adam_rate + copy_back
             else:
-                unit = min(largest, chunk / s)  # elements a buffer set steps at once
-                host += 3 * unit * s
-                nvme = 2 * s * n
-                categories = _state_categories(pl, s, n)
+                # elements a buffer set steps at once (each rank steps its part of a block)
+                unit = min(largest / ranks, chunk / s)
+                host += SETS * unit * s
+                categories = _state_categories(pl, s, n, unit)
+                nvme = sum(categories.values())
                 disk = pr.disk
                 io = s * n / disk.read_bps + s * n / disk.write_bps
                 edge = s * unit / disk.read_bps + s * unit / disk.write_bps
@@ -262,10 +267,12 @@ def estimate_one(shape: ModelShape, pl: Placement, pr: ProbeResult, *, batch: in
             staging = (1 if not cuda else min(2, max(1, prefetch_window))) * \
                 min(chunk, shape.largest_block_bytes / ranks)
             grad_bufs = (prefetch_window + 2) * min(chunk, 4.0 * largest)
-            unit = min(largest, chunk / (s + bpp + 4.0))
-            host = staging + grad_bufs + 3 * unit * (s + bpp + 4.0)
-            nvme = pbytes + 4.0 * n + 2 * s * n
-            categories = dict(parameters=pbytes, gradients=4.0 * n, **_state_categories(pl, s, n))
+            unit = min(largest / ranks, chunk / (s + bpp + 4.0))
+            host = staging + grad_bufs + SETS * unit * (s + bpp + 4.0)
+            categories = dict(parameters=pbytes, gradients=4.0 * n,
+                              **_state_categories(pl, s, n, unit))
+            nvme = sum(categories.values())
+            overlap_bytes = s * n - categories["spare"]
             disk = pr.disk
             io_fb = 2 * pbytes / disk.read_bps + 4.0 * n / disk.write_bps
             first = first_bytes / disk.read_bps
@@ -282,14 +289,16 @@ def estimate_one(shape: ModelShape, pl: Placement, pr: ProbeResult, *, batch: in
         step = compute + fetch + grad + opt + overhead
     return Estimate(pl.name, ranks, int(device), int(host), int(nvme), step, compute, fetch,
                     grad, opt, int(written), tokens, pl.what, overhead,
-                    {k: int(v) for k, v in categories.items()})
+                    {k: int(v) for k, v in categories.items()}, int(overlap_bytes))
 
 
-def _state_categories(pl: Placement, s: float, n: float) -> Dict[str, float]:
-    """The optimizer's swap bytes by category: its master weights, its moments, and the spare
-    second extent (the previous states, kept until a step commits)."""
+def _state_categories(pl: Placement, s: float, n: float, unit: float) -> Dict[str, float]:
+    """The optimizer's swap bytes by category: its master weights, its moments, and the spare:
+    the extents of the units in flight (one per buffer set, ``unit`` elements each), written
+    before the extents they replace are freed (each unit commits on its own)."""
     master = MASTER_BYTES[pl.master]
-    return {"master": master * n, "moments": (s - master) * n, "spare": s * n}
+    return {"master": master * n, "moments": (s - master) * n,
+            "spare": min(s * n, SETS * unit * s)}
 
 
 def estimate(model_or_count: Union[nn.Module, int, float, str, ModelShape, Any] = None, *,

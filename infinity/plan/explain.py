@@ -51,7 +51,9 @@ def format_estimates(t: "EstimateTable") -> str:
             n = max(1, sh.params // r.ranks)
             parts = ", ".join(f"{k} {v / n:.2f}" for k, v in r.nvme_by_category.items())
             lines.append(f"swap bytes/param ({r.placement}, {r.ranks} rank{'s' if r.ranks > 1 else ''}): "
-                         f"{parts}; SSD wear {r.tb_written_per_1000_steps:.2f} TB per 1,000 steps")
+                         f"{parts}; SSD wear {r.tb_written_per_1000_steps:.2f} TB per 1,000 steps"
+                         + (f"; +{r.nvme_overlap_bytes / n:.2f} while the step overlaps backward"
+                            if r.nvme_overlap_bytes else ""))
     lines += [f"note: {n}" for n in t.notes]
     return "\n".join(lines) + "\n"
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import errno as errno_mod
 import fcntl
+import functools
 import logging
 import os
 import shutil
@@ -13,7 +14,7 @@ import time
 import uuid
 import warnings
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -619,6 +620,53 @@ class SwapStore:
         self._settle(entry, 0)
         entry.crcs[0] = crc if self.verify else None
 
+    # ---- space of a file whose extents the caller allocates (see .extents) ---------------
+    def reserve(self, key: str, offset: int, nbytes: int) -> None:
+        """Reserves disk for bytes [offset, offset + nbytes) of the key's one-piece file
+        (posix_fallocate: ENOSPC is raised here, before anything is written there), growing
+        the file when they lie past its end."""
+        entry = self._entry(key)
+        if offset % inf_io.ALIGNMENT or nbytes <= 0 or nbytes % inf_io.ALIGNMENT:
+            raise ValueError(f"swap reserve of {key!r}: offset {offset} and size {nbytes} must "
+                             f"be multiples of {inf_io.ALIGNMENT}")
+        if entry.pieces != 1:
+            raise ValueError(f"infinity: reserve of {key!r} needs a one-piece extent")
+        fd = os.open(self._path(key), os.O_RDWR | os.O_CLOEXEC)
+        try:
+            os.posix_fallocate(fd, offset, nbytes)
+        finally:
+            os.close(fd)
+        if offset + nbytes > entry.nbytes:
+            with self._lock:
+                crcs, pending = entry.crcs, entry.pending
+                grown = _Entry(handle=entry.handle, nbytes=offset + nbytes,
+                               piece=offset + nbytes)
+                grown.crcs, grown.pending = crcs, pending
+                self._entries[key] = grown
+
+    def release(self, key: str, offset: int, nbytes: int) -> bool:
+        """Gives the disk blocks of bytes [offset, offset + nbytes) of the key's file back to
+        the filesystem (a hole; the file keeps its size). False where the filesystem cannot
+        punch holes (the blocks stay allocated and are reused by later extents)."""
+        entry = self._entry(key)
+        if offset < 0 or nbytes <= 0 or offset + nbytes > entry.nbytes:
+            raise ValueError(f"swap release of {key!r}: [{offset}, {offset + nbytes}) is "
+                             f"outside its {entry.nbytes} bytes")
+        return punch_hole(self._path(key), offset, nbytes)
+
+    def disk_bytes(self, key: Optional[str] = None) -> int:
+        """Bytes the filesystem holds for the key's file (all files without a key): its
+        allocated blocks, holes left out."""
+        keys = [key] if key is not None else list(self._entries)
+        total = 0
+        for k in keys:
+            self._entry(k)
+            try:
+                total += os.stat(self._path(k)).st_blocks * 512
+            except OSError:
+                pass
+        return total
+
     def path(self, key: str) -> str:
         self._entry(key)
         return self._path(key)
@@ -645,6 +693,50 @@ class SwapStore:
             self.close()
         except Exception:
             pass
+
+
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+_punch_ok = True
+
+
+@functools.lru_cache(maxsize=None)
+def _fallocate() -> Any:
+    """libc's fallocate(2) through ctypes (None where there is none)."""
+    import ctypes
+    import ctypes.util
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.fallocate
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    return fn
+
+
+def punch_hole(path: str, offset: int, nbytes: int) -> bool:
+    """fallocate(PUNCH_HOLE | KEEP_SIZE) on ``path``: True when the blocks were released,
+    False where the filesystem (or platform) cannot (said once in the log)."""
+    global _punch_ok
+    fallocate = _fallocate() if _punch_ok else None
+    if fallocate is None:
+        _punch_ok = False
+        return False
+    import ctypes
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        if fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, nbytes) == 0:
+            return True
+        err = ctypes.get_errno()
+    finally:
+        os.close(fd)
+    if err in (errno_mod.EOPNOTSUPP, errno_mod.ENOSYS, errno_mod.EINVAL):
+        _punch_ok = False
+        logger.info("infinity: the filesystem under %r cannot punch holes (%s); freed swap "
+                    "extents keep their blocks until reused", path, os.strerror(err))
+        return False
+    raise OSError(err, f"punching a hole in {path!r} at {offset} ({nbytes} bytes) failed: "
+                       f"{os.strerror(err)}")
 
 
 def default_swap_root() -> str:

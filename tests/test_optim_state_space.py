@@ -1,0 +1,116 @@
+"""Disk bytes of the NVMe optimizer states: the formats' bytes once, plus the units in flight.
+
+Measured on the state file itself (``os.stat(...).st_blocks``: blocks the filesystem holds,
+holes left out) after every step, against what the layouts need, and the peak of live extents
+during the steps against the units the pipeline can have in flight. A step that overlaps
+backward keeps the old states of every unit it stepped until ``opt.step()`` confirms: its
+peak is what that costs."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import infinity
+from infinity.models import GPTConfig, TinyGPT, lm_loss, synthetic_batch
+from infinity.optim.nvme_states import STATE_FILE
+from infinity.optim.state_store import state_nbytes
+from optim_helpers import assert_equal, states as opt_states, weights
+
+CFG = GPTConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=2, max_seq=16)
+
+
+def _disk(store) -> int:
+    return os.stat(store.store.path(STATE_FILE)).st_blocks * 512
+
+
+def _train(model, opt, steps, seed=1, each=None):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x, y = synthetic_batch(CFG, 2, 8, gen)
+        lm_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if each is not None:
+            each()
+
+
+@pytest.mark.parametrize("states", ["fp32", "8bit"])
+@pytest.mark.parametrize("chunk", [64 << 10, 1 << 30])
+def test_swap_holds_the_states_once_plus_units_in_flight(tmp_path, states, chunk):
+    torch.manual_seed(0)
+    model = TinyGPT(CFG)
+    infinity.wrap(model, nvme_path=str(tmp_path), optimizer_tier="nvme")
+    opt = infinity.optim.AdamW(model.parameters(), lr=1e-2, chunk_bytes=chunk, states=states,
+                               min_8bit_size=0)
+    store = next(iter(opt._stores.values())) if opt._stores else None
+    seen = []
+
+    def check():
+        nonlocal store
+        store = next(iter(opt._stores.values()))
+        sets = next(iter(opt._sets.values()))
+        need = sum(state_nbytes(s.flat, s.formats) for s in opt._shards.values())
+        plans = [store.plan(s) for s in opt._shards.values()]
+        units = sum(len(p.units) for p in plans)
+        in_flight = sets.count * max(p.buffer_nbytes for p in plans)
+        sw = store.swap_bytes()
+        committed = sw["master"] + sw["moments"]
+        assert committed == sum(p.nbytes for p in plans)
+        # one extent per unit: the layout's bytes plus at most a page per unit
+        assert need <= committed <= need + units * 4096
+        disk = _disk(store)
+        assert disk == sw["disk"]
+        assert disk <= committed + in_flight            # after a step: nothing pending
+        assert store.peak_bytes <= committed + in_flight  # during it: the units in flight
+        assert store.nbytes == committed
+        seen.append((need, disk, store.peak_bytes, store.space.capacity, in_flight))
+
+    _train(model, opt, 6, each=check)
+    need, disk, peak, capacity, in_flight = seen[-1]
+    if chunk < need // 8:  # many units: far below the two extents per shard of before
+        assert disk <= 1.10 * need
+        assert peak <= 1.10 * need + in_flight < 2 * need
+        assert capacity <= 1.25 * need + in_flight  # fragmentation of the file's space
+    disks = [s[1] for s in seen]  # steady: no growth step after step
+    assert max(disks) - min(disks) <= in_flight
+    opt.close()
+    infinity.unwrap(model)
+
+
+def test_overlap_keeps_old_states_of_the_stepped_units_until_the_step(tmp_path):
+    """overlap=True (gradients and states on NVMe): the updates during backward write new
+    extents and keep the old ones until opt.step() confirms them, so the peak of live extents
+    grows by the stepped set (here most of the model: at least 1.5x the states, against at
+    most 1.25x without overlap); after the step the old extents are freed and the disk holds
+    the states once again. The results equal a run
+    without overlap bitwise."""
+    runs = []
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        model = TinyGPT(CFG)
+        d = tmp_path / str(overlap)
+        d.mkdir()
+        infinity.wrap(model, nvme_path=str(d), optimizer_tier="nvme", grad_tier="nvme",
+                      param_tier="host")
+        opt = infinity.optim.AdamW(model.parameters(), lr=1e-2, chunk_bytes=16 << 10,
+                                   overlap=overlap)
+        disks = []
+        _train(model, opt, 4, each=lambda: disks.append(
+            _disk(next(iter(opt._stores.values())))))
+        store = next(iter(opt._stores.values()))
+        sw = store.swap_bytes()
+        committed = sw["master"] + sw["moments"]
+        if overlap:
+            assert opt._overlap.kept_total > 0
+            assert store.peak_bytes >= 1.5 * committed  # the stepped set's old extents
+        else:
+            assert store.peak_bytes <= 1.25 * committed
+        assert disks[-1] <= committed + 4 * max(store.plan(s).buffer_nbytes
+                                                for s in opt._shards.values())
+        runs.append((weights(model), opt_states(opt), store.peak_bytes / committed))
+        opt.close()
+        infinity.unwrap(model)
+    assert_equal(runs[0][0], runs[1][0])
+    assert_equal(runs[0][1], runs[1][1])
