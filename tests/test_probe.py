@@ -118,3 +118,18 @@ def test_a_cache_without_the_bf16_rate_measures_it_once(tmp_path, cached):
     r = probe(None, quick=True, cache=stale)
     assert r.from_cache and r.flops_bf16 and set(r.flops_bf16) == set(r.flops)
     assert "flops_bf16" in json.load(open(stale))["machine"]
+
+
+def test_a_cache_or_result_from_a_newer_version_still_reads(tmp_path, cached):
+    from infinity.plan.probe import ProbeResult
+    _, cache, first = cached
+    data = json.load(open(cache))
+    data["machine"]["a_later_field"] = 1.0
+    newer = str(tmp_path / "newer.json")
+    json.dump(data, open(newer, "w"))
+    r = probe(None, quick=True, cache=newer)
+    assert r.from_cache and r.mem_bps == first.mem_bps
+    saved = {**first.to_json(), "a_later_field": 2}
+    saved["disk"] = {**saved["disk"], "another": 3}
+    back = ProbeResult.from_json(saved)
+    assert back.mem_bps == first.mem_bps and back.disk.read_bps == first.disk.read_bps

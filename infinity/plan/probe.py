@@ -27,7 +27,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -117,9 +117,15 @@ class ProbeResult:
 
     @staticmethod
     def from_json(data: Dict[str, Any]) -> "ProbeResult":
+        """A saved result; fields a newer infinity added are left out (and missing ones take
+        their defaults), so a result or cache written by another version still reads."""
         data = dict(data)
         disk = data.pop("disk", None)
-        return ProbeResult(disk=DiskProbe(**disk) if disk else None, **data)
+        known = {f.name for f in fields(ProbeResult)}
+        disk_known = {f.name for f in fields(DiskProbe)}
+        return ProbeResult(
+            disk=DiskProbe(**{k: v for k, v in disk.items() if k in disk_known}) if disk else None,
+            **{k: v for k, v in data.items() if k in known})
 
 
 def _median_time(fn: Callable[[], None], reps: int, warmup: int = 1) -> float:
@@ -435,7 +441,9 @@ def probe(nvme_path: Optional[str] = None, *, quick: bool = False, refresh: bool
         ident_d = dict(disk.identity)
         ident_d.pop("cached")
         disk = DiskProbe(**{**asdict(disk), "identity": ident_d})
-    return ProbeResult(identity=ident, from_cache=from_cache, notes=notes, disk=disk, **machine)
+    known = {f.name for f in fields(ProbeResult)}  # a cache a newer infinity wrote still reads
+    return ProbeResult(identity=ident, from_cache=from_cache, notes=notes, disk=disk,
+                       **{k: v for k, v in machine.items() if k in known})
 
 
 def _disk(path: str, quick: bool, refresh: bool, data: Dict[str, Any],
