@@ -278,11 +278,5 @@ class QuantizedHome(Home):
         self._held.clear()
         self.inner.close()
 
-    def __getattr__(self, name: str):
-        # the wrapped home's own helpers (an NvmeHome's range_elems, ...) stay reachable
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
 
 __all__ = ["QuantFlat", "QuantizedHome"]
