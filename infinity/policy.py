@@ -126,6 +126,18 @@ class OffloadPolicy:
         materialized for the whole step (DeepSpeed's stage3_param_persistence_threshold).
         Each module is counted with the parameters it owns directly; modules sharing a
         parameter (a tied embedding and head) count together and make one block.
+    embedding_rows: an ``nn.Embedding`` that is an outer block of its own (not tied to a
+        head) on the host or NVMe tier reads only the rows its batch looks up (on NVMe the
+        swap file's pieces that hold them), and its gradient is accumulated row-sparse into
+        the gradient tier (zeros elsewhere): the table is never materialized whole and no
+        full-size dense gradient exists. Numbers are those of the plain lookup.
+        See infinity/runtime/rows.py. False: fetched whole when it runs.
+    tiled_head: the LM head (``get_output_embeddings()``, tied or not) streams its weight from
+        its home in tiles of vocabulary rows (about a chunk each) and is never materialized
+        whole; in a forward with labels (a Hugging Face ``*ForCausalLM``) the loss is computed
+        over the tiles with an online logsumexp, the logits are never materialized and the
+        output's ``logits`` is None; without labels the logits are computed tile by tile.
+        Within 1e-6 relative of plain PyTorch in fp32. See infinity/runtime/tiled_head.py.
     """
 
     param_tier: str = "auto"
@@ -150,6 +162,8 @@ class OffloadPolicy:
     chunk_bytes: Optional[Size] = None
     param_persistence_threshold: int = 100_000
     frozen_format: Optional[str] = None
+    embedding_rows: bool = True
+    tiled_head: bool = False
 
     def __post_init__(self) -> None:
         if self.param_tier != "auto":
@@ -171,6 +185,10 @@ class OffloadPolicy:
             if value is not None:  # frozen: normalised once, downstream code sees ints
                 object.__setattr__(self, name, parse_budget(value, name))
         check_chunk_bytes(self.chunk_bytes, "infinity.wrap")
+        for name in ("embedding_rows", "tiled_head"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"infinity: {name} must be True or False, got "
+                                 f"{getattr(self, name)!r}")
         t = self.param_persistence_threshold
         if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0:
             raise ValueError(f"infinity: param_persistence_threshold must be an integer number "

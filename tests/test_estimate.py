@@ -219,3 +219,21 @@ def test_nvme_host_ram_is_flat_in_the_vocabulary_and_bytes_are_categorised(pr, v
                      vocab_size=vocab, chunk_bytes=64 << 20, **dims).row("nvme_8bit")
     assert small.host_bytes < t.row("nvme_8bit").host_bytes  # the chunk bounds it
     assert "SSD wear" in str(t) and "swap bytes/param" in str(t)
+
+
+def test_a_bf16_model_is_predicted_at_the_bf16_compute_rate(pr):
+    import dataclasses
+
+    from infinity.plan.estimate import estimate_one
+    from infinity.plan.placements import placement
+    from infinity.plan.shape import shape_of
+    fast = dataclasses.replace(pr, flops={k: 1e9 for k in pr.flops},
+                               flops_bf16={k: 4e9 for k in pr.flops})
+    fp32 = shape_of(_meta_model())
+    with infinity.empty_init():
+        bf16 = shape_of(TinyGPT(CFG).to(torch.bfloat16))
+    assert bf16.bytes_per_param == 2 and fp32.bytes_per_param == 4
+    for name in ("host", "nvme"):
+        a = estimate_one(fp32, placement(name), fast, batch=2, seq=32)
+        b = estimate_one(bf16, placement(name), fast, batch=2, seq=32)
+        assert a.compute_s == pytest.approx(4 * b.compute_s, rel=1e-9)

@@ -168,3 +168,22 @@ def test_8bit_states_count_the_safeguards_fp32_moments():
     want = (s8 * (shape.params - full) + s32 * full) / shape.params
     assert abs(_state_bpp(shape, pl) - want) < 1e-9
     assert placement(pl.name).states == "8bit"
+
+
+def test_published_bf16_weights_halve_the_homes_and_compute_at_the_bf16_rate(pr, capsys):
+    from infinity import cli
+    fp32 = estimate(LLAMA_3B, probe=pr, placements=["host"])
+    bf16 = estimate(LLAMA_3B, probe=pr, placements=["host"], dtype=torch.bfloat16)
+    assert bf16.shape.params == fp32.shape.params
+    assert bf16.shape.param_bytes * 2 == fp32.shape.param_bytes
+    ratio = pr.flops_at(3072) / pr.flops_at(3072, torch.bfloat16)
+    assert bf16.rows[0].compute_s == pytest.approx(fp32.rows[0].compute_s * ratio, rel=1e-9)
+    with pytest.raises(ValueError, match="infinity.estimate: dtype describes a config"):
+        estimate(_meta(transformers.LlamaForCausalLM,
+                       transformers.LlamaConfig(**{**LLAMA_3B, "num_hidden_layers": 1})),
+                 probe=pr, dtype=torch.bfloat16)
+    flags = ["--d-model", "3072", "--layers", "28", "--heads", "24", "--kv-heads", "8",
+             "--ffn", "8192", "--vocab", "128256", "--tied", "--quick-probe",
+             "--placement", "host"]
+    assert cli.main(["estimate", *flags, "--dtype", "bf16"]) == 0
+    assert "3,212,749,824 parameters" in capsys.readouterr().out

@@ -22,6 +22,7 @@ def test_probe_measures_this_machine(cached):
     assert not r.from_cache
     assert r.mem_bps > 1e8 and r.adam_params_per_s > 1e5 and r.adam8_params_per_s > 1e5
     assert r.flops and all(v > 1e6 for v in r.flops.values())
+    assert set(r.flops_bf16) == set(r.flops) and all(v > 1e6 for v in r.flops_bf16.values())
     assert r.disk is not None and r.disk.read_bps > 1e6 and r.disk.write_bps > 1e6
     assert r.disk.free_bytes > 0 and r.disk.identity["dev"]
     assert not [f for f in os.listdir(d) if f.startswith(".infinity-probe")]  # test file gone
@@ -93,3 +94,27 @@ def test_engine_overhead_is_measured_per_layout(tmp_path):
         assert set(v) == {"block_s", "step_s"}
         assert all(0.0 <= x < 5.0 for x in v.values())
     assert os.listdir(tmp_path) == []  # its scratch folder is gone
+
+
+def test_flops_at_takes_the_rate_of_the_compute_dtype(cached):
+    import dataclasses
+
+    import torch
+    _, _, r = cached
+    r = dataclasses.replace(r, flops={"128": 1e9, "512": 4e9},
+                            flops_bf16={"128": 3e9, "512": 12e9})
+    assert r.flops_at(128) == 1e9 and r.flops_at(128, torch.bfloat16) == 3e9
+    assert r.flops_at(4096, torch.float16) == 12e9
+    old = dataclasses.replace(r, flops_bf16={})  # a probe from before bf16 was measured
+    assert old.flops_at(512, torch.bfloat16) == 4e9
+
+
+def test_a_cache_without_the_bf16_rate_measures_it_once(tmp_path, cached):
+    _, cache, _ = cached
+    data = json.load(open(cache))
+    data["machine"].pop("flops_bf16")
+    stale = str(tmp_path / "old.json")
+    json.dump(data, open(stale, "w"))
+    r = probe(None, quick=True, cache=stale)
+    assert r.from_cache and r.flops_bf16 and set(r.flops_bf16) == set(r.flops)
+    assert "flops_bf16" in json.load(open(stale))["machine"]

@@ -55,6 +55,9 @@ def add_estimate(p: argparse.ArgumentParser) -> None:
                    help="time one layer + head at this shape instead of the probe's FLOP rate")
     p.add_argument("--master", choices=("fp32", "bf16_sr", "bf16_kahan"), default="fp32",
                    help="the optimizer's master weights (AdamW(master=...))")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="the weights' dtype of a config or a count (bf16 as published: homes in "
+                        "2 bytes a parameter, computed at the probe's bf16 rate)")
     p.add_argument("--plan", action="store_true", help="also show the planner's choice")
     p.add_argument("--ram-budget", default=None, help="host budget for --plan, e.g. 8GiB")
 
@@ -79,7 +82,8 @@ def estimate_shape(args: argparse.Namespace):
         source = parse_count(args.params)
     else:
         source = None
-    return describe(source, **dims)
+    bpp = 2 if getattr(args, "dtype", "fp32") == "bf16" else 4
+    return describe(source, bytes_per_param=bpp, **dims)
 
 
 def run_estimate(args: argparse.Namespace) -> int:

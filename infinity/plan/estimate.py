@@ -33,6 +33,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Union
 
+import torch
 from torch import nn
 
 from .placements import (MASTER_BYTES, PLACEMENTS, Placement, placement as get_placement,
@@ -93,6 +94,12 @@ class EstimateTable:
     def __str__(self) -> str:
         from .explain import format_estimates
         return format_estimates(self)
+
+
+def compute_dtype(bytes_per_param: float) -> torch.dtype:
+    """The dtype a model whose parameters take this many bytes computes in: its own (2-byte
+    homes compute in bf16 or fp16, whose rate the probe measures as bf16)."""
+    return torch.bfloat16 if bytes_per_param <= 2 else torch.float32
 
 
 def model_flops(shape: ModelShape, tokens: int, seq: int) -> float:
@@ -198,7 +205,8 @@ def estimate_one(shape: ModelShape, pl: Placement, pr: ProbeResult, *, batch: in
     # read before the first compute: the root and the first block (the embedding's, if any)
     first_bytes = root_bytes + (shape.outer_block_bytes * cbpp / bpp or layer_bytes)
     compute = (compute_s if compute_s is not None
-               else model_flops(shape, tokens, seq) / pr.flops_at(shape.d_model))
+               else model_flops(shape, tokens, seq) / pr.flops_at(shape.d_model,
+                                                                 compute_dtype(cbpp)))
     blocks = len(shape.block_bytes)
     overhead = engine_overhead_s(pl, pr, blocks)
     adam_rate = pr.adam8_params_per_s if pl.states == "8bit" else pr.adam_params_per_s
@@ -293,7 +301,8 @@ def estimate(model_or_count: Union[nn.Module, int, float, str, ModelShape, Any] 
              master: str = "fp32", vocab_size: Optional[int] = None, ffn: Optional[int] = None,
              n_heads: Optional[int] = None, n_kv_heads: Optional[int] = None,
              tied: Optional[bool] = None, head_dim: Optional[int] = None,
-             chunk_bytes: Optional[int] = None, frozen_format: Optional[str] = None,
+             chunk_bytes: Optional[int] = None,
+             dtype: Optional[torch.dtype] = None, frozen_format: Optional[str] = None,
              trainable_params: Optional[int] = None) -> EstimateTable:
     """Predicts, before anything is allocated, what each placement needs and how fast a step
     runs. ``model_or_count``: an nn.Module (built on the meta device is fine); a Hugging Face
@@ -303,7 +312,9 @@ def estimate(model_or_count: Union[nn.Module, int, float, str, ModelShape, Any] 
     ``d_model``, ``ffn``, ``n_layers``, ``n_heads``, ``n_kv_heads``, ``vocab_size``, ``tied``,
     ``head_dim`` override; None with those keywords alone; or a parameter count (``2e9`` or
     ``"2B"``; a GPT shape is assumed, ``n_layers``/``d_model``/``vocab_size`` refine it).
-    Configs and counts are in fp32 (4 bytes a parameter, as the model built from them).
+    Configs and counts are in ``dtype`` (default fp32, 4 bytes a parameter, as the model
+    built from them; ``torch.bfloat16`` as the weights are published), and a model computes in
+    its own dtype at the probe's rate for it.
     ``ranks``: an int N (rows for 1..N ranks) or a list of rank counts. NVMe placements need
     the disk figures: pass ``nvme_path`` (probed) or a ``probe`` result with a disk.
     ``calibrate``: time forward + backward of one layer and of the head at this exact shape
@@ -315,9 +326,15 @@ def estimate(model_or_count: Union[nn.Module, int, float, str, ModelShape, Any] 
     fetches count the stored bytes (0.5625 B/param for NF4), gradients and optimizer states
     only ``trainable_params`` (None: a module's ``requires_grad`` parameters; 0 for a config or
     a count: give the adapters' count); the device placements are left out."""
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise ValueError(f"infinity.estimate: dtype must be a torch.dtype, got {dtype!r}")
+    if dtype is not None and isinstance(model_or_count, (nn.Module, ModelShape)):
+        raise ValueError("infinity.estimate: dtype describes a config or a parameter count; "
+                         "a model has its own dtypes (leave dtype out, or cast the model)")
     shape = describe(model_or_count, n_layers=n_layers, d_model=d_model, vocab_size=vocab_size,
                      ffn=ffn, n_heads=n_heads, n_kv_heads=n_kv_heads, tied=tied,
-                     head_dim=head_dim)
+                     head_dim=head_dim,
+                     bytes_per_param=None if dtype is None else dtype.itemsize)
     if frozen_format is not None:
         from .frozen import frozen_shape
         shape = frozen_shape(shape, frozen_format, model_or_count, trainable_params)

@@ -23,7 +23,7 @@ import psutil
 from torch import nn
 
 from ..policy import OffloadPolicy, check_nvme_path
-from .estimate import Estimate, estimate_one, model_flops
+from .estimate import Estimate, compute_dtype, estimate_one, model_flops
 from .explain import fmt_bytes, fmt_s, format_plan
 from .placements import PLACEMENTS, Placement
 from .probe import ProbeResult, probe as run_probe
@@ -93,7 +93,8 @@ def _window(shape: ModelShape, pr: ProbeResult, pl: Placement, batch: int, seq: 
     blocks before it (at least 1, at most MAX_WINDOW)."""
     if pl.param_tier != "nvme" or pr.disk is None:
         return _DEFAULT_WINDOW
-    per_block_compute = model_flops(shape, batch * seq, seq) / pr.flops_at(shape.d_model) \
+    per_block_compute = model_flops(shape, batch * seq, seq) / \
+        pr.flops_at(shape.d_model, compute_dtype(shape.bytes_per_param)) \
         / max(1, len(shape.block_bytes))
     per_block_read = shape.layer_block_bytes / pr.disk.read_bps
     return max(1, min(MAX_WINDOW, math.ceil(per_block_read / max(per_block_compute, 1e-9)) + 1))

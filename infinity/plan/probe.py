@@ -70,7 +70,7 @@ class ProbeResult:
     adam_params_per_s: float           # fp32 states
     adam8_params_per_s: float          # 8-bit states
     device: str                        # "cuda" or "cpu": where the compute rates were measured
-    flops: Dict[str, float]            # str(d_model) -> FLOP/s of a GPT layer fwd+bwd
+    flops: Dict[str, float]            # str(d_model) -> FLOP/s of a GPT layer fwd+bwd (fp32)
     h2d_pinned_bps: Optional[float] = None
     h2d_pageable_bps: Optional[float] = None
     d2h_pinned_bps: Optional[float] = None
@@ -83,6 +83,8 @@ class ProbeResult:
     torch_adam_params_per_s: Optional[float] = None  # torch.optim.AdamW (plain PyTorch)
     # layout -> {"block_s", "step_s"}: the engine's fixed costs without a disk (host)
     overhead: Dict[str, Dict[str, float]] = field(default_factory=dict)
+    # str(d_model) -> FLOP/s of the same layer computed in bf16 (empty: not measured)
+    flops_bf16: Dict[str, float] = field(default_factory=dict)
 
     def engine_overhead(self, layout: str) -> Dict[str, float]:
         """``{"block_s", "step_s"}`` for a tier layout (``host``, ``optim_nvme``, ``nvme``):
@@ -92,9 +94,13 @@ class ProbeResult:
             got = self.disk.overhead.get(layout)
         return dict(got) if got else {"block_s": 0.0, "step_s": 0.0}
 
-    def flops_at(self, d_model: int) -> float:
-        """The measured rate at the nearest width (log-linear between two measured widths)."""
-        pts = sorted((int(k), v) for k, v in self.flops.items())
+    def flops_at(self, d_model: int, dtype: torch.dtype = torch.float32) -> float:
+        """The measured rate at the nearest width (log-linear between two measured widths),
+        for a model computing in ``dtype``: bf16 and fp16 take the bf16 rate where it was
+        measured (a probe from before it was measured gives the fp32 rate)."""
+        table = self.flops_bf16 if dtype in (torch.bfloat16, torch.float16) and \
+            self.flops_bf16 else self.flops
+        pts = sorted((int(k), v) for k, v in table.items())
         if d_model <= pts[0][0]:
             return pts[0][1]
         if d_model >= pts[-1][0]:
@@ -246,13 +252,16 @@ def layer_flops(d_model: int, tokens: int, seq: int) -> float:
     return 6.0 * params * tokens + 12.0 * tokens * seq * d_model
 
 
-def measure_compute(shapes, device: torch.device, reps: int = 2) -> Dict[str, float]:
+def measure_compute(shapes, device: torch.device, reps: int = 2,
+                    dtype: torch.dtype = torch.float32) -> Dict[str, float]:
+    """FLOP/s of one GPT layer's forward + backward at each (d_model, batch, seq), with its
+    weights and activations in ``dtype``."""
     from ..models import Block, GPTConfig
     out: Dict[str, float] = {}
     for d, batch, seq in shapes:
         cfg = GPTConfig(d_model=d, n_heads=max(1, d // 64), max_seq=seq)
-        layer = Block(cfg).to(device)
-        x = torch.randn(batch, seq, d, device=device, requires_grad=True)
+        layer = Block(cfg).to(device=device, dtype=dtype)
+        x = torch.randn(batch, seq, d, device=device, dtype=dtype, requires_grad=True)
 
         def step() -> None:
             layer(x).sum().backward()
@@ -403,6 +412,9 @@ def probe(nvme_path: Optional[str] = None, *, quick: bool = False, refresh: bool
             cached = data.get("machine")
             if cached and (quick or not cached.get("quick")):
                 machine = cached
+                if "flops_bf16" not in machine:  # a cache from before bf16 was measured
+                    machine["flops_bf16"] = _measure_bf16(machine.get("quick", quick))
+                    data["machine"] = machine
     if not data:
         data = {"version": CACHE_VERSION, "identity": ident, "identity_key": key_of(ident),
                 "disks": {}}
@@ -453,6 +465,13 @@ def _disk(path: str, quick: bool, refresh: bool, data: Dict[str, Any],
     return result
 
 
+def _measure_bf16(quick: bool) -> Dict[str, float]:
+    """The layer's FLOP rate in bf16 (CPUs with AMX or AVX512-BF16 run it several times
+    faster than fp32, others several times slower)."""
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return measure_compute(QUICK_SHAPES if quick else FULL_SHAPES, dev, dtype=torch.bfloat16)
+
+
 def _measure_machine(quick: bool) -> Dict[str, Any]:
     t0 = time.perf_counter()
     cuda = torch.cuda.is_available()
@@ -464,6 +483,7 @@ def _measure_machine(quick: bool) -> Dict[str, Any]:
         "adam_params_per_s": adam["fp32"], "adam8_params_per_s": adam["8bit"],
         "device": dev.type,
         "flops": measure_compute(QUICK_SHAPES if quick else FULL_SHAPES, dev),
+        "flops_bf16": _measure_bf16(quick),
         "torch_adam_params_per_s": measure_torch_adam((1 << 18) if quick else (16 << 20)),
         # a quick probe leaves the engine's fixed costs out (tens of seconds on a loaded
         # 2-core machine); the estimates then assume BLOCK_OVERHEAD_S per block
@@ -516,6 +536,9 @@ def format_probe(r: ProbeResult) -> str:
         (f"{r.device} GPT layer fwd+bwd", ", ".join(
             f"d={k}: {_fmt_rate(v, 'FLOP/s')}" for k, v in
             sorted(r.flops.items(), key=lambda kv: int(kv[0])))),
+        (f"{r.device} GPT layer fwd+bwd, bf16", ", ".join(
+            f"d={k}: {_fmt_rate(v, 'FLOP/s')}" for k, v in
+            sorted(r.flops_bf16.items(), key=lambda kv: int(kv[0]))) or "-"),
     ]
     if r.disk is not None:
         d = r.disk

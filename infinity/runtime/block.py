@@ -42,6 +42,8 @@ class Block:
         # wait for the gradients of their inputs.
         self.needs_input_signal = self.n_trainable < sum(len(f.slots) for f in flats)
         self.inputs_done = False
+        # an embedding looked up row by row (runtime/rows.py): never fetched whole for forward
+        self.row_lookup = False
 
     @property
     def shared(self) -> bool:

@@ -34,6 +34,8 @@ from ..tiers.chunk_size import resolve_chunk_bytes
 from ..tiers.pool_plan import MAX_PIECE_BYTES, PoolPlan, plan_pools
 from . import hooks as hooks_mod
 from . import compute_pool
+from . import rows as rows_mod
+from . import tiled_head as tiled_head_mod
 from .block import Block
 from .compute_pool import ComputeBuffers
 from .device import resolve_device
@@ -105,6 +107,10 @@ class Engine(Residence, OutsideWrites, HookHandlers):
         self.device_budget = ByteBudget("device", policy.device_budget)
         self.host_budget = ByteBudget("host", policy.host_budget)
         self.blocks = self._plan_blocks(specs, self._choose_block_tiers(len(specs)))
+        self.tiled_head: Optional[nn.Linear] = (tiled_head_mod.head_module(model)
+                                                if policy.tiled_head else None)
+        self._loss_follows = False  # a model forward with labels runs (tiled head)
+        self._mark_row_blocks()
         if self.partitioner is not None:
             self.partitioner.attach(self.blocks)
         self._check_budgets()
@@ -293,6 +299,35 @@ class Engine(Residence, OutsideWrites, HookHandlers):
                            "get_peft_model first) or drop frozen_format", fmt.name)
         return blocks
 
+    def _mark_row_blocks(self) -> None:
+        """The blocks read by rows, never fetched whole: plain embeddings (embedding_rows,
+        runtime/rows.py) and the LM head (tiled_head, runtime/tiled_head.py)."""
+        sharded = self.partitioner is not None
+        for block in self.blocks:
+            block.row_lookup = rows_mod.eligible(block, sharded, self.tiled_head,
+                                                 self.policy.embedding_rows)
+        head = self.tiled_head
+        if head is not None and not any(b.row_lookup and any(m is head for m in b.modules)
+                                        for b in self.blocks):
+            owner = next((b for b in self.blocks if any(m is head for m in b.modules)), None)
+            if owner is None or owner.is_root:
+                why = "its weight stays in the root block (below param_persistence_threshold)"
+            elif sharded:
+                why = "parameters are sharded across ranks (shard=zero3)"
+            elif owner.home is Tier.DEVICE:
+                why = "its block lives on the device tier (nothing to stream)"
+            else:
+                why = (f"its block {owner.name!r} is shared with a module that is not a plain "
+                       "nn.Embedding, or holds more than its weight"
+                       + ("" if self.policy.embedding_rows else " (or embedding_rows=False)"))
+            raise ValueError(f"infinity: tiled_head=True, but the LM head cannot be tiled: "
+                             f"{why}. Pass tiled_head=False")
+
+    @property
+    def chunk_bytes(self) -> int:
+        """The chunk: the size of the host buffers I/O passes through (policy.chunk_bytes)."""
+        return resolve_chunk_bytes(self.policy.chunk_bytes, self.host_budget.limit)
+
     def _guess_order(self) -> Dict[str, List[int]]:
         """The first step's schedule: the blocks' modules in the order the model registers
         them (an embedding before the layers, the head after; a tied block at both) for
@@ -395,7 +430,8 @@ class Engine(Residence, OutsideWrites, HookHandlers):
         blocks such as the embedding or the head) is fetched when used and released after."""
         streamed = [b for b in self.blocks if not b.resident]
         root = sum(b.compute_nbytes for b in streamed if b.is_root)
-        others = [b for b in streamed if not b.is_root]
+        # an embedding looked up row by row is never materialized whole in a step
+        others = [b for b in streamed if not b.is_root and not b.row_lookup]
         largest = max(others, key=lambda b: b.compute_nbytes, default=None)
         layer = max((b.compute_nbytes for b in others if b.kind == "layer"), default=0)
         return root, largest, (largest.compute_nbytes if largest is not None else 0), layer
@@ -443,7 +479,9 @@ class Engine(Residence, OutsideWrites, HookHandlers):
                 f"infinity: host_budget={limit:,} bytes is smaller than what the engine holds in "
                 f"host RAM: {listed} = {fixed + minimal:,} bytes (with the pools of that budget). "
                 f"Raise host_budget to at least {need:,} bytes (an optimizer needs more on top: its states on host, "
-                "or with states on NVMe its buffer sets), or use smaller blocks (block_rule)")
+                "or with states on NVMe its buffer sets), or "
+                + (self._outer_remedy(largest_block) if largest_block is not None
+                   and largest_block.kind == "outer" else "use smaller blocks (block_rule)"))
         if not minimal:
             return 0
         # the compute buffers beyond their minimum leave room for what an optimizer with its
@@ -459,6 +497,24 @@ class Engine(Residence, OutsideWrites, HookHandlers):
             self.device_budget = ByteBudget("device", reserve)
         self.compute_buffers.limit = reserve
         return reserve
+
+    def _outer_remedy(self, block: Block) -> str:
+        """What lets an outer block that is fetched whole need less memory at once."""
+        head = None
+        get = getattr(self.model, "get_output_embeddings", None)
+        if callable(get):
+            head = get()
+        if head is not None and any(m is head for m in block.modules):
+            return (f"wrap with tiled_head=True: module {block.name!r} (the LM head) is then "
+                    "read in tiles of vocabulary rows, never whole, or compute in a narrower "
+                    "dtype (compute_dtype=torch.bfloat16)")
+        if any(isinstance(m, nn.Embedding) for m in block.modules):
+            return (f"compute in a narrower dtype (compute_dtype=torch.bfloat16); module "
+                    f"{block.name!r} is fetched whole (an embedding is read row by row when "
+                    "it is a plain nn.Embedding with a block of its own and "
+                    "embedding_rows=True)")
+        return (f"compute in a narrower dtype (compute_dtype=torch.bfloat16); module "
+                f"{block.name!r} is fetched whole")
 
     def _check_disk(self) -> None:
         """The parameter homes and gradient files this engine puts on NVMe must fit on the
@@ -490,9 +546,7 @@ class Engine(Residence, OutsideWrites, HookHandlers):
             if who is None or who.kind == "layer":
                 remedy = "split the block with block_rule"
             elif who.kind == "outer":
-                remedy = (f"compute in a narrower dtype (compute_dtype=torch.bfloat16); module "
-                          f"{who.name!r} is fetched whole (a vocabulary-tiled head and an "
-                          "embedding fetched row by row are not built)")
+                remedy = self._outer_remedy(who)
             else:
                 remedy = ("lower param_persistence_threshold so that more modules outside the "
                           "layers become blocks of their own")

@@ -53,6 +53,7 @@ from ..tiers import ByteBudget, HostPool, SwapStore, Tier
 from ..tiers.pool_plan import buffer_bytes, piece_bytes
 from ..tiers.swap_store import IOResult
 from .flat import FlatParam
+from .row_grads import scatter_rows, sparse_rows
 from .stats import Stats
 
 
@@ -194,7 +195,8 @@ class GradientSink:
 
     def _add(self, flat: FlatParam, index: int, grad: torch.Tensor) -> None:
         if grad.is_sparse:
-            raise TypeError(f"{flat.slots[index].qualname}: sparse gradients are not supported")
+            self._add_rows(flat, index, grad)
+            return
         self._open_flat(flat)
         if grad.is_cuda:
             if self._staging is None or self._d2h is None:
@@ -228,6 +230,39 @@ class GradientSink:
             # _close after the whole block (one more pass over memory); computed exactly as
             # _close would, on the same view, so it is the same number
             self._slot_norms(flat)[index] = self._norm_of(flat, index)
+
+    def _add_rows(self, flat: FlatParam, index: int, grad: torch.Tensor) -> None:
+        """A row-sparse gradient (an embedding looked up row by row, runtime/rows.py, or a
+        tile of a tiled LM head, tiled_head.py): its
+        rows are copied (added) into the accumulator, zeros elsewhere, exactly the values its
+        dense form would have given. A slot larger than a chunk gets no norm (the optimizer
+        reads it)."""
+        rows, values = sparse_rows(grad)
+        self._drain_d2h()
+        self._open_flat(flat)
+        s = flat.slots[index]
+        width = s.shape[1]
+        add = bool(flat.grad_ready[index])
+        flat.grad_ready[index] = True
+        if id(flat) in self._chunked:
+            per = self._chunk_elems
+            lo, hi = s.offset, s.offset + s.numel
+            a0, b0 = lo, hi  # a first accumulation writes the whole slot (zeros elsewhere)
+            if add:  # else only the chunks that hold the rows
+                if not rows.numel():
+                    return
+                a0, b0 = lo + int(rows[0]) * width, lo + (int(rows[-1]) + 1) * width
+            for k in reversed(range(a0 // per, (b0 - 1) // per + 1)):
+                a, b = max(lo, k * per), min(hi, (k + 1) * per)
+                scatter_rows(self._chunk_part(flat, k, a, b), a, lo, width, rows, values,
+                             add=add)
+            self._slot_norms(flat)[index] = None
+        else:
+            scatter_rows(flat.grad[s.offset:s.offset + s.numel], s.offset, s.offset, width,
+                         rows, values, add=add)
+            if self.tier is Tier.NVME:
+                self._slot_norms(flat)[index] = self._norm_of(flat, index)
+        self.stats.add_moved("device_to_host", values.numel() * grad.element_size())
 
     def _slot_norms(self, flat: FlatParam) -> List[Optional[torch.Tensor]]:
         """Norms of the open flat's slots measured as their gradients arrived."""

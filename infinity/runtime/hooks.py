@@ -8,6 +8,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from . import rows as rows_mod
+from . import tiled_head as tiled_head_mod
 from .block import Block
 
 if TYPE_CHECKING:
@@ -97,6 +99,18 @@ def register(engine: "Engine") -> HookSet:
                 EngineHook(engine, "on_block_pre_forward", block)))
             hooks.add(module.register_forward_hook(
                 EngineHook(engine, "on_block_post_forward", block), always_call=True))
+    head = engine.tiled_head
+    for block in engine.blocks:
+        if block.row_lookup:  # its forwards read only the rows they need (rows.py)
+            for module in block.modules:
+                if module is not head:
+                    hooks.add(rows_mod.RowForward(module))
+    if head is not None:  # the LM head in tiles (tiled_head.py)
+        hooks.add(tiled_head_mod.Installed(model, head))
+        hooks.add(model.register_forward_pre_hook(EngineHook(engine, "on_model_labels"),
+                                                  with_kwargs=True, prepend=True))
+        hooks.add(model.register_forward_hook(EngineHook(engine, "on_model_output"),
+                                              always_call=True))
     for block in engine.blocks:
         for fi, flat in enumerate(block.flats):
             for si, slot in enumerate(flat.slots):

@@ -13,7 +13,10 @@ import torch
 from torch import nn
 
 from . import hooks as hooks_mod
+from . import rows as rows_mod
+from . import tiled_head as tiled_head_mod
 from .block import Block
+from .flat import Binding
 from .residency import Residency
 
 logger = logging.getLogger("infinity.runtime.engine")
@@ -160,7 +163,8 @@ class HookHandlers:
                 self._last_backward_block = block
             else:
                 self._visit(block, "forward")
-            self._ensure_on_device(block)
+            if not block.row_lookup:  # else its forward reads only its rows (rows.py)
+                self._ensure_on_device(block)
             if not recompute:
                 block.active_forward += 1
                 if self.activations is not None:
@@ -170,6 +174,53 @@ class HookHandlers:
                 # it go until its next use, though its gradient is complete only after the
                 # backward of every use
                 hooks_mod.register_post_backward(args, lambda: self.on_inputs_grad(block))
+
+    @_timed_hook
+    def lookup_rows(self, block: Block, module: nn.Module, input: torch.Tensor) -> torch.Tensor:
+        """The forward of an embedding looked up row by row (runtime/rows.py), between its
+        block's pre- and post-forward hooks."""
+        with self._lock:
+            flat = block.flats[0]
+            if flat.binding is Binding.OUTSIDE and flat.written_slots():
+                self.sync_outside_writes()  # written through the parameter: the home first
+            return rows_mod.lookup(self, block, module, input)
+
+    @_timed_hook
+    def tiled_head_forward(self, block: Block, module: nn.Module, hidden: torch.Tensor) -> Any:
+        """The forward of the LM head tiled over its vocabulary (runtime/tiled_head.py)."""
+        with self._lock:
+            flat = block.flats[0]
+            if flat.binding is Binding.OUTSIDE and flat.written_slots():
+                self.sync_outside_writes()
+            return tiled_head_mod.head_forward(self, block, module, hidden, self._loss_follows)
+
+    def read_head_tile(self, block: Block, weight: torch.Tensor, r0: int,
+                       r1: int) -> torch.Tensor:
+        with self._lock:
+            return rows_mod.read_row_span(self, block, weight, r0, r1)
+
+    def add_row_grads(self, block: Block, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """Gradient rows of a block read by rows (an embedding's lookup, a tile of the LM
+        head): ``rows`` distinct and sorted, ``values`` their gradients."""
+        with self._lock:
+            self._start_backward_if_needed()
+            grad = torch.sparse_coo_tensor(rows.to("cpu").unsqueeze(0),
+                                           values.detach().to("cpu", torch.float32),
+                                           block.flats[0].slots[0].shape, is_coalesced=True,
+                                           check_invariants=False)
+            self.grads.add(block.flats[0], 0, grad)
+
+    def on_model_labels(self, module: nn.Module, args, kwargs) -> None:
+        """Model forward pre-hook (tiled head): whether a loss over labels follows."""
+        if self._model_forward_depth == 0 and not self._in_backward():
+            self._loss_follows = (tiled_head_mod.labels_given(kwargs) and isinstance(
+                getattr(module, "loss_function", None), tiled_head_mod.LossFunction))
+
+    def on_model_output(self, module: nn.Module, args, output) -> None:
+        """Model forward hook (tiled head): the placeholder logits become None."""
+        if self._model_forward_depth == 0:
+            self._loss_follows = False
+            tiled_head_mod.drop_placeholder(output)
 
     @_timed_hook
     def on_inputs_grad(self, block: Block) -> None:
@@ -272,7 +323,8 @@ class HookHandlers:
             if not block.is_root:
                 self._visit(block, "backward")
                 self._last_backward_block = block
-            self._ensure_on_device(block)
+            if not block.row_lookup:  # a tiled head reads its tiles itself (tiled_head.py)
+                self._ensure_on_device(block)
 
     @_timed_hook
     def on_grad_ready(self, block: Block, flat_index: int, slot_index: int,

@@ -200,6 +200,8 @@ class Residence:
 
     def _prefetch(self, indices: Sequence[int]) -> None:
         for i in indices:
+            if self.blocks[i].row_lookup:
+                continue  # reads its rows when it runs (runtime/rows.py)
             if not self._fetch(self.blocks[i], required=False):
                 break
 

@@ -23,6 +23,9 @@ class Stats:
     fetches: int = 0
     releases: int = 0
     schedule_deviations: int = 0
+    # embeddings looked up row by row (runtime/rows.py): lookups, bytes read for them
+    rows_lookups: int = 0
+    rows_read_bytes: int = 0
     # time attribution (seconds since the last reset)
     forward_backward_seconds: float = 0.0   # wall time, model pre-forward -> end of backward
     grad_offload_seconds: float = 0.0       # inside GradientSink.add/close/finish_backward
@@ -60,6 +63,7 @@ class Stats:
             self.prefetch_hits = self.prefetch_misses = self.on_demand_fetches = 0
             self.stall_seconds = 0.0
             self.fetches = self.releases = self.schedule_deviations = 0
+            self.rows_lookups = self.rows_read_bytes = 0
             self.forward_backward_seconds = self.grad_offload_seconds = 0.0
             self.hook_seconds = self.transfer_cpu_seconds = 0.0
             self.optimizer_cpu_adam_seconds = self.optimizer_nvme_wait_seconds = 0.0
