@@ -259,3 +259,22 @@ def test_checkpoint_round_trip_requantizes_to_the_same_codes(tmp_path):
     with torch.no_grad():
         assert model(input_ids=ids, labels=ids).loss.item() == \
             other(input_ids=ids, labels=ids).loss.item()
+
+
+@pytest.mark.parametrize("cap", ["scalar", "avx2", "avx512"])
+def test_each_dequantization_path_trains_the_same(cap):
+    """The engine's fetches decode with the kernel path chosen at run time; each path (forced)
+    gives the reference's losses bitwise, and the path's own call counter moves."""
+    from infinity import ops
+    if cap not in ops.available_cpu_capabilities():
+        pytest.skip(f"this CPU has no {cap}")
+    model = _lora_model()
+    ref = copy.deepcopy(model)
+    _reference_weights(ref, "nf4")
+    with ops.cpu_capability_override(cap):
+        before = nf4.nf4_calls("dequantize", cap)
+        infinity.wrap(model, frozen_format="nf4", param_tier="host")
+        losses = _train(model, 2)
+        assert nf4.nf4_calls("dequantize", cap) > before
+    assert losses == _train(ref, 2)
+    infinity.unwrap(model)

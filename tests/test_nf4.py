@@ -142,3 +142,14 @@ def test_bench_nf4_quick(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
     assert rows["fp32"]["vs_copy"] > 0 and rows["bf16"]["vs_copy"] > 0
+
+
+def test_quantize_into_given_tensors():
+    x = _x(1000, seed=7)
+    codes, absmax = nf4.quantize_nf4(x)
+    out = (torch.full((500,), 0xAB, dtype=torch.uint8), torch.empty(16))
+    got = nf4.quantize_nf4(x, out=out)
+    assert got[0] is out[0] and got[1] is out[1]
+    assert torch.equal(out[0], codes) and torch.equal(out[1], absmax)
+    with pytest.raises(ValueError, match="codes has 499 elements; expected 500"):
+        nf4.quantize_nf4(x, out=(out[0][:499], out[1]))

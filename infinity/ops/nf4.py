@@ -96,17 +96,23 @@ def _code_check(code: int, what: str) -> None:
         raise RuntimeError(f"infinity.ops.nf4: native {what} failed (code {code})")
 
 
-def quantize_nf4(x: torch.Tensor, blocksize: int = DEFAULT_BLOCKSIZE
+def quantize_nf4(x: torch.Tensor, blocksize: int = DEFAULT_BLOCKSIZE, *,
+                 out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
                  ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(packed codes uint8 of ceil(n/2), absmax fp32 of ceil(n/blocksize)) of fp32 ``x``
-    (any shape, contiguous); bf16/fp16 inputs are widened first."""
+    (any shape, contiguous); bf16/fp16 inputs are widened first. ``out``: (codes, absmax) to
+    write into instead of new tensors (contiguous CPU, those sizes)."""
     blocksize = _check_blocksize(blocksize)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"infinity.ops.nf4: x must be a torch.Tensor, got {type(x).__name__}")
     x = x.detach().to("cpu", torch.float32).contiguous().view(-1)
     n = x.numel()
-    codes = torch.zeros(packed_nbytes(n), dtype=torch.uint8)
-    absmax = torch.empty(num_blocks(n, blocksize), dtype=torch.float32)
+    if out is None:
+        codes = torch.zeros(packed_nbytes(n), dtype=torch.uint8)
+        absmax = torch.empty(num_blocks(n, blocksize), dtype=torch.float32)
+    else:
+        codes = _check("codes", out[0], torch.uint8, packed_nbytes(n))
+        absmax = _check("absmax", out[1], torch.float32, num_blocks(n, blocksize))
     if n == 0:
         return codes, absmax
     lib = _lib()

@@ -214,7 +214,7 @@ class Engine(Residence, OutsideWrites, HookHandlers):
         if p.param_tier != "auto":
             return Tier.parse(p.param_tier, what="param_tier")
         if p.device_budget is not None and self.device.type == "cuda" \
-                and home_bytes <= p.device_budget:
+                and home_bytes <= p.device_budget and p.frozen_format is None:
             return Tier.DEVICE
         if p.nvme_path is not None and (p.host_budget is None or home_bytes > p.host_budget):
             return Tier.NVME

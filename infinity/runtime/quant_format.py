@@ -81,12 +81,12 @@ class FrozenFormat:
         """Quantizes ``values`` (``count`` elements, any float dtype) into ``seg`` (uint8, at
         least raw_nbytes(count) bytes, 4-byte aligned)."""
         count = values.numel()
-        if self.name == "nf4":
-            codes, absmax = nf4.quantize_nf4(values, self.blocksize)
-        else:
-            codes, absmax = int8_block.quantize_int8(values, self.blocksize)
         dst_codes, dst_absmax = self._parts(seg, count)
-        dst_codes.copy_(codes.view(dst_codes.dtype))
+        if self.name == "nf4":  # straight into the segment: no temporaries
+            nf4.quantize_nf4(values, self.blocksize, out=(dst_codes, dst_absmax))
+            return
+        codes, absmax = int8_block.quantize_int8(values, self.blocksize)
+        dst_codes.copy_(codes)
         dst_absmax.copy_(absmax)
 
     def dequantize_segment(self, seg: torch.Tensor, count: int, out: torch.Tensor) -> None:

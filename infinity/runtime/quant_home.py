@@ -31,7 +31,7 @@ from .. import io as inf_io
 from ..tiers import ByteBudget, HostPool, SwapStore, Tier
 from .flat import Binding, FlatParam
 from .homes import Home, _gather_range
-from .quant_format import FrozenFormat
+from .quant_format import SEGMENT_ELEMS, FrozenFormat
 from .stats import Stats
 
 logger = logging.getLogger(__name__)
@@ -85,8 +85,10 @@ class QuantizedHome(Home):
 
     # ---- segments ----------------------------------------------------------------------------
     @staticmethod
-    def _values(flat: QuantFlat, start: int, count: int) -> torch.Tensor:
-        values = torch.empty(count, dtype=flat.home_dtype)
+    def _values(flat: QuantFlat, start: int, count: int, scratch: torch.Tensor) -> torch.Tensor:
+        """Elements [start, start + count) of the flat's parameters, in fp32, in ``scratch``
+        (one buffer reused for every segment: no fresh pages per segment)."""
+        values = scratch[:count]
         _gather_range(flat, values, start, start + count)
         return values
 
@@ -173,9 +175,11 @@ class QuantizedHome(Home):
             if nbytes > flat.fmt.segment_nbytes:
                 self.store.use_pieces(flat.key, flat.fmt.segment_nbytes)
 
+        scratch = torch.empty(min(flat.numel, SEGMENT_ELEMS), dtype=torch.float32)
+
         def produce(seg, out: torch.Tensor) -> None:
             _, start, count, _ = seg
-            flat.fmt.quantize_segment(self._values(flat, start, count), out)
+            flat.fmt.quantize_segment(self._values(flat, start, count, scratch), out)
         self._write_segments(flat, produce)
 
     def read_into(self, flat: FlatParam, dst: torch.Tensor) -> None:
@@ -277,12 +281,6 @@ class QuantizedHome(Home):
             self.budget.release(nbytes)
         self._held.clear()
         self.inner.close()
-
-    def __getattr__(self, name: str):
-        # the wrapped home's own helpers (an NvmeHome's range_elems, ...) stay reachable
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
 
 
 __all__ = ["QuantFlat", "QuantizedHome"]
