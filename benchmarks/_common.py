@@ -9,6 +9,7 @@ import logging
 import os
 import platform
 import subprocess
+import sys
 from typing import Any, Dict, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -69,6 +70,48 @@ def reset_peak():
     with open("/proc/self/clear_refs", "w") as fh:
         fh.write("5")  # VmHWM := VmRSS (Linux >= 4.0)
 """
+
+
+# Source text for benchmark child processes that import time and infinity: one timed
+# training step.
+CHILD_TIMED_STEP = """
+def timed_step(model, opt, loss_of):
+    # forward + backward of loss_of(), then opt.step() and opt.zero_grad(): returns the loss,
+    # the seconds of each half and infinity.stats(model) since the last step (reset)
+    t0 = time.perf_counter()
+    loss = loss_of()
+    loss.backward()
+    t1 = time.perf_counter()
+    opt.step()
+    opt.zero_grad()
+    t2 = time.perf_counter()
+    return loss, t1 - t0, t2 - t1, infinity.stats(model, reset=True)
+"""
+
+# Source text for benchmark child processes that import torch: ``init`` for infinity.wrap,
+# normal (std 0.02) but 1-D weights (norms) 1 and biases 0.
+CHILD_INIT = """
+def init(module):
+    for name, p in module.named_parameters(recurse=False):
+        with torch.no_grad():
+            if name == "weight" and p.dim() == 1:
+                p.fill_(1.0)
+            elif name == "bias":
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02)
+"""
+
+
+def run_child(name: str, code: str, payload: Dict[str, Any], timeout: float) -> Dict[str, Any]:
+    """Runs child source ``code`` (``ROOT`` defined first) with ``payload`` as JSON in argv[1],
+    its stderr passed through; returns the JSON of its last stdout line."""
+    out = subprocess.run([sys.executable, "-c", f"ROOT = {ROOT!r}\n" + code,
+                          json.dumps(payload)],
+                         stdout=subprocess.PIPE, stderr=None, text=True, timeout=timeout)
+    if out.returncode != 0:
+        raise RuntimeError(f"{name} child failed (exit {out.returncode}); its stderr is above")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def write_json(path: "os.PathLike[str] | str", data: Any, indent: int = 2) -> None:

@@ -58,7 +58,7 @@ _PRELUDE = textwrap.dedent(r"""
     import torch
     import infinity
     from infinity.models import GPTConfig, TinyGPT, lm_loss, synthetic_batch
-""") + _common.CHILD_RSS_HELPERS + textwrap.dedent(r"""
+""") + _common.CHILD_RSS_HELPERS + _common.CHILD_TIMED_STEP + textwrap.dedent(r"""
 
     class Sampler:  # the kernel keeps no peak of RssAnon: sample it
         def __init__(self):
@@ -114,15 +114,8 @@ _TRAIN = _PRELUDE + textwrap.dedent(r"""
     steps = []
     infinity.stats(model, reset=True)
     for i in range(args["steps"]):
-        t0 = time.perf_counter()
-        loss = lm_loss(model(x), y)
-        loss.backward()
-        t1 = time.perf_counter()
-        opt.step()
-        opt.zero_grad()
-        t2 = time.perf_counter()
-        s = infinity.stats(model, reset=True)
-        steps.append({"loss": loss.item(), "forward_backward_s": t1 - t0, "step_s": t2 - t1,
+        loss, fb_s, step_s, s = timed_step(model, opt, lambda: lm_loss(model(x), y))
+        steps.append({"loss": loss.item(), "forward_backward_s": fb_s, "step_s": step_s,
                       "time": s["time"], "prefetch_hits": s["prefetch_hits"],
                       "prefetch_misses": s["prefetch_misses"],
                       "on_demand_fetches": s["on_demand_fetches"],

@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import textwrap
@@ -49,7 +47,7 @@ _CHILD = textwrap.dedent(r"""
     from peft import LoraConfig, get_peft_model
 
     args = json.loads(sys.argv[1])
-""") + _common.CHILD_RSS_HELPERS + textwrap.dedent(r"""
+""") + _common.CHILD_RSS_HELPERS + _common.CHILD_TIMED_STEP + _common.CHILD_INIT + textwrap.dedent(r"""
     cfg_args = dict(args["config"])
     cfg_args.pop("arch")
     config = transformers.LlamaConfig(**cfg_args, max_position_embeddings=4096, use_cache=False)
@@ -63,14 +61,6 @@ _CHILD = textwrap.dedent(r"""
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     ids = torch.randint(0, config.vocab_size, (args["batch"], args["seq"]),
                         generator=torch.Generator().manual_seed(1))
-
-    def init(module):
-        for name, p in module.named_parameters(recurse=False):
-            with torch.no_grad():
-                if name == "weight" and p.dim() == 1:
-                    p.fill_(1.0)
-                else:
-                    p.normal_(0.0, 0.02)
 
     fmt = None if args["format"] == "bfloat16" else args["format"]
     base_rss = status("VmRSS")
@@ -90,36 +80,20 @@ _CHILD = textwrap.dedent(r"""
     steps = []
     infinity.stats(model, reset=True)
     for i in range(args["steps"]):
-        t0 = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        t1 = time.perf_counter()
-        opt.step()
-        opt.zero_grad()
-        t2 = time.perf_counter()
-        s = infinity.stats(model, reset=True)
-        steps.append({"loss": loss.item(), "forward_backward_s": t1 - t0, "step_s": t2 - t1,
+        loss, fb_s, step_s, s = timed_step(model, opt,
+                                           lambda: model(input_ids=ids, labels=ids).loss)
+        steps.append({"loss": loss.item(), "forward_backward_s": fb_s, "step_s": step_s,
                       "fetched": s["fetched"], "moved": s["moved"], "fetches": s["fetches"],
                       "stall_s": s["stall_seconds"], "VmHWM": status("VmHWM"),
                       "host": s["tiers"]["host"]})
         print(json.dumps({"format": args["format"], "progress": i, "loss": loss.item(),
-                          "fwd_bwd_s": t1 - t0, "opt_s": t2 - t1, "VmHWM": status("VmHWM")}),
+                          "fwd_bwd_s": fb_s, "opt_s": step_s, "VmHWM": status("VmHWM")}),
               file=sys.stderr, flush=True)
     print(json.dumps({"params": n_params, "trainable": n_train, "base": base_rss,
                       "peak": status("VmHWM"), "wrap_s": wrap_s, "flats": flats,
                       "steps": steps}))
     opt.close()
 """)
-
-
-def run_child(payload: Dict, timeout: float) -> Dict:
-    code = f"ROOT = {ROOT!r}\n" + _CHILD
-    out = subprocess.run([sys.executable, "-c", code, json.dumps(payload)],
-                         stdout=subprocess.PIPE, stderr=None, text=True, timeout=timeout)
-    if out.returncode != 0:
-        raise RuntimeError(f"bench_qlora child failed (exit {out.returncode}); its stderr is "
-                           "above")
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def summarize(run: Dict, budget: int) -> Dict:
@@ -186,7 +160,8 @@ def main(argv: Optional[list] = None) -> int:
                    "steps": steps, "nvme": swap_dir, "compute": args.compute, "tier": args.tier,
                    "lora": args.lora, "targets": LINEARS, "format": fmt}
         try:
-            run = run_child(payload, timeout=900 if args.quick else 6 * 3600)
+            run = _common.run_child("bench_qlora", _CHILD, payload,
+                                    timeout=900 if args.quick else 6 * 3600)
         finally:
             shutil.rmtree(swap_dir if args.nvme_path else swap, ignore_errors=True)
         results[fmt] = {"params": run["params"], "trainable": run["trainable"],

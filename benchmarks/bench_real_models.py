@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import textwrap
@@ -72,7 +70,7 @@ _CHILD = textwrap.dedent(r"""
     import infinity
 
     args = json.loads(sys.argv[1])
-""") + _common.CHILD_RSS_HELPERS + textwrap.dedent(r"""
+""") + _common.CHILD_RSS_HELPERS + _common.CHILD_TIMED_STEP + _common.CHILD_INIT + textwrap.dedent(r"""
 
     class Sampler:  # the kernel keeps no peak of RssAnon / RssFile: sample them
         def __init__(self):
@@ -117,16 +115,6 @@ _CHILD = textwrap.dedent(r"""
     ids = torch.randint(0, config.vocab_size, (args["batch"], args["seq"]),
                         generator=torch.Generator().manual_seed(1))
 
-    def init(module):
-        for name, p in module.named_parameters(recurse=False):
-            with torch.no_grad():
-                if name == "weight" and p.dim() == 1:
-                    p.fill_(1.0)
-                elif name == "bias":
-                    p.zero_()
-                else:
-                    p.normal_(0.0, 0.02)
-
     planned = None
     if args["tiers"] == "plan":  # the planner's placement for this budget and these states
         from infinity.plan.planner import plan
@@ -162,15 +150,9 @@ _CHILD = textwrap.dedent(r"""
     steps = []
     infinity.stats(model, reset=True)
     for i in range(args["steps"]):
-        t0 = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        t1 = time.perf_counter()
-        opt.step()
-        opt.zero_grad()
-        t2 = time.perf_counter()
-        s = infinity.stats(model, reset=True)
-        steps.append({"loss": loss.item(), "forward_backward_s": t1 - t0, "step_s": t2 - t1,
+        loss, fb_s, step_s, s = timed_step(model, opt,
+                                           lambda: model(input_ids=ids, labels=ids).loss)
+        steps.append({"loss": loss.item(), "forward_backward_s": fb_s, "step_s": step_s,
                       "moved": s.get("moved"), "nvme_written": s["nvme_bytes_written"]["last_step"],
                       "nvme_per_step": s["nvme_per_step"],
                       "host": s["tiers"]["host"], "device": s["tiers"]["device"],
@@ -179,8 +161,8 @@ _CHILD = textwrap.dedent(r"""
                       "peak_rss_file_sampled": sampler.file,
                       "VmRSS": status("VmRSS"), "swap": swap_bytes(args["nvme"]),
                       "swap_categories": s.get("swap")})
-        print(json.dumps({"progress": i, "loss": loss.item(), "fwd_bwd_s": t1 - t0,
-                          "step_s": t2 - t1, "VmHWM": status("VmHWM"),
+        print(json.dumps({"progress": i, "loss": loss.item(), "fwd_bwd_s": fb_s,
+                          "step_s": step_s, "VmHWM": status("VmHWM"),
                           "anon_peak": sampler.anon, "file_peak": sampler.file,
                           "engine_host_peak": s["tiers"]["host"]["peak"]}), file=sys.stderr,
               flush=True)
@@ -194,16 +176,6 @@ _CHILD = textwrap.dedent(r"""
                       "swap": swap_bytes(args["nvme"])}))
     opt.close()
 """)
-
-
-def run_child(payload: Dict, timeout: float) -> Dict:
-    code = f"ROOT = {ROOT!r}\n" + _CHILD
-    out = subprocess.run([sys.executable, "-c", code, json.dumps(payload)],
-                         stdout=subprocess.PIPE, stderr=None, text=True, timeout=timeout)
-    if out.returncode != 0:
-        raise RuntimeError(f"bench_real_models child failed (exit {out.returncode}); its "
-                           "stderr is above")
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def parse_size(text: str) -> int:
@@ -264,7 +236,8 @@ def main(argv: Optional[list] = None) -> int:
                "tiers": args.tiers, "tiled_head": args.tiled_head,
                "whole_embedding": args.whole_embedding}
     try:
-        run = run_child(payload, timeout=900 if args.quick else 4 * 3600)
+        run = _common.run_child("bench_real_models", _CHILD, payload,
+                                timeout=900 if args.quick else 4 * 3600)
     finally:
         if args.nvme_path is None:
             shutil.rmtree(swap, ignore_errors=True)

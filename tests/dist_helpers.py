@@ -108,11 +108,20 @@ def _model(width: int = 24, hidden: int = 37, layers: int = 3, big: int = 0):
     return Net()
 
 
+def _mean_loss(loss: Any, world: int) -> float:
+    """The step's loss averaged over the ranks (this rank's own outside a process group)."""
+    import torch.distributed as dist
+    value = loss.detach().clone()
+    if world > 1 and dist.is_initialized():
+        dist.all_reduce(value)
+        value /= world
+    return float(value)
+
+
 def _scenario_train(rank: int, world: int, out: Path, opts: Dict[str, Any]) -> Dict[str, Any]:
     import resource
 
     import torch
-    import torch.distributed as dist
 
     import infinity
     from infinity.runtime.engine import engine_of
@@ -177,11 +186,7 @@ def _scenario_train(rank: int, world: int, out: Path, opts: Dict[str, Any]) -> D
         opt.zero_grad()
         if sched is not None:
             sched.step()
-        value = loss.detach().clone()
-        if world > 1 and dist.is_initialized():
-            dist.all_reduce(value)
-            value /= world
-        losses.append(float(value))
+        losses.append(_mean_loss(loss, world))
     if opts.get("save_to"):
         from infinity.sharding import full_optimizer_state_dict, full_state_dict
         saved = {"model": full_state_dict(model), "optim": full_optimizer_state_dict(opt)}
@@ -332,7 +337,6 @@ def _scenario_resume_many(rank: int, world: int, out: Path, opts: Dict[str, Any]
     checkpoint with its optimizer and trains steps [start, stop) on the global batch split
     over the ranks; its losses and final whole parameters are reported per entry."""
     import torch
-    import torch.distributed as dist
 
     import infinity
     steps, batch = opts["steps"], opts["batch"]
@@ -364,11 +368,7 @@ def _scenario_resume_many(rank: int, world: int, out: Path, opts: Dict[str, Any]
                 opt.clip_grad_norm_(opts["clip"])
             opt.step()
             opt.zero_grad()
-            value = loss.detach().clone()
-            if world > 1 and dist.is_initialized():
-                dist.all_reduce(value)
-                value /= world
-            losses.append(float(value))
+            losses.append(_mean_loss(loss, world))
         infinity.unwrap(model)
         runs.append({"losses": losses,
                      "params": {n: v.detach().clone() for n, v in model.state_dict().items()}})

@@ -62,3 +62,18 @@ def assert_optimizer_states_equal(want: Dict, got: Dict) -> None:
     for i, e in want["state"].items():
         for name, t in e.items():
             assert torch.equal(t, got["state"][i][name]), (i, name)
+
+
+def check_grads_then_step(ref, model, opt_ref, opt, step: int) -> None:
+    """Each gradient of the wrapped ``model`` bitwise the reference's (parameters in the same
+    order), then both optimizers step and zero their gradients."""
+    for (name, p), q in zip(ref.named_parameters(), model.parameters()):
+        assert torch.equal(p.grad, infinity.gradient(q)), (step, name)
+    opt_ref.step(), opt.step()
+    opt_ref.zero_grad(), opt.zero_grad()
+
+
+def assert_params_bitwise(ref, model) -> None:
+    """Each parameter of the wrapped ``model`` bitwise the reference's (same order)."""
+    for (name, p), q in zip(ref.named_parameters(), model.parameters()):
+        assert torch.equal(p, q), name

@@ -6,10 +6,6 @@ Parity is against plain PyTorch on the same weights and data: loss, gradients an
 after ``torch.optim.AdamW(fused=True)`` vs ``infinity.optim.AdamW`` are bitwise equal in fp32
 over several steps (AdamW still steps every row: weight decay and moments)."""
 import copy
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,6 +14,8 @@ from torch import nn
 import infinity
 from infinity.runtime.engine import engine_of
 from infinity.runtime.row_grads import scatter_rows, sparse_rows
+from engine_helpers import assert_params_bitwise, check_grads_then_step
+from rss_helpers import run_rss_child
 
 transformers = pytest.importorskip("transformers")
 
@@ -56,12 +54,8 @@ def _train_and_compare(ref, model, steps, micro=1, seq=12, seed=3):
             assert torch.equal(l_ref.detach(), l.detach()), step
             l_ref.backward()
             l.backward()
-        for (name, p), q in zip(ref.named_parameters(), model.parameters()):
-            assert torch.equal(p.grad, infinity.gradient(q)), (step, name)
-        opt_ref.step(), opt.step()
-        opt_ref.zero_grad(), opt.zero_grad()
-    for (name, p), q in zip(ref.named_parameters(), model.parameters()):
-        assert torch.equal(p, q), name
+        check_grads_then_step(ref, model, opt_ref, opt, step)
+    assert_params_bitwise(ref, model)
     hook.remove()
     opt.close()
     return states
@@ -154,12 +148,8 @@ def test_padding_idx_and_scale_grad_by_freq(tmp_path, scale):
         l_ref, l = ref(x), model(x)
         assert torch.equal(l_ref.detach(), l.detach())
         l_ref.backward(), l.backward()
-        for (name, p), q in zip(ref.named_parameters(), model.parameters()):
-            assert torch.equal(p.grad, infinity.gradient(q)), (step, name)
-        opt_ref.step(), opt.step()
-        opt_ref.zero_grad(), opt.zero_grad()
-    for (name, p), q in zip(ref.named_parameters(), model.parameters()):
-        assert torch.equal(p, q), name
+        check_grads_then_step(ref, model, opt_ref, opt, step)
+    assert_params_bitwise(ref, model)
     # a copy of the wrapped model is a plain module: its embedding runs the plain lookup
     clone = copy.deepcopy(model)
     x = torch.randint(0, 50, (2, 5), generator=g)
@@ -221,12 +211,6 @@ def test_scatter_rows_matches_dense(add):
 _RSS_CHILD = r"""
 import json, os, sys, torch, transformers, infinity
 from infinity.runtime.engine import engine_of
-def status(key):
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
 torch.manual_seed(0)
 cfg = transformers.LlamaConfig(vocab_size=128256, hidden_size=256, intermediate_size=256,
                                num_hidden_layers=1, num_attention_heads=4,
@@ -239,7 +223,7 @@ infinity.wrap(model, nvme_path=sys.argv[1], host_budget="1GiB", chunk_bytes="4Mi
               embedding_rows=sys.argv[2] == "1")
 ids = torch.randint(0, 128256, (1, 16))
 base = status("VmRSS")
-open("/proc/self/clear_refs", "w").write("5")
+reset_peak()
 for _ in range(2):
     out = model.model(input_ids=ids).last_hidden_state  # the embedding, a layer, the norm
     out.square().mean().backward()
@@ -258,11 +242,7 @@ def test_peak_rss_growth_smaller_than_whole_block_fetch(tmp_path):
     for rows in ("1", "0"):
         swap = tmp_path / rows
         swap.mkdir()
-        out = subprocess.run([sys.executable, "-c", _RSS_CHILD, str(swap), rows],
-                             capture_output=True, text=True, timeout=600,
-                             env={**os.environ, "PYTHONPATH": os.getcwd()})
-        assert out.returncode == 0, out.stderr[-3000:]
-        result = json.loads(out.stdout.strip().splitlines()[-1])
+        result = run_rss_child(_RSS_CHILD, str(swap), rows)
         assert result["rows"] == (rows == "1")
         growth[rows] = result["growth"]
     table = 128256 * 256 * 4

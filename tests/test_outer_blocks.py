@@ -18,6 +18,7 @@ from infinity.models import GPTConfig, TinyGPT, lm_loss, synthetic_batch
 from infinity.runtime.engine import engine_of
 from infinity.runtime.partition import partition
 from infinity.tiers import BudgetExceededError
+from engine_helpers import assert_params_bitwise, check_grads_then_step
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -184,12 +185,8 @@ def test_gpt_parity_on_nvme_and_blocks_released_between_uses(tmp_path, tied, ove
         assert torch.equal(l_ref.detach(), l.detach()), step
         l_ref.backward()
         l.backward()
-        for (name, p), q in zip(ref.named_parameters(), model.parameters()):
-            assert torch.equal(p.grad, infinity.gradient(q)), (step, name)
-        opt_ref.step(), opt.step()
-        opt_ref.zero_grad(), opt.zero_grad()
-    for (name, p), q in zip(ref.named_parameters(), model.parameters()):
-        assert torch.equal(p, q), name  # outside forward: the parameters view their homes
+        check_grads_then_step(ref, model, opt_ref, opt, step)
+    assert_params_bitwise(ref, model)  # outside forward: the parameters view their homes
     # residency: in the middle layers (1, 2), neither the embedding nor the head is
     # materialized, in forward nor in backward (the embedding's backward needs no fetch)
     middle = [e for e in log if e[1] in (1, 2)]
@@ -260,8 +257,7 @@ def test_llama_full_vocab_parity_eval_and_generate(tmp_path, tied, build):
         l.backward()
         opt_ref.step(), opt.step()
         opt_ref.zero_grad(), opt.zero_grad()
-    for (name, p), q in zip(ref.named_parameters(), model.parameters()):
-        assert torch.equal(p, q), name
+    assert_params_bitwise(ref, model)
 
     # eval: a no_grad forward, then generate(), the same tokens as the plain model
     ids = torch.randint(0, LLAMA_VOCAB, (1, 6), generator=g)
@@ -317,8 +313,7 @@ def test_device_budget_fits_root_and_largest_block_but_not_old_root(tmp_path):
         l_ref.backward(), l.backward()
         opt_ref.step(), opt.step()
         opt_ref.zero_grad(), opt.zero_grad()
-    for (name, p), q in zip(ref.named_parameters(), model.parameters()):
-        assert torch.equal(p, q), name
+    assert_params_bitwise(ref, model)
     assert infinity.stats(model)["tiers"]["device"]["peak"] <= budget
     opt.close()
     infinity.unwrap(model)

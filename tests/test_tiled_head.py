@@ -9,16 +9,13 @@ PyTorch (each gradient's largest difference over its largest magnitude); over se
 steps the parameters follow within 1e-5 (the tiles sum in another order, so the runs drift
 apart by rounding)."""
 import copy
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import infinity
 from infinity.runtime.engine import engine_of
+from rss_helpers import run_rss_child
 
 transformers = pytest.importorskip("transformers")
 
@@ -141,12 +138,6 @@ def test_refusals(tmp_path):
 
 _RSS_CHILD = r"""
 import json, sys, torch, transformers, infinity
-def status(key):
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
 cfg = transformers.LlamaConfig(vocab_size=128256, hidden_size=256, intermediate_size=256,
                                num_hidden_layers=1, num_attention_heads=4,
                                num_key_value_heads=2, tie_word_embeddings=True)
@@ -157,7 +148,7 @@ infinity.wrap(model, nvme_path=sys.argv[1], host_budget="1GiB", chunk_bytes="4Mi
               param_tier="nvme", grad_tier="nvme", optimizer_tier="nvme")
 ids = torch.randint(0, 128256, (1, 128))
 base = status("VmRSS")
-open("/proc/self/clear_refs", "w").write("5")
+reset_peak()
 for _ in range(2):
     model(input_ids=ids, labels=ids).loss.backward()
     model.zero_grad()
@@ -173,11 +164,7 @@ def test_peak_rss_growth_smaller_than_whole_block_fetch(tmp_path):
     for tiled in ("1", "0"):
         swap = tmp_path / tiled
         swap.mkdir()
-        out = subprocess.run([sys.executable, "-c", _RSS_CHILD, str(swap), tiled],
-                             capture_output=True, text=True, timeout=600,
-                             env={**os.environ, "PYTHONPATH": os.getcwd()})
-        assert out.returncode == 0, out.stderr[-3000:]
-        growth[tiled] = json.loads(out.stdout.strip().splitlines()[-1])["growth"]
+        growth[tiled] = run_rss_child(_RSS_CHILD, str(swap), tiled)["growth"]
     table = 128256 * 256 * 4
     assert growth["1"] < table / 3, growth
     assert growth["0"] > table, growth

@@ -272,6 +272,17 @@ def _set_rng(state: Dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _load_trainer(state: Dict[str, Any], scheduler: Any, scaler: Any, rng: bool) -> None:
+    """Loads the trainer state read from a checkpoint (``scheduler``, ``scaler`` and ``rng``
+    entries) into the scheduler and scaler given and, with ``rng``, the RNG states."""
+    if scheduler is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    if scaler is not None:
+        scaler.load_state_dict(state["scaler"])
+    if rng:
+        _set_rng(state["rng"])
+
+
 def load_checkpoint(path: str, model: nn.Module,
                     optimizer: Optional[torch.optim.Optimizer] = None, *, scheduler: Any = None,
                     scaler: Any = None, rng: bool = False, strict: bool = True
@@ -307,12 +318,7 @@ def load_checkpoint(path: str, model: nn.Module,
                 f"checkpoint {path} holds no RNG states for this rank (saved without rng=True, "
                 "or by fewer ranks than load it); load without rng=True")
         load_sharded(path, model, optimizer)
-        if scheduler is not None:
-            scheduler.load_state_dict(state["scheduler"])
-        if scaler is not None:
-            scaler.load_state_dict(state["scaler"])
-        if rng:
-            _set_rng(state["rng"])
+        _load_trainer(state, scheduler, scaler, rng)
         return dict(state.get("extra") or {})
     part = getattr(_engine_of(model), "partitioner", None)
     root, manifest = open_checkpoint(path)
@@ -336,12 +342,7 @@ def load_checkpoint(path: str, model: nn.Module,
             raise CorruptCheckpointError(
                 f"{exc}. The model{' and optimizer' if optimizer is not None else ''} may be "
                 "partly loaded: load an intact checkpoint before training on") from None
-        if scheduler is not None:
-            scheduler.load_state_dict(trainer["scheduler"])
-        if scaler is not None:
-            scaler.load_state_dict(trainer["scaler"])
-        if rng:
-            _set_rng(trainer["rng"])
+        _load_trainer(trainer, scheduler, scaler, rng)
         return dict(trainer["extra"])
     names = ModelNames(model)
     plan = _Plan(manifest, names, root, strict)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import errno as errno_mod
 import logging
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -278,11 +278,22 @@ class NvmeStates(_Store):
         committed and the error names the shard and the disk."""
         plan = self.plan(shard)
         tmp = buf if not plan.chunked else inf_io.aligned_empty(plan.buffer_nbytes)
+
+        def prepare(unit: Unit) -> torch.Tensor:
+            if plan.chunked:
+                gather_unit(unit, buf, tmp)
+            return tmp
+        self.write_units_and_commit(shard, prepare, doing)
+        self.finish(shard)
+
+    def write_units_and_commit(self, shard: Shard, prepare: Callable[[Unit], torch.Tensor],
+                               doing: str) -> None:
+        """Writes a shard's units one at a time, ``prepare(unit)`` giving the buffer to write,
+        and commits them together; on any failure (preparing or writing) nothing is committed
+        and an I/O error names the shard, ``doing`` and the disk."""
         try:
-            for unit in plan.units:
-                if plan.chunked:
-                    gather_unit(unit, buf, tmp)
-                future = self.write_unit(shard, unit, tmp)
+            for unit in self.plan(shard).units:
+                future = self.write_unit(shard, unit, prepare(unit))
                 future.wait()
                 self.written(shard, unit, future, commit=False)
         except inf_io.InfinityIOError as exc:
@@ -292,7 +303,6 @@ class NvmeStates(_Store):
             self.abort_shard(shard)
             raise
         self.commit_pending(shard)
-        self.finish(shard)
 
     def committed_extent(self, shard: Shard) -> Optional[Tuple[str, int, int, int]]:
         """(path, nbytes, crc32c, offset) of the bytes holding a whole shard's committed

@@ -651,26 +651,18 @@ def write_units(states: NvmeStates, shard: Shard, sets: BufferSets,
     wrote): ``fill(unit, buf)`` puts the unit's values in its buffer, zeroed (``read``:
     holding the unit's committed states, checked). On failure nothing is committed."""
     buf = sets.states[0]
-    try:
-        for un in states.plan(shard).units:
-            view = buf[:un.nbytes]
-            if read:
-                future = states.read_unit(shard, un, buf)
-                future.wait()
-                states.check_unit(shard, un, future)
-            else:
-                view.zero_()
-            fill(un, view)
-            future = states.write_unit(shard, un, view)
+
+    def prepare(un: Unit) -> torch.Tensor:
+        view = buf[:un.nbytes]
+        if read:
+            future = states.read_unit(shard, un, buf)
             future.wait()
-            states.written(shard, un, future, commit=False)
-    except inf_io.InfinityIOError as exc:
-        states.abort_shard(shard)
-        raise states.wrap_error(exc, shard, doing) from exc
-    except BaseException:
-        states.abort_shard(shard)
-        raise
-    states.commit_pending(shard)
+            states.check_unit(shard, un, future)
+        else:
+            view.zero_()
+        fill(un, view)
+        return view
+    states.write_units_and_commit(shard, prepare, doing)
 
 
 def _settle(reads: List[Optional["inf_io.IOFuture"]], writes: List[List[Pending]]) -> None:

@@ -110,14 +110,20 @@ class QuantizedHome(Home):
         end = last[3] + flat.fmt.segment_nbytes
         return first, min(end, flat.home_nbytes)
 
+    @staticmethod
+    def _raw(flat: QuantFlat, seg: Tuple[int, int, int, int], buf: torch.Tensor,
+             first: int) -> torch.Tensor:
+        """The stored bytes of segment ``seg`` in ``buf``, which holds the home's bytes from
+        byte ``first`` on."""
+        _, _, count, offset = seg
+        return buf[offset - first:offset - first + flat.fmt.raw_nbytes(count)]
+
     def _write_segments(self, flat: QuantFlat, produce) -> None:
-        """Writes every segment's stored bytes, ``produce(seg, start, count, out)`` filling
-        ``out`` (uint8, raw bytes of the segment)."""
-        fmt = flat.fmt
+        """Writes every segment's stored bytes, ``produce(seg, out)`` filling ``out`` (uint8,
+        raw bytes of the segment)."""
         if self.tier is Tier.HOST:
-            for seg in fmt.segments(flat.numel):
-                _, start, count, offset = seg
-                produce(seg, flat.home[offset:offset + fmt.raw_nbytes(count)])
+            for seg in flat.fmt.segments(flat.numel):
+                produce(seg, self._raw(flat, seg, flat.home, 0))
             return
         buf = self.pool.acquire()
         try:
@@ -126,8 +132,7 @@ class QuantizedHome(Home):
                 staging = buf[:end - first]
                 staging.zero_()
                 for seg in run:
-                    _, start, count, offset = seg
-                    produce(seg, staging[offset - first:offset - first + fmt.raw_nbytes(count)])
+                    produce(seg, self._raw(flat, seg, staging, first))
                 self.store.write_at(flat.key, first, staging).wait()
                 self.stats.add_moved("host_to_nvme", end - first)
         finally:
@@ -136,11 +141,9 @@ class QuantizedHome(Home):
     def _read_segments(self, flat: QuantFlat, consume) -> None:
         """Calls ``consume(seg, raw)`` for every segment with its stored bytes (verified
         against the swap file's checksums on NVMe)."""
-        fmt = flat.fmt
         if self.tier is Tier.HOST:
-            for seg in fmt.segments(flat.numel):
-                _, _, count, offset = seg
-                consume(seg, flat.home[offset:offset + fmt.raw_nbytes(count)])
+            for seg in flat.fmt.segments(flat.numel):
+                consume(seg, self._raw(flat, seg, flat.home, 0))
             return
         buf = self.pool.acquire()
         try:
@@ -150,8 +153,7 @@ class QuantizedHome(Home):
                 self.store.read_at_sync(flat.key, first, staging, urgent=True)
                 self.stats.add_moved("nvme_to_host", end - first)
                 for seg in run:
-                    _, _, count, offset = seg
-                    consume(seg, staging[offset - first:offset - first + fmt.raw_nbytes(count)])
+                    consume(seg, self._raw(flat, seg, staging, first))
         finally:
             self.pool.release(buf)
 
@@ -266,12 +268,7 @@ class QuantizedHome(Home):
     def snapshot(self, flat: FlatParam) -> torch.Tensor:
         if not isinstance(flat, QuantFlat):
             return self.inner.snapshot(flat)
-        out = torch.empty(flat.numel, dtype=flat.home_dtype)
-        self.read_into(flat, out)
-        return out
-
-    def tier_of(self, flat: FlatParam) -> Tier:
-        return self.tier
+        return super().snapshot(flat)  # read_into a fresh tensor
 
     def staged(self, flat: FlatParam) -> bool:
         return self.inner.staged(flat)
