@@ -231,3 +231,61 @@ def test_a_dropped_optimizer_is_freed_at_once(base, tmp_path):
     del opt
     assert ref() is None
     infinity.unwrap(model)
+
+
+def test_materialized_right_after_backward_waits_for_the_updates_in_flight(base, tmp_path,
+                                                                          monkeypatch):
+    """The worker's parameter writes are slowed down; ``materialized`` right after backward
+    (a logged weight, a model-only checkpoint) must not read a home while its speculative
+    write is in flight (it would read the old block and fail its checksum, or a torn one): it
+    shows whole updated blocks, the ones ``opt.step()`` keeps, and training goes on exactly."""
+    import threading
+    import time
+
+    from infinity.runtime.engine import Engine
+    real = Engine.write_home
+
+    def slow(self, flat, src):
+        if threading.current_thread().name == "infinity-optim-overlap":
+            time.sleep(0.05)
+        return real(self, flat, src)
+
+    def loop(model, opt, steps, shown):
+        gen = torch.Generator().manual_seed(1)
+        losses = []
+        for i in range(steps):
+            x, y = synthetic_batch(CFG, 2, 8, gen)
+            loss = lm_loss(model(x), y)
+            loss.backward()
+            if shown is not None:
+                with infinity.materialized(model):
+                    shown.append({n: p.detach().clone() for n, p in model.named_parameters()})
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    before = []  # without overlap: the weights before each step
+    ref = _run(base, tmp_path / "ref", False, loop=lambda m, o, n: loop(m, o, n, before))
+    monkeypatch.setattr(Engine, "write_home", slow)
+    shown = []
+    model = _wrap(base, tmp_path / "ov")
+    opt = infinity.optim.AdamW(model.parameters(), lr=1e-3, overlap=True)
+    losses = loop(model, opt, STEPS, shown)
+    kept = opt._overlap.kept_total
+    after = {n: p.detach().clone() for n, p in model.named_parameters()}
+    got = (losses, _snapshot(opt, model))
+    opt.close()
+    infinity.unwrap(model)
+    assert kept > 0  # the updates ran while backward did, and were kept
+    assert got[0] == ref[0]
+    _assert_same(got[1], ref[1])
+    # between backward and step a speculatively updated block shows its whole update (kept at
+    # the step), every other block its weights before the step; never a mix
+    updated = 0
+    for n, p in after.items():
+        if torch.equal(shown[-1][n], p) and not torch.equal(p, before[-1][n]):
+            updated += 1
+        else:
+            assert torch.equal(shown[-1][n], before[-1][n]), n
+    assert updated > 0

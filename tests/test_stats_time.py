@@ -51,7 +51,8 @@ def test_time_attribution_and_nvme_bytes_written(tmp_path):
 
     after = infinity.stats(model)
     for name, v in _leaves(after["time"]):
-        assert v == 0.0, name
+        if name != "transfer_cpu":  # the prefetch for the next forward runs in the background
+            assert v == 0.0, name
     assert after["nvme_bytes_written"] == {"last_step": 0, "total": 0}
     opt.close()
     infinity.unwrap(model)

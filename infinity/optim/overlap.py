@@ -464,6 +464,14 @@ class BackwardOverlap:
             st.kept = False
         self.scaled = False
 
+    def homes_needed(self, engine: "Engine") -> None:
+        """The engine reads or replaces its parameter homes outside forward (materialized, a
+        checkpoint, ``quiesce``): the speculative updates in flight finish writing first, so
+        the homes hold whole updated blocks (kept or rolled back at ``opt.step()``)."""
+        worker = self._workers.get(id(engine))
+        if worker is not None:
+            worker.join()
+
     def engine_closing(self, engine: "Engine") -> None:
         """unwrap() between backward and step: the parameters go back without that step."""
         self.rollback_engine(engine, "the model is being unwrapped")

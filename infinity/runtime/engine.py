@@ -817,6 +817,13 @@ class Engine(Residence, OutsideWrites, HookHandlers):
     # =====================================================================================
     # the optimizer's side: quiesce / resume around a step
     # =====================================================================================
+    def _finish_speculative_writes(self) -> None:
+        """Before the homes are read or replaced outside forward: an optimizer updating
+        blocks while backward ran finishes writing their parameters first (a read racing
+        those writes would see a home half old, half new)."""
+        for listener in self.backward_listeners:
+            listener.homes_needed(self)
+
     def quiesce(self) -> None:
         """Before an optimizer changes the homes: recovers from a failed forward/backward,
         frees every compute buffer (writing back in-place changes), and takes in the user's
@@ -828,6 +835,7 @@ class Engine(Residence, OutsideWrites, HookHandlers):
                 self._recover_failed_backward()
                 if self._model_forward_depth == 0:
                     self._recover_failed_forward()
+            self._finish_speculative_writes()
             self.sync_outside_writes()
             self.release_all()
             self.grads.reconcile(detach=False)
@@ -967,6 +975,7 @@ class Engine(Residence, OutsideWrites, HookHandlers):
         with self._lock:
             if self._closed:
                 raise RuntimeError("this model was unwrapped")
+            self._finish_speculative_writes()
             self.sync_outside_writes()
             chosen = [b for b in self.blocks if module is None or b.contains(module)
                       or any(m is own for own in b.modules for m in module.modules())]
