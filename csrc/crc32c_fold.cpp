@@ -1,7 +1,7 @@
 // CRC32C (Castagnoli) by carry-less multiplication: AVX-512 VPCLMULQDQ folding.
 //
-// The crc32 instruction (SSE4.2, the path in aio.cpp) retires 8 bytes per cycle at best, ~15
-// GB/s on the test VM's EPYC: on a 2-core machine the checksums of every swap read and write
+// The crc32 instruction (SSE4.2, the path in aio_crc32c.cpp) retires 8 bytes per cycle at best,
+// ~15 GB/s on the test VM's EPYC: on a 2-core machine the checksums of every swap read and write
 // took ~0.25 s of CPU per training step that the model's compute needed. Folding carries four
 // 512-bit accumulators 256 bytes ahead per iteration with vpclmulqdq, at memory speed.
 //
@@ -19,6 +19,8 @@
 // far (the initial CRC XORed into its first 32 bits): the CRC state equals the crc32 of the 16
 // bytes of R from 0, which two crc32q instructions compute. The tail (< 256 bytes) continues
 // with crc32q. No Python or torch headers.
+#include "aio_crc32c.h"
+
 #include <cstddef>
 #include <cstdint>
 #include <cstring>

@@ -6,8 +6,9 @@
     release(token)
     size(), fsync(), truncate(n), allocate(n), close(), direct
 
-NativeBackend drives csrc/aio.cpp; FallbackBackend does os.pread/os.pwrite on a thread pool
-(buffered I/O, never O_DIRECT) when the native library is absent or force_fallback() is on.
+NativeBackend drives the native engine (csrc/aio*.cpp); FallbackBackend does os.pread/os.pwrite
+on a thread pool (buffered I/O, never O_DIRECT) when the native library is absent or
+force_fallback() is on.
 """
 from __future__ import annotations
 
@@ -284,8 +285,10 @@ class FallbackBackend:
 # (0.90-1.09 s against 0.84-0.93 s, two pairs) and forward + backward with parameters on NVMe
 # was 1.12-1.16x the in-memory step against 1.10x with the threads (the configurations with no
 # I/O at all slowed too, 1.12-1.18x against 1.05x; not explained). So io_uring is opt-in
-# (backend="io_uring"); benchmarks/RESULTS.md, sections "io_uring backend" and "RSS spread,
-# CRC32C by folding, io_uring decided" (2026-11-29/30).
+# (backend="io_uring"). Measured 2026-11-29/30 (benchmarks/RESULTS.md) with
+# `INFINITY_IO_BACKEND=threads|io_uring OMP_NUM_THREADS=2 python benchmarks/bench_nvme_step.py
+# --rounds 2 --formats fp32`, `python benchmarks/bench_io.py --size 2G --methods infinity
+# --backend threads,io_uring --crc both` and `python benchmarks/bench_offload_forward.py --steps 5`.
 AUTO_BACKEND = "threads"
 _reported: Set[str] = set()
 

@@ -4,7 +4,7 @@ There the device tier is ordinary RAM: a block's compute buffer is malloc'ed whe
 and freed when it is released. glibc serves large blocks with mmap, but after the first such
 free it raises its mmap threshold (up to 32 MiB) and serves later ones from the heap, which
 keeps freed memory and fragments: the process's RSS then grows with every streamed block
-(measured: 29-58% of the model's size over three steps, instead of 12-14%).
+(see benchmarks/results/host_malloc_figures.md).
 
 Fixing the threshold (``mallopt(M_MMAP_THRESHOLD)``, which also turns the adjustment off) at
 128 KiB, glibc's own starting value, keeps every buffer of 128 KiB or more mmap'ed, so freeing
@@ -12,27 +12,25 @@ it really frees its memory. The threshold must be this low, not just below the b
 the parameters a model was built with (and, under :func:`infinity.empty_init`, the ones
 allocated and dropped for meta) are freed when the model is offloaded, and when they lay in the
 heap they leave holes between small live objects there. Backward's gradient temporaries of a
-similar size were then served from those holes, one after another, each touching fresh pages:
-peak RSS during the first backward varied from run to run by up to a third of the model's size
-(measured with 400-600 KB parameters and a 1 MiB threshold: 23-35% of the model over three
-forward+backward passes, and 0.40-0.69x with a model built on meta; 22.5-23% and 0.40x at
-128 KiB). Set only on glibc: by the engine while it wraps (the originals are freed then), by the
-activation offloader, and on entering :func:`infinity.empty_init`. Those settings are
-process-wide and have one owner, :data:`infinity.runtime.host_memory.HOST_MEMORY`, whose users
-(engines, activation offloaders, ``empty_init``) acquire and release them; the last one to
-release puts back glibc's defaults as far as glibc allows (see ``runtime/host_memory.py`` for
-what cannot be undone).
+similar size were then served from those holes, one after another, each touching fresh pages,
+and peak RSS during the first backward varied from run to run (see benchmarks/RESULTS.md,
+"RSS spread, CRC32C by folding, io_uring decided, quiet reruns (2026-11-30)"). Set only on
+glibc: by the engine while it wraps (the originals are freed then), by the activation
+offloader, and on entering :func:`infinity.empty_init`. Those settings are process-wide and
+have one owner, :data:`infinity.runtime.host_memory.HOST_MEMORY`, whose users (engines,
+activation offloaders, ``empty_init``) acquire and release them; the last one to release puts
+back glibc's defaults as far as glibc allows (see ``runtime/host_memory.py`` for what cannot
+be undone).
 
 Once the model is wrapped and its originals are gone, the engine raises the threshold again
 (its lease's mode ``"reuse"``) when its streamed blocks borrow their compute memory from its own
 pool: then nothing of the engine's goes through malloc, and what does is forward and backward's
 own temporaries (activations, gradients as autograd hands them over). At 128 KiB every one of
-them is a fresh mmap whose pages fault in and are zeroed on first touch: measured on the
-311M-parameter GPT of ``bench_offload_forward.py``, 300-500 thousand page faults and 0.6-2.3 s
-of kernel time per forward+backward, which made the offloaded steps *and* the plain model in
-the same process 10-25% slower. At 32 MiB (the ceiling of glibc's own dynamic threshold,
-i.e. what plain PyTorch ends up with) with a 64 MiB trim threshold they reuse the heap as in
-plain PyTorch: about a thousand faults per step.
+them is a fresh mmap whose pages fault in and are zeroed on first touch, which slowed the
+offloaded steps *and* the plain model in the same process (see benchmarks/RESULTS.md, "Page
+faults were the forward+backward overhead on a CPU-only machine (2026-11-30)"). At 32 MiB (the
+ceiling of glibc's own dynamic threshold, i.e. what plain PyTorch ends up with) with a 64 MiB
+trim threshold they reuse the heap as in plain PyTorch.
 
 The functions here are the older interface, kept for code that calls them: they act for one
 anonymous user of :data:`HOST_MEMORY` that is never released (what they set stays until
