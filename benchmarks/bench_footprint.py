@@ -102,7 +102,7 @@ _TRAIN = _PRELUDE + textwrap.dedent(r"""
     def init(module):  # torch's defaults, then the model's own (normal, std 0.02)
         if hasattr(module, "reset_parameters"):
             module.reset_parameters()
-        TinyGPT._init(module)
+        TinyGPT.init_module(module)
 
     infinity.wrap(model, nvme_path=args["nvme"], init=init, param_tier="nvme",
                   grad_tier="nvme", optimizer_tier="nvme", host_budget=args["budget"],

@@ -58,10 +58,11 @@ class TinyGPT(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok.weight
-        self.apply(self._init)
+        self.apply(self.init_module)
 
     @staticmethod
-    def _init(module: nn.Module) -> None:
+    def init_module(module: nn.Module) -> None:
+        """GPT-2's initialization of one module: normal(0, 0.02) weights, zero biases."""
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:

@@ -76,10 +76,16 @@ def lib() -> Optional[ctypes.CDLL]:
     return _lib
 
 
+def loaded() -> Optional[ctypes.CDLL]:
+    """The native library when it loaded, even inside :func:`force_fallback` and without
+    :func:`lib`'s warning (for process-wide settings kept in step with it), else None."""
+    _load()
+    return _lib
+
+
 def available() -> bool:
     """True when the native library is loaded (regardless of :func:`force_fallback`)."""
-    _load()
-    return _lib is not None
+    return loaded() is not None
 
 
 def load_error() -> Optional[str]:

@@ -46,7 +46,7 @@ def init_weights(module: nn.Module) -> None:
     reset = getattr(module, "reset_parameters", None)
     if callable(reset) and not isinstance(module, (nn.Linear, nn.Embedding)):
         reset()
-    TinyGPT._init(module)
+    TinyGPT.init_module(module)
 
 
 def ladder(sizes: List[str], seq: int) -> List[Tuple[str, GPTConfig]]:

@@ -48,6 +48,7 @@ def run(spec: Dict[str, Any]) -> Dict[str, Any]:
     from infinity.models import TinyGPT, lm_loss, synthetic_batch
     from infinity.bench.models import config_for, init_weights
     from infinity.plan.placements import placement as get_placement
+    from infinity.runtime.registry import engine_of
 
     torch.manual_seed(spec.get("seed", 0))
     cfg = config_for(spec["size"], spec["seq"])
@@ -94,7 +95,7 @@ def run(spec: Dict[str, Any]) -> Dict[str, Any]:
             model = TinyGPT(cfg)
         infinity.wrap(model, init=init_weights, **settings)
         opt = infinity.optim.AdamW(model.parameters(), lr=1e-4, states=states)
-        eng = infinity.api._engine(model)
+        eng = engine_of(model)
         out["tiers"] = {"param": eng.param_tier.value, "grad": eng.grad_tier.value,
                         "optimizer": eng.policy.optimizer_tier,
                         "prefetch_window": eng.policy.prefetch_window}
@@ -145,11 +146,11 @@ def run(spec: Dict[str, Any]) -> Dict[str, Any]:
         out["host_peak_bytes"] = s["tiers"]["host"]["peak"]
         out["nvme_disk_bytes"] = s["tiers"]["nvme"]["now"] + opt.state_bytes["nvme"]
         if name == "planner":
-            p = infinity.api._engine(model).plan
+            p = engine_of(model).plan
             out["planned"] = p.placement
         # close without restoring: unwrap() would read every parameter back into RAM as a
         # plain tensor (8 GB for a 2B model on NVMe), far above the RAM budget just measured
-        infinity.api._engine(model).close(restore=False)
+        engine_of(model).close(restore=False)
     else:
         out["nvme_bytes_per_step"] = 0
         if not cuda:

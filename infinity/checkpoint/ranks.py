@@ -240,7 +240,7 @@ def fill_sharded(names: ModelNames, plan: Any, src: Any, optimizer: Any,
         for g, saved in zip(optimizer.param_groups, groups):
             g.update({k: v for k, v in saved.items() if k != "params"})
         optimizer.discard_pending_step()
-        for shard in optimizer._shards.values():  # noqa: SLF001 - the optimizer's port
+        for shard in optimizer.shards():
             shards[id(getattr(shard.flat, "full", shard.flat))] = shard
     for flat in engine.flats:
         local = part.local(flat)
@@ -273,7 +273,7 @@ def fill_sharded(names: ModelNames, plan: Any, src: Any, optimizer: Any,
                 continue
             a = getattr(s, "param_start", 0)
             by_param[id(s.param)] = src.state_entry(saved, a, a + s.numel)
-        optimizer._load_shard(shard, by_param)  # noqa: SLF001 - the optimizer's port
+        optimizer.load_shard(shard, by_param)
     for name, t in names.buffers():
         saved = plan.source.get(name)
         if saved is not None:

@@ -176,7 +176,7 @@ class FallbackBackend:
         done = 0
         while done < nbytes:
             want = min(chunk, nbytes - done)
-            err, want = faults._check(op, want)  # noqa: SLF001
+            err, want = faults.fallback_check(op, want)
             try:
                 if err:
                     raise OSError(err, os.strerror(err))

@@ -55,7 +55,7 @@ def native(ignore_forced: bool = False) -> Optional[ctypes.CDLL]:
     process-wide settings such as the config and injected faults in step)."""
     global _declared
     if ignore_forced:
-        lib = _native._lib if _native.available() else None  # noqa: SLF001
+        lib = _native.loaded()
     else:
         lib = _native.lib()
     if lib is None:

@@ -43,7 +43,7 @@ def clear_faults() -> None:
         lib.inf_aio_clear_faults()
 
 
-def _check(op: int, want: int) -> Tuple[int, int]:
+def fallback_check(op: int, want: int) -> Tuple[int, int]:
     """Fallback engine hook: (errno to fail with now or 0, bytes allowed)."""
     global _fault
     with _lock:

@@ -1189,6 +1189,53 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 
+    # ---- public faces of the state above for ZeRO state dicts and checkpoints -------------
+    def engines(self) -> List[Engine]:
+        """The engines of the wrapped models this optimizer steps (sharded ones where this
+        rank holds no part included), in the same order on every rank."""
+        return self._engines()
+
+    def shards(self) -> List[Shard]:
+        """This rank's wrapped shards (of a sharded model: its part of each flat)."""
+        return list(self._shards.values())
+
+    def load_shard(self, shard: Shard, by_param: Dict[int, Dict[str, Any]]) -> None:
+        """Loads ``shard``'s states: ``by_param[id(param)] = {"step", "exp_avg", "exp_avg_sq",
+        "master" (optional)}``, each the shard's piece of the parameter; the slots not given
+        start without state."""
+        self._load_shard(shard, by_param)
+
+    def current_states(self, shard: Shard) -> Optional[Tuple[torch.Tensor, ...]]:
+        """``shard``'s (master, exp_avg, exp_avg_sq) in fp32 as its next step starts from
+        them (masters following parameters written since), views where they are fp32 in RAM;
+        None before its first step."""
+        self._sync_user_writes(shard)
+        buf = self._read_committed(shard)
+        if buf is None:
+            return None
+        views = self._stores[id(shard.engine)].views(shard, buf)
+        return (views.master_value(), *views.moments_fp32(shard.flat))
+
+    def unwrapped_states(self) -> Dict[int, Dict[str, Any]]:
+        """The states of the parameters outside wrapped models in torch's format, by index in
+        the param groups' order (as in :meth:`state_dict`)."""
+        return {i: self._param_state_to_torch(p, self.state[p])
+                for i, p in enumerate(self._param_index())
+                if not self._is_wrapped(p) and self.state.get(p)}
+
+    def checked_entries(self, state_dict: Dict[str, Any]) -> Dict[int, Dict[str, Any]]:
+        """``state_dict``'s entries by parameter index, checked against the param groups and
+        the whole parameters' shapes (ValueError naming the difference); changes nothing."""
+        return self._check_loadable(state_dict)
+
+    def load_unwrapped_states(self, entries: Dict[int, Dict[str, Any]]) -> None:
+        """The parameters outside wrapped models take their states from ``entries`` (from
+        :meth:`checked_entries`); every other state kept in ``self.state`` is dropped."""
+        self.state.clear()
+        for i, p in enumerate(self._param_index()):
+            if not self._is_wrapped(p) and i in entries:
+                self.state[p] = self._param_state_from(p, entries[i])
+
 
 class AdamW(OffloadedAdam):
     """torch.optim.AdamW (decoupled weight decay, default 1e-2) with offloaded states."""

@@ -1069,6 +1069,14 @@ class Engine(Residence, OutsideWrites, HookHandlers):
         if self._release_guard is not None:
             self._release_guard()
 
+    @contextlib.contextmanager
+    def quiesced(self) -> Iterator[None]:
+        """Holds the engine's lock with the homes quiesced (:meth:`quiesce`): inside, every
+        home can be read or written whole (ZeRO state dicts) while nothing else moves them."""
+        with self._lock:
+            self.quiesce()
+            yield
+
 
 def _no_deepcopy_of_engine(engine: "Engine", memo: dict) -> None:
     return None

@@ -75,6 +75,15 @@ class Stats:
         with self._lock:
             self.fetched[category] = self.fetched.get(category, 0) + nbytes
 
+    def hit_waited(self, seconds: float) -> None:
+        """A prefetch counted as a hit turned out to make the compute stream wait: it becomes
+        a miss (not across a reset, which zeroed the hit) and the wait is stall time."""
+        with self._lock:
+            if self.prefetch_hits > 0:
+                self.prefetch_hits -= 1
+                self.prefetch_misses += 1
+            self.stall_seconds += seconds
+
     def reset(self) -> None:
         with self._lock:
             self.moved = {d: 0 for d in DIRECTIONS}

@@ -177,11 +177,7 @@ class Transfers:
             self._waits.popleft()
             waited_ms = arrival.elapsed_time(copy_end)
             if waited_ms > _STALL_MS:
-                with self.stats._lock:  # noqa: SLF001 - the counters' own lock
-                    if self.stats.prefetch_hits > 0:  # not across a stats reset
-                        self.stats.prefetch_hits -= 1
-                        self.stats.prefetch_misses += 1
-                    self.stats.stall_seconds += waited_ms / 1000.0
+                self.stats.hit_waited(waited_ms / 1000.0)
 
     # ---- closing --------------------------------------------------------------------------
     def close(self) -> None:

@@ -114,7 +114,7 @@ def save_sharded(path: str, model: nn.Module, optimizer: Optional[Any] = None, *
     try:
         engine.quiesce()
         if optimizer is not None:
-            for e in optimizer._engines():  # noqa: SLF001
+            for e in optimizer.engines():
                 e.quiesce()
         if writer:
             from ..checkpoint.ranks import write_rank_part
@@ -254,7 +254,7 @@ def load_sharded(path: str, model: nn.Module, optimizer: Optional[Any] = None) -
         for g, saved in zip(optimizer.param_groups, files[0].get("param_groups", [])):
             g.update(saved)
         optimizer.discard_pending_step()
-        for shard in optimizer._shards.values():  # noqa: SLF001
+        for shard in optimizer.shards():
             shards[id(getattr(shard.flat, "full", shard.flat))] = shard
 
     def saved_range(key: str, s: Any, i: int) -> Tuple[int, int]:
@@ -292,7 +292,7 @@ def load_sharded(path: str, model: nn.Module, optimizer: Optional[Any] = None) -
                 entry = {n: _assemble(files, flat.key, n, lo, hi, torch.float32)
                          for n in ("master", "exp_avg", "exp_avg_sq")}
                 by_param[id(s.param)] = {"step": steps[fi], **entry}
-        optimizer._load_shard(shard, by_param)  # noqa: SLF001
+        optimizer.load_shard(shard, by_param)
 
 
 __all__ = ["save_sharded", "load_sharded", "is_sharded_checkpoint", "trainer_state"]

@@ -26,8 +26,7 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> Dict[str, t
     ranks get ``{}`` (they still take part in the gathers)."""
     engine = _engine(model)
     part = engine.partitioner
-    with engine._lock:  # noqa: SLF001 - the engine's own lock
-        engine.quiesce()
+    with engine.quiesced():
         values: Dict[str, torch.Tensor] = {}
         for flat in engine.flats:
             full = engine.home.snapshot(flat)
@@ -58,8 +57,7 @@ def load_full_state_dict(model: nn.Module, state: Dict[str, torch.Tensor]) -> No
     missing = [names[i] for i in by_param if names.get(i) not in state]
     if missing:
         raise KeyError(f"infinity.sharding.load_full_state_dict: the state has no {missing[:3]}")
-    with engine._lock:  # noqa: SLF001
-        engine.quiesce()
+    with engine.quiesced():
         for flat in engine.flats:
             full = torch.zeros(flat.numel, dtype=flat.home_dtype)
             for s in flat.slots:
@@ -82,8 +80,7 @@ def fill_state_dict(engine, state_dict: Dict, prefix: str) -> None:
     names: Dict[int, list] = {}
     for name, p in engine.model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(prefix + name)
-    with engine._lock:  # noqa: SLF001
-        engine.quiesce()
+    with engine.quiesced():
         for flat in engine.flats:
             full = engine.home.snapshot(flat)
             for s in flat.slots:
@@ -107,6 +104,16 @@ __all__ = ["full_state_dict", "load_full_state_dict", "refuse_sharded"]
 
 
 # ---- optimizer states ---------------------------------------------------------------------
+def _params(opt) -> list:
+    """The optimizer's parameters in its param groups' order (their state-dict indices)."""
+    return [p for g in opt.param_groups for p in g["params"]]
+
+
+def _partitioner(opt):
+    """The partitioner of the first sharded model ``opt`` steps, or None."""
+    return next((e.partitioner for e in opt.engines() if e.partitioner is not None), None)
+
+
 def _pack_groups(opt, index) -> list:
     groups = []
     for g in opt.param_groups:
@@ -125,18 +132,17 @@ def full_optimizer_state_dict(opt, *, rank0_only: bool = True) -> Dict:
     gathered, shard by shard. Call on every rank; with ``rank0_only`` the others get ``{}``.
     It loads on any number of ranks with :func:`load_full_optimizer_state_dict` (or, on one
     process, with ``opt.load_state_dict``)."""
-    part = opt._partitioner()  # noqa: SLF001 - the optimizer's own ZeRO hook
+    part = _partitioner(opt)
     if part is None:
         return opt.state_dict()
-    for engine in opt._engines():  # noqa: SLF001
+    engines = opt.engines()  # same order on every rank
+    for engine in engines:
         engine.quiesce()
-    for shard in opt._shards.values():  # noqa: SLF001
-        opt._sync_user_writes(shard)  # noqa: SLF001
-    params = opt._param_index()  # noqa: SLF001
+    params = _params(opt)
     index = {id(p): i for i, p in enumerate(params)}
-    by_full = {id(s.flat.full): s for s in opt._shards.values()}  # noqa: SLF001
+    by_full = {id(s.flat.full): s for s in opt.shards()}
     state: Dict[int, Dict[str, torch.Tensor]] = {}
-    for engine in opt._engines():  # noqa: SLF001 - same order on every rank
+    for engine in engines:
         ep = engine.partitioner
         for block in engine.blocks:
             for flat in block.flats:
@@ -145,13 +151,10 @@ def full_optimizer_state_dict(opt, *, rank0_only: bool = True) -> Dict:
                 seg = torch.zeros(3 * n, dtype=torch.float32)
                 steps = torch.zeros(len(flat.slots), dtype=torch.float64)
                 shard = by_full.get(id(flat))
-                buf = opt._read_committed(shard) if shard is not None else None  # noqa: SLF001
-                if buf is not None:
-                    views = opt._stores[id(engine)].views(shard, buf)  # noqa: SLF001
-                    m, v = views.moments_fp32(local)
-                    seg[:n].copy_(views.master[:n])
-                    seg[n:2 * n].copy_(m[:n])
-                    seg[2 * n:].copy_(v[:n])
+                current = opt.current_states(shard) if shard is not None else None
+                if current is not None:
+                    for k, values in enumerate(current):  # master, exp_avg, exp_avg_sq
+                        seg[k * n:(k + 1) * n].copy_(values[:n])
                     for li, s in enumerate(local.slots):
                         if shard.groups[li] is not None and shard.steps[li] > 0:
                             steps[s.full_index] = shard.steps[li]
@@ -171,12 +174,27 @@ def full_optimizer_state_dict(opt, *, rank0_only: bool = True) -> Dict:
                         "master": whole[0][sl].view(s.shape).clone()}
     if rank0_only and part.groups.global_rank != 0:
         return {}
-    for p in params:
-        if not opt._is_wrapped(p) and opt.state.get(p):  # noqa: SLF001
-            state[index[id(p)]] = opt._param_state_to_torch(p, opt.state[p])  # noqa: SLF001
+    state.update(opt.unwrapped_states())
     return {"state": state, "param_groups": _pack_groups(opt, index),
             "states": opt.states_format,
             "state_formats": opt.state_formats(by="index")}
+
+
+def _shard_entries(shard, whole: Dict[int, Dict]) -> Dict[int, Dict]:
+    """The states of ``shard``'s slots (a rank's piece of each parameter) cut from ``whole``
+    (id(param) -> whole-parameter entry), by id(param), for ``opt.load_shard``."""
+    by_param = {}
+    for s in shard.flat.slots:
+        e = whole.get(id(s.param))
+        if e is None:
+            continue
+        cut = slice(s.param_start, s.param_start + s.numel)
+        by_param[id(s.param)] = {
+            "step": e["step"],
+            "exp_avg": e["exp_avg"].reshape(-1)[cut],
+            "exp_avg_sq": e["exp_avg_sq"].reshape(-1)[cut],
+            "master": (e["master"].reshape(-1)[cut] if e.get("master") is not None else None)}
+    return by_param
 
 
 @torch.no_grad()
@@ -184,32 +202,17 @@ def load_full_optimizer_state_dict(opt, state_dict: Dict) -> None:
     """Loads a whole optimizer state (from :func:`full_optimizer_state_dict` saved by any
     number of ranks, or a single process's ``opt.state_dict()``): each rank keeps the parts of
     every parameter's states that its shard holds. No collective."""
-    if opt._partitioner() is None:  # noqa: SLF001
+    if _partitioner(opt) is None:
         opt.load_state_dict(state_dict)
         return
-    entries = opt._check_loadable(state_dict)  # noqa: SLF001 - whole-parameter shapes
-    params = opt._param_index()  # noqa: SLF001
+    entries = opt.checked_entries(state_dict)  # whole-parameter shapes
+    params = _params(opt)
     for g, saved in zip(opt.param_groups, state_dict["param_groups"]):
         for k, v in saved.items():
             if k != "params":
                 g[k] = v
     opt.discard_pending_step()
-    opt.state.clear()
-    for i, p in enumerate(params):
-        if not opt._is_wrapped(p) and i in entries and p not in opt._elsewhere:  # noqa: SLF001
-            opt.state[p] = opt._param_state_from(p, entries[i])  # noqa: SLF001
+    opt.load_unwrapped_states(entries)
     whole = {id(params[i]): e for i, e in entries.items()}
-    for shard in opt._shards.values():  # noqa: SLF001
-        by_param = {}
-        for s in shard.flat.slots:
-            e = whole.get(id(s.param))
-            if e is None:
-                continue
-            cut = slice(s.param_start, s.param_start + s.numel)
-            by_param[id(s.param)] = {
-                "step": e["step"],
-                "exp_avg": e["exp_avg"].reshape(-1)[cut],
-                "exp_avg_sq": e["exp_avg_sq"].reshape(-1)[cut],
-                "master": (e["master"].reshape(-1)[cut] if e.get("master") is not None
-                           else None)}
-        opt._load_shard(shard, by_param)  # noqa: SLF001
+    for shard in opt.shards():
+        opt.load_shard(shard, _shard_entries(shard, whole))
