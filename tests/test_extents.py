@@ -117,30 +117,79 @@ def test_random_workload_against_a_page_map():
     assert a.capacity <= peak + 8 * P * 64
 
 
-def test_swap_store_reserves_grows_and_releases_a_files_blocks(tmp_path):
+def test_swap_store_reserves_grows_and_keeps_freed_blocks_up_to_a_bound(tmp_path):
     """SwapStore.reserve grows a one-piece file and reserves its blocks (ENOSPC up front);
-    release punches them out (the file keeps its size); span I/O works in both."""
+    release keeps a freed range's blocks for the next reserve over it (no fallocate then), up
+    to KEEP_FREED_EXTENTS times the largest extent; beyond, the kept ranges nearest the file's
+    end are punched out (the file keeps its size) down to one largest extent; give_back
+    punches the rest. Span I/O works throughout."""
     import torch
 
     from infinity import io as inf_io
+    from infinity.tiers import SwapStore, swap_store
+    keep = swap_store.KEEP_FREED_EXTENTS
+    store = SwapStore(str(tmp_path), require_direct=False)
+    try:
+        store.create("f", 0)
+        n = keep + 3                                  # extents of 2P, one written
+        for i in range(n):
+            store.reserve("f", 2 * i * P, 2 * P)
+        assert store.nbytes("f") == 2 * n * P and store.disk_bytes("f") >= 2 * n * P
+        assert store.allocated_bytes == 2 * n * P
+        buf = inf_io.aligned_empty(2 * P)
+        buf.copy_(torch.arange(2 * P, dtype=torch.int64).to(torch.uint8))
+        store.write_span("f", buf, 0).wait()
+        full = store.disk_bytes("f")
+        for i in range(1, keep + 1):                  # up to the bound: all kept
+            assert store.release("f", 2 * i * P, 2 * P) is False
+        assert store.kept_bytes("f") == 2 * keep * P and store.released_bytes == 0
+        assert store.disk_bytes("f") == full
+        store.reserve("f", 2 * P, 2 * P)              # a kept range: no fallocate
+        store.reserve("f", 4 * P, P)                  # part of one
+        assert store.allocated_bytes == 2 * n * P
+        assert store.kept_bytes("f") == 2 * (keep - 2) * P + P
+        store.release("f", 2 * P, 2 * P)
+        store.release("f", 4 * P, P)
+        released = store.release("f", 2 * (n - 1) * P, 2 * P)   # over the bound
+        if released:  # the filesystem punches holes: the last ranges went back, one extent kept
+            assert store.kept_bytes("f") == 2 * P and store.released_bytes == 2 * keep * P
+            assert store.disk_bytes("f") <= full - 2 * keep * P
+            assert store.give_back("f") is True
+            assert store.kept_bytes("f") == 0
+            assert store.disk_bytes("f") <= full - 2 * (keep + 1) * P
+        assert os.stat(store.path("f")).st_size == 2 * n * P
+        store.reserve("f", 2 * (n - 1) * P, 2 * P)    # punched (or kept): reserved again
+        back = inf_io.aligned_empty(2 * P)
+        store.read_span("f", back, 0).wait()
+        assert torch.equal(back, buf)
+        with pytest.raises(ValueError, match="outside"):
+            store.release("f", 2 * (n - 1) * P, 4 * P)
+        store.release("f", 2 * (n - 1) * P, 2 * P)
+        with pytest.raises(RuntimeError, match="released twice"):
+            store.release("f", 2 * (n - 1) * P, P)
+    finally:
+        store.close()
+
+
+def test_a_failed_reserve_keeps_the_kept_blocks(tmp_path, monkeypatch):
+    """posix_fallocate failing (ENOSPC) for the part of a reserve that was not kept leaves the
+    kept part kept (the caller frees the extent without releasing it)."""
+    import errno
+
     from infinity.tiers import SwapStore
     store = SwapStore(str(tmp_path), require_direct=False)
     try:
         store.create("f", 0)
         store.reserve("f", 0, 4 * P)
-        store.reserve("f", 4 * P, 2 * P)
-        assert store.nbytes("f") == 6 * P and store.disk_bytes("f") >= 6 * P
-        buf = inf_io.aligned_empty(2 * P)
-        buf.copy_(torch.arange(2 * P, dtype=torch.int64).to(torch.uint8))
-        store.write_span("f", buf, 4 * P).wait()
-        released = store.release("f", 0, 4 * P)
-        if released:
-            assert store.disk_bytes("f") <= 2 * P + P  # the written extent (and metadata)
-        assert os.stat(store.path("f")).st_size == 6 * P
-        back = inf_io.aligned_empty(2 * P)
-        store.read_span("f", back, 4 * P).wait()
-        assert torch.equal(back, buf)
-        with pytest.raises(ValueError, match="outside"):
-            store.release("f", 4 * P, 4 * P)
+        store.release("f", P, 2 * P)
+
+        def full(fd, offset, nbytes):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(os, "posix_fallocate", full)
+        with pytest.raises(OSError):
+            store.reserve("f", P, 4 * P)              # kept [P, 3P) plus 2P past the end
+        assert store.kept_bytes("f") == 2 * P and store.nbytes("f") == 4 * P
+        store.reserve("f", 2 * P, P)                  # all kept: no fallocate needed
+        assert store.kept_bytes("f") == P
     finally:
         store.close()

@@ -6,6 +6,8 @@ offset + nbytes)`` ranges of the file's byte space, every offset and size a mult
 end (reusing a free tail), up to ``limit`` bytes (None: unbounded); beyond that it raises
 :class:`ExtentsExhaustedError`. Freed ranges merge with free neighbours, so the space a
 workload needs stays bounded by its peak of live bytes plus the fragmentation of its sizes.
+:class:`RangeSet` (sorted, coalesced ranges) holds the free space; the swap store uses it too,
+for the freed ranges it keeps allocated on disk.
 """
 from __future__ import annotations
 
@@ -34,6 +36,107 @@ class Extent:
         return self.offset + self.nbytes
 
 
+class RangeSet:
+    """Disjoint ``[offset, offset + nbytes)`` ranges of a file, sorted and coalesced (adjacent
+    ranges merge). Used for the free space of an :class:`ExtentAllocator` and for the freed
+    ranges a swap store keeps allocated on disk."""
+
+    def __init__(self, what: str = "swap file") -> None:
+        self.what = what
+        self._starts: List[int] = []
+        self._sizes: List[int] = []
+        self.total = 0
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    @property
+    def ranges(self) -> List[Tuple[int, int]]:
+        """(offset, nbytes) of every range, in file order."""
+        return list(zip(self._starts, self._sizes))
+
+    @property
+    def end(self) -> int:
+        """The end of the last range (0 when empty)."""
+        return self._starts[-1] + self._sizes[-1] if self._starts else 0
+
+    def add(self, offset: int, nbytes: int, verb: str = "freed") -> None:
+        """Adds ``[offset, offset + nbytes)``, merged with the ranges it touches; a range that
+        overlaps one held already raises (``verb`` names the operation in the message)."""
+        end = offset + nbytes
+        i = bisect.bisect_left(self._starts, offset)
+        prev_end = self._starts[i - 1] + self._sizes[i - 1] if i > 0 else -1
+        if prev_end > offset or (i < len(self._starts) and self._starts[i] < end):
+            raise RuntimeError(f"infinity: [{offset:,}, {end:,}) of the {self.what} is {verb} "
+                               "twice (a bug in its owner's bookkeeping)")
+        self.total += nbytes
+        if prev_end == offset:  # merge with the range before
+            i -= 1
+            self._sizes[i] += nbytes
+        else:
+            self._starts.insert(i, offset)
+            self._sizes.insert(i, nbytes)
+        nxt = i + 1
+        if nxt < len(self._starts) and self._starts[i] + self._sizes[i] == self._starts[nxt]:
+            self._sizes[i] += self._sizes[nxt]
+            del self._starts[nxt], self._sizes[nxt]
+
+    def take_first(self, nbytes: int) -> Optional[int]:
+        """Removes ``nbytes`` from the start of the first range that holds them (first fit);
+        their offset, or None when no range is large enough."""
+        for i, size in enumerate(self._sizes):
+            if size >= nbytes:
+                offset = self._starts[i]
+                if size == nbytes:
+                    del self._starts[i], self._sizes[i]
+                else:
+                    self._starts[i] += nbytes
+                    self._sizes[i] -= nbytes
+                self.total -= nbytes
+                return offset
+        return None
+
+    def take_last(self, nbytes: Optional[int] = None) -> Tuple[int, int]:
+        """Removes the last ``nbytes`` of the last range (all of it when None or larger);
+        returns (offset, nbytes) of what was removed."""
+        if not self._starts:
+            raise IndexError(f"infinity: no range left in the {self.what}")
+        size = self._sizes[-1]
+        if nbytes is None or nbytes >= size:
+            offset = self._starts.pop()
+            self._sizes.pop()
+            self.total -= size
+            return offset, size
+        self._sizes[-1] -= nbytes
+        self.total -= nbytes
+        return self._starts[-1] + self._sizes[-1], nbytes
+
+    def remove(self, offset: int, nbytes: int) -> List[Tuple[int, int]]:
+        """Removes whatever of ``[offset, offset + nbytes)`` the set holds; returns the parts
+        of that range it did not hold, (offset, nbytes) in file order."""
+        end = offset + nbytes
+        i = max(0, bisect.bisect_right(self._starts, offset) - 1)
+        missing: List[Tuple[int, int]] = []
+        at = offset
+        while i < len(self._starts) and self._starts[i] < end:
+            start, stop = self._starts[i], self._starts[i] + self._sizes[i]
+            if stop <= offset:
+                i += 1
+                continue
+            if start > at:
+                missing.append((at, start - at))
+            lo, hi = max(start, offset), min(stop, end)
+            self.total -= hi - lo
+            pieces = [(s, e - s) for s, e in ((start, lo), (hi, stop)) if e > s]
+            self._starts[i:i + 1] = [s for s, _ in pieces]
+            self._sizes[i:i + 1] = [n for _, n in pieces]
+            i += len(pieces)
+            at = hi
+        if at < end:
+            missing.append((at, end - at))
+        return missing
+
+
 class ExtentAllocator:
     """First-fit allocation of aligned ranges; ``capacity`` is the space's current end."""
 
@@ -49,8 +152,9 @@ class ExtentAllocator:
         self.limit = limit
         self.what = what
         self.capacity = capacity
-        self._starts: List[int] = [0] if capacity else []   # free ranges, sorted by start
-        self._sizes: List[int] = [capacity] if capacity else []
+        self._free = RangeSet(what)
+        if capacity:
+            self._free.add(0, capacity)
         self.used = 0
 
     # ---- queries ---------------------------------------------------------------------------
@@ -61,10 +165,15 @@ class ExtentAllocator:
     @property
     def free_ranges(self) -> List[Tuple[int, int]]:
         """(offset, nbytes) of every free range, in file order."""
-        return list(zip(self._starts, self._sizes))
+        return self._free.ranges
 
     def _round(self, nbytes: int) -> int:
         return -(-nbytes // self.align) * self.align
+
+    def _free_tail(self) -> int:
+        """Bytes of the free range that ends the space (0 when the last bytes are in use)."""
+        ranges = self._free
+        return ranges.ranges[-1][1] if len(ranges) and ranges.end == self.capacity else 0
 
     # ---- alloc / free ----------------------------------------------------------------------
     def alloc(self, nbytes: int) -> int:
@@ -73,21 +182,14 @@ class ExtentAllocator:
         if not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"infinity: extent size must be a positive int, got {nbytes!r}")
         size = self._round(nbytes)
-        for i, free in enumerate(self._sizes):
-            if free >= size:
-                offset = self._starts[i]
-                if free == size:
-                    del self._starts[i], self._sizes[i]
-                else:
-                    self._starts[i] += size
-                    self._sizes[i] -= size
-                self.used += size
-                return offset
-        tail = self._sizes[-1] if self._sizes and \
-            self._starts[-1] + self._sizes[-1] == self.capacity else 0
+        offset = self._free.take_first(size)
+        if offset is not None:
+            self.used += size
+            return offset
+        tail = self._free_tail()
         grown = self.capacity + size - tail
         if self.limit is not None and grown > self.limit:
-            largest = max(self._sizes, default=0)
+            largest = max((n for _, n in self._free.ranges), default=0)
             raise ExtentsExhaustedError(
                 f"infinity: the {self.what} has no free extent of {size:,} bytes: "
                 f"{self.used:,} of its {self.limit:,}-byte limit are in use, the largest free "
@@ -95,7 +197,7 @@ class ExtentAllocator:
                 "use smaller units (a smaller chunk_bytes)")
         offset = self.capacity - tail
         if tail:
-            del self._starts[-1], self._sizes[-1]
+            self._free.take_last()
         self.capacity = grown
         self.used += size
         return offset
@@ -107,27 +209,12 @@ class ExtentAllocator:
         if offset < 0 or offset % self.align or size <= 0 or offset + size > self.capacity:
             raise ValueError(f"infinity: cannot free [{offset:,}, {offset + size:,}) of the "
                              f"{self.what}: outside its {self.capacity:,} bytes or unaligned")
-        i = bisect.bisect_left(self._starts, offset)
-        prev_end = self._starts[i - 1] + self._sizes[i - 1] if i > 0 else -1
-        if prev_end > offset or (i < len(self._starts) and self._starts[i] < offset + size):
-            raise RuntimeError(f"infinity: [{offset:,}, {offset + size:,}) of the {self.what} "
-                               "is freed twice (a bug in its owner's bookkeeping)")
+        self._free.add(offset, size)
         self.used -= size
-        if prev_end == offset:  # merge with the range before
-            i -= 1
-            self._sizes[i] += size
-        else:
-            self._starts.insert(i, offset)
-            self._sizes.insert(i, size)
-        nxt = i + 1
-        if nxt < len(self._starts) and self._starts[i] + self._sizes[i] == self._starts[nxt]:
-            self._sizes[i] += self._sizes[nxt]
-            del self._starts[nxt], self._sizes[nxt]
 
     def trim(self) -> int:
         """Drops a free range at the end of the space; returns the new capacity (the caller
         may truncate its file to it)."""
-        if self._sizes and self._starts[-1] + self._sizes[-1] == self.capacity:
-            self.capacity = self._starts[-1]
-            del self._starts[-1], self._sizes[-1]
+        if self._free_tail():
+            self.capacity = self._free.take_last()[0]
         return self.capacity

@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 
 from .. import io as inf_io
+from .extents import RangeSet
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +32,12 @@ _STALE_GRACE_S = 60.0  # a directory without a lock file younger than this is be
 _NOLOCK_ERRNOS = frozenset({errno_mod.ENOLCK, errno_mod.EOPNOTSUPP, errno_mod.ENOTSUP,
                             errno_mod.ENOSYS, errno_mod.EINVAL})
 _nolock_logged = False
+# Freed ranges of a file whose extents the caller allocates stay allocated on disk, for the
+# next extents, up to this many times the file's largest extent; beyond, the ranges nearest the
+# file's end are given back (punched) down to one largest extent. See SwapStore.release. 3: the
+# units the NVMe step has in flight with its default pipeline of 3 buffer sets, i.e. the free
+# space of the state file after a step, so a steady step neither punches nor fallocates.
+KEEP_FREED_EXTENTS = 3
 
 
 class SwapCorruptionError(RuntimeError):
@@ -210,6 +217,12 @@ class SwapStore:
         self._require_direct = require_direct
         self._entries: Dict[str, _Entry] = {}
         self._lock = threading.Lock()
+        # per key of a file of extents: freed ranges whose blocks are kept, its largest extent
+        self._kept: Dict[str, RangeSet] = {}
+        self._largest: Dict[str, int] = {}
+        self._space_lock = threading.Lock()
+        self.allocated_bytes = 0  # bytes of blocks reserved fresh (fallocate) so far
+        self.released_bytes = 0   # bytes of blocks given back (punched) so far
         self._closed = False
         try:
             if self._lock_fd is not None:  # no lock on this filesystem: delete nothing
@@ -621,21 +634,41 @@ class SwapStore:
         entry.crcs[0] = crc if self.verify else None
 
     # ---- space of a file whose extents the caller allocates (see .extents) ---------------
+    # A freed extent's blocks stay allocated (the range is *kept*) and serve the next extents
+    # reserved over it: the NVMe step frees a unit's old extent and writes the next unit into
+    # it, and giving the blocks back then allocating them again (fallocate per unit) cost more
+    # than the disk time of the step. The kept bytes are bounded: beyond KEEP_FREED_EXTENTS
+    # times the file's largest extent (the spare a step in flight needs anyway), the kept
+    # ranges nearest the file's end (those a first-fit allocator reuses last) are given back,
+    # down to one largest extent. So the disk holds the live extents plus at most that bound;
+    # everything goes back on close (the directory is removed) or with :meth:`give_back`.
     def reserve(self, key: str, offset: int, nbytes: int) -> None:
         """Reserves disk for bytes [offset, offset + nbytes) of the key's one-piece file
-        (posix_fallocate: ENOSPC is raised here, before anything is written there), growing
-        the file when they lie past its end."""
+        (posix_fallocate of what is not kept from a freed extent: ENOSPC is raised here,
+        before anything is written there), growing the file when they lie past its end."""
         entry = self._entry(key)
         if offset % inf_io.ALIGNMENT or nbytes <= 0 or nbytes % inf_io.ALIGNMENT:
             raise ValueError(f"swap reserve of {key!r}: offset {offset} and size {nbytes} must "
                              f"be multiples of {inf_io.ALIGNMENT}")
         if entry.pieces != 1:
             raise ValueError(f"infinity: reserve of {key!r} needs a one-piece extent")
-        fd = os.open(self._path(key), os.O_RDWR | os.O_CLOEXEC)
-        try:
-            os.posix_fallocate(fd, offset, nbytes)
-        finally:
-            os.close(fd)
+        with self._space_lock:
+            kept = self._kept.setdefault(key, RangeSet(f"swap file {key!r}"))
+            gaps = kept.remove(offset, nbytes)
+            self._largest[key] = max(self._largest.get(key, 0), nbytes)
+        if gaps:
+            try:
+                fd = os.open(self._path(key), os.O_RDWR | os.O_CLOEXEC)
+                try:
+                    for start, size in gaps:
+                        os.posix_fallocate(fd, start, size)
+                finally:
+                    os.close(fd)
+            except BaseException:
+                self._keep_again(key, offset, nbytes, gaps)
+                raise
+            with self._space_lock:
+                self.allocated_bytes += sum(size for _, size in gaps)
         if offset + nbytes > entry.nbytes:
             with self._lock:
                 crcs, pending = entry.crcs, entry.pending
@@ -644,15 +677,76 @@ class SwapStore:
                 grown.crcs, grown.pending = crcs, pending
                 self._entries[key] = grown
 
+    def _keep_again(self, key: str, offset: int, nbytes: int,
+                    gaps: List[Tuple[int, int]]) -> None:
+        """A failed reserve: the kept parts of [offset, offset + nbytes) are kept again."""
+        at = offset
+        with self._space_lock:
+            kept = self._kept[key]
+            for start, size in gaps + [(offset + nbytes, 0)]:
+                if start > at:
+                    kept.add(at, start - at, verb="kept")
+                at = start + size
+
     def release(self, key: str, offset: int, nbytes: int) -> bool:
-        """Gives the disk blocks of bytes [offset, offset + nbytes) of the key's file back to
-        the filesystem (a hole; the file keeps its size). False where the filesystem cannot
-        punch holes (the blocks stay allocated and are reused by later extents)."""
+        """Bytes [offset, offset + nbytes) of the key's file are free: their blocks are kept
+        for the next :meth:`reserve` over them, and the kept ranges beyond the bound (see
+        above) are given back to the filesystem (holes; the file keeps its size). True when
+        blocks were given back by this call; False when everything is kept, or where the
+        filesystem cannot punch holes (the blocks stay allocated and are reused)."""
         entry = self._entry(key)
         if offset < 0 or nbytes <= 0 or offset + nbytes > entry.nbytes:
             raise ValueError(f"swap release of {key!r}: [{offset}, {offset + nbytes}) is "
                              f"outside its {entry.nbytes} bytes")
-        return punch_hole(self._path(key), offset, nbytes)
+        with self._space_lock:
+            kept = self._kept.setdefault(key, RangeSet(f"swap file {key!r}"))
+            kept.add(offset, nbytes, verb="released")
+            largest = self._largest[key] = max(self._largest.get(key, 0), nbytes)
+            if kept.total <= KEEP_FREED_EXTENTS * largest:
+                return False
+            return self._give_back(key, kept, max(0, kept.total - largest))
+
+    def give_back(self, key: str) -> bool:
+        """Gives the blocks of every kept freed range of the key's file back to the filesystem
+        (False when there were none, or the filesystem cannot punch holes)."""
+        self._entry(key)
+        with self._space_lock:
+            kept = self._kept.get(key)
+            if kept is None or not kept.total:
+                return False
+            return self._give_back(key, kept, kept.total)
+
+    def kept_bytes(self, key: str) -> int:
+        """Bytes of freed ranges of the key's file whose blocks are kept for reuse."""
+        self._entry(key)
+        with self._space_lock:
+            kept = self._kept.get(key)
+            return kept.total if kept is not None else 0
+
+    def _give_back(self, key: str, kept: RangeSet, nbytes: int) -> bool:
+        """Punches the last ``nbytes`` of the kept ranges (under the space lock). A range the
+        filesystem cannot punch stays kept (its blocks are still allocated)."""
+        path = self._path(key)
+        taken = []
+        while nbytes > 0 and kept.total:
+            start, size = kept.take_last(nbytes)
+            taken.append((start, size))
+            nbytes -= size
+        released = False
+        for i, (start, size) in enumerate(taken):
+            try:
+                done = punch_hole(path, start, size)
+            except OSError:
+                for back in taken[i:]:
+                    kept.add(*back, verb="kept")
+                raise
+            if not done:
+                for back in taken[i:]:
+                    kept.add(*back, verb="kept")
+                break
+            released = True
+            self.released_bytes += size
+        return released
 
     def disk_bytes(self, key: Optional[str] = None) -> int:
         """Bytes the filesystem holds for the key's file (all files without a key): its
@@ -684,6 +778,7 @@ class SwapStore:
             for entry in self._entries.values():
                 entry.handle.close()
             self._entries.clear()
+            self._kept.clear()
             shutil.rmtree(self.directory, ignore_errors=True)
         finally:
             self._release_lock()  # after the removal, so no cleanup races a half-deleted one
