@@ -16,7 +16,7 @@ a wrapped model's parameters are read from their block's home (host RAM in place
 at a time from NVMe) in block order. The public ``FileSystemWriter`` writes one file per
 tensor (``single_file_per_rank=False``): with one file per rank it keeps every tensor of the
 file referenced until the file is closed, i.e. the whole model. Peak memory: one block plus
-one parameter (the writer copies a view into a tensor of its own before ``torch.save``).
+one parameter (each is copied out of its block into a tensor of its own for ``torch.save``).
 
 Atomic like :func:`~.save.save_checkpoint`: written into a temporary sibling directory,
 fsynced, renamed into place (:mod:`.atomic`, with ``.metadata`` as the file that marks a
@@ -106,7 +106,9 @@ class _ModelTensors:
                 self._buf = inf_io.aligned_empty(flat.numel, flat.home_dtype, lock=False)
                 self.engine.home.read_into(flat, self._buf)
             self._flat = flat
-        return self._buf[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        # a tensor of its own: a view would be written with its whole block by torch.save
+        # (torch's writers copy such views too; this does not depend on it)
+        return self._buf[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
 
     def release(self) -> None:
         self._flat = self._buf = None
