@@ -120,7 +120,6 @@ def test_an_fsdp2_checkpoint_loads_into_wrapped_models_on_one_and_three_ranks(tm
 
 
 # ---- save_dcp: a wrapped model written for plain torch.distributed.checkpoint.load ----------
-import copy  # noqa: E402
 import os  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
