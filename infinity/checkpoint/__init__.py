@@ -4,8 +4,9 @@
     extra = infinity.load_checkpoint("ckpt/step-1000", model, opt, scheduler=sched, rng=True)
     infinity.consolidate("ckpt/step-1000", "export/", dtype="bf16")   # or: infinity consolidate
 
-PyTorch's DCP reads infinity checkpoints through ``dcp_reader(path)`` and ``load_dcp`` loads
-DCP checkpoints into wrapped models (see dcp.py).
+PyTorch's DCP reads infinity checkpoints through ``dcp_reader(path)``, ``load_dcp`` loads
+DCP checkpoints into wrapped models (see dcp.py) and ``save_dcp`` writes a wrapped model as a
+DCP checkpoint that plain ``torch.distributed.checkpoint.load`` reads (see dcp_write.py).
 
 Files: manifest (format, codec, checksum), files (safetensors streaming), atomic (temporary
 directory + renames), names (a model's tensors by name), save, load, consolidate.
@@ -28,6 +29,13 @@ def load_dcp(path: str, model, **kwargs) -> None:
     _load(path, model, **kwargs)
 
 
+def save_dcp(path: str, model, **kwargs) -> str:
+    """Writes a (wrapped) model as a torch.distributed.checkpoint directory (see .dcp_write)."""
+    from .dcp_write import save_dcp as _save
+    return _save(path, model, **kwargs)
+
+
 __all__ = ["save_checkpoint", "load_checkpoint", "consolidate", "dcp_reader", "load_dcp",
+           "save_dcp",
            "CheckpointError",
            "CheckpointMismatchError", "CorruptCheckpointError"]

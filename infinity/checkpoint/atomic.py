@@ -37,8 +37,10 @@ def _tmp_prefix(path: str) -> str:
     return os.path.join(head, f".{tail}.tmp-")
 
 
-def _is_checkpoint(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, MANIFEST))
+def _is_checkpoint(path: str, marker: str = MANIFEST) -> bool:
+    """Whether ``path`` is a complete checkpoint: it holds ``marker``, the file written last
+    (infinity's manifest; ``.metadata`` for a torch.distributed.checkpoint directory)."""
+    return os.path.isfile(os.path.join(path, marker))
 
 
 def _pid_alive(pid: int) -> bool:
@@ -100,50 +102,51 @@ def new_token() -> int:
     return (os.getpid() & ((1 << 22) - 1)) << 30 | (uuid.uuid4().int & ((1 << 30) - 1))
 
 
-def prepare_staging(path: str, token: int) -> str:
+def prepare_staging(path: str, token: int, marker: str = MANIFEST) -> str:
     """Checks that ``path`` may be replaced, removes temporaries of dead saves and creates the
-    staging directory for ``token``. Returns it."""
+    staging directory for ``token``. Returns it. ``marker``: see :func:`_is_checkpoint`."""
     path = os.path.abspath(os.fspath(path))
     os.makedirs(os.path.dirname(path), exist_ok=True)
     if os.path.isfile(path):
         raise CheckpointError(f"refusing to replace {path}: it is a file, not a checkpoint")
-    if os.path.isdir(path) and not _is_checkpoint(path) and os.listdir(path):
+    if os.path.isdir(path) and not _is_checkpoint(path, marker) and os.listdir(path):
+        what = "an infinity checkpoint" if marker == MANIFEST else f"a checkpoint (no {marker})"
         raise CheckpointError(f"refusing to replace {path}: it is a non-empty directory that "
-                              "is not an infinity checkpoint")
+                              f"is not {what}")
     remove_stale_temporaries(path)
     tmp = staging_name(path, token)
     os.mkdir(tmp)
     return tmp
 
 
-def commit_staging(tmp: str, path: str) -> None:
+def commit_staging(tmp: str, path: str, marker: str = MANIFEST) -> None:
     """fsyncs everything under ``tmp`` and renames it to ``path`` (the previous checkpoint is
     kept aside until the rename is durable)."""
     for root, _, _ in os.walk(tmp):
         fsync_dir(root)
-    _commit(tmp, os.path.abspath(os.fspath(path)))
+    _commit(tmp, os.path.abspath(os.fspath(path)), marker)
 
 
 @contextlib.contextmanager
-def staged_directory(path: str) -> Iterator[str]:
+def staged_directory(path: str, marker: str = MANIFEST) -> Iterator[str]:
     """Yields a new temporary directory next to ``path``; when the block ends without an
     exception it becomes ``path`` (replacing a previous checkpoint atomically), otherwise it is
-    deleted and ``path`` is left as it was."""
+    deleted and ``path`` is left as it was. ``marker``: see :func:`_is_checkpoint`."""
     path = os.path.abspath(os.fspath(path))
-    tmp = prepare_staging(path, new_token())
+    tmp = prepare_staging(path, new_token(), marker)
     try:
         yield tmp
-        commit_staging(tmp, path)
+        commit_staging(tmp, path, marker)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
-def _commit(tmp: str, path: str) -> None:
+def _commit(tmp: str, path: str, marker: str = MANIFEST) -> None:
     parent = os.path.dirname(path)
     aside = aside_path(path)
     if os.path.isdir(path):
-        if _is_checkpoint(path):
+        if _is_checkpoint(path, marker):
             if os.path.exists(aside):  # stale: ``path`` is complete, so the aside copy is old
                 shutil.rmtree(aside)
             os.rename(path, aside)

@@ -19,9 +19,13 @@ wrapped model, sharded or not, one tensor at a time::
     infinity.checkpoint.load_dcp("dcp/step-1000", model)
 
 Only model tensors travel this way; optimizer states from a DCP checkpoint are not read.
+
+The other way, a wrapped model written as a DCP checkpoint that plain ``dcp.load`` reads into
+the unwrapped model, is :func:`~.dcp_write.save_dcp`.
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import warnings
@@ -39,6 +43,8 @@ from .load import Reader, _load_wrapped, _Plan, open_checkpoint
 from .manifest import CheckpointError, parse_dtype
 from .names import ModelNames
 from .pieces import Source
+
+logger = logging.getLogger(__name__)
 
 _STATE_PREFIX = "optim.state."
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")
@@ -183,6 +189,18 @@ class _DcpSource:
         return False
 
 
+def _resolve_dcp(path: str) -> str:
+    """``path``, or the previous checkpoint kept aside when a :func:`~.dcp_write.save_dcp`
+    crashed between the renames that replace it (see :mod:`.atomic`)."""
+    from .atomic import _is_checkpoint, aside_path
+    from .dcp_write import DCP_MARKER
+    if not os.path.exists(path) and _is_checkpoint(aside_path(path), DCP_MARKER):
+        logger.warning("infinity: %s is missing (a save was interrupted while replacing it); "
+                       "loading the previous checkpoint kept at %s", path, aside_path(path))
+        return aside_path(path)
+    return path
+
+
 @torch.no_grad()
 def load_dcp(path: str, model: nn.Module, *, prefix: str = "", strict: bool = True) -> None:
     """Loads the model tensors of the DCP checkpoint ``path`` (a directory written by
@@ -191,12 +209,13 @@ def load_dcp(path: str, model: nn.Module, *, prefix: str = "", strict: bool = Tr
     for ``dcp.save({"model": model.state_dict(), ...})``). Names and shapes are checked first, as :func:`~.load.load_checkpoint`
     does. On sharded ranks each rank reads the tensors of its part; call it on every rank."""
     from torch.distributed.checkpoint import FileSystemReader
+    path = _resolve_dcp(os.fspath(path))
     try:
-        metadata = FileSystemReader(os.fspath(path)).read_metadata()
+        metadata = FileSystemReader(path).read_metadata()
     except FileNotFoundError:
         raise CheckpointError(f"{path} is not a torch.distributed.checkpoint directory (no "
                               ".metadata file)") from None
-    source = _DcpSource(os.fspath(path), metadata, prefix)
+    source = _DcpSource(path, metadata, prefix)
     names = ModelNames(model)
     manifest = {"tensors": source.tensors, "aliases": {}, "model_class": "a DCP checkpoint"}
     plan = _Plan(manifest, names, os.fspath(path), strict)
