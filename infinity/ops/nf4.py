@@ -59,7 +59,7 @@ def packed_nbytes(numel: int) -> int:
 def _lib():
     def getter():
         lib = _an.native()
-        if lib is None or not hasattr(lib, "inf_nf4_dequantize"):
+        if lib is None or not hasattr(lib, "inf_nf4_quantize_pieces"):
             return None
         if not getattr(lib, "_inf_nf4_declared", False):
             vp, i64 = ctypes.c_void_p, ctypes.c_int64
