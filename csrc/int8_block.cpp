@@ -6,15 +6,19 @@
 // so every path here gives its bits:
 //   absmax: NaN (canonical quiet NaN) if any element is NaN, else max |x|;
 //   round:  to nearest, ties to even; a NaN product (NaN input, or inf * 0) -> code 0.
-// Scalar, AVX2 and AVX-512 paths, chosen at run time (inf_cpu_capability()), from fp32 / bf16 /
-// fp16 pieces (csrc/quant_pieces.h), threaded. No Python or torch headers.
+// Dequantization: code * (absmax * (1 / 127)) in fp32 (the scale rounded to fp32 first, as
+// PyTorch's `absmax * (1.0 / 127.0)`), fp32 or bf16 out (round to nearest even).
+// Scalar, AVX2 and AVX-512 paths, chosen at run time (inf_cpu_capability()), quantization from
+// fp32 / bf16 / fp16 pieces (csrc/quant_pieces.h), threaded. No Python or torch headers.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "adam_common.h"
 #include "common.h"
@@ -26,7 +30,10 @@ using inf_adam::kAVX2;
 using inf_adam::kAVX512;
 using inf_adam::kScalar;
 
-std::atomic<int64_t> g_calls[3];  // quantize calls per capability
+std::atomic<int64_t> g_calls[2][3];  // [quantize, dequantize][capability]
+constexpr int kOutF32 = 0;
+constexpr int kOutBF16 = 1;
+const float kInv127 = static_cast<float>(1.0 / 127.0);  // as torch rounds the Python scalar
 
 struct QuantOut {
   int8_t* codes;
@@ -150,6 +157,76 @@ INF_TARGET_AVX512 void quantize_block_avx512(void* ctx, const float* x, int64_t 
   }
 }
 
+// ---- dequantization: code * (absmax * (1 / 127)), fp32 or bf16 (rounded once) out ------------
+struct DequantJob {
+  const int8_t* codes;
+  const float* absmax;
+  void* out;
+  int out_dtype;
+  int64_t n;
+  int64_t blocksize;
+  int cap;
+  std::vector<int64_t> bounds;
+};
+
+inline void dequant_scalar(const DequantJob& j, int64_t i0, int64_t i1, float s) {
+  for (int64_t i = i0; i < i1; ++i) {
+    const float v = static_cast<float>(j.codes[i]) * s;
+    if (j.out_dtype == kOutF32) {
+      static_cast<float*>(j.out)[i] = v;
+    } else {
+      static_cast<uint16_t*>(j.out)[i] = inf_adam::f32_to_bf16(v);
+    }
+  }
+}
+
+INF_TARGET_AVX2 void dequant_avx2(const DequantJob& j, int64_t i0, int64_t i1, float scale) {
+  const __m256 s = _mm256_set1_ps(scale);
+  int64_t i = i0;
+  for (; i + 8 <= i1; i += 8) {
+    const __m128i c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(j.codes + i));
+    const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), s);
+    if (j.out_dtype == kOutF32) {
+      _mm256_storeu_ps(static_cast<float*>(j.out) + i, v);
+    } else {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(j.out) + i),
+                       inf_adam::avx2_f32_to_bf16(v));
+    }
+  }
+  dequant_scalar(j, i, i1, scale);
+}
+
+INF_TARGET_AVX512 void dequant_avx512(const DequantJob& j, int64_t i0, int64_t i1, float scale) {
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int64_t i = i0; i < i1; i += 16) {
+    const __mmask16 k = i1 - i >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                     : static_cast<__mmask16>((1u << (i1 - i)) - 1u);
+    const __m128i c = _mm_maskz_loadu_epi8(k, j.codes + i);
+    const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)), s);
+    if (j.out_dtype == kOutF32) {
+      _mm512_mask_storeu_ps(static_cast<float*>(j.out) + i, k, v);
+    } else {
+      _mm256_mask_storeu_epi16(static_cast<uint16_t*>(j.out) + i, k,
+                               inf_adam::avx512_f32_to_bf16(v));
+    }
+  }
+}
+
+void dequant_blocks(const DequantJob& j, int64_t b0, int64_t b1) {
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t i0 = b * j.blocksize;
+    const int64_t i1 = std::min(j.n, i0 + j.blocksize);
+    const float scale = j.absmax[b] * kInv127;
+    if (j.cap == kAVX512) {
+      dequant_avx512(j, i0, i1, scale);
+    } else if (j.cap == kAVX2) {
+      dequant_avx2(j, i0, i1, scale);
+    } else {
+      dequant_scalar(j, i0, i1, scale);
+    }
+  }
+}
+
 }  // namespace
 
 // Quantizes pieces (csrc/quant_pieces.h) as one run of n = sum(total) values: codes[n] (int8),
@@ -170,7 +247,7 @@ INF_API int inf_int8_quantize_pieces(const void* const* src, const int32_t* dtyp
   if (pieces.start.back() == 0) return inf_quant::kOk;
   if (codes == nullptr || absmax == nullptr) return inf_quant::kErrNull;
   const int cap = inf_cpu_capability();
-  g_calls[cap].fetch_add(1, std::memory_order_relaxed);
+  g_calls[0][cap].fetch_add(1, std::memory_order_relaxed);
   QuantOut out{codes, absmax};
   inf_quant::run(pieces, blocksize, cap,
                  cap == kAVX512 ? &quantize_block_avx512
@@ -180,8 +257,39 @@ INF_API int inf_int8_quantize_pieces(const void* const* src, const int32_t* dtyp
   return inf_quant::kOk;
 }
 
-// Quantize calls that ran on each capability (0 scalar, 1 avx2, 2 avx512).
-INF_API int64_t inf_int8_calls(int capability) {
-  if (capability < kScalar || capability > kAVX512) return -1;
-  return g_calls[capability].load();
+// Dequantizes n codes into out (out_dtype 0: fp32, 1: bf16): code * (absmax[block] * (1/127)).
+INF_API int inf_int8_dequantize(const int8_t* codes, const float* absmax, int64_t n,
+                                int64_t blocksize, void* out, int out_dtype) {
+  if (n < 0) return inf_quant::kErrLength;
+  if (blocksize <= 0) return inf_quant::kErrBlocksize;
+  if (out_dtype != kOutF32 && out_dtype != kOutBF16) return inf_quant::kErrDtype;
+  if (n == 0) return inf_quant::kOk;
+  if (codes == nullptr || absmax == nullptr || out == nullptr) return inf_quant::kErrNull;
+  const int cap = inf_cpu_capability();
+  g_calls[1][cap].fetch_add(1, std::memory_order_relaxed);
+  DequantJob j{codes, absmax, out, out_dtype, n, blocksize, cap, {}};
+  const int64_t blocks = (n + blocksize - 1) / blocksize;
+  int64_t tasks = n >= (1 << 18) ? std::max(1, inf_get_num_threads()) : 1;
+  tasks = std::min<int64_t>(tasks, blocks);
+  if (tasks <= 1) {
+    dequant_blocks(j, 0, blocks);
+    return inf_quant::kOk;
+  }
+  j.bounds.resize(tasks + 1);
+  for (int64_t t = 0; t <= tasks; ++t) j.bounds[t] = blocks * t / tasks;
+  inf_cpu::run_on_pool(
+      static_cast<int>(tasks),
+      [](void* c, int t) {
+        const DequantJob& x = *static_cast<const DequantJob*>(c);
+        dequant_blocks(x, x.bounds[t], x.bounds[t + 1]);
+      },
+      &j);
+  return inf_quant::kOk;
+}
+
+// Calls of kernel (0 quantize, 1 dequantize) that ran on each capability (0 scalar, 1 avx2,
+// 2 avx512).
+INF_API int64_t inf_int8_calls(int kernel, int capability) {
+  if (kernel < 0 || kernel > 1 || capability < kScalar || capability > kAVX512) return -1;
+  return g_calls[kernel][capability].load();
 }

@@ -129,6 +129,35 @@ def test_int8_every_path_matches_reference(n, blocksize, dtype):
                       f"int8 {cap} {dtype} n={n} seed={seed}")
 
 
+def ref_int8_decode(codes: torch.Tensor, absmax: torch.Tensor, n: int, blocksize: int):
+    """The int8 decode as PyTorch defines it: code * (absmax * (1.0 / 127.0)) in fp32."""
+    scale = (absmax * (1.0 / 127.0)).repeat_interleave(blocksize)[:n]
+    return codes.float() * scale
+
+
+@pytest.mark.parametrize("n,blocksize", [(1, 256), (255, 256), (4097, 256), (300001, 256),
+                                         (1001, 5)])
+def test_int8_dequantize_every_path_matches_reference(n, blocksize):
+    g = torch.Generator().manual_seed(n)
+    codes = torch.randint(-128, 128, (n,), generator=g, dtype=torch.int8)
+    nb = int8_block.num_blocks(n, blocksize)
+    absmax = torch.randn(nb, generator=g).abs() * 10 ** (torch.rand(nb, generator=g) * 8 - 4)
+    special = [0.0, float("nan"), float("inf"), 1e-42, 3.4e38, 1e-38]
+    absmax[:len(special)] = torch.tensor(special)[:nb]
+    ref = ref_int8_decode(codes, absmax, n, blocksize)
+    for cap in CAPS:
+        with ops.cpu_capability_override(cap):
+            y = int8_block.dequantize_int8(codes, absmax, n, blocksize)
+            yb = int8_block.dequantize_int8(codes, absmax, n, blocksize, dtype=torch.bfloat16)
+        assert torch.equal(_bits(y), _bits(ref)), cap
+        # bf16: the fp32 product rounded to nearest even; a NaN is the quiet NaN 0x7FC0 (as
+        # the NF4 kernel; PyTorch's conversion may keep another NaN's sign and payload)
+        nan = ref.isnan()
+        assert (nb < 2 or bool(nan.any())) and bool(yb[nan].isnan().all()), cap
+        assert bool((yb[nan].view(torch.int16) == 0x7FC0).all()) or cap == "torch", cap
+        assert torch.equal(_bits(yb[~nan]), _bits(ref[~nan].bfloat16())), cap
+
+
 def _random_pieces(seed: int, blocksize: int):
     g = torch.Generator().manual_seed(seed)
     pieces = [(torch.empty(0), blocksize * 3)]               # leading zeros
@@ -156,12 +185,15 @@ def test_pieces_equal_the_concatenation(seed):
 def test_forcing_each_capability_runs_that_path():
     x = torch.randn(4096)
     for cap in ops.available_cpu_capabilities():
-        before = (nf4.nf4_calls("quantize", cap), int8_block.int8_calls(cap))
+        calls = [lambda: nf4.nf4_calls("quantize", cap),
+                 lambda: int8_block.int8_calls("quantize", cap),
+                 lambda: int8_block.int8_calls("dequantize", cap)]
+        before = [c() for c in calls]
         with ops.cpu_capability_override(cap):
             nf4.quantize_nf4(x)
-            int8_block.quantize_int8(x)
-        after = (nf4.nf4_calls("quantize", cap), int8_block.int8_calls(cap))
-        assert after == (before[0] + 1, before[1] + 1), cap
+            codes, absmax = int8_block.quantize_int8(x)
+            int8_block.dequantize_int8(codes, absmax, x.numel())
+        assert [c() for c in calls] == [b + 1 for b in before], cap
 
 
 def test_bad_pieces():

@@ -11,10 +11,9 @@ run time, threaded; fp32, bf16 and fp16 read as they are; :func:`quantize_int8_p
 run as pieces, see :mod:`infinity.ops.quant_pieces`), which gives the bits of the PyTorch
 definition here (:func:`_torch_quantize`, the fallback without the native library).
 
-Dequantization is vectorised PyTorch (a widening copy, then an in-place product per block). It
-does not run at the memory bandwidth: ``benchmarks/bench_nf4.py --format int8`` measured it at
-about 0.2-0.5x a plain copy of its output on this CPU (the NF4 native kernel runs at 0.9-1.1x);
-a native int8 dequantization kernel is not built."""
+Dequantization into fp32 or bf16 on the CPU runs in the native kernel too (the same fp32
+products as the PyTorch path kept here for other devices and dtypes, and without the library:
+a widening copy, then an in-place product per block)."""
 from __future__ import annotations
 
 import ctypes
@@ -27,6 +26,7 @@ from infinity.ops import quant_pieces
 from infinity.ops.cpu import use_torch_fallback
 
 DEFAULT_BLOCKSIZE = 256
+_OUT = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def num_blocks(numel: int, blocksize: int = DEFAULT_BLOCKSIZE) -> int:
@@ -46,12 +46,15 @@ def _check(name: str, t: object, dtype: torch.dtype, numel: int) -> torch.Tensor
 def _lib():
     def getter():
         lib = _an.native()
-        if lib is None or not hasattr(lib, "inf_int8_quantize_pieces"):
+        if lib is None or not hasattr(lib, "inf_int8_dequantize"):
             return None
         if not getattr(lib, "_inf_int8_declared", False):
             quant_pieces.declare(lib.inf_int8_quantize_pieces)
-            lib.inf_int8_calls.argtypes = [ctypes.c_int]
+            lib.inf_int8_calls.argtypes = [ctypes.c_int, ctypes.c_int]
             lib.inf_int8_calls.restype = ctypes.c_int64
+            vp, i64 = ctypes.c_void_p, ctypes.c_int64
+            lib.inf_int8_dequantize.argtypes = [vp, vp, i64, i64, vp, ctypes.c_int]
+            lib.inf_int8_dequantize.restype = ctypes.c_int
             lib._inf_int8_declared = True
         return lib
     return None if use_torch_fallback() else _an.kernels_or_warn(getter, "int8 block")
@@ -102,13 +105,14 @@ def quantize_int8_pieces(pieces: Sequence[quant_pieces.Piece],
     return codes, absmax
 
 
-def int8_calls(capability: str) -> int:
-    """How many native int8 quantize calls ran on ``capability`` ("scalar", "avx2",
-    "avx512"); -1 without the native library."""
+def int8_calls(kernel: str, capability: str) -> int:
+    """How many native int8 calls (``kernel`` "quantize" / "dequantize") ran on
+    ``capability`` ("scalar", "avx2", "avx512"); -1 without the native library."""
     lib = _lib()
     if lib is None:
         return -1
-    return int(lib.inf_int8_calls({"scalar": 0, "avx2": 1, "avx512": 2}[capability]))
+    return int(lib.inf_int8_calls({"quantize": 0, "dequantize": 1}[kernel],
+                                  {"scalar": 0, "avx2": 1, "avx512": 2}[capability]))
 
 
 @torch.no_grad()
@@ -140,6 +144,14 @@ def dequantize_int8(codes: torch.Tensor, absmax: torch.Tensor, numel: int,
     if out.numel() != numel or not out.is_contiguous():
         raise ValueError(f"infinity.ops.int8_block: out must be contiguous with {numel} "
                          f"elements")
+    on_cpu = all(t.device.type == "cpu" for t in (codes, absmax, out))
+    lib = _lib() if on_cpu else None
+    if lib is not None and out.dtype in _OUT:
+        code = lib.inf_int8_dequantize(codes.data_ptr(), absmax.data_ptr(), numel, blocksize,
+                                       out.data_ptr(), _OUT[out.dtype])
+        if code != 0:
+            raise RuntimeError(f"infinity.ops.int8_block: native dequantize failed (code {code})")
+        return out
     scale = absmax * (1.0 / 127.0)
     # the widening copy, then one in-place product per block: twice as fast here as one
     # broadcast multiply of int8 by fp32 (which converts inside the loop)

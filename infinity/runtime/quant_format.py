@@ -106,7 +106,7 @@ class FrozenFormat:
             else:
                 out.copy_(nf4.dequantize_nf4(codes, absmax, count, self.blocksize))
         else:
-            if out.dtype == torch.float32:
+            if out.dtype in (torch.float32, torch.bfloat16):
                 int8_block.dequantize_int8(codes, absmax, count, self.blocksize, out=out)
             else:
                 out.copy_(int8_block.dequantize_int8(codes, absmax, count, self.blocksize))
