@@ -5,7 +5,10 @@
 // so). Dequantization: value = level[code] * absmax (one fp32 product, as bitsandbytes).
 //
 // Quantization (at fill time): x * (1 / absmax) compared with the 15 fp32 midpoints between
-// neighbouring levels (a value above a midpoint takes the upper level); NaN -> code 7 (0.0).
+// neighbouring levels (a value above a midpoint takes the upper level); NaN -> code 7 (0.0); a
+// block whose absmax is 0, infinite or NaN -> all codes 7. Scalar, AVX2 and AVX-512 paths (the
+// 15 comparisons vectorised, codes packed by a multiply-add), from fp32, bf16 or fp16 pieces
+// (csrc/quant_pieces.h); every path computes the same fp32 product and comparisons.
 // Dequantization (at fetch, the hot path): scalar, AVX2 (two 8-entry vpermps per 8 values and a
 // blend on the code's high bit) and AVX-512 (one 16-entry vpermps); bf16 output on both vector
 // paths by byte shuffles of a per-block table (pshufb); chosen at run time like the
@@ -25,6 +28,7 @@
 
 #include "adam_common.h"
 #include "common.h"
+#include "quant_pieces.h"
 
 namespace {
 
@@ -57,8 +61,10 @@ constexpr float midpoint(int i) {  // between level i and i + 1, in double, roun
 // the midpoints as a table built at compile time (the comparisons below unroll over it)
 struct Midpoints {
   float v[15];
-  constexpr Midpoints() : v() {
-    for (int i = 0; i < 15; ++i) v[i] = midpoint(i);
+  float v16[16];  // the same, and +inf: one 16-lane table
+  constexpr Midpoints() : v(), v16() {
+    for (int i = 0; i < 15; ++i) v[i] = v16[i] = midpoint(i);
+    v16[15] = __builtin_inff();
   }
 };
 constexpr Midpoints kMid{};
@@ -71,11 +77,8 @@ inline int nearest_level(float y) {  // #{midpoints < y}: above a midpoint takes
 }
 
 struct Job {
-  const float* x = nullptr;
   const uint8_t* codes_in = nullptr;
   const float* absmax_in = nullptr;
-  uint8_t* codes = nullptr;
-  float* absmax = nullptr;
   void* out = nullptr;
   int out_dtype = kOutF32;
   int64_t n = 0;
@@ -90,36 +93,157 @@ inline int code_at(const uint8_t* packed, int64_t i) {
   return (i & 1) ? (b & 0x0F) : (b >> 4);
 }
 
-void quantize_blocks(const Job& job, int64_t b0, int64_t b1) {
-  for (int64_t b = b0; b < b1; ++b) {
-    const int64_t i0 = b * job.blocksize;
-    const int64_t i1 = std::min(job.n, i0 + job.blocksize);
-    float mx = 0.f;
-    bool nan = false;
-    for (int64_t i = i0; i < i1; ++i) {
-      const float a = std::fabs(job.x[i]);
-      if (std::isnan(a)) {
-        nan = true;
-      } else if (a > mx) {
-        mx = a;
-      }
-    }
-    const float scale = nan ? std::nanf("") : mx;
-    job.absmax[b] = scale;
-    const float inv = scale > 0.f ? 1.0f / scale : 0.f;
-    const bool ok = scale > 0.f && std::isfinite(scale);
-    // i0 is even (blocks hold an even count): whole bytes, the even element in the high nibble
-    int64_t i = i0;
-    for (; i + 1 < i1; i += 2) {
-      const int hi = ok ? nearest_level(job.x[i] * inv) : 7;
-      const int lo = ok ? nearest_level(job.x[i + 1] * inv) : 7;
-      job.codes[i >> 1] = static_cast<uint8_t>((hi << 4) | lo);
-    }
-    if (i < i1) {  // the last element of an odd count: its byte's low nibble stays 0
-      const int hi = ok ? nearest_level(job.x[i] * inv) : 7;
-      job.codes[i >> 1] = static_cast<uint8_t>(hi << 4);
+// ---- quantization: one block of fp32 values (csrc/quant_pieces.h hands them over) ----------
+struct QuantOut {
+  uint8_t* codes;
+  float* absmax;
+};
+
+// The block's absmax as the scalar rule has it: NaN (the canonical quiet NaN) if any element is
+// NaN, else max |x| (+0 for a block of zeros); inv = 1 / absmax, ok: absmax > 0 and finite.
+struct BlockScale {
+  float scale;
+  float inv;
+  bool ok;
+};
+inline BlockScale block_scale(float mx, bool nan) {
+  const float scale = nan ? std::nanf("") : mx;
+  return {scale, scale > 0.f ? 1.0f / scale : 0.f, scale > 0.f && std::isfinite(scale)};
+}
+
+// Codes of x[i .. count) (i even) by the scalar rule; the last of an odd count fills the high
+// nibble only (its byte's low nibble stays 0).
+inline void quantize_tail(const float* x, int64_t i, int64_t count, const BlockScale& s,
+                          uint8_t* codes) {
+  for (; i + 1 < count; i += 2) {
+    const int hi = s.ok ? nearest_level(x[i] * s.inv) : 7;
+    const int lo = s.ok ? nearest_level(x[i + 1] * s.inv) : 7;
+    codes[i >> 1] = static_cast<uint8_t>((hi << 4) | lo);
+  }
+  if (i < count) {
+    const int hi = s.ok ? nearest_level(x[i] * s.inv) : 7;
+    codes[i >> 1] = static_cast<uint8_t>(hi << 4);
+  }
+}
+
+void quantize_block_scalar(void* ctx, const float* x, int64_t count, int64_t b, int64_t i0) {
+  const QuantOut& o = *static_cast<const QuantOut*>(ctx);
+  float mx = 0.f;
+  bool nan = false;
+  for (int64_t i = 0; i < count; ++i) {
+    const float a = std::fabs(x[i]);
+    if (std::isnan(a)) {
+      nan = true;
+    } else if (a > mx) {
+      mx = a;
     }
   }
+  const BlockScale s = block_scale(mx, nan);
+  o.absmax[b] = s.scale;
+  quantize_tail(x, 0, count, s, o.codes + (i0 >> 1));
+}
+
+// 16 int32 codes -> 8 packed bytes (the even element in the high nibble): byte pairs (c0, c1)
+// -> c0 * 16 + c1 by one unsigned x signed multiply-add, then narrowed.
+INF_TARGET_AVX2 inline void pack16(__m128i bytes16, uint8_t* dst) {
+  const __m128i pairs = _mm_maddubs_epi16(bytes16, _mm_set1_epi16(0x0110));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), _mm_packus_epi16(pairs, pairs));
+}
+
+INF_TARGET_AVX2 inline __m256i avx2_codes(__m256 y) {
+  __m256i code = _mm256_setzero_si256();
+  for (int m = 0; m < 15; ++m) {  // a true compare is -1: subtracting counts it
+    code = _mm256_sub_epi32(
+        code, _mm256_castps_si256(_mm256_cmp_ps(y, _mm256_set1_ps(kMid.v[m]), _CMP_GT_OQ)));
+  }
+  const __m256 nan = _mm256_cmp_ps(y, y, _CMP_UNORD_Q);
+  return _mm256_castps_si256(
+      _mm256_blendv_ps(_mm256_castsi256_ps(code), _mm256_castsi256_ps(_mm256_set1_epi32(7)), nan));
+}
+
+INF_TARGET_AVX2 void quantize_block_avx2(void* ctx, const float* x, int64_t count, int64_t b,
+                                         int64_t i0) {
+  const QuantOut& o = *static_cast<const QuantOut*>(ctx);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 vmax = _mm256_setzero_ps();
+  __m256 vnan = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, v));  // wrong lanes only with a NaN
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vmax);
+  float mx = 0.f;
+  bool nan = _mm256_movemask_ps(vnan) != 0;
+  for (float a : lanes) mx = a > mx ? a : mx;
+  for (; i < count; ++i) {
+    const float a = std::fabs(x[i]);
+    if (std::isnan(a)) {
+      nan = true;
+    } else if (a > mx) {
+      mx = a;
+    }
+  }
+  const BlockScale s = block_scale(mx, nan);
+  o.absmax[b] = s.scale;
+  uint8_t* codes = o.codes + (i0 >> 1);
+  i = 0;
+  if (s.ok) {
+    const __m256 inv = _mm256_set1_ps(s.inv);
+    for (; i + 16 <= count; i += 16) {
+      const __m256i c0 = avx2_codes(_mm256_mul_ps(_mm256_loadu_ps(x + i), inv));
+      const __m256i c1 = avx2_codes(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8), inv));
+      const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(c0, c1), 0xD8);
+      pack16(_mm_packus_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)),
+             codes + (i >> 1));
+    }
+  }
+  quantize_tail(x, i, count, s, codes);
+}
+
+INF_TARGET_AVX512 void quantize_block_avx512(void* ctx, const float* x, int64_t count,
+                                             int64_t b, int64_t i0) {
+  const QuantOut& o = *static_cast<const QuantOut*>(ctx);
+  __m512 vmax = _mm512_setzero_ps();
+  __mmask16 vnan = 0;
+  int64_t i = 0;
+  for (; i + 16 <= count; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    vnan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));  // wrong lanes only with a NaN
+  }
+  if (i < count) {
+    const __mmask16 k = static_cast<__mmask16>((1u << (count - i)) - 1u);
+    const __m512 v = _mm512_maskz_loadu_ps(k, x + i);
+    vnan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
+  }
+  const BlockScale s = block_scale(_mm512_reduce_max_ps(vmax), vnan != 0);
+  o.absmax[b] = s.scale;
+  uint8_t* codes = o.codes + (i0 >> 1);
+  i = 0;
+  if (s.ok) {
+    const __m512 inv = _mm512_set1_ps(s.inv);
+    const __m512 mids = _mm512_loadu_ps(kMid.v16);
+    for (; i + 16 <= count; i += 16) {
+      const __m512 y = _mm512_mul_ps(_mm512_loadu_ps(x + i), inv);
+      // #{midpoints < y} by binary search over the ascending midpoints: step s tests
+      // mid[code + s - 1] (at most mid[14]); the same count as the 15 comparisons
+      __m512i code = _mm512_setzero_si512();
+      for (int step = 8; step >= 1; step >>= 1) {
+        const __m512 m =
+            _mm512_permutexvar_ps(_mm512_add_epi32(code, _mm512_set1_epi32(step - 1)), mids);
+        code = _mm512_mask_add_epi32(code, _mm512_cmp_ps_mask(y, m, _CMP_GT_OQ), code,
+                                     _mm512_set1_epi32(step));
+      }
+      code = _mm512_mask_mov_epi32(code, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q),
+                                   _mm512_set1_epi32(7));
+      pack16(_mm512_cvtepi32_epi8(code), codes + (i >> 1));
+    }
+  }
+  quantize_tail(x, i, count, s, codes);
 }
 
 inline void store_scalar(void* out, int dtype, int64_t i, float v) {
@@ -291,26 +415,46 @@ INF_API int inf_nf4_levels(float* out) {
   return kOk;
 }
 
-// Quantizes n fp32 values: absmax[ceil(n / blocksize)], packed codes[ceil(n / 2)] (high nibble
-// first). blocksize: a positive even number (bitsandbytes: 64 .. 4096).
-INF_API int inf_nf4_quantize(const float* x, int64_t n, int64_t blocksize, uint8_t* codes,
-                             float* absmax) {
-  if (n < 0) return kErrLength;
+// Quantizes pieces (csrc/quant_pieces.h: n_pieces sources of fp32 / bf16 / fp16, dtype codes 0 /
+// 1 / 2, `valid` elements read of `total`, the rest zeros; every piece but the last a whole
+// number of blocks) as one run of n = sum(total) values: absmax[ceil(n / blocksize)], packed
+// codes[ceil(n / 2)] (high nibble first). blocksize: a positive even number (bitsandbytes:
+// 64 .. 4096).
+INF_API int inf_nf4_quantize_pieces(const void* const* src, const int32_t* dtype,
+                                    const int64_t* valid, const int64_t* total, int64_t n_pieces,
+                                    int64_t blocksize, uint8_t* codes, float* absmax) {
   if (blocksize <= 0 || (blocksize & 1)) return kErrBlocksize;
+  inf_quant::Pieces pieces;
+  pieces.src = src;
+  pieces.dtype = dtype;
+  pieces.valid = valid;
+  pieces.total = total;
+  pieces.count = n_pieces;
+  const int rc = inf_quant::check_pieces(pieces, blocksize);
+  if (rc != kOk) return rc;
+  const int64_t n = pieces.start.back();
   if (n == 0) return kOk;
-  if (x == nullptr || codes == nullptr || absmax == nullptr) return kErrNull;
+  if (codes == nullptr || absmax == nullptr) return kErrNull;
   const int cap = inf_cpu_capability();
   g_calls[0][cap].fetch_add(1, std::memory_order_relaxed);
   if (n & 1) codes[n >> 1] = 0;  // the unused low nibble of an odd count
-  Job job;
-  job.x = x;
-  job.codes = codes;
-  job.absmax = absmax;
-  job.n = n;
-  job.blocksize = blocksize;
-  job.cap = cap;
-  run(job, &quantize_blocks);
+  QuantOut out{codes, absmax};
+  inf_quant::run(pieces, blocksize, cap,
+                 cap == kAVX512 ? &quantize_block_avx512
+                 : cap == kAVX2 ? &quantize_block_avx2
+                                : &quantize_block_scalar,
+                 &out);
   return kOk;
+}
+
+// Quantizes n fp32 values (one piece, all valid).
+INF_API int inf_nf4_quantize(const float* x, int64_t n, int64_t blocksize, uint8_t* codes,
+                             float* absmax) {
+  if (n < 0) return kErrLength;
+  if (n > 0 && x == nullptr) return kErrNull;
+  const void* src = x;
+  const int32_t dtype = inf_adam::kF32;
+  return inf_nf4_quantize_pieces(&src, &dtype, &n, &n, 1, blocksize, codes, absmax);
 }
 
 // Dequantizes n values into out (out_dtype 0: fp32, 1: bf16): level[code] * absmax[block].

@@ -1,21 +1,32 @@
-"""Block-wise symmetric int8 quantization of frozen weights (vectorised PyTorch).
+"""Block-wise symmetric int8 quantization of frozen weights.
 
 A tensor of ``n`` elements is stored as ``n`` int8 codes and ``ceil(n / blocksize)`` fp32
 absmax scales (blocksize 256 by default: 1 + 4/256 = 1.0156 bytes per parameter). A code is
-``round(x / absmax * 127)``; dequantization is ``code * (absmax / 127)`` (one fp32 product per
+``round(x * ((1 / absmax) * 127))`` (ties to even, clamped to +-127; NaN products
+give 0); dequantization is ``code * (absmax / 127)`` (one fp32 product per
 element, the scale computed once per block). An all-zero block has absmax 0 and decodes to 0.
 
-Dequantization is vectorised PyTorch (a widening copy, then an in-place product per block). It
-does not run at the memory bandwidth: ``benchmarks/bench_nf4.py --format int8`` measured it at
-about 0.2-0.5x a plain copy of its output on this CPU (the NF4 native kernel runs at 0.9-1.1x);
-a native int8 kernel is not built."""
+Quantization runs in the native kernel (csrc/int8_block.cpp: AVX-512, AVX2 or scalar, chosen at
+run time, threaded; fp32, bf16 and fp16 read as they are; :func:`quantize_int8_pieces` takes a
+run as pieces, see :mod:`infinity.ops.quant_pieces`), which gives the bits of the PyTorch
+definition here (:func:`_torch_quantize`, the fallback without the native library).
+
+Dequantization into fp32 or bf16 on the CPU runs in the native kernel too (the same fp32
+products as the PyTorch path kept here for other devices and dtypes, and without the library:
+a widening copy, then an in-place product per block)."""
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import ctypes
+from typing import Optional, Sequence, Tuple
 
 import torch
 
+from infinity.ops import _adam_native as _an
+from infinity.ops import quant_pieces
+from infinity.ops.cpu import use_torch_fallback
+
 DEFAULT_BLOCKSIZE = 256
+_OUT = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def num_blocks(numel: int, blocksize: int = DEFAULT_BLOCKSIZE) -> int:
@@ -32,14 +43,81 @@ def _check(name: str, t: object, dtype: torch.dtype, numel: int) -> torch.Tensor
     return t
 
 
-@torch.no_grad()
-def quantize_int8(x: torch.Tensor, blocksize: int = DEFAULT_BLOCKSIZE
+def _lib():
+    def getter():
+        lib = _an.native()
+        if lib is None or not hasattr(lib, "inf_int8_dequantize"):
+            return None
+        if not getattr(lib, "_inf_int8_declared", False):
+            quant_pieces.declare(lib.inf_int8_quantize_pieces)
+            lib.inf_int8_calls.argtypes = [ctypes.c_int, ctypes.c_int]
+            lib.inf_int8_calls.restype = ctypes.c_int64
+            vp, i64 = ctypes.c_void_p, ctypes.c_int64
+            lib.inf_int8_dequantize.argtypes = [vp, vp, i64, i64, vp, ctypes.c_int]
+            lib.inf_int8_dequantize.restype = ctypes.c_int
+            lib._inf_int8_declared = True
+        return lib
+    return None if use_torch_fallback() else _an.kernels_or_warn(getter, "int8 block")
+
+
+def quantize_int8(x: torch.Tensor, blocksize: int = DEFAULT_BLOCKSIZE, *,
+                  out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
                   ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(int8 codes of n, fp32 absmax of ceil(n / blocksize)) of ``x`` (any float dtype)."""
+    """(int8 codes of n, fp32 absmax of ceil(n / blocksize)) of ``x`` (any float dtype; the
+    codes are those of ``x`` in fp32). ``out``: (codes, absmax) to write into."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"infinity.ops.int8_block: x must be a torch.Tensor, got "
                         f"{type(x).__name__}")
-    x = x.detach().to("cpu", torch.float32).reshape(-1)
+    return quantize_int8_pieces([(x, x.numel())], blocksize, out=out)
+
+
+def quantize_int8_pieces(pieces: Sequence[quant_pieces.Piece],
+                         blocksize: int = DEFAULT_BLOCKSIZE, *,
+                         out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+                         ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_int8` of the concatenation of ``pieces`` ((values, total) each, zeros
+    past the values; every piece but the last a whole number of blocks)."""
+    if isinstance(blocksize, bool) or not isinstance(blocksize, int) or blocksize <= 0:
+        raise ValueError(f"infinity.ops.int8_block: blocksize must be a positive int, got "
+                         f"{blocksize!r}")
+    pieces = quant_pieces.normalize(pieces, blocksize, "infinity.ops.int8_block")
+    n = quant_pieces.total_numel(pieces)
+    if out is None:
+        codes = torch.empty(n, dtype=torch.int8)
+        absmax = torch.empty(num_blocks(n, blocksize), dtype=torch.float32)
+    else:
+        codes = _check("codes", out[0], torch.int8, n)
+        absmax = _check("absmax", out[1], torch.float32, num_blocks(n, blocksize))
+        if codes.device.type != "cpu" or absmax.device.type != "cpu":
+            raise ValueError("infinity.ops.int8_block: out must be CPU tensors")
+    if n == 0:
+        return codes, absmax
+    lib = _lib()
+    if lib is None:
+        c, a = _torch_quantize(quant_pieces.as_fp32(pieces), blocksize)
+        codes.copy_(c)
+        absmax.copy_(a)
+        return codes, absmax
+    code = lib.inf_int8_quantize_pieces(*quant_pieces.native_args(pieces), blocksize,
+                                        codes.data_ptr(), absmax.data_ptr())
+    if code != 0:
+        raise RuntimeError(f"infinity.ops.int8_block: native quantize failed (code {code})")
+    return codes, absmax
+
+
+def int8_calls(kernel: str, capability: str) -> int:
+    """How many native int8 calls (``kernel`` "quantize" / "dequantize") ran on
+    ``capability`` ("scalar", "avx2", "avx512"); -1 without the native library."""
+    lib = _lib()
+    if lib is None:
+        return -1
+    return int(lib.inf_int8_calls({"quantize": 0, "dequantize": 1}[kernel],
+                                  {"scalar": 0, "avx2": 1, "avx512": 2}[capability]))
+
+
+@torch.no_grad()
+def _torch_quantize(x: torch.Tensor, blocksize: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The definition (and the fallback): fp32 ``x`` -> (codes, absmax)."""
     n = x.numel()
     nb = num_blocks(n, blocksize)
     padded = torch.zeros(nb * blocksize, dtype=torch.float32)
@@ -66,6 +144,14 @@ def dequantize_int8(codes: torch.Tensor, absmax: torch.Tensor, numel: int,
     if out.numel() != numel or not out.is_contiguous():
         raise ValueError(f"infinity.ops.int8_block: out must be contiguous with {numel} "
                          f"elements")
+    on_cpu = all(t.device.type == "cpu" for t in (codes, absmax, out))
+    lib = _lib() if on_cpu else None
+    if lib is not None and out.dtype in _OUT:
+        code = lib.inf_int8_dequantize(codes.data_ptr(), absmax.data_ptr(), numel, blocksize,
+                                       out.data_ptr(), _OUT[out.dtype])
+        if code != 0:
+            raise RuntimeError(f"infinity.ops.int8_block: native dequantize failed (code {code})")
+        return out
     scale = absmax * (1.0 / 127.0)
     # the widening copy, then one in-place product per block: twice as fast here as one
     # broadcast multiply of int8 by fp32 (which converts inside the loop)

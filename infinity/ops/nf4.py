@@ -10,20 +10,23 @@ the same bits here. bitsandbytes' double quantization (``compress_statistics=Tru
 themselves 8-bit quantized in blocks of 256 around their mean) is decoded by
 :func:`absmax_from_nested`.
 
-Native kernels (csrc/nf4.cpp): dequantization by AVX-512, AVX2 or scalar code, chosen like the
-Adam kernels (:func:`infinity.ops.cpu_capability_override` forces one), threaded, GIL released;
-the pure-PyTorch fallback here computes the same products. Quantization (at fill time) is
-scalar and threaded.
+Native kernels (csrc/nf4.cpp): quantization and dequantization by AVX-512, AVX2 or scalar code,
+chosen like the Adam kernels (:func:`infinity.ops.cpu_capability_override` forces one),
+threaded, GIL released; every path gives the same bits, and the pure-PyTorch fallback here
+computes the same comparisons and products. Quantization reads fp32, bf16 or fp16 directly, and
+:func:`quantize_nf4_pieces` quantizes a run given as pieces (a flat's segment straight from its
+parameters, see :mod:`infinity.ops.quant_pieces`).
 """
 from __future__ import annotations
 
 import ctypes
 import functools
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
 from infinity.ops import _adam_native as _an
+from infinity.ops import quant_pieces
 from infinity.ops.cpu import use_torch_fallback
 
 DEFAULT_BLOCKSIZE = 64
@@ -56,7 +59,7 @@ def packed_nbytes(numel: int) -> int:
 def _lib():
     def getter():
         lib = _an.native()
-        if lib is None or not hasattr(lib, "inf_nf4_dequantize"):
+        if lib is None or not hasattr(lib, "inf_nf4_quantize_pieces"):
             return None
         if not getattr(lib, "_inf_nf4_declared", False):
             vp, i64 = ctypes.c_void_p, ctypes.c_int64
@@ -66,6 +69,7 @@ def _lib():
             lib.inf_nf4_dequantize.restype = ctypes.c_int
             lib.inf_nf4_calls.argtypes = [ctypes.c_int, ctypes.c_int]
             lib.inf_nf4_calls.restype = ctypes.c_int64
+            quant_pieces.declare(lib.inf_nf4_quantize_pieces)
             lib._inf_nf4_declared = True
         return lib
     return None if use_torch_fallback() else _an.kernels_or_warn(getter, "NF4")
@@ -99,14 +103,25 @@ def _code_check(code: int, what: str) -> None:
 def quantize_nf4(x: torch.Tensor, blocksize: int = DEFAULT_BLOCKSIZE, *,
                  out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
                  ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(packed codes uint8 of ceil(n/2), absmax fp32 of ceil(n/blocksize)) of fp32 ``x``
-    (any shape, contiguous); bf16/fp16 inputs are widened first. ``out``: (codes, absmax) to
-    write into instead of new tensors (contiguous CPU, those sizes)."""
-    blocksize = _check_blocksize(blocksize)
+    """(packed codes uint8 of ceil(n/2), absmax fp32 of ceil(n/blocksize)) of ``x`` (any shape
+    and float dtype: fp32, bf16 and fp16 are read as they are, others widened to fp32 first;
+    the codes are those of ``x`` in fp32). ``out``: (codes, absmax) to write into instead of
+    new tensors (contiguous CPU, those sizes)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"infinity.ops.nf4: x must be a torch.Tensor, got {type(x).__name__}")
-    x = x.detach().to("cpu", torch.float32).contiguous().view(-1)
-    n = x.numel()
+    return quantize_nf4_pieces([(x, x.numel())], blocksize, out=out)
+
+
+def quantize_nf4_pieces(pieces: Sequence[quant_pieces.Piece],
+                        blocksize: int = DEFAULT_BLOCKSIZE, *,
+                        out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+                        ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_nf4` of the concatenation of ``pieces`` ((values, total) each, zeros past
+    the values; every piece but the last a whole number of blocks: see
+    :mod:`infinity.ops.quant_pieces`), read in place."""
+    blocksize = _check_blocksize(blocksize)
+    pieces = quant_pieces.normalize(pieces, blocksize, "infinity.ops.nf4")
+    n = quant_pieces.total_numel(pieces)
     if out is None:
         codes = torch.zeros(packed_nbytes(n), dtype=torch.uint8)
         absmax = torch.empty(num_blocks(n, blocksize), dtype=torch.float32)
@@ -117,10 +132,11 @@ def quantize_nf4(x: torch.Tensor, blocksize: int = DEFAULT_BLOCKSIZE, *,
         return codes, absmax
     lib = _lib()
     if lib is None:
-        _torch_quantize(x, blocksize, codes, absmax)
+        _torch_quantize(quant_pieces.as_fp32(pieces), blocksize, codes, absmax)
     else:
-        _code_check(lib.inf_nf4_quantize(x.data_ptr(), n, blocksize, codes.data_ptr(),
-                                         absmax.data_ptr()), "NF4 quantize")
+        _code_check(lib.inf_nf4_quantize_pieces(*quant_pieces.native_args(pieces), blocksize,
+                                                codes.data_ptr(), absmax.data_ptr()),
+                    "NF4 quantize")
     return codes, absmax
 
 

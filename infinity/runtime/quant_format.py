@@ -18,12 +18,13 @@ On CUDA the segment's bytes are uploaded and decoded by PyTorch ops on the devic
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Optional, Tuple
+from typing import Iterator, Optional, Sequence, Tuple
 
 import torch
 
 from .. import io as inf_io
 from ..ops import int8_block, nf4
+from ..ops.quant_pieces import Piece
 
 SEGMENT_ELEMS = 1 << 19
 FORMATS = ("nf4", "int8")
@@ -80,14 +81,17 @@ class FrozenFormat:
     def quantize_segment(self, values: torch.Tensor, seg: torch.Tensor) -> None:
         """Quantizes ``values`` (``count`` elements, any float dtype) into ``seg`` (uint8, at
         least raw_nbytes(count) bytes, 4-byte aligned)."""
-        count = values.numel()
-        dst_codes, dst_absmax = self._parts(seg, count)
-        if self.name == "nf4":  # straight into the segment: no temporaries
-            nf4.quantize_nf4(values, self.blocksize, out=(dst_codes, dst_absmax))
-            return
-        codes, absmax = int8_block.quantize_int8(values, self.blocksize)
-        dst_codes.copy_(codes)
-        dst_absmax.copy_(absmax)
+        self.quantize_pieces([(values, values.numel())], seg)
+
+    def quantize_pieces(self, pieces: Sequence[Piece], seg: torch.Tensor) -> None:
+        """Quantizes the concatenation of ``pieces`` (``(values, total)`` each, zeros past the
+        values: see :mod:`infinity.ops.quant_pieces`) straight into ``seg``: no temporaries."""
+        count = sum(total for _, total in pieces)
+        out = self._parts(seg, count)
+        if self.name == "nf4":
+            nf4.quantize_nf4_pieces(pieces, self.blocksize, out=out)
+        else:
+            int8_block.quantize_int8_pieces(pieces, self.blocksize, out=out)
 
     def dequantize_segment(self, seg: torch.Tensor, count: int, out: torch.Tensor) -> None:
         """Decodes ``count`` elements of ``seg`` (uint8, on the CPU or the device) into ``out``
@@ -102,7 +106,7 @@ class FrozenFormat:
             else:
                 out.copy_(nf4.dequantize_nf4(codes, absmax, count, self.blocksize))
         else:
-            if out.dtype == torch.float32:
+            if out.dtype in (torch.float32, torch.bfloat16):
                 int8_block.dequantize_int8(codes, absmax, count, self.blocksize, out=out)
             else:
                 out.copy_(int8_block.dequantize_int8(codes, absmax, count, self.blocksize))

@@ -30,8 +30,8 @@ import torch
 from .. import io as inf_io
 from ..tiers import ByteBudget, HostPool, SwapStore, Tier
 from .flat import Binding, FlatParam
-from .homes import Home, _gather_range
-from .quant_format import SEGMENT_ELEMS, FrozenFormat
+from .homes import Home
+from .quant_format import FrozenFormat
 from .stats import Stats
 
 logger = logging.getLogger(__name__)
@@ -85,12 +85,28 @@ class QuantizedHome(Home):
 
     # ---- segments ----------------------------------------------------------------------------
     @staticmethod
-    def _values(flat: QuantFlat, start: int, count: int, scratch: torch.Tensor) -> torch.Tensor:
-        """Elements [start, start + count) of the flat's parameters, in fp32, in ``scratch``
-        (one buffer reused for every segment: no fresh pages per segment)."""
-        values = scratch[:count]
-        _gather_range(flat, values, start, start + count)
-        return values
+    def _pieces(flat: QuantFlat, start: int, count: int) -> List[Tuple[torch.Tensor, int]]:
+        """Elements [start, start + count) of the flat's parameters as quantizer pieces (see
+        ``infinity.ops.quant_pieces``): each parameter's part read in place, in its own dtype,
+        followed by the zeros of the gap up to the next parameter (or the end). Parameters start
+        on block boundaries, so only the last piece may end mid-block."""
+        end = start + count
+        parts = []
+        for s in flat.slots:
+            a, b = max(start, s.offset), min(end, s.offset + s.numel)
+            if a < b:
+                # a slot of a ZeRO shard's flat is the part of its parameter from param_start
+                first = getattr(s, "param_start", 0) + a - s.offset
+                parts.append((a, s.param.detach().reshape(-1)[first:first + b - a]))
+        parts.sort(key=lambda part: part[0])
+        pieces: List[Tuple[torch.Tensor, int]] = []
+        if not parts or parts[0][0] > start:  # zeros before the first parameter
+            first_at = parts[0][0] if parts else end
+            pieces.append((torch.empty(0, dtype=torch.float32), first_at - start))
+        for k, (a, values) in enumerate(parts):
+            upto = parts[k + 1][0] if k + 1 < len(parts) else end
+            pieces.append((values, upto - a))
+        return pieces
 
     def _runs(self, flat: QuantFlat) -> Iterator[List[Tuple[int, int, int, int]]]:
         """Consecutive segments that fit one staging buffer together."""
@@ -177,11 +193,9 @@ class QuantizedHome(Home):
             if nbytes > flat.fmt.segment_nbytes:
                 self.store.use_pieces(flat.key, flat.fmt.segment_nbytes)
 
-        scratch = torch.empty(min(flat.numel, SEGMENT_ELEMS), dtype=torch.float32)
-
         def produce(seg, out: torch.Tensor) -> None:
             _, start, count, _ = seg
-            flat.fmt.quantize_segment(self._values(flat, start, count, scratch), out)
+            flat.fmt.quantize_pieces(self._pieces(flat, start, count), out)
         self._write_segments(flat, produce)
 
     def read_into(self, flat: FlatParam, dst: torch.Tensor) -> None:
