@@ -14,7 +14,7 @@ gradients and optimizer states on NVMe, ``host_budget`` and ``compute_dtype`` (b
 default, as the weights: on this AMX CPU a Llama layer's forward + backward ran 3.7x faster in
 bf16 than in fp32; ``--compute float32`` computes in fp32 from the bf16 homes). Each run is one fresh
 subprocess; the kernel's peak RSS counter (VmHWM) is reset just before wrap and compared with
-``RSS before wrap + budget + 0.5 GiB`` (the issue's bound). The swap directory is walked after
+``RSS before wrap + budget + 0.5 GiB`` (the target bound). The swap directory is walked after
 every step: its files' sizes by category (parameters, gradients, optimizer states) and per
 parameter. Results: benchmarks/results/bench_real_models*.json.
 """

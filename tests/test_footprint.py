@@ -1,4 +1,4 @@
-"""RAM held to the host budget (issue 11): what the engine and optimizer allocate in host RAM is
+"""RAM held to the host budget: what the engine and optimizer allocate in host RAM is
 counted in ``host_budget`` and reported by ``infinity.stats``; a budget too small names the
 minimum; the real peak RSS of training with everything on NVMe stays within the budget plus the
 process's baseline (benchmarks/bench_footprint.py, measured in subprocesses)."""

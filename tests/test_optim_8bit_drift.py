@@ -32,7 +32,7 @@ BOUND = 2 * STEPS * LR
 
 
 class TinyLM(nn.Module):
-    """The issue's model: an embedding, 4 MLP blocks, a head (tied or not)."""
+    """The drift check's model: an embedding, 4 MLP blocks, a head (tied or not)."""
 
     def __init__(self, vocab: int = 300, width: int = 64, tied: bool = False) -> None:
         super().__init__()

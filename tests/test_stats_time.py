@@ -1,5 +1,5 @@
 """infinity.stats(model)["time"] and ["nvme_bytes_written"]: where a training step's time went
-and how many bytes it wrote to NVMe (issue 11)."""
+and how many bytes it wrote to NVMe."""
 import time
 
 import torch
