@@ -6,16 +6,17 @@ import logging
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, Tuple
 
 import torch
 
 from .. import io as inf_io
-from .state_store import HostStates, NvmeStates, Shard
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .state_store import Shard
 
 logger = logging.getLogger("infinity.optim")
 
-States = Union[HostStates, NvmeStates]
 
 
 @dataclass(frozen=True)
@@ -35,19 +36,6 @@ class ShardState:
     groups: Tuple[Optional[int], ...]
     states: str = "fp32"
     formats: Tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class _Run:
-    """Contiguous elements [start, end) of a shard that share a param group and a step: the
-    slots ``first..last`` (inclusive) and the padding between them."""
-
-    start: int
-    end: int
-    group: int
-    step: int
-    first: int = 0
-    last: int = -1
 
 
 # ---- validation ---------------------------------------------------------------------------

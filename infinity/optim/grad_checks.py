@@ -21,7 +21,7 @@ class GradientChecks:
         """Every gradient the next step applies (NVMe-held ones are read shard by shard;
         with ``skip_checked``, not those whose finiteness the engine already knows)."""
         for shard in self._shards.values():
-            ready = [i for i in range(len(shard.flat.slots)) if self._ready(shard, i)]
+            ready = [i for i in range(len(shard.flat.slots)) if shard.ready(i)]
             if not ready:
                 continue
             if skip_checked and shard.engine.grads.finite(shard.flat) is not None:
@@ -52,7 +52,7 @@ class GradientChecks:
         norm rounds exactly as torch.nn.utils.clip_grad_norm_'s); shards are read once."""
         wrapped: Dict[int, torch.Tensor] = {}
         for shard in self._shards.values():
-            ready = [i for i in range(len(shard.flat.slots)) if self._ready(shard, i)]
+            ready = [i for i in range(len(shard.flat.slots)) if shard.ready(i)]
             if not ready:
                 continue
             known = shard.engine.grads.slot_norms(shard.flat) if norm_type == 2.0 else None
@@ -80,7 +80,7 @@ class GradientChecks:
         """False when a gradient the engine already checked (NVMe tier) holds an inf/nan."""
         for shard in self._shards.values():
             if (shard.engine.grads.finite(shard.flat) is False
-                    and any(self._ready(shard, i) for i in range(len(shard.flat.slots)))):
+                    and any(shard.ready(i) for i in range(len(shard.flat.slots)))):
                 return False
         return None
 
@@ -88,7 +88,7 @@ class GradientChecks:
         """True when no gradient this optimizer would apply holds an inf or nan. Gradients on
         NVMe were checked by the engine while they were in RAM, so they are not read back."""
         finite = not any(shard.engine.grads.finite(shard.flat) is False
-                         and any(self._ready(shard, i) for i in range(len(shard.flat.slots)))
+                         and any(shard.ready(i) for i in range(len(shard.flat.slots)))
                          for shard in self._shards.values())
         finite = finite and clip_mod.all_finite(self._grads(skip_checked=True))
         return bool(self._agree_finite(finite))

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import errno as errno_mod
 import logging
-from typing import Callable, Dict, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -37,7 +37,12 @@ from ..tiers import SwapStore
 from ..tiers.extents import Extent, ExtentAllocator
 from ..tiers.swap_store import SwapCorruptionError
 from .chunks import Beside, ChunkPlan, Unit, gather_unit, plan_chunks, scatter_unit
-from .state_store import OptimizerStateIOError, Shard, _Store
+from . import nvme_step
+from .state_store import OptimizerStateIOError, Shard, StateStore, StateViews
+from .swapper import BufferSets
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .step_work import StepWork
 
 logger = logging.getLogger(__name__)
 
@@ -45,16 +50,19 @@ STATE_FILE = "optimizer-states"
 _FULL_DISK = (errno_mod.ENOSPC, errno_mod.EFBIG, errno_mod.EDQUOT)
 
 
-class NvmeStates(_Store):
+class NvmeStates(StateStore):
     """Shard states in extents of the optimizer's own state file (one SwapStore, a private
     directory under ``nvme_path``). ``chunk_bytes``: a shard whose states are larger is
     read, stepped and written in units of about that size (None: always whole)."""
 
     tier = "nvme"
+    speculates = True  # an update may be written beside the committed states (see .overlap)
 
     def __init__(self, engine: Engine, master: str = "fp32",
-                 chunk_bytes: Optional[int] = None) -> None:
-        super().__init__(engine, master)
+                 chunk_bytes: Optional[int] = None,
+                 shards: Optional[Dict[int, Shard]] = None) -> None:
+        super().__init__(engine, master, shards)
+        self.sets: Optional[BufferSets] = None
         self.chunk_bytes = chunk_bytes
         self._plans: Dict[str, ChunkPlan] = {}
         self.nvme_path = engine.policy.nvme_path
@@ -327,6 +335,45 @@ class NvmeStates(_Store):
         return OptimizerStateIOError(err, msg, getattr(exc, "filename", None) or self.nvme_path,
                                      getattr(exc, "offset", None))
 
+    # ---- the tier's face (see StateStore) --------------------------------------------------
+    def reserve(self, later: int = 0) -> BufferSets:
+        """The step's buffer sets over this engine's shards, made (or remade, when a shard
+        outgrew them) and counted in the host budget now."""
+        engine, shards = self.engine, self.shards()
+        staging, grads = engine.working_copy_staged, engine.grads.on_nvme
+        if self.sets is not None and not self.sets.fits(self, shards, staging, grads):
+            self.sets.close()
+            self.sets = None
+        if self.sets is None:
+            self.sets = BufferSets(self, shards, staging, grads, later=later)
+        return self.sets
+
+    def read_committed(self, shard: Shard) -> torch.Tensor:
+        buf = self.empty(shard)
+        self.read_whole(shard, buf)
+        return buf
+
+    def rewrite(self, shard: Shard, fill: Callable[[StateViews], None], doing: str,
+                read: bool = True) -> None:
+        buf = self.read_committed(shard) if read else self.empty(shard)
+        fill(self.views(shard, buf))
+        self.write_and_commit(shard, buf, doing)
+
+    def restore_home(self, shard: Shard) -> None:
+        if self.plan(shard).chunked:
+            nvme_step.restore_units(self, shard)
+        else:
+            super().restore_home(shard)
+
+    def sync_masters(self, shard: Shard, written: Sequence[int]) -> None:
+        if self.plan(shard).chunked:
+            nvme_step.sync_units(self, shard, written)
+        else:
+            super().sync_masters(shard, written)
+
+    def step(self, shards: List[Shard], work: "StepWork") -> None:
+        nvme_step.step(self, shards, work)
+
     # ---- footprint -------------------------------------------------------------------------
     @property
     def nbytes(self) -> int:
@@ -351,4 +398,7 @@ class NvmeStates(_Store):
                 "file": self.space.capacity, "peak": self.peak_bytes}
 
     def close(self) -> None:
+        if self.sets is not None:
+            self.sets.close()
+            self.sets = None
         self.store.close()

@@ -67,9 +67,8 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from ._common import _Run
 from .chunks import Unit
-from .state_store import NvmeStates, Shard
+from .state_store import Run as _Run, Shard, StateStore
 from .swapper import ShardFeed, StepStats, Window, run_pipeline
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -115,7 +114,7 @@ class _Worker:
     """One engine's speculative pipeline: a thread running run_pipeline over a feed that
     backward fills."""
 
-    def __init__(self, opt: "OffloadedAdam", engine: "Engine", store: NvmeStates) -> None:
+    def __init__(self, opt: "OffloadedAdam", engine: "Engine", store: StateStore) -> None:
         self.engine = engine
         self.store = store
         self.feed = ShardFeed()
@@ -129,7 +128,7 @@ class _Worker:
         self.held: Dict[str, Shard] = {}
         self.done = False
         self._lock = threading.Lock()
-        sets = opt._sets_for(engine, [s for s in opt._shards.values() if s.engine is engine])
+        sets = store.reserve()
 
         def compute(shard: Shard, unit: Unit, buf: torch.Tensor,
                     out: Optional[Window], grad: Optional[Window]) -> None:
@@ -250,7 +249,7 @@ class BackwardOverlap:
         if shard is None or (worker is not None and (not worker.alive
                                                      or shard.key in worker.specs)):
             return False
-        if not opt._runs(shard):
+        if not shard.runs():
             return False
         if engine.grads.accumulations != st.marks[0]:
             # this backward adds to gradients kept from before (no zero_grad since the
@@ -282,7 +281,7 @@ class BackwardOverlap:
         if getattr(engine, "partitioner", None) is not None:
             return False  # ZeRO: the norm and inf/nan check are all-reduced at step() (not built)
         store = opt._stores.get(id(engine))
-        if not isinstance(store, NvmeStates) or not engine.grads.on_nvme:
+        if store is None or not store.speculates or not engine.grads.on_nvme:
             return False
         if opt._multiplier != 1.0 or opt._finite is not None:
             return False  # a multiplier was set before backward: the step will not use 1.0
@@ -305,7 +304,7 @@ class BackwardOverlap:
             # update saw part of its gradients
             worker.poisoned = f"{shard.key} completed its backward twice"
             return
-        runs = opt._runs(shard)
+        runs = shard.runs()
         norms = engine.grads.slot_norms(flat)
         held = engine.grads.holds(flat)
         if not runs or norms is None:
@@ -387,7 +386,7 @@ class BackwardOverlap:
                 good, bad = [], []
                 for shard in worker.computed:
                     spec = worker.specs[shard.key]
-                    runs = opt._runs(shard)
+                    runs = shard.runs()
                     same = (multiplier == 1.0 and tuple(runs) == spec.runs
                             and tuple(_freeze(opt._hyper(r, 1.0)) for r in runs) == spec.hypers
                             and grads.slot_norms(shard.flat) is spec.norms
@@ -400,7 +399,7 @@ class BackwardOverlap:
                            "that clipped, or a loss scale), which backward could not know")
                 redo = bad
                 decided.append((worker, good, bad, why))
-            gone.extend(s for s in redo if not grads.written(s.flat) and opt._runs(s))
+            gone.extend(s for s in redo if not grads.written(s.flat) and s.runs())
         if gone:
             reason = decided[0][3] if len(decided) == 1 else "the step differs from backward's"
             for worker, _good, _bad, why in decided:
@@ -428,11 +427,11 @@ class BackwardOverlap:
             elif good:
                 self._state(worker.engine).kept = True
             written = tuple(s for s in bad if s.flat.user_written
-                            and tuple(opt._runs(s)) == worker.specs[s.key].runs)
+                            and tuple(s.runs()) == worker.specs[s.key].runs)
             self._rollback(worker, bad, why, keep_home=written)
             worker.store.commit_shards(good)
             for shard in good:
-                opt._commit_steps(shard)
+                shard.commit_steps()
                 kept[shard.key] = shard
             self.kept_total += len(good)
         return kept, stats

@@ -8,7 +8,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from .. import io as inf_io
-from .state_store import HostStates, NvmeStates, Shard, init_states, quantize_exact
+from .state_store import Shard, StateViews, init_states
 from ._common import ShardState, _check_hyper, _float
 
 logger = logging.getLogger("infinity.optim")
@@ -24,12 +24,7 @@ class StateDicts:
         """The shard's committed state buffer (a copy for NVMe), or None without states."""
         if not shard.initialized:
             return None
-        store = self._stores[id(shard.engine)]
-        if isinstance(store, HostStates):
-            return store.buffer(shard)
-        buf = store.empty(shard)
-        store.read_whole(shard, buf)
-        return buf
+        return self._stores[id(shard.engine)].read_committed(shard)
 
     def committed_extent(self, key: str) -> Optional[Tuple[str, int, int, int]]:
         """(path, nbytes, crc32c, offset): ``nbytes`` at ``offset`` of the NVMe file holding
@@ -41,8 +36,6 @@ class StateDicts:
         if shard is None or not shard.initialized or self.master_format != "fp32":
             return None
         store = self._stores[id(shard.engine)]
-        if not isinstance(store, NvmeStates):
-            return None
         layout = store.layout(shard)
         if layout.fmt != "fp32" or not layout.with_master or layout.master != "fp32":
             return None
@@ -125,7 +118,7 @@ class StateDicts:
             if not self._is_wrapped(p) and self.state.get(p):
                 state[index[id(p)]] = self._param_state_to_torch(p, self.state[p])
         return {"state": state, "param_groups": groups, "states": self.states_format,
-                "state_formats": {i: self._choose(p).fmt for i, p in enumerate(params)},
+                "state_formats": {i: self._formats.format_of(p) for i, p in enumerate(params)},
                 "master": self.master_format}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -198,22 +191,12 @@ class StateDicts:
         return entries
 
     def _param_state_from(self, p: torch.Tensor, entry: Dict[str, Any]) -> Dict[str, Any]:
-        state = {"step": torch.tensor(_float(entry["step"])), **self._new_moments(p)}
-        m = entry["exp_avg"].detach().to("cpu", torch.float32).reshape(-1).contiguous()
-        v = entry["exp_avg_sq"].detach().to("cpu", torch.float32).reshape(-1).contiguous()
-        if self._format_of(p) == "8bit":
-            quantize_exact(m, True, state["exp_avg_codes"], state["exp_avg_absmax"])
-            quantize_exact(v, False, state["exp_avg_sq_codes"], state["exp_avg_sq_absmax"])
-        else:  # fp32: a copy; bf16: rounded to nearest even
-            state["exp_avg"].view(-1).copy_(m)
-            state["exp_avg_sq"].view(-1).copy_(v)
-        if self._needs_master(p):
-            src = entry.get("master")
-            src = p.detach() if src is None else src
-            state.update(self._new_master(src.reshape(p.shape)))
-        elif entry.get("master") is not None:
-            p.data.copy_(entry["master"])
-        return state
+        """An unwrapped parameter's state from torch's format, in its moment format."""
+        return self._params.from_torch(p, entry, self._formats.format_of(p))
+
+    def _param_state_to_torch(self, p: torch.Tensor, state: Dict[str, Any]) -> Dict[str, Any]:
+        """An unwrapped parameter's state in torch's format (fp32 moments, dequantized)."""
+        return self._params.to_torch(p, state)
 
     def _load_shard(self, shard: Shard, by_param: Dict[int, Dict[str, Any]]) -> None:
         slots = shard.flat.slots
@@ -227,22 +210,18 @@ class StateDicts:
         engine.quiesce()
         engine.take_user_writes(shard.flat)  # the loaded (or current) values are the masters
         store = self._store(engine)
-        if isinstance(store, HostStates):
-            buf = store.buffer(shard)
-        else:
-            buf = store.empty(shard)
         scratch = inf_io.aligned_empty(shard.flat.home_nbytes) \
             if engine.working_copy_staged else None
-        views = store.views(shard, buf)
-        init_states(shard, views, scratch)
-        for i, (slot, entry) in enumerate(zip(slots, loaded)):
-            if entry is None:
-                continue
-            sl = slice(slot.offset, slot.offset + slot.numel)
-            views.set_slot_moments(shard.flat, i, entry["exp_avg"], entry["exp_avg_sq"])
-            if entry.get("master") is not None:
-                views.set_master(entry["master"].reshape(-1), sl)
-            shard.steps[i] = int(_float(entry["step"]))
-        if isinstance(store, NvmeStates):
-            store.write_and_commit(shard, buf, "loading")
+
+        def fill(views: StateViews) -> None:
+            init_states(shard, views, scratch)
+            for i, (slot, entry) in enumerate(zip(slots, loaded)):
+                if entry is None:
+                    continue
+                sl = slice(slot.offset, slot.offset + slot.numel)
+                views.set_slot_moments(shard.flat, i, entry["exp_avg"], entry["exp_avg_sq"])
+                if entry.get("master") is not None:
+                    views.set_master(entry["master"].reshape(-1), sl)
+                shard.steps[i] = int(_float(entry["step"]))
+        store.rewrite(shard, fill, "loading", read=False)
         shard.initialized = True

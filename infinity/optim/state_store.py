@@ -9,7 +9,12 @@ parameter (slot) is chosen on the optimizer (``states=``, ``min_8bit_size=``, se
 moment region per format. Master weights fp32 (4 B/param) unless ``master=`` asks for bf16
 masters (``"bf16_sr"`` 2 B/param, ``"bf16_kahan"`` 4 B/param).
 
-- :class:`HostStates`: the buffers stay in host RAM (counted in the engine's host budget).
+:class:`StateStore` is the one interface the optimizer steps through; each tier is one class
+behind it, holding the tier's differences (where the buffers are, how a step reads, computes
+and commits them, how a failed step is recorded):
+
+- :class:`HostStates` (:mod:`.host_states`): the buffers stay in host RAM (counted in the
+  engine's host budget).
 - :class:`NvmeStates` (:mod:`.nvme_states`): the buffers live in one state file of the
   optimizer's own SwapStore (a private directory under ``nvme_path``), one extent per unit
   (element range, see :mod:`.chunks`), committed unit by unit: a step writes a unit into a
@@ -22,7 +27,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -467,6 +472,19 @@ def engine_bytes_later(engine: Engine) -> int:
                if f.trainable and engine.grads.in_ram(f) is None)
 
 
+@dataclass(frozen=True)
+class Run:
+    """Contiguous elements [start, end) of a shard that share a param group and a step: the
+    slots ``first..last`` (inclusive) and the padding between them."""
+
+    start: int
+    end: int
+    group: int
+    step: int
+    first: int = 0
+    last: int = -1
+
+
 @dataclass
 class Shard:
     """The optimizer's view of one FlatParam: which slots it steps and their step counts."""
@@ -491,6 +509,34 @@ class Shard:
     @property
     def numel(self) -> int:
         return self.flat.numel
+
+    def ready(self, i: int) -> bool:
+        """Slot i takes the next step: ours, trainable, and its gradient is complete."""
+        return (self.groups[i] is not None and self.flat.slots[i].param.requires_grad
+                and self.engine.grads.ready(self.flat, i))
+
+    def runs(self) -> List[Run]:
+        """The slots that take the next step, as runs of adjacent slots with one param group
+        and one step count."""
+        runs: List[Run] = []
+        for i, slot in enumerate(self.flat.slots):
+            if not self.ready(i):
+                continue
+            group, step = self.groups[i], self.steps[i] + 1
+            last = runs[-1] if runs else None
+            if (last is not None and last.group == group and last.step == step
+                    and self.ready(i - 1)):
+                runs[-1] = Run(last.start, slot.offset + slot.numel, group, step,
+                               last.first, i)
+            else:
+                runs.append(Run(slot.offset, slot.offset + slot.numel, group, step, i, i))
+        return runs
+
+    def commit_steps(self) -> None:
+        """The ready slots took the step: their step counts advance."""
+        for i in range(len(self.flat.slots)):
+            if self.ready(i):
+                self.steps[i] += 1
 
 
 def master_in_home(shard: Shard) -> bool:
@@ -523,21 +569,35 @@ def init_states(shard: Shard, views: StateViews, scratch: Optional[torch.Tensor]
     views.zero_moments()
 
 
-class _Store:
-    """What both tiers share: the master format and each shard's layout (from the shard's
-    per-slot formats, :attr:`Shard.formats`)."""
+class StateStore:
+    """One tier's store of the optimizer states of one engine's shards: the interface the
+    optimizer steps through (one class per tier: :class:`HostStates`,
+    :class:`~.nvme_states.NvmeStates`). What both tiers share lives here: the master format,
+    each shard's layout (from its per-slot formats, :attr:`Shard.formats`) and the
+    operations written once over :meth:`read_committed` / :meth:`rewrite`.
+
+    ``shards``: the optimizer's shards (id(flat) -> Shard, every engine's; the store takes
+    those of its engine, see :meth:`shards`)."""
 
     tier = ""
+    speculates = False  # whether an update may be written beside the committed states
+    sets: Optional["BufferSets"] = None  # the NVMe step's buffer sets (None: no such tier)
 
-    def __init__(self, engine: Engine, master: str = "fp32") -> None:
+    def __init__(self, engine: Engine, master: str = "fp32",
+                 shards: Optional[Dict[int, "Shard"]] = None) -> None:
         self.engine = engine
         self.master = check_master(master)
         self._layouts: Dict[str, StateLayout] = {}
+        self._all: Dict[int, Shard] = shards if shards is not None else {}
 
-    def _with_master(self, shard: Shard) -> bool:
+    def shards(self) -> List["Shard"]:
+        """The optimizer's shards of this store's engine, in registration order."""
+        return [s for s in self._all.values() if s.engine is self.engine]
+
+    def _with_master(self, shard: "Shard") -> bool:
         return True
 
-    def layout(self, shard: Shard) -> StateLayout:
+    def layout(self, shard: "Shard") -> StateLayout:
         layout = self._layouts.get(shard.key)
         if layout is None:
             layout = layout_for(shard.flat, shard.formats, self._with_master(shard),
@@ -545,55 +605,106 @@ class _Store:
             self._layouts[shard.key] = layout
         return layout
 
-    def views(self, shard: Shard, buf: torch.Tensor) -> StateViews:
+    def views(self, shard: "Shard", buf: torch.Tensor) -> StateViews:
         """Typed views of a state buffer of ``shard`` (as :meth:`layout` says)."""
         layout = self.layout(shard)
         home = None if layout.with_master else shard.engine.home.working_buffer(shard.flat)
         return state_views(layout, buf, home)
 
-    def empty(self, shard: Shard) -> torch.Tensor:
+    def empty(self, shard: "Shard") -> torch.Tensor:
         """A new aligned buffer for one copy of the shard's states."""
         return inf_io.aligned_empty(self.layout(shard).nbytes)
 
+    # ---- what each tier implements --------------------------------------------------------
+    def read_committed(self, shard: "Shard") -> torch.Tensor:
+        """The shard's committed state buffer (the live one in RAM, or a checked copy)."""
+        raise NotImplementedError
 
-class HostStates(_Store):
-    """Shard states in host RAM, allocated at a shard's first step."""
+    def rewrite(self, shard: "Shard", fill: Callable[[StateViews], None], doing: str,
+                read: bool = True) -> None:
+        """Replaces the shard's whole states: ``fill(views)`` edits them (``read``: starting
+        from the committed ones, else from a buffer it fills entirely), then they are
+        committed (``doing`` names the work in an I/O error)."""
+        raise NotImplementedError
 
-    tier = "host"
+    def reserve(self, later: int = 0) -> Optional["BufferSets"]:
+        """The host buffers a step of this tier needs, taken from the budget now (``later``:
+        bytes the engine still takes from it); None where the tier needs none."""
+        return None
 
-    def __init__(self, engine: Engine, master: str = "fp32") -> None:
-        super().__init__(engine, master)
-        self._bufs: Dict[str, torch.Tensor] = {}
-        self._held = 0
+    def step(self, shards: List["Shard"], work: "StepWork") -> None:
+        """Steps ``shards`` (initializing a shard's states at its first use): each shard's
+        states and working copy updated by ``work``'s kernels, ``work.took`` told for each
+        shard whose states took the step, ``work.dirty`` for each whose working copy may no
+        longer match its committed masters after a failure."""
+        raise NotImplementedError
 
-    def _with_master(self, shard: Shard) -> bool:
-        return self.master != "fp32" or not master_in_home(shard)  # bf16 masters: always held
+    # ---- written once over the above --------------------------------------------------------
+    def restore_home(self, shard: "Shard") -> None:
+        """Rewrites the shard's working copy from its committed masters."""
+        views = self.views(shard, self.read_committed(shard))
+        self.engine.home.write_from(shard.flat, views.master_value())
 
-    def has(self, shard: Shard) -> bool:
-        return shard.key in self._bufs
+    def sync_masters(self, shard: "Shard", written: Sequence[int]) -> None:
+        """Slots ``written`` were written outside forward: their masters follow the working
+        copy's values, except where a value is just the master's rounding."""
+        flat = shard.flat
+        home = torch.empty(flat.numel, dtype=flat.home_dtype)
 
-    def buffer(self, shard: Shard) -> torch.Tensor:
-        """The shard's state buffer (uint8, :meth:`views` types it), created (and budgeted)
-        on first use."""
-        buf = self._bufs.get(shard.key)
-        if buf is None:
-            nbytes = self.layout(shard).nbytes
-            self.engine.host_budget.acquire(nbytes, what=f"optimizer states of {shard.key}")
-            self._held += nbytes
-            buf = self.empty(shard)
-            self._bufs[shard.key] = buf
-        return buf
+        def fill(views: StateViews) -> None:
+            self.engine.read_home(flat, home)
+            for i in written:
+                s = flat.slots[i]
+                sl = slice(s.offset, s.offset + s.numel)
+                new = home[sl]
+                value = views.master_value(sl)
+                changed = new != value.to(flat.home_dtype)
+                views.set_master(torch.where(changed, new.float(), value), sl)
+        self.rewrite(shard, fill, "updating the master weights of")
+
+    # ---- progress of a failed step, footprint (tiers without them: none) -------------------
+    @property
+    def partial(self) -> List[str]:
+        """Shards whose step a failure left part way."""
+        return []
+
+    def finish(self, shard: "Shard") -> None:
+        """The step in progress is over for ``shard``."""
+
+    def committed_extent(self, shard: "Shard") -> Optional[Tuple[str, int, int, int]]:
+        """(path, nbytes, crc32c, offset) of a file range holding the shard's whole committed
+        states; None where they are not in one."""
+        return None
+
+    def swap_bytes(self) -> Dict[str, int]:
+        """Bytes of swap files by category ({} without)."""
+        return {}
 
     @property
     def nbytes(self) -> int:
-        return self._held
+        raise NotImplementedError
 
     def close(self) -> None:
-        self._bufs.clear()
-        if self._held:
-            self.engine.host_budget.release(self._held)
-            self._held = 0
+        """Releases what the store holds."""
 
 
-# the NVMe tier lives in its own module (it needs the classes above)
+_Store = StateStore  # the former name
+
+
+def new_store(tier: str, engine: Engine, master: str, chunk_bytes: Optional[int],
+              shards: Dict[int, "Shard"]) -> StateStore:
+    """The store of ``tier`` (as :func:`choose_tier` decided) for ``engine``'s shards;
+    ``chunk_bytes``: the unit size of a tier that moves states in units."""
+    if tier == "nvme":
+        return NvmeStates(engine, master, chunk_bytes, shards)
+    if tier == "host":
+        return HostStates(engine, master, shards)
+    raise ValueError(f"infinity.optim: unknown optimizer-state tier {tier!r}")
+
+# the tiers live in their own modules (they need the classes above)
+from .host_states import HostStates  # noqa: E402,F401
 from .nvme_states import NvmeStates  # noqa: E402,F401
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .step_work import StepWork
+    from .swapper import BufferSets

@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 import torch
 
@@ -26,7 +26,10 @@ from .. import io as inf_io
 from .. import trace_events
 from ..tiers.budget import BudgetExceededError
 from .chunks import Unit, home_write_range, piece_window
-from .state_store import NvmeStates, Shard
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .nvme_states import NvmeStates
+    from .state_store import Shard
 
 logger = logging.getLogger(__name__)
 
@@ -301,8 +304,8 @@ class BufferSets:
 # first element) where the set holds it (None: written in place); ``grad`` = (fp32
 # gradients, their first element) where they were read from NVMe (None: in RAM)
 Window = Tuple[torch.Tensor, int]
-Compute = Callable[[Shard, Unit, torch.Tensor, Optional[Window], Optional[Window]], None]
-Pending = Tuple["inf_io.IOFuture", Shard, str, Optional[Unit]]  # unit: a state write
+Compute = Callable[["Shard", Unit, torch.Tensor, Optional[Window], Optional[Window]], None]
+Pending = Tuple["inf_io.IOFuture", "Shard", str, Optional[Unit]]  # unit: a state write
 
 
 class ShardFeed:

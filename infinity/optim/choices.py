@@ -1,0 +1,57 @@
+"""Each parameter's moment format, decided once (``states=``, ``min_8bit_size=``; the rules
+are :class:`.formats.FormatSpec`'s): from the parameter's whole size and, for a parameter of a
+wrapped model, the modules that hold it."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from .formats import Choice, FormatSpec, param_owners
+
+
+class FormatChoices:
+    """The optimizer's record of each parameter's moment format (id(param) -> Choice)."""
+
+    def __init__(self, spec: FormatSpec) -> None:
+        self.spec = spec
+        self._choices: Dict[int, Choice] = {}      # id(param) -> its moment format and why
+        self._owners: Dict[int, Dict[int, List[torch.nn.Module]]] = {}  # id(engine) -> owners
+
+    def _owners_in(self, engine: Any) -> Dict[int, List[torch.nn.Module]]:
+        owners = self._owners.get(id(engine))
+        if owners is None:
+            owners = param_owners(engine.model)
+            self._owners[id(engine)] = owners
+        return owners
+
+    def choose(self, p: torch.Tensor, loc: Optional[Any] = None) -> Choice:
+        """``p``'s moment format, decided once: from its whole size and, for a parameter of a
+        wrapped model (``loc``: where the engine keeps it), the modules that hold it."""
+        choice = self._choices.get(id(p))
+        if choice is None:
+            if loc is not None:
+                numel = loc.flat.slots[loc.slot].numel  # the whole parameter (full flat)
+                choice = self.spec.choose(p, numel, self._owners_in(loc.engine).get(id(p), []))
+            else:
+                choice = self.spec.choose(p, p.numel(), None)
+            self._choices[id(p)] = choice
+        return choice
+
+    def format_of(self, p: torch.Tensor) -> str:
+        return self.choose(p).fmt
+
+    def slot_formats(self, engine: Any, flat: Any) -> Tuple[str, ...]:
+        """The format of every slot of ``flat`` (slots another optimizer steps too: the
+        layout has room for them), fixed for the shard's lifetime."""
+        owners = self._owners_in(engine)
+        out = []
+        for s in flat.slots:
+            choice = self._choices.get(id(s.param))
+            if choice is None:  # decided once (a callable states= is asked once per param)
+                whole = (s.full.slots[s.full_index].numel if hasattr(s, "full_index")
+                         else s.numel)
+                choice = self.spec.choose(s.param, whole, owners.get(id(s.param), []))
+                self._choices[id(s.param)] = choice
+            out.append(choice.fmt)
+        return tuple(out)
