@@ -164,7 +164,7 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
     """
 
     # read by the engine's guard on torch optimizers: this one reads the engine's gradients
-    _infinity_reads_engine_gradients = True
+    infinity_reads_engine_gradients = True
 
     def __init__(self, params, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, *, adamw: bool = True,

@@ -16,7 +16,7 @@ _GUARD_HANDLE: Any = None
 
 
 def _check_foreign_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if getattr(optimizer, "_infinity_reads_engine_gradients", False):
+    if getattr(optimizer, "infinity_reads_engine_gradients", False):
         return
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -43,7 +43,7 @@ def _note_foreign_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any)
     """After a torch optimizer's step: its parameters were written in place, maybe by a fused
     kernel that does not bump version counters; the engine re-reads them before their next
     use."""
-    if getattr(optimizer, "_infinity_reads_engine_gradients", False):
+    if getattr(optimizer, "infinity_reads_engine_gradients", False):
         return
     for group in optimizer.param_groups:
         for p in group["params"]:
