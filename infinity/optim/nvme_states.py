@@ -7,9 +7,12 @@ extent of a single state file, placed by an :class:`~infinity.tiers.extents.Exte
 the CRC32C of its content).
 
 A step writes a unit's new states into a *free* extent and, once that write completed,
-commits the unit: its map entry switches to the new extent and the old one is freed (its disk
-blocks punched out of the file where the filesystem can). So the disk holds the committed
-states plus the units whose writes are in flight -- never a second copy of every shard. A
+commits the unit: its map entry switches to the new extent and the old one is freed. A freed
+extent keeps its disk blocks for the next unit that lands there (up to three of the largest
+extents are kept; beyond that the file's blocks are punched out where the filesystem can, see
+:class:`~infinity.tiers.swap_store.SwapStore`), so a step does not pay for giving blocks back
+and taking them again. The disk holds the committed states plus the units whose writes are in
+flight and those kept blocks -- never a second copy of every shard. A
 unit is never committed before its write completed and its checksum was taken, and a unit
 is checked against its recorded CRC before it is stepped: states are never silently garbage.
 
