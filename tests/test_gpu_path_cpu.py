@@ -231,7 +231,7 @@ def _registered_split(engine, cudart):
     homes = {f.home.data_ptr(): f.home_nbytes for f in engine.flats if f.home is not None}
     staging = ({b.data_ptr(): engine.pool.nbytes for b in engine.pool._buffers}
                if engine.pool is not None else {})
-    ring = engine.grads._staging
+    ring = engine.grads.copies.ring
     ring_bufs = {s.buf.data_ptr(): ring.nbytes for s in ring._slabs} if ring is not None else {}
     return homes, staging, ring_bufs
 

@@ -265,7 +265,7 @@ def test_pinned_bytes_are_what_the_host_budget_counts(tier, tmp_path):
     infinity.wrap(model, device=DEV, param_tier=tier, grad_tier="host", nvme_path=str(tmp_path))
     engine = engine_of(model)
     pinned_now = buffers.pinned_bytes() - before
-    ring = engine.grads._staging
+    ring = engine.grads.copies.ring
     assert ring is not None and ring.pinned_nbytes > 0
     assert pinned_now == engine.transfers.pinned_nbytes + ring.pinned_nbytes
     assert pinned_now == engine.host_budget.used  # nothing else is held yet
