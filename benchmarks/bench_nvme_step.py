@@ -124,15 +124,15 @@ class ExtentProbe:
     and memory."""
 
     def __init__(self, case: "Case") -> None:
-        from infinity.optim.nvme_states import STATE_FILE
+        from infinity.optim.state_extents import STATE_FILE
         store = case.opt._stores[id(case.engine)]
         sets = case.opt._sets[id(case.engine)]
         self.bufs = [sets.states[0], sets.states[1], sets.states[2]]
-        self.path = store.store.path(STATE_FILE)
+        self.path = store.extents.store.path(STATE_FILE)
         self.extents = []  # (offset in the state file, offset in the probe file, nbytes)
         at = 0
         for shard in case.opt._shards.values():
-            for ext in store.committed[shard.key]:
+            for ext in store.extents.committed[shard.key]:
                 self.extents.append((ext.offset, at, ext.nbytes))
                 at += ext.nbytes
         self.nbytes = at

@@ -23,7 +23,7 @@ import infinity
 from infinity.io import InfinityIOError, clear_faults, inject_fault
 from infinity.models import GPTConfig, TinyGPT, lm_loss, synthetic_batch
 from infinity.optim import OptimizerStateIOError
-from infinity.optim.nvme_states import STATE_FILE
+from infinity.optim.state_extents import STATE_FILE
 from infinity.runtime.engine import Engine, engine_of, locate
 from infinity.runtime.flat import FlatParam
 from infinity.runtime.grads import GradientWriteError
@@ -629,8 +629,8 @@ def _check_each_unit_old_or_new(model, opt, w_before, sd_before, w_after, sd_aft
         plan = store.plan(shard)
         assert plan.chunked == chunked
         done = shard.key in opt._done
-        took = set(range(len(plan.units))) if done else store.stepped(shard)
-        assert not (done and store.stepped(shard))
+        took = set(range(len(plan.units))) if done else store.extents.stepped(shard)
+        assert not (done and store.extents.stepped(shard))
         took_units += len(took)
         kept_units += len(plan.units) - len(took)
         for slot in shard.flat.slots:

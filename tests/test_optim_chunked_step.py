@@ -270,14 +270,14 @@ def test_unit_checksums_after_chunked_write(tmp_path):
     opt = infinity.optim.AdamW(model.parameters(), lr=1e-2, chunk_bytes=TINY)
     _train(model, opt, 2)
     store = next(iter(opt._stores.values()))
-    path = store.store.path("optimizer-states")
+    path = store.extents.store.path("optimizer-states")
     data = open(path, "rb").read()
     checked = 0
     for shard in opt._shards.values():
         if not store.plan(shard).chunked:
             continue
         assert opt.committed_extent(shard.key) is None  # not one contiguous layout
-        for un, ext in zip(store.plan(shard).units, store.committed[shard.key]):
+        for un, ext in zip(store.plan(shard).units, store.extents.committed[shard.key]):
             assert ext.nbytes == un.nbytes and ext.offset % 4096 == 0
             raw = torch.frombuffer(bytearray(data[ext.offset:ext.end]), dtype=torch.uint8)
             assert inf_io.crc32c(raw) == ext.crc
@@ -299,9 +299,9 @@ def test_corrupted_unit_is_detected_before_it_is_stepped(tmp_path):
     _train(model, opt, 1)
     store = next(iter(opt._stores.values()))
     shard = next(s for s in opt._shards.values() if store.plan(s).chunked)
-    before = {k: list(v) for k, v in store.committed.items()}
+    before = {k: list(v) for k, v in store.extents.committed.items()}
     last = before[shard.key][-1]
-    path = store.store.path("optimizer-states")
+    path = store.extents.store.path("optimizer-states")
     with open(path, "r+b") as f:  # one byte in the middle of the last unit's extent
         f.seek(last.offset + last.nbytes // 2)
         b = f.read(1)
@@ -310,14 +310,14 @@ def test_corrupted_unit_is_detected_before_it_is_stepped(tmp_path):
     with pytest.raises(SwapCorruptionError, match="corrupted") as info:
         _train(model, opt, 1, seed=3)
     assert shard.key in str(info.value)
-    assert store.committed[shard.key][-1] == last  # not stepped, not committed
-    for key, units in store.committed.items():
+    assert store.extents.committed[shard.key][-1] == last  # not stepped, not committed
+    for key, units in store.extents.committed.items():
         s = next(x for x in opt._shards.values() if x.key == key)
         changed = {i for i, (old, new) in enumerate(zip(before[key], units)) if old != new}
         if key in opt._done:
             assert changed == set(range(len(units)))
         else:
-            assert changed == store.stepped(s)
+            assert changed == store.extents.stepped(s)
     opt.close()
     infinity.unwrap(model)
 

@@ -14,7 +14,7 @@ import torch
 
 import infinity
 from infinity.models import GPTConfig, TinyGPT, lm_loss, synthetic_batch
-from infinity.optim.nvme_states import STATE_FILE
+from infinity.optim.state_extents import STATE_FILE
 from infinity.optim.state_store import state_nbytes
 from infinity.tiers.swap_store import KEEP_FREED_EXTENTS
 from optim_helpers import assert_equal, states as opt_states, weights
@@ -23,7 +23,7 @@ CFG = GPTConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=2, max_seq=16)
 
 
 def _disk(store) -> int:
-    return os.stat(store.store.path(STATE_FILE)).st_blocks * 512
+    return os.stat(store.extents.store.path(STATE_FILE)).st_blocks * 512
 
 
 def _train(model, opt, steps, seed=1, each=None):
@@ -65,14 +65,15 @@ def test_swap_holds_the_states_once_plus_units_in_flight(tmp_path, states, chunk
         assert disk == sw["disk"]
         # after a step nothing is pending; the freed extents' blocks kept for the next step's
         # writes are free space of the file, at most KEEP_FREED_EXTENTS largest extents
-        kept = store.store.kept_bytes(STATE_FILE)
-        largest = max(e.nbytes for units in store.committed.values() for e in units)
-        assert kept <= min(store.space.free_bytes, KEEP_FREED_EXTENTS * largest)
+        ext = store.extents
+        kept = ext.store.kept_bytes(STATE_FILE)
+        largest = max(e.nbytes for units in ext.committed.values() for e in units)
+        assert kept <= min(ext.space.free_bytes, KEEP_FREED_EXTENTS * largest)
         assert disk <= committed + in_flight
-        assert store.peak_bytes <= committed + in_flight  # during it: the units in flight
+        assert ext.peak_bytes <= committed + in_flight  # during it: the units in flight
         assert store.nbytes == committed
-        seen.append((need, disk, store.peak_bytes, store.space.capacity, in_flight, kept,
-                     largest, store.store.allocated_bytes, store.store.released_bytes))
+        seen.append((need, disk, ext.peak_bytes, ext.space.capacity, in_flight, kept,
+                     largest, ext.store.allocated_bytes, ext.store.released_bytes))
 
     _train(model, opt, 6, each=check)
     need, disk, peak, capacity, in_flight, kept, largest = seen[-1][:7]
@@ -118,12 +119,12 @@ def test_overlap_keeps_old_states_of_the_stepped_units_until_the_step(tmp_path):
         committed = sw["master"] + sw["moments"]
         if overlap:
             assert opt._overlap.kept_total > 0
-            assert store.peak_bytes >= 1.5 * committed  # the stepped set's old extents
+            assert store.extents.peak_bytes >= 1.5 * committed  # the stepped set's old extents
         else:
-            assert store.peak_bytes <= 1.25 * committed
+            assert store.extents.peak_bytes <= 1.25 * committed
         assert disks[-1] <= committed + 4 * max(store.plan(s).buffer_nbytes
                                                 for s in opt._shards.values())
-        runs.append((weights(model), opt_states(opt), store.peak_bytes / committed))
+        runs.append((weights(model), opt_states(opt), store.extents.peak_bytes / committed))
         opt.close()
         infinity.unwrap(model)
     assert_equal(runs[0][0], runs[1][0])

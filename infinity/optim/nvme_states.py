@@ -3,8 +3,8 @@
 Every shard is a sequence of units (element ranges, see :mod:`.chunks`; a shard not larger
 than the chunk is one unit whose extent is its whole layout). Each unit's states live in one
 extent of a single state file, placed by an :class:`~infinity.tiers.extents.ExtentAllocator`
-(first fit, 4096-aligned). The store keeps, per shard, the map unit -> committed extent (with
-the CRC32C of its content).
+(first fit, 4096-aligned). The store's :class:`~.state_extents.StateExtents` keeps the state
+file and, per shard, the map unit -> committed extent (with the CRC32C of its content).
 
 A step writes a unit's new states into a *free* extent and, once that write completed,
 commits the unit: its map entry switches to the new extent and the old one is freed. A freed
@@ -17,7 +17,7 @@ unit is never committed before its write completed and its checksum was taken, a
 is checked against its recorded CRC before it is stepped: states are never silently garbage.
 
 After a failed step each unit holds either its states from before the step or from after it;
-the store records which units of each shard took the step (:meth:`NvmeStates.stepped`), and
+the store records which units of each shard took the step (:meth:`.StateExtents.stepped`), and
 the optimizer's retry steps only the others (same gradients, same step count), which gives
 bitwise the result of a step that never failed.
 
@@ -28,29 +28,20 @@ while it is armed the spare grows to the units it stepped.
 """
 from __future__ import annotations
 
-import errno as errno_mod
-import logging
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from .. import io as inf_io
 from ..runtime.engine import Engine
-from ..tiers import SwapStore
-from ..tiers.extents import Extent, ExtentAllocator
-from ..tiers.swap_store import SwapCorruptionError
 from .chunks import Beside, ChunkPlan, Unit, gather_unit, plan_chunks, scatter_unit
 from . import nvme_step
-from .state_store import OptimizerStateIOError, Shard, StateStore, StateViews
+from .state_extents import StateExtents
+from .state_store import Shard, StateStore, StateViews
 from .swapper import BufferSets
 
 if TYPE_CHECKING:  # pragma: no cover
     from .step_work import StepWork
-
-logger = logging.getLogger(__name__)
-
-STATE_FILE = "optimizer-states"
-_FULL_DISK = (errno_mod.ENOSPC, errno_mod.EFBIG, errno_mod.EDQUOT)
 
 
 class NvmeStates(StateStore):
@@ -68,19 +59,13 @@ class NvmeStates(StateStore):
         self.sets: Optional[BufferSets] = None
         self.chunk_bytes = chunk_bytes
         self._plans: Dict[str, ChunkPlan] = {}
-        self.nvme_path = engine.policy.nvme_path
-        self.store = SwapStore(self.nvme_path, require_direct=engine.policy.require_direct_io,
-                               verify=engine.policy.verify_checksums,
-                               tag=getattr(engine, "swap_tag", ""))
-        self.store.create(STATE_FILE, 0)
-        self.space = ExtentAllocator(what="optimizer state file")
-        self.committed: Dict[str, List[Extent]] = {}          # shard key -> extent per unit
-        self._pending: Dict[Tuple[str, int], Extent] = {}     # (shard key, unit) -> written
-        self._stepped: Dict[str, Set[int]] = {}               # units a failed step committed
-        self.peak_bytes = 0                                   # most bytes of live extents
+        self.extents = StateExtents(engine.policy.nvme_path,
+                                    require_direct=engine.policy.require_direct_io,
+                                    verify=engine.policy.verify_checksums,
+                                    tag=getattr(engine, "swap_tag", ""))
 
     def has(self, shard: Shard) -> bool:
-        return shard.key in self.committed
+        return shard.key in self.extents.committed
 
     # ---- units (a shard moved in element ranges, see .chunks) -----------------------------
     def plan(self, shard: Shard) -> ChunkPlan:
@@ -131,143 +116,26 @@ class NvmeStates(StateStore):
             fixed += 2 * h * shard.flat.home_itemsize
         return Beside(per, fixed)
 
-    # ---- extents ---------------------------------------------------------------------------
-    def _extent(self, shard: Shard, unit: Unit) -> Extent:
-        units = self.committed.get(shard.key)
-        if units is None:
-            raise RuntimeError(f"infinity.optim: {shard.key} has no committed states on NVMe")
-        return units[unit.index]
-
-    def _allocate(self, shard: Shard, nbytes: int, doing: str) -> Extent:
-        offset = self.space.alloc(nbytes)
-        size = -(-nbytes // inf_io.ALIGNMENT) * inf_io.ALIGNMENT
-        try:
-            self.store.reserve(STATE_FILE, offset, size)
-        except OSError as exc:
-            self.space.free(offset, size)
-            raise self.wrap_error(exc, shard, doing) from exc
-        self.peak_bytes = max(self.peak_bytes, self.space.used)
-        return Extent(offset, size)
-
-    def _free(self, ext: Extent) -> None:
-        self.space.free(ext.offset, ext.nbytes)
-        try:
-            self.store.release(STATE_FILE, ext.offset, ext.nbytes)
-        except OSError as exc:  # the blocks stay allocated; the extent is reused later
-            logger.warning("infinity.optim: could not release %d bytes of the state file "
-                           "(%s)", ext.nbytes, exc)
-
-    # ---- I/O of one unit -------------------------------------------------------------------
-    def read_unit(self, shard: Shard, unit: Unit, buf: torch.Tensor) -> "inf_io.IOFuture":
-        """Starts reading one unit's committed states into ``buf`` (its first ``unit.nbytes``
-        bytes); check them with :meth:`check_unit` once it completed."""
-        ext = self._extent(shard, unit)
-        return self.store.read_span(STATE_FILE, buf[:unit.nbytes], ext.offset)
-
-    def check_unit(self, shard: Shard, unit: Unit, future: "inf_io.IOFuture") -> None:
-        """Checks a completed :meth:`read_unit` against the CRC32C recorded for the extent."""
-        if not self.store.verify:
-            return
-        ext = self._extent(shard, unit)
-        where = (f"swap file {self.store.path(STATE_FILE)!r} (optimizer states of "
-                 f"{shard.key!r}, unit {unit.index}, bytes {ext.offset:,}-{ext.end:,})")
-        if ext.crc is None:
-            raise SwapCorruptionError(f"{where} holds no completed write")
-        crc = future.crc32c()
-        if crc != ext.crc:
-            raise SwapCorruptionError(
-                f"{where} is corrupted: CRC32C {crc:#010x} of what was read does not match "
-                f"{ext.crc:#010x} recorded when it was written; the unit was not stepped "
-                "(restart from a checkpoint)")
-
-    def write_unit(self, shard: Shard, unit: Unit, buf: torch.Tensor) -> "inf_io.IOFuture":
-        """Starts writing one unit's new states into a free extent (pending until
-        :meth:`written`)."""
-        ext = self._allocate(shard, unit.nbytes, "writing")
-        key = (shard.key, unit.index)
-        if key in self._pending:
-            self._free(self._pending.pop(key))
-        self._pending[key] = ext
-        try:
-            return self.store.write_span(STATE_FILE, buf[:unit.nbytes], ext.offset)
-        except BaseException:
-            self._free(self._pending.pop(key))
-            raise
-
-    def written(self, shard: Shard, unit: Unit, future: "inf_io.IOFuture",
-                commit: bool = True) -> None:
-        """A unit's write completed: records its CRC and, with ``commit``, makes it the
-        unit's committed states (the old extent is freed)."""
-        key = (shard.key, unit.index)
-        ext = self._pending.get(key)
-        if ext is None:
-            raise RuntimeError(f"infinity.optim: no pending state write of {shard.key} unit "
-                               f"{unit.index}")
-        crc = future.crc32c() if self.store.verify else None
-        ext = Extent(ext.offset, ext.nbytes, crc)
-        if not commit:
-            self._pending[key] = ext
-            return
-        del self._pending[key]
-        units = self.committed[shard.key]
-        old, units[unit.index] = units[unit.index], ext
-        self._free(old)
-        self._stepped.setdefault(shard.key, set()).add(unit.index)
-
-    def failed(self, shard: Shard, unit: Unit) -> None:
-        """A unit's write failed: its pending extent is freed (the committed one stays)."""
-        ext = self._pending.pop((shard.key, unit.index), None)
-        if ext is not None:
-            self._free(ext)
-
-    # ---- progress of a step ----------------------------------------------------------------
-    def stepped(self, shard: Shard) -> Set[int]:
-        """Units of ``shard`` that committed the step in progress (a step that failed part
-        way; empty when none)."""
-        return set(self._stepped.get(shard.key, ()))
-
-    def fully_stepped(self, shard: Shard) -> bool:
-        return len(self._stepped.get(shard.key, ())) == len(self.plan(shard).units)
-
-    def finish(self, shard: Shard) -> None:
-        """The step in progress is over for ``shard`` (every unit took it, or it is given up)."""
-        self._stepped.pop(shard.key, None)
-
+    # ---- what the state file's bookkeeping answers for the optimizer ----------------------
     @property
     def partial(self) -> List[str]:
         """Shards whose step was left part way by a failure."""
-        return [k for k, v in self._stepped.items() if v]
+        return self.extents.partial
 
-    # ---- whole shards ----------------------------------------------------------------------
-    def commit_pending(self, shard: Shard) -> None:
-        """Makes every unit's pending write the shard's committed states (all units must have
-        one), freeing the extents they replace."""
-        plan = self.plan(shard)
-        keys = [(shard.key, u.index) for u in plan.units]
-        missing = [k[1] for k in keys if k not in self._pending]
-        if missing:
-            raise RuntimeError(f"infinity.optim: no pending state write of {shard.key} units "
-                               f"{missing} to commit")
-        old = self.committed.get(shard.key)
-        self.committed[shard.key] = [self._pending.pop(k) for k in keys]
-        for ext in old or ():
-            self._free(ext)
+    def finish(self, shard: Shard) -> None:
+        """The step in progress is over for ``shard`` (every unit took it, or it is given up)."""
+        self.extents.finish(shard)
 
     def commit_shards(self, shards: List[Shard]) -> None:
         """Commits the pending writes of these shards (speculative updates kept)."""
         for shard in shards:
-            self.commit_pending(shard)
+            self.extents.commit_pending(shard, self.plan(shard).units)
 
     def abort_shard(self, shard: Shard) -> None:
         """Forgets one shard's pending writes (a speculative update rolled back)."""
-        for key in [k for k in self._pending if k[0] == shard.key]:
-            self._free(self._pending.pop(key))
+        self.extents.abort_shard(shard)
 
-    def abort(self) -> None:
-        """Forgets every pending write: the committed extents stay as they were."""
-        for key in list(self._pending):
-            self._free(self._pending.pop(key))
-
+    # ---- whole shards ----------------------------------------------------------------------
     def read_whole(self, shard: Shard, buf: torch.Tensor) -> None:
         """Reads and checks the shard's committed states into ``buf`` (its whole layout,
         ``layout.nbytes``); a shard stored in units is put together unit by unit."""
@@ -275,11 +143,11 @@ class NvmeStates(StateStore):
         tmp = buf if not plan.chunked else inf_io.aligned_empty(plan.buffer_nbytes)
         for unit in plan.units:
             try:
-                future = self.read_unit(shard, unit, tmp)
+                future = self.extents.read_unit(shard, unit, tmp)
                 future.wait()
             except inf_io.InfinityIOError as exc:
-                raise self.wrap_error(exc, shard, "reading") from exc
-            self.check_unit(shard, unit, future)
+                raise self.extents.wrap_error(exc, shard, "reading") from exc
+            self.extents.check_unit(shard, unit, future)
             if plan.chunked:
                 scatter_unit(unit, tmp, buf)
 
@@ -295,48 +163,35 @@ class NvmeStates(StateStore):
                 gather_unit(unit, buf, tmp)
             return tmp
         self.write_units_and_commit(shard, prepare, doing)
-        self.finish(shard)
+        self.extents.finish(shard)
 
     def write_units_and_commit(self, shard: Shard, prepare: Callable[[Unit], torch.Tensor],
                                doing: str) -> None:
         """Writes a shard's units one at a time, ``prepare(unit)`` giving the buffer to write,
         and commits them together; on any failure (preparing or writing) nothing is committed
         and an I/O error names the shard, ``doing`` and the disk."""
+        extents = self.extents
         try:
             for unit in self.plan(shard).units:
-                future = self.write_unit(shard, unit, prepare(unit))
+                future = extents.write_unit(shard, unit, prepare(unit))
                 future.wait()
-                self.written(shard, unit, future, commit=False)
+                extents.written(shard, unit, future, commit=False)
         except inf_io.InfinityIOError as exc:
-            self.abort_shard(shard)
-            raise self.wrap_error(exc, shard, doing) from exc
+            extents.abort_shard(shard)
+            raise extents.wrap_error(exc, shard, doing) from exc
         except BaseException:
-            self.abort_shard(shard)
+            extents.abort_shard(shard)
             raise
-        self.commit_pending(shard)
+        extents.commit_pending(shard, self.plan(shard).units)
 
     def committed_extent(self, shard: Shard) -> Optional[Tuple[str, int, int, int]]:
         """(path, nbytes, crc32c, offset) of the bytes holding a whole shard's committed
         states (its layout, contiguous in the state file), for a kernel-side copy
         (checkpoints); None for a shard stored in units, without committed states or without
         a recorded checksum (``verify_checksums=False``)."""
-        units = self.committed.get(shard.key)
-        if units is None or self.plan(shard).chunked or units[0].crc is None:
+        if shard.key not in self.extents.committed or self.plan(shard).chunked:
             return None
-        ext = units[0]
-        return self.store.path(STATE_FILE), ext.nbytes, ext.crc, ext.offset
-
-    def wrap_error(self, exc: BaseException, shard: Shard, doing: str) -> OptimizerStateIOError:
-        err = getattr(exc, "errno", None) or errno_mod.EIO
-        what = ("disk full: the disk under nvme_path has no space left" if err in _FULL_DISK
-                else errno_mod.errorcode.get(err, f"errno {err}"))
-        msg = (f"{doing} optimizer states of shard {shard.key!r} under nvme_path "
-               f"{self.nvme_path!r} failed ({what}). No state was lost: every unit of every "
-               "shard holds its committed states, from before this step or (units that "
-               "finished it) after, and the optimizer records which. Cause: "
-               f"{exc}")
-        return OptimizerStateIOError(err, msg, getattr(exc, "filename", None) or self.nvme_path,
-                                     getattr(exc, "offset", None))
+        return self.extents.first_extent(shard)
 
     # ---- the tier's face (see StateStore) --------------------------------------------------
     def reserve(self, later: int = 0) -> BufferSets:
@@ -381,7 +236,7 @@ class NvmeStates(StateStore):
     @property
     def nbytes(self) -> int:
         """Bytes of live extents: committed states plus writes not yet committed."""
-        return self.space.used
+        return self.extents.space.used
 
     def swap_bytes(self) -> Dict[str, int]:
         """The state file's bytes by category: ``master`` and ``moments`` of the committed
@@ -389,19 +244,10 @@ class NvmeStates(StateStore):
         beyond them: writes in flight or pending, blocks not released), and ``disk`` (the
         blocks the filesystem holds), ``file`` (its size, holes included), ``peak`` (the
         most bytes of live extents so far)."""
-        master = moments = 0
-        for key, units in self.committed.items():
-            layout = self._layouts[key]
-            total = sum(e.nbytes for e in units)
-            master += layout.master_nbytes
-            moments += total - layout.master_nbytes
-        disk = self.store.disk_bytes(STATE_FILE)
-        return {"master": master, "moments": moments,
-                "spare": max(0, disk - master - moments), "disk": disk,
-                "file": self.space.capacity, "peak": self.peak_bytes}
+        return self.extents.swap_bytes(self._layouts)
 
     def close(self) -> None:
         if self.sets is not None:
             self.sets.close()
             self.sets = None
-        self.store.close()
+        self.extents.close()

@@ -69,12 +69,12 @@ def restore_units(store: "NvmeStates", shard: Shard) -> None:
     buf = sets.states[0]
 
     def read(un: Unit) -> None:
-        future = store.read_unit(shard, un, buf)
+        future = store.extents.read_unit(shard, un, buf)
         try:
             future.wait()
         except inf_io.InfinityIOError as exc:
-            raise store.wrap_error(exc, shard, "reading") from exc
-        store.check_unit(shard, un, future)
+            raise store.extents.wrap_error(exc, shard, "reading") from exc
+        store.extents.check_unit(shard, un, future)
 
     h = store.home_piece(shard)
     home = None if h is not None else engine.home.working_buffer(flat)
@@ -151,7 +151,8 @@ def step(store: "NvmeStates", shards: List[Shard], work: "StepWork") -> None:
     except BaseException as failure:
         for shard in computed:
             work.dirty(shard)
-        whole = [s for s in shards if store.fully_stepped(s)]
+        whole = [s for s in shards
+                 if store.extents.fully_stepped(s, len(store.plan(s).units))]
         for shard in whole:  # every unit took the step: done, the retry skips it
             store.finish(shard)
             work.took(shard)

@@ -357,7 +357,7 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
     Each unit's states are checked against their CRC before it is stepped and written into a
     free extent; with ``commit`` a unit is committed as soon as its write completed (its old
     extent freed), so the disk holds only the units in flight twice. Units that a failed
-    earlier run committed (:meth:`.NvmeStates.stepped`) are not stepped again: their
+    earlier run committed (:meth:`.StateExtents.stepped`) are not stepped again: their
     neighbours' shared gradient and working-copy pieces are then read from the swap files.
     ``commit=False`` (an update that may be rolled back) leaves every write pending.
 
@@ -368,7 +368,7 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
     for the write of those gradients first (in a feed filled during backward it may still
     run)."""
     feed = shards if isinstance(shards, ShardFeed) else ShardFeed(shards)
-    engine = states.engine
+    engine, extents = states.engine, states.extents
     clock = IOClock(record=_record)
     count = sets.count
     ahead = count - 2
@@ -391,7 +391,7 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
                 return None
             given.append(shard)
             j = len(given) - 1
-            done = states.stepped(shard)
+            done = extents.stepped(shard)
             if done and not commit:
                 raise RuntimeError(f"infinity.optim: {shard.key} has a step half done (a "
                                    "failed step to finish first); it cannot be updated ahead")
@@ -402,7 +402,7 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
 
     def finish_write(future: "inf_io.IOFuture", shard: Shard, un: Optional[Unit]) -> None:
         if un is not None:
-            states.written(shard, un, future, commit)
+            extents.written(shard, un, future, commit)
 
     def drain(k: int) -> None:
         pending, writes[k] = writes[k], []
@@ -411,7 +411,7 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
                 stats.write_wait_s += clock.wait(future)
             except inf_io.InfinityIOError as exc:
                 writes[k] = pending[i:]
-                raise states.wrap_error(exc, shard, what) from exc
+                raise extents.wrap_error(exc, shard, what) from exc
             finish_write(future, shard, un)
 
     def reap() -> None:
@@ -425,7 +425,7 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
         try:
             stats.write_wait_s += clock.wait(future)
         except inf_io.InfinityIOError as exc:
-            raise states.wrap_error(exc, shard, what) from exc
+            raise extents.wrap_error(exc, shard, what) from exc
         writes[k].pop(0)
         finish_write(future, shard, un)
 
@@ -470,7 +470,7 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
         k = u % count
         drain(k)
         held[k] = None
-        future = states.read_unit(shard, un, sets.states[k])
+        future = extents.read_unit(shard, un, sets.states[k])
         clock.submitted(future, "optimizer_read", shard.key, un.nbytes)
         reads[u] = future
         stats.bytes_read += un.nbytes
@@ -494,7 +494,7 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
             try:
                 stats.read_wait_s += clock.wait(future)
             except inf_io.InfinityIOError as exc:
-                raise states.wrap_error(exc, shard, "reading the gradients for the") from exc
+                raise extents.wrap_error(exc, shard, "reading the gradients for the") from exc
             t0 = time.perf_counter()
             if un.whole:
                 engine.grads.verify(flat, dst)
@@ -590,9 +590,9 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
             try:
                 stats.read_wait_s += clock.wait(future)
             except inf_io.InfinityIOError as exc:
-                raise states.wrap_error(exc, shard, "reading") from exc
+                raise extents.wrap_error(exc, shard, "reading") from exc
             t0 = time.perf_counter()
-            states.check_unit(shard, un, future)  # before stepping it: never on garbage
+            extents.check_unit(shard, un, future)  # before stepping it: never on garbage
             stats.verify_s += time.perf_counter() - t0
             grad = gradients(u, shard, un, k)
             out = working_copy(u, shard, un, k)
@@ -609,7 +609,7 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
                 clock.requests.append(("compute", un.end - un.start, t0, t0, t1, 0.0))
             trace_events.span("optimizer_compute", shard.key, un.end - un.start, t0)
             clock.poll()
-            future = states.write_unit(shard, un, buf)
+            future = extents.write_unit(shard, un, buf)
             writes[k].append((clock.submitted(future, "optimizer_write", shard.key, un.nbytes),
                               shard, "writing", un))
             stats.bytes_written += un.nbytes
@@ -631,12 +631,12 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
                 try:
                     future.wait()
                 except inf_io.InfinityIOError:
-                    states.failed(shard, un)
+                    extents.failed(shard, un)
                     continue
                 if commit:
-                    states.written(shard, un, future, True)
+                    extents.written(shard, un, future, True)
         if commit:
-            states.abort()
+            extents.abort()
         raise
     finally:
         stats.io_wait_s += clock.wait_s
@@ -658,9 +658,9 @@ def write_units(states: NvmeStates, shard: Shard, sets: BufferSets,
     def prepare(un: Unit) -> torch.Tensor:
         view = buf[:un.nbytes]
         if read:
-            future = states.read_unit(shard, un, buf)
+            future = states.extents.read_unit(shard, un, buf)
             future.wait()
-            states.check_unit(shard, un, future)
+            states.extents.check_unit(shard, un, future)
         else:
             view.zero_()
         fill(un, view)
