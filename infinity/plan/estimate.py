@@ -182,7 +182,10 @@ def autograd_working_set(shape: ModelShape, tokens: Optional[int], compute_bytes
         + tokens * d * (4 + 2 * c)}
     roles = set(shape.block_roles)
     trained = shape.trainable_params is None  # a frozen base: no embedding or head gradient
-    head_tiled = tiled_head and bool(roles & {HEAD, TIED})
+    # the head streams in tiles only when its block is read by rows (a tied block: with the
+    # embedding read by rows too; otherwise both are fetched whole and the head is plain)
+    head_role = HEAD if HEAD in roles else TIED if TIED in roles else ""
+    head_tiled = bool(head_role) and read_by_rows(shape, head_role, tiled_head, embedding_rows)
     if v and not head_tiled:
         if per_batch:
             terms["logits"] = 12.0 * v * tokens
