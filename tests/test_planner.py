@@ -145,8 +145,10 @@ def _half_the_blocks_budget(model, pr):
     from infinity.plan.shape import describe
     shape = describe(model)
     pl = placement("nvme")
+    # as plan() without batch/seq (as wrap plans): the working set that grows with the batch
+    # is not counted
     e = estimate_one(shape, pl, pr, batch=4, seq=128,
-                     prefetch_window=_window(shape, pr, pl, 4, 128))
+                     prefetch_window=_window(shape, pr, pl, 4, 128), batch_known=False)
     return shape, e.host_bytes + e.device_bytes + shape.param_bytes // 2
 
 

@@ -24,6 +24,31 @@ parameters this rank holds, s: optimizer state bytes per parameter, B: blocks):
   the fetches use the same disk (on the loaded 2-core VM, ``nvme`` steps came out shorter
   than ``optim_nvme`` ones in some runs and longer in others: not a measured gain).
 
+Memory outside the engine's pools (``autograd_working_set``; in the device bytes: RAM on a CPU,
+the GPU's memory on a GPU). T = batch·seq tokens, c = the compute dtype's bytes, d, ffn, kv:
+the model's width, MLP width and key/value width, V the vocabulary, L the layers:
+
+- activations autograd saves for backward: ``L·T·(c·(6d + 2kv + 4ffn) + 8d) + T·d·(4 + 2c)``
+  (a Llama layer: the inputs of q/k/v, o, gate/up and down, q/k/v after RoPE, attention's
+  output, gate, up and SiLU(gate); both RMSNorms keep their input in fp32; then the final norm
+  and the head's input; counted with saved-tensor hooks on transformers' LlamaForCausalLM:
+  131,072 bytes per token and layer at d=3072, ffn=8192, kv=1024 in bf16);
+- the head not tiled (``tiled_head=False``): the logits, ``12·V·T`` (the fp32 log-softmax the
+  loss keeps, the loss's gradient and the log-softmax's gradient at once), and the head's
+  weight gradient ``V·d·c`` that autograd builds whole; tiled: one tile of the weight and of its
+  gradient (2 chunks) and the tile's fp32 logits, probabilities and gradient (``12·T·rows``);
+- an embedding not read by rows (tied to the head without a tiled head, or
+  ``embedding_rows=False``): its dense gradient ``E = V·d·c``. A tied one is held from the
+  head's backward to the end of backward, where the lookup's dense gradient is added to it:
+  ``3·E`` then (the head's, the lookup's and their sum; fitted on the measured vocabulary
+  table, peak RSS - engine accounting of 0.58 / 2.24 / 4.42 GiB at V = 32k / 128k / 256k,
+  d=3072, bf16: 18.4 KB per vocabulary entry, 3·6144 bytes), when the activations are gone.
+
+The peak is the larger of the start of backward (activations + logits + the head's gradient,
+or the tile) and the end of backward (the embedding's dense gradients). An embedding read by
+rows and a tiled head are not fetched whole: the compute buffers hold the layers and the other
+outer blocks only.
+
 With R ranks each holds 1/R of the homes, gradients and states (ZeRO-3 partitioning) and
 computes its own batch; collectives are not modelled (and multi-rank runs are not built yet).
 """
@@ -39,7 +64,7 @@ from torch import nn
 from .placements import (MASTER_BYTES, PLACEMENTS, Placement, placement as get_placement,
                          state_bytes_per_param)
 from .probe import ProbeResult, probe as run_probe
-from .shape import ModelShape, describe
+from .shape import EMBEDDING, HEAD, TIED, ModelShape, describe
 from ..optim.swapper import SETS  # the optimizer's buffer sets: its units in flight
 from ..tiers.chunk_size import DEFAULT_CHUNK_BYTES
 
@@ -69,6 +94,9 @@ class Estimate:
     # more swap while the step overlapping backward is armed (gradients and states on NVMe):
     # the previous states of every unit it stepped, kept until opt.step() confirms them
     nvme_overlap_bytes: int = 0
+    # the working set autograd allocates outside the engine's pools (in device_bytes), by term
+    # (autograd_working_set); "peak" is what device_bytes counts
+    working_set: Dict[str, int] = field(default_factory=dict)
 
     @property
     def tb_written_per_1000_steps(self) -> float:
@@ -119,6 +147,67 @@ def calibrated_compute(shape: ModelShape, batch: int, seq: int, reps: int = 3) -
     return shape.n_layers * parts["layer_s"] + parts["head_s"]
 
 
+def read_by_rows(shape: ModelShape, role: str, tiled_head: bool, embedding_rows: bool) -> bool:
+    """Whether the engine reads the outer block of this role in rows (runtime/rows.py) or
+    tiles (runtime/tiled_head.py) instead of fetching it whole."""
+    if role == EMBEDDING:
+        return embedding_rows
+    if role == HEAD:
+        return tiled_head
+    return role == TIED and tiled_head and embedding_rows
+
+
+def fetched_outer_bytes(shape: ModelShape, tiled_head: bool = False,
+                        embedding_rows: bool = True) -> int:
+    """The largest outer block fetched whole (read neither by rows nor in tiles)."""
+    roles = shape.block_roles or ("",) * len(shape.block_bytes)
+    return max((b for b, k, r in zip(shape.block_bytes, shape.kinds, roles)
+                if k == "outer" and not read_by_rows(shape, r, tiled_head, embedding_rows)),
+               default=0)
+
+
+def autograd_working_set(shape: ModelShape, tokens: Optional[int], compute_bytes: float, *,
+                         tiled_head: bool = False, embedding_rows: bool = True,
+                         chunk_bytes: Optional[float] = None) -> Dict[str, float]:
+    """The bytes autograd allocates outside the engine's pools in a training step, by term,
+    and their peak (the formula in the module docstring). ``tokens`` None: the batch is not
+    known, and the terms that grow with it (activations, logits) are left out."""
+    c, d, v = compute_bytes, shape.d_model, shape.vocab_size or 0
+    per_batch = tokens is not None
+    tokens = tokens or 0
+    ffn = shape.ffn or 4 * d
+    kv = shape.kv_dim or d
+    terms: Dict[str, float] = {} if not per_batch else {
+        "activations": shape.n_layers * tokens * (c * (6 * d + 2 * kv + 4 * ffn) + 8 * d)
+        + tokens * d * (4 + 2 * c)}
+    roles = set(shape.block_roles)
+    trained = shape.trainable_params is None  # a frozen base: no embedding or head gradient
+    # the head streams in tiles only when its block is read by rows (a tied block: with the
+    # embedding read by rows too; otherwise both are fetched whole and the head is plain)
+    head_role = HEAD if HEAD in roles else TIED if TIED in roles else ""
+    head_tiled = bool(head_role) and read_by_rows(shape, head_role, tiled_head, embedding_rows)
+    if v and not head_tiled:
+        if per_batch:
+            terms["logits"] = 12.0 * v * tokens
+        if trained and not shape.tied:
+            terms["head_grad"] = float(v * d * c)
+    elif v:
+        chunk = float(chunk_bytes or DEFAULT_CHUNK_BYTES)
+        head_bytes = shape.role_bytes(HEAD) or shape.role_bytes(TIED)
+        tile = min(chunk, float(head_bytes) * c / shape.bytes_per_param)
+        rows = max(1.0, min(v, chunk // (d * shape.bytes_per_param)))
+        terms["head_tile"] = 2 * tile + 12.0 * tokens * rows
+    emb_role = TIED if shape.tied else EMBEDDING
+    if v and trained and shape.tied is not None and not (
+            emb_role in roles and read_by_rows(shape, emb_role, tiled_head, embedding_rows)):
+        terms["embedding_grad"] = float(v * d * c)
+    start = terms.get("activations", 0.0) + terms.get("logits", 0.0) + terms.get("head_grad", 0.0) + \
+        terms.get("head_tile", 0.0) + (terms.get("embedding_grad", 0.0) if shape.tied else 0.0)
+    end = terms.get("embedding_grad", 0.0) * (3 if shape.tied else 1)
+    terms["peak"] = max(start, end)
+    return terms
+
+
 def _layout(pl: Placement) -> str:
     if pl.param_tier == "nvme":
         return "nvme"
@@ -166,13 +255,20 @@ def estimate_one(shape: ModelShape, pl: Placement, pr: ProbeResult, *, batch: in
                  ranks: int = 1, prefetch_window: int = 2,
                  compute_bytes_per_param: Optional[float] = None,
                  compute_s: Optional[float] = None, states: Optional[str] = None,
-                 master: Optional[str] = None, chunk_bytes: Optional[int] = None) -> Estimate:
+                 master: Optional[str] = None, chunk_bytes: Optional[int] = None,
+                 tiled_head: bool = False, embedding_rows: bool = True,
+                 batch_known: bool = True) -> Estimate:
     """One placement's bytes per tier and predicted step. ``compute_s``: forward + backward
     seconds timed at this shape (else from the probe's FLOP rate); ``states`` / ``master``:
     the optimizer's moment / master-weight format, overriding the placement's own;
     ``chunk_bytes``: the size of the host buffers swap-file I/O and the optimizer pass
     through (None: the default, 256 MiB): staging, gradient buffers and the optimizer's
-    buffer sets are bounded by it, never by the largest block."""
+    buffer sets are bounded by it, never by the largest block. ``tiled_head`` /
+    ``embedding_rows``: as ``wrap()``'s, the LM head streamed in tiles / an untied embedding read
+    by rows (neither fetched whole; their gradients never dense): they set the compute buffers
+    and the working set autograd allocates outside the engine (``Estimate.working_set``);
+    ``batch_known`` False: ``batch``/``seq`` are a guess (``wrap(placement="auto")``), and the
+    working set leaves out the terms that grow with the batch."""
     if master is not None and master != pl.master:
         if pl.plain:
             raise ValueError("infinity.estimate: the device placement (plain PyTorch) has no "
@@ -204,10 +300,11 @@ def estimate_one(shape: ModelShape, pl: Placement, pr: ProbeResult, *, batch: in
     root_bytes = shape.root_bytes * cbpp / bpp
     # materialized at once: the root block (the whole step), the running block (a layer or
     # an outer block: the embedding, the head) and the layers prefetched or kept around it
-    streamed_bytes = shape.streamed_block_bytes * cbpp / bpp
+    outer_bytes = fetched_outer_bytes(shape, tiled_head, embedding_rows) * cbpp / bpp
+    streamed_bytes = max(layer_bytes, outer_bytes)
     window_bytes = root_bytes + streamed_bytes + prefetch_window * layer_bytes
     # read before the first compute: the root and the first block (the embedding's, if any)
-    first_bytes = root_bytes + (shape.outer_block_bytes * cbpp / bpp or layer_bytes)
+    first_bytes = root_bytes + (outer_bytes or layer_bytes)
     compute = (compute_s if compute_s is not None
                else model_flops(shape, tokens, seq) / pr.flops_at(shape.d_model,
                                                                  compute_dtype(cbpp)))
@@ -218,6 +315,8 @@ def estimate_one(shape: ModelShape, pl: Placement, pr: ProbeResult, *, batch: in
     fetch = grad = opt = 0.0
     written = overlap_bytes = 0.0
     chunk = float(chunk_bytes or DEFAULT_CHUNK_BYTES)
+    work = autograd_working_set(shape, tokens if batch_known else None, cbpp, tiled_head=tiled_head,
+                                embedding_rows=embedding_rows, chunk_bytes=chunk)
     categories: Dict[str, float] = {}
     if pl.plain:
         device = shape.param_bytes * 2 + 8 * shape.params
@@ -287,9 +386,15 @@ def estimate_one(shape: ModelShape, pl: Placement, pr: ProbeResult, *, batch: in
             fetch = max(0.0, io_fb - compute - grad) + first
             opt = max(adam, io_opt) + edge
         step = compute + fetch + grad + opt + overhead
+    # autograd's working set outside the engine (plain PyTorch: its gradients are counted)
+    if pl.plain:
+        work = {k: v for k, v in work.items() if k in ("activations", "logits", "head_tile")}
+        work["peak"] = sum(work.values())
+    device += work["peak"]
     return Estimate(pl.name, ranks, int(device), int(host), int(nvme), step, compute, fetch,
                     grad, opt, int(written), tokens, pl.what, overhead,
-                    {k: int(v) for k, v in categories.items()}, int(overlap_bytes))
+                    {k: int(v) for k, v in categories.items()}, int(overlap_bytes),
+                    {k: int(v) for k, v in work.items()})
 
 
 def _state_categories(pl: Placement, s: float, n: float, unit: float) -> Dict[str, float]:
@@ -310,7 +415,8 @@ def estimate(model_or_count: Union[nn.Module, int, float, str, ModelShape, Any] 
              master: str = "fp32", vocab_size: Optional[int] = None, ffn: Optional[int] = None,
              n_heads: Optional[int] = None, n_kv_heads: Optional[int] = None,
              tied: Optional[bool] = None, head_dim: Optional[int] = None,
-             chunk_bytes: Optional[int] = None,
+             chunk_bytes: Optional[int] = None, tiled_head: bool = False,
+             embedding_rows: bool = True,
              dtype: Optional[torch.dtype] = None, frozen_format: Optional[str] = None,
              trainable_params: Optional[int] = None) -> EstimateTable:
     """Predicts, before anything is allocated, what each placement needs and how fast a step
@@ -330,7 +436,8 @@ def estimate(model_or_count: Union[nn.Module, int, float, str, ModelShape, Any] 
     (seconds for large models) instead of using the probe's FLOP rate. ``master``: the
     optimizer's master-weight format (``AdamW(master=...)``) for every infinity placement.
     ``chunk_bytes``: the engine's chunk (``wrap(chunk_bytes=)``; None: 256 MiB), which bounds
-    the host buffers of the NVMe placements. ``frozen_format`` ("nf4", "int8"): the base is
+    the host buffers of the NVMe placements. ``tiled_head``, ``embedding_rows``: as ``wrap()``'s
+    (see :func:`estimate_one`). ``frozen_format`` ("nf4", "int8"): the base is
     frozen and its layer matrices stored in that format (``wrap(frozen_format=)``): homes and
     fetches count the stored bytes (0.5625 B/param for NF4), gradients and optimizer states
     only ``trainable_params`` (None: a module's ``requires_grad`` parameters; 0 for a config or
@@ -376,6 +483,7 @@ def estimate(model_or_count: Union[nn.Module, int, float, str, ModelShape, Any] 
         notes.append("compute timed at this shape (one layer + head)")
     rows = [estimate_one(shape, p, pr, batch=batch, seq=seq, ranks=r,
                          prefetch_window=prefetch_window, compute_s=compute_s,
-                         master=None if p.plain else master, chunk_bytes=chunk_bytes)
+                         master=None if p.plain else master, chunk_bytes=chunk_bytes,
+                         tiled_head=tiled_head, embedding_rows=embedding_rows)
             for r in rank_list for p in chosen if not (p.plain and r > 1)]
     return EstimateTable(shape, rows, batch, seq, pr.device, notes)

@@ -54,6 +54,12 @@ def format_estimates(t: "EstimateTable") -> str:
                          f"{parts}; SSD wear {r.tb_written_per_1000_steps:.2f} TB per 1,000 steps"
                          + (f"; +{r.nvme_overlap_bytes / n:.2f} while the step overlaps backward"
                             if r.nvme_overlap_bytes else ""))
+    if t.rows and t.rows[0].working_set:
+        ws = t.rows[-1].working_set
+        parts = ", ".join(f"{k.replace('_', ' ')} {fmt_bytes(v)}" for k, v in ws.items()
+                          if k != "peak")
+        lines.append(f"autograd's working set outside the engine ({t.rows[-1].placement}, in "
+                     f"device): {parts}; peak {fmt_bytes(ws['peak'])}")
     lines += [f"note: {n}" for n in t.notes]
     return "\n".join(lines) + "\n"
 
@@ -74,7 +80,10 @@ def format_plan(plan: "Plan") -> str:
         f"  predicted step {fmt_s(plan.estimate.step_s)} "
         f"({plan.estimate.tokens_per_s:,.0f} tokens/s); needs device "
         f"{fmt_bytes(plan.estimate.device_bytes)}, host {fmt_bytes(plan.estimate.host_bytes)}, "
-        f"NVMe {fmt_bytes(plan.estimate.nvme_bytes)}",
+        f"NVMe {fmt_bytes(plan.estimate.nvme_bytes)}"
+        + (f" (device includes autograd's working set, "
+           f"{fmt_bytes(plan.estimate.working_set['peak'])})"
+           if plan.estimate.working_set.get("peak") else ""),
         "  why:",
     ]
     lines += [f"    - {r}" for r in plan.reasons]

@@ -9,6 +9,11 @@ the planner also considers "the first K blocks on host, the rest on NVMe" (``hos
 K as large as fits after the other needs), its step predicted by combining the all-NVMe and
 host-parameter estimates in proportion to the bytes on each tier, and takes it when that is
 the shortest predicted step. Gradients and optimizer states keep one tier for the model.
+
+What autograd allocates outside the engine (activations, the logits and the head's gradient
+without ``tiled_head``, a dense embedding gradient without rows: ``estimate.py``'s
+``autograd_working_set``) is counted in every placement's device bytes, so on a CPU the
+host-homed blocks leave room for it within the host budget.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import psutil
 from torch import nn
 
 from ..policy import OffloadPolicy, check_nvme_path
+from ..tiers.chunk_size import check_chunk_bytes
 from .estimate import Estimate, compute_dtype, estimate_one, model_flops
 from .explain import fmt_bytes, fmt_s, format_plan
 from .placements import PLACEMENTS, Placement
@@ -35,6 +41,7 @@ RAM_SHARE = 0.7        # of the available RAM, when no host_budget is given
 DEVICE_SHARE = 0.9     # of a GPU's memory, when no device_budget is given
 DISK_MARGIN = 0.95     # of the free disk space the swap files may take
 MAX_WINDOW = 4
+DEFAULT_BATCH = (4, 128)  # batch x seq of the speed prediction when plan() is not told
 _DEFAULT_WINDOW = OffloadPolicy().prefetch_window
 
 
@@ -128,7 +135,8 @@ def _host_part(e: Estimate, cuda: bool) -> int:
 
 def _split(shape: ModelShape, pr: ProbeResult, nvme_pl: Placement, e_nvme: Estimate, w: int,
            b: Dict[str, Optional[int]], cuda: bool, batch: int, seq: int,
-           k_given: Optional[int] = None) -> Optional[Tuple[Placement, Estimate, int]]:
+           k_given: Optional[int] = None, **layout: Any
+           ) -> Optional[Tuple[Placement, Estimate, int]]:
     """"The first K blocks' parameters on host, the rest on NVMe" (gradients and states as in
     ``nvme_pl``), K as large as the host budget holds after what the NVMe placement needs; None
     when not even one block fits (or all do: then a host placement is the one to compare).
@@ -153,7 +161,7 @@ def _split(shape: ModelShape, pr: ProbeResult, nvme_pl: Placement, e_nvme: Estim
         return None
     f = held / max(1, shape.param_bytes)
     host_pl = Placement("_host_params", "host", "host", nvme_pl.optimizer_tier, nvme_pl.states)
-    e_host = estimate_one(shape, host_pl, pr, batch=batch, seq=seq, prefetch_window=w)
+    e_host = estimate_one(shape, host_pl, pr, batch=batch, seq=seq, prefetch_window=w, **layout)
     fetch = (1 - f) * e_nvme.fetch_s + f * e_host.fetch_s
     opt = (1 - f) * e_nvme.optimizer_s + f * e_host.optimizer_s
     step = e_nvme.step_s - e_nvme.fetch_s - e_nvme.optimizer_s + fetch + opt
@@ -170,11 +178,18 @@ def _split(shape: ModelShape, pr: ProbeResult, nvme_pl: Placement, e_nvme: Estim
 
 
 def plan(model: Union[nn.Module, ModelShape, int, float], policy: Optional[OffloadPolicy] = None,
-         *, probe: Optional[ProbeResult] = None, states: str = "fp32", batch: int = 4,
-         seq: int = 128, ram_share: float = RAM_SHARE, **settings: Any) -> Plan:
+         *, probe: Optional[ProbeResult] = None, states: str = "fp32",
+         batch: Optional[int] = None, seq: Optional[int] = None, ram_share: float = RAM_SHARE,
+         **settings: Any) -> Plan:
     """The placement ``wrap(model, placement="auto", ...)`` would use, with its reasons.
     ``states``: the optimizer's moment format you will use ("fp32", "bf16", "8bit");
-    ``batch``/``seq``: the step the speed predictions are for."""
+    ``batch``/``seq``: the step the predictions are for. Given both, the activations and
+    logits of that step are counted in the RAM a placement needs; left out (None, as
+    ``wrap`` plans: it does not know the batch), the speed is predicted for 4 x 128 tokens
+    and only the working set that does not grow with the batch is counted."""
+    batch_known = batch is not None and seq is not None
+    batch = DEFAULT_BATCH[0] if batch is None else batch
+    seq = DEFAULT_BATCH[1] if seq is None else seq
     if policy is None:
         policy = OffloadPolicy(**settings)
     elif settings:
@@ -211,6 +226,11 @@ def plan(model: Union[nn.Module, ModelShape, int, float], policy: Optional[Offlo
         t = {k: explicit.get(k, "host") for k in ("param_tier", "grad_tier", "optimizer_tier")}
         pool.append(Placement("custom", t["param_tier"], t["grad_tier"], t["optimizer_tier"],
                               states, "as set"))
+    # how the engine lays out the step: the chunk its pools use (when set; else the estimate's
+    # default), the head and embedding reads
+    layout = dict(chunk_bytes=check_chunk_bytes(policy.chunk_bytes, "infinity.plan"),
+                  tiled_head=policy.tiled_head, embedding_rows=policy.embedding_rows,
+                  batch_known=batch_known)
     rows = []
     splits = {}  # placement name -> host_blocks
     for pl in pool:
@@ -219,17 +239,17 @@ def plan(model: Union[nn.Module, ModelShape, int, float], policy: Optional[Offlo
         if pl.uses_nvme and pr.disk is None:
             rows.append((pl, None, w, "no nvme_path"))
             continue
-        e = estimate_one(shape, pl, pr, batch=batch, seq=seq, prefetch_window=w)
+        e = estimate_one(shape, pl, pr, batch=batch, seq=seq, prefetch_window=w, **layout)
         while True:
             why = _fits(e, pl, b, cuda)
             if not why or w <= 1 or pl.param_tier != "nvme":
                 break
             w -= 1  # a smaller window may fit where a deeper one does not
-            e = estimate_one(shape, pl, pr, batch=batch, seq=seq, prefetch_window=w)
+            e = estimate_one(shape, pl, pr, batch=batch, seq=seq, prefetch_window=w, **layout)
         rows.append((pl, e, w, why))
         if pl.param_tier == "nvme" and e is not None and (given_k or (
                 "param_tier" not in explicit and policy.host_blocks is None and not why)):
-            split = _split(shape, pr, pl, e, w, b, cuda, batch, seq, given_k)
+            split = _split(shape, pr, pl, e, w, b, cuda, batch, seq, given_k, **layout)
             if split is not None:
                 spl, se, k = split
                 splits[spl.name] = k
@@ -252,6 +272,10 @@ def plan(model: Union[nn.Module, ModelShape, int, float], policy: Optional[Offlo
             f"({fmt_bytes(held)}) fit in the host budget ({fmt_bytes(b['host'])}) next to what "
             "NVMe offload needs, one more does not; their fetches and working-copy writes "
             "skip the disk")
+    if not batch_known:
+        reasons.append("the activations and logits of a step are not counted in the RAM "
+                       "needed (the batch is not known): pass batch= and seq= to plan() to "
+                       "count them")
     if explicit:
         reasons.append("kept as you set: " + ", ".join(f"{k}={v}" for k, v in explicit.items()))
     if given_k:

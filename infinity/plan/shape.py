@@ -16,6 +16,10 @@ from torch import nn
 from ..policy import OffloadPolicy
 from ..runtime.partition import LAYER, OUTER, ROOT, partition
 
+# what an outer block holds (ModelShape.block_roles): the input embedding, the LM head, or both
+# (a tied embedding and head: one block); "" for anything else
+EMBEDDING, HEAD, TIED = "embedding", "head", "tied"
+
 # modules outside the layers holding at least this many elements are blocks of their own
 # (the engine's default: OffloadPolicy.param_persistence_threshold)
 PERSISTENCE_THRESHOLD: int = OffloadPolicy.param_persistence_threshold
@@ -43,6 +47,17 @@ class ModelShape:
     # parameters the optimizer steps (None: param_bytes, and every parameter trainable)
     stored_bytes: Optional[int] = None
     trainable_params: Optional[int] = None
+    # per block: EMBEDDING, HEAD, TIED or "" (empty: no block holds the embedding or the head);
+    # tied: one parameter for the embedding and the head (None: unknown); the MLP width and the
+    # key/value width of a layer (None: 4 * d_model and d_model), for the activations' bytes
+    block_roles: Tuple[str, ...] = ()
+    tied: Optional[bool] = None
+    ffn: Optional[int] = None
+    kv_dim: Optional[int] = None
+
+    def role_bytes(self, role: str) -> int:
+        """The bytes of the outer block holding ``role`` (0 without one)."""
+        return sum(b for b, r in zip(self.block_bytes, self.block_roles) if r == role)
 
     @property
     def kinds(self) -> Tuple[str, ...]:
@@ -116,10 +131,61 @@ def shape_of(model: nn.Module, block_rule=None,
     chosen = formats_for(model, "8bit")
     sizes = {name: p.numel() for name, p in model.named_parameters()}
     full = sum(sizes.get(name, 0) for name, fmt in chosen.items() if fmt != "8bit")
+    emb, head = _io_embeddings(model)
+    tied = (emb is not None and head is not None
+            and getattr(head, "weight", None) is getattr(emb, "weight", False))
+    roles = tuple(_role(s, emb, head) for s in specs)
+    d_model = _guess_d_model(model)
+    ffn = _cfg_int(cfg, "intermediate_size", "n_inner", "ffn_dim")
+    kv_heads = _cfg_int(cfg, "num_key_value_heads")
+    head_dim = _cfg_int(cfg, "head_dim") or (d_model // heads if isinstance(heads, int) and
+                                             heads > 0 else None)
     return ModelShape(sum(params), sum(nbytes), tuple(params), tuple(nbytes), max(1, layers),
-                      _guess_d_model(model), type(model).__name__,
+                      d_model, type(model).__name__,
                       max(embs) if embs else None, heads if isinstance(heads, int) else None,
-                      full, tuple(s.kind for s in specs))
+                      full, tuple(s.kind for s in specs), block_roles=roles,
+                      tied=tied if emb is not None else None, ffn=ffn,
+                      kv_dim=kv_heads * head_dim if kv_heads and head_dim else None)
+
+
+def _cfg_int(cfg: Any, *names: str) -> Optional[int]:
+    for name in names:
+        value = getattr(cfg, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def _io_embeddings(model: nn.Module) -> Tuple[Optional[nn.Module], Optional[nn.Module]]:
+    """The model's input embedding and LM head (transformers' get_input_embeddings /
+    get_output_embeddings); without those, its only nn.Embedding (a GPT with a tied head)."""
+    emb = head = None
+    for attr in ("get_input_embeddings", "get_output_embeddings"):
+        get = getattr(model, attr, None)
+        try:
+            found = get() if callable(get) else None
+        except (NotImplementedError, AttributeError):
+            found = None
+        if isinstance(found, nn.Module):
+            if attr == "get_input_embeddings":
+                emb = found
+            else:
+                head = found
+    if emb is None:
+        embs = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+        emb = embs[0] if len(embs) == 1 else None
+        if emb is not None and head is None:
+            head = next((m for m in model.modules() if isinstance(m, nn.Linear)
+                         and m.weight is emb.weight), None)
+    return emb, head
+
+
+def _role(spec: Any, emb: Optional[nn.Module], head: Optional[nn.Module]) -> str:
+    if spec.kind != OUTER:
+        return ""
+    has_emb = emb is not None and any(m is emb for m in spec.modules)
+    has_head = head is not None and any(m is head for m in spec.modules)
+    return TIED if has_emb and has_head else EMBEDDING if has_emb else HEAD if has_head else ""
 
 
 def shape_of_count(params: int, *, n_layers: Optional[int] = None,
@@ -142,11 +208,13 @@ def shape_of_count(params: int, *, n_layers: Optional[int] = None,
     emb = max(0, params - n_layers * per_layer)
     blocks = (per_layer,) * n_layers + (emb,)
     # the embedding (tied head) is a block of its own from the persistence threshold on
-    kinds = (LAYER,) * n_layers + ((OUTER,) if emb >= PERSISTENCE_THRESHOLD else (ROOT,))
+    outer = emb >= PERSISTENCE_THRESHOLD
+    kinds = (LAYER,) * n_layers + ((OUTER,) if outer else (ROOT,))
     return ModelShape(params, params * bytes_per_param, blocks,
                       tuple(b * bytes_per_param for b in blocks), n_layers, d_model,
                       f"GPT {params / 1e6:.0f}M", vocab_size, max(1, d_model // 64),
-                      block_kinds=kinds)
+                      block_kinds=kinds, block_roles=("",) * n_layers + (TIED if outer else "",),
+                      tied=True, ffn=4 * d_model, kv_dim=d_model)
 
 
 # The decoder dimensions, each as (DecoderDims field and estimate() keyword, config.json key,
@@ -255,10 +323,16 @@ class DecoderDims:
         root = self.root_params - sum(big)
         blocks = (self.layer_params,) * self.n_layers + tuple(big) + ((root,) if root else ())
         kinds = ((LAYER,) * self.n_layers + (OUTER,) * len(big) + ((ROOT,) if root else ()))
+        names = [TIED if self.tied else EMBEDDING] + ([] if self.tied else [HEAD])
+        roles = tuple(r for r, n in zip(names, outer) if persistence_threshold is not None
+                      and n >= persistence_threshold)
         return ModelShape(self.params, self.params * bytes_per_param, blocks,
                           tuple(b * bytes_per_param for b in blocks), self.n_layers,
                           self.d_model, self.name, self.vocab_size, self.n_heads,
-                          self.full_moment_params, kinds)
+                          self.full_moment_params, kinds,
+                          block_roles=("",) * self.n_layers + roles + (("",) if root else ()),
+                          tied=self.tied, ffn=self.ffn,
+                          kv_dim=self.kv_heads * self.head_size)
 
     @property
     def full_moment_params(self) -> int:
