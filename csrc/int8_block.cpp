@@ -26,6 +26,10 @@
 
 namespace {
 
+using inf_quant::BlockMax;
+using inf_quant::block_max_avx2;
+using inf_quant::block_max_avx512;
+using inf_quant::block_max_scalar;
 using inf_adam::kAVX2;
 using inf_adam::kAVX512;
 using inf_adam::kScalar;
@@ -61,17 +65,8 @@ inline int8_t code_of(float x, float scale) {
 
 void quantize_block_scalar(void* ctx, const float* x, int64_t count, int64_t b, int64_t i0) {
   const QuantOut& o = *static_cast<const QuantOut*>(ctx);
-  float mx = 0.f;
-  bool nan = false;
-  for (int64_t i = 0; i < count; ++i) {
-    const float a = std::fabs(x[i]);
-    if (std::isnan(a)) {
-      nan = true;
-    } else if (a > mx) {
-      mx = a;
-    }
-  }
-  const BlockScale s = block_scale(mx, nan);
+  const BlockMax m = block_max_scalar(x, count);
+  const BlockScale s = block_scale(m.mx, m.nan);
   o.absmax[b] = s.absmax;
   for (int64_t i = 0; i < count; ++i) o.codes[i0 + i] = code_of(x[i], s.scale);
 }
@@ -87,33 +82,12 @@ INF_TARGET_AVX2 inline __m256i avx2_codes(__m256 y) {
 INF_TARGET_AVX2 void quantize_block_avx2(void* ctx, const float* x, int64_t count, int64_t b,
                                          int64_t i0) {
   const QuantOut& o = *static_cast<const QuantOut*>(ctx);
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  __m256 vmax = _mm256_setzero_ps();
-  __m256 vnan = _mm256_setzero_ps();
+  const BlockMax m = block_max_avx2(x, count);
+  const BlockScale s = block_scale(m.mx, m.nan);
   int64_t i = 0;
-  for (; i + 8 <= count; i += 8) {
-    const __m256 v = _mm256_loadu_ps(x + i);
-    vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, v));  // wrong lanes only with a NaN
-  }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, vmax);
-  float mx = 0.f;
-  bool nan = _mm256_movemask_ps(vnan) != 0;
-  for (float a : lanes) mx = a > mx ? a : mx;
-  for (; i < count; ++i) {
-    const float a = std::fabs(x[i]);
-    if (std::isnan(a)) {
-      nan = true;
-    } else if (a > mx) {
-      mx = a;
-    }
-  }
-  const BlockScale s = block_scale(mx, nan);
   o.absmax[b] = s.absmax;
   int8_t* codes = o.codes + i0;
   const __m256 scale = _mm256_set1_ps(s.scale);
-  i = 0;
   for (; i + 16 <= count; i += 16) {
     const __m256i c0 = avx2_codes(_mm256_mul_ps(_mm256_loadu_ps(x + i), scale));
     const __m256i c1 = avx2_codes(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8), scale));
@@ -127,21 +101,9 @@ INF_TARGET_AVX2 void quantize_block_avx2(void* ctx, const float* x, int64_t coun
 INF_TARGET_AVX512 void quantize_block_avx512(void* ctx, const float* x, int64_t count,
                                              int64_t b, int64_t i0) {
   const QuantOut& o = *static_cast<const QuantOut*>(ctx);
-  __m512 vmax = _mm512_setzero_ps();
-  __mmask16 vnan = 0;
+  const BlockMax m = block_max_avx512(x, count);
+  const BlockScale s = block_scale(m.mx, m.nan);
   int64_t i = 0;
-  for (; i + 16 <= count; i += 16) {
-    const __m512 v = _mm512_loadu_ps(x + i);
-    vnan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));  // wrong lanes only with a NaN
-  }
-  if (i < count) {
-    const __mmask16 k = static_cast<__mmask16>((1u << (count - i)) - 1u);
-    const __m512 v = _mm512_maskz_loadu_ps(k, x + i);
-    vnan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
-  }
-  const BlockScale s = block_scale(_mm512_reduce_max_ps(vmax), vnan != 0);
   o.absmax[b] = s.absmax;
   int8_t* codes = o.codes + i0;
   const __m512 scale = _mm512_set1_ps(s.scale);

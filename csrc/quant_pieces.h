@@ -12,6 +12,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -26,6 +27,65 @@ using inf_adam::kBF16;
 using inf_adam::kF16;
 using inf_adam::kF32;
 using inf_adam::kScalar;
+
+// ---- a block's absmax, shared by the formats' kernels ------------------------------------
+// max |x| over `count` elements and whether any is NaN (then `mx` is not meaningful: the
+// formats store NaN / a NaN-proof scale for such a block).
+struct BlockMax {
+  float mx;
+  bool nan;
+};
+
+inline BlockMax block_max_scalar(const float* x, int64_t count) {
+  BlockMax m{0.f, false};
+  for (int64_t i = 0; i < count; ++i) {
+    const float a = std::fabs(x[i]);
+    if (std::isnan(a)) {
+      m.nan = true;
+    } else if (a > m.mx) {
+      m.mx = a;
+    }
+  }
+  return m;
+}
+
+INF_TARGET_AVX2 inline BlockMax block_max_avx2(const float* x, int64_t count) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 vmax = _mm256_setzero_ps();
+  __m256 vnan = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, v));  // wrong lanes only with a NaN
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vmax);
+  BlockMax m{0.f, _mm256_movemask_ps(vnan) != 0};
+  for (float a : lanes) m.mx = a > m.mx ? a : m.mx;
+  const BlockMax tail = block_max_scalar(x + i, count - i);
+  m.nan = m.nan || tail.nan;
+  m.mx = tail.mx > m.mx ? tail.mx : m.mx;
+  return m;
+}
+
+INF_TARGET_AVX512 inline BlockMax block_max_avx512(const float* x, int64_t count) {
+  __m512 vmax = _mm512_setzero_ps();
+  __mmask16 vnan = 0;
+  int64_t i = 0;
+  for (; i + 16 <= count; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    vnan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));  // wrong lanes only with a NaN
+  }
+  if (i < count) {
+    const __mmask16 k = static_cast<__mmask16>((1u << (count - i)) - 1u);
+    const __m512 v = _mm512_maskz_loadu_ps(k, x + i);
+    vnan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
+  }
+  return BlockMax{_mm512_reduce_max_ps(vmax), vnan != 0};
+}
 
 constexpr int kOk = 0;
 constexpr int kErrNull = -1;
