@@ -251,19 +251,10 @@ def test_materialized_right_after_backward_waits_for_the_updates_in_flight(base,
         return real(self, flat, src)
 
     def loop(model, opt, steps, shown):
-        gen = torch.Generator().manual_seed(1)
-        losses = []
-        for i in range(steps):
-            x, y = synthetic_batch(CFG, 2, 8, gen)
-            loss = lm_loss(model(x), y)
-            loss.backward()
-            if shown is not None:
-                with infinity.materialized(model):
-                    shown.append({n: p.detach().clone() for n, p in model.named_parameters()})
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        return losses
+        def look(opt, i):
+            with infinity.materialized(model):
+                shown.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        return _loop_with_changes(model, opt, steps, change=look)
 
     before = []  # without overlap: the weights before each step
     ref = _run(base, tmp_path / "ref", False, loop=lambda m, o, n: loop(m, o, n, before))
