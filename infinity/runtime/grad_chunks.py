@@ -51,6 +51,10 @@ class ChunkedGrads:
         self._valid: Dict[int, Set[int]] = {}
         self._stale: Dict[int, Set[int]] = {}
         self._offsets: Dict[int, List[int]] = {}  # the flats' slots' offsets
+        # slots that got a gradient since the flat opened in this backward: a chunk all of
+        # whose trainable slots did is complete (written out when room is needed, never
+        # read back unless a later gradient reaches it, as a tied weight's rows do)
+        self._arrived: Dict[int, Set[int]] = {}
         # reads started ahead ((id(flat), chunk) -> flat, buffer, future), taken by chunk()
         self._ahead: Dict[Tuple[int, int], tuple] = {}
         self.holding_now = 0  # chunks of the flat being closed, kept (not yet handed over)
@@ -102,6 +106,7 @@ class ChunkedGrads:
 
     def open(self, flat: FlatParam) -> None:
         self._chunked[id(flat)] = flat
+        self._arrived[id(flat)] = set()
         self._norms.start_chunked(flat)
 
     def forget_slot(self, flat: FlatParam, index: int) -> None:
@@ -210,6 +215,7 @@ class ChunkedGrads:
         chunks = range(lo // per, (hi - 1) // per + 1)
         g = grad.detach().reshape(-1)
         flat.grad_ready[index] = True  # first: a chunk written out meanwhile keeps its part
+        self._arrived[id(flat)].add(index)
         norm: Optional[torch.Tensor] = None
 
         def parts():
@@ -258,6 +264,7 @@ class ChunkedGrads:
         per = self.elems
         lo, hi = s.offset, s.offset + s.numel
         a0, b0 = lo, hi
+        self._arrived[id(flat)].add(index)
         if add:
             if not rows.numel():
                 return False
@@ -269,10 +276,36 @@ class ChunkedGrads:
         return True
 
     # ---- writing out ---------------------------------------------------------------------
-    def evict(self) -> None:
-        """The least recently used open chunk goes to disk (read back if touched again)."""
-        (_fid, k), (flat, buf) = self._open.popitem(last=False)
-        self._write(flat, k, buf)
+    def evict(self, *, complete_only: bool = False) -> bool:
+        """The least recently used open chunk goes to disk (read back if touched again);
+        ``complete_only``: the least recently used complete one (every trainable slot it
+        overlaps got its gradient in this backward), if any. Whether one went."""
+        for key, (flat, buf) in self._open.items():
+            if not complete_only or self.complete(flat, key[1]):
+                del self._open[key]
+                self._write(flat, key[1], buf)
+                return True
+        return False
+
+    def complete(self, flat: FlatParam, k: int) -> bool:
+        """Whether every trainable slot overlapping chunk ``k`` got its gradient since the
+        flat opened (writing it out now costs no read back, and no second write, later)."""
+        start, end = self.span(flat, k)
+        arrived = self._arrived.get(id(flat), ())
+        offsets = self._slot_offsets(flat)
+        for i in range(max(0, bisect.bisect_right(offsets, start) - 1), len(flat.slots)):
+            s = flat.slots[i]
+            if s.offset >= end:
+                break
+            if s.trainable and s.offset + s.numel > start and i not in arrived:
+                return False
+        return True
+
+    def _slot_offsets(self, flat: FlatParam) -> List[int]:
+        offsets = self._offsets.get(id(flat))
+        if offsets is None:
+            offsets = self._offsets[id(flat)] = [s.offset for s in flat.slots]
+        return offsets
 
     def _write(self, flat: FlatParam, k: int, buf: torch.Tensor) -> None:
         """Zeroes what no gradient reached in the chunk and hands it to the writer thread; the
@@ -290,9 +323,7 @@ class ChunkedGrads:
         start, end = self.span(flat, k)
         view = buf[:(end - start) * 4].view(torch.float32)
         pos = start
-        offsets = self._offsets.get(id(flat))
-        if offsets is None:
-            offsets = self._offsets[id(flat)] = [s.offset for s in flat.slots]
+        offsets = self._slot_offsets(flat)
         first = max(0, bisect.bisect_right(offsets, start) - 1)  # slots in offset order
         for i in range(first, len(flat.slots)):
             s = flat.slots[i]
@@ -337,6 +368,7 @@ class ChunkedGrads:
         finally:
             self.holding_now -= len(kept)
         del self._chunked[fid]
+        self._arrived.pop(fid, None)
         norms = self._norms.record_chunked(flat)
         if not kept:
             self._held.clear_unwritten(flat)

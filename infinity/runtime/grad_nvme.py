@@ -130,20 +130,25 @@ class NvmeGradStore(GradStore):
         self.held.reclaim()
         chunks = self._chunks
         while self.free_count() <= 0:
-            if chunks.open_count() and len(self._writer) < max(1, self.pool.count - 2):
-                # the least recently used chunk goes to disk (read back if touched again);
-                # all but two buffers may be writing while accumulation goes on in the rest
-                chunks.evict()
-            elif len(self._writer):
+            if chunks.open_count() and len(self._writer) < max(1, self.pool.count - 2) \
+                    and chunks.evict(complete_only=True):
+                # a complete chunk goes to disk (all but two buffers may be writing while
+                # accumulation goes on in the rest); it is never read back for this backward
+                continue
+            if len(self._writer):
                 self.reap(block=True, count=1)
             elif chunks.ahead_count():
                 chunks.drop_ahead()
-            elif chunks.open_count():
-                chunks.evict()
             elif self.held.any_held():
                 # the optimizer's worker still steps from them: it hands one back as soon as
-                # it has stepped its block (backward waits for the step here, as for a write)
+                # it has stepped its block (backward waits for the step here, as for a
+                # write, rather than write out a chunk still accumulating: that one would be
+                # read back and written again, three transfers instead of one)
                 self.held.reclaim(wait=True)
+            elif chunks.open_count():
+                # the least recently used chunk still accumulating goes to disk (read back
+                # when its next gradient arrives)
+                chunks.evict()
             elif self._open:
                 # more flats are accumulating at once than the pool holds (tied weights,
                 # blocks whose backward is not over): write the oldest out; it is read back
