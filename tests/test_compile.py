@@ -1,11 +1,13 @@
 """torch.compile on a wrapped model. The engine's hooks are kept out of dynamo's tracing, as
 FSDP2 keeps its own: a compiled model runs them eagerly between its graphs. Checked here:
 
-- a compiled wrapped model (parameters and optimizer states on host, or on NVMe) trains as the
-  compiled plain model does: same losses, gradients and, after ``infinity.optim.AdamW`` against
+- a compiled wrapped model (parameters and optimizer states on host, or on NVMe, there also
+  with embeddings whose forward reads only the batch's rows) trains as the compiled plain
+  model does: same losses, gradients and, after ``infinity.optim.AdamW`` against
   ``torch.optim.AdamW(fused=True)``, weights, bitwise in fp32 over three steps;
 - dynamo warns and logs nothing about the hooks' own code (``time.perf_counter``,
-  ``ctypes.byref``) and compiles no frame of the engine's runtime;
+  ``ctypes.byref``) and compiles no frame of the engine's runtime but compile_guard's
+  three-line dispatcher;
 - keeping them out imports no ``torch._dynamo``, neither with ``import infinity`` nor in a
   forward and backward: importing it raises glibc's mmap threshold, so a model built after it
   lies in the heap and the peak RSS of NVMe streaming grows (runtime/compile_guard.py).
@@ -14,6 +16,7 @@ The backend records dynamo's graphs and runs them as they are (no code generator
 checked is the tracing."""
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import os
@@ -27,11 +30,17 @@ import pytest
 import torch
 
 import infinity
-from engine_helpers import SMALL, assert_params_bitwise, batches, check_grads_then_step, loss_of, pair
+from engine_helpers import (SMALL, assert_params_bitwise, batches, check_grads_then_step, loss_of,
+                            pair)
 
 _RUNTIME_DIR = os.path.dirname(infinity.runtime.__file__)
 _TIERS = {"host": dict(param_tier="host", optimizer_tier="host"),
-          "nvme": dict(param_tier="nvme", optimizer_tier="nvme")}
+          "nvme": dict(param_tier="nvme", optimizer_tier="nvme"),
+          # untied embeddings, each a block of its own: their forward reads only the batch's
+          # rows from the swap file (runtime/rows.py)
+          "nvme-rows": dict(param_tier="nvme", optimizer_tier="nvme",
+                            param_persistence_threshold=1000)}
+_UNTIED = dataclasses.replace(SMALL, tie_embeddings=False)
 
 
 class _Graphs:
@@ -63,10 +72,14 @@ def _suspect(message: str) -> bool:
         and traced.group(1) != _GUARD
 
 
-@pytest.mark.parametrize("tier", ["host", "nvme"])
+@pytest.mark.parametrize("tier", sorted(_TIERS))
 def test_compiled_wrapped_model_trains_as_compiled_plain(tmp_path, tier):
     torch._dynamo.reset()
-    ref, model = pair(nvme_path=str(tmp_path), host_budget="1GiB", **_TIERS[tier])
+    cfg = _UNTIED if tier == "nvme-rows" else SMALL
+    ref, model = pair(cfg, nvme_path=str(tmp_path), host_budget="1GiB", **_TIERS[tier])
+    if tier == "nvme-rows":
+        rows = [b.name for b in model._infinity_engine.blocks if b.row_lookup]
+        assert rows == ["tok", "pos"], rows
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
     opt = infinity.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     plain_graphs, wrapped_graphs = _Graphs(), _Graphs()
@@ -82,7 +95,7 @@ def test_compiled_wrapped_model_trains_as_compiled_plain(tmp_path, tier):
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            for step, (x, y) in enumerate(batches(SMALL, 3)):
+            for step, (x, y) in enumerate(batches(cfg, 3)):
                 l_ref, loss = loss_of(compiled_ref, x, y), loss_of(compiled, x, y)
                 assert torch.equal(l_ref.detach(), loss.detach()), (step, l_ref, loss)
                 l_ref.backward()
@@ -94,8 +107,10 @@ def test_compiled_wrapped_model_trains_as_compiled_plain(tmp_path, tier):
         torch._dynamo.reset()
     assert_params_bitwise(ref, model)
     stats = infinity.stats(model)
-    if tier == "nvme":
+    if tier != "host":
         assert stats["moved"]["nvme_to_host"] > 0, stats["moved"]
+    if tier == "nvme-rows":  # two embeddings, three forwards
+        assert model._infinity_engine.stats.rows_lookups == 6
     opt.close()
     infinity.unwrap(model)
     # both models were really compiled: dynamo handed over graphs holding the model's ops
