@@ -11,6 +11,7 @@ from torch.utils._pytree import tree_flatten
 from . import rows as rows_mod
 from . import tiled_head as tiled_head_mod
 from .block import Block
+from .compile_guard import eager_only
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -66,6 +67,7 @@ class EngineHook:
         # engine -- holding it would keep every engine never unwrapped alive, swap files open
         self._bound = tuple(_BlockIndex(b.index) if isinstance(b, Block) else b for b in bound)
 
+    @eager_only  # a compiled model runs the hooks eagerly between its graphs (compile_guard.py)
     def __call__(self, *args: Any) -> Any:
         engine = self._engine()
         if engine is None:

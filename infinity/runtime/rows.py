@@ -35,6 +35,7 @@ from torch import nn
 
 from ..tiers import Tier
 from .block import Block
+from .compile_guard import eager_only
 from .flat import FlatParam
 from .registry import locate
 from .residency import Residency
@@ -205,6 +206,7 @@ def empty_grad(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
                                    is_coalesced=True, check_invariants=False)
 
 
+@eager_only  # a compiled model runs it eagerly between its graphs (compile_guard.py)
 def forward(self: nn.Embedding, input: torch.Tensor) -> torch.Tensor:
     """The row-fetching forward of a wrapped embedding (bound to the module as its
     ``forward``); a module not (or no longer) wrapped runs the plain lookup."""
