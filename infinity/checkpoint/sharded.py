@@ -29,6 +29,7 @@ from torch import nn
 from ..runtime.registry import engine_of
 from . import atomic
 from .load import load_checkpoint
+from .manifest import CheckpointError
 from .per_rank import is_sharded_checkpoint, load_per_rank
 from .ranks import merge_rank_parts, write_index_json, write_rank_part
 
@@ -89,8 +90,8 @@ def save_sharded(path: str, model: nn.Module, optimizer: Optional[Any] = None, *
     if agreed <= 0:
         if failure is not None:
             raise failure
-        raise atomic.CheckpointError(f"infinity.sharding.save_sharded: rank 0 could not prepare "
-                                     f"{path} (see rank 0's error); nothing was written")
+        raise CheckpointError(f"infinity.sharding.save_sharded: rank 0 could not prepare "
+                              f"{path} (see rank 0's error); nothing was written")
     tmp = atomic.staging_name(path, agreed)
     # 2. every rank writes its file into it
     ok = 0.0
@@ -111,8 +112,8 @@ def save_sharded(path: str, model: nn.Module, optimizer: Optional[Any] = None, *
             shutil.rmtree(tmp, ignore_errors=True)
         if failure is not None:
             raise failure
-        raise atomic.CheckpointError(f"infinity.sharding.save_sharded: only {done} of {world} "
-                                     f"ranks wrote their file; {path} is left as it was")
+        raise CheckpointError(f"infinity.sharding.save_sharded: only {done} of {world} "
+                              f"ranks wrote their file; {path} is left as it was")
     # 3. rank 0 writes the manifest and renames the directory into place
     committed = 0.0
     if lead:
@@ -126,8 +127,8 @@ def save_sharded(path: str, model: nn.Module, optimizer: Optional[Any] = None, *
     if _agree(engine, committed) != 1.0:  # the checkpoint is in place when save returns
         if failure is not None:
             raise failure
-        raise atomic.CheckpointError(f"infinity.sharding.save_sharded: rank 0 could not put the "
-                                     f"checkpoint in place at {path} (see rank 0's error)")
+        raise CheckpointError(f"infinity.sharding.save_sharded: rank 0 could not put the "
+                              f"checkpoint in place at {path} (see rank 0's error)")
     return path
 
 
