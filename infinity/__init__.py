@@ -10,8 +10,7 @@ from .plan import PlanError, estimate, explain, probe
 from .policy import OffloadPolicy
 from .trace_events import trace
 from .tiers import Tier
-
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = ["wrap", "unwrap", "stats", "materialized", "gradient", "empty_init",
            "parameters_changed", "OffloadPolicy",

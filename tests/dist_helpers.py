@@ -195,7 +195,7 @@ def _scenario_train(rank: int, world: int, out: Path, opts: Dict[str, Any]) -> D
     if rank in opts.get("fail_save_ranks", []):  # this rank's file write fails / is killed
         import errno
 
-        import infinity.sharding.checkpoint as sharded_ckpt
+        import infinity.checkpoint.sharded as sharded_ckpt
 
         def broken(obj, path, how=opts.get("fail_save_how", "raise")):
             with open(path, "wb") as fh:

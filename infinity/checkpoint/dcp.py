@@ -39,10 +39,12 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from .load import Reader, _load_wrapped, _Plan, open_checkpoint
+from .load import load_wrapped
 from .manifest import CheckpointError, parse_dtype
 from .names import ModelNames
+from .matching import TensorPlan
 from .pieces import Source
+from .reader import Reader, open_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -218,7 +220,7 @@ def load_dcp(path: str, model: nn.Module, *, prefix: str = "", strict: bool = Tr
     source = _DcpSource(path, metadata, prefix)
     names = ModelNames(model)
     manifest = {"tensors": source.tensors, "aliases": {}, "model_class": "a DCP checkpoint"}
-    plan = _Plan(manifest, names, os.fspath(path), strict)
+    plan = TensorPlan(manifest, names, os.fspath(path), strict)
     engine = names.engine
     if engine is None:
         model.load_state_dict({n: source.whole(s) for n, s in plan.source.items()},
@@ -227,7 +229,7 @@ def load_dcp(path: str, model: nn.Module, *, prefix: str = "", strict: bool = Tr
         from .ranks import fill_sharded
         fill_sharded(names, plan, source, None, None, strict)
     else:
-        _load_wrapped(names, plan, source, None)  # type: ignore[arg-type]
+        load_wrapped(names, plan, source, None)  # type: ignore[arg-type]
 
 
 __all__ = ["InfinityStorageReader", "dcp_reader", "load_dcp"]

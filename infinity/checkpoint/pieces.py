@@ -17,7 +17,7 @@ record listing which keys each piece holds (``master`` is left out where it equa
 parameter bit for bit; the parameter's piece is then read instead).
 
 One process reads whole tensors, a rank only the element ranges it owns; either way from the
-files that hold them, through :class:`~.load.Reader` (verified, at most a few files in RAM).
+files that hold them, through :class:`~.reader.Reader` (verified, at most a few files in RAM).
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ Every rank writes, for each flat buffer, the pieces of the parameters that lie i
 ``rank<k>.json`` listing them; rank 0 merges those into the ``manifest.json`` that a
 single-process save writes too (tensors in pieces keyed by element ranges: see
 :mod:`.pieces`). The atomic protocol (temporary directory, every rank's success agreed,
-rename) is :func:`infinity.sharding.checkpoint.save_sharded`'s.
+rename) is :func:`.sharded.save_sharded`'s.
 
 Loading (:func:`load_into_sharded`) works on any number of ranks from a checkpoint saved by any
 number (one process included): each rank reads the ranges of the parameters in its part,
@@ -22,11 +22,13 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from .load import Reader, _OptimizerPlan, _Plan
+from ..version import __version__
 from .manifest import (FORMAT, VERSION, CheckpointError, decode, dtype_name, encode)
+from .matching import OptimizerPlan, TensorPlan
 from .names import ModelNames
 from .pieces import STATE_KEYS, Source, piece_name
-from .save import _hf_config, _same_bits, _write_manifest, _Writer
+from .reader import Reader
+from .writer import Writer, hf_config, same_bits, write_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +56,7 @@ def _rank_file(key: str, rank: int, world: int) -> str:
     return f"model/{key}.rank{rank}-of-{world}.safetensors"
 
 
-def _write_flat(out: _Writer, engine: Any, names: ModelNames, flat: Any, shard: Any,
+def _write_flat(out: Writer, engine: Any, names: ModelNames, flat: Any, shard: Any,
                 rank: int, world: int, index: Dict[str, Any]) -> None:
     """The pieces of ``flat`` in this rank's part, with ``shard``'s states (a ShardState or
     None), as one file; records them in ``index``."""
@@ -85,7 +87,7 @@ def _write_flat(out: _Writer, engine: Any, names: ModelNames, flat: Any, shard: 
         keys = []
         for key, src in zip(STATE_KEYS, (shard.master, shard.exp_avg, shard.exp_avg_sq)):
             t = src[lo - start:hi - start]
-            if key == "master" and _same_bits(t, value):
+            if key == "master" and same_bits(t, value):
                 continue
             items.append((f"{piece}::{key}", t.view(s.shape) if piece == name else t))
             keys.append(key)
@@ -100,7 +102,7 @@ def write_rank_part(tmp: str, model: nn.Module, optimizer: Any, rank: int, world
     last: its presence says the rank finished)."""
     names = ModelNames(model)
     engine = names.engine
-    out = _Writer(tmp, None)
+    out = Writer(tmp, None)
     index: Dict[str, Any] = {"tensors": {}, "states": {}}
     done = set()
     if optimizer is not None and hasattr(optimizer, "shard_states"):
@@ -132,7 +134,7 @@ def write_rank_part(tmp: str, model: nn.Module, optimizer: Any, rank: int, world
                                                "shape": list(t.shape)}
         index["aliases"] = dict(names.aliases)
         index["model_class"] = f"{type(model).__module__}.{type(model).__qualname__}"
-        index["hf_config"] = _hf_config(model)
+        index["hf_config"] = hf_config(model)
         index["param_tier"] = engine.param_tier.value
         index["stage"] = engine.partitioner.stage if engine.partitioner is not None else None
         if optimizer is not None:
@@ -157,7 +159,6 @@ def write_index_json(obj: Any, path: str) -> None:
 def merge_rank_parts(tmp: str, world: int) -> None:
     """Rank 0, once every rank wrote its part: the manifest from the ranks' indexes (which are
     then removed)."""
-    from .. import __version__
     parts = []
     for r in range(world):
         with open(os.path.join(tmp, RANK_INDEX.format(rank=r))) as fh:
@@ -211,7 +212,7 @@ def merge_rank_parts(tmp: str, world: int) -> None:
         "tensors": tensors, "aliases": first["aliases"], "optimizer": opt, "files": files}
     for r in range(world):
         os.remove(os.path.join(tmp, RANK_INDEX.format(rank=r)))
-    _write_manifest(tmp, body)
+    write_manifest(tmp, body)
 
 
 # ---- loading on any number of ranks -----------------------------------------------------------
@@ -221,8 +222,8 @@ def load_into_sharded(root: str, manifest: Dict[str, Any], model: nn.Module,
     """Loads the checkpoint (any format version, saved by any number of ranks) into a sharded
     model: each rank reads only the pieces of the parameters in its part of every flat."""
     names = ModelNames(model)
-    plan = _Plan(manifest, names, root, strict)
-    opt = _OptimizerPlan(manifest["optimizer"], optimizer, names, root) \
+    plan = TensorPlan(manifest, names, root, strict)
+    opt = OptimizerPlan(manifest["optimizer"], optimizer, names, root) \
         if optimizer is not None else None
     fill_sharded(names, plan, Source(manifest, Reader(root, manifest), ranged=True), optimizer,
                  opt.groups if opt is not None else None, strict)

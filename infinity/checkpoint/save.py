@@ -3,7 +3,6 @@ atomic checkpoint directory, one block in RAM at a time."""
 from __future__ import annotations
 
 import errno as errno_mod
-import json
 import logging
 import os
 import random
@@ -18,11 +17,12 @@ from tqdm.auto import tqdm
 from .. import io as inf_io
 from ..runtime.engine import Engine
 from ..runtime.flat import FlatParam
-from . import files as files_mod
+from ..version import __version__
 from .atomic import staged_directory
-from .files import write_tensor_file
-from .manifest import FORMAT, MANIFEST, VERSION, dtype_name, encode, render_manifest
+from .manifest import FORMAT, VERSION, dtype_name, encode
 from .names import ModelNames
+from .sharded import save_sharded
+from .writer import Writer, hf_config, same_bits, write_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -31,50 +31,8 @@ _PROGRESS_MIN_BYTES = 1 << 30  # show a progress bar for saves at least this big
 _FULL_DISK = (errno_mod.ENOSPC, errno_mod.EDQUOT, errno_mod.EFBIG)
 
 
-class _Writer:
-    """Writes the checkpoint's data files under ``root`` and records their size and CRC32C."""
-
-    def __init__(self, root: str, progress: Any) -> None:
-        self.root = root
-        self.progress = progress
-        self.files: Dict[str, Dict[str, int]] = {}
-
-    def write_extent(self, rel: str, src: Tuple[Any, ...],
-                     tensors: List[Tuple[str, torch.dtype, Tuple[int, ...], int]],
-                     metadata: Dict[str, str]) -> str:
-        """A file whose data section is ``src`` = (path, nbytes, crc32c[, offset]): that many
-        bytes of the file from ``offset`` (default 0), copied by the kernel; the manifest
-        records the header's and the data's CRC32C apart."""
-        path = os.path.join(self.root, rel)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        src_path, nbytes, data_crc = src[:3]
-        src_offset = src[3] if len(src) > 3 else 0
-        size, header_crc = files_mod.write_extent_file(path, src_path, nbytes, tensors,
-                                                       {"format": "pt", **metadata},
-                                                       self.progress, src_offset)
-        self.files[rel] = {"size": size, "data_offset": size - nbytes,
-                           "header_crc32c": header_crc, "data_crc32c": data_crc}
-        return rel
-
-    def write(self, rel: str, items: List[Tuple[str, torch.Tensor]],
-              metadata: Optional[Dict[str, str]] = None) -> str:
-        path = os.path.join(self.root, rel)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        chunks: List[int] = []
-        size, crc = write_tensor_file(path, items, {"format": "pt", **(metadata or {})},
-                                      self.progress, chunks)
-        self.files[rel] = {"size": size, "crc32c": crc, "chunk_bytes": files_mod.CRC_CHUNK,
-                           "chunk_crc32c": chunks}
-        return rel
-
-
 def _tensor_meta(rel: str, t: torch.Tensor, kind: str) -> Dict[str, Any]:
     return {"file": rel, "kind": kind, "dtype": dtype_name(t.dtype), "shape": list(t.shape)}
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.int32),
-                                              b.reshape(-1).view(torch.int32))
 
 
 # ---- the model ------------------------------------------------------------------------------
@@ -82,7 +40,7 @@ def _flat_file(flat: FlatParam) -> str:
     return f"model/{flat.key}.safetensors"
 
 
-def _save_flat(out: _Writer, engine: Engine, flat: FlatParam, names: ModelNames,
+def _save_flat(out: Writer, engine: Engine, flat: FlatParam, names: ModelNames,
                opt_names: Dict[int, str], shard: Any, meta: Dict[str, Any],
                opt_states: Dict[str, Any]) -> None:
     """One block's parameters (home dtype, read through its home) and, with ``shard`` (a
@@ -114,7 +72,7 @@ def _add_shard_slot(items: List[Tuple[str, torch.Tensor]], opt_states: Dict[str,
     tensors = {"exp_avg": shard.exp_avg[sl].view(slot.shape),
                "exp_avg_sq": shard.exp_avg_sq[sl].view(slot.shape)}
     master = shard.master[sl].view(slot.shape)
-    if param_value is None or not _same_bits(master, param_value):
+    if param_value is None or not same_bits(master, param_value):
         tensors["master"] = master
     for key, t in tensors.items():
         items.append((f"{name}::{key}", t))
@@ -122,7 +80,7 @@ def _add_shard_slot(items: List[Tuple[str, torch.Tensor]], opt_states: Dict[str,
                         "tensors": {k: rel for k in tensors}}
 
 
-def _save_extent(out: _Writer, optimizer: Any, shard: Any, opt_names: Dict[int, str],
+def _save_extent(out: Writer, optimizer: Any, shard: Any, opt_names: Dict[int, str],
                  opt_states: Dict[str, Any]) -> bool:
     """The shard's committed fp32 states on NVMe, as ``optimizer/<key>.states.safetensors``
     whose data section is the extent file itself (copied by the kernel, not through RAM):
@@ -149,7 +107,7 @@ def _save_extent(out: _Writer, optimizer: Any, shard: Any, opt_names: Dict[int, 
     return True
 
 
-def _save_wrapped(out: _Writer, names: ModelNames, optimizer: Any,
+def _save_wrapped(out: Writer, names: ModelNames, optimizer: Any,
                   opt_names: Dict[int, str], meta: Dict[str, Any],
                   opt_states: Dict[str, Any]) -> None:
     engine = names.engine
@@ -184,7 +142,7 @@ def _save_wrapped(out: _Writer, names: ModelNames, optimizer: Any,
             meta[name] = _tensor_meta(rel, t, "buffer")
 
 
-def _save_plain(out: _Writer, names: ModelNames, meta: Dict[str, Any]) -> None:
+def _save_plain(out: Writer, names: ModelNames, meta: Dict[str, Any]) -> None:
     groups: List[List[Tuple[str, torch.Tensor]]] = [[]]
     size = 0
     for name, t in names.tensors.items():
@@ -203,7 +161,7 @@ def _save_plain(out: _Writer, names: ModelNames, meta: Dict[str, Any]) -> None:
 
 
 # ---- the optimizer (what is not in the blocks' files) -----------------------------------------
-def _save_optimizer(out: _Writer, optimizer: torch.optim.Optimizer, names: ModelNames,
+def _save_optimizer(out: Writer, optimizer: torch.optim.Optimizer, names: ModelNames,
                     opt_names: Dict[int, str], opt_states: Dict[str, Any]) -> Dict[str, Any]:
     streamed = hasattr(optimizer, "shard_states") and names.engine is not None
     sd = optimizer.state_dict(wrapped=False) if streamed else optimizer.state_dict()
@@ -239,37 +197,11 @@ def rng_state() -> Dict[str, Any]:
     return state
 
 
-def _hf_config(model: nn.Module) -> Optional[Dict[str, Any]]:
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "to_json_string") \
-            or not hasattr(config, "save_pretrained"):
-        return None
-    try:
-        data = json.loads(config.to_json_string(use_diff=False))
-    except Exception as exc:  # noqa: BLE001 - a config is a convenience, not the checkpoint
-        logger.warning("infinity: the model's config could not be saved (%s); consolidate "
-                       "will not write config.json", exc)
-        return None
-    if not data.get("architectures"):
-        data["architectures"] = [type(model).__name__]
-    return data
-
-
 def _estimate_bytes(names: ModelNames, optimizer: Any) -> int:
     if names.engine is None:
         return sum(t.numel() * t.element_size() for t in names.tensors.values())
     per_param = 12 if optimizer is not None else 0
     return sum(f.numel * (f.home_itemsize + per_param) for f in names.engine.flats)
-
-
-def _write_manifest(root: str, body: Dict[str, Any]) -> None:
-    raw = np.frombuffer(render_manifest(body), dtype=np.uint8)
-    fd = os.open(os.path.join(root, MANIFEST), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        files_mod._write_bytes(fd, memoryview(raw))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def save_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
@@ -294,9 +226,7 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim
         trainer = {"scheduler": scheduler.state_dict() if scheduler is not None else None,
                    "scaler": scaler.state_dict() if scaler is not None else None,
                    "rng": rng_state() if rng else None, "extra": dict(extra)}
-        from ..sharding.checkpoint import save_sharded
         return save_sharded(path, model, optimizer, trainer=trainer)
-    from .. import __version__
     path = os.path.abspath(os.fspath(path))
     body: Dict[str, Any] = {
         "format": FORMAT, "version": VERSION, "infinity_version": __version__,
@@ -311,7 +241,7 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim
         "scaler": encode(scaler.state_dict(), "scaler.state_dict()")
         if scaler is not None else None,
         "rng": encode(rng_state(), "rng") if rng else None,
-        "hf_config": _hf_config(model),
+        "hf_config": hf_config(model),
     }
     names = ModelNames(model)
     engine = names.engine
@@ -327,7 +257,7 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim
                 tqdm(total=total, unit="B", unit_scale=True, leave=False,
                      desc="infinity: saving checkpoint",
                      disable=total < _PROGRESS_MIN_BYTES) as bar:
-            out = _Writer(tmp, bar)
+            out = Writer(tmp, bar)
             if engine is not None:
                 _save_wrapped(out, names, optimizer, opt_names, meta, opt_states)
             else:
@@ -339,7 +269,7 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim
             body["files"] = out.files
             # the oldest version that reads it: 1 without reused extents, 2 with them
             body["version"] = 2 if any("data_offset" in f for f in out.files.values()) else 1
-            _write_manifest(tmp, body)
+            write_manifest(tmp, body)
     except OSError as exc:
         if exc.errno in _FULL_DISK:
             raise OSError(exc.errno, f"infinity.save_checkpoint: the disk under "

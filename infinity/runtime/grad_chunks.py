@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import bisect
 import collections
-from typing import TYPE_CHECKING, Dict, List, Optional, OrderedDict, Set, Tuple
+from typing import Dict, List, Optional, OrderedDict, Set, Tuple
 
 import torch
 
@@ -22,17 +22,15 @@ from ..tiers import HostPool, SwapStore
 from .flat import FlatParam
 from .grad_held import HeldGrads
 from .grad_norms import SlotNorms
-from .grad_store import grad_key
+from .grad_store import GradBuffers, grad_key
 from .grad_writes import GradWriter
 from .row_grads import scatter_rows
 from .stats import Stats
 
-if TYPE_CHECKING:
-    from .grad_nvme import NvmeGradStore
 
 
 class ChunkedGrads:
-    def __init__(self, owner: "NvmeGradStore", store: SwapStore, stats: Stats, pool: HostPool,
+    def __init__(self, owner: GradBuffers, store: SwapStore, stats: Stats, pool: HostPool,
                  writer: GradWriter, norms: SlotNorms, held: HeldGrads) -> None:
         self._owner = owner  # gives buffers (acquire), counts free ones, reaps, drains copies
         self._store = store

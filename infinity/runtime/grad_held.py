@@ -134,6 +134,8 @@ class HeldGrads:
         self._lost[id(flat)] = why
 
     def lost(self, flat: FlatParam) -> Optional[str]:
+        """Why the flat's gradients were lost (a failed NVMe write, or gradients stepped from
+        RAM without being written whose update was undone), or None."""
         return self._lost.get(id(flat))
 
     def clear(self) -> None:

@@ -11,7 +11,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from ..tiers import ByteBudget, SwapStore
+from ..tiers import ByteBudget, SwapStore, Tier
 from .flat import FlatParam
 from .grad_store import GradReads, GradStore, GradViews, accumulate_into
 from .row_grads import scatter_rows
@@ -41,6 +41,8 @@ class HostGradViews(GradViews):
 
 
 class HostGradStore(GradStore):
+    tier = Tier.HOST
+
     def __init__(self, *, stats: Stats, host_budget: ByteBudget, store: Optional[SwapStore],
                  flats: List[FlatParam], pool_count: int, chunk_bytes: Optional[int],
                  drain: Callable[[], None]) -> None:

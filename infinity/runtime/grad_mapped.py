@@ -9,7 +9,7 @@ placeholder of the right shape that raises, naming infinity and the remedy, when
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, List, Tuple
 
 import numpy as np
 import torch
@@ -18,10 +18,8 @@ from ..tiers import SwapStore
 from .flat import FlatParam
 from .grad_held import HeldGrads
 from .grad_norms import SlotNorms
-from .grad_store import GradViews, grad_key
+from .grad_store import GradBuffers, GradViews, grad_key
 
-if TYPE_CHECKING:
-    from .grad_nvme import NvmeGradStore
 
 
 _PLACEHOLDER_OK = frozenset({"__get__", "size", "dim", "numel", "stride", "is_contiguous",
@@ -72,7 +70,7 @@ def _mappable(flat: FlatParam, i: int) -> bool:
 
 
 class MappedGradViews(GradViews):
-    def __init__(self, owner: "NvmeGradStore", store: SwapStore, held: HeldGrads,
+    def __init__(self, owner: GradBuffers, store: SwapStore, held: HeldGrads,
                  norms: SlotNorms) -> None:
         self._owner = owner  # gives pool buffers (acquire)
         self._store = store

@@ -26,7 +26,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from .. import trace_events
-from ..tiers import ByteBudget, HostPool, SwapStore
+from ..tiers import ByteBudget, HostPool, SwapStore, Tier
 from ..tiers.pool_plan import buffer_bytes, piece_bytes
 from .flat import FlatParam
 from .grad_chunks import ChunkedGrads
@@ -40,6 +40,7 @@ from .stats import Stats
 
 
 class NvmeGradStore(GradStore):
+    tier = Tier.NVME
     on_nvme = True
 
     def __init__(self, *, stats: Stats, host_budget: ByteBudget, store: Optional[SwapStore],

@@ -5,7 +5,7 @@ read from the gradient swap file and checked against its checksums.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List
+from typing import List
 
 import torch
 
@@ -15,12 +15,10 @@ from ..tiers.swap_store import IOResult
 from .flat import FlatParam
 from .grad_chunks import ChunkedGrads
 from .grad_held import HeldGrads
-from .grad_store import GradReads, grad_key
+from .grad_store import GradBuffers, GradReads, grad_key
 from .grad_writes import GradWriter
 from .stats import Stats
 
-if TYPE_CHECKING:
-    from .grad_nvme import NvmeGradStore
 
 
 class _Gathered:
@@ -38,7 +36,7 @@ class _Gathered:
 
 
 class NvmeGradReads(GradReads):
-    def __init__(self, owner: "NvmeGradStore", store: SwapStore, stats: Stats,
+    def __init__(self, owner: GradBuffers, store: SwapStore, stats: Stats,
                  writer: GradWriter, held: HeldGrads, chunks: ChunkedGrads) -> None:
         self._owner = owner  # gives pool buffers (acquire)
         self._store = store
@@ -103,6 +101,7 @@ class NvmeGradReads(GradReads):
                 self._store.verify_read_at(grad_key(flat), a * 4, dst[a - start:b - start])
 
     def verify(self, flat: FlatParam, dst: torch.Tensor) -> None:
+        """Checks a completed :meth:`read` into ``dst`` against the file's checksums."""
         if self._held.kept_chunks(flat) is not None:
             self.verify_range(flat, 0, dst[:flat.numel])
             return

@@ -15,23 +15,25 @@ store keeps what differs between tiers, behind one interface:
     forget(flat, i) / replace(flat, i, grad)   ``p.grad`` set to None / replaced by the user
     zero_grad(), host_bytes(), shutdown()
 
-Each store also has four parts the sink reaches directly: ``reads`` (a :class:`GradReads`: the
-optimizer's reads of gradients written to files), ``views`` (a :class:`GradViews`: ``p.grad``
-outside backward), ``held`` (:class:`~infinity.runtime.grad_held.HeldGrads`: gradients kept
-in RAM for an optimizer step overlapping backward, and lost ones) and ``norms``
+Each store also has four parts that the sink (and the optimizer, through ``sink.reads`` and
+``sink.held``) reaches directly: ``reads`` (a :class:`GradReads`: the optimizer's reads of
+gradients written to files), ``views`` (a :class:`GradViews`: ``p.grad`` outside backward),
+``held`` (:class:`~infinity.runtime.grad_held.HeldGrads`: gradients kept in RAM for an
+optimizer step overlapping backward, and lost ones) and ``norms``
 (:class:`~infinity.runtime.grad_norms.SlotNorms`: norms measured while in RAM). A tier without
-gradient files (host RAM) keeps the last two empty.
+gradient files (host RAM) keeps the last two empty. The parts of a store with gradient files
+ask the store for pool buffers through :class:`GradBuffers`.
 
     HostGradStore   grad_host.py   one persistent fp32 buffer per flat (``flat.grad``)
     NvmeGradStore   grad_nvme.py   gradient swap files, a pool of chunk buffers, write-behind
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Protocol, Tuple
 
 import torch
 
-from ..tiers import HostPool
+from ..tiers import HostPool, Tier
 from ..tiers.swap_store import IOResult
 from .flat import FlatParam
 from .grad_held import HeldGrads
@@ -57,6 +59,23 @@ def accumulate_into(flat: FlatParam, index: int, grad: torch.Tensor) -> None:
 _IN_RAM = "gradients are in host RAM: use flat.grad"
 
 
+class GradBuffers(Protocol):
+    """What the parts of a store with gradient files (chunks, reads, mapped views) ask of the
+    store that owns the pool: buffers, and room for them."""
+
+    pool: Optional[HostPool]
+    drain: Callable[[], None]  # accumulates the device->host copies in flight
+
+    def acquire(self) -> torch.Tensor:
+        """A pool buffer, making room when none is free."""
+
+    def free_count(self) -> int:
+        """Pool buffers neither open, writing, read ahead nor held."""
+
+    def reap(self, *, block: bool, count: Optional[int] = None) -> None:
+        """Collects finished gradient writes."""
+
+
 class GradReads:
     """The optimizer's reads of gradients written to files. This base serves a tier without
     gradient files: its gradients are ``flat.grad`` and reading refuses."""
@@ -77,7 +96,9 @@ class GradReads:
         raise RuntimeError(_IN_RAM)
 
     def wait_written(self, flat: FlatParam) -> None:
-        pass
+        """Waits until the flat's gradients closed in this backward are written (a no-op once
+        reaped, and without gradient files). Safe from another thread (an optimizer step
+        overlapping backward); a failed write raises here too."""
 
     def gradient(self, flat: FlatParam, index: int) -> torch.Tensor:
         """Slot ``index``'s gradient when it is not in ``flat.grad``."""
@@ -103,6 +124,7 @@ class GradViews:
 
 
 class GradStore:
+    tier: Tier  # the tier this class serves
     on_nvme = False
     pool: Optional[HostPool] = None
     reads: GradReads

@@ -21,7 +21,7 @@ in-place change is taken in.
 Kept in RAM (NVMe tier): a flat may be closed with ``keep_in_ram=True`` when an optimizer
 step overlapping backward takes its gradients from RAM (see :mod:`infinity.optim.overlap` and
 grad_held.py); the optimizer's worker thread hands them back with
-:meth:`GradientSink.release_held`. With ``write=False`` what is kept is not written to the
+``held.release_held``. With ``write=False`` what is kept is not written to the
 swap file, and it is then gone once handed back (``written`` is False until ``zero_grad``).
 Anything that would read it later (a step that has to be redone, ``p.grad``, a second
 micro-batch accumulating onto it) gets a clear error instead of the stale file: ``p.grad`` of
@@ -38,12 +38,12 @@ import torch
 
 from .. import trace_events
 from ..tiers import ByteBudget, SwapStore, Tier
-from ..tiers.swap_store import IOResult
 from .flat import FlatParam
 from .grad_d2h import DeviceGradCopies
+from .grad_held import HeldGrads
 from .grad_host import HostGradStore
 from .grad_nvme import NvmeGradStore
-from .grad_store import GradStore, grad_key
+from .grad_store import GradReads, GradStore, grad_key
 from .grad_writes import GradientWriteError
 from .row_grads import sparse_rows
 from .stats import Stats
@@ -52,7 +52,7 @@ __all__ = ["GradientSink", "GradientWriteError", "grad_key"]
 
 logger = logging.getLogger(__name__)
 
-_STORES = {Tier.HOST: HostGradStore, Tier.NVME: NvmeGradStore}
+_STORES = {kind.tier: kind for kind in (HostGradStore, NvmeGradStore)}
 
 
 class GradientSink:
@@ -80,9 +80,20 @@ class GradientSink:
                                       chunk_bytes=chunk_bytes, drain=lambda: self.copies.drain())
         self.pool = self._store.pool
         self.on_nvme = self._store.on_nvme
-        self._held = self._store.held
+        # the optimizer reaches two parts of the store directly: ``reads`` (gradients written
+        # to files: read, read_range, verify, verify_range, range_elems, wait_written) and
+        # ``held`` (gradients kept in RAM for a step overlapping backward: release_held,
+        # holds, written, lost)
+        self.reads: GradReads = self._store.reads
+        self.held: HeldGrads = self._store.held
+        # ... also under the sink's own names, which the optimizer's call sites use
+        reads, held = self.reads, self.held
+        self.read, self.read_range, self.verify, self.verify_range = (
+            reads.read, reads.read_range, reads.verify, reads.verify_range)
+        self.range_elems, self.wait_written = reads.range_elems, reads.wait_written
+        self.release_held, self.holds, self.written, self.lost = (
+            held.release_held, held.holds, held.written, held.lost)
         self._norms = self._store.norms
-        self._reads = self._store.reads
         self._views = self._store.views
         try:
             self.copies = DeviceGradCopies(device, host_budget, flats, chunk_bytes,
@@ -137,7 +148,7 @@ class GradientSink:
     def close(self, flat: FlatParam, *, keep_in_ram: bool = False, write: bool = True) -> None:
         """The flat's gradients for this backward are complete (NVMe: start writing them).
         ``keep_in_ram``: also keep them in their buffer(s) for the optimizer until it hands
-        them back (:meth:`release_held`); with ``write=False`` they are not written at all
+        them back (``held.release_held``); with ``write=False`` they are not written at all
         (see the module docstring)."""
         if not self._store.accumulating(flat):
             return
@@ -158,11 +169,6 @@ class GradientSink:
         except GradientWriteError as exc:
             logger.warning("%s", exc)
 
-    def lost(self, flat: FlatParam) -> Optional[str]:
-        """Why the flat's gradients were lost (a failed NVMe write, or gradients stepped from
-        RAM without being written whose update was undone), or None."""
-        return self._held.lost(flat)
-
     # ---- p.grad outside backward -------------------------------------------------------
     def expose(self) -> None:
         """After backward: each ready slot's gradient becomes its parameter's ``.grad``."""
@@ -176,7 +182,7 @@ class GradientSink:
         tensor replaces it, an in-place change to a copy is copied back (NVMe: a change made
         through the memory map is re-checksummed). ``detach`` also sets ``p.grad = None``
         (before autograd accumulates the next backward)."""
-        self._held.reclaim()
+        self.held.reclaim()
         rewrite: Dict[int, FlatParam] = {}
         rehash: Dict[int, FlatParam] = {}
         for key, (flat, i, given, version, is_view) in list(self._exposed.items()):
@@ -187,8 +193,8 @@ class GradientSink:
                 self._store.forget(flat, i)
             elif current is not given:
                 self.user_grad_changes += 1
-                if not self._held.written(flat):
-                    raise self._held.not_kept(flat, f"p.grad of {flat.slots[i].qualname!r} "
+                if not self.held.written(flat):
+                    raise self.held.not_kept(flat, f"p.grad of {flat.slots[i].qualname!r} "
                                                     "was replaced after backward, which would "
                                                     "change")
                 if self._store.replace(flat, i, current.detach().reshape(flat.slots[i].shape)):
@@ -223,39 +229,13 @@ class GradientSink:
         for flat, i, _given, _v, _view in self._exposed.values():
             flat.slots[i].param.grad = None
         self._exposed.clear()
-        self._held.clear()
-        self._held.reclaim()
+        self.held.clear()
+        self.held.reclaim()
         self._store.zero_grad()
         for flat in self._flats:
             flat.grad_ready = [False] * len(flat.slots)
 
     # ---- the optimizer's view (a narrow protocol: no flat-buffer internals) --------------
-    def read(self, flat: FlatParam, dst: torch.Tensor) -> IOResult:
-        """Starts reading the flat's accumulated gradients (NVMe tier) into ``dst``."""
-        return self._reads.read(flat, dst)
-
-    def range_elems(self, flat: FlatParam) -> int:
-        """NVMe tier: the unit of :meth:`read_range` in elements (see NvmeGradReads)."""
-        return self._reads.range_elems(flat)
-
-    def read_range(self, flat: FlatParam, start: int, end: int,
-                   dst: torch.Tensor) -> IOResult:
-        """Starts reading elements [start, end) of the flat's accumulated gradients (NVMe
-        tier) into ``dst``; check them with :meth:`verify_range` once read."""
-        return self._reads.read_range(flat, start, end, dst)
-
-    def verify_range(self, flat: FlatParam, start: int, dst: torch.Tensor) -> None:
-        return self._reads.verify_range(flat, start, dst)
-
-    def verify(self, flat: FlatParam, dst: torch.Tensor) -> None:
-        return self._reads.verify(flat, dst)
-
-    def wait_written(self, flat: FlatParam) -> None:
-        """Waits until the flat's gradients closed in this backward are written (NVMe tier; a
-        no-op once reaped). Safe from another thread (an optimizer step overlapping backward);
-        a failed write raises here too, and is reported by the sink as usual."""
-        self._reads.wait_written(flat)
-
     def finite(self, flat: FlatParam) -> Optional[bool]:
         """NVMe tier: whether the flat's accumulated gradients are all finite, as checked when
         they were last written (None: unknown, read them to check)."""
@@ -271,7 +251,7 @@ class GradientSink:
             return None
         if flat.grad is not None:
             return flat.grad_view(index)
-        return self._reads.gradient(flat, index)
+        return self.reads.gradient(flat, index)
 
     def ready(self, flat: FlatParam, index: int) -> bool:
         """Whether slot ``index`` of ``flat`` has a gradient for the next step."""
@@ -279,8 +259,8 @@ class GradientSink:
 
     def in_ram(self, flat: FlatParam) -> Optional[torch.Tensor]:
         """The flat's accumulated gradients when they are in RAM (host tier, or an NVMe flat
-        open in one buffer), else None (read them with :meth:`read` or
-        :meth:`read_range`; always None for a flat larger than one buffer)."""
+        open in one buffer), else None (read them with ``reads.read`` or
+        ``reads.read_range``; always None for a flat larger than one buffer)."""
         return flat.grad
 
     @property
@@ -288,23 +268,10 @@ class GradientSink:
         """Backwards that added to a sum read back from NVMe."""
         return self._store.accumulations
 
-    def release_held(self, flat: FlatParam) -> None:
-        """The optimizer's worker is done with a flat kept in RAM (called from its thread)."""
-        self._held.release_held(flat)
-
-    def holds(self, flat: FlatParam) -> bool:
-        """Whether some of the flat's gradients are kept in RAM for the optimizer."""
-        return self._held.holds(flat)
-
-    def written(self, flat: FlatParam) -> bool:
-        """False when the flat's gradients of this accumulation were kept in RAM for the
-        optimizer and never written to NVMe (they cannot be read back)."""
-        return self._held.written(flat)
-
     def mark_lost(self, flat: FlatParam, why: str) -> None:
         """A flat kept in RAM whose step was undone (the optimizer rolled back its update):
         its gradients are gone; the next step refuses, naming ``why``."""
-        if self._held.mark_lost(flat, why):
+        if self.held.mark_lost(flat, why):
             for key in [k for k in self._exposed if k[0] == id(flat)]:
                 entry = self._exposed.pop(key)
                 flat.slots[entry[1]].param.grad = None

@@ -7,7 +7,7 @@ through. Reading a whole flat (unwrap, full state dicts) all-gathers the parts.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -16,12 +16,19 @@ from ..runtime.flat import FlatParam
 from ..runtime.homes import Home
 from .shard_flat import ShardFlat
 
-if TYPE_CHECKING:
-    from .partitioner import Partitioner
+class FlatParts(Protocol):
+    """What a ShardedHome asks of the partitioner: this rank's part of a flat, and a whole
+    flat's home values gathered from every rank's part."""
+
+    def local(self, flat: FlatParam) -> ShardFlat:
+        """This rank's part of ``flat``."""
+
+    def gather_home(self, flat: FlatParam, local_values: torch.Tensor) -> torch.Tensor:
+        """The whole flat buffer (home dtype, CPU) from every rank's home part."""
 
 
 class ShardedHome(Home):
-    def __init__(self, inner: Home, partitioner: "Partitioner") -> None:
+    def __init__(self, inner: Home, partitioner: FlatParts) -> None:
         self.inner = inner
         self.part = partitioner
         self.tier = inner.tier
@@ -81,4 +88,4 @@ class ShardedHome(Home):
         self.inner.close()
 
 
-__all__ = ["ShardedHome"]
+__all__ = ["FlatParts", "ShardedHome"]
