@@ -55,8 +55,7 @@ computes its own batch; collectives are not modelled (and multi-rank runs are no
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -64,68 +63,13 @@ from torch import nn
 from .placements import (MASTER_BYTES, PLACEMENTS, Placement, placement as get_placement,
                          state_bytes_per_param)
 from .probe import ProbeResult, probe as run_probe
+from .results import Estimate, EstimateTable
 from .shape import EMBEDDING, HEAD, TIED, ModelShape, describe
 from ..optim.swapper import SETS  # the optimizer's buffer sets: its units in flight
 from ..tiers.chunk_size import DEFAULT_CHUNK_BYTES
 
 # Per block and step when the probe did not measure the engine's fixed costs (an old result).
 BLOCK_OVERHEAD_S = 2e-4
-
-
-@dataclass(frozen=True)
-class Estimate:
-    placement: str
-    ranks: int
-    device_bytes: int
-    host_bytes: int
-    nvme_bytes: int
-    step_s: float
-    compute_s: float
-    fetch_s: float
-    grad_offload_s: float
-    optimizer_s: float
-    nvme_written_per_step: int
-    tokens_per_step: int
-    what: str = ""
-    engine_s: float = 0.0       # the engine's fixed cost per block and step (in step_s)
-    # swap bytes by category: parameters, gradients, master, moments, spare (the extents of
-    # the optimizer's units in flight: each is written before the one it replaces is freed)
-    nvme_by_category: Dict[str, int] = field(default_factory=dict)
-    # more swap while the step overlapping backward is armed (gradients and states on NVMe):
-    # the previous states of every unit it stepped, kept until opt.step() confirms them
-    nvme_overlap_bytes: int = 0
-    # the working set autograd allocates outside the engine's pools (in device_bytes), by term
-    # (autograd_working_set); "peak" is what device_bytes counts
-    working_set: Dict[str, int] = field(default_factory=dict)
-
-    @property
-    def tb_written_per_1000_steps(self) -> float:
-        """SSD wear: terabytes written to the swap disk per 1,000 steps."""
-        return self.nvme_written_per_step * 1000 / 1e12
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens_per_step / self.step_s if self.step_s > 0 else 0.0
-
-
-@dataclass(frozen=True)
-class EstimateTable:
-    shape: ModelShape
-    rows: List[Estimate]
-    batch: int
-    seq: int
-    device: str
-    notes: List[str] = field(default_factory=list)
-
-    def row(self, placement: str, ranks: int = 1) -> Estimate:
-        for r in self.rows:
-            if r.placement == placement and r.ranks == ranks:
-                return r
-        raise KeyError((placement, ranks))
-
-    def __str__(self) -> str:
-        from .explain import format_estimates
-        return format_estimates(self)
 
 
 def compute_dtype(bytes_per_param: float) -> torch.dtype:

@@ -21,19 +21,19 @@ import dataclasses
 import logging
 import math
 import shutil
-from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import psutil
 from torch import nn
 
 from ..policy import OffloadPolicy, check_nvme_path
-from ..tiers.chunk_size import check_chunk_bytes
-from .estimate import Estimate, compute_dtype, estimate_one, model_flops
-from .explain import fmt_bytes, fmt_s, format_plan
+from ..tiers.chunk_size import resolve_chunk_bytes
+from .estimate import compute_dtype, estimate_one, model_flops
 from .placements import PLACEMENTS, Placement
 from .probe import ProbeResult, probe as run_probe
+from .results import Estimate, Plan
 from .shape import ModelShape, describe
+from .units import fmt_bytes, fmt_s
 
 logger = logging.getLogger(__name__)
 
@@ -52,34 +52,6 @@ class PlanError(ValueError):
     def __init__(self, message: str, disk: bool = False) -> None:
         super().__init__(message)
         self.disk = disk
-
-
-@dataclass(frozen=True)
-class Plan:
-    placement: str
-    param_tier: str
-    grad_tier: str
-    optimizer_tier: str
-    prefetch_window: int
-    staging_buffers: int
-    grad_buffers: int
-    budgets: Dict[str, Optional[int]]
-    estimate: Estimate
-    reasons: Tuple[str, ...]
-    candidates: Tuple[Tuple[str, float, bool, str], ...]  # name, predicted step, fits, why not
-    host_blocks: int = 0      # with param_tier "nvme": the first blocks' parameters on host
-    n_blocks: int = 0
-
-    def policy_changes(self) -> Dict[str, Any]:
-        changes: Dict[str, Any] = {
-            "param_tier": self.param_tier, "grad_tier": self.grad_tier,
-            "optimizer_tier": self.optimizer_tier, "prefetch_window": self.prefetch_window}
-        if self.host_blocks:
-            changes["host_blocks"] = self.host_blocks
-        return changes
-
-    def __str__(self) -> str:
-        return format_plan(self)
 
 
 def budgets(policy: OffloadPolicy, pr: ProbeResult, ram_share: float = RAM_SHARE
@@ -226,9 +198,10 @@ def plan(model: Union[nn.Module, ModelShape, int, float], policy: Optional[Offlo
         t = {k: explicit.get(k, "host") for k in ("param_tier", "grad_tier", "optimizer_tier")}
         pool.append(Placement("custom", t["param_tier"], t["grad_tier"], t["optimizer_tier"],
                               states, "as set"))
-    # how the engine lays out the step: the chunk its pools use (when set; else the estimate's
-    # default), the head and embedding reads
-    layout = dict(chunk_bytes=check_chunk_bytes(policy.chunk_bytes, "infinity.plan"),
+    # how the engine lays out the step: the chunk its pools use (the one wrap derives from the
+    # same chunk_bytes and host_budget), the head and embedding reads
+    chunk = resolve_chunk_bytes(policy.chunk_bytes, policy.host_budget, "infinity.plan")
+    layout = dict(chunk_bytes=chunk,
                   tiled_head=policy.tiled_head, embedding_rows=policy.embedding_rows,
                   batch_known=batch_known)
     rows = []
@@ -291,7 +264,7 @@ def plan(model: Union[nn.Module, ModelShape, int, float], policy: Optional[Offlo
                        f"the compute of the {w} blocks before it")
     return Plan(pl.name, pl.param_tier, pl.grad_tier, pl.optimizer_tier, w,
                 max(1, min(2, w)), w + 2, b, e, tuple(reasons), candidates, host_blocks,
-                len(shape.block_bytes))
+                len(shape.block_bytes), chunk)
 
 
 def _no_fit_message(shape: ModelShape, policy: OffloadPolicy, b: Dict[str, Optional[int]],
