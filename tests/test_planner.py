@@ -145,11 +145,17 @@ def _half_the_blocks_budget(model, pr):
     from infinity.plan.shape import describe
     shape = describe(model)
     pl = placement("nvme")
+    from infinity.tiers.chunk_size import resolve_chunk_bytes
     # as plan() without batch/seq (as wrap plans): the working set that grows with the batch
-    # is not counted
-    e = estimate_one(shape, pl, pr, batch=4, seq=128,
-                     prefetch_window=_window(shape, pr, pl, 4, 128), batch_known=False)
-    return shape, e.host_bytes + e.device_bytes + shape.param_bytes // 2
+    # is not counted; the pools at the chunk the budget implies (the budget sets the chunk,
+    # the chunk the pools: two rounds settle it)
+    budget = None
+    for _ in range(3):
+        e = estimate_one(shape, pl, pr, batch=4, seq=128,
+                         prefetch_window=_window(shape, pr, pl, 4, 128), batch_known=False,
+                         chunk_bytes=resolve_chunk_bytes(None, budget))
+        budget = e.host_bytes + e.device_bytes + shape.param_bytes // 2
+    return shape, budget
 
 
 def test_budget_for_half_the_blocks_plans_a_per_block_split(tmp_path, pr):

@@ -6,9 +6,10 @@ explicitly are kept as given; the planner decides only what was left "auto".
 
 Parameters may be split per block: when they do not all fit in the host budget but some do,
 the planner also considers "the first K blocks on host, the rest on NVMe" (``host_blocks=K``,
-K as large as fits after the other needs), its step predicted by combining the all-NVMe and
-host-parameter estimates in proportion to the bytes on each tier, and takes it when that is
-the shortest predicted step. Gradients and optimizer states keep one tier for the model.
+K as large as fits after the other needs), its step estimated with those blocks' fetches and
+working copies off the disk (their gradients and states keep the placement's tiers), and takes
+it when that is the shortest predicted step. Gradients and optimizer states keep one tier for
+the model.
 
 What autograd allocates outside the engine (activations, the logits and the head's gradient
 without ``tiled_head``, a dense embedding gradient without rows: ``estimate.py``'s
@@ -112,8 +113,8 @@ def _split(shape: ModelShape, pr: ProbeResult, nvme_pl: Placement, e_nvme: Estim
     """"The first K blocks' parameters on host, the rest on NVMe" (gradients and states as in
     ``nvme_pl``), K as large as the host budget holds after what the NVMe placement needs; None
     when not even one block fits (or all do: then a host placement is the one to compare).
-    Its step combines the NVMe estimate and the same placement with host parameters in
-    proportion to the parameter bytes on each tier (estimate.py's time model, unchanged).
+    Estimated as the engine runs it (``estimate_one(host_blocks=K)``): the host blocks' fetches
+    and working copies skip the disk, their gradients and states do not.
     ``k_given``: the user's host_blocks (estimated as given, fitting or not)."""
     if k_given is not None:
         k = min(k_given, len(shape.block_bytes))
@@ -131,21 +132,13 @@ def _split(shape: ModelShape, pr: ProbeResult, nvme_pl: Placement, e_nvme: Estim
             return None
     if k == 0:
         return None
-    f = held / max(1, shape.param_bytes)
-    host_pl = Placement("_host_params", "host", "host", nvme_pl.optimizer_tier, nvme_pl.states)
-    e_host = estimate_one(shape, host_pl, pr, batch=batch, seq=seq, prefetch_window=w, **layout)
-    fetch = (1 - f) * e_nvme.fetch_s + f * e_host.fetch_s
-    opt = (1 - f) * e_nvme.optimizer_s + f * e_host.optimizer_s
-    step = e_nvme.step_s - e_nvme.fetch_s - e_nvme.optimizer_s + fetch + opt
     n = len(shape.block_bytes)
     name = f"{nvme_pl.name}+host{k}"
     pl = dataclasses.replace(nvme_pl, name=name, what=(
         f"parameters of the first {k} of {n} blocks on host, the rest on NVMe; gradients on "
         f"{nvme_pl.grad_tier}, optimizer states on {nvme_pl.optimizer_tier}"))
-    e = dataclasses.replace(
-        e_nvme, placement=name, what=pl.what, host_bytes=e_nvme.host_bytes + held,
-        nvme_bytes=e_nvme.nvme_bytes - held, step_s=step, fetch_s=fetch, optimizer_s=opt,
-        nvme_written_per_step=int(e_nvme.nvme_written_per_step - f * shape.param_bytes))
+    e = estimate_one(shape, pl, pr, batch=batch, seq=seq, prefetch_window=w, host_blocks=k,
+                     **layout)
     return pl, e, k
 
 

@@ -34,6 +34,9 @@ class Estimate:
     # the working set autograd allocates outside the engine's pools (in device_bytes), by term
     # (autograd_working_set); "peak" is what device_bytes counts
     working_set: Dict[str, int] = field(default_factory=dict)
+    # the bytes a step moves through the swap disk, by category (params_read, params_written,
+    # grads_read, grads_written, states_read, states_written: stats()["nvme_per_step"]'s)
+    nvme_per_step: Dict[str, int] = field(default_factory=dict)
 
     @property
     def tb_written_per_1000_steps(self) -> float:
@@ -121,6 +124,11 @@ def format_estimates(t: EstimateTable) -> str:
                          f"{parts}; SSD wear {r.tb_written_per_1000_steps:.2f} TB per 1,000 steps"
                          + (f"; +{r.nvme_overlap_bytes / n:.2f} while the step overlaps backward"
                             if r.nvme_overlap_bytes else ""))
+        if r.nvme_per_step:
+            n = max(1, sh.params // r.ranks)
+            moved = ", ".join(f"{k.replace('_', ' ')} {v / n:.2f}"
+                              for k, v in r.nvme_per_step.items() if v)
+            lines.append(f"NVMe per step, bytes/param ({r.placement}): {moved}")
     if t.rows and t.rows[0].working_set:
         ws = t.rows[-1].working_set
         parts = ", ".join(f"{k.replace('_', ' ')} {fmt_bytes(v)}" for k, v in ws.items()
