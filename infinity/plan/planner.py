@@ -29,7 +29,7 @@ from torch import nn
 
 from ..policy import OffloadPolicy, check_nvme_path
 from ..tiers.chunk_size import resolve_chunk_bytes
-from .estimate import compute_dtype, estimate_one, model_flops
+from .estimate import compute_dtype, compute_overlap, estimate_one, model_flops
 from .placements import PLACEMENTS, Placement
 from .probe import ProbeResult, probe as run_probe
 from .results import Estimate, Plan
@@ -252,9 +252,14 @@ def plan(model: Union[nn.Module, ModelShape, int, float], policy: Optional[Offlo
         reasons.append(f"{name}: " + (f"fits, predicted {fmt_s(step)}" if ok else
                                       f"does not fit: {why}"))
     if pl.param_tier == "nvme":
+        overlap = compute_overlap(pr)
+        measured = pr.disk.compute_overlap is not None
         reasons.append(f"prefetch window {w}: a block's read "
-                       f"({fmt_s(shape.layer_block_bytes / pr.disk.read_bps)}) hides behind "
-                       f"the compute of the {w} blocks before it")
+                       f"({fmt_s(shape.layer_block_bytes / pr.disk.read_bps)}) is issued while "
+                       f"the {w} blocks before it compute; {overlap:.0%} of the shorter of "
+                       "compute and disk time is counted as hidden "
+                       + ("(the probe's measurement)" if measured else
+                          "(not measured by the probe: none on a CPU, all on a GPU)"))
     return Plan(pl.name, pl.param_tier, pl.grad_tier, pl.optimizer_tier, w,
                 max(1, min(2, w)), w + 2, b, e, tuple(reasons), candidates, host_blocks,
                 len(shape.block_bytes), chunk)
