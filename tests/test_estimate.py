@@ -181,16 +181,27 @@ def test_disk_bound_optimizer_and_fetch_follow_the_probed_bandwidths(pr):
     shape = shape_of(_meta_model())
     n, pb = shape.params, shape.param_bytes
     slow = dataclasses.replace(pr, disk=dataclasses.replace(pr.disk, read_bps=1e6,
-                                                            write_bps=2e6))
+                                                            write_bps=2e6, compute_overlap=1.0))
     e = estimate_one(shape, placement("nvme"), slow, batch=2, seq=32, compute_s=0.01)
     io_opt = 16.0 * n / 1e6 + (12.0 * n + pb) / 2e6
     assert e.optimizer_s > io_opt  # the disk, not CPU Adam, sets it (+ the pipeline's edges)
     assert e.optimizer_s < io_opt * 1.5
-    io_fb = 2 * pb / 1e6 + 4.0 * n / 2e6
+    # every block read in forward and in backward but the last two layers (the window),
+    # kept between them
+    io_fb = (2 * pb - 2 * shape.layer_block_bytes) / 1e6 + 4.0 * n / 2e6
     assert e.fetch_s > io_fb - 0.01 - e.grad_offload_s  # the reads do not hide behind compute
-    fast = estimate_one(shape, placement("nvme"), pr, batch=2, seq=32, compute_s=100.0)
+    hidden = dataclasses.replace(pr, disk=dataclasses.replace(pr.disk, compute_overlap=1.0))
+    fast = estimate_one(shape, placement("nvme"), hidden, batch=2, seq=32, compute_s=100.0)
     first = (shape.root_bytes + shape.layer_block_bytes) / pr.disk.read_bps
     assert fast.fetch_s == pytest.approx(first)  # only the first read is exposed
+    # a machine where the disk and compute take turns (the probe measured no overlap): the
+    # disk's time adds to compute's, in forward + backward and in the optimizer's pipeline
+    turns = dataclasses.replace(pr, disk=dataclasses.replace(pr.disk, compute_overlap=0.0))
+    t = estimate_one(shape, placement("nvme"), turns, batch=2, seq=32, compute_s=100.0)
+    io_fb = sum(t.nvme_per_step[c] for c in ("params_read",)) / pr.disk.read_bps + \
+        t.nvme_per_step["grads_written"] / pr.disk.write_bps
+    assert t.fetch_s == pytest.approx(first + io_fb)
+    assert t.optimizer_s > fast.optimizer_s
     # more optimizer bytes, more time: fp32 > bf16 > 8bit states on a slow disk
     t = {s: estimate_one(shape, placement("nvme"), slow, batch=2, seq=32, compute_s=0.01,
                          states=s).optimizer_s for s in ("fp32", "bf16", "8bit")}
@@ -255,3 +266,40 @@ def test_a_bf16_model_is_predicted_at_the_bf16_compute_rate(pr):
         a = estimate_one(fp32, placement(name), fast, batch=2, seq=32)
         b = estimate_one(bf16, placement(name), fast, batch=2, seq=32)
         assert a.compute_s == pytest.approx(4 * b.compute_s, rel=1e-9)
+
+
+@pytest.mark.parametrize("host_blocks", [0, 2])
+def test_nvme_bytes_per_step_by_category_are_what_the_engine_moves(tmp_path, pr, host_blocks):
+    """The estimate's bytes per category of a steady step (states read and written, fp32
+    gradients written in backward and read by the optimizer, every NVMe-homed block read twice
+    but the last layer kept from forward into backward, the working copies of the NVMe-homed
+    blocks written back) against stats()["nvme_per_step"] of a wrapped model's second step."""
+    from infinity.plan.estimate import estimate_one
+    from infinity.plan.placements import placement
+    from infinity.plan.shape import describe
+    torch.manual_seed(0)
+    model = TinyGPT(CFG)
+    shape = describe(model)
+    infinity.wrap(model, nvme_path=str(tmp_path), param_tier="nvme", grad_tier="nvme",
+                  optimizer_tier="nvme", placement=None, host_blocks=host_blocks or None)
+    try:
+        opt = infinity.optim.AdamW(model.parameters(), lr=1e-3, overlap=False)
+        x = torch.randint(0, CFG.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+        for _ in range(2):
+            lm_loss(model(x), x).backward()
+            opt.step()
+            opt.zero_grad()
+        moved = infinity.stats(model)["nvme_per_step"]["bytes"]
+    finally:
+        infinity.unwrap(model)
+    e = estimate_one(shape, placement("nvme"), pr, batch=2, seq=32, host_blocks=host_blocks)
+    assert set(e.nvme_per_step) == {"params_read", "params_written", "grads_read",
+                                    "grads_written", "states_read", "states_written"}
+    # the root block (here the embedding and head: the whole step) is read once a step; a
+    # prefetch of the next step's can land in this step's count
+    root = shape.block_bytes[-1]
+    for cat, want in e.nvme_per_step.items():
+        slack = (root if cat == "params_read" else 0) + (64 << 10)
+        assert want - (64 << 10) <= moved[cat] <= want + slack, (cat, want, moved)
+    assert e.nvme_written_per_step == sum(v for c, v in e.nvme_per_step.items()
+                                          if c.endswith("_written"))

@@ -187,3 +187,32 @@ def test_published_bf16_weights_halve_the_homes_and_compute_at_the_bf16_rate(pr,
              "--placement", "host"]
     assert cli.main(["estimate", *flags, "--dtype", "bf16"]) == 0
     assert "3,212,749,824 parameters" in capsys.readouterr().out
+
+
+def test_cli_tiled_head_and_whole_embedding_match_the_python_api(pr, tmp_path, capsys,
+                                                                 monkeypatch):
+    from infinity import cli
+    from infinity.plan import plan
+    # the CLI's probe is the fixture's (infinity.plan.probe the module, not the function)
+    monkeypatch.setattr(sys.modules["infinity.plan.probe"], "probe", lambda *a, **k: pr)
+    flags = ["--d-model", "3072", "--layers", "2", "--heads", "24", "--kv-heads", "8",
+             "--ffn", "8192", "--vocab", "128256", "--tied", "--dtype", "bf16", "--batch", "1",
+             "--seq", "256", "--quick-probe", "--placement", "host"]
+    dims = dict(d_model=3072, n_layers=2, n_heads=24, n_kv_heads=8, ffn=8192,
+                vocab_size=128256, tied=True, dtype=torch.bfloat16, batch=1, seq=256,
+                probe=pr, placements=["host"])
+    outputs = {}
+    for extra, kw in (([], {}), (["--tiled-head"], dict(tiled_head=True)),
+                      (["--whole-embedding"], dict(embedding_rows=False))):
+        assert cli.main(["estimate", *flags, *extra]) == 0
+        outputs[tuple(extra)] = out = capsys.readouterr().out
+        assert out == str(estimate(None, **dims, **kw))
+    # the knobs change what the table counts: one tile of the head instead of the logits
+    assert "head tile" in outputs[("--tiled-head",)] and "logits" in outputs[()]
+    assert "head tile" not in outputs[()]
+    # --plan passes them on to the planner
+    assert cli.main(["estimate", *flags, "--tiled-head", "--plan", "--ram-budget", "16GiB"]) == 0
+    out = capsys.readouterr().out
+    shape = estimate(None, **dims).shape
+    want = plan(shape, probe=pr, host_budget=16 << 30, batch=1, seq=256, tiled_head=True)
+    assert str(want) in out

@@ -145,11 +145,17 @@ def _half_the_blocks_budget(model, pr):
     from infinity.plan.shape import describe
     shape = describe(model)
     pl = placement("nvme")
+    from infinity.tiers.chunk_size import resolve_chunk_bytes
     # as plan() without batch/seq (as wrap plans): the working set that grows with the batch
-    # is not counted
-    e = estimate_one(shape, pl, pr, batch=4, seq=128,
-                     prefetch_window=_window(shape, pr, pl, 4, 128), batch_known=False)
-    return shape, e.host_bytes + e.device_bytes + shape.param_bytes // 2
+    # is not counted; the pools at the chunk the budget implies (the budget sets the chunk,
+    # the chunk the pools: two rounds settle it)
+    budget = None
+    for _ in range(3):
+        e = estimate_one(shape, pl, pr, batch=4, seq=128,
+                         prefetch_window=_window(shape, pr, pl, 4, 128), batch_known=False,
+                         chunk_bytes=resolve_chunk_bytes(None, budget))
+        budget = e.host_bytes + e.device_bytes + shape.param_bytes // 2
+    return shape, budget
 
 
 def test_budget_for_half_the_blocks_plans_a_per_block_split(tmp_path, pr):
@@ -275,3 +281,33 @@ def test_nvme_path_file_in_plan_explain_and_probe(tmp_path, pr):
     # a missing directory still says so (the planner's check), with the same remedy
     with pytest.raises(FileNotFoundError, match="does not exist; create the directory"):
         infinity.wrap(TinyGPT(CFG), nvme_path=str(tmp_path / "nope"))
+
+
+def test_the_plan_sizes_its_pools_at_the_chunk_wrap_derives_from_the_budget(tmp_path, pr):
+    from infinity.tiers.chunk_size import DEFAULT_CHUNK_BYTES, resolve_chunk_bytes
+    cfg = GPTConfig(vocab_size=512, d_model=256, n_layers=4, n_heads=2, max_seq=32)
+    budget = 64 << 20
+    chunk = resolve_chunk_bytes(None, budget)
+    assert chunk < DEFAULT_CHUNK_BYTES and chunk < 12 * 256 * 256 * 4  # smaller than a layer
+    nvme = dict(probe=pr, nvme_path=str(tmp_path), host_budget=budget, param_tier="nvme",
+                grad_tier="nvme", optimizer_tier="nvme", batch=2, seq=32)
+    derived = plan(TinyGPT(cfg), **nvme)
+    assert derived.chunk_bytes == chunk
+    assert f"chunk {chunk / 2**20:.1f} MiB" in str(derived)
+    given = plan(TinyGPT(cfg), chunk_bytes=chunk, **nvme)
+    assert given.estimate == derived.estimate
+    # the estimate at the same chunk counts the same host bytes; at the 256 MiB default its
+    # buffers would hold whole blocks: more
+    def host_at(chunk_bytes):
+        return infinity.estimate(TinyGPT(cfg), probe=pr, placements=["nvme"], batch=2, seq=32,
+                                 prefetch_window=derived.prefetch_window,
+                                 chunk_bytes=chunk_bytes).row("nvme").host_bytes
+    assert host_at(chunk) == derived.estimate.host_bytes < host_at(DEFAULT_CHUNK_BYTES)
+    # wrap with the same budget uses the same chunk
+    model = TinyGPT(cfg)
+    infinity.wrap(model, nvme_path=str(tmp_path), placement="auto", host_budget=budget)
+    try:
+        p = infinity.explain(model, show=False)
+        assert infinity.api._engine(model).chunk_bytes == p.chunk_bytes == chunk
+    finally:
+        infinity.unwrap(model)

@@ -133,3 +133,24 @@ def test_a_cache_or_result_from_a_newer_version_still_reads(tmp_path, cached):
     saved["disk"] = {**saved["disk"], "another": 3}
     back = ProbeResult.from_json(saved)
     assert back.mem_bps == first.mem_bps and back.disk.read_bps == first.disk.read_bps
+
+
+def test_compute_overlap_is_measured_by_a_full_disk_probe_and_read_back(tmp_path):
+    """measure_disk times a disk transfer and a computation alone and together: the share
+    hidden is a fraction; a quick probe leaves it out; an old cache without it reads as None,
+    and the estimates then take none on a CPU, all on a GPU."""
+    import dataclasses
+    from infinity.plan.estimate import compute_overlap, side_by_side
+    from infinity.plan.probe import measure_disk
+    d = measure_disk(str(tmp_path), 8 << 20, reps=1)
+    assert d.compute_overlap is not None and 0.0 <= d.compute_overlap <= 1.0
+    assert measure_disk(str(tmp_path), 1 << 20, reps=1, overlap=False).compute_overlap is None
+    r = probe(str(tmp_path), quick=True, cache=str(tmp_path / "probe.json"))
+    assert r.disk.compute_overlap is None  # quick
+    cpu = dataclasses.replace(r, device="cpu")
+    assert compute_overlap(cpu) == 0.0
+    assert compute_overlap(dataclasses.replace(r, device="cuda")) == 1.0
+    measured = dataclasses.replace(cpu, disk=dataclasses.replace(r.disk, compute_overlap=0.25))
+    assert compute_overlap(measured) == 0.25
+    assert side_by_side(3.0, 1.0, 1.0) == 3.0 and side_by_side(3.0, 1.0, 0.0) == 4.0
+    assert side_by_side(1.0, 3.0, 0.5) == 3.5

@@ -58,6 +58,12 @@ def add_estimate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                    help="the weights' dtype of a config or a count (bf16 as published: homes in "
                         "2 bytes a parameter, computed at the probe's bf16 rate)")
+    p.add_argument("--tiled-head", action="store_true",
+                   help="the LM head and its loss in vocabulary tiles (wrap(tiled_head=True)): "
+                        "counts one tile of the head in RAM instead of the whole logits")
+    p.add_argument("--whole-embedding", action="store_true",
+                   help="fetch the input embedding whole instead of reading its batch's rows "
+                        "(wrap(embedding_rows=False)): counts its dense gradient")
     p.add_argument("--plan", action="store_true", help="also show the planner's choice")
     p.add_argument("--ram-budget", default=None, help="host budget for --plan, e.g. 8GiB")
 
@@ -94,13 +100,15 @@ def run_estimate(args: argparse.Namespace) -> int:
         budget = parse_budget(args.ram_budget, "--ram-budget") if args.ram_budget else None
         shape = estimate_shape(args)
         pr = probe(args.nvme_path, quick=args.quick_probe)
+        layout = dict(tiled_head=args.tiled_head, embedding_rows=not args.whole_embedding)
         table = estimate(shape, batch=args.batch, seq=args.seq, ranks=args.ranks,
                          placements=args.placement, probe=pr, calibrate=args.calibrate,
-                         master=args.master)
+                         master=args.master, **layout)
         sys.stdout.write(str(table))
         if args.plan:
             sys.stdout.write(str(plan(shape, probe=pr, nvme_path=args.nvme_path,
-                                      host_budget=budget, batch=args.batch, seq=args.seq)))
+                                      host_budget=budget, batch=args.batch, seq=args.seq,
+                                      **layout)))
     except (ValueError, OSError, ProbeError) as exc:  # PlanError is a ValueError
         sys.stderr.write(f"{exc}\n")
         return 1

@@ -12,17 +12,32 @@ parameters this rank holds, s: optimizer state bytes per parameter, B: blocks):
   measured by the probe on tiny GPTs for the placement's tier layout (host / optim_nvme / nvme);
 - gradient offload: each gradient added into an fp32 host buffer (12 bytes/param of memory
   traffic on the CPU; on a GPU the device->host copy at the pinned bandwidth);
-- parameter fetch from NVMe: every block read twice a step (forward, backward) and its gradient
-  written once, overlapped with compute by the prefetch: per step the longer of the two, plus
-  the first blocks' read that nothing hides;
-- optimizer: CPU Adam at the probed params/s (the kernel reads the gradient and writes the
-  master; a working copy that is not the master is one more copy), states streamed from/to NVMe
-  where they live there: read(i+1) | compute(i) | write(i-1), so the longer of CPU Adam and the
-  disk's read + write time, plus the first shard's read and the last one's write;
+- the swap disk, per step, by category (``Estimate.nvme_per_step``, the categories of
+  ``stats()["nvme_per_step"]``), as the engine moves them: the blocks whose parameters live
+  on NVMe read in forward each time they run and again in backward, but the last
+  ``prefetch_window`` blocks of forward (kept for backward), an embedding read by rows and an
+  embedding's backward (it needs only the indices) (``param_reads``); their working copies
+  written back by the optimizer; the fp32 gradients of every trained block written in
+  backward and read by the optimizer (gradients on NVMe); the optimizer states read and
+  written. The first ``host_blocks`` blocks' parameters stay on host: no reads, no write-back;
+  their gradients and states move as the others'. Reads and writes share one disk and take
+  turns: a phase's disk time is its reads at the probed read rate plus its writes at the
+  write rate;
+- compute against the disk: forward + backward (compute and the gradients' hand-off) against
+  its reads and gradient writes, pipelined by the prefetch window, plus the first block's read
+  that nothing hides; the optimizer (CPU Adam and the working copies) against its reads and
+  writes, read(i+1) | compute(i) | write(i-1), plus the first unit's read and the last one's
+  write. Each phase takes the longer of its compute and its disk time plus the share of the
+  shorter that does not overlap (``side_by_side``): how much overlaps is the probe's
+  measurement (``DiskProbe.compute_overlap``: a disk transfer and a computation alone, then
+  both at once); when the probe did not measure it, nothing on a CPU device (the same two
+  cores run the model, the I/O's checksums and page pinning, and a virtual disk's
+  emulation), everything on a GPU;
 - the updates that start during backward when gradients and states are both on NVMe (the
   optimizer's overlap) are not credited: on a CPU-only machine the same cores compute, and
-  the fetches use the same disk (on the loaded 2-core VM, ``nvme`` steps came out shorter
-  than ``optim_nvme`` ones in some runs and longer in others: not a measured gain).
+  the fetches use the same disk (Llama-3.2-3B under an 8 GiB budget: 79.4 s for a step without
+  them, 82.5 s with them, benchmarks/RESULTS.md). What the engine moves beyond the formats in
+  such a step (more gradient writes) is not counted either.
 
 Memory outside the engine's pools (``autograd_working_set``; in the device bytes: RAM on a CPU,
 the GPU's memory on a GPU). T = batch·seq tokens, c = the compute dtype's bytes, d, ffn, kv:
@@ -55,8 +70,7 @@ computes its own batch; collectives are not modelled (and multi-rank runs are no
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -64,68 +78,14 @@ from torch import nn
 from .placements import (MASTER_BYTES, PLACEMENTS, Placement, placement as get_placement,
                          state_bytes_per_param)
 from .probe import ProbeResult, probe as run_probe
+from .results import Estimate, EstimateTable
 from .shape import EMBEDDING, HEAD, TIED, ModelShape, describe
 from ..optim.swapper import SETS  # the optimizer's buffer sets: its units in flight
 from ..tiers.chunk_size import DEFAULT_CHUNK_BYTES
+from ..tiers.pool_plan import MAX_PIECE_BYTES
 
 # Per block and step when the probe did not measure the engine's fixed costs (an old result).
 BLOCK_OVERHEAD_S = 2e-4
-
-
-@dataclass(frozen=True)
-class Estimate:
-    placement: str
-    ranks: int
-    device_bytes: int
-    host_bytes: int
-    nvme_bytes: int
-    step_s: float
-    compute_s: float
-    fetch_s: float
-    grad_offload_s: float
-    optimizer_s: float
-    nvme_written_per_step: int
-    tokens_per_step: int
-    what: str = ""
-    engine_s: float = 0.0       # the engine's fixed cost per block and step (in step_s)
-    # swap bytes by category: parameters, gradients, master, moments, spare (the extents of
-    # the optimizer's units in flight: each is written before the one it replaces is freed)
-    nvme_by_category: Dict[str, int] = field(default_factory=dict)
-    # more swap while the step overlapping backward is armed (gradients and states on NVMe):
-    # the previous states of every unit it stepped, kept until opt.step() confirms them
-    nvme_overlap_bytes: int = 0
-    # the working set autograd allocates outside the engine's pools (in device_bytes), by term
-    # (autograd_working_set); "peak" is what device_bytes counts
-    working_set: Dict[str, int] = field(default_factory=dict)
-
-    @property
-    def tb_written_per_1000_steps(self) -> float:
-        """SSD wear: terabytes written to the swap disk per 1,000 steps."""
-        return self.nvme_written_per_step * 1000 / 1e12
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens_per_step / self.step_s if self.step_s > 0 else 0.0
-
-
-@dataclass(frozen=True)
-class EstimateTable:
-    shape: ModelShape
-    rows: List[Estimate]
-    batch: int
-    seq: int
-    device: str
-    notes: List[str] = field(default_factory=list)
-
-    def row(self, placement: str, ranks: int = 1) -> Estimate:
-        for r in self.rows:
-            if r.placement == placement and r.ranks == ranks:
-                return r
-        raise KeyError((placement, ranks))
-
-    def __str__(self) -> str:
-        from .explain import format_estimates
-        return format_estimates(self)
 
 
 def compute_dtype(bytes_per_param: float) -> torch.dtype:
@@ -257,7 +217,7 @@ def estimate_one(shape: ModelShape, pl: Placement, pr: ProbeResult, *, batch: in
                  compute_s: Optional[float] = None, states: Optional[str] = None,
                  master: Optional[str] = None, chunk_bytes: Optional[int] = None,
                  tiled_head: bool = False, embedding_rows: bool = True,
-                 batch_known: bool = True) -> Estimate:
+                 batch_known: bool = True, host_blocks: int = 0) -> Estimate:
     """One placement's bytes per tier and predicted step. ``compute_s``: forward + backward
     seconds timed at this shape (else from the probe's FLOP rate); ``states`` / ``master``:
     the optimizer's moment / master-weight format, overriding the placement's own;
@@ -268,7 +228,9 @@ def estimate_one(shape: ModelShape, pl: Placement, pr: ProbeResult, *, batch: in
     by rows (neither fetched whole; their gradients never dense): they set the compute buffers
     and the working set autograd allocates outside the engine (``Estimate.working_set``);
     ``batch_known`` False: ``batch``/``seq`` are a guess (``wrap(placement="auto")``), and the
-    working set leaves out the terms that grow with the batch."""
+    working set leaves out the terms that grow with the batch. ``host_blocks``: with parameters
+    on NVMe, the first blocks (engine order) whose parameters stay on host (``wrap(host_blocks=)``):
+    neither read nor written back through the disk; gradients and states keep their tiers."""
     if master is not None and master != pl.master:
         if pl.plain:
             raise ValueError("infinity.estimate: the device placement (plain PyTorch) has no "
@@ -318,6 +280,8 @@ def estimate_one(shape: ModelShape, pl: Placement, pr: ProbeResult, *, batch: in
     work = autograd_working_set(shape, tokens if batch_known else None, cbpp, tiled_head=tiled_head,
                                 embedding_rows=embedding_rows, chunk_bytes=chunk)
     categories: Dict[str, float] = {}
+    moved: Dict[str, float] = {}
+    overlap = compute_overlap(pr)
     if pl.plain:
         device = shape.param_bytes * 2 + 8 * shape.params
         host = nvme = 0.0
@@ -353,11 +317,18 @@ def estimate_one(shape: ModelShape, pl: Placement, pr: ProbeResult, *, batch: in
                 categories = _state_categories(pl, s, n, unit)
                 nvme = sum(categories.values())
                 disk = pr.disk
-                io = s * n / disk.read_bps + s * n / disk.write_bps
+                moved = dict(states_read=s * n, states_written=s * n)
+                io = disk_seconds(moved, disk)
                 edge = s * unit / disk.read_bps + s * unit / disk.write_bps
-                opt = max(n / adam_rate + copy_back, io) + edge
+                opt = side_by_side(n / adam_rate + copy_back, io, overlap) + edge
                 written = s * n
         else:  # nvme
+            # the first host_blocks blocks' parameters stay on host (engine order: layers, outer
+            # blocks, the root); the rest live on NVMe
+            k = max(0, min(host_blocks, len(shape.block_bytes)))
+            scale = pbytes / max(1, shape.param_bytes)     # stored (frozen) or own format
+            held = sum(shape.block_bytes[:k]) * scale
+            on_disk = pbytes - held
             device = window_bytes
             # the engine's pools and the optimizer's buffer sets, each buffer one chunk (or
             # the largest block when that is smaller): staging (one on a CPU device, where
@@ -366,25 +337,34 @@ def estimate_one(shape: ModelShape, pl: Placement, pr: ProbeResult, *, batch: in
             staging = (1 if not cuda else min(2, max(1, prefetch_window))) * \
                 min(chunk, shape.largest_block_bytes / ranks)
             grad_bufs = (prefetch_window + 2) * min(chunk, 4.0 * largest)
-            unit = min(largest / ranks, chunk / (s + bpp + 4.0))
-            host = staging + grad_bufs + SETS * unit * (s + bpp + 4.0)
-            categories = dict(parameters=pbytes, gradients=4.0 * n,
+            unit, set_bytes = nvme_step_set(chunk, largest / ranks, s, bpp)
+            host = staging + grad_bufs + SETS * set_bytes + held
+            categories = dict(parameters=on_disk, gradients=4.0 * n,
                               **_state_categories(pl, s, n, unit))
             nvme = sum(categories.values())
             overlap_bytes = s * n - categories["spare"]
             disk = pr.disk
-            io_fb = 2 * pbytes / disk.read_bps + 4.0 * n / disk.write_bps
-            first = first_bytes / disk.read_bps
-            io_opt = (s + 4.0) * n / disk.read_bps + (s * n + wbytes) / disk.write_bps
-            adam = n / adam_rate + 2 * wbytes / mem     # + the working copy staged for the file
-            written = 4.0 * n + s * n + wbytes
-            # the optimizer's pipeline: the longer of CPU Adam and the disk, plus the first
-            # shard's read and the last one's write. Its updates may also start during
-            # backward (gradients and states both on NVMe); that is not credited: on a
-            # CPU-only machine the same cores compute, and the fetches use the same disk
+            reads = param_reads(shape, k, prefetch_window, tiled_head, embedding_rows)
+            moved = nvme_bytes_per_step(pl, n, s, reads * scale / ranks,
+                                        wbytes * on_disk / pbytes if pbytes else 0.0)
+            # forward + backward: the reads of the blocks on NVMe and the gradients' writes
+            # against compute and the gradients' hand-off (the prefetch window pipelines
+            # them); the first block's read comes before any compute
+            io_fb = disk_seconds({c: moved[c] for c in FB_CATEGORIES}, disk)
+            first = first_bytes / disk.read_bps if on_disk > 0 else 0.0
+            fb = side_by_side(compute + grad, io_fb, overlap)
+            fetch = fb - compute - grad + first
+            # the optimizer's pipeline, read(i+1) | compute(i) | write(i-1): CPU Adam (and the
+            # working copies staged for the file, or copied into the host homes) against the
+            # disk, plus the first unit's read and the last one's write. Its updates may also
+            # start during backward (gradients and states both on NVMe); that is not
+            # credited: on a CPU-only machine the same cores compute, and the fetches use the
+            # same disk
+            adam = n / adam_rate + 2 * wbytes / mem
+            io_opt = disk_seconds({c: moved[c] for c in OPT_CATEGORIES}, disk)
             edge = (s + 4.0) * unit / disk.read_bps + (s + bpp) * unit / disk.write_bps
-            fetch = max(0.0, io_fb - compute - grad) + first
-            opt = max(adam, io_opt) + edge
+            opt = side_by_side(adam, io_opt, overlap) + edge
+            written = sum(v for c, v in moved.items() if c.endswith("_written"))
         step = compute + fetch + grad + opt + overhead
     # autograd's working set outside the engine (plain PyTorch: its gradients are counted)
     if pl.plain:
@@ -394,7 +374,102 @@ def estimate_one(shape: ModelShape, pl: Placement, pr: ProbeResult, *, batch: in
     return Estimate(pl.name, ranks, int(device), int(host), int(nvme), step, compute, fetch,
                     grad, opt, int(written), tokens, pl.what, overhead,
                     {k: int(v) for k, v in categories.items()}, int(overlap_bytes),
-                    {k: int(v) for k, v in work.items()})
+                    {k: int(v) for k, v in work.items()}, {k: int(v) for k, v in moved.items()})
+
+
+# what each phase of a step moves through the disk (the categories of stats()["nvme_per_step"])
+FB_CATEGORIES = ("params_read", "grads_written")
+OPT_CATEGORIES = ("grads_read", "states_read", "states_written", "params_written")
+
+
+def param_reads(shape: ModelShape, host_blocks: int, window: int, tiled_head: bool,
+                embedding_rows: bool) -> float:
+    """Block bytes a step reads from the parameters' NVMe homes, as the engine fetches them:
+    the root once (materialized for the whole step); in forward every block each time it runs
+    (a tied embedding and head twice: first and last), but an embedding read by rows; in
+    backward the head and the layers again, but the last ``window`` blocks of forward (kept
+    for backward, at least one) and the embedding (its backward needs only the indices); a
+    head streamed in tiles reads its tiles in both. The first ``host_blocks`` blocks (engine
+    order) are on host and read nothing."""
+    kinds = shape.kinds
+    roles = shape.block_roles or ("",) * len(kinds)
+    on_disk = [i >= host_blocks for i in range(len(kinds))]
+    layers = [i for i, kd in enumerate(kinds) if kd == "layer"]
+    emb = [i for i, r in enumerate(roles) if r in (EMBEDDING, TIED)]
+    head = [i for i, r in enumerate(roles) if r in (HEAD, TIED)]
+    forward = [(i, EMBEDDING) for i in emb] + [(i, "") for i in layers] + \
+        [(i, HEAD) for i in head]
+    kept = {i for i, _ in forward[-max(1, window):]}
+    total = 0.0
+    for i, use in forward:
+        rows = use == EMBEDDING and read_by_rows(shape, roles[i], tiled_head, embedding_rows)
+        if on_disk[i] and not rows:
+            total += shape.block_bytes[i]
+    for i, use in [(i, HEAD) for i in head] + [(i, "") for i in reversed(layers)]:
+        tiles = use == HEAD and read_by_rows(shape, roles[i], tiled_head, embedding_rows)
+        if on_disk[i] and (tiles or i not in kept):
+            total += shape.block_bytes[i]
+    root = sum(b for b, k, d in zip(shape.block_bytes, kinds, on_disk) if k == "root" and d)
+    return total + root
+
+
+def nvme_bytes_per_step(pl: Placement, n: float, s: float, reads: float,
+                        copies: float) -> Dict[str, float]:
+    """The bytes a step moves through the swap disk, by category, as the engine moves them
+    with parameters on NVMe (gradients and states where ``pl`` puts them): the parameter
+    reads (:func:`param_reads`), the working copies the optimizer writes back to the blocks
+    on NVMe (``copies``), the fp32 gradients written in backward and read by the optimizer,
+    the states read and written."""
+    moved = {"params_read": reads, "params_written": copies}
+    grads = 4.0 * n if pl.grad_tier == "nvme" else 0.0
+    moved.update(grads_read=grads, grads_written=grads)
+    states = s * n if pl.optimizer_tier == "nvme" else 0.0
+    moved.update(states_read=states, states_written=states)
+    return moved
+
+
+def disk_seconds(moved: Dict[str, float], disk: Any) -> float:
+    """The disk's time for these bytes: reads and writes share one disk, one after the other
+    (a mixed load measured no faster than the two apart: benchmarks/RESULTS.md, bench_nvme_step
+    "mixed")."""
+    reads = sum(v for c, v in moved.items() if c.endswith("_read"))
+    writes = sum(v for c, v in moved.items() if c.endswith("_written"))
+    return reads / disk.read_bps + writes / disk.write_bps
+
+
+def compute_overlap(pr: ProbeResult) -> float:
+    """How much of the shorter of a phase's compute and its disk time hides behind the other:
+    the probe's measurement (``DiskProbe.compute_overlap``); not measured: none on a CPU
+    device, whose cores run both the model and the I/O (its checksums, its page pinning, a
+    virtual disk's emulation), full on a GPU."""
+    measured = pr.disk.compute_overlap if pr.disk is not None else None
+    if measured is not None:
+        return float(measured)
+    return 1.0 if pr.device == "cuda" else 0.0
+
+
+def side_by_side(compute_s: float, disk_s: float, overlap: float) -> float:
+    """Seconds of a phase that computes ``compute_s`` and moves ``disk_s`` through the disk,
+    pipelined: the longer of the two, plus the share of the shorter that does not overlap."""
+    return max(compute_s, disk_s) + (1.0 - overlap) * min(compute_s, disk_s)
+
+
+def nvme_step_set(chunk: float, largest: float, s: float, bpp: float) -> Tuple[float, float]:
+    """(elements per unit, bytes per buffer set) of the NVMe step with gradients read from
+    NVMe and working copies written there, as the optimizer cuts a shard (optim/chunks.py,
+    ``NvmeStates.beside``): a unit's states, gradients and working copy fill about a chunk,
+    less two whole file pieces (at most 4 MiB, or the chunk) of each on either edge when those
+    fit in half of it; the gradient and working-copy windows are the pieces covering the unit,
+    never more than the largest block's."""
+    grad_piece = min(chunk, MAX_PIECE_BYTES, 4.0 * largest)
+    home_piece = min(chunk, MAX_PIECE_BYTES, bpp * largest)
+    fixed = 2 * (grad_piece + home_piece)
+    usable = chunk - fixed if fixed <= chunk / 2 else chunk
+    unit = min(largest, usable / (s + bpp + 4.0))
+    if unit >= largest:  # a whole block: no windows beyond it
+        return unit, unit * (s + bpp + 4.0)
+    return unit, (unit * s + min(4.0 * largest, 4.0 * unit + 2 * grad_piece)
+                  + min(bpp * largest, bpp * unit + 2 * home_piece))
 
 
 def _state_categories(pl: Placement, s: float, n: float, unit: float) -> Dict[str, float]:

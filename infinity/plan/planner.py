@@ -6,9 +6,10 @@ explicitly are kept as given; the planner decides only what was left "auto".
 
 Parameters may be split per block: when they do not all fit in the host budget but some do,
 the planner also considers "the first K blocks on host, the rest on NVMe" (``host_blocks=K``,
-K as large as fits after the other needs), its step predicted by combining the all-NVMe and
-host-parameter estimates in proportion to the bytes on each tier, and takes it when that is
-the shortest predicted step. Gradients and optimizer states keep one tier for the model.
+K as large as fits after the other needs), its step estimated with those blocks' fetches and
+working copies off the disk (their gradients and states keep the placement's tiers), and takes
+it when that is the shortest predicted step. Gradients and optimizer states keep one tier for
+the model.
 
 What autograd allocates outside the engine (activations, the logits and the head's gradient
 without ``tiled_head``, a dense embedding gradient without rows: ``estimate.py``'s
@@ -21,19 +22,19 @@ import dataclasses
 import logging
 import math
 import shutil
-from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import psutil
 from torch import nn
 
 from ..policy import OffloadPolicy, check_nvme_path
-from ..tiers.chunk_size import check_chunk_bytes
-from .estimate import Estimate, compute_dtype, estimate_one, model_flops
-from .explain import fmt_bytes, fmt_s, format_plan
+from ..tiers.chunk_size import resolve_chunk_bytes
+from .estimate import compute_dtype, compute_overlap, estimate_one, model_flops
 from .placements import PLACEMENTS, Placement
 from .probe import ProbeResult, probe as run_probe
+from .results import Estimate, Plan
 from .shape import ModelShape, describe
+from .units import fmt_bytes, fmt_s
 
 logger = logging.getLogger(__name__)
 
@@ -52,34 +53,6 @@ class PlanError(ValueError):
     def __init__(self, message: str, disk: bool = False) -> None:
         super().__init__(message)
         self.disk = disk
-
-
-@dataclass(frozen=True)
-class Plan:
-    placement: str
-    param_tier: str
-    grad_tier: str
-    optimizer_tier: str
-    prefetch_window: int
-    staging_buffers: int
-    grad_buffers: int
-    budgets: Dict[str, Optional[int]]
-    estimate: Estimate
-    reasons: Tuple[str, ...]
-    candidates: Tuple[Tuple[str, float, bool, str], ...]  # name, predicted step, fits, why not
-    host_blocks: int = 0      # with param_tier "nvme": the first blocks' parameters on host
-    n_blocks: int = 0
-
-    def policy_changes(self) -> Dict[str, Any]:
-        changes: Dict[str, Any] = {
-            "param_tier": self.param_tier, "grad_tier": self.grad_tier,
-            "optimizer_tier": self.optimizer_tier, "prefetch_window": self.prefetch_window}
-        if self.host_blocks:
-            changes["host_blocks"] = self.host_blocks
-        return changes
-
-    def __str__(self) -> str:
-        return format_plan(self)
 
 
 def budgets(policy: OffloadPolicy, pr: ProbeResult, ram_share: float = RAM_SHARE
@@ -140,8 +113,8 @@ def _split(shape: ModelShape, pr: ProbeResult, nvme_pl: Placement, e_nvme: Estim
     """"The first K blocks' parameters on host, the rest on NVMe" (gradients and states as in
     ``nvme_pl``), K as large as the host budget holds after what the NVMe placement needs; None
     when not even one block fits (or all do: then a host placement is the one to compare).
-    Its step combines the NVMe estimate and the same placement with host parameters in
-    proportion to the parameter bytes on each tier (estimate.py's time model, unchanged).
+    Estimated as the engine runs it (``estimate_one(host_blocks=K)``): the host blocks' fetches
+    and working copies skip the disk, their gradients and states do not.
     ``k_given``: the user's host_blocks (estimated as given, fitting or not)."""
     if k_given is not None:
         k = min(k_given, len(shape.block_bytes))
@@ -159,21 +132,13 @@ def _split(shape: ModelShape, pr: ProbeResult, nvme_pl: Placement, e_nvme: Estim
             return None
     if k == 0:
         return None
-    f = held / max(1, shape.param_bytes)
-    host_pl = Placement("_host_params", "host", "host", nvme_pl.optimizer_tier, nvme_pl.states)
-    e_host = estimate_one(shape, host_pl, pr, batch=batch, seq=seq, prefetch_window=w, **layout)
-    fetch = (1 - f) * e_nvme.fetch_s + f * e_host.fetch_s
-    opt = (1 - f) * e_nvme.optimizer_s + f * e_host.optimizer_s
-    step = e_nvme.step_s - e_nvme.fetch_s - e_nvme.optimizer_s + fetch + opt
     n = len(shape.block_bytes)
     name = f"{nvme_pl.name}+host{k}"
     pl = dataclasses.replace(nvme_pl, name=name, what=(
         f"parameters of the first {k} of {n} blocks on host, the rest on NVMe; gradients on "
         f"{nvme_pl.grad_tier}, optimizer states on {nvme_pl.optimizer_tier}"))
-    e = dataclasses.replace(
-        e_nvme, placement=name, what=pl.what, host_bytes=e_nvme.host_bytes + held,
-        nvme_bytes=e_nvme.nvme_bytes - held, step_s=step, fetch_s=fetch, optimizer_s=opt,
-        nvme_written_per_step=int(e_nvme.nvme_written_per_step - f * shape.param_bytes))
+    e = estimate_one(shape, pl, pr, batch=batch, seq=seq, prefetch_window=w, host_blocks=k,
+                     **layout)
     return pl, e, k
 
 
@@ -226,9 +191,10 @@ def plan(model: Union[nn.Module, ModelShape, int, float], policy: Optional[Offlo
         t = {k: explicit.get(k, "host") for k in ("param_tier", "grad_tier", "optimizer_tier")}
         pool.append(Placement("custom", t["param_tier"], t["grad_tier"], t["optimizer_tier"],
                               states, "as set"))
-    # how the engine lays out the step: the chunk its pools use (when set; else the estimate's
-    # default), the head and embedding reads
-    layout = dict(chunk_bytes=check_chunk_bytes(policy.chunk_bytes, "infinity.plan"),
+    # how the engine lays out the step: the chunk its pools use (the one wrap derives from the
+    # same chunk_bytes and host_budget), the head and embedding reads
+    chunk = resolve_chunk_bytes(policy.chunk_bytes, policy.host_budget, "infinity.plan")
+    layout = dict(chunk_bytes=chunk,
                   tiled_head=policy.tiled_head, embedding_rows=policy.embedding_rows,
                   batch_known=batch_known)
     rows = []
@@ -286,12 +252,17 @@ def plan(model: Union[nn.Module, ModelShape, int, float], policy: Optional[Offlo
         reasons.append(f"{name}: " + (f"fits, predicted {fmt_s(step)}" if ok else
                                       f"does not fit: {why}"))
     if pl.param_tier == "nvme":
+        overlap = compute_overlap(pr)
+        measured = pr.disk.compute_overlap is not None
         reasons.append(f"prefetch window {w}: a block's read "
-                       f"({fmt_s(shape.layer_block_bytes / pr.disk.read_bps)}) hides behind "
-                       f"the compute of the {w} blocks before it")
+                       f"({fmt_s(shape.layer_block_bytes / pr.disk.read_bps)}) is issued while "
+                       f"the {w} blocks before it compute; {overlap:.0%} of the shorter of "
+                       "compute and disk time is counted as hidden "
+                       + ("(the probe's measurement)" if measured else
+                          "(not measured by the probe: none on a CPU, all on a GPU)"))
     return Plan(pl.name, pl.param_tier, pl.grad_tier, pl.optimizer_tier, w,
                 max(1, min(2, w)), w + 2, b, e, tuple(reasons), candidates, host_blocks,
-                len(shape.block_bytes))
+                len(shape.block_bytes), chunk)
 
 
 def _no_fit_message(shape: ModelShape, policy: OffloadPolicy, b: Dict[str, Optional[int]],

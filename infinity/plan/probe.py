@@ -4,6 +4,8 @@
 - host<->device bandwidth (pinned and pageable) when there is a CUDA GPU;
 - O_DIRECT read and write bandwidth of the swap directory, with :mod:`infinity.io`;
 - free space there (read fresh every time, never cached);
+- how much of a disk transfer hides behind compute when both run at once
+  (:func:`measure_compute_overlap`: on a CPU-only machine the two share the cores);
 - CPU Adam parameters/s (fp32 states; 8-bit states too);
 - the compute device's rate on a GPT layer (forward + backward) of a few widths, in FLOP/s;
 - torch's own AdamW (the plain-PyTorch ``device`` placement) in parameters/s;
@@ -26,6 +28,7 @@ import os
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Dict, List, Optional
@@ -59,6 +62,12 @@ class DiskProbe:
     # layout -> {"block_s", "step_s"}: the engine's fixed costs with this disk (nvme, optim_nvme)
     overhead: Dict[str, Dict[str, float]] = field(default_factory=dict)
     latency_s: Optional[float] = None  # one 4 KiB O_DIRECT request (read and write, mean)
+    # the share of the shorter of a disk transfer (a write then a read, checksummed as the
+    # swap files are) and a computation on the device that hides behind the other when both
+    # run at once: 1 they overlap fully, 0 they take turns (on a CPU-only machine the I/O's
+    # own CPU, and a virtual disk's, come from the cores the model computes on).
+    # None: not measured (an older probe; the estimates then take 1, full overlap)
+    compute_overlap: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -340,9 +349,10 @@ def _check_dir(path: str) -> None:
                          "create it (on the disk that will hold the swap files) first")
 
 
-def measure_disk(path: str, nbytes: int, reps: int = 3) -> DiskProbe:
+def measure_disk(path: str, nbytes: int, reps: int = 3, overlap: bool = True) -> DiskProbe:
     """O_DIRECT write (an overwrite of an allocated file, as the swap extents are rewritten)
-    and read of ``nbytes`` in one request each (the I/O engine splits it across its workers)."""
+    and read of ``nbytes`` in one request each (the I/O engine splits it across its workers);
+    ``overlap``: also :func:`measure_compute_overlap` (left out of a quick probe)."""
     from .. import io as inf_io
     _check_dir(path)
     free = shutil.disk_usage(path).free
@@ -360,11 +370,46 @@ def measure_disk(path: str, nbytes: int, reps: int = 3) -> DiskProbe:
             small = buf[:inf_io.ALIGNMENT]
             latency = 0.5 * (_median_time(lambda: fh.pwrite(small).wait(), 5)
                              + _median_time(lambda: fh.pread(small).wait(), 5))
+            hidden = measure_compute_overlap(fh, buf, reps) if overlap else None
     finally:
         os.unlink(name)
     return DiskProbe(path=os.path.abspath(path), identity=disk_identity(path), direct=direct,
                      read_bps=nbytes / read, write_bps=nbytes / write, free_bytes=free,
-                     test_bytes=nbytes, latency_s=latency)
+                     test_bytes=nbytes, latency_s=latency, compute_overlap=hidden)
+
+
+def measure_compute_overlap(fh: Any, buf: torch.Tensor, reps: int = 3) -> float:
+    """:attr:`DiskProbe.compute_overlap`: a write then a read of ``buf`` (checksummed, as the
+    swap store's requests are) alone, a matrix-multiply loop on the device of about the same
+    length alone, then both at once; the share of the shorter one hidden by the overlap,
+    ``(t_disk + t_compute - t_both) / min(t_disk, t_compute)``, clipped to [0, 1]."""
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    a = torch.randn(1024, 1024, device=dev)
+    out = torch.empty_like(a)
+
+    def disk() -> None:
+        fh.pwrite(buf, crc=True).wait()
+        fh.pread(buf, crc=True).wait()
+
+    def mm(k: int) -> None:
+        for _ in range(k):
+            torch.mm(a, a, out=out)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    t_disk = _median_time(disk, reps)
+    one = _median_time(lambda: mm(4), 3) / 4
+    k = max(1, int(round(t_disk / max(one, 1e-9))))
+    t_compute = _median_time(lambda: mm(k), reps)
+
+    def both() -> None:
+        worker = threading.Thread(target=disk)
+        worker.start()
+        mm(k)
+        worker.join()
+    t_both = _median_time(both, reps)
+    hidden = (t_disk + t_compute - t_both) / max(min(t_disk, t_compute), 1e-9)
+    return min(1.0, max(0.0, hidden))
 
 
 # ---- the cache ------------------------------------------------------------------------------
@@ -458,8 +503,10 @@ def _disk(path: str, quick: bool, refresh: bool, data: Dict[str, Any],
                          direct=cached["direct"], read_bps=cached["read_bps"],
                          write_bps=cached["write_bps"], free_bytes=free,
                          test_bytes=cached["test_bytes"], overhead=cached.get("overhead", {}),
-                         latency_s=cached.get("latency_s"))
-    result = measure_disk(path, (32 << 20) if quick else (1 << 30), reps=2 if quick else 3)
+                         latency_s=cached.get("latency_s"),
+                         compute_overlap=cached.get("compute_overlap"))
+    result = measure_disk(path, (32 << 20) if quick else (1 << 30), reps=2 if quick else 3,
+                          overlap=not quick)
     overhead = {} if quick else measure_engine_overhead(["optim_nvme", "nvme"], nvme_path=path)
     result = DiskProbe(**{**asdict(result), "overhead": overhead})
     data.setdefault("disks", {})[key] = {"identity": ident, "quick": quick,
@@ -467,7 +514,8 @@ def _disk(path: str, quick: bool, refresh: bool, data: Dict[str, Any],
                                          "write_bps": result.write_bps,
                                          "test_bytes": result.test_bytes,
                                          "overhead": overhead,
-                                         "latency_s": result.latency_s}
+                                         "latency_s": result.latency_s,
+                                         "compute_overlap": result.compute_overlap}
     if not result.direct:
         notes.append(f"{path}: no O_DIRECT (e.g. tmpfs); swap files go through the page cache")
     return result
@@ -556,6 +604,8 @@ def format_probe(r: ProbeResult) -> str:
             ("swap read / write (O_DIRECT)", f"{_fmt_rate(d.read_bps)} / {_fmt_rate(d.write_bps)}"),
             ("swap free space", f"{d.free_bytes / (1 << 30):.1f} GiB"),
             ("swap 4 KiB request", "-" if d.latency_s is None else f"{1e6 * d.latency_s:.0f} us"),
+            ("swap I/O hidden behind compute", "-" if d.compute_overlap is None
+             else f"{d.compute_overlap:.0%} (of the shorter, both at once)"),
         ]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
