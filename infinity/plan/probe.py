@@ -200,10 +200,14 @@ OVERHEAD_LAYOUTS = {"host": ("host", "host", "host"), "optim_nvme": ("host", "ho
 def _tiny_step_s(n_layers: int, layout: Optional[str], nvme_path: Optional[str],
                  warmup: int, steps: int) -> float:
     """Seconds of the fastest training step (forward, backward, optimizer step, zero_grad) of a
-    d_model=64 GPT, plain PyTorch (``layout`` None) or wrapped with a tier layout."""
-    import infinity
+    d_model=64 GPT, plain PyTorch (``layout`` None) or wrapped with a tier layout (an engine
+    built from a policy with every tier given, as ``infinity.wrap`` builds it when nothing is
+    left to the planner)."""
     from ..models import GPTConfig, TinyGPT, lm_loss
+    from ..optim import AdamW
+    from ..policy import OffloadPolicy
     from ..runtime.device import resolve_device
+    from ..runtime.engine import Engine
     cfg = GPTConfig(vocab_size=256, d_model=64, n_layers=n_layers, n_heads=1, max_seq=16)
     torch.manual_seed(0)
     model = TinyGPT(cfg)
@@ -213,9 +217,10 @@ def _tiny_step_s(n_layers: int, layout: Optional[str], nvme_path: Optional[str],
         opt: Any = torch.optim.AdamW(model.parameters(), lr=1e-4)
     else:
         p_t, g_t, o_t = OVERHEAD_LAYOUTS[layout]
-        infinity.wrap(model, nvme_path=nvme_path if "nvme" in (p_t, o_t) else None,
-                      param_tier=p_t, grad_tier=g_t, optimizer_tier=o_t)
-        opt = infinity.optim.AdamW(model.parameters(), lr=1e-4)
+        engine = Engine(model, OffloadPolicy(
+            nvme_path=nvme_path if "nvme" in (p_t, o_t) else None, placement=None,
+            param_tier=p_t, grad_tier=g_t, optimizer_tier=o_t), None, None)
+        opt = AdamW(model.parameters(), lr=1e-4)
     x = torch.randint(0, cfg.vocab_size, (1, 16), device=device)
     times = []
     try:
@@ -230,7 +235,7 @@ def _tiny_step_s(n_layers: int, layout: Optional[str], nvme_path: Optional[str],
                 times.append(time.perf_counter() - t0)
     finally:
         if layout is not None:
-            infinity.unwrap(model)
+            engine.close(restore=True)
     # the fastest step: a fixed cost of a few ms is what load adds to, never takes from
     return min(times)
 
