@@ -132,7 +132,7 @@ def _setup(path: Path, **settings) -> Tuple[nn.Module, infinity.optim.AdamW]:
     torch.manual_seed(0)
     model = infinity.wrap(TinyGPT(CFG), nvme_path=str(path), **settings)
     # overlap=False: these tests place faults by the order of the step's own writes; faults in
-    # updates overlapping backward are tested in tests/test_optim_overlap.py
+    # updates overlapping backward are tested in tests/feature/optim/test_optim_overlap.py
     return model, infinity.optim.AdamW(model.parameters(), lr=LR, overlap=False)
 
 

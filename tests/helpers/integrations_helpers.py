@@ -147,7 +147,7 @@ def run_example(name: str, *argv: str) -> dict:
     """Runs ``examples/<name>.py``'s main(argv) in this process (the examples stay runnable)."""
     import importlib.util
     from pathlib import Path
-    path = Path(__file__).resolve().parent.parent / "examples" / f"{name}.py"
+    path = Path(__file__).resolve().parent.parent.parent / "examples" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"infinity_example_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

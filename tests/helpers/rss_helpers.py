@@ -9,7 +9,7 @@ import subprocess
 import sys
 from typing import Any, Dict
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _child_rss_helpers() -> str:

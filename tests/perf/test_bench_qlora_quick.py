@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_bench_qlora_quick(tmp_path):

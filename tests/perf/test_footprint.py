@@ -16,7 +16,7 @@ from engine_helpers import SMALL, batches, loss_of
 from infinity.models import TinyGPT
 from infinity.tiers import BudgetExceededError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _swap(tmp_path, name):

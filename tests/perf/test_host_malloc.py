@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _SCRIPT = textwrap.dedent("""
     import json, resource, sys, torch, infinity

@@ -6,7 +6,8 @@ import os
 from collections import defaultdict
 from typing import Dict, Iterator, List, Set, Tuple
 
-PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "infinity")
+PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                       "infinity")
 # torch's and the standard library's private names that infinity reads on their objects
 # (they are also defined by some infinity class, which makes them look like a crossing)
 TORCH_OWN = {"_buffers", "_parameters", "_modules"}

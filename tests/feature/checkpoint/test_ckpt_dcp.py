@@ -1,7 +1,7 @@
 """PyTorch Distributed Checkpoint (DCP) interop: an infinity checkpoint read by
 ``torch.distributed.checkpoint.load`` (weights exact, 8-bit moments dequantized to the
 values the optimizer steps from), a DCP checkpoint of a plain model loaded into a wrapped
-model (exact), and (tests/dist_helpers, gloo) a checkpoint saved by 2 ranks read by
+model (exact), and (tests/helpers/dist_helpers, gloo) a checkpoint saved by 2 ranks read by
 ``dcp.load`` on 3 ranks."""
 from __future__ import annotations
 

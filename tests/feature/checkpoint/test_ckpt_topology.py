@@ -1,9 +1,9 @@
 """One checkpoint format for every topology and placement (gloo ranks, CPU, spawned by
-tests/dist_helpers): saved by 1, 2 or 3 ranks after 5 of 8 steps (one process: the
+tests/helpers/dist_helpers): saved by 1, 2 or 3 ranks after 5 of 8 steps (one process: the
 single-process save; ranks: each its part), with parameters and optimizer states on NVMe or
 in host RAM, and resumed on 1, 2 or 3 ranks with the other placement. The 3 remaining steps
 equal the uninterrupted single-process run on the global batch within TOL (fp32 states:
-sharded runs reduce gradients in another order; see tests/test_zero3.py).
+sharded runs reduce gradients in another order; see tests/feature/sharding/test_zero3.py).
 
 The whole 3 x 3 matrix is marked slow; CI runs every save world size into 2 ranks."""
 from __future__ import annotations

@@ -56,7 +56,7 @@ def test_nvme_tier_without_path():
 
 def test_filesystem_without_o_direct(tmp_path, monkeypatch):
     # Recent kernels give tmpfs O_DIRECT, so a filesystem without it is simulated by making the
-    # probe say no (tests/test_io.py covers the handle's own fallback).
+    # probe say no (tests/unit/io/test_io.py covers the handle's own fallback).
     shm = str(tmp_path)
     monkeypatch.setattr(infinity.io, "supports_direct_io", lambda path: False)
     m = _model()

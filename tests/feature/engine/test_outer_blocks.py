@@ -4,7 +4,8 @@ released after; only small parameters stay in the root block for the whole step.
 
 Parity is against plain PyTorch on the same weights and data: forward, backward and
 ``torch.optim.AdamW(fused=True)`` against ``infinity.optim.AdamW`` are bitwise equal in fp32
-(as in tests/test_meta_loading.py), with parameters, gradients and fp32 states on NVMe."""
+(as in tests/feature/engine/test_meta_loading.py), with parameters, gradients and fp32 states on
+NVMe."""
 import copy
 import os
 import re

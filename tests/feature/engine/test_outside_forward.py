@@ -33,7 +33,7 @@ import torch
 import infinity
 from infinity.models import GPTConfig, TinyGPT, lm_loss, synthetic_batch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 TIERS = ["host", "nvme", "device", "host_bf16"]
 OPS = ["read", "write", "state_dict", "ema", "deepcopy", "torch_optim", "materialized"]

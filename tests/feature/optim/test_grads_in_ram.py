@@ -217,7 +217,7 @@ def test_stats_report_nvme_bytes_per_step_by_category(base, tmp_path):
 
 _SMALL_POOL = r"""
 import copy, sys, tempfile, torch, infinity
-sys.path.insert(0, "tests")
+sys.path[:0] = ["tests/feature/optim", "tests/helpers"]
 from test_optim import _train
 from infinity.models import GPTConfig, TinyGPT
 torch.manual_seed(0)
@@ -250,7 +250,8 @@ def test_two_gradient_buffers_backward_waits_for_the_worker_and_stays_exact():
     import os
     import subprocess
     import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))))
     r = subprocess.run([sys.executable, "-c", _SMALL_POOL], cwd=root, capture_output=True,
                        text=True, timeout=300,
                        env={**os.environ, "PYTHONPATH": root + os.pathsep +

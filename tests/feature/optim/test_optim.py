@@ -27,7 +27,7 @@ from infinity.optim import LossScaler, OptimizerStateIOError
 from engine_helpers import assert_optimizer_states_equal, assert_tensors_equal
 
 CFG = GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq=16)
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 FP32_TOL = dict(rtol=1e-6, atol=1e-7)
 
 

@@ -26,7 +26,7 @@ from infinity.ops import bf16_master as bm
 from infinity.optim.state_store import layout_for, state_views
 
 CFG = GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq=16)
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 TOL = dict(rtol=1e-6, atol=1e-7)
 STEPS = 5
 SEED = 1234

@@ -519,7 +519,8 @@ def test_bench_nvme_chunked_step_quick(tmp_path):
     import json
     import subprocess
     import sys
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))))
     out = tmp_path / "bench.json"
     proc = subprocess.run([sys.executable, os.path.join(repo, "benchmarks",
                                                         "bench_nvme_chunked_step.py"),

@@ -31,7 +31,7 @@ from infinity.optim.state_store import (STATE_FORMATS, layout_for, quantize_exac
 from engine_helpers import assert_tensors_equal
 
 CFG = GPTConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=2, max_seq=16)
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 TOL = dict(rtol=1e-6, atol=1e-7)
 STEPS = 6
 NO_GRAD_STEP = 3                       # in this step layers.2.fc.weight gets no gradient

@@ -13,7 +13,7 @@ import infinity
 from infinity.optim import swapper
 from test_optim import _model, _train
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def test_choose_sets_depth_and_budget():

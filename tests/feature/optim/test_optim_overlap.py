@@ -15,7 +15,7 @@ import infinity
 from test_optim import CFG, _model, _train
 from infinity.models import lm_loss, synthetic_batch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 STEPS = 5
 
 

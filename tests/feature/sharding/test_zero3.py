@@ -1,4 +1,5 @@
-"""ZeRO sharding across ranks (gloo, CPU, ranks spawned as subprocesses by tests/dist_helpers):
+"""ZeRO sharding across ranks (gloo, CPU, ranks spawned as subprocesses by
+tests/helpers/dist_helpers):
 parity with one process on the same global batch, per-rank memory, divergent ranks, stages,
 hybrid 2-D mesh.
 

@@ -16,7 +16,7 @@ import infinity.io as io
 from infinity import _native
 from infinity.io import handle as handle_mod
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 SIZES = [1, 4095, 4096, 4097, (1 << 20) + 3, 3 * (1 << 20) + 5000]
 
 needs_native = pytest.mark.skipif(not _native.available(), reason="native library not built")

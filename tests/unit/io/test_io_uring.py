@@ -15,7 +15,7 @@ import torch
 import infinity.io as io
 from test_io import _uring_usable
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 BACKENDS = ("threads", "io_uring")
 
 pytestmark = pytest.mark.skipif(not _uring_usable(), reason="native io_uring backend not usable")

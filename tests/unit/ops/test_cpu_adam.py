@@ -29,7 +29,7 @@ from infinity import _native
 from infinity import ops
 from infinity.ops import _adam_native
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 NATIVE_CAPS: List[str] = ops.available_cpu_capabilities()
 ALL_CAPS: List[str] = NATIVE_CAPS + ["torch"]
 GRAD_DTYPES = [torch.float32, torch.bfloat16, torch.float16]

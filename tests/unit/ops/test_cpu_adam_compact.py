@@ -8,7 +8,8 @@ pure-PyTorch fallback ("torch") are checked three ways:
   step's moments are the fp32 kernel's; its parameter update divides once, with the bias
   corrections folded into two scalars (q8_update_reference, in fp32 tensor operations);
 - against a float64 reference of the same algorithm, from the state before each step:
-  param within 4e-6 * (|p| + |update|) + 1e-12 (as tests/test_cpu_adam.py); bf16 moments equal
+  param within 4e-6 * (|p| + |update|) + 1e-12 (as tests/unit/ops/test_cpu_adam.py); bf16 moments
+  equal
   to the float64 moment rounded to nearest even, except where that moment lies within the fp32
   error of a rounding midpoint (then one of the two neighbours); 8-bit codes equal to the
   reference's nearest code, except where the reference lies within the fp32 error of the
@@ -771,7 +772,7 @@ def test_bench_adam_formats_quick_runs(tmp_path):
     import subprocess
     import sys
     from pathlib import Path
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parent.parent.parent.parent
     out = tmp_path / "formats.json"
     proc = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_adam_formats.py"),
                            "--quick", "--no-plot", "--out", str(out)],

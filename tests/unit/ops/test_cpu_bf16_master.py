@@ -353,7 +353,8 @@ def test_step_composition_and_float64(cap, states, master):
         # master is one bf16 ulp (SR) or 2**-16 relative (Kahan) from it
         x0 = bm.widen_bf16_master(before[0], before[3] if c is not None else None).double()
         p64 = adam_f64(x0, g, m_mom[0], m_mom[1], step=step, **hyper)
-        fp32_err = 4e-6 * (x0.abs() + (p64 - x0).abs()) + 1e-12  # as tests/test_cpu_adam.py
+        # as tests/unit/ops/test_cpu_adam.py
+        fp32_err = 4e-6 * (x0.abs() + (p64 - x0).abs()) + 1e-12
         tol = p64.abs() * (2**-7 if master == "bf16_sr" else 2**-15) + fp32_err
         assert bool(((value.double() - p64).abs() <= tol).all())
 

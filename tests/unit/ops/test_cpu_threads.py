@@ -32,7 +32,7 @@ import pytest
 
 from infinity import ops
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 NATIVE = bool(ops.available_cpu_capabilities())
 HAS_SCHEDSTAT = os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/schedstat")
 

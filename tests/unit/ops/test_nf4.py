@@ -135,7 +135,7 @@ def test_bench_nf4_quick(tmp_path):
     import subprocess
     import sys
     from pathlib import Path
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parent.parent.parent.parent
     out = tmp_path / "nf4.json"
     proc = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_nf4.py"), "--quick",
                            "--out", str(out)], capture_output=True, text=True, timeout=300)

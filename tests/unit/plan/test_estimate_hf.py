@@ -108,7 +108,7 @@ def test_bad_shapes_name_infinity_the_value_and_the_remedy(tmp_path):
             vocab_size=16, d_model=8, n_layers=1, n_heads=1, max_seq=4)), ffn=3)
 
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def test_cli_estimates_a_config_json(tmp_path):

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 _PRELUDE = textwrap.dedent("""
     import gc, json, os, sys, tempfile
