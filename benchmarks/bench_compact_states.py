@@ -23,7 +23,8 @@ master is in the optimizer state (the fp32 model's parameters then hold bf16 val
     warm-up) and a tiny Llama (transformers LlamaForCausalLM from a LlamaConfig, hidden 128, 4
     layers, no download; lr 1e-3) trained ``--train-steps`` steps with each state format,
     parameters and states wrapped on the host tier (the tier changes no bit of the result, see
-    tests/test_optim_compact.py); the same batches for every format. "Final loss" = mean of
+    tests/feature/optim/test_optim_compact.py); the same batches for every format. "Final loss" =
+    mean of
     the last 20 steps' losses (one batch's loss is noisy); the target is within 2% of fp32's.
     Loss curves go to a PNG.
 
@@ -216,7 +217,8 @@ def _llama_model(quick: bool):
 def train(task: str, fmt: str, steps: int, batch: int, quick: bool) -> Dict:
     model, cfg, seq, hyper = (_demo_model if task == "demo" else _llama_model)(quick)
     # host tiers: the states' tier does not change a single bit of the result
-    # (tests/test_optim_compact.py), and NVMe latency on this shared disk would double the time
+    # (tests/feature/optim/test_optim_compact.py), and NVMe latency on this shared disk would double
+    # the time
     infinity.wrap(model, param_tier="host", optimizer_tier="host")
     states, master = split(fmt)
     opt = infinity.optim.AdamW(model.parameters(), states=states, master=master, **hyper)

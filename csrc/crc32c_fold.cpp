@@ -12,7 +12,7 @@
 // and fit in a lane. A carry-less product of reflected operands comes out shifted by one bit,
 // which the constants absorb: the constant for the low qword is k(D + 32) and for the high one
 // k(D - 32), with k(e) = reflect32(x^e mod P) << 1 (the exponents were found by checking the
-// fold against the bitwise CRC; tests/test_io.py checks this path against the table).
+// fold against the bitwise CRC; tests/unit/io/test_io.py checks this path against the table).
 // The constants are computed at first use.
 //
 // After folding, the remaining 128-bit lane R is congruent, modulo P, to everything folded so

@@ -39,7 +39,7 @@ Device: on the CPU device tier (tested) host copies are used in place and NVMe r
 pooled buffers handed to autograd. On CUDA, copies run on two side streams (device->host after
 an event recorded where the tensor was saved; host->device into a fresh tensor that is
 ``record_stream``-ed on the compute stream) from/to pinned pooled buffers; that path has not
-run in this project's CI (no GPU there): tests/test_activation_offload_gpu.py covers it.
+run in this project's CI (no GPU there): tests/gpu/test_activation_offload_gpu.py covers it.
 """
 from __future__ import annotations
 
@@ -168,7 +168,7 @@ class ActivationOffloader:
                                                 name="activation offload")
         self.tier = tier
         # CUDA: copies on two side streams from/to pinned host buffers (not run in this
-        # project's CI: no GPU there; tests/test_activation_offload_gpu.py covers it)
+        # project's CI: no GPU there; tests/gpu/test_activation_offload_gpu.py covers it)
         self._cuda = device.type == "cuda"
         self._d2h = torch.cuda.Stream(device) if self._cuda else None
         self._h2d = torch.cuda.Stream(device) if self._cuda else None

@@ -8,7 +8,7 @@ Why not ``torch.compiler.disable`` directly: it imports ``torch._dynamo`` at onc
 where the hooks are defined it imported dynamo with ``import infinity``. That import costs
 ~70 MiB of RSS and, worse, raises glibc's dynamic mmap threshold (it frees a large buffer):
 a model built after it then gets its parameters from the heap instead of mmap (73 of 217 MiB
-instead of 19 for the 32-layer TinyGPT of tests/test_engine_memory.py), and freeing them at
+instead of 19 for the 32-layer TinyGPT of tests/perf/test_engine_memory.py), and freeing them at
 wrap leaves holes that backward's temporaries fault in again, so the peak RSS growth of NVMe
 streaming went from 22% to 40-46% of the model. ``torch._disable_dynamo`` (what torch's own
 optimizers use) imports dynamo only at the first call, and lives in a module dynamo skips, so a

@@ -18,7 +18,8 @@ the input embedding or not). Its block is never fetched whole (runtime/rows.py r
   logits are computed tile by tile (:class:`TiledLinear`; its backward is tiled the same way).
 
 Numbers: the same math as the plain head + ``cross_entropy``, summed in another order; in fp32
-loss and gradients agree with plain PyTorch within 1e-6 relative (tests/test_tiled_head.py).
+loss and gradients agree with plain PyTorch within 1e-6 relative
+(tests/feature/engine/test_tiled_head.py).
 Models whose forward changes the logits between the head and the loss (Gemma-2's
 ``final_logit_softcapping``) are refused."""
 from __future__ import annotations
