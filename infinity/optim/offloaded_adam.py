@@ -56,7 +56,8 @@ def state_formats_of(engine: Any) -> Dict[str, Dict[str, int]]:
     """``{format: {"params", "numel", "moment_bytes"}}`` of the wrapped model's parameters
     that live infinity optimizers step (each parameter once; {} when none does)."""
     seen: Dict[int, Tuple[int, str]] = {}
-    numel = {id(s.param): s.numel for f in engine.flats for s in f.slots}  # whole params
+    flats = OptimizerPort.of(engine).flats
+    numel = {id(s.param): s.numel for f in flats for s in f.slots}  # whole params
     for core in list(_LIVE):
         for p in core.param_index():
             if id(p) in numel and id(p) not in seen:
