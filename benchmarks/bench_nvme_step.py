@@ -49,6 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import _common  # noqa: E402  (benchmarks/, this script's folder)
 from bench_optimizer import LinearStack  # noqa: E402
 import infinity  # noqa: E402
+from infinity.runtime.port import OptimizerPort
 import infinity.io as inf_io  # noqa: E402
 from infinity.optim import swapper  # noqa: E402
 from infinity.runtime import engine_of  # noqa: E402
@@ -125,13 +126,13 @@ class ExtentProbe:
 
     def __init__(self, case: "Case") -> None:
         from infinity.optim.state_extents import STATE_FILE
-        store = case.opt._stores[id(case.engine)]
-        sets = case.opt._sets[id(case.engine)]
+        store = case.opt._core.wrapped.store(OptimizerPort.of(case.engine))
+        sets = case.opt._core.wrapped.store(OptimizerPort.of(case.engine)).sets
         self.bufs = [sets.states[0], sets.states[1], sets.states[2]]
         self.path = store.extents.store.path(STATE_FILE)
         self.extents = []  # (offset in the state file, offset in the probe file, nbytes)
         at = 0
-        for shard in case.opt._shards.values():
+        for shard in case.opt.shards():
             for ext in store.extents.committed[shard.key]:
                 self.extents.append((ext.offset, at, ext.nbytes))
                 at += ext.nbytes
@@ -214,11 +215,11 @@ class Case:
             self.opt.step()  # warm-up: creates and writes the state extents
         finally:
             swapper.choose_sets = real
-        self.sets = next(iter(self.opt._sets.values())).count
+        self.sets = next(iter(self.opt._core.wrapped.sets())).count
         self._fill_grads()
         self.opt.step()  # and the other extent of each shard
         if io_only:  # ablation: the same reads and writes, no update (states stay as they are)
-            self.opt._apply = lambda *_a, **_k: None
+            self.opt._core.apply = lambda *_a, **_k: None
 
     def _fill_grads(self) -> None:
         gen = torch.Generator().manual_seed(0)
@@ -256,8 +257,8 @@ class Case:
         return out
 
     def largest_request(self) -> int:
-        store = self.opt._stores[id(self.engine)]
-        return max(store.layout(s).nbytes for s in self.opt._shards.values())
+        store = self.opt._core.wrapped.store(OptimizerPort.of(self.engine))
+        return max(store.layout(s).nbytes for s in self.opt.shards())
 
     def close(self) -> None:
         self.opt.close()

@@ -8,7 +8,7 @@ host RAM or on NVMe and are stepped by the native CPU Adam.
     opt.step()
     opt.zero_grad()
 
-Where states live: ``state_store.choose_tier`` (the model's ``optimizer_tier`` policy).
+Where states live: ``stores.choose_tier`` (the model's ``optimizer_tier`` policy).
 Which moment format each parameter gets (``states=``, ``min_8bit_size=``): :mod:`.formats`
 (``formats_for(model, states)`` tells it without an optimizer, ``moment_nbytes`` the bytes).
 fp16 models: :class:`LossScaler` (``torch.amp.GradScaler``'s interface).
@@ -17,7 +17,8 @@ from .formats import (MIN_8BIT_SIZE, STATE_FORMATS, format_summary, formats_for,
                       model_state_bytes, moment_nbytes)
 from .loss_scale import LossScaler
 from .offloaded_adam import Adam, AdamW, OffloadedAdam
-from .state_store import OptimizerStateIOError, choose_tier
+from .state_store import OptimizerStateIOError
+from .stores import choose_tier
 from .swapper import StepStats
 
 __all__ = ["Adam", "AdamW", "OffloadedAdam", "LossScaler", "OptimizerStateIOError",

@@ -13,7 +13,7 @@ import torch
 from .. import io as inf_io
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .state_store import Shard
+    from .shard import Shard
 
 logger = logging.getLogger("infinity.optim")
 
@@ -69,8 +69,8 @@ def _read_grads(shard: Shard, dst: Optional[torch.Tensor] = None) -> torch.Tenso
     """The shard's accumulated gradients, read from the engine's gradient swap file."""
     if dst is None:
         dst = inf_io.aligned_empty(shard.numel, torch.float32)
-    shard.engine.grads.read(shard.flat, dst).wait()
-    shard.engine.grads.verify(shard.flat, dst)
+    shard.port.grads.read(shard.flat, dst).wait()
+    shard.port.grads.verify(shard.flat, dst)
     return dst
 
 
@@ -79,7 +79,7 @@ def _grad_ranges(shard: Shard, max_elems: int) -> Iterator[Tuple[int, torch.Tens
     fp32 values) of whole pieces of the gradient file, about ``max_elems`` at a time (one
     piece at least), through one buffer that the next item reuses (consume each before
     asking for the next)."""
-    grads, flat = shard.engine.grads, shard.flat
+    grads, flat = shard.port.grads, shard.flat
     piece = grads.range_elems(flat)
     per = max(piece, max_elems // piece * piece)
     buf = inf_io.aligned_empty(min(per, flat.numel), torch.float32)

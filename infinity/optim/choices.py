@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .formats import Choice, FormatSpec, param_owners
+from .formats import Choice, FormatSpec
 
 
 class FormatChoices:
@@ -16,35 +16,26 @@ class FormatChoices:
     def __init__(self, spec: FormatSpec) -> None:
         self.spec = spec
         self._choices: Dict[int, Choice] = {}      # id(param) -> its moment format and why
-        self._owners: Dict[int, Dict[int, List[torch.nn.Module]]] = {}  # id(engine) -> owners
 
-    def _owners_in(self, engine: Any) -> Dict[int, List[torch.nn.Module]]:
-        owners = self._owners.get(id(engine))
-        if owners is None:
-            owners = param_owners(engine.model)
-            self._owners[id(engine)] = owners
-        return owners
-
-    def choose(self, p: torch.Tensor, loc: Optional[Any] = None) -> Choice:
-        """``p``'s moment format, decided once: from its whole size and, for a parameter of a
-        wrapped model (``loc``: where the engine keeps it), the modules that hold it."""
+    def choose(self, p: torch.Tensor, numel: Optional[int] = None,
+               owners: Optional[List[torch.nn.Module]] = None) -> Choice:
+        """``p``'s moment format, decided once: from its whole size (``numel``; default
+        ``p.numel()``) and, for a parameter of a wrapped model, the modules that hold it
+        (``owners``; None for an unwrapped parameter)."""
         choice = self._choices.get(id(p))
         if choice is None:
-            if loc is not None:
-                numel = loc.flat.slots[loc.slot].numel  # the whole parameter (full flat)
-                choice = self.spec.choose(p, numel, self._owners_in(loc.engine).get(id(p), []))
-            else:
-                choice = self.spec.choose(p, p.numel(), None)
+            choice = self.spec.choose(p, p.numel() if numel is None else numel, owners)
             self._choices[id(p)] = choice
         return choice
 
     def format_of(self, p: torch.Tensor) -> str:
         return self.choose(p).fmt
 
-    def slot_formats(self, engine: Any, flat: Any) -> Tuple[str, ...]:
+    def slot_formats(self, flat: Any, owners: Dict[int, List[torch.nn.Module]]
+                     ) -> Tuple[str, ...]:
         """The format of every slot of ``flat`` (slots another optimizer steps too: the
-        layout has room for them), fixed for the shard's lifetime."""
-        owners = self._owners_in(engine)
+        layout has room for them), fixed for the shard's lifetime; ``owners``: id(param) ->
+        the modules of the wrapped model that hold it."""
         out = []
         for s in flat.slots:
             choice = self._choices.get(id(s.param))

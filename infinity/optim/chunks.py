@@ -36,7 +36,7 @@ from ..tiers.chunk_size import (  # noqa: F401 (the optimizer's chunk is the eng
     resolve_chunk_bytes)
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .state_store import StateLayout
+    from .layout import StateLayout
 
 _SPAN_ALIGN = 16  # bytes: where each span starts in a unit's extent
 _BYTES_PER_ELEMENT = {"fp32": 12.0, "bf16": 8.0, "8bit": 6.0 + 8.0 / BLOCK_SIZE}

@@ -4,32 +4,38 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 
 from . import clip as clip_mod
 from ._common import _grad_ranges, _number, _read_grads
+from .core import AdamCore
 
 logger = logging.getLogger("infinity.optim")
 
 
 class GradientChecks:
-    """Part of :class:`~infinity.optim.offloaded_adam.OffloadedAdam` (its state lives there)."""
+    """The gradient checks of one optimizer, over its :class:`~.core.AdamCore`
+    (``scaled``: told when clipping or a multiplier may need the gradients after backward)."""
+
+    def __init__(self, core: AdamCore, scaled: Callable[[], None]) -> None:
+        self.core = core
+        self.scaled = scaled
 
     def _grads(self, skip_checked: bool = False) -> Iterator[torch.Tensor]:
         """Every gradient the next step applies (NVMe-held ones are read shard by shard;
         with ``skip_checked``, not those whose finiteness the engine already knows)."""
-        for shard in self._shards.values():
+        for shard in self.core.wrapped.shards.values():
             ready = [i for i in range(len(shard.flat.slots)) if shard.ready(i)]
             if not ready:
                 continue
-            if skip_checked and shard.engine.grads.finite(shard.flat) is not None:
+            if skip_checked and shard.port.grads.finite(shard.flat) is not None:
                 continue
-            grad = shard.engine.grads.in_ram(shard.flat)
-            if grad is None and shard.engine.grads.on_nvme:
+            grad = shard.port.grads.in_ram(shard.flat)
+            if grad is None:
                 # from NVMe about a chunk at a time (the parts of the ready slots in each)
-                per = self._chunk_for(shard.engine) // 4
+                per = self.core.wrapped.chunk_for(shard.port) // 4
                 for start, part in _grad_ranges(shard, per):
                     end = start + part.numel()
                     for i in ready:
@@ -38,48 +44,47 @@ class GradientChecks:
                         if lo < hi:
                             yield part[lo - start:hi - start]
                 continue
-            grad = grad if grad is not None else _read_grads(shard)
             for i in ready:
                 s = shard.flat.slots[i]
                 yield grad[s.offset:s.offset + s.numel]
-        for group in self.param_groups:
+        for group in self.core.groups:
             for p in group["params"]:
-                if p.grad is not None and not self._is_wrapped(p):
+                if p.grad is not None and not self.core.wrapped.is_wrapped(p):
                     yield p.grad
 
     def _grad_norms(self, norm_type: float) -> List[torch.Tensor]:
         """Per-parameter gradient norms in param-group order (torch's order, so the global
         norm rounds exactly as torch.nn.utils.clip_grad_norm_'s); shards are read once."""
         wrapped: Dict[int, torch.Tensor] = {}
-        for shard in self._shards.values():
+        for shard in self.core.wrapped.shards.values():
             ready = [i for i in range(len(shard.flat.slots)) if shard.ready(i)]
             if not ready:
                 continue
-            known = shard.engine.grads.slot_norms(shard.flat) if norm_type == 2.0 else None
+            known = shard.port.grads.slot_norms(shard.flat) if norm_type == 2.0 else None
             if known is not None and all(known[i] is not None for i in ready):
                 for i in ready:  # measured by the engine before the gradients went to NVMe
                     wrapped[id(shard.flat.slots[i].param)] = known[i]
                 continue
-            grad = shard.engine.grads.in_ram(shard.flat)
+            grad = shard.port.grads.in_ram(shard.flat)
             grad = grad if grad is not None else _read_grads(shard)
             for i in ready:
                 s = shard.flat.slots[i]
                 wrapped[id(s.param)] = clip_mod.tensor_norm(
                     grad[s.offset:s.offset + s.numel], norm_type)
         norms = []
-        for group in self.param_groups:
+        for group in self.core.groups:
             for p in group["params"]:
-                if self._is_wrapped(p):
+                if self.core.wrapped.is_wrapped(p):
                     if id(p) in wrapped:
                         norms.append(wrapped[id(p)])
                 elif p.grad is not None:
                     norms.append(clip_mod.tensor_norm(p.grad, norm_type))
         return norms
 
-    def _known_finite(self) -> Optional[bool]:
+    def known_finite(self) -> Optional[bool]:
         """False when a gradient the engine already checked (NVMe tier) holds an inf/nan."""
-        for shard in self._shards.values():
-            if (shard.engine.grads.finite(shard.flat) is False
+        for shard in self.core.wrapped.shards.values():
+            if (shard.port.grads.finite(shard.flat) is False
                     and any(shard.ready(i) for i in range(len(shard.flat.slots)))):
                 return False
         return None
@@ -87,23 +92,17 @@ class GradientChecks:
     def grads_finite(self) -> bool:
         """True when no gradient this optimizer would apply holds an inf or nan. Gradients on
         NVMe were checked by the engine while they were in RAM, so they are not read back."""
-        finite = not any(shard.engine.grads.finite(shard.flat) is False
+        finite = not any(shard.port.grads.finite(shard.flat) is False
                          and any(shard.ready(i) for i in range(len(shard.flat.slots)))
-                         for shard in self._shards.values())
+                         for shard in self.core.wrapped.shards.values())
         finite = finite and clip_mod.all_finite(self._grads(skip_checked=True))
-        return bool(self._agree_finite(finite))
+        return bool(self.agree_finite(finite))
 
     # ---- ZeRO: each rank holds part of the gradients; global values are all-reduced ------
-    def _partitioner(self):
-        for engine in self._engines():
-            if engine.partitioner is not None:
-                return engine.partitioner
-        return None
-
-    def _agree_finite(self, finite: Optional[bool]) -> Optional[bool]:
+    def agree_finite(self, finite: Optional[bool]) -> Optional[bool]:
         """Sharded: False on every rank when any rank found an inf/nan (every rank then
         skips the step together)."""
-        part = self._partitioner()
+        part = self.core.wrapped.sharded
         if part is None:
             return finite
         ok = part.all_reduce(0.0 if finite is False else 1.0, "min")
@@ -112,7 +111,7 @@ class GradientChecks:
     def _global_norm(self, local: torch.Tensor, norm_type: float) -> torch.Tensor:
         """Sharded: the norm over every rank's part (summation order differs from one
         process: equal within fp32 rounding, not bitwise)."""
-        part = self._partitioner()
+        part = self.core.wrapped.sharded
         if part is None:
             return local
         if math.isinf(norm_type):
@@ -124,18 +123,14 @@ class GradientChecks:
                             source: str = "") -> None:
         """Multiplies every gradient by ``factor`` in the next step (inside the kernel; the
         stored gradients are not changed). ``finite``: the caller already checked them."""
-        self._multiplier *= float(factor)
-        self._overlap.grads_scaled()
+        core = self.core
+        core.multiplier *= float(factor)
+        self.scaled()
         if finite is not None:
-            self._finite = finite if self._finite is None else (self._finite and finite)
-
-    def discard_pending_step(self) -> None:
-        """Forgets multipliers and checks meant for a step that will not happen."""
-        self._multiplier = 1.0
-        self._finite = None
+            core.finite = finite if core.finite is None else (core.finite and finite)
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    def clip(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips the gradients of the next step by their global norm; returns that norm.
 
         Computed over every gradient this optimizer will apply: the ready slots of the wrapped
@@ -151,26 +146,22 @@ class GradientChecks:
         """
         _number("max_norm", max_norm)
         norm_type = float(norm_type)
-        self._overlap.grads_scaled()  # a loop that clips may need its gradients after backward
-        for engine in self._engines():
-            engine.sync_gradients()
+        self.scaled()  # a loop that clips may need its gradients after backward
+        core = self.core
+        for port in core.wrapped.ports():
+            port.sync_gradients()
         raw = self._global_norm(clip_mod.norm_of_norms(self._grad_norms(norm_type), norm_type),
                                 norm_type)
-        norm = raw * self._multiplier if self._multiplier != 1.0 else raw
+        norm = raw * core.multiplier if core.multiplier != 1.0 else raw
         finite = math.isfinite(float(norm))
         if finite:
-            self._multiplier *= clip_mod.clip_coefficient(norm, max_norm)
-        self._finite = finite if self._finite is None else (self._finite and finite)
+            core.multiplier *= clip_mod.clip_coefficient(norm, max_norm)
+        core.finite = finite if core.finite is None else (core.finite and finite)
         return norm
 
-    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Alias of :meth:`clip_grad_norm_`, the name trainers (HF Trainer, accelerate) look
-        for on an optimizer that clips its own gradients."""
-        return self.clip_grad_norm_(max_norm, norm_type)
-
-    def _check_lost_gradients(self) -> None:
-        for shard in self._shards.values():
-            why = shard.engine.grads.lost(shard.flat)
+    def check_lost(self) -> None:
+        for shard in self.core.wrapped.shards.values():
+            why = shard.port.grads.lost(shard.flat)
             if why is not None:
                 raise RuntimeError(
                     f"infinity.optim: the gradients of {shard.key} were lost: {why}; no step "

@@ -15,9 +15,11 @@ import torch
 
 from .. import io as inf_io
 from .. import trace_events
-from ..runtime.engine import Engine
+from ..runtime.port import OptimizerPort
 from ._common import _read_grads
-from .state_store import Shard, StateStore, StateViews, init_states, master_in_home
+from .layout import StateViews
+from .shard import Shard, init_states, master_in_home
+from .state_store import StateStore
 
 if TYPE_CHECKING:  # pragma: no cover
     from .step_work import StepWork
@@ -28,9 +30,10 @@ class HostStates(StateStore):
 
     tier = "host"
 
-    def __init__(self, engine: Engine, master: str = "fp32",
-                 shards: Optional[Dict[int, Shard]] = None) -> None:
-        super().__init__(engine, master, shards)
+    def __init__(self, port: OptimizerPort, master: str = "fp32",
+                 shards: Optional[Dict[int, Shard]] = None,
+                 chunk_bytes: Optional[int] = None) -> None:  # (states move whole)
+        super().__init__(port, master, shards)
         self._bufs: Dict[str, torch.Tensor] = {}
         self._held = 0
         self._staging: Optional[torch.Tensor] = None
@@ -38,16 +41,13 @@ class HostStates(StateStore):
     def _with_master(self, shard: Shard) -> bool:
         return self.master != "fp32" or not master_in_home(shard)  # bf16 masters: always held
 
-    def has(self, shard: Shard) -> bool:
-        return shard.key in self._bufs
-
     def buffer(self, shard: Shard) -> torch.Tensor:
         """The shard's state buffer (uint8, :meth:`views` types it), created (and budgeted)
         on first use."""
         buf = self._bufs.get(shard.key)
         if buf is None:
             nbytes = self.layout(shard).nbytes
-            self.engine.host_budget.acquire(nbytes, what=f"optimizer states of {shard.key}")
+            self.port.host_budget.acquire(nbytes, what=f"optimizer states of {shard.key}")
             self._held += nbytes
             buf = self.empty(shard)
             self._bufs[shard.key] = buf
@@ -65,22 +65,22 @@ class HostStates(StateStore):
         each updated working copy passes through on its way to the swap file."""
         if self._staging is None:
             nbytes = max(s.flat.home_nbytes for s in self.shards())
-            self.engine.host_budget.acquire(nbytes,
+            self.port.host_budget.acquire(nbytes,
                                             what="optimizer working-copy staging buffer")
             self._staging = inf_io.aligned_empty(nbytes)
         return self._staging
 
     def step(self, shards: List[Shard], work: "StepWork") -> None:
-        stats, engine = work.stats, self.engine
+        stats, port = work.stats, self.port
         for shard in shards:
             runs = work.runs_of(shard)
             buf = self.buffer(shard)
-            staging = self.staging() if engine.stages_working_copy(shard.flat) else None
+            staging = self.staging() if port.working.stages(shard.flat) else None
             if not shard.initialized:
                 init_states(shard, self.views(shard, buf), staging)
                 shard.initialized = True
             grad = None
-            if engine.grads.in_ram(shard.flat) is None:
+            if port.grads.in_ram(shard.flat) is None:
                 grad = _read_grads(shard)
                 stats.bytes_read += shard.numel * 4
             t0 = time.perf_counter()
@@ -91,7 +91,7 @@ class HostStates(StateStore):
             if staging is not None:  # the updated working copy goes to the parameter swap file
                 home = staging[:shard.flat.home_nbytes].view(shard.flat.home_dtype)
                 try:
-                    engine.write_home(shard.flat, home).wait()
+                    port.working.write(shard.flat, home).wait()
                 except BaseException as exc:
                     # the states (in RAM) have taken this step; the swap file is rewritten
                     # from them by the next step() (or restore_parameters()), which also
@@ -115,8 +115,8 @@ class HostStates(StateStore):
     def close(self) -> None:
         self._bufs.clear()
         if self._held:
-            self.engine.host_budget.release(self._held)
+            self.port.host_budget.release(self._held)
             self._held = 0
         if self._staging is not None:
-            self.engine.host_budget.release(self._staging.numel())
+            self.port.host_budget.release(self._staging.numel())
             self._staging = None

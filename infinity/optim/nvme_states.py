@@ -33,12 +33,14 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tupl
 import torch
 
 from .. import io as inf_io
-from ..runtime.engine import Engine
-from .chunks import Beside, ChunkPlan, Unit, gather_unit, plan_chunks, scatter_unit
+from ..runtime.port import OptimizerPort
+from .chunks import Beside, ChunkPlan, Unit, plan_chunks, scatter_unit
 from . import nvme_step
 from .state_extents import StateExtents
-from .state_store import Shard, StateStore, StateViews
-from .swapper import BufferSets
+from .layout import StateViews
+from .shard import Shard
+from .state_store import StateStore
+from .swapper import BufferSets, grad_piece, home_piece
 
 if TYPE_CHECKING:  # pragma: no cover
     from .step_work import StepWork
@@ -50,22 +52,23 @@ class NvmeStates(StateStore):
     read, stepped and written in units of about that size (None: always whole)."""
 
     tier = "nvme"
-    speculates = True  # an update may be written beside the committed states (see .overlap)
 
-    def __init__(self, engine: Engine, master: str = "fp32",
+    def __init__(self, port: OptimizerPort, master: str = "fp32",
                  chunk_bytes: Optional[int] = None,
                  shards: Optional[Dict[int, Shard]] = None) -> None:
-        super().__init__(engine, master, shards)
+        super().__init__(port, master, shards)
         self.sets: Optional[BufferSets] = None
         self.chunk_bytes = chunk_bytes
         self._plans: Dict[str, ChunkPlan] = {}
-        self.extents = StateExtents(engine.policy.nvme_path,
-                                    require_direct=engine.policy.require_direct_io,
-                                    verify=engine.policy.verify_checksums,
-                                    tag=getattr(engine, "swap_tag", ""))
+        self.extents = StateExtents(port.facts.nvme_path,
+                                    require_direct=port.facts.require_direct_io,
+                                    verify=port.facts.verify_checksums,
+                                    tag=port.facts.swap_tag)
 
-    def has(self, shard: Shard) -> bool:
-        return shard.key in self.extents.committed
+    def speculates(self) -> bool:
+        """With gradients on NVMe too (gradients in RAM can be changed in place through
+        ``p.grad`` without trace)."""
+        return self.port.grads.on_nvme
 
     # ---- units (a shard moved in element ranges, see .chunks) -----------------------------
     def plan(self, shard: Shard) -> ChunkPlan:
@@ -74,43 +77,24 @@ class NvmeStates(StateStore):
         plan = self._plans.get(shard.key)
         if plan is None:
             layout = self.layout(shard)
-            engine, flat = shard.engine, shard.flat
-            cut = engine.stages_working_copy(flat) or \
-                engine.home.working_buffer(flat) is not None
+            port, flat = shard.port, shard.flat
+            cut = port.working.stages(flat) or \
+                port.working.buffer(flat) is not None
             plan = plan_chunks(layout, [(s.offset, s.numel) for s in flat.slots],
                                self.chunk_bytes if cut else None, self.beside(shard))
             self._plans[shard.key] = plan
         return plan
-
-    def grad_piece(self, shard: Shard) -> Optional[int]:
-        """Elements per piece of the shard's gradient file when its gradients are read from
-        NVMe (None: they are in RAM, or the flat has none)."""
-        grads = shard.engine.grads
-        if not grads.on_nvme:
-            return None
-        try:
-            return grads.range_elems(shard.flat)
-        except KeyError:  # no gradient file: a flat without trainable parameters
-            return None
-
-    def home_piece(self, shard: Shard) -> Optional[int]:
-        """Elements per piece of the working copy's swap file when the step writes it there
-        (None: written in place)."""
-        engine, flat = shard.engine, shard.flat
-        if not engine.stages_working_copy(flat):
-            return None
-        return engine.home_range_elems(flat)
 
     def beside(self, shard: Shard) -> Beside:
         """What a unit of the shard moves beside its states through its buffer set: fp32
         gradients read from NVMe (its window of whole pieces) and the working copy written to
         an NVMe home (the whole pieces covering it)."""
         per, fixed = 0.0, 0
-        g = self.grad_piece(shard)
+        g = grad_piece(shard)
         if g is not None:
             per += 4
             fixed += 2 * g * 4
-        h = self.home_piece(shard)
+        h = home_piece(shard)
         if h is not None:
             per += shard.flat.home_itemsize
             fixed += 2 * h * shard.flat.home_itemsize
@@ -151,20 +135,6 @@ class NvmeStates(StateStore):
             if plan.chunked:
                 scatter_unit(unit, tmp, buf)
 
-    def write_and_commit(self, shard: Shard, buf: torch.Tensor, doing: str) -> None:
-        """Writes one shard's states (its whole layout in ``buf``) and commits them at once
-        (first use, load_state_dict, parameters written by the user); on failure nothing is
-        committed and the error names the shard and the disk."""
-        plan = self.plan(shard)
-        tmp = buf if not plan.chunked else inf_io.aligned_empty(plan.buffer_nbytes)
-
-        def prepare(unit: Unit) -> torch.Tensor:
-            if plan.chunked:
-                gather_unit(unit, buf, tmp)
-            return tmp
-        self.write_units_and_commit(shard, prepare, doing)
-        self.extents.finish(shard)
-
     def write_units_and_commit(self, shard: Shard, prepare: Callable[[Unit], torch.Tensor],
                                doing: str) -> None:
         """Writes a shard's units one at a time, ``prepare(unit)`` giving the buffer to write,
@@ -197,8 +167,8 @@ class NvmeStates(StateStore):
     def reserve(self, later: int = 0) -> BufferSets:
         """The step's buffer sets over this engine's shards, made (or remade, when a shard
         outgrew them) and counted in the host budget now."""
-        engine, shards = self.engine, self.shards()
-        staging, grads = engine.working_copy_staged, engine.grads.on_nvme
+        port, shards = self.port, self.shards()
+        staging, grads = port.working.staged, port.grads.on_nvme
         if self.sets is not None and not self.sets.fits(self, shards, staging, grads):
             self.sets.close()
             self.sets = None
@@ -215,7 +185,7 @@ class NvmeStates(StateStore):
                 read: bool = True) -> None:
         buf = self.read_committed(shard) if read else self.empty(shard)
         fill(self.views(shard, buf))
-        self.write_and_commit(shard, buf, doing)
+        nvme_step.write_whole(self, shard, buf, doing)
 
     def restore_home(self, shard: Shard) -> None:
         if self.plan(shard).chunked:

@@ -11,15 +11,30 @@ from typing import TYPE_CHECKING, Any, List, Optional
 import torch
 
 from .. import io as inf_io
-from .chunks import Unit, home_write_range, piece_window, unit_views
-from .state_store import Shard, init_states
-from .swapper import BufferSets, run_pipeline, write_units
+from .chunks import Unit, gather_unit, home_write_range, piece_window, unit_views
+from .shard import Shard, init_states
+from .swapper import BufferSets, home_piece, run_pipeline, write_units
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .nvme_states import NvmeStates
+    from .state_store import StateStore as NvmeStates  # the NVMe tier's store (.nvme_states)
     from .step_work import StepWork
 
 logger = logging.getLogger("infinity.optim")
+
+
+def write_whole(store: "NvmeStates", shard: Shard, buf: torch.Tensor, doing: str) -> None:
+    """Writes one shard's states (its whole layout in ``buf``) and commits them at once
+    (first use, load_state_dict, parameters written by the user); on failure nothing is
+    committed and the error names the shard and the disk."""
+    plan = store.plan(shard)
+    tmp = buf if not plan.chunked else inf_io.aligned_empty(plan.buffer_nbytes)
+
+    def prepare(unit: Unit) -> torch.Tensor:
+        if plan.chunked:
+            gather_unit(unit, buf, tmp)
+        return tmp
+    store.write_units_and_commit(shard, prepare, doing)
+    store.extents.finish(shard)
 
 
 def init_shard(store: "NvmeStates", sets: BufferSets, shard: Shard) -> None:
@@ -34,12 +49,12 @@ def init_shard(store: "NvmeStates", sets: BufferSets, shard: Shard) -> None:
                     sets.staging[0] if sets.staging[0] is not None
                     and sets.staging_nbytes >= shard.flat.home_nbytes
                     else inf_io.aligned_empty(shard.flat.home_nbytes))
-        store.write_and_commit(shard, buf, "initializing")
+        write_whole(store, shard, buf, "initializing")
         shard.initialized = True
         return
-    engine, flat = shard.engine, shard.flat
-    h = store.home_piece(shard)
-    home = None if h is not None else engine.home.working_buffer(flat)
+    port, flat = shard.port, shard.flat
+    h = home_piece(shard)
+    home = None if h is not None else port.working.buffer(flat)
     layout = store.layout(shard)
     slots = [(x.offset, x.numel) for x in flat.slots]
 
@@ -50,7 +65,7 @@ def init_shard(store: "NvmeStates", sets: BufferSets, shard: Shard) -> None:
             return
         base, end = piece_window(un.start, un.end, flat.numel, h)
         part = sets.home_view(0, flat, end - base)
-        engine.read_home_range(flat, base, part)
+        port.working.read_range(flat, base, part)
         views.master.copy_(part[un.start - base:un.end - base])
 
     write_units(store, shard, sets, fill, "initializing")
@@ -62,7 +77,7 @@ def restore_units(store: "NvmeStates", shard: Shard) -> None:
     through buffer set 0: each unit's committed extent is read and checked, and its masters
     written to the working copy (whole pieces of an NVMe home, the partial one at a unit's end
     finished by the next)."""
-    engine, flat = shard.engine, shard.flat
+    port, flat = shard.port, shard.flat
     sets = store.reserve()
     plan, layout = store.plan(shard), store.layout(shard)
     slots = [(x.offset, x.numel) for x in flat.slots]
@@ -76,8 +91,8 @@ def restore_units(store: "NvmeStates", shard: Shard) -> None:
             raise store.extents.wrap_error(exc, shard, "reading") from exc
         store.extents.check_unit(shard, un, future)
 
-    h = store.home_piece(shard)
-    home = None if h is not None else engine.home.working_buffer(flat)
+    h = home_piece(shard)
+    home = None if h is not None else port.working.buffer(flat)
     if h is None and home is None:
         raise RuntimeError(f"infinity.optim: {flat.key} is stepped in units but has no "
                            "working buffer (a bug in the unit plan)")
@@ -95,7 +110,7 @@ def restore_units(store: "NvmeStates", shard: Shard) -> None:
         out[un.start - base:].copy_(master)
         a, b = home_write_range(un.start, un.end, flat.numel, h)
         if b > a:
-            engine.write_home_range(flat, a, out[a - base:b - base]).wait()
+            port.working.write_range(flat, a, out[a - base:b - base]).wait()
         carry = out[b - base:].clone() if b < un.end else None
 
 
@@ -104,12 +119,12 @@ def sync_units(store: "NvmeStates", shard: Shard, written: Any) -> None:
     unit's states are read into buffer set 0 and checked, the masters of the written slots in
     it follow the home's values (read as the whole home pieces covering the unit, or from the
     working buffer), and the new extents are written unit by unit and committed together."""
-    engine, flat = shard.engine, shard.flat
+    port, flat = shard.port, shard.flat
     sets = store.reserve()
     layout = store.layout(shard)
     slots = [(x.offset, x.numel) for x in flat.slots]
-    h = store.home_piece(shard)
-    working = None if h is not None else engine.home.working_buffer(flat)
+    h = home_piece(shard)
+    working = None if h is not None else port.working.buffer(flat)
     ranges = [(flat.slots[i].offset, flat.slots[i].offset + flat.slots[i].numel)
               for i in sorted(written)]
 
@@ -123,7 +138,7 @@ def sync_units(store: "NvmeStates", shard: Shard, written: Any) -> None:
         else:
             base, end = piece_window(un.start, un.end, flat.numel, h)
             home = sets.home_view(0, flat, end - base)
-            engine.read_home_range(flat, base, home)
+            port.working.read_range(flat, base, home)
         master = unit_views(layout, slots, un, buf).master
         for lo, hi in mine:
             new = home[lo - base:hi - base]
@@ -146,7 +161,7 @@ def step(store: "NvmeStates", shards: List[Shard], work: "StepWork") -> None:
             init_shard(store, sets, shard)
     computed: List[Shard] = []
     try:
-        run_pipeline(shards, store, sets, work.apply_unit, store.engine.working_copy_staged,
+        run_pipeline(shards, store, sets, work.apply_unit, store.port.working.staged,
                      stats, computed)
     except BaseException as failure:
         for shard in computed:

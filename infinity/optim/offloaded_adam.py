@@ -3,8 +3,8 @@ or on NVMe, stepped by the native CPU Adam (``infinity.ops.cpu_adam_step``).
 
 Parameters of a model wrapped by ``infinity.wrap`` are stepped shard by shard (one shard = one
 block's FlatParam): their gradients come from the engine's gradient source (in RAM, or read
-from its swap files; the optimizer sees only ``engine.grads``' narrow interface;
-``p.grad`` stays None), the states come from :mod:`.state_store`, and the updated working copy
+from its swap files; the optimizer reaches the engine only through its port,
+:class:`~infinity.runtime.port.OptimizerPort`; ``p.grad`` stays None), the states come from :mod:`.state_store`, and the updated working copy
 (the parameter's home dtype: fp32, bf16 or fp16) is written in the same kernel pass into the
 parameter's home (host), into a staging buffer written to the parameter swap file (NVMe), or
 into the resident buffer (device). Parameters that are not wrapped are stepped one by one with
@@ -25,59 +25,59 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
 from .. import trace_events
 from ..ops.bf16_master import check_master
-from ..runtime.engine import Engine, locate
+from ..runtime.port import OptimizerPort
+from ..sizes import Size, parse_size
+from ..tiers.chunk_size import check_chunk_bytes
+from ._common import ShardState, _check_hyper  # noqa: F401 (ShardState re-exported)
 from .choices import FormatChoices
+from .core import AdamCore
 from .formats import MIN_8BIT_SIZE, FormatSpec, States as StatesArg, format_summary
-from .param_states import ParamStates
-from .state_store import (OptimizerStateIOError, Run as _Run, Shard, StateStore as States,
-                          choose_tier, engine_bytes_later, new_store, state_nbytes)
-from ._common import ShardState, _check_hyper, _float  # noqa: F401 (ShardState re-exported)
 from .grad_checks import GradientChecks
 from .overlap import BackwardOverlap
+from .shard import Shard
 from .state_dicts import StateDicts
-from .chunks import Unit
-from .shard_update import update_shard, update_unit
-from .step_work import StepWork
-from .swapper import BufferSets, StepStats
-from ..sizes import Size, parse_size
-from ..tiers.chunk_size import check_chunk_bytes, resolve_chunk_bytes
+from .state_store import OptimizerStateIOError
+from .step_stats import StepStats
 
 logger = logging.getLogger(__name__)
 
-# the live infinity optimizers (for infinity.stats: which formats a wrapped model's states use)
-_LIVE: "weakref.WeakSet[OffloadedAdam]" = weakref.WeakSet()
+# the state of the live infinity optimizers (for infinity.stats: which formats a wrapped
+# model's states use, and their NVMe bytes)
+_LIVE: "weakref.WeakSet[AdamCore]" = weakref.WeakSet()
 
 
-def state_formats_of(engine: Engine) -> Dict[str, Dict[str, int]]:
+def state_formats_of(engine: Any) -> Dict[str, Dict[str, int]]:
     """``{format: {"params", "numel", "moment_bytes"}}`` of the wrapped model's parameters
     that live infinity optimizers step (each parameter once; {} when none does)."""
     seen: Dict[int, Tuple[int, str]] = {}
-    numel = {id(s.param): s.numel for f in engine.flats for s in f.slots}  # whole params
-    for opt in list(_LIVE):
-        for p in opt._param_index():
+    flats = OptimizerPort.of(engine).flats
+    numel = {id(s.param): s.numel for f in flats for s in f.slots}  # whole params
+    for core in list(_LIVE):
+        for p in core.param_index():
             if id(p) in numel and id(p) not in seen:
-                seen[id(p)] = (numel[id(p)], opt._formats.format_of(p))
+                seen[id(p)] = (numel[id(p)], core.formats.format_of(p))
     return format_summary(seen.values())
 
 
-def swap_bytes_of(engine: Engine) -> Dict[str, int]:
+def swap_bytes_of(engine: Any) -> Dict[str, int]:
     """The NVMe optimizer-state bytes of the live infinity optimizers stepping ``engine``'s
     model, by category (see :meth:`.nvme_states.NvmeStates.swap_bytes`; {} when none)."""
     out: Dict[str, int] = {}
-    for opt in list(_LIVE):
-        store = opt._stores.get(id(engine))
+    port = OptimizerPort.of(engine)
+    for core in list(_LIVE):
+        store = core.wrapped.side(port).store if port in core.wrapped.ports() else None
         for k, v in (store.swap_bytes() if store is not None else {}).items():
             out[k] = out.get(k, 0) + v
     return out
 
 
-class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
+class OffloadedAdam(torch.optim.Optimizer):
     """Adam / AdamW with states in HOST or NVMe; see the module docstring.
 
     Args:
@@ -174,80 +174,56 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
                  sr_seed: int = 0, min_8bit_size: int = MIN_8BIT_SIZE,
                  chunk_bytes: Optional[Size] = None,
                  keep_grads: Union[bool, str] = True) -> None:
-        self._chunk_arg = check_chunk_bytes(parse_size(chunk_bytes, "chunk_bytes")
-                                            if isinstance(chunk_bytes, str) else chunk_bytes,
-                                            "infinity.optim")
-        self._format_spec = FormatSpec(states, min_8bit_size)
-        self.states_format = self._format_spec.default  # the default format's name
-        self.min_8bit_size = self._format_spec.min_8bit_size
-        self._formats = FormatChoices(self._format_spec)  # each parameter's moment format
+        chunk = check_chunk_bytes(parse_size(chunk_bytes, "chunk_bytes")
+                                  if isinstance(chunk_bytes, str) else chunk_bytes,
+                                  "infinity.optim")
+        spec = FormatSpec(states, min_8bit_size)
+        self.states_format = spec.default  # the default format's name
+        self.min_8bit_size = spec.min_8bit_size
         self.master_format = check_master(master)
         if isinstance(sr_seed, bool) or not isinstance(sr_seed, int) \
                 or not 0 <= sr_seed < 1 << 64:
             raise ValueError(f"infinity.optim: sr_seed must be an int in [0, 2**64), got "
                              f"{sr_seed!r}")
         self.sr_seed = sr_seed
-        self._element_bases: Optional[Dict[int, int]] = None
-        self._overlap = BackwardOverlap(self, overlap, keep_grads)
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                        amsgrad=amsgrad, maximize=maximize)
-        _check_hyper(defaults)
-        self._adamw = bool(adamw)
-        self._params = ParamStates(self.master_format, sr_seed, self._adamw)  # unwrapped ones
         if check_finite not in (True, False, "auto"):
             raise ValueError(f"check_finite must be True, False or 'auto', got {check_finite!r}")
         self.check_finite = check_finite
-        self._shards: Dict[int, Shard] = {}       # id(flat) -> shard, in registration order
-        self._sharded_engines: Dict[int, Engine] = {}  # ZeRO: engines, with or without shards
-        self._elsewhere: set = set()  # ZeRO: ids of parameters other ranks step
-        self._wrapped: Dict[int, Tuple[Shard, int]] = {}  # id(param) -> (shard, slot)
-        self._stores: Dict[int, States] = {}      # id(engine) -> its state store
-        self._dirty: Dict[str, Shard] = {}        # homes that may not match committed masters
-        self._done: Dict[str, Shard] = {}         # shards a failed step already applied
-        self._multiplier = 1.0
-        self._finite: Optional[bool] = None
+        # what the step works on, owned here (the overlap, checks and state dicts share it)
+        self._core = AdamCore(self, FormatChoices(spec), self.master_format, sr_seed,
+                              bool(adamw), chunk)
+        self._overlap = BackwardOverlap(self._core, overlap, keep_grads)
+        self._checks = GradientChecks(self._core, self._overlap.grads_scaled)
+        self._dicts = StateDicts(self._core, self._overlap.rollback_all)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                        amsgrad=amsgrad, maximize=maximize)
+        _check_hyper(defaults)
         self.skipped_steps = 0
         self.last_step_stats: Optional[StepStats] = None
         super().__init__(params, defaults)
-        _LIVE.add(self)
-        self._reserve_buffers()
+        _LIVE.add(self._core)
+        try:
+            self._core.wrapped.reserve()
+        except BaseException:
+            self.close()
+            raise
 
-    # =====================================================================================
-    # param groups and shards
-    # =====================================================================================
+    # ---- param groups, where states live -----------------------------------------------------
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         _check_hyper(group)
         index = len(self.param_groups) - 1
-        self._element_bases = None
+        core = self._core
+        core.params_changed()
         for p in group["params"]:
-            loc = locate(p)
-            if loc is not None and loc.engine.partitioner is not None \
-                    and self.master_format != "fp32":
+            loc = OptimizerPort.locate(p)
+            if loc is not None and loc.port.sharded and self.master_format != "fp32":
                 raise ValueError(
                     f"infinity.optim: master={self.master_format!r} is not supported with "
                     "ZeRO-sharded models (their state and checkpoint code reads fp32 masters); "
                     "use master='fp32' (compact moments, states='bf16'/'8bit', still work)")
-            self._formats.choose(p, loc)
-            if loc is not None and loc.engine.partitioner is not None:
-                loc.engine.attach_optimizer()  # stepped even where this rank holds no part
-                self._sharded_engines.setdefault(id(loc.engine), loc.engine)
-                loc = loc.engine.partitioner.location(loc)  # this rank's part (or none)
-                if loc is None:  # another rank steps it: never an unwrapped parameter here
-                    self._elsewhere.add(id(p))
-            if loc is None:
-                continue
-            shard = self._shards.get(id(loc.flat))
-            if shard is None:
-                shard = Shard(loc.engine, loc.flat, [None] * len(loc.flat.slots),
-                              formats=self._formats.slot_formats(loc.engine, loc.flat))
-                self._shards[id(loc.flat)] = shard
-            shard.groups[loc.slot] = index
-            self._wrapped[id(p)] = (shard, loc.slot)
-            loc.engine.attach_optimizer()  # the engine prefetches after our step
-            if self._overlap not in loc.engine.backward_listeners:
-                loc.engine.backward_listeners.append(self._overlap)
+            core.wrapped.add(p, loc, index, self._overlap)
 
     def state_formats(self, by: str = "name") -> Dict[Union[str, int], str]:
         """The moment format of each parameter: ``{key: "fp32" | "bf16" | "8bit"}``, keys
@@ -257,102 +233,74 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
         if by not in ("name", "index"):
             raise ValueError(f"infinity.optim: state_formats(by=) is 'name' or 'index', got "
                              f"{by!r}")
+        core = self._core
         out: Dict[Union[str, int], str] = {}
         names: Dict[int, str] = {}  # id(param) -> its qualified name in its wrapped model
-        for engine in (self._engines() if by == "name" else ()):
-            for flat in engine.flats:
+        for port in (core.wrapped.ports() if by == "name" else ()):
+            for flat in port.flats:
                 for s in flat.slots:
                     names.setdefault(id(s.param), s.qualname)
-        for i, p in enumerate(self._param_index()):
+        for i, p in enumerate(core.param_index()):
             key = names.get(id(p), i)
-            out[key if key not in out else i] = self._formats.format_of(p)
+            out[key if key not in out else i] = core.formats.format_of(p)
         return out
-
-    def _is_wrapped(self, p: torch.Tensor) -> bool:
-        if id(p) in self._elsewhere:
-            return True
-        return id(p) in self._wrapped and self._wrapped[id(p)][0].flat.slots[
-            self._wrapped[id(p)][1]].param is p
-
-    def _engines(self) -> List[Engine]:
-        seen: Dict[int, Engine] = dict(self._sharded_engines)
-        for shard in self._shards.values():
-            seen.setdefault(id(shard.engine), shard.engine)
-        return list(seen.values())
-
-    def _store(self, engine: Engine, later: int = 0) -> States:
-        """The engine's state store, created on first use (``later``: host bytes the engine
-        still takes from its budget, set aside when the tier is chosen before the first
-        backward)."""
-        store = self._stores.get(id(engine))
-        if store is None:
-            shards = [s for s in self._shards.values() if s.engine is engine
-                      and any(g is not None for g in s.groups)]
-            flats, fmts = [s.flat for s in shards], [s.formats for s in shards]
-            master = self.master_format
-            tier = choose_tier(engine, flats, fmts, master, later)
-            store = new_store(tier, engine, master, self._chunk_for(engine), self._shards)
-            present = sorted({f for ff in fmts for f in ff})
-            logger.info("infinity.optim: %s bytes of %s optimizer states (%s master) on %s",
-                        f"{sum(state_nbytes(f, ff, master) for f, ff in zip(flats, fmts)):,}",
-                        "+".join(present) or self.states_format, master, tier)
-            self._stores[id(engine)] = store
-        return store
-
-    def _chunk_for(self, engine: Engine) -> int:
-        """The chunk of this engine's NVMe step: ``chunk_bytes=`` given here, else the engine's
-        policy, else derived from its host budget."""
-        if self._chunk_arg is not None:
-            return self._chunk_arg
-        return resolve_chunk_bytes(getattr(engine.policy, "chunk_bytes", None),
-                                   engine.host_budget.limit, "infinity.optim")
-
-    def _reserve_buffers(self) -> None:
-        """With a host budget: the state tier is chosen and, on NVMe, the buffer sets are
-        counted in the budget now, so a budget below their minimum is refused here rather
-        than at the first step (after a whole forward and backward)."""
-        for engine in self._engines():
-            if engine.host_budget.limit is None:
-                continue
-            shards = [s for s in self._shards.values() if s.engine is engine]
-            if not shards:
-                continue
-            try:
-                later = engine_bytes_later(engine)  # before the first backward: its gradients
-                self._store(engine, later).reserve(later)
-            except BaseException:
-                self.close()
-                raise
 
     @property
     def state_bytes(self) -> Dict[str, int]:
         """Bytes of optimizer states held per tier ("host"; "nvme": the live extents of the
         state file, committed states plus writes not yet committed)."""
         out = {"host": 0, "nvme": 0}
-        for store in self._stores.values():
+        for store in self._core.wrapped.stores():
             out[store.tier] += store.nbytes
         return out
 
     @property
     def state_tiers(self) -> Dict[str, str]:
         """Where each wrapped shard's states live ("host"/"nvme"), once chosen."""
-        return {s.key: self._stores[id(s.engine)].tier for s in self._shards.values()
-                if id(s.engine) in self._stores}
+        wrapped = self._core.wrapped
+        tiers = {side.port: side.store.tier for side in wrapped.sides()
+                 if side.store is not None}
+        return {s.key: tiers[s.port] for s in wrapped.shards.values() if s.port in tiers}
 
-    # =====================================================================================
-    # gradients: finiteness, clipping, multipliers
-    # =====================================================================================
+    # ---- gradients: finiteness, clipping, multipliers ----------------------------------------
+    def grads_finite(self) -> bool:
+        """True when no gradient this optimizer would apply holds an inf or nan. Gradients on
+        NVMe were checked by the engine while they were in RAM, so they are not read back."""
+        return self._checks.grads_finite()
 
+    def set_grad_multiplier(self, factor: float, *, finite: Optional[bool] = None,
+                            source: str = "") -> None:
+        """Multiplies every gradient by ``factor`` in the next step (inside the kernel; the
+        stored gradients are not changed). ``finite``: the caller already checked them."""
+        self._checks.set_grad_multiplier(factor, finite=finite, source=source)
 
+    def discard_pending_step(self) -> None:
+        """Forgets multipliers and checks meant for a step that will not happen."""
+        self._core.discard_pending()
 
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clips the gradients of the next step by their global norm; returns that norm.
 
+        Computed over every gradient this optimizer will apply: the ready slots of the wrapped
+        models' offloaded gradients (``flat.grad``) and ``p.grad`` of unwrapped parameters,
+        like ``torch.nn.utils.clip_grad_norm_`` (norm of per-tensor norms, coefficient
+        ``min(1, max_norm / (norm + 1e-6))``). The coefficient is applied inside the next
+        ``step()`` through the kernel's grad multiplier, so no extra pass rewrites the
+        gradients (they read unclipped until then). Note: ``torch.nn.utils.clip_grad_norm_(
+        model.parameters())`` does not work on a wrapped model: its parameters have
+        ``p.grad = None`` (the gradients live only in the engine's buffers). A non-finite
+        norm marks the next step to be skipped. After ``LossScaler.unscale_`` the norm is
+        that of the unscaled gradients.
+        """
+        return self._checks.clip(max_norm, norm_type)
 
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Alias of :meth:`clip_grad_norm_`, the name trainers (HF Trainer, accelerate) look
+        for on an optimizer that clips its own gradients."""
+        return self._checks.clip(max_norm, norm_type)
 
-
-
-    # =====================================================================================
-    # step
-    # =====================================================================================
+    # ---- step ---------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Optional[Any]:
         loss = None
@@ -360,23 +308,24 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         t0 = time.perf_counter()
-        multiplier, finite = self._multiplier, self._finite
-        self.discard_pending_step()
+        core, checks, overlap = self._core, self._checks, self._overlap
+        multiplier, finite = core.multiplier, core.finite
+        core.discard_pending()
         stats = StepStats()
         self.last_step_stats = stats
-        overlap = self._overlap
         overlap.join()  # updates started during backward: done before anything else runs
+        ports = core.wrapped.ports()
         try:
             for group in self.param_groups:
                 _check_hyper(group)
-            for engine in self._engines():
-                engine.quiesce()
-            self._check_lost_gradients()
+            for port in ports:
+                port.quiesce()
+            checks.check_lost()
             if finite is None and self.check_finite is True:
-                finite = self.grads_finite()
+                finite = checks.grads_finite()
             elif finite is None and self.check_finite == "auto":
-                finite = self._known_finite()
-            finite = self._agree_finite(finite)  # sharded: every rank skips, or none
+                finite = checks.known_finite()
+            finite = checks.agree_finite(finite)  # sharded: every rank skips, or none
         except BaseException:
             overlap.rollback_all("the step raised before applying them")
             raise
@@ -395,185 +344,114 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
                 stats.overlapped_shards = len(kept)
                 stats.overlap_s = done_early.compute_s + done_early.io_wait_s
                 for shard in kept.values():
-                    self._done[shard.key] = shard
+                    core.done[shard.key] = shard
                     stats.shards += 1
                     stats.params += sum(s.numel for s in shard.flat.slots)
-            self._restore_dirty()
-            for shard in self._shards.values():
-                self._sync_user_writes(shard)
-            work = self._work(multiplier, stats)
-            for engine in self._engines():
-                mine = [s for s in self._shards.values() if work.steps(s)
-                        and s.engine is engine]
+            core.restore_dirty()
+            for shard in core.wrapped.shards.values():
+                core.sync_user_writes(shard)
+            work = core.work(multiplier, stats)
+            for port in ports:
+                mine = [s for s in core.wrapped.shards_of(port) if work.steps(s)]
                 if mine:
-                    self._store(engine).step(mine, work)
-            stats.params += self._params.step(self.param_groups, self.state, self._is_wrapped,
-                                              self._formats.format_of, self._element_base,
-                                              multiplier)
+                    core.wrapped.store(port).step(mine, work)
+            stats.params += core.params.step(self.param_groups, self.state,
+                                             core.wrapped.is_wrapped, core.formats.format_of,
+                                             core.element_base, multiplier)
         except BaseException:
             # re-armed: calling step() again retries this same step (clipping included)
-            self._multiplier, self._finite = multiplier, finite
+            core.multiplier, core.finite = multiplier, finite
             raise
-        self._done.clear()
+        core.done.clear()
         overlap.step_finished()
-        for engine in self._engines():
-            engine.resume()
+        for port in ports:
+            port.resume()
         stats.step_s = time.perf_counter() - t0
         trace_events.span("optimizer_step", "step", stats.bytes_written, t0)
-        for engine in self._engines():
-            engine.record_optimizer_step(stats)
+        for port in ports:
+            port.record_step(stats)
         return loss
-
-
-    def _sync_user_writes(self, shard: Shard) -> None:
-        """Parameters written outside forward (load_state_dict, an EMA copied back, a user's
-        in-place change): their fp32 master weights follow, except where the written value is
-        just the master's rounding (then the master keeps its precision)."""
-        engine = shard.engine
-        written = engine.take_user_writes(shard.flat)
-        if not written or not shard.initialized:
-            return
-        store = self._store(engine)
-        if not store.layout(shard).with_master:
-            return  # host states of an fp32 host home: the home is the master
-        store.sync_masters(shard, written)
-
-    def _work(self, multiplier: float, stats: StepStats) -> StepWork:
-        """This step's work for the stores: the runs of every shard not done yet, the
-        kernels, and the record of shards that took the step or need their working copy
-        rewritten."""
-        runs = {id(s.flat): r for s in self._shards.values() if s.key not in self._done
-                for r in [s.runs()] if r}
-
-        def took(shard: Shard) -> None:
-            shard.commit_steps()
-            self._done[shard.key] = shard
-
-        return StepWork(
-            runs, stats,
-            apply=lambda s, buf, staging, grad: self._apply(s, runs[id(s.flat)], buf, staging,
-                                                            multiplier, grad),
-            apply_unit=lambda s, un, buf, out, g: self._apply_unit(s, runs[id(s.flat)], un,
-                                                                   buf, multiplier, out, g),
-            took=took, dirty=lambda s: self._dirty.__setitem__(s.key, s),
-            restore=self._restore_dirty, dirty_count=lambda: len(self._dirty),
-            done_count=lambda: len(self._done))
-
-    @property
-    def _sets(self) -> Dict[int, BufferSets]:
-        """id(engine) -> the NVMe step's buffer sets of its store, where it has them."""
-        return {k: st.sets for k, st in self._stores.items() if st.sets is not None}
-
-    def _hyper(self, run: _Run, multiplier: float) -> Dict[str, Any]:
-        """The kernel's scalars for one run, from its param group now."""
-        group = self.param_groups[run.group]
-        beta1, beta2 = group["betas"]
-        return dict(step=run.step, lr=_float(group["lr"]), beta1=_float(beta1),
-                    beta2=_float(beta2), eps=_float(group["eps"]),
-                    weight_decay=_float(group["weight_decay"]), adamw=self._adamw,
-                    grad_multiplier=multiplier)
-
-    def _apply(self, shard: Shard, runs: List[_Run], buf: torch.Tensor,
-               staging: Optional[torch.Tensor], multiplier: float,
-               grad: Optional[torch.Tensor] = None,
-               hypers: Optional[List[Dict[str, Any]]] = None) -> None:
-        """One shard's update in RAM (:func:`.shard_update.update_shard`). ``hypers``: the
-        kernel's scalars per run (default: from the param groups now; an update overlapping
-        backward passes those it will be checked against)."""
-        hypers = hypers if hypers is not None else [self._hyper(r, multiplier) for r in runs]
-        update_shard(self._stores[id(shard.engine)], shard, runs, hypers, buf, staging, grad,
-                     self.sr_seed, self._element_base)
-
-    def _apply_unit(self, shard: Shard, runs: List[_Run], unit: Unit, buf: torch.Tensor,
-                    multiplier: float, out: Optional[Tuple[torch.Tensor, int]] = None,
-                    grad: Optional[Tuple[torch.Tensor, int]] = None,
-                    hypers: Optional[List[Dict[str, Any]]] = None) -> None:
-        """:meth:`_apply` of one unit of an NVMe shard (:func:`.shard_update.update_unit`;
-        a whole unit is the whole shard, through :meth:`_apply`)."""
-        if unit.whole:
-            staging = out[0].view(torch.uint8) if out is not None else None
-            self._apply(shard, runs, buf, staging, multiplier,
-                        grad[0] if grad is not None else None, hypers)
-            return
-        hypers = hypers if hypers is not None else [self._hyper(r, multiplier) for r in runs]
-        update_unit(self._stores[id(shard.engine)], shard, runs, hypers, unit, buf, out, grad)
 
     def restore_parameters(self) -> None:
         """After a failed step: rewrites the working copies it had already updated from the
         committed masters (step() does this first anyway)."""
-        self._restore_dirty()
+        self._core.restore_dirty()
 
-    def _restore_dirty(self) -> None:
-        """Rewrites the working copy of shards a failed step touched from committed masters."""
-        for key, shard in list(self._dirty.items()):
-            shard.engine.release_all()
-            self._stores[id(shard.engine)].restore_home(shard)
-            del self._dirty[key]
-
-    def _element_base(self, p: torch.Tensor) -> int:
-        """Global index of parameter p's first element for the stochastic-rounding hash: its
-        position among this optimizer's parameters * 2**40 (independent of shard layout)."""
-        if self._element_bases is None:
-            self._element_bases = {id(q): i << 40 for i, q in enumerate(self._param_index())}
-        return self._element_bases[id(p)]
-
-    # =====================================================================================
-    # zero_grad
-    # =====================================================================================
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears gradients. Wrapped models: ``engine.zero_grad()`` (the whole model's
         accumulated gradients are forgotten; the next backward overwrites them -- with
         ``set_to_none=False`` too, where a parameter without a new gradient is then skipped
         rather than stepped with a zero gradient). Unwrapped parameters: as torch."""
+        core = self._core
         self._overlap.rollback_all("zero_grad() before opt.step()")
-        if self._done:
+        if core.done:
             logger.warning("infinity.optim: zero_grad() after a failed step that %d shard(s) had "
-                           "already taken; the others skip it", len(self._done))
-            self._done.clear()
-        for store in self._stores.values():
-            partial = store.partial
+                           "already taken; the others skip it", len(core.done))
+            core.done.clear()
+        for port in core.wrapped.ports():
+            store = core.wrapped.side(port).store
+            partial = store.partial if store is not None else []
             if partial:
                 logger.warning("infinity.optim: zero_grad() after a failed step that shard(s) %s "
                                "had taken part way: their units that took it keep it (their "
                                "step count does not), the others skip it", ", ".join(partial))
-                for shard in self._shards.values():
+                for shard in core.wrapped.shards_of(port):
                     if shard.key in partial:
                         store.finish(shard)
-        for engine in self._engines():
-            engine.zero_grad()
+        for port in core.wrapped.ports():
+            port.zero_grad()
         super().zero_grad(set_to_none=set_to_none)
 
-    # =====================================================================================
-    # state_dict
-    # =====================================================================================
+    # ---- state dicts (torch's format) and streamed per-shard access ---------------------------
+    def state_dict(self, *, wrapped: bool = True) -> Dict[str, Any]:
+        """torch's format: ``{"state": {index: {"step", "exp_avg", "exp_avg_sq", "master"}},
+        "param_groups": [...], "states": "fp32" | "bf16" | "8bit" (the default format),
+        "state_formats": {index: format}, "master": "fp32" | "bf16_sr" | "bf16_kahan"}``;
+        ``master`` is the fp32 value of the master weight (for unwrapped fp32 CPU parameters
+        the parameter itself is the master and no entry is stored); the moments are fp32 in
+        every state format (compact ones dequantized: exactly the values the next step starts
+        from). ``wrapped=False`` leaves out the wrapped models' shards (see
+        :meth:`shard_states`)."""
+        return self._dicts.state_dict(wrapped=wrapped)
 
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Loads a state from :meth:`state_dict` (or torch.optim.Adam/AdamW's: without a
+        ``master`` the current parameter value is the master). The fp32 moments are stored in
+        each parameter's state format in this optimizer, whatever the saved ``"states"`` /
+        ``"state_formats"`` were (bf16: rounded; 8bit: quantized; moments saved from the same
+        format come back bitwise). A state of another model (other number of groups/parameters
+        or shapes) raises ValueError and changes nothing."""
+        self._dicts.load_state_dict(state_dict)
 
-    # ---- streaming access (checkpoints that never hold the whole model in RAM) -------------
+    def shard_states(self, skip_extents: bool = False) -> Iterator[ShardState]:
+        """Each wrapped shard's committed states, one shard in RAM at a time.
+        ``skip_extents``: shards for which :meth:`committed_extent` gives a file are yielded
+        without reading their states (master/exp_avg/exp_avg_sq None)."""
+        return self._dicts.shard_states(skip_extents)
 
+    def load_shard_state(self, key: str, per_slot: Dict[int, Dict[str, Any]]) -> None:
+        """Loads one shard's states: ``per_slot[slot index] = {"step", "exp_avg",
+        "exp_avg_sq", "master" (optional)}``; slots not given start without state."""
+        self._dicts.load_shard_state(key, per_slot)
 
+    def committed_extent(self, key: str) -> Optional[Tuple[str, int, int, int]]:
+        """(path, nbytes, crc32c, offset) of the NVMe file range holding shard ``key``'s
+        committed fp32 states, for a kernel-side copy (see
+        :meth:`.state_dicts.StateDicts.committed_extent`); None where there is none."""
+        return self._dicts.committed_extent(key)
 
-
-
-
-
-    # =====================================================================================
-    # lifetime
-    # =====================================================================================
+    # ---- lifetime -----------------------------------------------------------------------------
     def close(self) -> None:
         """Releases host buffers and removes the NVMe state files (the optimizer is unusable
         afterwards)."""
-        _LIVE.discard(self)
+        core = self.__dict__.get("_core")
+        if core is None:
+            return
+        _LIVE.discard(core)
         overlap = self.__dict__.get("_overlap")
         if overlap is not None:
             overlap.close()
-            for engine in self._engines():
-                if overlap in engine.backward_listeners:
-                    engine.backward_listeners.remove(overlap)
-        for store in self._stores.values():
-            store.close()
-        self._stores.clear()
-        for shard in self._shards.values():
-            shard.initialized = False
+        core.wrapped.close(overlap)
 
     def __del__(self) -> None:
         try:
@@ -582,51 +460,41 @@ class OffloadedAdam(GradientChecks, StateDicts, torch.optim.Optimizer):
             pass
 
     # ---- public faces of the state above for ZeRO state dicts and checkpoints -------------
-    def engines(self) -> List[Engine]:
+    def engines(self) -> List[Any]:
         """The engines of the wrapped models this optimizer steps (sharded ones where this
         rank holds no part included), in the same order on every rank."""
-        return self._engines()
+        return [port.engine for port in self._core.wrapped.ports()]
 
     def shards(self) -> List[Shard]:
         """This rank's wrapped shards (of a sharded model: its part of each flat)."""
-        return list(self._shards.values())
+        return list(self._core.wrapped.shards.values())
 
     def load_shard(self, shard: Shard, by_param: Dict[int, Dict[str, Any]]) -> None:
         """Loads ``shard``'s states: ``by_param[id(param)] = {"step", "exp_avg", "exp_avg_sq",
         "master" (optional)}``, each the shard's piece of the parameter; the slots not given
         start without state."""
-        self._load_shard(shard, by_param)
+        self._dicts.load_shard(shard, by_param)
 
     def current_states(self, shard: Shard) -> Optional[Tuple[torch.Tensor, ...]]:
         """``shard``'s (master, exp_avg, exp_avg_sq) in fp32 as its next step starts from
         them (masters following parameters written since), views where they are fp32 in RAM;
         None before its first step."""
-        self._sync_user_writes(shard)
-        buf = self._read_committed(shard)
-        if buf is None:
-            return None
-        views = self._stores[id(shard.engine)].views(shard, buf)
-        return (views.master_value(), *views.moments_fp32(shard.flat))
+        return self._dicts.current_states(shard)
 
     def unwrapped_states(self) -> Dict[int, Dict[str, Any]]:
         """The states of the parameters outside wrapped models in torch's format, by index in
         the param groups' order (as in :meth:`state_dict`)."""
-        return {i: self._param_state_to_torch(p, self.state[p])
-                for i, p in enumerate(self._param_index())
-                if not self._is_wrapped(p) and self.state.get(p)}
+        return self._dicts.unwrapped_states()
 
     def checked_entries(self, state_dict: Dict[str, Any]) -> Dict[int, Dict[str, Any]]:
         """``state_dict``'s entries by parameter index, checked against the param groups and
         the whole parameters' shapes (ValueError naming the difference); changes nothing."""
-        return self._check_loadable(state_dict)
+        return self._dicts.checked_entries(state_dict)
 
     def load_unwrapped_states(self, entries: Dict[int, Dict[str, Any]]) -> None:
         """The parameters outside wrapped models take their states from ``entries`` (from
         :meth:`checked_entries`); every other state kept in ``self.state`` is dropped."""
-        self.state.clear()
-        for i, p in enumerate(self._param_index()):
-            if not self._is_wrapped(p) and i in entries:
-                self.state[p] = self._param_state_from(p, entries[i])
+        self._dicts.load_unwrapped_states(entries)
 
 
 class AdamW(OffloadedAdam):

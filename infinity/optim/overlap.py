@@ -61,19 +61,19 @@ from __future__ import annotations
 
 import logging
 import threading
-import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
+from ..runtime.port import OptimizerPort
 from .chunks import Unit
-from .state_store import Run as _Run, Shard, StateStore
-from .swapper import ShardFeed, StepStats, Window, run_pipeline
-
-if TYPE_CHECKING:  # pragma: no cover
-    from ..runtime.engine import Engine
-    from .offloaded_adam import OffloadedAdam
+from .core import AdamCore
+from .kernels import Window
+from .shard import Run as _Run, Shard
+from .state_store import StateStore
+from .step_stats import StepStats
+from .swapper import ShardFeed, run_pipeline
 
 logger = logging.getLogger(__name__)
 
@@ -111,11 +111,11 @@ class _Spec:
 
 
 class _Worker:
-    """One engine's speculative pipeline: a thread running run_pipeline over a feed that
+    """One model's speculative pipeline: a thread running run_pipeline over a feed that
     backward fills."""
 
-    def __init__(self, opt: "OffloadedAdam", engine: "Engine", store: StateStore) -> None:
-        self.engine = engine
+    def __init__(self, core: AdamCore, port: OptimizerPort, store: StateStore) -> None:
+        self.port = port
         self.store = store
         self.feed = ShardFeed()
         self.specs: Dict[str, _Spec] = {}
@@ -133,14 +133,14 @@ class _Worker:
         def compute(shard: Shard, unit: Unit, buf: torch.Tensor,
                     out: Optional[Window], grad: Optional[Window]) -> None:
             spec = self.specs[shard.key]
-            opt._apply_unit(shard, list(spec.runs), unit, buf, 1.0, out, grad,
+            core.apply_unit(shard, list(spec.runs), unit, buf, 1.0, out, grad,
                             hypers=[dict(h) for h in spec.hypers])
             if unit.last:
                 self._release(shard)
 
         def run() -> None:
             try:
-                run_pipeline(self.feed, store, sets, compute, engine.working_copy_staged,
+                run_pipeline(self.feed, store, sets, compute, port.working.staged,
                              self.stats, self.computed, commit=False)
             except BaseException as exc:  # noqa: BLE001 - reported at step(), then rolled back
                 self.error = exc
@@ -165,7 +165,7 @@ class _Worker:
 
     def _release(self, shard: Shard) -> None:
         if self.held.pop(shard.key, None) is not None:
-            self.engine.grads.release_held(shard.flat)
+            self.port.grads.release_held(shard.flat)
 
     @property
     def alive(self) -> bool:
@@ -176,7 +176,7 @@ class _Worker:
         self.thread.join()
 
 
-class _EngineState:
+class _ModelState:
     __slots__ = ("backwards", "good_steps", "armed", "mismatch", "kept", "backoff", "wait",
                  "write", "quiet", "marks")
 
@@ -197,127 +197,116 @@ class BackwardOverlap:
     """Part of OffloadedAdam: the engine's backward listener (``grads_complete``,
     ``forward_started``) and the verification at step()."""
 
-    def __init__(self, opt: "OffloadedAdam", mode: Union[str, bool],
+    def __init__(self, core: AdamCore, mode: Union[str, bool],
                  keep_grads: Union[str, bool] = True) -> None:
-        # weak: the engine holds this listener, and an optimizer dropped without close() must
-        # still be freed (and its state files closed) by reference counting
-        self._opt = weakref.ref(opt)
+        # the core holds its optimizer weakly: the engine holds this listener, and an
+        # optimizer dropped without close() must still be freed by reference counting
+        self.core = core
         self.mode = check_overlap(mode)
         self.keep_grads = check_keep_grads(keep_grads)
         self.scaled = False  # clip_grad_norm_ or a grad multiplier since the last step
         self.unwritten_total = 0  # blocks whose gradients were stepped from RAM, never written
-        self._engines: Dict[int, _EngineState] = {}
-        self._workers: Dict[int, _Worker] = {}
+        self._models: Dict[OptimizerPort, _ModelState] = {}
+        self._workers: Dict[OptimizerPort, _Worker] = {}
         self.kept_total = 0
         self.rolled_back_total = 0
 
-    def _state(self, engine: "Engine") -> _EngineState:
-        return self._engines.setdefault(id(engine), _EngineState())
+    def _state(self, port: OptimizerPort) -> _ModelState:
+        return self._models.setdefault(port, _ModelState())
 
-    # ---- engine callbacks (under the engine's lock) ----------------------------------------
-    def forward_started(self, engine: "Engine") -> None:
-        st = self._state(engine)
-        if id(engine) in self._workers:
+    # ---- engine callbacks, through the port (under the engine's lock) ----------------------
+    def forward_started(self, port: OptimizerPort) -> None:
+        st = self._state(port)
+        if port in self._workers:
             # another forward before opt.step(): gradient accumulation (or evaluation) --
             # nothing of this backward may reach the parameters the next forward reads
-            self.rollback_engine(engine, "a forward ran before opt.step()")
+            self.rollback_model(port, "a forward ran before opt.step()")
             st.good_steps = 0
             st.quiet = 0
         if not torch.is_grad_enabled():
             st.armed = False
             return
         st.backwards += 1
-        st.armed = self._may_arm(engine, st)
+        st.armed = self._may_arm(port, st)
         # p.grad changed since (a clip through p.grad, a replaced gradient): not quiet
-        marks = (engine.grads.accumulations, engine.grads.user_grad_changes)
+        marks = (port.grads.accumulations, port.grads.user_grad_changes)
         if marks[1] != st.marks[1]:
             st.quiet = 0
         st.marks = marks
         st.write = not (st.armed and self.keep_grads == "auto" and st.quiet >= SKIP_AFTER
                         and not self.scaled)
 
-    def takes_in_ram(self, engine: "Engine", flat: Any) -> bool:
+    def takes_in_ram(self, port: OptimizerPort, flat: Any) -> bool:
         """Just before a block's gradients are closed: True when this backward's update of
         that block will take them from RAM (the sink keeps them for the worker then, and
         writes them to NVMe too unless this backward skips the writes)."""
-        st = self._engines.get(id(engine))
-        opt = self._opt()
-        if st is None or not st.armed or opt is None:
+        st = self._models.get(port)
+        if st is None or not st.armed:
             return False
-        shard = opt._shards.get(id(flat))
-        worker = self._workers.get(id(engine))
+        shard = self.core.wrapped.shards.get(id(flat))
+        worker = self._workers.get(port)
         if shard is None or (worker is not None and (not worker.alive
                                                      or shard.key in worker.specs)):
             return False
         if not shard.runs():
             return False
-        if engine.grads.accumulations != st.marks[0]:
+        if port.grads.accumulations != st.marks[0]:
             # this backward adds to gradients kept from before (no zero_grad since the
             # last step): the loop accumulates, so its gradients are written from now on
             st.write, st.quiet = True, 0
         return True
 
-    def writes(self, engine: "Engine") -> bool:
+    def writes(self, port: OptimizerPort) -> bool:
         """Whether this backward's gradients taken from RAM are written to NVMe too."""
-        st = self._engines.get(id(engine))
+        st = self._models.get(port)
         return st is None or st.write
 
-    @property
-    def opt(self) -> "OffloadedAdam":
-        opt = self._opt()
-        if opt is None:
-            raise RuntimeError("infinity.optim: the optimizer of this overlap is gone")
-        return opt
-
-    def _may_arm(self, engine: "Engine", st: _EngineState) -> bool:
-        opt = self._opt()
-        if opt is None or self.mode is False or opt._dirty or opt._done:
-            return False
+    def _may_arm(self, port: OptimizerPort, st: _ModelState) -> bool:
+        core = self.core
+        if self.mode is False or not core.clean:
+            return False  # a failed step to finish, or a multiplier set before backward
         if self.mode == "auto" and (st.good_steps < AUTO_AFTER or st.backwards != 1
                                     or st.wait > 0):
             return False
         if self.mode is True and st.backwards != 1:
             return False
-        if getattr(engine, "partitioner", None) is not None:
+        if port.sharded:
             return False  # ZeRO: the norm and inf/nan check are all-reduced at step() (not built)
-        store = opt._stores.get(id(engine))
-        if store is None or not store.speculates or not engine.grads.on_nvme:
+        store = core.wrapped.side(port).store
+        if store is None or not store.speculates():
             return False
-        if opt._multiplier != 1.0 or opt._finite is not None:
-            return False  # a multiplier was set before backward: the step will not use 1.0
-        shards = [s for s in opt._shards.values() if s.engine is engine]
+        shards = core.wrapped.shards_of(port)
         # parameters written since the last step (load_state_dict, an EMA copied back): the
         # step first takes them into the master weights, which a speculative update cannot
         return all(s.initialized and not s.flat.user_written for s in shards)
 
-    def grads_complete(self, engine: "Engine", flat: Any) -> None:
-        st = self._engines.get(id(engine))
-        opt = self._opt()
-        if st is None or not st.armed or opt is None:
+    def grads_complete(self, port: OptimizerPort, flat: Any) -> None:
+        st = self._models.get(port)
+        if st is None or not st.armed:
             return
-        shard = opt._shards.get(id(flat))
+        core = self.core
+        shard = core.wrapped.shards.get(id(flat))
         if shard is None:
             return
-        worker = self._workers.get(id(engine))
+        worker = self._workers.get(port)
         if worker is not None and shard.key in worker.specs:
             # the block's backward completed twice in one pass (a block run twice): the first
             # update saw part of its gradients
             worker.poisoned = f"{shard.key} completed its backward twice"
             return
         runs = shard.runs()
-        norms = engine.grads.slot_norms(flat)
-        held = engine.grads.holds(flat)
+        norms = port.grads.slot_norms(flat)
+        held = port.grads.holds(flat)
         if not runs or norms is None:
             if held:  # (not reached: takes_in_ram asked for the same runs)
-                engine.grads.release_held(flat)
+                port.grads.release_held(flat)
             return
         if worker is None:
-            store = opt._stores[id(engine)]
-            worker = _Worker(opt, engine, store)
-            self._workers[id(engine)] = worker
-        if held and not engine.grads.written(flat):
+            worker = _Worker(core, port, core.wrapped.store(port))
+            self._workers[port] = worker
+        if held and not port.grads.written(flat):
             self.unwritten_total += 1
-        worker.put(_Spec(shard, tuple(runs), tuple(_freeze(opt._hyper(r, 1.0)) for r in runs),
+        worker.put(_Spec(shard, tuple(runs), tuple(_freeze(core.hyper(r, 1.0)) for r in runs),
                          norms), held)
 
     # ---- step side ---------------------------------------------------------------------------
@@ -331,17 +320,17 @@ class BackwardOverlap:
         for worker in self._workers.values():
             worker.join()
 
-    def rollback_engine(self, engine: "Engine", why: str) -> None:
-        worker = self._workers.pop(id(engine), None)
+    def rollback_model(self, port: OptimizerPort, why: str) -> None:
+        worker = self._workers.pop(port, None)
         if worker is None:
             return
         worker.join()
         self._rollback(worker, list(worker.computed), why)
-        self._state(engine).armed = False
+        self._state(port).armed = False
 
     def rollback_all(self, why: str) -> None:
         for worker in list(self._workers.values()):
-            self.rollback_engine(worker.engine, why)
+            self.rollback_model(worker.port, why)
 
     def _rollback(self, worker: _Worker, shards: List[Shard], why: str,
                   keep_home: Tuple[Shard, ...] = ()) -> None:
@@ -356,11 +345,11 @@ class BackwardOverlap:
         for shard in shards:
             worker.store.abort_shard(shard)
             if shard not in keep_home:
-                self.opt._dirty[shard.key] = shard
+                self.core.mark_dirty(shard)
             # a gradient stepped from RAM and never written is gone with the update
-            worker.engine.grads.mark_lost(shard.flat, f"its update was undone ({why})")
+            worker.port.grads.mark_lost(shard.flat, f"its update was undone ({why})")
         self.rolled_back_total += len(shards)
-        self.opt._restore_dirty()
+        self.core.restore_dirty()
 
     def settle(self, multiplier: float) -> Tuple[Dict[str, Shard], StepStats]:
         """At step() (workers joined, engines quiesced): commits the speculative updates that
@@ -370,14 +359,14 @@ class BackwardOverlap:
         and a RuntimeError names the blocks and the remedy."""
         kept: Dict[str, Shard] = {}
         stats = StepStats()
-        opt = self.opt
+        core = self.core
         decided = []  # (worker, kept updates, updates to redo, why they differ)
         gone: List[Shard] = []  # updates to redo whose gradients are not on NVMe
         for key in list(self._workers):
             worker = self._workers.pop(key)
             worker.join()
             stats.merge(worker.stats)
-            grads = worker.engine.grads
+            grads = worker.port.grads
             if worker.error is not None or worker.poisoned is not None:
                 why = worker.poisoned or f"the update failed ({worker.error})"
                 redo = [spec.shard for spec in worker.specs.values()]
@@ -388,7 +377,7 @@ class BackwardOverlap:
                     spec = worker.specs[shard.key]
                     runs = shard.runs()
                     same = (multiplier == 1.0 and tuple(runs) == spec.runs
-                            and tuple(_freeze(opt._hyper(r, 1.0)) for r in runs) == spec.hypers
+                            and tuple(_freeze(core.hyper(r, 1.0)) for r in runs) == spec.hypers
                             and grads.slot_norms(shard.flat) is spec.norms
                             and not shard.flat.user_written)
                     (good if same else bad).append(shard)
@@ -405,8 +394,8 @@ class BackwardOverlap:
             for worker, _good, _bad, why in decided:
                 self._rollback(worker, list(worker.computed), why)
                 for spec in worker.specs.values():
-                    worker.engine.grads.mark_lost(spec.shard.flat, f"the step was undone ({why})")
-                st = self._state(worker.engine)
+                    worker.port.grads.mark_lost(spec.shard.flat, f"the step was undone ({why})")
+                st = self._state(worker.port)
                 st.mismatch, st.quiet = True, 0
             names = ", ".join(s.key for s in gone[:3]) + (" ..." if len(gone) > 3 else "")
             raise RuntimeError(
@@ -420,12 +409,12 @@ class BackwardOverlap:
         for worker, good, bad, why in decided:
             if worker.error is not None or worker.poisoned is not None:
                 self._rollback(worker, list(worker.computed), why)
-                self._state(worker.engine).mismatch = True
+                self._state(worker.port).mismatch = True
                 continue
             if bad:
-                self._state(worker.engine).mismatch = True
+                self._state(worker.port).mismatch = True
             elif good:
-                self._state(worker.engine).kept = True
+                self._state(worker.port).kept = True
             written = tuple(s for s in bad if s.flat.user_written
                             and tuple(s.runs()) == worker.specs[s.key].runs)
             self._rollback(worker, bad, why, keep_home=written)
@@ -447,7 +436,7 @@ class BackwardOverlap:
         scaler's multiplier, clipping that keeps triggering), so such loops do not pay a
         rollback every step. Counts the armed steps that needed no gradient after backward
         (``keep_grads="auto"`` skips the writes after :data:`SKIP_AFTER` of them)."""
-        for st in self._engines.values():
+        for st in self._models.values():
             st.good_steps = st.good_steps + 1 if st.backwards == 1 else 0
             quiet = st.kept and not st.mismatch and not self.scaled and st.backwards == 1
             st.quiet = st.quiet + 1 if quiet else 0
@@ -463,17 +452,17 @@ class BackwardOverlap:
             st.kept = False
         self.scaled = False
 
-    def homes_needed(self, engine: "Engine") -> None:
+    def homes_needed(self, port: OptimizerPort) -> None:
         """The engine reads or replaces its parameter homes outside forward (materialized, a
         checkpoint, ``quiesce``): the speculative updates in flight finish writing first, so
         the homes hold whole updated blocks (kept or rolled back at ``opt.step()``)."""
-        worker = self._workers.get(id(engine))
+        worker = self._workers.get(port)
         if worker is not None:
             worker.join()
 
-    def engine_closing(self, engine: "Engine") -> None:
+    def engine_closing(self, port: OptimizerPort) -> None:
         """unwrap() between backward and step: the parameters go back without that step."""
-        self.rollback_engine(engine, "the model is being unwrapped")
+        self.rollback_model(port, "the model is being unwrapped")
 
     def close(self) -> None:
         self.rollback_all("the optimizer is closing")

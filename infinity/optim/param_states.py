@@ -12,7 +12,7 @@ import torch
 from ..ops import dequantize_8bit, new_8bit_state
 from ._common import _float
 from .kernels import adam_kernel
-from .state_store import quantize_exact
+from .layout import quantize_exact
 
 
 class ParamStates:

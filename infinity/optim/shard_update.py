@@ -10,15 +10,16 @@ import torch
 
 from .chunks import Unit, unit_views
 from .kernels import Window, step_runs
-from .state_store import Run, Shard, StateStore
+from .shard import Run, Shard
+from .state_store import StateStore
 
 
 def working_out(shard: Shard, staging: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """Where the kernel writes the updated working copy (None: copied afterwards)."""
     flat = shard.flat
-    if shard.engine.stages_working_copy(flat):
+    if shard.port.working.stages(flat):
         return staging[:flat.home_nbytes].view(flat.home_dtype)
-    return shard.engine.home.working_buffer(flat)
+    return shard.port.working.buffer(flat)
 
 
 def keep_unstepped(shard: Shard, written: List[Tuple[int, int]],
@@ -30,7 +31,7 @@ def keep_unstepped(shard: Shard, written: List[Tuple[int, int]],
     if not bool(keep.any()):
         return value
     home = torch.empty(shard.flat.numel, dtype=shard.flat.home_dtype)
-    shard.engine.read_home(shard.flat, home)
+    shard.port.working.read(shard.flat, home)
     return torch.where(keep, home.float(), value)
 
 
@@ -51,7 +52,7 @@ def update_shard(store: StateStore, shard: Shard, runs: List[Run],
     this step, and a slot that does not (no gradient, frozen, not ours) keeps its codes,
     scales and step untouched."""
     flat = shard.flat
-    grad = shard.engine.grads.in_ram(flat) if grad is None else grad
+    grad = shard.port.grads.in_ram(flat) if grad is None else grad
     views = store.views(shard, buf)
     master, layout = views.master, views.layout
     out = working_out(shard, staging)
@@ -71,8 +72,8 @@ def update_shard(store: StateStore, shard: Shard, runs: List[Run],
         value = views.master_value()
         if bf16:
             value = keep_unstepped(shard, written, value)
-        shard.engine.home.write_from(flat, value)
-    if shard.engine.stages_working_copy(flat):
+        shard.port.working.write_all(flat, value)
+    if shard.port.working.stages(flat):
         # the whole working copy goes to the swap file: fill what the kernels did not
         # write from the masters (home == round(master) holds for every slot; bf16
         # masters: from the home copy where a slot lies in the gap)
@@ -85,7 +86,7 @@ def update_shard(store: StateStore, shard: Shard, runs: List[Run],
         if bf16 and any(s.offset < b and s.offset + s.numel > a for a, b in gaps
                         for s in flat.slots):
             home = torch.empty(flat.numel, dtype=flat.home_dtype)
-            shard.engine.read_home(flat, home)
+            shard.port.working.read(flat, home)
         for a, b in gaps:
             out[a:b].copy_(home[a:b] if home is not None
                            else views.master_value(slice(a, b)))
@@ -102,16 +103,16 @@ def update_unit(store: StateStore, shard: Shard, runs: List[Run],
     ``out``: (working copy in the home dtype, the element it starts at) where the pipeline
     stages it for an NVMe home (None: the home's working buffer); ``grad``: (fp32 gradients,
     the element they start at) read from NVMe (None: those in RAM)."""
-    flat, engine = shard.flat, shard.engine
+    flat, port = shard.flat, shard.port
     layout = store.layout(shard)
     slots = flat.slots
     views = unit_views(layout, [(x.offset, x.numel) for x in slots], unit, buf)
-    g, gb = grad if grad is not None else (engine.grads.in_ram(flat), 0)
+    g, gb = grad if grad is not None else (port.grads.in_ram(flat), 0)
     if out is None:
-        if engine.stages_working_copy(flat):
+        if port.working.stages(flat):
             raise RuntimeError(f"infinity.optim: {flat.key} is stepped in units but no "
                                "working-copy buffer was given (a bug in the pipeline)")
-        out = (engine.home.working_buffer(flat), 0)
+        out = (port.working.buffer(flat), 0)
     o, ob = out
     if o is None or g is None:
         raise RuntimeError(f"infinity.optim: {flat.key} is stepped in units but has no "
@@ -121,7 +122,7 @@ def update_unit(store: StateStore, shard: Shard, runs: List[Run],
     master = views.master
     written = step_runs(layout, slots, runs, hypers, (a, b), master, (g, gb), (o, ob),
                         views.regions, views.base, unit.blocks[0])
-    if engine.stages_working_copy(flat):
+    if port.working.stages(flat):
         at = a  # elements the kernels did not write: the working copy from the master
         for lo, hi in written + [(b, b)]:
             if lo > at:

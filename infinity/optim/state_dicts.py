@@ -3,28 +3,34 @@ per-shard access that checkpoints use (one shard in RAM at a time)."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 
 from .. import io as inf_io
-from .state_store import Shard, StateViews, init_states
 from ._common import ShardState, _check_hyper, _float
+from .core import AdamCore
+from .layout import StateViews
+from .shard import Shard, init_states
 
 logger = logging.getLogger("infinity.optim")
 
 
 class StateDicts:
-    """Part of :class:`~infinity.optim.offloaded_adam.OffloadedAdam` (its state lives there)."""
+    """The state dicts of one optimizer, over its :class:`~.core.AdamCore`
+    (``rollback(why)``: undoes the updates computed during backward first)."""
 
-    def _param_index(self) -> List[torch.Tensor]:
-        return [p for g in self.param_groups for p in g["params"]]
+    def __init__(self, core: AdamCore, rollback: Callable[[str], None]) -> None:
+        self.core = core
+        self.rollback = rollback
 
-    def _read_committed(self, shard: Shard) -> Optional[torch.Tensor]:
+    def read_committed(self, shard: Shard) -> Optional[torch.Tensor]:
         """The shard's committed state buffer (a copy for NVMe), or None without states."""
-        if not shard.initialized:
-            return None
-        return self._stores[id(shard.engine)].read_committed(shard)
+        return self.core.read_committed(shard)
+
+    def _quiesce(self) -> None:
+        for port in self.core.wrapped.ports():
+            port.quiesce()
 
     def committed_extent(self, key: str) -> Optional[Tuple[str, int, int, int]]:
         """(path, nbytes, crc32c, offset): ``nbytes`` at ``offset`` of the NVMe file holding
@@ -32,10 +38,10 @@ class StateDicts:
         ``flat.numel`` each), for a kernel-side copy; None where the states are not such an
         extent (host states, a shard with compact or mixed moments or stored in units, no
         state yet, no recorded checksum). Valid until the next step."""
-        shard = next((s for s in self._shards.values() if s.key == key), None)
-        if shard is None or not shard.initialized or self.master_format != "fp32":
+        shard = self.core.wrapped.find(key)
+        if shard is None or not shard.initialized or self.core.master != "fp32":
             return None
-        store = self._stores[id(shard.engine)]
+        store = self.core.wrapped.store_of(shard)
         layout = store.layout(shard)
         if layout.fmt != "fp32" or not layout.with_master or layout.master != "fp32":
             return None
@@ -45,20 +51,19 @@ class StateDicts:
         """Each wrapped shard's committed states, one shard in RAM at a time.
         ``skip_extents``: shards for which :meth:`committed_extent` gives a file are yielded
         without reading their states (master/exp_avg/exp_avg_sq None)."""
-        self._overlap.rollback_all("shard_states() before opt.step()")
-        for engine in self._engines():
-            engine.quiesce()
-        for shard in self._shards.values():
-            self._sync_user_writes(shard)
+        self.rollback("shard_states() before opt.step()")
+        self._quiesce()
+        for shard in self.core.wrapped.shards.values():
+            self.core.sync_user_writes(shard)
             fmt = shard.formats[0] if len(set(shard.formats)) == 1 else "mixed"
             if skip_extents and self.committed_extent(shard.key) is not None:
                 yield ShardState(shard.key, shard.flat, None, None, None, tuple(shard.steps),
                                  tuple(shard.groups), fmt, tuple(shard.formats))
                 continue
-            buf = self._read_committed(shard)
+            buf = self.read_committed(shard)
             master = m = v = None
             if buf is not None:
-                views = self._stores[id(shard.engine)].views(shard, buf)
+                views = self.core.wrapped.store_of(shard).views(shard, buf)
                 master = views.master_value()  # bf16 masters: their fp32 value (a copy)
                 m, v = views.moments_fp32(shard.flat)  # compact moments: dequantized copies
             yield ShardState(shard.key, shard.flat, master, m, v, tuple(shard.steps),
@@ -67,12 +72,12 @@ class StateDicts:
     def load_shard_state(self, key: str, per_slot: Dict[int, Dict[str, Any]]) -> None:
         """Loads one shard's states: ``per_slot[slot index] = {"step", "exp_avg",
         "exp_avg_sq", "master" (optional)}``; slots not given start without state."""
-        self._overlap.rollback_all("load_shard_state() before opt.step()")
-        shard = next((s for s in self._shards.values() if s.key == key), None)
+        self.rollback("load_shard_state() before opt.step()")
+        shard = self.core.wrapped.find(key)
         if shard is None:
             raise KeyError(f"this optimizer has no wrapped shard {key!r}")
         by_param = {id(shard.flat.slots[i].param): e for i, e in per_slot.items()}
-        self._load_shard(shard, by_param)
+        self.load_shard(shard, by_param)
 
     def state_dict(self, *, wrapped: bool = True) -> Dict[str, Any]:
         """torch's format: ``{"state": {index: {"step", "exp_avg", "exp_avg_sq", "master"}},
@@ -83,27 +88,27 @@ class StateDicts:
         no entry is stored); the moments are fp32 in every state format (compact ones
         dequantized: exactly the values the next step starts from).
         ``wrapped=False`` leaves out the wrapped models' shards (see :meth:`shard_states`)."""
-        self._overlap.rollback_all("state_dict() before opt.step()")
-        if self._sharded_engines:
+        self.rollback("state_dict() before opt.step()")
+        core = self.core
+        if core.wrapped.sharded is not None:
             from ..sharding.state import refuse_sharded
             raise refuse_sharded("optimizer.state_dict()")
-        for engine in self._engines():
-            engine.quiesce()
-        for shard in self._shards.values():
-            self._sync_user_writes(shard)
-        params = self._param_index()
+        self._quiesce()
+        for shard in core.wrapped.shards.values():
+            core.sync_user_writes(shard)
+        params = core.param_index()
         index = {id(p): i for i, p in enumerate(params)}
         groups = []
-        for g in self.param_groups:
+        for g in core.groups:
             packed = {k: v for k, v in g.items() if k != "params"}
             packed["params"] = [index[id(p)] for p in g["params"]]
             groups.append(packed)
         state: Dict[int, Dict[str, Any]] = {}
-        for shard in (self._shards.values() if wrapped else ()):
-            buf = self._read_committed(shard)
+        for shard in (core.wrapped.shards.values() if wrapped else ()):
+            buf = self.read_committed(shard)
             if buf is None:
                 continue
-            views = self._stores[id(shard.engine)].views(shard, buf)
+            views = core.wrapped.store_of(shard).views(shard, buf)
             for i, slot in enumerate(shard.flat.slots):
                 if shard.groups[i] is None or shard.steps[i] == 0:
                     continue
@@ -114,12 +119,10 @@ class StateDicts:
                     "exp_avg": m.view(slot.shape).clone(),
                     "exp_avg_sq": v.view(slot.shape).clone(),
                     "master": views.master_value(sl).view(slot.shape).clone()}
-        for p in params:
-            if not self._is_wrapped(p) and self.state.get(p):
-                state[index[id(p)]] = self._param_state_to_torch(p, self.state[p])
-        return {"state": state, "param_groups": groups, "states": self.states_format,
-                "state_formats": {i: self._formats.format_of(p) for i, p in enumerate(params)},
-                "master": self.master_format}
+        state.update(self.unwrapped_states())
+        return {"state": state, "param_groups": groups, "states": core.formats.spec.default,
+                "state_formats": {i: core.formats.format_of(p) for i, p in enumerate(params)},
+                "master": core.master}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Loads a state from :meth:`state_dict` (or torch.optim.Adam/AdamW's: without a
@@ -129,45 +132,44 @@ class StateDicts:
         format come back bitwise). A state of
         another model (other number of groups/parameters or shapes) raises ValueError and
         changes nothing."""
-        self._overlap.rollback_all("load_state_dict() before opt.step()")
-        if self._sharded_engines:
+        self.rollback("load_state_dict() before opt.step()")
+        core = self.core
+        if core.wrapped.sharded is not None:
             from ..sharding.state import refuse_sharded
             raise refuse_sharded("optimizer.load_state_dict()")
-        entries = self._check_loadable(state_dict)
-        params = self._param_index()
-        for g, saved in zip(self.param_groups, state_dict["param_groups"]):
+        entries = self.checked_entries(state_dict)
+        params = core.param_index()
+        for g, saved in zip(core.groups, state_dict["param_groups"]):
             for k, v in saved.items():
                 if k != "params":
                     g[k] = v
-        for group in self.param_groups:
+        for group in core.groups:
             _check_hyper(group)
-        self.discard_pending_step()
-        self.state.clear()
-        for i, p in enumerate(params):
-            if not self._is_wrapped(p) and i in entries:
-                self.state[p] = self._param_state_from(p, entries[i])
+        core.discard_pending()
+        self.load_unwrapped_states(entries)
         by_param = {id(params[i]): e for i, e in entries.items()}
-        for shard in self._shards.values():
-            self._load_shard(shard, by_param)
+        for shard in core.wrapped.shards.values():
+            self.load_shard(shard, by_param)
 
-    def _check_loadable(self, state_dict: Dict[str, Any]) -> Dict[int, Dict[str, Any]]:
+    def checked_entries(self, state_dict: Dict[str, Any]) -> Dict[int, Dict[str, Any]]:
         if not isinstance(state_dict, dict) or "state" not in state_dict \
                 or "param_groups" not in state_dict:
             raise ValueError("load_state_dict expects a dict with 'state' and 'param_groups' "
                              "(from optimizer.state_dict())")
         saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
+        groups = self.core.groups
+        if len(saved_groups) != len(groups):
             raise ValueError(f"the loaded optimizer state has {len(saved_groups)} param groups "
-                             f"but this optimizer has {len(self.param_groups)}: it was saved "
+                             f"but this optimizer has {len(groups)}: it was saved "
                              "for a different model or optimizer setup")
-        for n, (g, sg) in enumerate(zip(self.param_groups, saved_groups)):
+        for n, (g, sg) in enumerate(zip(groups, saved_groups)):
             if len(g["params"]) != len(sg["params"]):
                 raise ValueError(f"param group {n} of the loaded optimizer state has "
                                  f"{len(sg['params'])} parameters but this optimizer's has "
                                  f"{len(g['params'])}: it was saved for a different model")
-        params = self._param_index()
+        params = self.core.param_index()
         remap: Dict[Any, int] = {}
-        for g, sg in zip(self.param_groups, saved_groups):
+        for g, sg in zip(groups, saved_groups):
             for p, saved_id in zip(g["params"], sg["params"]):
                 remap[saved_id] = len(remap)
         entries: Dict[int, Dict[str, Any]] = {}
@@ -190,15 +192,37 @@ class StateDicts:
             entries[i] = entry
         return entries
 
-    def _param_state_from(self, p: torch.Tensor, entry: Dict[str, Any]) -> Dict[str, Any]:
-        """An unwrapped parameter's state from torch's format, in its moment format."""
-        return self._params.from_torch(p, entry, self._formats.format_of(p))
+    def unwrapped_states(self) -> Dict[int, Dict[str, Any]]:
+        """The states of the parameters outside wrapped models in torch's format (fp32
+        moments, dequantized), by index in the param groups' order."""
+        core = self.core
+        return {i: core.params.to_torch(p, core.state[p])
+                for i, p in enumerate(core.param_index())
+                if not core.wrapped.is_wrapped(p) and core.state.get(p)}
 
-    def _param_state_to_torch(self, p: torch.Tensor, state: Dict[str, Any]) -> Dict[str, Any]:
-        """An unwrapped parameter's state in torch's format (fp32 moments, dequantized)."""
-        return self._params.to_torch(p, state)
+    def load_unwrapped_states(self, entries: Dict[int, Dict[str, Any]]) -> None:
+        """The parameters outside wrapped models take their states from ``entries`` (from
+        :meth:`checked_entries`, in each one's moment format); every other state kept in
+        torch's ``state`` is dropped."""
+        core = self.core
+        core.state.clear()
+        for i, p in enumerate(core.param_index()):
+            if not core.wrapped.is_wrapped(p) and i in entries:
+                core.state[p] = core.params.from_torch(p, entries[i], core.formats.format_of(p))
 
-    def _load_shard(self, shard: Shard, by_param: Dict[int, Dict[str, Any]]) -> None:
+    def current_states(self, shard: Shard) -> Optional[Tuple[torch.Tensor, ...]]:
+        """``shard``'s (master, exp_avg, exp_avg_sq) in fp32 as its next step starts from
+        them (masters following parameters written since); None before its first step."""
+        self.core.sync_user_writes(shard)
+        buf = self.read_committed(shard)
+        if buf is None:
+            return None
+        views = self.core.wrapped.store_of(shard).views(shard, buf)
+        return (views.master_value(), *views.moments_fp32(shard.flat))
+
+    def load_shard(self, shard: Shard, by_param: Dict[int, Dict[str, Any]]) -> None:
+        """Loads ``shard``'s states: ``by_param[id(param)] = {"step", "exp_avg", "exp_avg_sq",
+        "master" (optional)}``; the slots not given start without state."""
         slots = shard.flat.slots
         loaded = [by_param.get(id(s.param)) if shard.groups[i] is not None else None
                   for i, s in enumerate(slots)]
@@ -206,12 +230,12 @@ class StateDicts:
         if not any(e is not None for e in loaded):
             shard.initialized = False  # states are recreated from the home copy when needed
             return
-        engine = shard.engine
-        engine.quiesce()
-        engine.take_user_writes(shard.flat)  # the loaded (or current) values are the masters
-        store = self._store(engine)
+        port = shard.port
+        port.quiesce()
+        port.working.take_user_writes(shard.flat)  # the loaded (or current) values are masters
+        store = self.core.wrapped.store_of(shard)
         scratch = inf_io.aligned_empty(shard.flat.home_nbytes) \
-            if engine.working_copy_staged else None
+            if port.working.staged else None
 
         def fill(views: StateViews) -> None:
             init_states(shard, views, scratch)

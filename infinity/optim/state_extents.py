@@ -25,7 +25,9 @@ from ..tiers import SwapStore
 from ..tiers.extents import Extent, ExtentAllocator
 from ..tiers.swap_store import SwapCorruptionError
 from .chunks import Unit
-from .state_store import OptimizerStateIOError, Shard, StateLayout
+from .layout import StateLayout
+from .shard import Shard
+from .state_store import OptimizerStateIOError
 
 logger = logging.getLogger(__name__)
 

@@ -8,12 +8,13 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Optional
 
 import torch
 
-from .state_store import Run as _Run
+from .kernels import Window
+from .shard import Run as _Run
+from .step_stats import StepStats
 
 if TYPE_CHECKING:  # pragma: no cover
     from .chunks import Unit
-    from .state_store import Shard
-    from .swapper import StepStats, Window
+    from .shard import Shard
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class StepWork:
     - ``done_count()``: shards that took this step so far."""
 
     runs: Dict[int, List[_Run]]
-    stats: "StepStats"
+    stats: StepStats
     apply: Callable[["Shard", torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]],
                     None]
     apply_unit: Callable[["Shard", "Unit", torch.Tensor, Optional["Window"],

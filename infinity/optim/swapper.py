@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 import torch
@@ -26,10 +25,12 @@ from .. import io as inf_io
 from .. import trace_events
 from ..tiers.budget import BudgetExceededError
 from .chunks import Unit, home_write_range, piece_window
+from .kernels import Window
+from .step_stats import StepStats  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .nvme_states import NvmeStates
-    from .state_store import Shard
+    from .shard import Shard
+    from .state_store import StateStore as NvmeStates  # the NVMe tier's store (.nvme_states)
 
 logger = logging.getLogger(__name__)
 
@@ -56,53 +57,6 @@ def choose_sets(set_nbytes: int, budget_left: Optional[int],
     if budget_left is not None:
         count = min(count, max(SETS, budget_left // 2 // max(1, set_nbytes)))
     return count
-
-
-@dataclass
-class StepStats:
-    """What one ``opt.step()`` did. ``hidden_fraction``: the share of the NVMe busy time during
-    which the step was computing instead of blocked in ``wait()`` (1.0 = all I/O overlapped,
-    0.0 = fully serial; None when no NVMe I/O happened)."""
-
-    step_s: float = 0.0
-    compute_s: float = 0.0
-    io_wait_s: float = 0.0
-    io_busy_s: float = 0.0
-    bytes_read: int = 0
-    bytes_written: int = 0
-    shards: int = 0
-    params: int = 0
-    skipped: bool = False
-    overlapped_shards: int = 0    # shards whose update ran during backward and was kept
-    overlap_s: float = 0.0        # time those updates took on the worker (behind backward)
-    # where the pipeline's own thread spent its time (io_wait_s = read_wait_s + write_wait_s)
-    read_wait_s: float = 0.0      # blocked until a shard's states (and gradients) were read
-    write_wait_s: float = 0.0     # blocked until a set's writes finished (before reusing it)
-    verify_s: float = 0.0         # checking the read checksums (the CRC itself: crc_s)
-    crc_s: float = 0.0            # I/O workers' time computing CRC32C (off this thread)
-    # only while :func:`record_requests` is on: per I/O request ("read"/"write", bytes,
-    # submitted, first chunk started, completed, worker CRC s) and per shard update
-    # ("compute", params, start, start, end, 0.0); times on the time.perf_counter clock
-    requests: Optional[List[Tuple[str, int, float, float, float, float]]] = None
-
-    @property
-    def hidden_fraction(self) -> Optional[float]:
-        if self.io_busy_s <= 0.0:
-            return None
-        return max(0.0, min(1.0, 1.0 - self.io_wait_s / self.io_busy_s))
-
-    def merge(self, other: "StepStats") -> None:
-        """Adds the bytes and times of work done for this step elsewhere (during backward)."""
-        for name in ("compute_s", "io_wait_s", "io_busy_s", "bytes_read", "bytes_written",
-                     "read_wait_s", "write_wait_s", "verify_s", "crc_s"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        if other.requests:
-            self.requests = (self.requests or []) + other.requests
-
-    def as_dict(self) -> Dict[str, object]:
-        out = dict(self.__dict__)
-        out["hidden_fraction"] = self.hidden_fraction
-        return out
 
 
 class IOClock:
@@ -178,6 +132,27 @@ def record_requests(on: bool) -> None:
     _record = bool(on)
 
 
+def grad_piece(shard: Shard) -> Optional[int]:
+    """Elements per piece of the shard's gradient file when its gradients are read from
+    NVMe (None: they are in RAM, or the flat has none)."""
+    grads = shard.port.grads
+    if not grads.on_nvme:
+        return None
+    try:
+        return grads.range_elems(shard.flat)
+    except KeyError:  # no gradient file: a flat without trainable parameters
+        return None
+
+
+def home_piece(shard: Shard) -> Optional[int]:
+    """Elements per piece of the working copy's swap file when a step writes it there
+    (None: written in place)."""
+    working = shard.port.working
+    if not working.stages(shard.flat):
+        return None
+    return working.range_elems(shard.flat)
+
+
 def unit_windows(states: NvmeStates, shard: Shard, un: Unit) -> Tuple[int, int]:
     """Elements of gradients and of working copy unit ``un`` of ``shard`` needs room for in
     its set (0 where they do not pass through the set): a whole unit, the whole shard; a cut
@@ -185,7 +160,7 @@ def unit_windows(states: NvmeStates, shard: Shard, un: Unit) -> Tuple[int, int]:
     copy from the first element of the piece holding its start to the end of the piece
     holding its end (that much is read when the states are first made from the home)."""
     n = shard.flat.numel
-    g, h = states.grad_piece(shard), states.home_piece(shard)
+    g, h = grad_piece(shard), home_piece(shard)
     if un.whole:
         return (n if g is not None else 0), (n if h is not None else 0)
     grads = home = 0
@@ -214,8 +189,8 @@ class BufferSets:
 
     def __init__(self, states: NvmeStates, shards: List[Shard], staging: bool,
                  grads: bool, count: Optional[int] = None, later: int = 0) -> None:
-        engine = states.engine
-        self.engine = engine
+        port = states.port
+        self.port = port
         self.states_nbytes = max(states.plan(s).buffer_nbytes for s in shards)
         grad_numel = home_nbytes = 0
         for s in shards:
@@ -226,7 +201,7 @@ class BufferSets:
         self.grad_nbytes = _pages(4 * grad_numel) if grads else 0
         self.staging_nbytes = _pages(home_nbytes) if staging else 0
         self.set_nbytes = self.states_nbytes + self.grad_nbytes + self.staging_nbytes
-        budget = engine.host_budget
+        budget = port.host_budget
         # later: bytes the engine still takes from the budget (its host gradient accumulators,
         # allocated at the first backward)
         left = None if budget.limit is None else budget.limit - budget.used - later
@@ -246,7 +221,7 @@ class BufferSets:
             parts.append(f"{self.grad_nbytes:,} of gradients")
         if self.staging_nbytes:
             parts.append(f"{self.staging_nbytes:,} of working copy")
-        engine.host_budget.acquire(
+        port.host_budget.acquire(
             self.nbytes, what=f"{count} optimizer swap buffer sets of {self.set_nbytes:,} "
                               f"bytes ({' + '.join(parts)})")
         self.states = [inf_io.aligned_empty(self.states_nbytes) for _ in range(count)]
@@ -297,13 +272,12 @@ class BufferSets:
         if not self._closed:
             self._closed = True
             self.states, self.staging, self.grads = [], [], []
-            self.engine.host_budget.release(self.nbytes)
+            self.port.host_budget.release(self.nbytes)
 
 
 # compute(shard, unit, states, out, grad): ``out`` = (working copy in the home dtype, its
 # first element) where the set holds it (None: written in place); ``grad`` = (fp32
 # gradients, their first element) where they were read from NVMe (None: in RAM)
-Window = Tuple[torch.Tensor, int]
 Compute = Callable[["Shard", Unit, torch.Tensor, Optional[Window], Optional[Window]], None]
 Pending = Tuple["inf_io.IOFuture", "Shard", str, Optional[Unit]]  # unit: a state write
 
@@ -368,7 +342,7 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
     for the write of those gradients first (in a feed filled during backward it may still
     run)."""
     feed = shards if isinstance(shards, ShardFeed) else ShardFeed(shards)
-    engine, extents = states.engine, states.extents
+    port, extents = states.port, states.extents
     clock = IOClock(record=_record)
     count = sets.count
     ahead = count - 2
@@ -436,9 +410,9 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
 
     def grads_from_nvme(shard: Shard, k: int) -> Optional[int]:
         """The gradient file's piece (elements) when this shard's gradients are read."""
-        if sets.grads[k] is None or engine.grads.in_ram(shard.flat) is not None:
+        if sets.grads[k] is None or port.grads.in_ram(shard.flat) is not None:
             return None
-        return states.grad_piece(shard)
+        return grad_piece(shard)
 
     def issue_grads(u: int, shard: Shard, un: Unit, k: int) -> None:
         g = grads_from_nvme(shard, k)
@@ -446,11 +420,11 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
             return
         flat = shard.flat
         if u == 0 or units[u - 1][0] != units[u][0]:
-            engine.grads.wait_written(flat)  # on NVMe (written by the engine's writer thread)
+            port.grads.wait_written(flat)  # on NVMe (written by the engine's writer thread)
         if un.whole:
             dst = sets.grads[k][:flat.numel]
             grad_base[u] = 0
-            grad_reads[u] = (clock.submitted(engine.grads.read(flat, dst)), 0, dst)
+            grad_reads[u] = (clock.submitted(port.grads.read(flat, dst)), 0, dst)
             stats.bytes_read += flat.numel * 4
             return
         base, end = piece_window(un.start, un.end, flat.numel, g)
@@ -461,7 +435,7 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
             grad_reads[u] = (None, first, None)
             return
         dst = sets.grads[k][first - base:end - base]
-        grad_reads[u] = (clock.submitted(engine.grads.read_range(flat, first, end, dst)),
+        grad_reads[u] = (clock.submitted(port.grads.read_range(flat, first, end, dst)),
                          first, dst)
         stats.bytes_read += (end - first) * 4
 
@@ -474,7 +448,7 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
         clock.submitted(future, "optimizer_read", shard.key, un.nbytes)
         reads[u] = future
         stats.bytes_read += un.nbytes
-        engine.stats.add_moved("nvme_to_host", un.nbytes, "states")
+        port.add_moved("nvme_to_host", un.nbytes, "states")
         issue_grads(u, shard, un, k)
 
     def previous(u: int, what: str) -> int:
@@ -497,9 +471,9 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
                 raise extents.wrap_error(exc, shard, "reading the gradients for the") from exc
             t0 = time.perf_counter()
             if un.whole:
-                engine.grads.verify(flat, dst)
+                port.grads.verify(flat, dst)
             else:
-                engine.grads.verify_range(flat, first, dst)
+                port.grads.verify_range(flat, first, dst)
             stats.verify_s += time.perf_counter() - t0
         if un.whole:
             return sets.grads[k][:flat.numel], 0
@@ -509,7 +483,7 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
             pb = grad_base[u - 1]
             size = min(first, flat.numel) - base
             sets.grads[k][:size].copy_(sets.grads[pk][base - pb:base - pb + size])
-        end = piece_window(un.start, un.end, flat.numel, states.grad_piece(shard))[1]
+        end = piece_window(un.start, un.end, flat.numel, grad_piece(shard))[1]
         return sets.grads[k][:end - base], base
 
     def from_home(flat: Any, h: int, a: int, b: int, dst: torch.Tensor) -> None:
@@ -519,17 +493,17 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
                      "neighbouring unit took the step before)", flat.key, a, b)
         piece = inf_io.aligned_empty(min(h, flat.numel - base) * flat.home_itemsize)
         part = piece.view(flat.home_dtype)
-        engine.read_home_range(flat, base, part)
+        port.working.read_range(flat, base, part)
         dst.copy_(part[a - base:b - base])
 
     def working_copy(u: int, shard: Shard, un: Unit, k: int) -> Optional[Window]:
         flat = shard.flat
-        if sets.staging[k] is None or not engine.stages_working_copy(flat):
+        if sets.staging[k] is None or not port.working.stages(flat):
             return None
         if un.whole:
             home_base[u] = 0
             return sets.home_view(k, flat, flat.numel), 0
-        h = states.home_piece(shard)
+        h = home_piece(shard)
         base = un.start // h * h
         home_base[u] = base
         end = un.end
@@ -554,10 +528,10 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
         if out is None or not write_home:
             return
         if un.whole:
-            future = engine.write_home(flat, out[0])
+            future = port.working.write(flat, out[0])
             nbytes = flat.home_nbytes
         else:
-            h = states.home_piece(shard)
+            h = home_piece(shard)
             a, b = home_write_range(un.start, un.end, flat.numel, h)
             if not un.last and un.index + 1 in skipped[units[u][0]]:
                 b = min(flat.numel, -(-un.end // h) * h)
@@ -565,7 +539,7 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
                 return  # inside one piece: a later unit writes it
             base = out[1]
             whole = sets.home_view(k, flat, b - base)
-            future = engine.write_home_range(flat, a, whole[a - base:b - base])
+            future = port.working.write_range(flat, a, whole[a - base:b - base])
             nbytes = (b - a) * flat.home_itemsize
         writes[k].append((clock.submitted(future, "optimizer_write", flat.key, nbytes), shard,
                           "writing the parameters updated with the", None))
@@ -613,7 +587,7 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
             writes[k].append((clock.submitted(future, "optimizer_write", shard.key, un.nbytes),
                               shard, "writing", un))
             stats.bytes_written += un.nbytes
-            engine.stats.add_moved("host_to_nvme", un.nbytes, "states")
+            port.add_moved("host_to_nvme", un.nbytes, "states")
             write_working_copy(u, shard, un, k, out)
             if u >= 1:
                 grad_base.pop(u - 1, None)

@@ -619,16 +619,16 @@ def test_io_error_during_state_write_then_retry_equals_uninterrupted(tmp_path, h
 
 def _check_each_unit_old_or_new(model, opt, w_before, sd_before, w_after, sd_after,
                                 chunked: bool) -> None:
-    store = next(iter(opt._stores.values()))
+    store = next(iter(opt._core.wrapped.stores()))
     sd_mid, w_mid = opt.state_dict(), _weights(model)
     params = [p for g in opt.param_groups for p in g["params"]]
     index = {id(p): i for i, p in enumerate(params)}
     name_of = {id(p): n for n, p in model.named_parameters()}
     took_units = kept_units = 0
-    for shard in opt._shards.values():
+    for shard in opt.shards():
         plan = store.plan(shard)
         assert plan.chunked == chunked
-        done = shard.key in opt._done
+        done = shard.key in opt._core.done
         took = set(range(len(plan.units))) if done else store.extents.stepped(shard)
         assert not (done and store.extents.stepped(shard))
         took_units += len(took)

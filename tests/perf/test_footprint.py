@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import infinity
+from infinity.runtime.port import OptimizerPort
 from engine_helpers import SMALL, batches, loss_of
 from infinity.models import TinyGPT
 from infinity.tiers import BudgetExceededError
@@ -54,7 +55,7 @@ def test_host_accounting_covers_engine_and_optimizer(tmp_path):
     s = infinity.stats(model)
     host = s["tiers"]["host"]
     # the optimizer's NVMe buffer sets are counted, under the same budget
-    sets = opt._sets[id(engine)].nbytes
+    sets = opt._core.wrapped.store(OptimizerPort.of(engine)).sets.nbytes
     assert host["optimizer"] == sets > 0, host
     assert host["now"] == engine.host_budget.used <= budget
     assert host["peak"] <= budget

@@ -468,7 +468,7 @@ def test_nvme_states_are_copied_by_the_kernel_and_resume_bitwise(tmp_path, monke
         raise AssertionError("NVMe optimizer states were read into RAM for the checkpoint")
 
     with monkeypatch.context() as m:
-        m.setattr(StateDicts, "_read_committed", no_reading)
+        m.setattr(StateDicts, "read_committed", no_reading)
         ckpt = infinity.save_checkpoint(tmp_path / "ckpt", model, opt, scheduler=sched,
                                         scaler=scaler, rng=True)
     rest = [train_step(model, opt, sched, scaler, b) for b in DATA[K:]]

@@ -394,8 +394,8 @@ def test_disk_full_during_state_write_keeps_previous_states(tmp_path, param_tier
             index = {id(p): i for i, p in enumerate(params)}
             names = {id(p): n for n, p in model.named_parameters()}
             kept = 0
-            for shard in opt._shards.values():
-                took = shard.key in opt._done
+            for shard in opt.shards():
+                took = shard.key in opt._core.done
                 kept += not took
                 w, sd = around["after" if took else "before"]
                 for slot in shard.flat.slots:
@@ -588,8 +588,8 @@ def test_auto_tier_and_step_stats(tmp_path):
     assert moved["nvme_to_host"] >= 2 * st.bytes_read and moved["host_to_nvme"] > 0
     files = [f for d, _, fs in os.walk(tmp_path) for f in fs if f.startswith("optimizer-")]
     assert len(files) == 1  # one state file: an extent per shard, held once
-    store = next(iter(opt._stores.values()))
-    assert store.nbytes == sum(store.plan(s).nbytes for s in opt._shards.values())
+    store = next(iter(opt._core.wrapped.stores()))
+    assert store.nbytes == sum(store.plan(s).nbytes for s in opt.shards())
     infinity.unwrap(model)
     opt.close()
     host = infinity.wrap(_model())
