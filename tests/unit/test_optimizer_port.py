@@ -18,7 +18,8 @@ import infinity
 from infinity.runtime import engine_of
 from infinity.runtime.port import OptimizerPort
 
-PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "infinity")
+PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                       "infinity")
 OPTIM = os.path.join(PACKAGE, "optim")
 ALLOWED_RUNTIME = {"infinity.runtime.port", "infinity.runtime.flat"}
 MAX_METHODS = 25
