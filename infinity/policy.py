@@ -113,7 +113,8 @@ class OffloadPolicy:
         (None: 1/32 of host_budget, at least 1 MiB and at most 256 MiB; 256 MiB without one).
         See ``infinity.tiers.chunk_size``.
     frozen_format: None (frozen parameters keep their dtype), "nf4" (bitsandbytes' NF4, blocks
-        of 64: 0.5625 bytes per parameter) or "int8" (symmetric block-wise int8, blocks of 256:
+        of 64: 0.5625 bytes per parameter), "nf4-dq" (NF4 with its absmax double-quantized
+        as bitsandbytes' compress_statistics: 0.5161 bytes per parameter) or "int8" (symmetric block-wise int8, blocks of 256:
         1.0156 bytes per parameter). The frozen matrices (``requires_grad=False`` at wrap, two
         or more dimensions) of the layer blocks are quantized when their home is filled, stored
         in that format on host or NVMe, and dequantized into the compute buffer at each fetch.
@@ -218,9 +219,10 @@ class OffloadPolicy:
             raise ValueError(f"collective_timeout must be a positive number of seconds, got "
                              f"{self.collective_timeout!r}")
         self._check_activations()
-        if self.frozen_format is not None and self.frozen_format not in ("nf4", "int8"):
+        from .runtime.quant_format import FORMATS as FROZEN_FORMATS  # runtime imports policy
+        if self.frozen_format is not None and self.frozen_format not in FROZEN_FORMATS:
             raise ValueError(f"infinity: frozen_format={self.frozen_format!r} is not supported; "
-                             "use 'nf4', 'int8' or None")
+                             "use 'nf4', 'nf4-dq', 'int8' or None")
         if self.frozen_format is not None and self.param_tier == "device":
             raise ValueError(f"infinity: frozen_format={self.frozen_format!r} stores frozen "
                              "parameters quantized on host or NVMe; param_tier='device' keeps "

@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 from tqdm.auto import tqdm
 
+from . import bnb4
 from .files import TensorFileWriter, aligned_order, fsync_dir, nbytes_of
 from .load import Reader, open_checkpoint
 from .pieces import Source
@@ -69,22 +70,35 @@ def _write_json(path: str, data: Any) -> None:
 
 
 def consolidate(checkpoint: str, out: str, dtype: Optional[Union[str, torch.dtype]] = None,
-                max_shard_size: Union[int, str] = "5GB") -> List[str]:
+                max_shard_size: Union[int, str] = "5GB",
+                quantize: Optional[str] = None) -> List[str]:
     """Writes the model of ``checkpoint`` to the directory ``out`` as safetensors in its own
     parameter names (tied weights once, under their first name, as transformers saves them);
     ``dtype`` casts floating-point tensors (e.g. "bf16"); above ``max_shard_size`` the weights
     are split into ``model-0000k-of-0000n.safetensors`` with a ``model.safetensors.index.json``.
     Writes ``config.json`` too when the checkpoint recorded a transformers config. Every input
-    file's checksum is verified. Returns the paths written."""
+    file's checksum is verified. ``quantize="nf4"`` or ``"nf4-dq"``: the layers' linear
+    weights in bitsandbytes' serialized 4-bit format (double-quantized with ``"nf4-dq"``; see
+    ``infinity.checkpoint.bnb4``), with a ``quantization_config`` in ``config.json``, so
+    transformers loads the model with bitsandbytes and ``wrap(source=)`` reads it back.
+    Returns the paths written."""
+    bnb4.check(quantize)
     root, manifest = open_checkpoint(checkpoint)
     cast = parse_dtype(dtype) if dtype is not None else None
     limit = parse_size(max_shard_size)
     tensors: Dict[str, Any] = manifest["tensors"]
     entries = []
+    encoded: Dict[str, str] = {}  # a file's tensor -> the weight it encodes (quantize)
     for name, info in tensors.items():
         saved = getattr(torch, info["dtype"])
         target = cast if cast is not None and saved.is_floating_point else saved
-        entries.append((name, target, tuple(info["shape"])))
+        shape = tuple(info["shape"])
+        if quantize is not None and bnb4.quantized(name, shape, target):
+            parts = bnb4.specs(name, shape, target, quantize == "nf4-dq")
+            entries += parts
+            encoded.update({key: name for key, _, _ in parts})
+        else:
+            entries.append((name, target, shape))
     shards = _plan_shards(entries, limit)
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{k:05d}-of-{len(shards):05d}.safetensors"
@@ -105,7 +119,18 @@ def consolidate(checkpoint: str, out: str, dtype: Optional[Union[str, torch.dtyp
                 os.remove(tmp)
             writer = TensorFileWriter(tmp, specs, {"format": "pt"}, bar)
             try:
+                # a quantized weight's tensors lie in two runs (the fp32 ones, then the
+                # uint8 ones): encoded once for each, only the last weight's kept
+                last: Dict[str, torch.Tensor] = {}
                 for name, target, _ in specs:
+                    if name in encoded:
+                        if name not in last:
+                            weight = encoded[name]
+                            t = source.whole(weight)
+                            t = t if cast is None else t.to(cast)
+                            last = bnb4.encode(weight, t, quantize == "nf4-dq")
+                        writer.write(name, last[name])
+                        continue
                     t = source.whole(name)  # whole, or assembled from the ranks' pieces
                     writer.write(name, t if t.dtype == target else t.to(target))
                 writer.close()
@@ -129,6 +154,10 @@ def consolidate(checkpoint: str, out: str, dtype: Optional[Union[str, torch.dtyp
             for key in ("dtype", "torch_dtype"):
                 if key in config or key == "dtype":
                     config[key] = dtype_name(cast)
+        if quantize is not None:
+            compute = dtype_name(cast) if cast is not None else str(
+                config.get("dtype") or config.get("torch_dtype") or "float32")
+            config["quantization_config"] = bnb4.hf_quantization_config(quantize, compute)
         path = os.path.join(out, "config.json")
         _write_json(path, config)
         written.append(path)

@@ -443,9 +443,12 @@ class Engine(Residence, OutsideWrites, HookHandlers):
     def _check_host_budget(self) -> int:
         """With a host budget: checks that what the engine holds in host RAM fits, naming the
         minimum if not; on a CPU device also reserves the compute buffers of the streamed
-        blocks there (they are RAM too): root + the largest block + (window + 1) x the
-        largest layer block when it fits (the current block and those prefetched or kept
-        around it), at least root + the largest block. Returns the bytes reserved."""
+        blocks there (they are RAM too): root + the largest block + window x the largest
+        layer block when it fits (the running block and the window's blocks prefetched or
+        kept around it: window + 1 blocks at once, the largest among them; as
+        ``infinity.estimate`` counts them), at least root + the largest block. One layer more
+        is not needed by the window, but the pool keeps idle buffers up to its reservation,
+        and autograd's working set comes on top of them. Returns the bytes reserved."""
         limit = self.host_budget.limit
         if limit is None:
             return 0
@@ -456,7 +459,7 @@ class Engine(Residence, OutsideWrites, HookHandlers):
             root, largest_block, largest, layer = self._working_set()
             streamed = [b for b in self.blocks if not b.resident and not b.is_root]
             minimal = root + largest
-            comfortable = min(root + largest + (self.policy.prefetch_window + 1) * layer,
+            comfortable = min(root + largest + self.policy.prefetch_window * layer,
                               root + sum(b.compute_nbytes for b in streamed))
             comfortable = max(minimal, comfortable)
             if self.device_budget.limit is not None:
