@@ -49,7 +49,7 @@ def _note_foreign_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any)
         for p in group["params"]:
             loc = locate(p)
             if loc is not None:
-                loc.engine.mark_written(loc.flat, loc.slot)
+                loc.engine.outside.mark_written(loc.flat, loc.slot)
 
 
 class _GuardUsers:

@@ -1,43 +1,66 @@
 """Parameters outside forward: they view their home, and writes made through them (in place,
-by a torch optimizer, or by rebinding ``p.data``) are found and taken in. Part of the Engine."""
+by a torch optimizer, or by rebinding ``p.data``) are found and taken in; ``model.state_dict()``
+of quantized or sharded parameters is filled from the homes."""
 from __future__ import annotations
 
 import logging
-from typing import List, Sequence
+import threading
+from typing import Any, List, Protocol, Sequence
 
 import torch
 
+from .block import Block
 from .flat import Binding, FlatParam
+from .homes import Home
+from .quant_home import QuantFlat
 from .residency import Residency
 
 logger = logging.getLogger("infinity.runtime.engine")
 
 
+def bind_outside(flat: FlatParam, home: Home, partitioner) -> None:
+    """Points ``flat``'s parameters at their home (outside forward)."""
+    if partitioner is not None and partitioner.shards_params:
+        partitioner.bind_outside(flat)  # ZeRO-3: no rank holds the whole home
+        return
+    home_bytes = home.outside_bytes(flat)
+    if home_bytes is None:  # a device-tier home on CUDA: the compute buffer is the home
+        flat.bind_views(flat.compute)
+    else:
+        flat.bind_outside(home_bytes)
+
+
+class WritesBack(Protocol):
+    """What taking in an outside write needs of the blocks' owner (runtime/blockgroup.py)."""
+
+    def write_back(self, block: Block) -> None: ...
+
+    def discard(self, block: Block) -> None: ...
+
+
 class OutsideWrites:
-    """Part of :class:`~infinity.runtime.engine.Engine` (its state lives there)."""
+    """Finds and takes in writes made to parameters outside forward."""
 
-    def _bind_outside(self, flat: FlatParam) -> None:
-        if self.partitioner is not None and self.partitioner.shards_params:
-            self.partitioner.bind_outside(flat)  # ZeRO-3: no rank holds the whole home
-            return
-        home_bytes = self.home.outside_bytes(flat)
-        if home_bytes is None:  # a device-tier home on CUDA: the compute buffer is the home
-            flat.bind_views(flat.compute)
-        else:
-            flat.bind_outside(home_bytes)
+    def __init__(self, lock: threading.RLock, blocks: List[Block], home: Home,
+                 partitioner, group: WritesBack) -> None:
+        self.lock = lock
+        self.blocks = blocks
+        self.home = home
+        self.partitioner = partitioner
+        self.group = group
 
-    def sync_outside_writes(self) -> None:
+    def sync(self) -> None:
         """Finds parameters changed in place outside forward (``load_state_dict``, a torch
         optimizer, an EMA copied back, ``p.mul_()`` under no_grad) and makes every copy agree:
         the NVMe home is re-checksummed, stale prefetched copies are dropped, and the slots are
         marked for the optimizer's master weights (``flat.user_written``)."""
-        with self._lock:
+        with self.lock:
             stale = []
             for block in self.blocks:
                 for flat in block.flats:
                     if flat.binding is Binding.COMPUTE:
                         if block.state is Residency.ON_DEVICE and block.active_forward == 0:
-                            self._write_back(block)
+                            self.group.write_back(block)
                         continue
                     written = flat.written_slots()
                     if not written:
@@ -54,7 +77,7 @@ class OutsideWrites:
                         stale.append(block)
             for block in stale:
                 if not block.resident:
-                    self._discard(block)
+                    self.group.discard(block)
 
     def _take_rebound(self, flat: FlatParam, slots: List[int]) -> None:
         src = torch.empty(flat.numel, dtype=flat.home_dtype)
@@ -67,31 +90,26 @@ class OutsideWrites:
                                    f"parameter keeps its shape {tuple(s.shape)}")
             src[s.offset:s.offset + s.numel].copy_(value.reshape(-1))
         self.home.write_slots(flat, src, slots)
-        self._bind_outside(flat)
+        bind_outside(flat, self.home, self.partitioner)
 
     def mark_written(self, flat: FlatParam, slot: int) -> None:
-        """Tells the engine that ``slot``'s parameter was written (by a torch optimizer)."""
+        """``slot``'s parameter was written (by a torch optimizer)."""
         flat.forced_written.add(slot)
 
     def assume_all_written(self) -> None:
         """After code that wrote parameters in a way the engine cannot see (in place through
         ``p.data``, e.g. PEFT's merge): every parameter's current value is taken in."""
-        with self._lock:
-            for flat in self.flats:
-                flat.forced_written.update(range(len(flat.slots)))
-            self.sync_outside_writes()
+        with self.lock:
+            for block in self.blocks:
+                for flat in block.flats:
+                    flat.forced_written.update(range(len(flat.slots)))
+            self.sync()
 
     def note_home_written(self, flat: FlatParam, slots: Sequence[int]) -> None:
         """``slots`` of ``flat``'s home were written directly (a checkpoint load): an
         optimizer's master weights follow them at its next step."""
-        with self._lock:
+        with self.lock:
             flat.user_written.update(slots)
-
-    def on_state_dict(self, module, state_dict, prefix, local_metadata) -> None:
-        """ZeRO-3: ``model.state_dict()`` holds the whole parameters, all-gathered from every
-        rank's part (as FSDP's full state dict: every rank must call it)."""
-        from ..sharding.state import fill_state_dict
-        fill_state_dict(self, state_dict, prefix)
 
     def take_user_writes(self, flat: FlatParam) -> List[int]:
         """Slots of ``flat`` written through their parameter since the last call."""
@@ -100,3 +118,25 @@ class OutsideWrites:
         written = sorted(flat.user_written)
         flat.user_written.clear()
         return written
+
+    def on_state_dict_quantized(self, module, state_dict, prefix, local_metadata) -> None:
+        """``model.state_dict()``: each parameter stored quantized (frozen_format) is given
+        its dequantized values (home dtype), decoded from its home one flat at a time."""
+        with self.lock:
+            for flat in (f for b in self.blocks for f in b.flats):
+                if not isinstance(flat, QuantFlat):
+                    continue
+                keys = [(s, prefix + s.qualname) for s in flat.slots
+                        if prefix + s.qualname in state_dict]
+                if not keys:
+                    continue
+                values = self.home.snapshot(flat)
+                for s, key in keys:
+                    state_dict[key] = values[s.offset:s.offset + s.numel].view(s.shape).clone()
+
+
+def fill_sharded_state_dict(engine: Any, state_dict, prefix: str) -> None:
+    """ZeRO-3: ``model.state_dict()`` holds the whole parameters, all-gathered from every
+    rank's part (as FSDP's full state dict: every rank must call it)."""
+    from ..sharding.state import fill_state_dict
+    fill_state_dict(engine, state_dict, prefix)

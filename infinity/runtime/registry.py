@@ -1,8 +1,9 @@
-"""Which engine owns a model or a parameter."""
+"""Which engine owns a model or a parameter. The engines register here at wrap (with where
+each of their parameters lives) and unregister at close; the registry holds them weakly."""
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, NamedTuple, Optional
+from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
@@ -10,33 +11,51 @@ from torch import nn
 from .block import Block
 from .flat import FlatParam
 
-if TYPE_CHECKING:
-    from .engine import Engine
-
 _ENGINE_ATTR = "_infinity_engine"
 
 
-def engine_of(model: nn.Module) -> Optional["Engine"]:
+def engine_of(model: nn.Module) -> Optional[Any]:
+    """The engine (runtime/engine.py) wrapping ``model``, or None."""
     return getattr(model, _ENGINE_ATTR, None)
 
 
 class ParamLocation(NamedTuple):
-    engine: "Engine"
+    engine: Any  # the Engine (runtime/engine.py)
     block: Block
     flat: FlatParam
     slot: int
 
 
-_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+# every live engine, with where its parameters live: (block index, flat index, slot) by id
+# of the parameter -- indices, not objects: a value reaching the model (a Block does) would
+# keep its engine, the key, alive
+_LOCATIONS: "weakref.WeakKeyDictionary[Any, Dict[int, Tuple[int, int, int]]]" = \
+    weakref.WeakKeyDictionary()
+_ENGINES = _LOCATIONS  # iterating gives the live engines
+
+
+def register(engine: Any, model: nn.Module,
+             locations: Dict[int, Tuple[int, int, int]]) -> None:
+    """``engine`` wraps ``model``; ``locations``: its parameters by id."""
+    _LOCATIONS[engine] = locations
+    setattr(model, _ENGINE_ATTR, engine)
+
+
+def unregister(engine: Any, model: nn.Module) -> None:
+    _LOCATIONS.pop(engine, None)
+    if engine_of(model) is engine:
+        delattr(model, _ENGINE_ATTR)
 
 
 def locate(param: torch.Tensor) -> Optional[ParamLocation]:
     """Where a wrapped parameter lives (engine, block, flat buffer, slot), or None if the
     parameter does not belong to a wrapped model."""
-    for engine in list(_ENGINES):
-        loc = engine._locations.get(id(param))
-        if loc is not None and loc.flat.slots[loc.slot].param is param:
-            return loc
+    for engine, locations in list(_LOCATIONS.items()):
+        found = locations.get(id(param))
+        if found is None:
+            continue
+        block = engine.blocks[found[0]]
+        flat = block.flats[found[1]]
+        if flat.slots[found[2]].param is param:
+            return ParamLocation(engine, block, flat, found[2])
     return None
-
-

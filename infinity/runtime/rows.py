@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import types
-from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Protocol, Tuple
 
 import torch
 from torch import nn
@@ -40,8 +40,21 @@ from .flat import FlatParam
 from .registry import locate
 from .residency import Residency
 
-if TYPE_CHECKING:
-    from .engine import Engine
+
+
+class RowReader(Protocol):
+    """What the row reads need (runtime/row_hooks.py): the homes, the swap store, the stats,
+    the device, the chunk, and where gradient rows and tile reads go."""
+    homes: Dict[Tier, object]
+    store: object
+    stats: object
+    device: torch.device
+    chunk_bytes: int
+
+    def add_row_grads(self, block: Block, rows: torch.Tensor, values: torch.Tensor) -> None: ...
+
+    def read_head_tile(self, block: Block, weight: torch.Tensor, r0: int,
+                       r1: int) -> torch.Tensor: ...
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +81,7 @@ def eligible(block: Block, sharded: bool, head: Optional[nn.Module] = None,
 
 
 # ---- reading rows ----------------------------------------------------------------------------
-def _read_rows_nvme(engine: "Engine", flat: FlatParam, rows: torch.Tensor,
+def _read_rows_nvme(engine: RowReader, flat: FlatParam, rows: torch.Tensor,
                     width: int) -> torch.Tensor:
     """Rows ``rows`` (sorted, distinct) of the flat's only slot, read from its swap file piece
     by piece: only the pieces that hold a part of one of them."""
@@ -106,7 +119,7 @@ def _read_rows_nvme(engine: "Engine", flat: FlatParam, rows: torch.Tensor,
     return out
 
 
-def _read_span_nvme(engine: "Engine", flat: FlatParam, start: int, end: int) -> torch.Tensor:
+def _read_span_nvme(engine: RowReader, flat: FlatParam, start: int, end: int) -> torch.Tensor:
     """Elements [start, end) of the flat, read from its swap file: the pieces holding them."""
     home = engine.homes[Tier.NVME]
     piece = home.range_elems(flat)
@@ -129,7 +142,7 @@ def _read_span_nvme(engine: "Engine", flat: FlatParam, start: int, end: int) -> 
     return out
 
 
-def read_row_span(engine: "Engine", block: Block, weight: torch.Tensor, r0: int,
+def read_row_span(engine: RowReader, block: Block, weight: torch.Tensor, r0: int,
                   r1: int) -> torch.Tensor:
     """Rows [r0, r1) of the block's table (a tile of an LM head), in the compute dtype on the
     engine's device."""
@@ -147,7 +160,7 @@ def read_row_span(engine: "Engine", block: Block, weight: torch.Tensor, r0: int,
     return values.to(engine.device, flat.compute_dtype)
 
 
-def read_rows(engine: "Engine", block: Block, weight: torch.Tensor,
+def read_rows(engine: RowReader, block: Block, weight: torch.Tensor,
               rows: torch.Tensor) -> torch.Tensor:
     """Rows ``rows`` (sorted, distinct, on the CPU) of the block's table, in the compute dtype
     on the engine's device."""
@@ -213,10 +226,10 @@ def forward(self: nn.Embedding, input: torch.Tensor) -> torch.Tensor:
     loc = locate(self.weight)
     if loc is None or not getattr(loc.block, "row_lookup", False):
         return nn.Embedding.forward(self, input)
-    return loc.engine.lookup_rows(loc.block, self, input)
+    return loc.engine.rows.lookup_rows(loc.block, self, input)
 
 
-def lookup(engine: "Engine", block: Block, module: nn.Embedding,
+def lookup(engine: RowReader, block: Block, module: nn.Embedding,
            input: torch.Tensor) -> torch.Tensor:
     """The lookup itself (the engine holds its lock around it)."""
     if input.dtype not in (torch.int64, torch.int32):

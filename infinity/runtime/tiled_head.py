@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import types
-from typing import TYPE_CHECKING, Any, Callable, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 from torch import nn
@@ -35,8 +35,6 @@ from .block import Block
 from .registry import locate
 from . import rows as rows_mod
 
-if TYPE_CHECKING:
-    from .engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +58,7 @@ def head_module(model: nn.Module) -> nn.Linear:
     return head
 
 
-def tile_rows(engine: "Engine", block: Block, width: int) -> int:
+def tile_rows(engine: rows_mod.RowReader, block: Block, width: int) -> int:
     """Vocabulary rows per tile: about a chunk of the home's bytes."""
     chunk = engine.chunk_bytes
     return max(1, chunk // (width * block.flats[0].home_itemsize))
@@ -69,7 +67,7 @@ def tile_rows(engine: "Engine", block: Block, width: int) -> int:
 class _Source:
     """Reads the head's tiles and hands their gradients to the engine."""
 
-    def __init__(self, engine: "Engine", block: Block, weight: torch.Tensor) -> None:
+    def __init__(self, engine: rows_mod.RowReader, block: Block, weight: torch.Tensor) -> None:
         self.engine = engine
         self.block = block
         self.weight = weight
@@ -221,10 +219,10 @@ def forward(self: nn.Linear, input: torch.Tensor) -> Any:
     loc = locate(self.weight)
     if loc is None or not getattr(loc.block, "row_lookup", False):
         return nn.Linear.forward(self, input)
-    return loc.engine.tiled_head_forward(loc.block, self, input)
+    return loc.engine.rows.tiled_head_forward(loc.block, self, input)
 
 
-def head_forward(engine: "Engine", block: Block, module: nn.Linear, hidden: torch.Tensor,
+def head_forward(engine: rows_mod.RowReader, block: Block, module: nn.Linear, hidden: torch.Tensor,
                  loss_follows: bool) -> Any:
     weight = block.flats[0].slots[0].param
     source = _Source(engine, block, weight)

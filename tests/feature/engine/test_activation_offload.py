@@ -286,7 +286,7 @@ def test_host_budget_too_small_for_host_activations(tmp_path):
     model = TinyGPT(CFG)
     # what the engine itself holds on host (parameter homes and gradient accumulators)
     sizing = infinity.wrap(copy.deepcopy(model), param_tier="host")
-    held = sum(infinity.api._engine(sizing)._host_needs().values())
+    held = sum(infinity.api._engine(sizing).sizing.host_needs().values())
     infinity.unwrap(sizing)
     infinity.wrap(model, param_tier="host", grad_tier="host", optimizer_tier="host",
                   host_budget=held + 8 * ACT,

@@ -227,7 +227,7 @@ def test_pool_bytes_are_count_times_chunk_and_independent_of_the_largest_flat(tm
     assert engine.pool.nbytes == chunk and engine.grads.pool.nbytes == chunk
     assert host["staging"] + host["grads"] == (host["staging_buffers"]
                                                + host["grad_buffers"]) * chunk
-    needs = engine._host_needs()
+    needs = engine.sizing.host_needs()
     assert needs["staging"] == host["staging"] and needs["gradient buffers"] == host["grads"]
     # the gradient files are checksummed per chunk
     flat = next(f for f in engine.flats if f.numel * 4 > chunk)

@@ -86,7 +86,7 @@ def test_bytes_per_tier_and_host_budget_follow_the_split(ref, tmp_path):
     assert tiers["host"]["params"] == host_bytes
     assert tiers["nvme"]["params"] == nvme_bytes
     assert tiers["nvme"]["now"] >= nvme_bytes  # the parameters' swap files (grads on host)
-    needs = eng._host_needs()
+    needs = eng.sizing.host_needs()
     assert needs["parameter homes"] == host_bytes and "staging" in needs
     infinity.unwrap(model)
     # a host budget below those needs is refused, naming the parameter homes
