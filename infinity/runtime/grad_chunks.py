@@ -290,7 +290,7 @@ class ChunkedGrads:
         flat opened (writing it out now costs no read back, and no second write, later)."""
         start, end = self.span(flat, k)
         arrived = self._arrived.get(id(flat), ())
-        offsets = self._slot_offsets(flat)
+        offsets = _slot_offsets(self._offsets, flat)
         for i in range(max(0, bisect.bisect_right(offsets, start) - 1), len(flat.slots)):
             s = flat.slots[i]
             if s.offset >= end:
@@ -298,12 +298,6 @@ class ChunkedGrads:
             if s.trainable and s.offset + s.numel > start and i not in arrived:
                 return False
         return True
-
-    def _slot_offsets(self, flat: FlatParam) -> List[int]:
-        offsets = self._offsets.get(id(flat))
-        if offsets is None:
-            offsets = self._offsets[id(flat)] = [s.offset for s in flat.slots]
-        return offsets
 
     def _write(self, flat: FlatParam, k: int, buf: torch.Tensor) -> None:
         """Zeroes what no gradient reached in the chunk and hands it to the writer thread; the
@@ -321,7 +315,7 @@ class ChunkedGrads:
         start, end = self.span(flat, k)
         view = buf[:(end - start) * 4].view(torch.float32)
         pos = start
-        offsets = self._slot_offsets(flat)
+        offsets = _slot_offsets(self._offsets, flat)
         first = max(0, bisect.bisect_right(offsets, start) - 1)  # slots in offset order
         for i in range(first, len(flat.slots)):
             s = flat.slots[i]
@@ -379,3 +373,11 @@ class ChunkedGrads:
         else:
             self._held.set_unwritten(flat, "taken from RAM by the optimizer step overlapping "
                                            "backward and not written to NVMe")
+
+
+def _slot_offsets(cache: Dict[int, List[int]], flat: FlatParam) -> List[int]:
+    """The flat's slots' offsets, in slot (= offset) order, kept in ``cache``."""
+    offsets = cache.get(id(flat))
+    if offsets is None:
+        offsets = cache[id(flat)] = [s.offset for s in flat.slots]
+    return offsets

@@ -100,7 +100,8 @@ def test_no_runtime_module_imports_the_engine():
                          or (node.module is None and any(a.name == "engine"
                                                          for a in node.names))):
                 importers.append(path.name)
-    assert sorted(importers) == ["__init__.py"]
+    # the package's face, and the optimizer's port, which sits above the engine it wraps
+    assert sorted(importers) == ["__init__.py", "port.py"]
 
 
 def _methods(cls_name: str, path: pathlib.Path) -> int:
