@@ -131,19 +131,7 @@ class GradientChecks:
 
     @torch.no_grad()
     def clip(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clips the gradients of the next step by their global norm; returns that norm.
-
-        Computed over every gradient this optimizer will apply: the ready slots of the wrapped
-        models' offloaded gradients (``flat.grad``) and ``p.grad`` of unwrapped parameters,
-        like ``torch.nn.utils.clip_grad_norm_`` (norm of per-tensor norms, coefficient
-        ``min(1, max_norm / (norm + 1e-6))``). The coefficient is applied inside the next
-        ``step()`` through the kernel's grad multiplier, so no extra pass rewrites the
-        gradients (they read unclipped until then). Note: ``torch.nn.utils.clip_grad_norm_(
-        model.parameters())`` does not work on a wrapped model: its parameters have
-        ``p.grad = None`` (the gradients live only in the engine's buffers). A non-finite
-        norm marks the next step to be skipped. After ``LossScaler.unscale_`` the norm is
-        that of the unscaled gradients.
-        """
+        """The work of :meth:`OffloadedAdam.clip_grad_norm_` (its docstring says what it does)."""
         _number("max_norm", max_norm)
         norm_type = float(norm_type)
         self.scaled()  # a loop that clips may need its gradients after backward
