@@ -103,3 +103,10 @@ def test_consolidated_nf4_is_read_back_by_source_and_by_transformers(quantize, t
             assert torch.equal(value, expected[mod_name + ".weight"]), mod_name
             seen += 1
     assert seen == 14
+
+
+def test_unsupported_quantize_is_refused_before_anything_is_read_or_written(tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match="infinity.consolidate: quantize='nf8' is not supported"):
+        infinity.consolidate(tmp_path / "no-such-checkpoint", out, quantize="nf8")
+    assert not out.exists()
