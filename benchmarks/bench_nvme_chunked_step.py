@@ -75,8 +75,8 @@ def step_times(nvme_path: str, quick: bool) -> List[Dict[str, object]]:
                 opt.zero_grad()
         base = statistics.median(runs[1 << 30][2])
         for chunk, (model, opt, times) in runs.items():
-            sets = next(iter(opt._core.wrapped.sets()))
-            store = next(iter(opt._core.wrapped.stores()))
+            sets = next(iter(opt.core.wrapped.sets()))
+            store = next(iter(opt.core.wrapped.stores()))
             units = sum(len(store.plan(s).units) for s in opt.shards())
             rows.append({"states": fmt, "chunk": chunk, "units": units,
                          "step_ms": 1e3 * statistics.median(times),

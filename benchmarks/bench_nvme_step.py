@@ -126,8 +126,8 @@ class ExtentProbe:
 
     def __init__(self, case: "Case") -> None:
         from infinity.optim.state_extents import STATE_FILE
-        store = case.opt._core.wrapped.store(OptimizerPort.of(case.engine))
-        sets = case.opt._core.wrapped.store(OptimizerPort.of(case.engine)).sets
+        store = case.opt.core.wrapped.store(OptimizerPort.of(case.engine))
+        sets = case.opt.core.wrapped.store(OptimizerPort.of(case.engine)).sets
         self.bufs = [sets.states[0], sets.states[1], sets.states[2]]
         self.path = store.extents.store.path(STATE_FILE)
         self.extents = []  # (offset in the state file, offset in the probe file, nbytes)
@@ -215,11 +215,11 @@ class Case:
             self.opt.step()  # warm-up: creates and writes the state extents
         finally:
             swapper.choose_sets = real
-        self.sets = next(iter(self.opt._core.wrapped.sets())).count
+        self.sets = next(iter(self.opt.core.wrapped.sets())).count
         self._fill_grads()
         self.opt.step()  # and the other extent of each shard
         if io_only:  # ablation: the same reads and writes, no update (states stay as they are)
-            self.opt._core.apply = lambda *_a, **_k: None
+            self.opt.core.apply = lambda *_a, **_k: None
 
     def _fill_grads(self) -> None:
         gen = torch.Generator().manual_seed(0)
@@ -257,7 +257,7 @@ class Case:
         return out
 
     def largest_request(self) -> int:
-        store = self.opt._core.wrapped.store(OptimizerPort.of(self.engine))
+        store = self.opt.core.wrapped.store(OptimizerPort.of(self.engine))
         return max(store.layout(s).nbytes for s in self.opt.shards())
 
     def close(self) -> None:

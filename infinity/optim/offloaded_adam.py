@@ -189,21 +189,22 @@ class OffloadedAdam(torch.optim.Optimizer):
         if check_finite not in (True, False, "auto"):
             raise ValueError(f"check_finite must be True, False or 'auto', got {check_finite!r}")
         self.check_finite = check_finite
-        # what the step works on, owned here (the overlap, checks and state dicts share it)
-        self._core = AdamCore(self, FormatChoices(spec), self.master_format, sr_seed,
-                              bool(adamw), chunk)
-        self._overlap = BackwardOverlap(self._core, overlap, keep_grads)
-        self._checks = GradientChecks(self._core, self._overlap.grads_scaled)
-        self._dicts = StateDicts(self._core, self._overlap.rollback_all)
+        # what the step works on, owned here (the overlap, checks and state dicts share it;
+        # public: tests and tools read its stores and shards through it)
+        self.core = AdamCore(self, FormatChoices(spec), self.master_format, sr_seed,
+                             bool(adamw), chunk)
+        self._overlap = BackwardOverlap(self.core, overlap, keep_grads)
+        self._checks = GradientChecks(self.core, self._overlap.grads_scaled)
+        self._dicts = StateDicts(self.core, self._overlap.rollback_all)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         amsgrad=amsgrad, maximize=maximize)
         _check_hyper(defaults)
         self.skipped_steps = 0
         self.last_step_stats: Optional[StepStats] = None
         super().__init__(params, defaults)
-        _LIVE.add(self._core)
+        _LIVE.add(self.core)
         try:
-            self._core.wrapped.reserve()
+            self.core.wrapped.reserve()
         except BaseException:
             self.close()
             raise
@@ -214,7 +215,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         group = self.param_groups[-1]
         _check_hyper(group)
         index = len(self.param_groups) - 1
-        core = self._core
+        core = self.core
         core.params_changed()
         for p in group["params"]:
             loc = OptimizerPort.locate(p)
@@ -233,7 +234,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         if by not in ("name", "index"):
             raise ValueError(f"infinity.optim: state_formats(by=) is 'name' or 'index', got "
                              f"{by!r}")
-        core = self._core
+        core = self.core
         out: Dict[Union[str, int], str] = {}
         names: Dict[int, str] = {}  # id(param) -> its qualified name in its wrapped model
         for port in (core.wrapped.ports() if by == "name" else ()):
@@ -250,14 +251,14 @@ class OffloadedAdam(torch.optim.Optimizer):
         """Bytes of optimizer states held per tier ("host"; "nvme": the live extents of the
         state file, committed states plus writes not yet committed)."""
         out = {"host": 0, "nvme": 0}
-        for store in self._core.wrapped.stores():
+        for store in self.core.wrapped.stores():
             out[store.tier] += store.nbytes
         return out
 
     @property
     def state_tiers(self) -> Dict[str, str]:
         """Where each wrapped shard's states live ("host"/"nvme"), once chosen."""
-        wrapped = self._core.wrapped
+        wrapped = self.core.wrapped
         tiers = {side.port: side.store.tier for side in wrapped.sides()
                  if side.store is not None}
         return {s.key: tiers[s.port] for s in wrapped.shards.values() if s.port in tiers}
@@ -276,7 +277,7 @@ class OffloadedAdam(torch.optim.Optimizer):
 
     def discard_pending_step(self) -> None:
         """Forgets multipliers and checks meant for a step that will not happen."""
-        self._core.discard_pending()
+        self.core.discard_pending()
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -308,7 +309,7 @@ class OffloadedAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         t0 = time.perf_counter()
-        core, checks, overlap = self._core, self._checks, self._overlap
+        core, checks, overlap = self.core, self._checks, self._overlap
         multiplier, finite = core.multiplier, core.finite
         core.discard_pending()
         stats = StepStats()
@@ -375,14 +376,14 @@ class OffloadedAdam(torch.optim.Optimizer):
     def restore_parameters(self) -> None:
         """After a failed step: rewrites the working copies it had already updated from the
         committed masters (step() does this first anyway)."""
-        self._core.restore_dirty()
+        self.core.restore_dirty()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears gradients. Wrapped models: ``engine.zero_grad()`` (the whole model's
         accumulated gradients are forgotten; the next backward overwrites them -- with
         ``set_to_none=False`` too, where a parameter without a new gradient is then skipped
         rather than stepped with a zero gradient). Unwrapped parameters: as torch."""
-        core = self._core
+        core = self.core
         self._overlap.rollback_all("zero_grad() before opt.step()")
         if core.done:
             logger.warning("infinity.optim: zero_grad() after a failed step that %d shard(s) had "
@@ -444,7 +445,7 @@ class OffloadedAdam(torch.optim.Optimizer):
     def close(self) -> None:
         """Releases host buffers and removes the NVMe state files (the optimizer is unusable
         afterwards)."""
-        core = self.__dict__.get("_core")
+        core = self.__dict__.get("core")
         if core is None:
             return
         _LIVE.discard(core)
@@ -463,11 +464,11 @@ class OffloadedAdam(torch.optim.Optimizer):
     def engines(self) -> List[Any]:
         """The engines of the wrapped models this optimizer steps (sharded ones where this
         rank holds no part included), in the same order on every rank."""
-        return [port.engine for port in self._core.wrapped.ports()]
+        return [port.engine for port in self.core.wrapped.ports()]
 
     def shards(self) -> List[Shard]:
         """This rank's wrapped shards (of a sharded model: its part of each flat)."""
-        return list(self._core.wrapped.shards.values())
+        return list(self.core.wrapped.shards.values())
 
     def load_shard(self, shard: Shard, by_param: Dict[int, Dict[str, Any]]) -> None:
         """Loads ``shard``'s states: ``by_param[id(param)] = {"step", "exp_avg", "exp_avg_sq",

@@ -619,7 +619,7 @@ def test_io_error_during_state_write_then_retry_equals_uninterrupted(tmp_path, h
 
 def _check_each_unit_old_or_new(model, opt, w_before, sd_before, w_after, sd_after,
                                 chunked: bool) -> None:
-    store = next(iter(opt._core.wrapped.stores()))
+    store = next(iter(opt.core.wrapped.stores()))
     sd_mid, w_mid = opt.state_dict(), _weights(model)
     params = [p for g in opt.param_groups for p in g["params"]]
     index = {id(p): i for i, p in enumerate(params)}
@@ -628,7 +628,7 @@ def _check_each_unit_old_or_new(model, opt, w_before, sd_before, w_after, sd_aft
     for shard in opt.shards():
         plan = store.plan(shard)
         assert plan.chunked == chunked
-        done = shard.key in opt._core.done
+        done = shard.key in opt.core.done
         took = set(range(len(plan.units))) if done else store.extents.stepped(shard)
         assert not (done and store.extents.stepped(shard))
         took_units += len(took)

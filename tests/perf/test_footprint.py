@@ -55,7 +55,7 @@ def test_host_accounting_covers_engine_and_optimizer(tmp_path):
     s = infinity.stats(model)
     host = s["tiers"]["host"]
     # the optimizer's NVMe buffer sets are counted, under the same budget
-    sets = opt._core.wrapped.store(OptimizerPort.of(engine)).sets.nbytes
+    sets = opt.core.wrapped.store(OptimizerPort.of(engine)).sets.nbytes
     assert host["optimizer"] == sets > 0, host
     assert host["now"] == engine.host_budget.used <= budget
     assert host["peak"] <= budget

@@ -395,7 +395,7 @@ def test_disk_full_during_state_write_keeps_previous_states(tmp_path, param_tier
             names = {id(p): n for n, p in model.named_parameters()}
             kept = 0
             for shard in opt.shards():
-                took = shard.key in opt._core.done
+                took = shard.key in opt.core.done
                 kept += not took
                 w, sd = around["after" if took else "before"]
                 for slot in shard.flat.slots:
@@ -588,7 +588,7 @@ def test_auto_tier_and_step_stats(tmp_path):
     assert moved["nvme_to_host"] >= 2 * st.bytes_read and moved["host_to_nvme"] > 0
     files = [f for d, _, fs in os.walk(tmp_path) for f in fs if f.startswith("optimizer-")]
     assert len(files) == 1  # one state file: an extent per shard, held once
-    store = next(iter(opt._core.wrapped.stores()))
+    store = next(iter(opt.core.wrapped.stores()))
     assert store.nbytes == sum(store.plan(s).nbytes for s in opt.shards())
     infinity.unwrap(model)
     opt.close()

@@ -58,10 +58,10 @@ def _no_whole_shard_io(engine, opt) -> List[str]:
     optimizer steps a shard cut in units; returns the log of ranged calls."""
     calls: List[str] = []
     inside = [False]
-    store = lambda: next(iter(opt._core.wrapped.stores()))  # noqa: E731
+    store = lambda: next(iter(opt.core.wrapped.stores()))  # noqa: E731
 
     def cut(flat) -> bool:
-        shard = opt._core.wrapped.shards.get(id(flat))
+        shard = opt.core.wrapped.shards.get(id(flat))
         return shard is not None and store().plan(shard).chunked
 
     read, read_range = engine.grads.read, engine.grads.read_range
@@ -114,7 +114,7 @@ def _run(tmp_path, name: str, engine_chunk: int, opt_chunk: Optional[int], *,
     calls = _no_whole_shard_io(engine, opt) if guard else []
     try:
         losses = _train(model, opt, steps)
-        store = next(iter(opt._core.wrapped.stores()))
+        store = next(iter(opt.core.wrapped.stores()))
         units = {s.key: len(store.plan(s).units) for s in opt.shards()}
         return losses, _weights(model), _states(opt), units, calls
     finally:
@@ -176,7 +176,7 @@ def test_overlap_with_ranged_gradients(tmp_path, fmt):
                                    states=fmt, min_8bit_size=0, overlap=True)
         losses = _train(model, opt, 4, micro=1, clip=1.0)
         losses += _train(model, opt, 3, micro=1, clip=None, seed=7)  # updates kept
-        store = next(iter(opt._core.wrapped.stores()))
+        store = next(iter(opt.core.wrapped.stores()))
         units = max(len(store.plan(s).units) for s in opt.shards())
         results.append((losses, _weights(model), _states(opt), opt._overlap.kept_total, units))
         opt.close()
@@ -210,7 +210,7 @@ def test_host_bytes_bounded_by_sets_times_chunk(tmp_path, fmt, dtype):
         lm_loss(model(x), y).backward()
         opt.step()
         opt.zero_grad()
-    sets = next(iter(opt._core.wrapped.sets()))
+    sets = next(iter(opt.core.wrapped.sets()))
     largest = max(engine.flats, key=lambda f: f.numel)
     assert largest.numel * 4 >= 4 * chunk
     assert 0 < sets.grad_nbytes < largest.numel * 4
@@ -250,7 +250,7 @@ def test_budget_minimum_counts_one_chunk_per_set(tmp_path):
     infinity.unwrap(model)
     model, engine = wrapped(16 << 20)
     opt = infinity.optim.AdamW(model.parameters(), lr=1e-3, chunk_bytes=chunk)
-    sets = next(iter(opt._core.wrapped.sets()))
+    sets = next(iter(opt.core.wrapped.sets()))
     assert sets.nbytes <= sets.count * chunk
     gen = torch.Generator().manual_seed(1)
     x, y = synthetic_batch(BIG, 2, 8, gen)
@@ -304,7 +304,7 @@ def test_inf_in_a_large_accumulated_gradient_is_found_in_ranges(tmp_path):
         assert engine.grads.finite(big) is None  # unknown: the optimizer reads them
         calls.clear()
         opt.step()
-        assert calls and max(calls) * 4 <= max(16 << 10, opt._core.wrapped.chunk_for(OptimizerPort.of(engine)))
+        assert calls and max(calls) * 4 <= max(16 << 10, opt.core.wrapped.chunk_for(OptimizerPort.of(engine)))
         results.append((opt.skipped_steps, _weights(model), before))
         engine.grads.read = read
         opt.close()
@@ -329,7 +329,7 @@ def test_overlap_rolled_back_by_accumulation_restores_parameters(tmp_path):
         opt = infinity.optim.AdamW(model.parameters(), lr=1e-2, states="8bit",
                                    min_8bit_size=0, overlap=overlap)
         losses = _train(model, opt, 3, micro=2, clip=None)
-        store = next(iter(opt._core.wrapped.stores()))
+        store = next(iter(opt.core.wrapped.stores()))
         units = max(len(store.plan(s).units) for s in opt.shards())
         results.append((losses, _weights(model), _states(opt), opt._overlap.rolled_back_total,
                         units))
@@ -366,7 +366,7 @@ def test_parameters_written_between_steps_follow_unit_by_unit(tmp_path, tiers):
     _train(model, opt, 2, micro=1, clip=None)
     halve(model)
     got = _train(model, opt, 2, micro=1, clip=None, seed=9)
-    store = next(iter(opt._core.wrapped.stores()))
+    store = next(iter(opt.core.wrapped.stores()))
     assert max(len(store.plan(s).units) for s in opt.shards()) >= 10
     assert got == want
     _equal(_weights(model), _weights(ref))

@@ -53,7 +53,7 @@ def _train(model, opt, steps: int, *, seed: int = 1, clip: Optional[float] = Non
 
 
 def _units(opt) -> Dict[str, int]:
-    store = next(iter(opt._core.wrapped.stores()))
+    store = next(iter(opt.core.wrapped.stores()))
     return {s.key: len(store.plan(s).units) for s in opt.shards()}
 
 
@@ -141,7 +141,7 @@ def test_chunk_size_changes_no_bit(tmp_path):
 
 
 def _mixed_units(opt) -> Dict[str, int]:
-    store = next(iter(opt._core.wrapped.stores()))
+    store = next(iter(opt.core.wrapped.stores()))
     return {s.key: len(store.plan(s).units) for s in opt.shards()
             if store.layout(s).mixed}
 
@@ -269,7 +269,7 @@ def test_unit_checksums_after_chunked_write(tmp_path):
     infinity.wrap(model, nvme_path=str(tmp_path), optimizer_tier="nvme")
     opt = infinity.optim.AdamW(model.parameters(), lr=1e-2, chunk_bytes=TINY)
     _train(model, opt, 2)
-    store = next(iter(opt._core.wrapped.stores()))
+    store = next(iter(opt.core.wrapped.stores()))
     path = store.extents.store.path("optimizer-states")
     data = open(path, "rb").read()
     checked = 0
@@ -297,7 +297,7 @@ def test_corrupted_unit_is_detected_before_it_is_stepped(tmp_path):
     infinity.wrap(model, nvme_path=str(tmp_path), optimizer_tier="nvme")
     opt = infinity.optim.AdamW(model.parameters(), lr=1e-2, chunk_bytes=TINY)
     _train(model, opt, 1)
-    store = next(iter(opt._core.wrapped.stores()))
+    store = next(iter(opt.core.wrapped.stores()))
     shard = next(s for s in opt.shards() if store.plan(s).chunked)
     before = {k: list(v) for k, v in store.extents.committed.items()}
     last = before[shard.key][-1]
@@ -314,7 +314,7 @@ def test_corrupted_unit_is_detected_before_it_is_stepped(tmp_path):
     for key, units in store.extents.committed.items():
         s = next(x for x in opt.shards() if x.key == key)
         changed = {i for i, (old, new) in enumerate(zip(before[key], units)) if old != new}
-        if key in opt._core.done:
+        if key in opt.core.done:
             assert changed == set(range(len(units)))
         else:
             assert changed == store.extents.stepped(s)
@@ -339,10 +339,10 @@ def test_host_bytes_bounded_by_sets_times_chunk(tmp_path):
     x, y = synthetic_batch(BIG, 2, 8, gen)
     lm_loss(model(x), y).backward()
     opt.step()
-    store = next(iter(opt._core.wrapped.stores()))
+    store = next(iter(opt.core.wrapped.stores()))
     largest = max(store.layout(s).nbytes for s in opt.shards())
     assert largest >= 40 * chunk
-    sets = next(iter(opt._core.wrapped.sets()))
+    sets = next(iter(opt.core.wrapped.sets()))
     assert sets.grad_nbytes == sets.staging_nbytes == 0  # gradients and parameters in RAM
     assert sets.set_nbytes <= chunk
     host_opt = engine.tier_bytes()["host"]["optimizer"]
@@ -368,7 +368,7 @@ def test_host_bytes_with_gradients_and_parameters_on_nvme(tmp_path):
     x, y = synthetic_batch(BIG, 2, 8, gen)
     lm_loss(model(x), y).backward()
     opt.step()
-    sets = next(iter(opt._core.wrapped.sets()))
+    sets = next(iter(opt.core.wrapped.sets()))
     largest = max(engine.flats, key=lambda f: f.numel)
     assert largest.numel * 4 >= 4 * chunk
     assert sets.grad_nbytes > 0 and sets.staging_nbytes > 0
@@ -407,7 +407,7 @@ def test_budget_below_minimum_refused_at_construction(tmp_path):
     assert engine.host_budget.limit - engine.host_budget.used - grads == free  # nothing held
     # a chunk that fits: accepted, and its sets counted at construction, before any step
     opt = infinity.optim.AdamW(model.parameters(), lr=1e-3, chunk_bytes=8 << 10)
-    sets = next(iter(opt._core.wrapped.sets()))
+    sets = next(iter(opt.core.wrapped.sets()))
     assert engine.host_budget.limit - engine.host_budget.used - grads == free - sets.nbytes
     assert sets.count >= 3 and sets.nbytes <= free
     gen = torch.Generator().manual_seed(1)
@@ -430,7 +430,7 @@ def test_sets_adapt_to_the_budget(tmp_path):
         infinity.wrap(model, nvme_path=str(d), param_tier="host", grad_tier="host",
                       optimizer_tier="nvme", host_budget=budget)
         opt = infinity.optim.AdamW(model.parameters(), chunk_bytes=1 << 20)
-        sets = next(iter(opt._core.wrapped.sets()))
+        sets = next(iter(opt.core.wrapped.sets()))
         counts.append(sets.count)
         engine = infinity.runtime.engine_of(model)
         assert engine.host_budget.used <= budget
@@ -453,12 +453,12 @@ def test_chunk_from_policy_and_size_string(tmp_path):
     infinity.wrap(model, nvme_path=str(tmp_path), optimizer_tier="nvme", chunk_bytes="16KiB")
     opt = infinity.optim.AdamW(model.parameters(), lr=1e-2)
     _train(model, opt, 1)
-    assert next(iter(opt._core.wrapped.stores())).chunk_bytes == 16 << 10
+    assert next(iter(opt.core.wrapped.stores())).chunk_bytes == 16 << 10
     assert max(_units(opt).values()) >= 20
     opt.close()
     opt = infinity.optim.AdamW(model.parameters(), lr=1e-2, chunk_bytes="32KiB")
     _train(model, opt, 1)
-    assert next(iter(opt._core.wrapped.stores())).chunk_bytes == 32 << 10
+    assert next(iter(opt.core.wrapped.stores())).chunk_bytes == 32 << 10
     opt.close()
     infinity.unwrap(model)
 

@@ -45,7 +45,7 @@ def test_pipeline_depth_changes_no_bit(tmp_path, monkeypatch, fmt):
                       grad_tier="nvme", optimizer_tier="nvme")
         opt = infinity.optim.AdamW(model.parameters(), lr=1e-3, states=fmt)
         losses = _train(model, opt, 3)
-        assert next(iter(opt._core.wrapped.sets())).count == sets
+        assert next(iter(opt.core.wrapped.sets())).count == sets
         results.append((losses, _states(opt)))
         opt.close()
         infinity.unwrap(model)
@@ -63,7 +63,7 @@ def test_pipeline_sets_fit_the_host_budget(tmp_path):
     opt = infinity.optim.AdamW(model.parameters(), lr=1e-3)
     _train(model, opt, 1)
     engine = infinity.runtime.engine_of(model)
-    sets = next(iter(opt._core.wrapped.sets()))
+    sets = next(iter(opt.core.wrapped.sets()))
     assert sets.count >= 3
     assert engine.host_budget.used <= 64 << 20
     opt.close()

@@ -164,7 +164,7 @@ def test_8bit_defaults_keep_embedding_and_small_params_fp32(tmp_path, tier):
     assert set(opt.state_tiers.values()) == {tier}
     assert losses[-1] < losses[0]
     # the shards really are mixed: fp32 and 8-bit regions in one state buffer
-    store = opt._core.wrapped.store(OptimizerPort.of(engine_of(model)))
+    store = opt.core.wrapped.store(OptimizerPort.of(engine_of(model)))
     layouts = {s.key: store.layout(s) for s in opt.shards()}
     assert all(lay.fmt == "mixed" and lay.formats == ("fp32", "8bit")
                for lay in layouts.values()), layouts
@@ -246,7 +246,7 @@ def test_dict_overrides_param_module_default(tmp_path):
     sd = opt.state_dict()
     assert sd["states"] == "bf16"
     assert sorted(set(sd["state_formats"].values())) == ["8bit", "bf16", "fp32"]
-    store = opt._core.wrapped.store(OptimizerPort.of(engine_of(model)))
+    store = opt.core.wrapped.store(OptimizerPort.of(engine_of(model)))
     root = next(s for s in opt.shards() if any(x.param is model.embed.weight
                                                         for x in s.flat.slots))
     assert store.layout(root).formats == ("bf16", "8bit")
@@ -361,7 +361,7 @@ def test_state_dict_round_trip_resumes_bitwise(tmp_path, tier):
     saved = opt.state_dict()
     saved_weights = _weights(model)
     assert all(e["exp_avg"].dtype == torch.float32 for e in saved["state"].values())
-    store = opt._core.wrapped.store(OptimizerPort.of(engine_of(model)))
+    store = opt.core.wrapped.store(OptimizerPort.of(engine_of(model)))
     layer1 = next(s for s in opt.shards() if any(x.qualname.startswith("layers.1.")
                                                           for x in s.flat.slots))
     assert store.layout(layer1).formats == ("fp32", "bf16", "8bit")
@@ -505,7 +505,7 @@ def test_stats_and_pure_functions_report_formats(tmp_path):
     assert report["fp32"]["moment_bytes"] == 8 * report["fp32"]["numel"]
     assert moment_nbytes(1000, "bf16") == 4000 and moment_nbytes(257, "8bit") == 514 + 16
     # the NVMe extents shrink with the 8-bit slots: less than the fp32 layout
-    store = opt._core.wrapped.store(OptimizerPort.of(engine_of(model)))
+    store = opt.core.wrapped.store(OptimizerPort.of(engine_of(model)))
     for s in opt.shards():
         assert store.layout(s).nbytes < layout_for(s.flat, "fp32", True).nbytes
     assert opt.state_dict()["state_formats"] == dict(enumerate(EXPECTED_8BIT[n] for n in

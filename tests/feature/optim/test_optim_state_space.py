@@ -50,13 +50,13 @@ def test_swap_holds_the_states_once_plus_units_in_flight(tmp_path, states, chunk
     infinity.wrap(model, nvme_path=str(tmp_path), optimizer_tier="nvme")
     opt = infinity.optim.AdamW(model.parameters(), lr=1e-2, chunk_bytes=chunk, states=states,
                                min_8bit_size=0)
-    store = next(iter(opt._core.wrapped.stores())) if opt._core.wrapped.stores() else None
+    store = next(iter(opt.core.wrapped.stores())) if opt.core.wrapped.stores() else None
     seen = []
 
     def check():
         nonlocal store
-        store = next(iter(opt._core.wrapped.stores()))
-        sets = next(iter(opt._core.wrapped.sets()))
+        store = next(iter(opt.core.wrapped.stores()))
+        sets = next(iter(opt.core.wrapped.sets()))
         need = sum(state_nbytes(s.flat, s.formats) for s in opt.shards())
         plans = [store.plan(s) for s in opt.shards()]
         units = sum(len(p.units) for p in plans)
@@ -121,8 +121,8 @@ def test_overlap_keeps_old_states_of_the_stepped_units_until_the_step(tmp_path):
                                    overlap=overlap)
         disks = []
         _train(model, opt, 4, each=lambda: disks.append(
-            _disk(next(iter(opt._core.wrapped.stores())))))
-        store = next(iter(opt._core.wrapped.stores()))
+            _disk(next(iter(opt.core.wrapped.stores())))))
+        store = next(iter(opt.core.wrapped.stores()))
         sw = store.swap_bytes()
         committed = sw["master"] + sw["moments"]
         if overlap:
