@@ -27,6 +27,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                       help="cast floating-point weights (default: as saved)")
     cons.add_argument("--max-shard-size", default="5GB",
                       help="split into shards above this size, e.g. 5GB (default) or 500MB")
+    cons.add_argument("--quantize", default=None, choices=["nf4", "nf4-dq"],
+                      help="the layers' linear weights in bitsandbytes' 4-bit format (nf4-dq: "
+                           "double-quantized scales), loadable by transformers and wrap(source=)")
     ckpt = sub.add_parser("ckpt", help="checkpoint tools").add_subparsers(dest="ckpt_command",
                                                                          required=True)
     insp = ckpt.add_parser("inspect", help="what a checkpoint holds and whether it verifies")
@@ -57,7 +60,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .checkpoint import CheckpointError, consolidate
         try:
             written = consolidate(args.checkpoint, args.out, dtype=args.dtype,
-                                  max_shard_size=args.max_shard_size)
+                                  max_shard_size=args.max_shard_size,
+                                  quantize=args.quantize)
         except (CheckpointError, OSError, ValueError) as exc:
             sys.stderr.write(f"infinity consolidate: {exc}\n")
             return 1

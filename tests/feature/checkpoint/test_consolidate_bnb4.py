@@ -110,3 +110,22 @@ def test_unsupported_quantize_is_refused_before_anything_is_read_or_written(tmp_
     with pytest.raises(ValueError, match="infinity.consolidate: quantize='nf8' is not supported"):
         infinity.consolidate(tmp_path / "no-such-checkpoint", out, quantize="nf8")
     assert not out.exists()
+
+
+def test_cli_quantize_writes_the_same_files_as_the_function(tmp_path, capsys):
+    from safetensors.torch import load_file
+    from infinity.cli import main
+    _trained_checkpoint(tmp_path)
+    infinity.consolidate(tmp_path / "ckpt", tmp_path / "api", quantize="nf4-dq")
+    assert main(["consolidate", str(tmp_path / "ckpt"), str(tmp_path / "cli"),
+                 "--quantize", "nf4-dq"]) == 0
+    assert "model.safetensors" in capsys.readouterr().out
+    api = load_file(tmp_path / "api" / "model.safetensors")
+    cli = load_file(tmp_path / "cli" / "model.safetensors")
+    assert api.keys() == cli.keys()
+    assert all(torch.equal(api[k], cli[k]) for k in api)
+    assert (json.loads((tmp_path / "cli" / "config.json").read_text())["quantization_config"]
+            == json.loads((tmp_path / "api" / "config.json").read_text())["quantization_config"])
+    with pytest.raises(SystemExit):  # argparse refuses an unknown format
+        main(["consolidate", str(tmp_path / "ckpt"), str(tmp_path / "bad"), "--quantize", "nf8"])
+    assert not (tmp_path / "bad").exists()
