@@ -5,6 +5,7 @@ RSS against the budget, swap bytes per parameter by category, NVMe bytes per ste
     python benchmarks/bench_real_models.py --model llama-3.1-8b --layers 4 --budget 6GiB
     python benchmarks/bench_real_models.py --model llama-3.2-3b --layers 2 --vocab 32000
     python benchmarks/bench_real_models.py --quick        # full 128k vocabulary, tiny width (CI)
+    python benchmarks/bench_real_models.py --model llama-3.2-1b --overlap off --attribute
 
 The model is transformers' ``LlamaForCausalLM`` (or ``Qwen2ForCausalLM``) at its published
 sizes (``--layers`` keeps the first N layers, ``--vocab`` changes the vocabulary only), built
@@ -17,6 +18,15 @@ subprocess; the kernel's peak RSS counter (VmHWM) is reset just before wrap and 
 ``RSS before wrap + budget + 0.5 GiB`` (the target bound). The swap directory is walked after
 every step: its files' sizes by category (parameters, gradients, optimizer states) and per
 parameter. Results: benchmarks/results/bench_real_models*.json.
+
+``--attribute``: where each ``opt.step()`` went, from the optimizer's per-request timeline
+(``bench_nvme_step.attribute``: blocked on reads / on writes, CPU Adam, time with reads, writes,
+both or nothing in flight), and the disk measured in the same run after the steps
+(``bench_nvme_step.DiskProbe`` in the swap directory: read, write and mixed rates in 64 MiB
+requests): the step against the disk time of its own bytes at those rates. This VM's disk read
+between 0.89 and 1.42 GB/s within one hour, so a rate from an earlier probe is no reference.
+With the update overlapping backward part of a step's I/O runs during backward: use
+``--overlap off`` for a clean attribution.
 """
 from __future__ import annotations
 
@@ -149,9 +159,21 @@ _CHILD = textwrap.dedent(r"""
     opt_s = time.perf_counter() - t0
     steps = []
     infinity.stats(model, reset=True)
+    if args.get("attribute"):
+        sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+        from bench_nvme_step import DiskProbe, attribute
+        from infinity.optim import swapper
+        swapper.record_requests(True)
     for i in range(args["steps"]):
         loss, fb_s, step_s, s = timed_step(model, opt,
                                            lambda: model(input_ids=ids, labels=ids).loss)
+        if args.get("attribute"):
+            st = opt.last_step_stats
+            where = {"bytes_read": st.bytes_read, "bytes_written": st.bytes_written,
+                     "compute_s": st.compute_s}
+            where.update(attribute(st, 0.0, step_s))
+            print(json.dumps({"progress": i, "attribution": where}), file=sys.stderr,
+                  flush=True)
         steps.append({"loss": loss.item(), "forward_backward_s": fb_s, "step_s": step_s,
                       "moved": s.get("moved"), "nvme_written": s["nvme_bytes_written"]["last_step"],
                       "nvme_per_step": s["nvme_per_step"],
@@ -160,12 +182,22 @@ _CHILD = textwrap.dedent(r"""
                       "peak_rss_anon_sampled": sampler.anon,
                       "peak_rss_file_sampled": sampler.file,
                       "VmRSS": status("VmRSS"), "swap": swap_bytes(args["nvme"]),
-                      "swap_categories": s.get("swap")})
+                      "swap_categories": s.get("swap"),
+                      **({"attribution": where} if args.get("attribute") else {})})
         print(json.dumps({"progress": i, "loss": loss.item(), "fwd_bwd_s": fb_s,
                           "step_s": step_s, "VmHWM": status("VmHWM"),
                           "anon_peak": sampler.anon, "file_peak": sampler.file,
                           "engine_host_peak": s["tiers"]["host"]["peak"]}), file=sys.stderr,
               flush=True)
+    disk = None
+    if args.get("attribute"):
+        swapper.record_requests(False)
+        probe = DiskProbe(args["nvme"], min(4 << 30, max(st.bytes_read, 64 << 20)), 64 << 20)
+        disk = {"read_bps": probe.read(), "write_bps": probe.write()}
+        disk["mixed_s"] = probe.mixed()
+        disk["mixed_bytes"] = 2 * probe.nbytes
+        for path in probe.paths:
+            os.remove(path)
     model.eval()
     with torch.no_grad():
         eval_loss = model(input_ids=ids, labels=ids).loss.item()
@@ -173,7 +205,7 @@ _CHILD = textwrap.dedent(r"""
                       "after_wrap": after_wrap, "wrap_s": wrap_s, "optimizer_init_s": opt_s,
                       "steps": steps, "eval_loss": eval_loss, "plan": planned,
                       "state_formats": infinity.stats(model).get("optimizer_states"),
-                      "swap": swap_bytes(args["nvme"])}))
+                      "swap": swap_bytes(args["nvme"]), "disk": disk}))
     opt.close()
 """)
 
@@ -213,6 +245,9 @@ def main(argv: Optional[list] = None) -> int:
                    help="wrap with tiled_head=True (the LM head and loss in vocabulary tiles)")
     p.add_argument("--whole-embedding", action="store_true",
                    help="wrap with embedding_rows=False (an untied embedding fetched whole)")
+    p.add_argument("--attribute", action="store_true",
+                   help="where each opt.step() went (per-request timeline) and the disk's "
+                   "read / write / mixed rates measured in the same run")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     name = "quick" if args.quick else args.model
@@ -234,7 +269,7 @@ def main(argv: Optional[list] = None) -> int:
                "overlap": {"auto": "auto", "on": True, "off": False}[args.overlap],
                "keep_grads": True if args.keep_grads == "true" else "auto",
                "tiers": args.tiers, "tiled_head": args.tiled_head,
-               "whole_embedding": args.whole_embedding}
+               "whole_embedding": args.whole_embedding, "attribute": args.attribute}
     try:
         run = _common.run_child("bench_real_models", _CHILD, payload,
                                 timeout=900 if args.quick else 4 * 3600)
@@ -262,7 +297,7 @@ def main(argv: Optional[list] = None) -> int:
         "wrap_s": run["wrap_s"], "optimizer_init_s": run["optimizer_init_s"],
         "eval_loss": run["eval_loss"], "state_formats": run["state_formats"],
         "tiers": args.tiers, "plan": run["plan"],
-        "steps": run["steps"],
+        "steps": run["steps"], "disk": run.get("disk"),
     }
     print(f"{name}: {n / 1e9:.3f}B params ({config['num_hidden_layers']} layers, vocab "
           f"{config['vocab_size']}), weights {args.weights}, compute {args.compute}, states "
@@ -285,6 +320,20 @@ def main(argv: Optional[list] = None) -> int:
         if sc:
             print("  swap B/param: " + ", ".join(f"{k} {v:.2f}" for k, v in
                                                   sc["per_param"].items()))
+    disk = run.get("disk")
+    if disk:
+        print(f"disk, same run: read {disk['read_bps'] / 1e9:.2f} GB/s, write "
+              f"{disk['write_bps'] / 1e9:.2f} GB/s, mixed "
+              f"{disk['mixed_bytes'] / disk['mixed_s'] / 1e9:.2f} GB/s")
+        for i, s in enumerate(run["steps"]):
+            a = s["attribution"]
+            disk_s = a["bytes_read"] / disk["read_bps"] + a["bytes_written"] / disk["write_bps"]
+            a["disk_s_same_run"] = disk_s
+            a["step_over_disk"] = s["step_s"] / disk_s if disk_s > 0 else None
+            print(f"step {i}: opt.step {s['step_s']:.1f} s = {a['step_over_disk'] or 0:.2f}x the "
+                  f"disk time of its bytes ({disk_s:.1f} s); blocked on reads "
+                  f"{a['read_wait_s']:.1f} s, on writes {a['write_wait_s']:.1f} s, CPU Adam "
+                  f"{a['compute_s']:.1f} s; disk idle {a['disk_idle_s']:.2f} s")
     print(f"eval loss after training: {run['eval_loss']:.4f}")
     out = args.out or os.path.join(
         HERE, "results", "bench_real_models_quick.json" if args.quick else

@@ -27,13 +27,21 @@ def test_full_vocabulary_quick_within_budget(tmp_path):
     """Vocabulary 128256 at a tiny width (an embedding 64x a layer), parameters, gradients and
     8-bit states on NVMe, host_budget 256 MiB: trains, the engine's host accounting stays in
     the budget at every step, the swap holds each category, and eval works after training."""
-    data = _run(tmp_path, "--quick")
+    data = _run(tmp_path, "--quick", "--overlap", "off", "--attribute")
     assert data["config"]["vocab_size"] == 128256
     assert len(data["steps"]) == 2
     for s in data["steps"]:
         assert s["loss"] > 0
         assert s["host"]["peak"] <= data["host_budget"], s["host"]
     assert data["eval_loss"] > 0
+    # --attribute: each step's I/O bytes and where its time went, against the disk measured
+    # in the same run
+    assert data["disk"]["read_bps"] > 0 and data["disk"]["write_bps"] > 0
+    for s in data["steps"]:
+        a = s["attribution"]
+        assert a["bytes_read"] > 0 and a["bytes_written"] > 0
+        assert a["disk_s_same_run"] > 0 and a["step_over_disk"] > 0
+        assert 0 <= a["disk_idle_s"] <= s["step_s"]
     for category in ("parameters", "gradients", "optimizer states"):
         assert data["swap_bytes"].get(category, 0) > 0, data["swap_bytes"]
     assert not os.path.exists(tmp_path / "swap")  # swap files removed

@@ -1,6 +1,8 @@
 """Budgets written as sizes ("6GiB", "24GB", "512MiB", "1.5 GiB"), as accelerate's max_memory
 and ``infinity bench --ram-budget`` take them: one parser (infinity.sizes) behind the policy,
 wrap, the planner and the command line; the policy keeps ints; bad sizes are clear errors."""
+import shutil
+
 import pytest
 
 import infinity
@@ -72,8 +74,12 @@ def test_wrap_takes_size_strings_and_the_engine_sees_ints():
     assert engine_of(model) is None
 
 
-def test_planner_takes_size_strings(tmp_path):
+def test_planner_takes_size_strings(tmp_path, monkeypatch):
     pr = probe(str(tmp_path), quick=True)
+    # the planner reads the swap disk's free space at each call: hold it still, so that other
+    # writers on this disk between the two plans cannot change the second one
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage)
     p = plan(TinyGPT(CFG), probe=pr, nvme_path=str(tmp_path), host_budget="1GiB",
              device_budget="768MiB")
     assert p.budgets["host"] == GiB and p.budgets["device"] == 768 * MiB
