@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from .block import Block
+from .compile_guard import eager_only
 from .registry import locate
 from . import rows as rows_mod
 
@@ -207,6 +208,7 @@ class LossFunction:
     def __init__(self, original: Callable[..., torch.Tensor]) -> None:
         self.original = original
 
+    @eager_only
     def __call__(self, logits: Any = None, labels: Any = None, *args: Any,
                  **kwargs: Any) -> torch.Tensor:
         if isinstance(logits, TiledLogits):
@@ -214,8 +216,10 @@ class LossFunction:
         return self.original(logits, labels, *args, **kwargs)
 
 
+@eager_only
 def forward(self: nn.Linear, input: torch.Tensor) -> Any:
-    """The tiled forward of a wrapped LM head (bound to the module as its ``forward``)."""
+    """The tiled forward of a wrapped LM head (bound to the module as its ``forward``). Run
+    eagerly under torch.compile (it streams tiles through the engine), as the hooks are."""
     loc = locate(self.weight)
     if loc is None or not getattr(loc.block, "row_lookup", False):
         return nn.Linear.forward(self, input)

@@ -5,6 +5,8 @@ FSDP2 keeps its own: a compiled model runs them eagerly between its graphs. Chec
   with embeddings whose forward reads only the batch's rows) trains as the compiled plain
   model does: same losses, gradients and, after ``infinity.optim.AdamW`` against
   ``torch.optim.AdamW(fused=True)``, weights, bitwise in fp32 over three steps;
+- a compiled Llama with ``tiled_head=True`` trains as the same wrapped model run eagerly, and
+  dynamo traces none of the tiled head's code (its forward and loss run eagerly, as the hooks);
 - dynamo warns and logs nothing about the hooks' own code (``time.perf_counter``,
   ``ctypes.byref``) and compiles no frame of the engine's runtime but compile_guard's
   three-line dispatcher;
@@ -142,3 +144,78 @@ def test_hooks_do_not_import_dynamo(tmp_path):
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "[False, False]", out.stdout
+
+
+def test_compiled_tiled_head_trains_as_eager(tmp_path):
+    """torch.compile on a Llama wrapped with ``tiled_head=True`` (the head's weight streamed in
+    vocabulary tiles, the loss over the tiles; runtime/tiled_head.py): dynamo traces the model
+    around the tiled head, which runs eagerly, and the compiled model trains as the same wrapped
+    model run eagerly: losses, gradients and weights after ``infinity.optim.AdamW`` bitwise over
+    three steps; the logits are never materialized in either."""
+    transformers = pytest.importorskip("transformers")
+    from infinity.runtime.engine import engine_of
+    torch._dynamo.reset()
+    cfg = transformers.LlamaConfig(
+        vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=False)
+    models, opts = [], []
+    for name in ("eager", "compiled"):
+        torch.manual_seed(0)
+        m = transformers.LlamaForCausalLM(cfg).float()
+        (tmp_path / name).mkdir()
+        infinity.wrap(m, nvme_path=str(tmp_path / name), host_budget="1GiB",
+                      chunk_bytes="256KiB", tiled_head=True, param_tier="nvme",
+                      grad_tier="nvme", optimizer_tier="nvme")
+        models.append(m)
+        opts.append(infinity.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1))
+    eager, model = models
+    head = next(b for b in engine_of(model).blocks if model.lm_head in b.modules)
+    assert head.row_lookup  # the head is tiled
+    graphs = _Graphs()
+    compiled = torch.compile(model, backend=graphs)
+    gen = torch.Generator().manual_seed(1)
+    log = io.StringIO()
+    handler = logging.StreamHandler(log)
+    dynamo_log = logging.getLogger("torch._dynamo")
+    level = dynamo_log.level
+    dynamo_log.addHandler(handler)
+    dynamo_log.setLevel(logging.INFO)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _train_pair(eager, compiled, model, opts, cfg, gen)
+    finally:
+        dynamo_log.removeHandler(handler)
+        dynamo_log.setLevel(level)
+        torch._dynamo.reset()
+    for (name, p), q in zip(eager.named_parameters(), model.parameters()):
+        assert torch.equal(p.detach(), q.detach()), name
+    assert graphs.graphs > 0 and graphs.calls > 0, vars(graphs)  # really compiled
+    # dynamo traced none of the tiled head's own code (its tile reads time themselves and
+    # take locks: dynamo warned about time.monotonic and locks when it traced them)
+    messages = [str(w.message) for w in caught] + log.getvalue().splitlines()
+    bad = [m for m in messages if _suspect(m) or "monotonic" in m or "allocate_lock" in m]
+    assert not bad, bad[:3]
+    for m, opt in zip(models, opts):
+        opt.close()
+        infinity.unwrap(m)
+
+
+def _train_pair(eager, compiled, model, opts, cfg, gen) -> None:
+    """Three steps of the eager and the compiled wrapped model on the same batches: losses and
+    gradients bitwise equal at every step."""
+    for step in range(3):
+        ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=gen)
+        out_e = eager(input_ids=ids, labels=ids)
+        out_c = compiled(input_ids=ids, labels=ids)
+        assert out_e.logits is None and out_c.logits is None
+        assert torch.equal(out_e.loss.detach(), out_c.loss.detach()), (step, out_e.loss,
+                                                                     out_c.loss)
+        out_e.loss.backward()
+        out_c.loss.backward()
+        for (name, p), q in zip(eager.named_parameters(), model.parameters()):
+            assert torch.equal(infinity.gradient(p), infinity.gradient(q)), (step, name)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
