@@ -1,7 +1,7 @@
 """Typed, validating wrappers over the native kernels (with pure-PyTorch fallbacks)."""
 from infinity.ops.adam import bias_corrections, cpu_adam_step
 from infinity.ops.adam_compact import (cpu_adam_step_8bit, cpu_adam_step_bf16_moments,
-                                       dequantize_8bit, dynamic_map, guard_moment,
+                                       code_table, dequantize_8bit, guard_moment,
                                        moment_bound, new_8bit_state, quantize_8bit)
 from infinity.ops.bf16_master import (cpu_adam_step_bf16_master, round_bf16_master,
                                       widen_bf16_master)
@@ -20,8 +20,8 @@ __all__ = [
     "cpu_adam_step_bf16_moments",
     "cpu_capability",
     "cpu_capability_override",
+    "code_table",
     "dequantize_8bit",
-    "dynamic_map",
     "get_num_threads",
     "guard_moment",
     "moment_bound",

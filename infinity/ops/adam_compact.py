@@ -11,7 +11,7 @@ variant                state per parameter                                  byte
 =====================  ===================================================  ==================
 fp32 (cpu_adam_step)   master fp32 + exp_avg fp32 + exp_avg_sq fp32         4 + 8 = 12
 bf16 moments           master fp32 + exp_avg bf16 + exp_avg_sq bf16         4 + 4 = 8
-8-bit moments          master fp32 + 2 uint8 codes + 2 fp32 absmax / 256    4 + 2.03125 = 6.03
+8-bit moments          master fp32 + 2 uint8 codes + 2 fp32 scales / 256    4 + 2.03125 = 6.03
 =====================  ===================================================  ==================
 
 **bf16 moments** (:func:`cpu_adam_step_bf16_moments`): rounded to nearest even, NaN to a quiet
@@ -21,51 +21,29 @@ it: the second moment can grow but never decays. Updates are then somewhat more 
 than with fp32 states once gradients shrink (the convergence test stays within 1% on its
 regression problem); stochastic rounding would remove that bias but is not deterministic.
 
-**8-bit moments** (:func:`cpu_adam_step_8bit`), block-wise as bitsandbytes' 8-bit Adam: per block
-of :data:`BLOCK_SIZE` = 256 consecutive elements one fp32 absmax per moment; each element is the
-index (uint8 code) of an entry of a 256-entry dynamic map, ``value ~ map[code] * absmax``: the
-signed map for ``exp_avg``, the unsigned map for ``exp_avg_sq`` (:func:`dynamic_map`). A step
-dequantizes a block (``map[code] * absmax``, fp32), applies the moment guard, updates it in fp32,
-takes the new absmax and stores the codes of the level rule (below). Its parameter update is
-Adam's with the bias corrections folded into two host-side scalars,
-``p - (step * m) / (sqrt(v) + eps')`` with ``step = lr / bc1 * sqrt(bc2)`` and
-``eps' = eps * sqrt(bc2)`` (:func:`update_scalars_8bit`): one division and one square root per
-element instead of two divisions and a root, so the step is not bound by the divider. The
-moments are the fp32 kernel's; the parameter can differ from it by an ulp of the update. All-zero codes with all-zero
-scales are a zero state (:func:`new_8bit_state`). A non-finite gradient poisons its block
-(absmax becomes NaN or inf): skip such steps, as the optimizer already does.
+**8-bit moments** (:func:`cpu_adam_step_8bit`): per block of :data:`BLOCK_SIZE` = 256
+consecutive elements, one byte per element and one fp32 scale field per moment; a byte is a small
+float relative to the block's power-of-two unit (``exp_avg``: sign and e3m4, ``exp_avg_sq``: e4m4;
+:mod:`infinity.ops.q8_format` describes the format, :func:`code_table` lists the values). A step
+decodes a block, applies the moment guard, updates it in fp32, updates the parameter and encodes
+the new moments in the same pass (the block's unit from its previous largest value with one binade
+of headroom; the exact rule where that would clip). Its parameter update is Adam's with the bias
+corrections folded into two host-side scalars, ``p - (step * m) / (sqrt(v) + eps')`` with
+``step = lr / bc1 * sqrt(bc2)`` and ``eps' = eps * sqrt(bc2)`` (:func:`update_scalars_8bit`): one
+division and one square root per element. The moments are the fp32 kernel's; the parameter can
+differ from it by an ulp of the update. All-zero codes with all-zero scale fields are a zero state
+(:func:`new_8bit_state`). A non-finite gradient poisons its block (its scale field becomes NaN or
+inf): skip such steps, as the optimizer already does.
 
 *The moment guard.* Exact Adam keeps ``|exp_avg| <= K_t * sqrt(exp_avg_sq)`` after t steps
 (:func:`moment_bound`), which is what bounds its update by about ``lr * K_t``. A quantized pair
 need not: in a block that holds large and small second moments, a small ``exp_avg_sq`` rounds
-down by orders of magnitude (to 0, before the floor below) while its ``exp_avg`` keeps its size,
-and the update grows to ``lr * m / eps`` -- quiet embedding rows beside busy ones moved by
-hundreds of ``lr`` per step. So each dequantized ``exp_avg`` is clamped to
-``+-K_{t-1} * sqrt(exp_avg_sq)`` before the update: a state exact Adam can reach is left as it
-is, any other is brought back inside that set, and no 8-bit update exceeds what fp32 Adam could
-do. A positive ``exp_avg_sq`` is never stored as 0 either (its smallest code is its floor), so a
-quiet element keeps a small step instead of none.
-
-*The level rule* (quantization without a search): the map is a decimal exponent and a linear
-fraction, so the code is computed from the ratio ``r = max(|x| * (1 / absmax), 2**-31)`` (one
-fp32 division per block): the decade ("level") from the fp32 midpoints ``lim`` between
-neighbouring decades (and between the top value and 1.0; the AVX-512 path reads it from two
-tables indexed by r's exponent, as the lims are ~10x apart), then
-``min(trunc(fma(r, S[level], C[level])), cap[level])`` -- the bin inside the decade plus its first
-code in one fma, capped at the decade's last code; a negative ``x`` takes the mirror code
-``254 - code``. Level 0 also holds 0 (signed: below the midpoint to the smallest value) and the
-floor (unsigned). Up to fp32 rounding next to a midpoint this is the nearest code; every path
-(AVX-512, AVX2, scalar, the fallback here) computes the same fp32 operations and so the same
-codes (csrc/cpu_adam_compact.cpp spells the rule out).
-
-The dynamic map is dynamic tree quantization (Dettmers 2016): a code reads
-``[sign][e zero bits][indicator bit][f fraction bits]``; the zeros are a decimal exponent and the
-fraction picks the midpoint of one of ``2**f`` equal bins of [0.1, 1], so the value is
-``sign * 10**-e * (0.1 + 0.9*(k + 0.5)/2**f)`` for e = 0..6. Signed: f = 6 - e (127 magnitudes
-per sign), 0, and the negative zero pattern re-used for +1.0. Unsigned: the sign bit becomes one
-more fraction bit, f = 7 - e (254 values), 0 and 1.0. Sorted ascending. These are the values of
-bitsandbytes' ``create_dynamic_map(signed)``; the native library and :func:`_build_dynamic_map`
-below build them with the same double-precision operations.
+down (to 0, before the floor below) while its ``exp_avg`` keeps its size, and the update grows to
+``lr * m / eps`` -- quiet embedding rows beside busy ones moved by hundreds of ``lr`` per step. So
+each decoded ``exp_avg`` is clamped to ``+-K_{t-1} * sqrt(exp_avg_sq)`` before the update: a state
+exact Adam can reach is left as it is, any other is brought back inside that set, and no 8-bit
+update exceeds what fp32 Adam could do. A positive ``exp_avg_sq`` is never stored as 0 either (its
+smallest code is its floor), so a quiet element keeps a small step instead of none.
 
 Every function validates its tensors like :func:`infinity.ops.cpu_adam_step` and runs the native
 kernel (csrc/cpu_adam_compact.cpp: AVX-512 / AVX2+FMA / scalar chosen like ``cpu_adam_step``,
@@ -74,22 +52,22 @@ missing or the capability is ``torch``.
 """
 from __future__ import annotations
 
-import functools
 import logging
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
 from infinity.ops import _adam_native as _an
 from infinity.ops.adam import (GRAD_DTYPES, OUT_DTYPES, _check_tensor, _overlap,
                                check_hyper, _torch_adam_step, bias_corrections, update_moments)
+from infinity.ops import q8_format
 from infinity.ops.cpu import use_torch_fallback
 
 logger = logging.getLogger(__name__)
 
-BLOCK_SIZE = 256
-"""Elements per quantization block (one fp32 absmax per block and moment)."""
+BLOCK_SIZE = q8_format.BLOCK_SIZE
+"""Elements per quantization block (one fp32 scale field per block and moment)."""
 
 
 
@@ -135,75 +113,18 @@ def moment_bound(steps: int, beta1: float, beta2: float) -> float:
     return min(value, big)
 
 
-# ---- dynamic map --------------------------------------------------------------------------------
+# ---- the code table -----------------------------------------------------------------------------
 
-def _build_dynamic_map(signed: bool) -> List[float]:
-    """The dynamic map as the native library builds it (csrc/cpu_adam_compact.cpp,
-    build_dynamic_map): decade e's values are ``fma(B[f], k, A[f])`` in fp32 with
-    ``A[f] = fp32((0.1 + 0.45 / 2**f) / 10**e)``, ``B[f] = fp32(0.9 / 2**f / 10**e)``,
-    f = 6 - e (signed) or 7 - e; sorted ascending with 0 and 1.0. The fp32 fma is exact here in
-    float64 (B * k has at most 31 significant bits, and its sum with A fits in 53), then rounded
-    once to fp32, as the fma rounds."""
-    bits = 6 if signed else 7
-    out = [0.0] * 256
-    pos = 128 if signed else 1
-    for e in range(6, -1, -1):
-        f = bits - e
-        a = float(torch.tensor((0.1 + 0.45 / (1 << f)) / float(10 ** e), dtype=torch.float32))
-        b = float(torch.tensor(0.9 / (1 << f) / float(10 ** e), dtype=torch.float32))
-        for k in range(1 << f):
-            value = float(torch.tensor(b * k + a, dtype=torch.float64).float())
-            out[pos + k] = value
-            if signed:
-                out[254 - pos - k] = -value
-        pos += 1 << f
-    out[127 if signed else 0] = 0.0
-    out[255] = 1.0
-    return out
-
-
-@functools.lru_cache(maxsize=2)
-def _python_map(signed: bool) -> torch.Tensor:
-    return torch.tensor(_build_dynamic_map(signed), dtype=torch.float32)
-
-
-@functools.lru_cache(maxsize=2)
-def _levels(signed: bool) -> Dict[str, torch.Tensor]:
-    """The level tables of the quantization rule, built from the same double-precision values as
-    the native ones (csrc/cpu_adam_compact.cpp, build_levels), each rounded once to fp32."""
-    bits = 6 if signed else 7
-    table = [float(x) for x in _python_map(signed)]
-    lim, S, C, cap = [], [], [], []
-    base = 128 if signed else 1
-    for level in range(7):
-        e = 6 - level
-        count = 1 << (bits - e)
-        S.append(float(10 ** e) * count / 0.9)
-        C.append(base - 0.1 * count / 0.9)
-        cap.append(base + count - 1)
-        base += count  # the next decade's first code (or 1.0's)
-        lim.append(0.5 * (table[base - 1] + table[base]))
-    if signed:  # level 0: 0 below the midpoint between 0 and the smallest value, then code 128
-        S[0], C[0] = 1.0 / (0.5 * table[128]), 127.0
-    else:       # level 0: codes 1 and 2 split at their midpoint; every positive x below is 1
-        S[0], C[0] = 1.0 / (0.5 * (table[1] + table[2])), 1.0
-    S.append(0.0), C.append(255.0), cap.append(255)  # level 7: 1.0
-    f64 = dict(dtype=torch.float64)
-    return {"lim": torch.tensor(lim, **f64).float(), "S": torch.tensor(S, **f64).float(),
-            "C": torch.tensor(C, **f64).float(), "cap": torch.tensor(cap),
-            "zero_code": 127 if signed else 0}
-
-
-def dynamic_map(signed: bool = True) -> torch.Tensor:
-    """The 256-entry fp32 quantization map, sorted ascending (a fresh tensor): ``signed=True``
-    for ``exp_avg``, ``False`` for ``exp_avg_sq``. A code is an index into it."""
-    if not isinstance(signed, bool):
-        raise TypeError(f"signed must be a bool, got {type(signed).__name__} {signed!r}")
+def code_table(signed: bool = True) -> torch.Tensor:
+    """The 256 fp32 values of the 8-bit codes at unit 1, indexed by the byte (a fresh tensor):
+    ``signed=True`` for ``exp_avg``, ``False`` for ``exp_avg_sq``. A block's values are these
+    times its unit (:func:`infinity.ops.q8_format.unit` of its scale field)."""
+    signed = _signed(signed)
     lib = _compact_lib()
     if lib is None:
-        return _python_map(signed).clone()
+        return q8_format.code_table(signed)
     result = torch.empty(BLOCK_SIZE, dtype=torch.float32)
-    _check_code(lib, lib.inf_q8_dynamic_map(int(signed), result.data_ptr()), "dynamic map")
+    _check_code(lib, lib.inf_q8_code_table(int(signed), result.data_ptr()), "code table")
     return result
 
 
@@ -211,9 +132,10 @@ def dynamic_map(signed: bool = True) -> torch.Tensor:
 
 def quantize_8bit(x: torch.Tensor, *, signed: bool, codes: Optional[torch.Tensor] = None,
                   absmax: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Block-wise 8-bit quantization of a contiguous fp32 CPU tensor, as the 8-bit step stores
-    its moments: returns ``(codes, absmax)``, codes uint8 shaped like ``x``, absmax fp32 of
-    :func:`num_blocks` elements. ``codes``/``absmax`` may be given to write into."""
+    """Block-wise 8-bit quantization of a contiguous fp32 CPU tensor by the exact rule (each
+    block's largest magnitude in its top binade; :mod:`infinity.ops.q8_format`): returns
+    ``(codes, absmax)``, codes uint8 shaped like ``x``, ``absmax`` the fp32 scale fields of
+    :func:`num_blocks` blocks. ``codes``/``absmax`` may be given to write into."""
     signed = _signed(signed)
     x = _check_tensor("x", x, (torch.float32,))
     n = x.numel()
@@ -237,7 +159,8 @@ def quantize_8bit(x: torch.Tensor, *, signed: bool, codes: Optional[torch.Tensor
 
 def dequantize_8bit(codes: torch.Tensor, absmax: torch.Tensor, *, signed: bool,
                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """fp32 values of 8-bit codes: ``map[code] * absmax[block]`` (fp32 product, as the step)."""
+    """fp32 values of 8-bit codes (``absmax``: the blocks' scale fields), as the step decodes
+    them."""
     signed = _signed(signed)
     codes = _check_tensor("codes", codes, (torch.uint8,))
     n = codes.numel()
@@ -298,9 +221,9 @@ def cpu_adam_step_8bit(param: torch.Tensor, grad: torch.Tensor, exp_avg_codes: t
                        weight_decay: float = 0.0, adamw: bool = True,
                        out: Optional[torch.Tensor] = None, grad_multiplier: float = 1.0) -> None:
     """One Adam(W) step with 8-bit block-wise quantized moments, in place on ``param`` (fp32),
-    the codes (uint8, numel of param; signed map for exp_avg, unsigned for exp_avg_sq) and the
-    absmax scales (fp32, :func:`num_blocks` each). Blocks are 256 consecutive elements of the
-    flattened tensors. Other arguments as :func:`infinity.ops.cpu_adam_step`. The dequantized
+    the codes (uint8, numel of param; signed for exp_avg, unsigned for exp_avg_sq) and the
+    scale fields (fp32, :func:`num_blocks` each). Blocks are 256 consecutive elements of the
+    flattened tensors. Other arguments as :func:`infinity.ops.cpu_adam_step`. The decoded
     ``exp_avg`` is clamped by the moment guard (module docstring) before the update."""
     hyper = _hyper(step, lr, beta1, beta2, eps, weight_decay, adamw, grad_multiplier)
     n = _check_step_tensors(param, grad, out, [
@@ -315,13 +238,9 @@ def cpu_adam_step_8bit(param: torch.Tensor, grad: torch.Tensor, exp_avg_codes: t
     bound = moment_bound(step - 1, beta1, beta2)
     lib = None if use_torch_fallback() else _compact_lib()
     if lib is None:
-        m32 = _torch_dequantize(exp_avg_codes.view(-1), exp_avg_absmax.view(-1), True)
-        v32 = _torch_dequantize(exp_avg_sq_codes.view(-1), exp_avg_sq_absmax.view(-1), False)
-        m32 = guard_moment(m32, v32, bound)
-        _torch_adam_step_8bit(param, grad, m32, v32, out, lr, beta1, beta2, eps, weight_decay,
-                              adamw, bc1, bc2_sqrt, grad_multiplier)
-        _torch_quantize(m32, True, exp_avg_codes.view(-1), exp_avg_absmax.view(-1))
-        _torch_quantize(v32, False, exp_avg_sq_codes.view(-1), exp_avg_sq_absmax.view(-1))
+        _torch_step_8bit(param, grad, exp_avg_codes, exp_avg_absmax, exp_avg_sq_codes,
+                         exp_avg_sq_absmax, out, lr, beta1, beta2, eps, weight_decay, adamw, bc1,
+                         bc2_sqrt, grad_multiplier, bound)
         return
     code = lib.inf_adam_step_q8g(
         param.data_ptr(), grad.data_ptr(), _an.DTYPE_CODES[grad.dtype],
@@ -334,11 +253,52 @@ def cpu_adam_step_8bit(param: torch.Tensor, grad: torch.Tensor, exp_avg_codes: t
 
 # ---- pure-PyTorch fallbacks ----------------------------------------------------------------------
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (flat) zero-padded to whole blocks, as rows of :data:`BLOCK_SIZE`."""
+    n = x.numel()
+    padded = torch.zeros(num_blocks(n) * BLOCK_SIZE, dtype=x.dtype)
+    padded[:n] = x
+    return padded.view(-1, BLOCK_SIZE)
+
+
 @torch.no_grad()
 def _torch_dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
     n = codes.numel()
-    scale = absmax.repeat_interleave(BLOCK_SIZE)[:n]
-    return _python_map(signed)[codes.long()] * scale
+    values = q8_format.decode(_rows(codes), q8_format.unit(absmax)[:, None], signed)
+    return values.view(-1)[:n]
+
+
+@torch.no_grad()
+def _torch_quantize(x: torch.Tensor, signed: bool, codes: torch.Tensor,
+                    absmax: torch.Tensor) -> None:
+    """The exact rule (:func:`infinity.ops.q8_format.quantize_blocks`) into codes/absmax."""
+    n = x.numel()
+    c, scales = q8_format.quantize_blocks(_rows(x), signed)
+    codes.copy_(c.view(-1)[:n])
+    absmax.copy_(scales)
+
+
+@torch.no_grad()
+def _torch_step_8bit(param: torch.Tensor, grad: torch.Tensor, m_codes: torch.Tensor,
+                     m_scale: torch.Tensor, v_codes: torch.Tensor, v_scale: torch.Tensor,
+                     out: Optional[torch.Tensor], lr: float, beta1: float, beta2: float,
+                     eps: float, weight_decay: float, adamw: bool, bc1: float, bc2_sqrt: float,
+                     grad_multiplier: float, bound: float) -> None:
+    """The 8-bit step in PyTorch operations, as the kernels compute it: decode, guard, update,
+    then the step's encoding (:func:`infinity.ops.q8_format.step_codes`)."""
+    n = param.numel()
+    m32 = _torch_dequantize(m_codes.view(-1), m_scale.view(-1), True)
+    v32 = _torch_dequantize(v_codes.view(-1), v_scale.view(-1), False)
+    m32 = guard_moment(m32, v32, bound)
+    _torch_adam_step_8bit(param, grad, m32, v32, out, lr, beta1, beta2, eps, weight_decay,
+                          adamw, bc1, bc2_sqrt, grad_multiplier)
+    delayed = adamw or weight_decay == 0.0  # L2 decay: the kernels' exact path (no redo)
+    mc, ms, vc, vs = q8_format.step_codes(_rows(m32), _rows(v32), m_scale.view(-1),
+                                          v_scale.view(-1), delayed)
+    m_codes.view(-1).copy_(mc.view(-1)[:n])
+    v_codes.view(-1).copy_(vc.view(-1)[:n])
+    m_scale.view(-1).copy_(ms)
+    v_scale.view(-1).copy_(vs)
 
 
 def update_scalars_8bit(lr: float, eps: float, bc1: float, bc2_sqrt: float) -> Tuple[float, float]:
@@ -385,47 +345,6 @@ def guard_moment(m: torch.Tensor, v: torch.Tensor, bound: float) -> torch.Tensor
     return torch.where(over, torch.copysign(root * k, m), m)
 
 
-_RATIO_MIN = 2.0 ** -31
-"""The ratio's floor in the level rule (csrc/cpu_adam_compact.cpp, kRatioMin)."""
-
-
-@torch.no_grad()
-def _torch_quantize(x: torch.Tensor, signed: bool, codes: torch.Tensor,
-                    absmax: torch.Tensor) -> None:
-    """The kernels' rule: absmax per block (NaN if one is NaN), codes by the level rule (module
-    docstring; csrc/cpu_adam_compact.cpp, the map comment), in fp32 operations."""
-    n = x.numel()
-    blocks = num_blocks(n)
-    padded = torch.zeros(blocks * BLOCK_SIZE, dtype=torch.float32)
-    padded[:n] = x
-    padded = padded.view(blocks, BLOCK_SIZE)
-    scale = padded.abs().amax(dim=1)  # propagates NaN
-    lv = _levels(signed)
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # degenerate blocks: below
-    inv = torch.ones_like(safe) / safe                              # fp32 1 / absmax
-    r = (padded.abs() if signed else padded) * inv[:, None]         # fp32 products
-    floor = torch.tensor(_RATIO_MIN, dtype=torch.float32)
-    r = torch.where(r > floor, r, floor)                            # NaN -> the floor, as vmaxps
-    level = (r[:, :, None] >= lv["lim"][None, None, :]).sum(dim=2)  # 0..7
-    # fma(r, S, C) in fp32: the product is exact in float64, the sum rounded (twice: float64,
-    # then fp32, which can differ from one rounding by an ulp in rare ties)
-    t = (r.double() * lv["S"][level].double() + lv["C"][level].double()).float()
-    # cvtt, then an unsigned min with the level's cap: NaN / out of range (0x80000000) -> cap
-    ok = torch.isfinite(t) & (t > -2.0 ** 31) & (t < 2.0 ** 31)
-    trunc = torch.where(ok, t, torch.zeros_like(t)).trunc().long()
-    cap = lv["cap"][level]
-    code = torch.where(ok & (trunc >= 0), torch.minimum(trunc, cap), cap)
-    if signed:
-        code = torch.where(torch.signbit(padded), 254 - code, code)
-    else:
-        code = torch.minimum(code, padded.view(torch.int32).long())
-    code = code.clamp(0, 255)
-    code = torch.where((scale == 0)[:, None], torch.full_like(code, lv["zero_code"]), code)
-    code = torch.where(torch.isnan(scale)[:, None], torch.zeros_like(code), code)
-    codes.copy_(code.view(-1)[:n].to(torch.uint8).view(codes.shape))
-    absmax.copy_(scale)
-
-
 # ---- helpers ------------------------------------------------------------------------------------
 
 def _compact_lib():
@@ -440,7 +359,7 @@ def _check_code(lib, code: int, what: str) -> None:
 
 def _signed(signed: object) -> bool:
     if not isinstance(signed, bool):
-        raise TypeError(f"signed must be a bool (True: exp_avg's map, False: exp_avg_sq's), "
+        raise TypeError(f"signed must be a bool (True: exp_avg's codes, False: exp_avg_sq's), "
                         f"got {type(signed).__name__} {signed!r}")
     return signed
 
@@ -477,7 +396,7 @@ def _check_step_tensors(param: object, grad: object, out: object, states: list) 
             _check_tensor(name, t, dtypes)
             if t.numel() != num_blocks(n):
                 raise ValueError(f"{name} has {t.numel()} elements; expected "
-                                 f"ceil({n} / {BLOCK_SIZE}) = {num_blocks(n)} (one fp32 absmax "
+                                 f"ceil({n} / {BLOCK_SIZE}) = {num_blocks(n)} (one fp32 scale "
                                  "per block of 256 parameters)")
         named.append((name, t, dtypes, num_blocks(n) if size == "blocks" else n))
     if out is not None:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import io as inf_io
-from ..ops import dequantize_8bit, dynamic_map, quantize_8bit
+from ..ops import dequantize_8bit, q8_format, quantize_8bit
 from ..ops.adam_compact import BLOCK_SIZE, num_blocks
 from ..ops.bf16_master import MASTER_BYTES
 from ..runtime.flat import FlatParam
@@ -361,55 +361,50 @@ def state_views(layout: StateLayout, buf: torch.Tensor,
                       one.exp_avg_sq_absmax, comp, regions)
 
 
-# ---- 8-bit load: quantization that reproduces dequantized values -----------------------------
+# ---- 8-bit load: quantization that reproduces decoded values ---------------------------------
+RELOAD_SEARCH = 9  # exponents tried above the exact rule's for a block to round-trip
+
+
 def quantize_exact(x: torch.Tensor, signed: bool, codes: torch.Tensor,
                    absmax: torch.Tensor) -> None:
-    """``quantize_8bit(x)`` into ``codes``/``absmax``, except that a block whose values are
-    exactly the dequantized values of some 8-bit block gets codes and a scale that dequantize to
-    them again, bit for bit (state_dict/checkpoints store dequantized fp32 moments; loading must
-    resume exactly).
+    """``quantize_8bit(x)`` into ``codes``/``absmax`` (the exact rule), except that a block whose
+    values are exactly the decoded values of some 8-bit block gets codes and a scale field that
+    decode to them again, bit for bit (state_dict/checkpoints store decoded fp32 moments; loading
+    must resume exactly).
 
-    Why the plain rule is not enough: quantize takes the block's largest magnitude as its scale,
-    so that value maps to +-1. The unsigned map (exp_avg_sq) and the signed map's positive side
-    contain 1.0, so dequantize gives back the scale exactly and quantize(dequantize(q)) == q.
-    The signed map's lowest entry is -0.99297 (there is no -1.0): when a block's largest
-    magnitude is negative, its dequantized values have a largest magnitude of 0.99297 * scale,
-    and re-quantizing would pick that smaller scale and shift every value. For such blocks the
-    scale is recovered as ``|largest| / 0.99297`` (or an fp32 neighbour) and kept when it
-    reproduces the block exactly; any other block keeps the plain quantization."""
+    Why the exact rule is not enough: a step encodes a block at an exponent one binade above its
+    previous largest value (infinity.ops.q8_format), so its values need not be representable at
+    the exponent the exact rule takes from their largest magnitude. Any exponent that represents
+    them all is as good: the next step depends only on the decoded values and on the block's
+    largest one (the scale field's c_max decoded), which every such exponent reproduces. So the
+    exponents from the exact rule's upward are tried, and each block takes the first that
+    round-trips; a block that none reproduces (values from elsewhere) keeps the exact rule."""
     n = x.numel()
     quantize_8bit(x, signed=signed, codes=codes, absmax=absmax)
-    if not signed or n == 0:
+    if n == 0:
         return
     nb = num_blocks(n)
     pad = nb * BLOCK_SIZE - n
-    back = dequantize_8bit(codes, absmax, signed=True)
-    xs, ys = F.pad(x, (0, pad)).view(nb, BLOCK_SIZE), F.pad(back, (0, pad)).view(nb, BLOCK_SIZE)
-    bad = (xs != ys).any(dim=1)
+    back = dequantize_8bit(codes, absmax, signed=signed)
+    rows = F.pad(x, (0, pad)).view(nb, BLOCK_SIZE)
+    bad = (rows != F.pad(back, (0, pad)).view(nb, BLOCK_SIZE)).any(dim=1)
+    bad &= torch.isfinite(rows).all(dim=1)
     if not bool(bad.any()):
         return
-    rows = bad.nonzero().squeeze(1)
-    block = xs[rows]
-    col = torch.where(block < 0, -block, 0).argmax(dim=1)  # a most negative element
-    arange = torch.arange(len(rows))
-    largest = block[arange, col]
-    candidate = (largest < 0) & (-largest == block.abs().amax(dim=1))
-    low = dynamic_map(True)[0]  # -0.99297: the signed map's lowest entry
-    guess = largest / low
+    idx = bad.nonzero().squeeze(1)
+    block = rows[idx]
+    k0 = q8_format.unit(absmax[idx]).frexp()[1].long() - 1  # the exact rule's exponent
     codes_p = F.pad(codes, (0, pad)).view(nb, BLOCK_SIZE)
-    fixed = torch.zeros(len(rows), dtype=torch.bool)
-    for scale in (guess, torch.nextafter(guess, torch.full_like(guess, float("inf"))),
-                  torch.nextafter(guess, torch.zeros_like(guess))):
-        trial = block.clone()
-        trial[arange, col] = scale  # the largest magnitude of the block: quantize's scale
-        c, a = quantize_8bit(trial.view(-1), signed=True)
-        c = c.view(-1, BLOCK_SIZE)
-        c[arange, col] = 0  # the lowest code, whose value is low * scale
-        again = dequantize_8bit(c.view(-1), a, signed=True).view(-1, BLOCK_SIZE)
-        ok = (again == block).all(dim=1) & candidate & ~fixed
+    fixed = torch.zeros(len(idx), dtype=torch.bool)
+    for j in range(1, RELOAD_SEARCH):
+        k = (k0 + j).clamp(max=q8_format.K_MAX)
+        c, _ = q8_format.encode(block, k[:, None], signed)
+        again = q8_format.decode(c, torch.pow(2.0, k.double()).float()[:, None], signed)
+        ok = (again == block).all(dim=1) & ~fixed
         if bool(ok.any()):
-            codes_p[rows[ok]] = c[ok]
-            absmax[rows[ok]] = a[ok]
+            codes_p[idx[ok]] = c[ok]
+            cm = q8_format.magnitude(c[ok], signed).amax(dim=1)
+            absmax[idx[ok]] = q8_format.scale_field(k[ok], cm)
             fixed |= ok
         if bool(fixed.all()):
             break

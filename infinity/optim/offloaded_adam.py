@@ -94,8 +94,9 @@ class OffloadedAdam(torch.optim.Optimizer):
         states: the format of the moments (master weights stay fp32 in every format):
             "fp32" (default; 12 bytes per parameter with the master), "bf16" (bf16 moments,
             rounded to nearest even after each step; 8 B/param) or "8bit" (block-wise 8-bit
-            moments with a dynamic map, as bitsandbytes' 8-bit Adam: 256-element blocks per
-            parameter, one fp32 absmax each; ~6.03 B/param). The update itself is the fp32
+            moments: 256-element blocks per parameter, one byte per element -- a small float
+            relative to the block's power-of-two unit -- and one fp32 scale each; ~6.03
+            B/param; :mod:`infinity.ops.q8_format`). The update itself is the fp32
             kernel's, from the widened moments (``infinity.ops.adam_compact``). Applies to
             wrapped shards (host and NVMe; NVMe extents and transfers shrink with it) and to
             unwrapped parameters. Per parameter: a dict ``{nn.Parameter | nn.Module |

@@ -24,7 +24,7 @@ import torch
 import infinity
 from infinity import ops
 from infinity.models import GPTConfig, TinyGPT, lm_loss, synthetic_batch
-from infinity.ops import adam_compact
+from infinity.ops import adam_compact, q8_format
 from infinity.ops.adam import bias_corrections
 from infinity.optim.state_store import (STATE_FORMATS, layout_for, quantize_exact,
                                         state_views)
@@ -58,27 +58,34 @@ def _weights(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
 
 def _round_torch_states(opt: torch.optim.Optimizer, fmt: str) -> None:
     """The reference's compact storage: the moments of each parameter that took this step
-    replaced by their stored value (only those: re-quantizing a dequantized 8-bit exp_avg is
-    not the identity, see test_quantize_exact_reproduces_dequantized_moments)."""
+    replaced by their stored value (only those). 8-bit: the step's encoding
+    (q8_format.step_codes), which depends on the block's previous scale fields: the reference
+    keeps them beside torch's state (``opt.q8_reference_scales``)."""
+    scales = opt.__dict__.setdefault("q8_reference_scales", {})
     for p, state in opt.state.items():
         if p.grad is None:
             continue
-        for key, signed in (("exp_avg", True), ("exp_avg_sq", False)):
-            t = state[key]
-            if fmt == "bf16":
-                t.copy_(t.to(torch.bfloat16).float())
-            elif fmt == "8bit":
-                flat = t.view(-1)
-                n = flat.numel()
-                codes = torch.empty(n, dtype=torch.uint8)
-                absmax = torch.empty(adam_compact.num_blocks(n), dtype=torch.float32)
-                adam_compact._torch_quantize(flat, signed, codes, absmax)
-                flat.copy_(adam_compact._torch_dequantize(codes, absmax, signed))
-        if fmt == "8bit":  # the moment guard the next step applies (idempotent until then)
-            beta1, beta2 = opt.param_groups[0]["betas"]
-            bound = adam_compact.moment_bound(int(state["step"]), beta1, beta2)
-            m, v = state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
-            m.copy_(adam_compact.guard_moment(m.clone(), v, bound))
+        if fmt == "bf16":
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key].copy_(state[key].to(torch.bfloat16).float())
+            continue
+        if fmt != "8bit":
+            continue
+        m, v = state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
+        n = m.numel()
+        blocks = adam_compact.num_blocks(n)
+        old_m, old_v = scales.get(p, (torch.zeros(blocks), torch.zeros(blocks)))
+        rows = [torch.zeros(blocks * 256) for _ in range(2)]
+        rows[0][:n], rows[1][:n] = m, v
+        mc, ms, vc, vs = q8_format.step_codes(rows[0].view(-1, 256), rows[1].view(-1, 256),
+                                              old_m, old_v, True)
+        scales[p] = (ms, vs)
+        m.copy_(q8_format.decode(mc, q8_format.unit(ms)[:, None], True).view(-1)[:n])
+        v.copy_(q8_format.decode(vc, q8_format.unit(vs)[:, None], False).view(-1)[:n])
+        # the moment guard the next step applies (idempotent until then)
+        beta1, beta2 = opt.param_groups[0]["betas"]
+        bound = adam_compact.moment_bound(int(state["step"]), beta1, beta2)
+        m.copy_(adam_compact.guard_moment(m.clone(), v, bound))
 
 
 def _redo_8bit_update(opt: torch.optim.Optimizer, before: Dict) -> None:
@@ -268,29 +275,44 @@ def test_step_8bit_with_bf16_parameters_and_nvme_everything(tmp_path):
 # =========================================================================================
 # state_dict and checkpoints
 # =========================================================================================
-def test_quantize_exact_reproduces_dequantized_moments():
-    """The 8-bit map's round trip: quantize(dequantize(q)) == q holds for exp_avg_sq (the
-    unsigned map has 1.0) but not for exp_avg blocks whose largest magnitude is negative (the
-    signed map's lowest entry is -0.99297): quantize_exact restores those bitwise."""
+def test_quantize_exact_reproduces_decoded_moments():
+    """The 8-bit round trip: a step encodes a block one binade above its previous largest value,
+    so its decoded values need not be representable at the exponent the exact rule picks from
+    them; quantize_exact finds one that reproduces them bitwise, with the same largest value
+    (what the next step reads), and quantizes other values by the exact rule."""
     gen = torch.Generator().manual_seed(0)
     n = 256 * 300 + 77
     x = torch.randn(n, generator=gen) * 10 ** (torch.rand(n, generator=gen) * 4 - 3)
+    blocks = adam_compact.num_blocks(n)
     for signed, values in ((True, x), (False, x.abs())):
-        codes, absmax = ops.quantize_8bit(values, signed=signed)
-        deq = ops.dequantize_8bit(codes, absmax, signed=signed)
-        plain = ops.dequantize_8bit(*ops.quantize_8bit(deq, signed=signed), signed=signed)
-        c2 = torch.empty_like(codes)
-        a2 = torch.empty_like(absmax)
+        rows = torch.zeros(blocks * 256)
+        rows[:n] = values
+        rows = rows.view(-1, 256)
+        mx = rows.abs().amax(1)
+        k = q8_format.block_exponent(mx, signed, q8_format.HEADROOM)  # as a step encodes
+        c, _ = q8_format.encode(rows, k[:, None], signed)
+        deq = q8_format.decode(c, torch.pow(2.0, k.double()).float()[:, None], signed)
+        deq = deq.view(-1)[:n].contiguous()
+        plain_c, plain_a = ops.quantize_8bit(deq, signed=signed)
+        plain = ops.dequantize_8bit(plain_c, plain_a, signed=signed)
+        assert not torch.equal(plain, deq)  # why quantize_exact exists
+        c2 = torch.empty(n, dtype=torch.uint8)
+        a2 = torch.empty(blocks)
         quantize_exact(deq, signed, c2, a2)
-        assert torch.equal(ops.dequantize_8bit(c2, a2, signed=signed), deq)
-        assert torch.equal(c2, codes) and torch.equal(a2, absmax)
-        if signed:
-            assert not torch.equal(plain, deq)  # why quantize_exact exists
-        else:
-            assert torch.equal(plain, deq)
-        # moments that are not 8-bit values: plain quantization
+        back = ops.dequantize_8bit(c2, a2, signed=signed)
+        assert torch.equal(back, deq)
+        top = q8_format.decode(q8_format.c_max(a2).to(torch.uint8), q8_format.unit(a2), signed)
+        assert torch.equal(top.abs(), _pad_rows(deq).abs().amax(1))
+        # moments that are not 8-bit values: the exact rule
         quantize_exact(values, signed, c2, a2)
-        assert torch.equal(c2, codes) and torch.equal(a2, absmax)
+        qc, qa = ops.quantize_8bit(values, signed=signed)
+        assert torch.equal(c2, qc) and torch.equal(a2.view(torch.int32), qa.view(torch.int32))
+
+
+def _pad_rows(x: torch.Tensor) -> torch.Tensor:
+    rows = torch.zeros(adam_compact.num_blocks(x.numel()) * 256)
+    rows[:x.numel()] = x
+    return rows.view(-1, 256)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "8bit"])
@@ -365,8 +387,10 @@ def test_load_fp32_state_into_8bit_optimizer(tmp_path):
     sd = opt8.state_dict()
     for i, e in saved["state"].items():
         m, m8 = e["exp_avg"], sd["state"][i]["exp_avg"]
+        # half a code step: 1/32 of the value (e3m4), and the linear bottom binade's steps of
+        # 2**-12 of the block's largest value (its unit is 2**-7 of it or less, steps of 1/16)
         scale = m.abs().max().clamp_min(1e-30)
-        assert ((m - m8).abs() <= 0.02 * scale).all()
+        assert ((m - m8).abs() <= m.abs() / 32 + scale * 2.0 ** -11).all()
         assert sd["state"][i]["step"].item() == e["step"].item()
     _train(model, opt8, 2)
     opt8.close()

@@ -2,19 +2,17 @@
 
 Every native path (avx512 / avx2 / scalar, forced with cpu_capability_override) and the
 pure-PyTorch fallback ("torch") are checked three ways:
-- composition, bitwise: from the same stored state, the compact step equals "widen the moments,
+- composition, bitwise: from the same stored state, the compact step equals "decode the moments,
   run the fp32 kernel (ops.cpu_adam_step) on the same path, store the new moments compactly"
-  (bf16: ``m32.to(torch.bfloat16)``, round to nearest even; 8-bit: ``quantize_8bit``). The 8-bit
-  step's moments are the fp32 kernel's; its parameter update divides once, with the bias
-  corrections folded into two scalars (q8_update_reference, in fp32 tensor operations);
+  (bf16: ``m32.to(torch.bfloat16)``, round to nearest even; 8-bit: the step's encoding,
+  ``q8_format.step_codes``, in PyTorch operations). The 8-bit step's moments are the fp32
+  kernel's; its parameter update divides once, with the bias corrections folded into two
+  scalars (q8_update_reference, in fp32 tensor operations);
 - against a float64 reference of the same algorithm, from the state before each step:
   param within 4e-6 * (|p| + |update|) + 1e-12 (as tests/unit/ops/test_cpu_adam.py); bf16 moments
-  equal
-  to the float64 moment rounded to nearest even, except where that moment lies within the fp32
-  error of a rounding midpoint (then one of the two neighbours); 8-bit codes equal to the
-  reference's nearest code, except where the reference lies within the fp32 error of the
-  midpoint between two codes (then the neighbour), dequantized values within one quantization
-  step of the float64 moment, absmax within the fp32 error;
+  equal to the float64 moment rounded to nearest even, except where that moment lies within the
+  fp32 error of a rounding midpoint (then one of the two neighbours); 8-bit moments decoded
+  within half a code step of the float64 moment (plus its fp32 error);
 - the native paths agree with each other bitwise (any thread count).
 Sizes are odd (not multiples of 256 nor of the SIMD width), several steps run, with and without
 weight decay, Adam and AdamW, every gradient and working-copy dtype.
@@ -24,7 +22,6 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Optional
 
-import numpy as np
 import pytest
 import torch
 
@@ -32,6 +29,7 @@ from infinity import _native
 from infinity import ops
 from infinity.ops import _adam_native
 from infinity.ops import adam_compact
+from infinity.ops import q8_format
 from infinity.ops.adam import bias_corrections
 
 NATIVE_CAPS: List[str] = ops.available_cpu_capabilities()
@@ -189,54 +187,36 @@ def test_bf16_moments_round_to_nearest_even(cap):
 
 # ---- 8-bit moments -------------------------------------------------------------------------------
 
-def nearest_code_f64(x: torch.Tensor, signed: bool) -> torch.Tensor:
-    """Index of the nearest map entry (exact ties: the upper one), in float64."""
-    table = ops.dynamic_map(signed).double()
-    mid = (table[:-1] + table[1:]) / 2
-    return torch.from_numpy(np.searchsorted(mid.numpy(), x.numpy(), side="right"))
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    n = x.numel()
+    out = torch.zeros(adam_compact.num_blocks(n) * 256, dtype=x.dtype)
+    out[:n] = x.reshape(-1)
+    return out.view(-1, 256)
 
 
-def check_8bit_moment(codes: torch.Tensor, absmax: torch.Tensor, exact: torch.Tensor,
-                      scale: torch.Tensor, signed: bool, what: str) -> None:
-    """Our (codes, absmax) against the float64 moment ``exact`` (see the module docstring)."""
-    n = exact.numel()
-    nb = adam_compact.num_blocks(n)
-    pad = torch.zeros(nb * 256, dtype=torch.float64)
-    pad_scale = torch.zeros(nb * 256, dtype=torch.float64)
-    pad[:n], pad_scale[:n] = exact, scale
-    ref_absmax = pad.view(nb, 256).abs().amax(1)
-    block_scale = pad_scale.view(nb, 256).amax(1)
-    assert_close(absmax, ref_absmax, block_scale, f"{what} absmax")
-    a = ref_absmax.repeat_interleave(256)[:n]
-    bs = block_scale.repeat_interleave(256)[:n]
-    x = exact / torch.where(a == 0, torch.ones_like(a), a)
-    ref = nearest_code_f64(x, signed)
-    ours = codes.long()
-    table = ops.dynamic_map(signed).double()
-    differ = ours != ref
-    if bool(differ.any()):
-        lo = torch.minimum(ours, ref)[differ]
-        mid = (table[lo] + table[(lo + 1).clamp(max=255)]) / 2
-        tol = RTOL * (scale[differ] + x[differ].abs() * bs[differ]) / a[differ] + 1e-12
-        ok = ((ours - ref)[differ].abs() == 1) & ((x[differ] - mid).abs() <= tol)
-        if not signed:  # the floor: a positive second moment keeps the smallest nonzero code
-            ok |= (ref[differ] == 0) & (ours[differ] == 1) & (exact[differ] > 0)
-        if not bool(ok.all()):
-            i = int(differ.nonzero()[int((~ok).nonzero()[0])])
-            raise AssertionError(f"{what}: {int((~ok).sum())} codes not the nearest, e.g. at {i}:"
-                                 f" code {ours[i].item()} for x={x[i].item()!r} "
-                                 f"(nearest {ref[i].item()})")
-    # the dequantized value is within one quantization step of the float64 moment
-    step_up = table[(ref + 1).clamp(max=255)] - table[ref]
-    step_down = table[ref] - table[(ref - 1).clamp(min=0)]
-    bound = torch.maximum(step_up, step_down) * a + RTOL * (scale + bs) + ATOL
-    deq = ops.dequantize_8bit(codes, absmax, signed=signed).double()
-    err = (deq - exact).abs()
-    assert bool((err <= bound).all()), f"{what}: dequantized value off by more than one step"
+def _units(scale: torch.Tensor, n: int) -> torch.Tensor:
+    return q8_format.unit(scale).double().repeat_interleave(256)[:n]
+
+
+def check_8bit_moment(codes: torch.Tensor, scale: torch.Tensor, exact: torch.Tensor,
+                      err_scale: torch.Tensor, signed: bool, what: str) -> None:
+    """Decoded values against the float64 moment: within half a code step (1/32 of the value's
+    binade, and the floor's 1/16 of a unit for exp_avg_sq) plus the fp32 error of the moment."""
+    deq = ops.dequantize_8bit(codes, scale, signed=signed).double()
+    u = _units(scale, exact.numel())
+    bound = exact.abs() / 32 + u / 16 + RTOL * err_scale + ATOL
+    bad = (deq - exact).abs() > bound
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise AssertionError(f"{what}: {int(bad.sum())} values off by more than half a step, "
+                             f"e.g. {deq[i].item()!r} for {exact[i].item()!r}")
 
 
 @pytest.mark.parametrize("cap,grad_dtype,out_dtype,weight_decay,adamw", step_cases())
 def test_8bit_moments_steps(cap, grad_dtype, out_dtype, weight_decay, adamw):
+    """Each step: the parameter is guard + the 8-bit update of the decoded moments, bitwise; the
+    stored state is the step's encoding (q8_format.step_codes) of the fp32 kernel's moments,
+    bitwise; the decoded moments are within half a step of the float64 ones."""
     kw = dict(HYPER, weight_decay=weight_decay, adamw=adamw)
     with ops.cpu_capability_override(cap):
         for n in LENGTHS:
@@ -249,21 +229,20 @@ def test_8bit_moments_steps(cap, grad_dtype, out_dtype, weight_decay, adamw):
                 v32 = ops.dequantize_8bit(vq, va, signed=False)
                 bound = ops.moment_bound(step - 1, kw["beta1"], kw["beta2"])
                 m32 = ops.guard_moment(ops.dequantize_8bit(mq, ma, signed=True), v32, bound)
-                v64 = _exact_dequant(vq, va, False)
-                ref = reference_f64(param, grad, _guard_f64(_exact_dequant(mq, ma, True), v64,
-                                                            bound), v64, step=step, **kw)
+                ref = reference_f64(param, grad, m32.double(), v32.double(), step=step, **kw)
                 p32 = q8_update_reference(param, grad, m32, v32, step=step, **kw)
+                old_ma, old_va = ma.clone(), va.clone()
                 out = out_tensor(n, out_dtype)
                 ops.cpu_adam_step_8bit(param, grad, mq, ma, vq, va, step=step, out=out, **kw)
                 what = f"n={n} step={step}"
                 assert torch.equal(param, p32), f"{what}: param != guard + the 8-bit update"
                 if out is not None:
                     assert torch.equal(out, param.to(out_dtype))
-                for (codes, absmax), moment, signed in (((mq, ma), m32, True),
-                                                        ((vq, va), v32, False)):
-                    qc, qa = ops.quantize_8bit(moment, signed=signed)
-                    assert torch.equal(codes, qc) and torch.equal(absmax, qa), \
-                        f"{what}: stored state != quantize_8bit(fp32 moment)"
+                ec_m, es_m, ec_v, es_v = q8_format.step_codes(
+                    _rows(m32), _rows(v32), old_ma, old_va, adamw or weight_decay == 0.0)
+                assert torch.equal(mq, ec_m.view(-1)[:n]) and torch.equal(vq, ec_v.view(-1)[:n])
+                assert torch.equal(ma.view(torch.int32), es_m.view(torch.int32)), what
+                assert torch.equal(va.view(torch.int32), es_v.view(torch.int32)), what
                 assert_close(param, ref["param"], ref["param_scale"], f"{what} param vs f64")
                 check_8bit_moment(mq, ma, ref["exp_avg"], ref["exp_avg_scale"], True,
                                   f"{what} exp_avg")
@@ -292,123 +271,92 @@ def q8_update_reference(param: torch.Tensor, grad: torch.Tensor, m32: torch.Tens
     return p - (m32 * torch.tensor(step_size, dtype=torch.float32)) / denom
 
 
-def _guard_f64(m: torch.Tensor, v: torch.Tensor, bound: float) -> torch.Tensor:
-    """The moment guard in float64: |m| <= bound * sqrt(v)."""
-    sb = v.sqrt() * bound
-    return torch.where(m.abs() > sb, torch.copysign(sb, m), m)
-
-
-def _exact_dequant(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
-    """map[code] * absmax in float64 (the kernel's fp32 product differs by half an ulp)."""
-    scale = absmax.double().repeat_interleave(256)[:codes.numel()]
-    return ops.dynamic_map(signed).double()[codes.long()] * scale
-
-
-def test_dynamic_maps():
+def test_code_tables():
+    """The 256 values at unit 1: (z - 1) for z = float bits((a << 19) + bits(1.0)), i.e. 16
+    steps per binade of z over 7 (signed, e3m4) or 15 (unsigned, e4m4) binades; the signed byte
+    is a two's-complement sign; native and PyTorch tables are equal."""
     for signed in (True, False):
-        table = ops.dynamic_map(signed)
-        assert table.dtype == torch.float32 and table.numel() == 256
-        assert bool((table[1:] > table[:-1]).all()), "sorted, distinct"
-        assert table[-1].item() == 1.0 and (table == 0).sum() == 1
+        table = ops.code_table(signed)
         with _native.force_fallback():
-            assert torch.equal(ops.dynamic_map(signed), table), "python map != native map"
-        positive = table[table > 0].double()
+            assert torch.equal(ops.code_table(signed), table), "python table != native table"
+        mags = torch.arange(128 if signed else 256)
+        z = 2.0 ** (mags // 16).double() * (1 + (mags % 16).double() / 16)
+        assert torch.equal(table[:len(mags)].double(), z - 1)
+        assert bool((table[1:len(mags)] > table[:len(mags) - 1]).all())
+        assert table[len(mags) - 1].item() == (247.0 if signed else 63487.0)
         if signed:
-            assert (table < 0).sum() == 127 and int((table == 0).nonzero()) == 127
-            assert torch.equal(-table[:127].flip(0), table[128:255]), "symmetric but for +1"
-        else:
-            assert table[0].item() == 0.0
-        # decades 10^-e hold 2^(f) values, f = 6-e (signed) or 7-e, bin midpoints of [0.1, 1]
-        for e in range(7):
-            count = 1 << ((6 if signed else 7) - e)
-            lo, hi = 0.1 / 10 ** e, 1.0 / 10 ** e
-            in_decade = positive[(positive > lo) & (positive < hi)]
-            expected = (0.1 + 0.9 * (torch.arange(count, dtype=torch.float64) + 0.5) / count)
-            assert torch.allclose(in_decade, expected / 10 ** e, rtol=1e-7, atol=0)
-        assert table[table > 0].min().item() == pytest.approx(
-            (0.1 + 0.9 * 0.5 / (1 if signed else 2)) * 1e-6, rel=1e-6)
+            assert torch.equal(table[129:], -table[1:128].flip(0))  # byte 256 - a: -a
+    assert q8_format.TOP == {True: 247.0, False: 63487.0}
 
 
 @pytest.mark.parametrize("cap", ALL_CAPS)
 def test_quantize_dequantize(cap):
+    """The exact rule: per block the largest magnitude in the top binade, the nearest code
+    (half a step), zero and poisoned blocks; every path equals the PyTorch reference bitwise;
+    values of the format come back as themselves."""
     gen = torch.Generator().manual_seed(3)
     n = 1000 + 37
     x = torch.randn(n, generator=gen) * 10 ** (torch.rand(n, generator=gen) * 6 - 4)
-    x[256:512] = 0.0                 # an all-zero block: absmax 0, codes of 0
+    x[256:512] = 0.0                 # an all-zero block: scale 0, codes 0
     x[600] = float("nan")            # poisons its block only
     with ops.cpu_capability_override(cap):
         for signed in (True, False):
             xs = x if signed else x.abs()
-            codes, absmax = ops.quantize_8bit(xs, signed=signed)
+            codes, scale = ops.quantize_8bit(xs, signed=signed)
             with ops.cpu_capability_override("torch"):
                 tc, ta = ops.quantize_8bit(xs, signed=signed)
             assert torch.equal(codes, tc)
-            assert torch.equal(absmax.isnan(), ta.isnan())
-            assert torch.equal(absmax.nan_to_num(), ta.nan_to_num())
-            assert absmax[1].item() == 0.0 and bool(absmax[2].isnan())
-            table = ops.dynamic_map(signed)
-            zero_code = int((table == 0).nonzero())
-            assert bool((codes[256:512] == zero_code).all())
-            y = ops.dequantize_8bit(codes, absmax, signed=signed)
-            expected = table[codes.long()] * absmax.repeat_interleave(256)[:n]
-            assert torch.allclose(y, expected, rtol=0, atol=0, equal_nan=True)
-            for b in (0, 1, 3, 4):  # the blocks without the NaN, against float64
+            assert torch.equal(scale.view(torch.int32), ta.view(torch.int32))
+            assert scale[1].item() == 0.0 and bool(scale[2].isnan())
+            assert bool((codes[256:512] == 0).all()) and bool((codes[512:768] == 0).all())
+            y = ops.dequantize_8bit(codes, scale, signed=signed)
+            table = ops.code_table(signed)
+            expected = table[codes.long()] * q8_format.unit(scale).repeat_interleave(256)[:n]
+            assert torch.equal(y[:512], expected[:512]) and torch.equal(y[768:], expected[768:])
+            assert bool(y[512:768].isnan().all())
+            for b in (0, 3, 4):  # the other blocks: the largest code in the top binade
                 sl = slice(256 * b, min(256 * (b + 1), n))
-                check_8bit_moment(codes[sl], absmax[b:b + 1], xs[sl].double(),
+                check_8bit_moment(codes[sl], scale[b:b + 1], xs[sl].double(),
                                   xs[sl].double().abs(), signed, f"block {b}")
-            # the map's own values come back as their codes, whatever the scale (the level
-            # rule has no search; its bins are the map's), and a value at the fp32 midpoint
-            # between two codes takes one of them
-            for scale in (1.0, 3.7e-5, 123.0, 2.0 ** -60):
-                tc, ta = ops.quantize_8bit(table * scale, signed=signed)
-                assert ta.item() == (table * scale).abs().max().item()
-                assert torch.equal(tc.long(), torch.arange(256)), scale
-            thr = (table[:-1] + table[1:]) * 0.5
-            tc, ta = ops.quantize_8bit(torch.cat([torch.tensor([1.0]), thr]), signed=signed)
-            lo = torch.arange(255)
-            assert bool(((tc[1:].long() == lo) | (tc[1:].long() == lo + 1)).all())
-
-
-def _ratio_sweep(stride: int) -> torch.Tensor:
-    """Blocks of 255 fp32 ratios r in [2**-31, 1] (every ``stride``-th bit pattern, alternating
-    signs) after a 1.0, so that absmax = 1 and each value is its own ratio."""
-    bits = torch.arange(0x30000000, 0x3F800001, stride, dtype=torch.int64)
-    vals = bits.to(torch.int32).view(torch.float32)
-    vals = torch.where(torch.arange(vals.numel()) % 2 == 1, -vals, vals)
-    blocks = (vals.numel() + 254) // 255
-    body = torch.zeros(blocks * 255)
-    body[:vals.numel()] = vals
-    out = torch.cat([torch.ones(blocks, 1), body.view(blocks, 255)], dim=1)
-    return out.reshape(-1)
+                cm = q8_format.c_max(scale[b:b + 1]).item()
+                assert cm == int(q8_format.magnitude(codes[sl], signed).max())
+                assert cm >= (112 if signed else 240), cm  # z >= 2**7 (2**15)
+            # the format's own values come back as their codes at any unit
+            for k in (0, -20, 30, -120):
+                vals = table * 2.0 ** k
+                tc, ta = ops.quantize_8bit(vals, signed=signed)
+                back = ops.dequantize_8bit(tc, ta, signed=signed)
+                keep = torch.isfinite(vals) & (table.abs() < (255 if signed else 1e9))
+                assert torch.equal(back[keep], vals[keep]), k
 
 
 @needs_native
-def test_quantize_paths_agree_over_ratios_and_subnormal_scales():
-    """The level rule on every native path gives the same code for a dense sweep of ratios
-    (each octave, each decade boundary), and for blocks whose absmax is subnormal, where
-    1 / absmax is inf and the ratio of the largest element is inf (octave tables wrap)."""
-    x = _ratio_sweep(stride=997)
+def test_quantize_paths_agree_over_a_dense_sweep_and_tiny_blocks():
+    """Every native path gives the PyTorch reference's codes and scale fields for a dense sweep
+    of fp32 bit patterns (every binade, every rounding boundary) and for blocks whose largest
+    value is subnormal (the exponent clamped at -126)."""
+    bits = torch.arange(0x2F000000, 0x4F000000, 4093, dtype=torch.int64)
+    x = bits.to(torch.int32).view(torch.float32)
+    x = torch.where(torch.arange(x.numel()) % 2 == 1, -x, x)
     tiny = torch.zeros(256)
     tiny[:4] = torch.tensor([2e-39, -2e-39, 1e-39, 1e-45])
     for signed in (True, False):
-        xs = x if signed else x.abs()
-        got = {}
-        for cap in NATIVE_CAPS + ["torch"]:
+        xs, ts = (x, tiny) if signed else (x.abs(), tiny.abs())
+        with ops.cpu_capability_override("torch"):
+            want = [ops.quantize_8bit(t, signed=signed) for t in (xs, ts)]
+        for cap in NATIVE_CAPS:
             with ops.cpu_capability_override(cap):
-                got[cap] = (ops.quantize_8bit(xs, signed=signed)[0],
-                            ops.quantize_8bit(tiny if signed else tiny.abs(), signed=signed)[0])
-        for cap, (codes, tiny_codes) in got.items():
-            assert torch.equal(codes, got["torch"][0]), (cap, signed)
-            assert torch.equal(tiny_codes, got["torch"][1]), (cap, signed, tiny_codes[:4])
-        # the largest element of a subnormal-scale block is +1.0's code, not -1.0's
-        assert got["torch"][1][0].item() == 255
+                for t, (wc, ws) in zip((xs, ts), want):
+                    c, sc = ops.quantize_8bit(t, signed=signed)
+                    assert torch.equal(c, wc), (cap, signed)
+                    assert torch.equal(sc.view(torch.int32), ws.view(torch.int32)), (cap, signed)
 
 
 @pytest.mark.parametrize("cap", ALL_CAPS)
 def test_8bit_step_reads_every_code(cap):
-    """Every code of both maps, in full blocks and in a padded last block, is read as
-    map[code] * absmax by the step (the vector paths compute map[code] from the decade formula,
-    not the table): the step equals guard + update + quantize_8bit of those values, bitwise."""
+    """Every code of both moments, in full blocks and in a padded last block, at several units,
+    is decoded by the step as code_table[code] * unit: the step equals guard + update, and its
+    encoding is the reference's, bitwise."""
     n = 3 * 256 + 100
     codes = torch.arange(n, dtype=torch.int64).remainder(256).to(torch.uint8)
     gen = torch.Generator().manual_seed(12)
@@ -417,23 +365,63 @@ def test_8bit_step_reads_every_code(cap):
               grad_multiplier=1.0)
     with ops.cpu_capability_override(cap):
         mq, vq = codes.clone(), codes.flip(0).contiguous()
-        ma = torch.tensor([0.37, 2e-3, 5.0, 1e-6])
-        va = torch.tensor([1e-2, 3e-5, 4.0, 1e-9])
+        km, kv = torch.tensor([-2, -9, 2, -20]), torch.tensor([-7, -15, 2, -30])
+        ma = q8_format.scale_field(km, q8_format.magnitude(_rows(mq), True).amax(1))
+        va = q8_format.scale_field(kv, _rows(vq).long().amax(1))
         m32 = ops.dequantize_8bit(mq, ma, signed=True)
         v32 = ops.dequantize_8bit(vq, va, signed=False)
-        table_m, table_v = ops.dynamic_map(True), ops.dynamic_map(False)
-        scale_m, scale_v = ma.repeat_interleave(256)[:n], va.repeat_interleave(256)[:n]
-        assert torch.equal(m32, table_m[mq.long()] * scale_m)
-        assert torch.equal(v32, table_v[vq.long()] * scale_v)
+        unit_m = q8_format.unit(ma).repeat_interleave(256)[:n]
+        unit_v = q8_format.unit(va).repeat_interleave(256)[:n]
+        assert torch.equal(m32, ops.code_table(True)[mq.long()] * unit_m)
+        assert torch.equal(v32, ops.code_table(False)[vq.long()] * unit_v)
         bound = ops.moment_bound(4, 0.9, 0.999)
         m32 = ops.guard_moment(m32, v32, bound)
         param = torch.randn(n, generator=gen)
         expected = q8_update_reference(param, grad, m32, v32, step=5, **kw)
+        old_ma, old_va = ma.clone(), va.clone()
         ops.cpu_adam_step_8bit(param, grad, mq, ma, vq, va, step=5, **kw)
         assert torch.equal(param, expected)
-        for (c, a), moment, signed in (((mq, ma), m32, True), ((vq, va), v32, False)):
-            qc, qa = ops.quantize_8bit(moment, signed=signed)
-            assert torch.equal(c, qc) and torch.equal(a, qa)
+        ec_m, es_m, ec_v, es_v = q8_format.step_codes(_rows(m32), _rows(v32), old_ma, old_va, True)
+        assert torch.equal(mq, ec_m.view(-1)[:n]) and torch.equal(vq, ec_v.view(-1)[:n])
+        assert torch.equal(ma.view(torch.int32), es_m.view(torch.int32))
+        assert torch.equal(va.view(torch.int32), es_v.view(torch.int32))
+
+
+@pytest.mark.parametrize("cap", ALL_CAPS)
+def test_8bit_delayed_exponent_and_the_exact_rule_where_it_would_clip(cap):
+    """A block keeps its exponent one binade above its last largest value (the step encodes
+    without looking at the new maximum first); a block whose new values would clip at that
+    exponent (a gradient 1000x its past) is encoded by the exact rule instead: no value is
+    clipped, and the scale field carries the block's largest code."""
+    n = 512
+    gen = torch.Generator().manual_seed(9)
+    param = torch.randn(n, generator=gen)
+    state = ops.new_8bit_state(n)
+    ma, va = state["exp_avg_absmax"], state["exp_avg_sq_absmax"]
+    with ops.cpu_capability_override(cap):
+        for step in range(1, 5):
+            g = torch.randn(n, generator=gen) * 1e-3
+            if step == 4:
+                g[256:] *= 1000.0  # block 1 jumps; block 0 stays quiet
+            before_m, before_v = ma.clone(), va.clone()
+            ops.cpu_adam_step_8bit(param, g, *state.values(), step=step, lr=1e-3)
+            if step == 1:  # a zero state: the exact rule
+                assert bool((q8_format.c_max(ma) >= 112).all())
+                continue
+            top_m = q8_format.decode(q8_format.c_max(before_m).to(torch.uint8),
+                                     q8_format.unit(before_m), True)
+            hinted = q8_format.block_exponent(top_m, True, q8_format.HEADROOM)
+            k = q8_format.unit(ma).frexp()[1].long() - 1
+            m = ops.dequantize_8bit(state["exp_avg_codes"], ma, signed=True)
+            exact_k = q8_format.block_exponent(m.view(2, 256).abs().amax(1), True, 0)
+            if step < 4:
+                assert torch.equal(k, hinted), step
+            else:
+                assert k[0].item() == hinted[0].item()
+                assert k[1].item() == exact_k[1].item() != hinted[1].item()
+            cm = q8_format.magnitude(state["exp_avg_codes"].view(2, 256), True).amax(1)
+            assert torch.equal(q8_format.c_max(ma), cm)
+            assert int(cm.max()) <= 127
 
 
 @pytest.mark.parametrize("cap", ALL_CAPS)
