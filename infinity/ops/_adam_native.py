@@ -48,7 +48,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     for name in ("inf_set_cpu_capability", "inf_set_num_threads"):
         getattr(lib, name).argtypes = [c_int]
         getattr(lib, name).restype = c_int
-    if hasattr(lib, "inf_adam_step_q8g"):  # absent from a library built before the 8-bit guard
+    if hasattr(lib, "inf_q8_code_table"):  # absent before the float 8-bit codes
         _declare_compact(lib)
     if hasattr(lib, "inf_bf16_master_round"):  # absent before cpu_bf16_master
         _declare_bf16_master(lib)
@@ -71,11 +71,11 @@ def _declare_compact(lib: ctypes.CDLL) -> None:
     lib.inf_adam_step_q8g.restype = c_int
     lib.inf_q8_block_size.argtypes = []
     lib.inf_q8_block_size.restype = c_int
-    lib.inf_q8_dynamic_map.argtypes = [c_int, c_vp]
-    lib.inf_q8_dynamic_map.restype = c_int
-    lib.inf_q8_quantize.argtypes = [c_vp, c_i64, c_int, c_vp, c_vp]    # x n signed codes absmax
+    lib.inf_q8_code_table.argtypes = [c_int, c_vp]                     # signed out[256]
+    lib.inf_q8_code_table.restype = c_int
+    lib.inf_q8_quantize.argtypes = [c_vp, c_i64, c_int, c_vp, c_vp]    # x n signed codes scale
     lib.inf_q8_quantize.restype = c_int
-    lib.inf_q8_dequantize.argtypes = [c_vp, c_vp, c_i64, c_int, c_vp]  # codes absmax n signed out
+    lib.inf_q8_dequantize.argtypes = [c_vp, c_vp, c_i64, c_int, c_vp]  # codes scale n signed out
     lib.inf_q8_dequantize.restype = c_int
     lib.inf_adam_compact_calls.argtypes = [c_int, c_int]
     lib.inf_adam_compact_calls.restype = c_i64
@@ -129,7 +129,7 @@ def native() -> Optional[ctypes.CDLL]:
 def native_compact() -> Optional[ctypes.CDLL]:
     """Like :func:`native`, and None too when the library predates the compact-state kernels."""
     lib = native()
-    if lib is None or not hasattr(lib, "inf_adam_step_q8g"):
+    if lib is None or not hasattr(lib, "inf_q8_code_table"):
         return None
     return lib
 
