@@ -387,7 +387,8 @@ inline float scalar_q8_element(const Job& job, const Span& s, const BlockPlan& p
 
 // One full block (or a zero-padded copy of the last one).
 template <int GD, int OD>
-void scalar_q8_block(const Job& job, const Span& s) {
+void scalar_q8_block(const Job& job, const Span& span) {
+  const Span s = span;  // a local copy: not reloaded after each store through its pointers
   const BlockPlan pl = plan_block(job, s);
   uint8_t* mq = static_cast<uint8_t*>(s.m);
   uint8_t* vq = static_cast<uint8_t*>(s.v);
@@ -518,15 +519,41 @@ INF_TARGET_AVX512 INF_INLINE __m512i avx512_encode_q(__m512 x, __m512 inv, __m51
   return q;
 }
 
-// 16 codes (bytes) of x from their q.
+// 16 codes of x from their q, as int32 (m: t = -a where x's sign bit is set).
 template <bool SIGNED>
-INF_TARGET_AVX512 INF_INLINE __m128i avx512_code_bytes(__m512 x, __m512i q) {
+INF_TARGET_AVX512 INF_INLINE __m512i avx512_codes(__m512 x, __m512i q) {
   __m512i a = _mm512_min_epu32(q, _mm512_set1_epi32(static_cast<int>(kTopCode[SIGNED])));
   if constexpr (SIGNED) {
     const __mmask16 neg = _mm512_cmplt_epi32_mask(_mm512_castps_si512(x), _mm512_setzero_si512());
     a = _mm512_mask_sub_epi32(a, neg, _mm512_setzero_si512(), a);
   }
-  return _mm512_cvtepi32_epi8(a);
+  return a;
+}
+
+// 64 codes (4 x 16 int32 in order: m -127..127 by signed-saturating packs, v 0..255 unsigned)
+// stored as bytes: two packs and one permute instead of four narrowing stores.
+template <bool SIGNED>
+INF_TARGET_AVX512 INF_INLINE void avx512_store_codes(uint8_t* dst, const __m512i* c) {
+  __m512i b;
+  if constexpr (SIGNED) {
+    b = _mm512_packs_epi16(_mm512_packs_epi32(c[0], c[1]), _mm512_packs_epi32(c[2], c[3]));
+  } else {
+    b = _mm512_packus_epi16(_mm512_packus_epi32(c[0], c[1]), _mm512_packus_epi32(c[2], c[3]));
+  }
+  // lane L of b holds c0[4L..4L+3], c1[4L..], c2[4L..], c3[4L..]: a 4x4 transpose of dwords
+  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  _mm512_storeu_si512(dst, _mm512_permutexvar_epi32(order, b));
+}
+
+// 64 values at inv encoded into dst; mx folds the largest q.
+template <bool SIGNED>
+INF_TARGET_AVX512 INF_INLINE void avx512_encode64(const __m512* x, __m512 inv, __m512i& mx,
+                                                  uint8_t* dst) {
+  __m512i c[4];
+  for (int u = 0; u < 4; ++u) {
+    c[u] = avx512_codes<SIGNED>(x[u], avx512_encode_q<SIGNED>(x[u], inv, mx));
+  }
+  avx512_store_codes<SIGNED>(dst, c);
 }
 
 // The exact rule on 256 fp32 values (scalar_exact_block's operations).
@@ -542,15 +569,14 @@ INF_TARGET_AVX512 void avx512_exact_block(const float* buf, int sign, uint8_t* c
   const int k = kfor(bits_f32(mx), sign, 0);
   const __m512 inv = _mm512_set1_ps(pow2(-k));
   __m512i top = _mm512_setzero_si512();
-  for (int i = 0; i < kBlock; i += 16) {
-    const __m512 x = _mm512_loadu_ps(buf + i);
-    __m128i bytes;
+  for (int i = 0; i < kBlock; i += 64) {
+    const __m512 x[4] = {_mm512_loadu_ps(buf + i), _mm512_loadu_ps(buf + i + 16),
+                         _mm512_loadu_ps(buf + i + 32), _mm512_loadu_ps(buf + i + 48)};
     if (sign == kSigned) {
-      bytes = avx512_code_bytes<true>(x, avx512_encode_q<true>(x, inv, top));
+      avx512_encode64<true>(x, inv, top, codes + i);
     } else {
-      bytes = avx512_code_bytes<false>(x, avx512_encode_q<false>(x, inv, top));
+      avx512_encode64<false>(x, inv, top, codes + i);
     }
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), bytes);
   }
   *scale = scale_field(k, std::min<uint32_t>(_mm512_reduce_max_epu32(top), kTopCode[sign]));
 }
@@ -559,6 +585,7 @@ INF_TARGET_AVX512 void avx512_exact_block(const float* buf, int sign, uint8_t* c
 struct Q8V512 {
   __m512 gmul, decay, wd, lerp, b2, omb2, step, eps, bound, bound_sq;
   bool gmul_one;  // grad_multiplier == 1: no multiply (bitwise the same)
+  bool has_wd, adamw, lerp_small;  // job.c's, held here (not reloaded after each store)
 };
 
 INF_TARGET_AVX512 INF_INLINE Q8V512 make_q8v512(const Job& job) {
@@ -568,7 +595,8 @@ INF_TARGET_AVX512 INF_INLINE Q8V512 make_q8v512(const Job& job) {
                 _mm512_set1_ps(c.beta2),           _mm512_set1_ps(c.one_minus_beta2),
                 _mm512_set1_ps(job.q8_step),       _mm512_set1_ps(job.q8_eps),
                 _mm512_set1_ps(job.m_bound),       _mm512_set1_ps(job.m_bound_sq),
-                c.grad_multiplier == 1.0f};
+                c.grad_multiplier == 1.0f,         c.has_weight_decay,
+                c.adamw,                           c.lerp_small};
 }
 
 // U x 16 elements at i of the AVX-512 8-bit step: decode, guard, update (scalar_q8_adam's
@@ -577,9 +605,8 @@ INF_TARGET_AVX512 INF_INLINE Q8V512 make_q8v512(const Job& job) {
 // any lane of them needs it: rare in training, but in a run of constant gradients the state sits
 // on Adam's bound and it fires at random, element by element.
 template <int GD, int OD, int U, bool STORE>
-INF_TARGET_AVX512 INF_INLINE void avx512_q8_update(const Job& job, const Q8V512& c, const Span& s,
-                                                   int i, __m512 um, __m512 uv, __m512* mo,
-                                                   __m512* vo) {
+INF_TARGET_AVX512 INF_INLINE void avx512_q8_update(const Q8V512& c, const Span& s, int i,
+                                                   __m512 um, __m512 uv, __m512* mo, __m512* vo) {
   const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
   __m512 mi[U], vi[U];
   __mmask16 over[U];
@@ -612,14 +639,14 @@ INF_TARGET_AVX512 INF_INLINE void avx512_q8_update(const Job& job, const Q8V512&
     __m512 grad = avx512_load_grad<GD, false>(s.g, e, 0);
     if (!c.gmul_one) grad = _mm512_mul_ps(grad, c.gmul);
     __m512 param = _mm512_loadu_ps(s.p + e);
-    if (job.c.has_weight_decay) {
-      if (job.c.adamw) {
+    if (c.has_wd) {
+      if (c.adamw) {
         param = _mm512_mul_ps(param, c.decay);
       } else {
         grad = _mm512_fmadd_ps(param, c.wd, grad);
       }
     }
-    mo[u] = _mm512_fmadd_ps(c.lerp, _mm512_sub_ps(grad, mi[u]), job.c.lerp_small ? mi[u] : grad);
+    mo[u] = _mm512_fmadd_ps(c.lerp, _mm512_sub_ps(grad, mi[u]), c.lerp_small ? mi[u] : grad);
     vo[u] = _mm512_fmadd_ps(_mm512_mul_ps(c.omb2, grad), grad, _mm512_mul_ps(vi[u], c.b2));
     if constexpr (STORE) {
       param = _mm512_sub_ps(param, _mm512_div_ps(_mm512_mul_ps(c.step, mo[u]),
@@ -632,7 +659,8 @@ INF_TARGET_AVX512 INF_INLINE void avx512_q8_update(const Job& job, const Q8V512&
 
 // One full block (or a zero-padded copy of the last one), one pass (see the format comment).
 template <int GD, int OD>
-INF_TARGET_AVX512 void avx512_q8_block(const Job& job, const Span& s) {
+INF_TARGET_AVX512 void avx512_q8_block(const Job& job, const Span& span) {
+  const Span s = span;  // a local copy: not reloaded after each store through its pointers
   const Q8V512 c = make_q8v512(job);
   const BlockPlan pl = plan_block(job, s);
   const __m512 um = _mm512_set1_ps(pl.unit_m);
@@ -649,14 +677,9 @@ INF_TARGET_AVX512 void avx512_q8_block(const Job& job, const Span& s) {
     __m512i qm = _mm512_setzero_si512(), qv = _mm512_setzero_si512();
     for (int i = 0; i < kBlock; i += 64) {
       __m512 mo[4], vo[4];
-      avx512_q8_update<GD, OD, 4, true>(job, c, s, i, um, uv, mo, vo);
-      for (int u = 0; u < 4; ++u) {
-        const int e = i + 16 * u;
-        _mm_store_si128(reinterpret_cast<__m128i*>(mst + e),
-                        avx512_code_bytes<true>(mo[u], avx512_encode_q<true>(mo[u], im, qm)));
-        _mm_store_si128(reinterpret_cast<__m128i*>(vst + e),
-                        avx512_code_bytes<false>(vo[u], avx512_encode_q<false>(vo[u], iv, qv)));
-      }
+      avx512_q8_update<GD, OD, 4, true>(c, s, i, um, uv, mo, vo);
+      avx512_encode64<true>(mo, im, qm, mst + i);
+      avx512_encode64<false>(vo, iv, qv, vst + i);
     }
     const uint32_t tm = _mm512_reduce_max_epu32(qm);
     const uint32_t tv = _mm512_reduce_max_epu32(qv);
@@ -671,7 +694,7 @@ INF_TARGET_AVX512 void avx512_q8_block(const Job& job, const Span& s) {
     }
     for (int i = 0; i < kBlock; i += 64) {  // a clip: redo from the intact old codes
       __m512 mo[4], vo[4];
-      avx512_q8_update<GD, OD, 4, false>(job, c, s, i, um, uv, mo, vo);
+      avx512_q8_update<GD, OD, 4, false>(c, s, i, um, uv, mo, vo);
       for (int u = 0; u < 4; ++u) {
         _mm512_store_ps(mbuf + i + 16 * u, mo[u]);
         _mm512_store_ps(vbuf + i + 16 * u, vo[u]);
@@ -680,7 +703,7 @@ INF_TARGET_AVX512 void avx512_q8_block(const Job& job, const Span& s) {
   } else {
     for (int i = 0; i < kBlock; i += 64) {
       __m512 mo[4], vo[4];
-      avx512_q8_update<GD, OD, 4, true>(job, c, s, i, um, uv, mo, vo);
+      avx512_q8_update<GD, OD, 4, true>(c, s, i, um, uv, mo, vo);
       for (int u = 0; u < 4; ++u) {
         _mm512_store_ps(mbuf + i + 16 * u, mo[u]);
         _mm512_store_ps(vbuf + i + 16 * u, vo[u]);
@@ -807,6 +830,7 @@ INF_TARGET_AVX2 void avx2_exact_block(const float* buf, int sign, uint8_t* codes
 struct Q8V256 {
   __m256 gmul, decay, wd, lerp, b2, omb2, step, eps, bound, bound_sq;
   bool gmul_one;  // grad_multiplier == 1: no multiply (bitwise the same)
+  bool has_wd, adamw, lerp_small;  // job.c's, held here (not reloaded after each store)
 };
 
 INF_TARGET_AVX2 INF_INLINE Q8V256 make_q8v256(const Job& job) {
@@ -816,14 +840,14 @@ INF_TARGET_AVX2 INF_INLINE Q8V256 make_q8v256(const Job& job) {
                 _mm256_set1_ps(c.beta2),           _mm256_set1_ps(c.one_minus_beta2),
                 _mm256_set1_ps(job.q8_step),       _mm256_set1_ps(job.q8_eps),
                 _mm256_set1_ps(job.m_bound),       _mm256_set1_ps(job.m_bound_sq),
-                c.grad_multiplier == 1.0f};
+                c.grad_multiplier == 1.0f,         c.has_weight_decay,
+                c.adamw,                           c.lerp_small};
 }
 
 // U x 8 elements at i of the AVX2 8-bit step (avx512_q8_update's operations).
 template <int GD, int OD, int U, bool STORE>
-INF_TARGET_AVX2 INF_INLINE void avx2_q8_update(const Job& job, const Q8V256& c, const Span& s,
-                                               int i, __m256 um, __m256 uv, __m256* mo,
-                                               __m256* vo) {
+INF_TARGET_AVX2 INF_INLINE void avx2_q8_update(const Q8V256& c, const Span& s, int i,
+                                               __m256 um, __m256 uv, __m256* mo, __m256* vo) {
   const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0x80000000u)));
   __m256 mi[U], vi[U], over[U];
   __m256 any = _mm256_setzero_ps();
@@ -851,14 +875,14 @@ INF_TARGET_AVX2 INF_INLINE void avx2_q8_update(const Job& job, const Q8V256& c, 
     __m256 grad = avx2_load_grad<GD>(static_cast<const char*>(s.g) + e * dtype_size(GD));
     if (!c.gmul_one) grad = _mm256_mul_ps(grad, c.gmul);
     __m256 param = _mm256_loadu_ps(s.p + e);
-    if (job.c.has_weight_decay) {
-      if (job.c.adamw) {
+    if (c.has_wd) {
+      if (c.adamw) {
         param = _mm256_mul_ps(param, c.decay);
       } else {
         grad = _mm256_fmadd_ps(param, c.wd, grad);
       }
     }
-    mo[u] = _mm256_fmadd_ps(c.lerp, _mm256_sub_ps(grad, mi[u]), job.c.lerp_small ? mi[u] : grad);
+    mo[u] = _mm256_fmadd_ps(c.lerp, _mm256_sub_ps(grad, mi[u]), c.lerp_small ? mi[u] : grad);
     vo[u] = _mm256_fmadd_ps(_mm256_mul_ps(c.omb2, grad), grad, _mm256_mul_ps(vi[u], c.b2));
     if constexpr (STORE) {
       param = _mm256_sub_ps(param, _mm256_div_ps(_mm256_mul_ps(c.step, mo[u]),
@@ -873,7 +897,8 @@ INF_TARGET_AVX2 INF_INLINE void avx2_q8_update(const Job& job, const Q8V256& c, 
 
 // One full block (or a zero-padded copy of the last one), as avx512_q8_block.
 template <int GD, int OD>
-INF_TARGET_AVX2 void avx2_q8_block(const Job& job, const Span& s) {
+INF_TARGET_AVX2 void avx2_q8_block(const Job& job, const Span& span) {
+  const Span s = span;  // a local copy: not reloaded after each store through its pointers
   const Q8V256 c = make_q8v256(job);
   const BlockPlan pl = plan_block(job, s);
   const __m256 um = _mm256_set1_ps(pl.unit_m);
@@ -890,7 +915,7 @@ INF_TARGET_AVX2 void avx2_q8_block(const Job& job, const Span& s) {
     __m256i qm = _mm256_setzero_si256(), qv = _mm256_setzero_si256();
     for (int i = 0; i < kBlock; i += 32) {
       __m256 mo[4], vo[4];
-      avx2_q8_update<GD, OD, 4, true>(job, c, s, i, um, uv, mo, vo);
+      avx2_q8_update<GD, OD, 4, true>(c, s, i, um, uv, mo, vo);
       avx2_encode32<true>(mo, im, qm, mst + i);
       avx2_encode32<false>(vo, iv, qv, vst + i);
     }
@@ -905,7 +930,7 @@ INF_TARGET_AVX2 void avx2_q8_block(const Job& job, const Span& s) {
     }
     for (int i = 0; i < kBlock; i += 32) {  // a clip: redo from the intact old codes
       __m256 mo[4], vo[4];
-      avx2_q8_update<GD, OD, 4, false>(job, c, s, i, um, uv, mo, vo);
+      avx2_q8_update<GD, OD, 4, false>(c, s, i, um, uv, mo, vo);
       for (int u = 0; u < 4; ++u) {
         _mm256_store_ps(mbuf + i + 8 * u, mo[u]);
         _mm256_store_ps(vbuf + i + 8 * u, vo[u]);
@@ -914,7 +939,7 @@ INF_TARGET_AVX2 void avx2_q8_block(const Job& job, const Span& s) {
   } else {
     for (int i = 0; i < kBlock; i += 32) {
       __m256 mo[4], vo[4];
-      avx2_q8_update<GD, OD, 4, true>(job, c, s, i, um, uv, mo, vo);
+      avx2_q8_update<GD, OD, 4, true>(c, s, i, um, uv, mo, vo);
       for (int u = 0; u < 4; ++u) {
         _mm256_store_ps(mbuf + i + 8 * u, mo[u]);
         _mm256_store_ps(vbuf + i + 8 * u, vo[u]);
