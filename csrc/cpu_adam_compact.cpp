@@ -153,7 +153,9 @@ inline float decode_m(uint8_t byte, float unit) {
 inline float decode_v(uint8_t byte, float unit) { return decode_mag(byte, unit); }
 
 inline int kfor(float x, int sign, int headroom) {
-  const int e = std::isinf(x) ? 128 : std::ilogb(x);  // x > 0 (a decoded inf: no clamp overflow)
+  // x > 0 finite in every state the kernels write; a scale field they never write (a zero or
+  // inf decoded maximum) still gives a defined, clamped k
+  const int e = std::isinf(x) ? 128 : (x == 0.f ? -150 : std::ilogb(x));
   int k = e - kTopExp[sign];
   if (std::ldexp(x, -k) > kTopValue[sign]) k += 1;
   k += headroom;
