@@ -120,8 +120,9 @@ constexpr int64_t kMinPerThread = 1 << 15;       // elements
 // The step (inf_adam_step_q8g) decodes, guards and updates the moments and the parameter, then
 // encodes the new moments. Delayed ("fast") path, when both old scale fields are finite with
 // c_max > 0 and the step is not Adam with L2 weight decay (whose moments depend on the
-// parameter, updated in place before the encoding ends): k = kfor(decode(c_max, old unit), H = 1)
-// per moment (one binade of headroom over the old block's largest value), every element encoded
+// parameter, updated in place before the encoding ends): k = kfor(decode(c_max, old unit),
+// kHeadroom) per moment (two binades of headroom over the old block's largest value: a block's
+// largest moment can grow 4x in a step before it clips), every element encoded
 // in the update loop into staging bytes (the old codes stay intact) while the largest q is
 // tracked. A clip redoes the block: its new moments recomputed from the intact old codes (the
 // same operations: bitwise the same values; the parameters are not touched again), then the
@@ -151,6 +152,10 @@ inline float decode_m(uint8_t byte, float unit) {
   return bits_f32(f32_bits(mag) | (static_cast<uint32_t>(t) & 0x80000000u));
 }
 inline float decode_v(uint8_t byte, float unit) { return decode_mag(byte, unit); }
+
+// Binades the fast path leaves above a block's previous largest value (infinity/ops/q8_format.py
+// HEADROOM).
+constexpr int kHeadroom = 2;
 
 inline int kfor(float x, int sign, int headroom) {
   // x > 0 finite in every state the kernels write; a scale field they never write (a zero or
@@ -335,8 +340,8 @@ inline BlockPlan plan_block(const Job& job, const Span& s) {
   pl.fast = job.q8_delayed && scale_finite(mb) && scale_finite(vb) && (mb & 0xFFu) != 0 &&
             (vb & 0xFFu) != 0;
   if (pl.fast) {
-    pl.km = kfor(decode_mag(mb & 0xFFu, pl.unit_m), kSigned, 1);
-    pl.kv = kfor(decode_mag(vb & 0xFFu, pl.unit_v), kUnsigned, 1);
+    pl.km = kfor(decode_mag(mb & 0xFFu, pl.unit_m), kSigned, kHeadroom);
+    pl.kv = kfor(decode_mag(vb & 0xFFu, pl.unit_v), kUnsigned, kHeadroom);
     pl.inv_m = pow2(-pl.km);
     pl.inv_v = pow2(-pl.kv);
   }

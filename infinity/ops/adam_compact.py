@@ -26,7 +26,7 @@ consecutive elements, one byte per element and one fp32 scale field per moment; 
 float relative to the block's power-of-two unit (``exp_avg``: sign and e3m4, ``exp_avg_sq``: e4m4;
 :mod:`infinity.ops.q8_format` describes the format, :func:`code_table` lists the values). A step
 decodes a block, applies the moment guard, updates it in fp32, updates the parameter and encodes
-the new moments in the same pass (the block's unit from its previous largest value with one binade
+the new moments in the same pass (the block's unit from its previous largest value with two binades
 of headroom; the exact rule where that would clip). Its parameter update is Adam's with the bias
 corrections folded into two host-side scalars, ``p - (step * m) / (sqrt(v) + eps')`` with
 ``step = lr / bc1 * sqrt(bc2)`` and ``eps' = eps * sqrt(bc2)`` (:func:`update_scalars_8bit`): one

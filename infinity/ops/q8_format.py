@@ -23,12 +23,13 @@ Encoding ``x`` at exponent k: ``z = fma(|x|, 2**-k, 1.0)``, ``q = (bits(z) + 2**
 >> 19``, the nearest code (ties up), clipped to the top; the signed code takes x's sign; a
 positive ``exp_avg_sq`` never gets code 0 (its floor is code 1).
 
-Which k: the *exact rule* (:func:`quantize`) takes the block's largest magnitude into the top
+Which k: the *exact rule* (:func:`quantize_blocks`) takes the block's largest magnitude into the top
 binade (:func:`block_exponent` with headroom 0). The step (*delayed rule*, :func:`step_codes`)
 does not need the new moments' maximum before encoding them: it takes k from the block's previous
-largest value with one binade of headroom, and falls back to the exact rule for a block whose new
-values would clip, for a first step (``c_max`` 0) and for Adam with L2 weight decay. Which k a
-block has does not change its values' precision (a float code), only its range at the bottom.
+largest value with two binades of headroom (its largest moment may grow 4x in a step), and
+falls back to the exact rule for a block whose new values would clip, for a first step
+(``c_max`` 0) and for Adam with L2 weight decay. Which k a block has does not change its values'
+precision (a float code), only its range at the bottom.
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ TOP = {True: 247.0, False: 63487.0}      # the largest value of a code, in units
 TOP_CODE = {True: 127, False: 255}
 TOP_BINADE = {True: 7, False: 15}        # exponent of z's top binade
 K_MIN, K_MAX = -126, 126
-HEADROOM = 1                             # binades the delayed rule leaves above the last maximum
+HEADROOM = 2                             # binades the delayed rule leaves above the last maximum
 _LOW_BYTE = 0xFF
 
 
@@ -82,6 +83,12 @@ def decode(codes: torch.Tensor, units: torch.Tensor, signed: bool) -> torch.Tens
     if signed:
         value = torch.where(codes.long() >= 128, -value, value)
     return value
+
+
+def decode_magnitude(a: torch.Tensor, units: torch.Tensor) -> torch.Tensor:
+    """fp32 values (positive) of code magnitudes ``a`` (int64, 0..255) at ``units``."""
+    z = _float((a << SHIFT) + ONE)
+    return z * units - units
 
 
 def code_table(signed: bool) -> torch.Tensor:
@@ -159,8 +166,8 @@ def step_codes(m: torch.Tensor, v: torch.Tensor, old_m_scale: torch.Tensor,
     if not bool(fast.any()):
         return mc_e, ms_e, vc_e, vs_e
     # the blocks' previous largest values, decoded at their old units
-    top_m = decode(_magnitude_code(cmm, True), um, True)
-    top_v = decode(cmv.to(torch.uint8), uv, False)
+    top_m = decode_magnitude(cmm, um)
+    top_v = decode_magnitude(cmv, uv)
     safe = torch.ones_like(top_m)
     km = block_exponent(torch.where(fast, top_m, safe), True, HEADROOM)
     kv = block_exponent(torch.where(fast, top_v, safe), False, HEADROOM)
@@ -173,6 +180,3 @@ def step_codes(m: torch.Tensor, v: torch.Tensor, old_m_scale: torch.Tensor,
     return (torch.where(col, mc_d, mc_e), ms_d, torch.where(col, vc_d, vc_e), vs_d)
 
 
-def _magnitude_code(a: torch.Tensor, signed: bool) -> torch.Tensor:
-    """The (positive) uint8 code of magnitudes ``a``."""
-    return a.clamp(0, 255).to(torch.uint8)

@@ -372,7 +372,7 @@ def quantize_exact(x: torch.Tensor, signed: bool, codes: torch.Tensor,
     decode to them again, bit for bit (state_dict/checkpoints store decoded fp32 moments; loading
     must resume exactly).
 
-    Why the exact rule is not enough: a step encodes a block at an exponent one binade above its
+    Why the exact rule is not enough: a step encodes a block at an exponent two binades above its
     previous largest value (infinity.ops.q8_format), so its values need not be representable at
     the exponent the exact rule takes from their largest magnitude. Any exponent that represents
     them all is as good: the next step depends only on the decoded values and on the block's

@@ -276,7 +276,7 @@ def test_step_8bit_with_bf16_parameters_and_nvme_everything(tmp_path):
 # state_dict and checkpoints
 # =========================================================================================
 def test_quantize_exact_reproduces_decoded_moments():
-    """The 8-bit round trip: a step encodes a block one binade above its previous largest value,
+    """The 8-bit round trip: a step encodes a block two binades above its previous largest value,
     so its decoded values need not be representable at the exponent the exact rule picks from
     them; quantize_exact finds one that reproduces them bitwise, with the same largest value
     (what the next step reads), and quantizes other values by the exact rule."""
