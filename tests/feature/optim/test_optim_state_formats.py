@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import infinity
+from infinity import ops
 from infinity.runtime.port import OptimizerPort
 from infinity.optim import format_summary, formats_for, moment_nbytes
 from infinity.optim.state_store import layout_for, state_views
@@ -474,17 +475,23 @@ def test_uniform_layouts_are_unchanged_and_mixed_regions_are_disjoint():
     ranges = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in parts)
     assert all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:]))  # no overlap
     assert ranges[-1][1] - buf.data_ptr() <= lay.nbytes
-    # each slot's moments are its own: writing one slot leaves the others' untouched
+    # each slot's moments are its own: writing one slot leaves the others' untouched. Values
+    # of the format come back bitwise (8-bit: i + 1 as the format stores it)
+    def stored(i: int, signed: bool) -> float:
+        if formats[i] != "8bit":
+            return float(i + 1)
+        c, a = ops.quantize_8bit(torch.tensor([float(i + 1)]), signed=signed)
+        return ops.dequantize_8bit(c, a, signed=signed).item()
     for i in range(n):
-        v.set_slot_moments(root, i, torch.full((root.slots[i].numel,), float(i + 1)),
-                           torch.full((root.slots[i].numel,), float(i + 1)))
+        v.set_slot_moments(root, i, torch.full((root.slots[i].numel,), stored(i, True)),
+                           torch.full((root.slots[i].numel,), stored(i, False)))
     for i in range(n):
         m, s = v.slot_moments(root, i)
-        assert torch.equal(m, torch.full_like(m, float(i + 1))), i
-        assert torch.equal(s, torch.full_like(s, float(i + 1))), i
+        assert torch.equal(m, torch.full_like(m, stored(i, True))), i
+        assert torch.equal(s, torch.full_like(s, stored(i, False))), i
     m, s = v.moments_fp32(root)
     for i, slot in enumerate(root.slots):
-        assert bool((m[slot.offset:slot.offset + slot.numel] == i + 1).all())
+        assert bool((m[slot.offset:slot.offset + slot.numel] == stored(i, True)).all())
     infinity.unwrap(model)
 
 
