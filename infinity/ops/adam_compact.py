@@ -253,18 +253,10 @@ def cpu_adam_step_8bit(param: torch.Tensor, grad: torch.Tensor, exp_avg_codes: t
 
 # ---- pure-PyTorch fallbacks ----------------------------------------------------------------------
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """``x`` (flat) zero-padded to whole blocks, as rows of :data:`BLOCK_SIZE`."""
-    n = x.numel()
-    padded = torch.zeros(num_blocks(n) * BLOCK_SIZE, dtype=x.dtype)
-    padded[:n] = x
-    return padded.view(-1, BLOCK_SIZE)
-
-
 @torch.no_grad()
 def _torch_dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
     n = codes.numel()
-    values = q8_format.decode(_rows(codes), q8_format.unit(absmax)[:, None], signed)
+    values = q8_format.decode(q8_format.rows(codes), q8_format.unit(absmax)[:, None], signed)
     return values.view(-1)[:n]
 
 
@@ -273,7 +265,7 @@ def _torch_quantize(x: torch.Tensor, signed: bool, codes: torch.Tensor,
                     absmax: torch.Tensor) -> None:
     """The exact rule (:func:`infinity.ops.q8_format.quantize_blocks`) into codes/absmax."""
     n = x.numel()
-    c, scales = q8_format.quantize_blocks(_rows(x), signed)
+    c, scales = q8_format.quantize_blocks(q8_format.rows(x), signed)
     codes.copy_(c.view(-1)[:n])
     absmax.copy_(scales)
 
@@ -293,7 +285,7 @@ def _torch_step_8bit(param: torch.Tensor, grad: torch.Tensor, m_codes: torch.Ten
     _torch_adam_step_8bit(param, grad, m32, v32, out, lr, beta1, beta2, eps, weight_decay,
                           adamw, bc1, bc2_sqrt, grad_multiplier)
     delayed = adamw or weight_decay == 0.0  # L2 decay: the kernels' exact path (no redo)
-    mc, ms, vc, vs = q8_format.step_codes(_rows(m32), _rows(v32), m_scale.view(-1),
+    mc, ms, vc, vs = q8_format.step_codes(q8_format.rows(m32), q8_format.rows(v32), m_scale.view(-1),
                                           v_scale.view(-1), delayed)
     m_codes.view(-1).copy_(mc.view(-1)[:n])
     v_codes.view(-1).copy_(vc.view(-1)[:n])

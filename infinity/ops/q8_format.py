@@ -57,6 +57,15 @@ def _float(bits: torch.Tensor) -> torch.Tensor:
     return bits.to(torch.int32).contiguous().view(torch.float32)
 
 
+def rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (any shape, read flat) zero-padded to whole blocks, as rows of :data:`BLOCK_SIZE`."""
+    flat = x.reshape(-1)
+    n = flat.numel()
+    padded = torch.zeros(-(-n // BLOCK_SIZE) * BLOCK_SIZE, dtype=x.dtype)
+    padded[:n] = flat
+    return padded.view(-1, BLOCK_SIZE)
+
+
 def unit(scale: torch.Tensor) -> torch.Tensor:
     """The blocks' units ``2**k`` (fp32) from their scale fields (the c_max byte masked off;
     +0 for a zero block, inf/NaN for a poisoned one)."""

@@ -75,10 +75,8 @@ def _round_torch_states(opt: torch.optim.Optimizer, fmt: str) -> None:
         n = m.numel()
         blocks = adam_compact.num_blocks(n)
         old_m, old_v = scales.get(p, (torch.zeros(blocks), torch.zeros(blocks)))
-        rows = [torch.zeros(blocks * 256) for _ in range(2)]
-        rows[0][:n], rows[1][:n] = m, v
-        mc, ms, vc, vs = q8_format.step_codes(rows[0].view(-1, 256), rows[1].view(-1, 256),
-                                              old_m, old_v, True)
+        mc, ms, vc, vs = q8_format.step_codes(q8_format.rows(m), q8_format.rows(v), old_m,
+                                              old_v, True)
         scales[p] = (ms, vs)
         m.copy_(q8_format.decode(mc, q8_format.unit(ms)[:, None], True).view(-1)[:n])
         v.copy_(q8_format.decode(vc, q8_format.unit(vs)[:, None], False).view(-1)[:n])
@@ -285,9 +283,7 @@ def test_quantize_exact_reproduces_decoded_moments():
     x = torch.randn(n, generator=gen) * 10 ** (torch.rand(n, generator=gen) * 4 - 3)
     blocks = adam_compact.num_blocks(n)
     for signed, values in ((True, x), (False, x.abs())):
-        rows = torch.zeros(blocks * 256)
-        rows[:n] = values
-        rows = rows.view(-1, 256)
+        rows = q8_format.rows(values)
         mx = rows.abs().amax(1)
         k = q8_format.block_exponent(mx, signed, q8_format.HEADROOM)  # as a step encodes
         c, _ = q8_format.encode(rows, k[:, None], signed)
@@ -302,17 +298,11 @@ def test_quantize_exact_reproduces_decoded_moments():
         back = ops.dequantize_8bit(c2, a2, signed=signed)
         assert torch.equal(back, deq)
         top = q8_format.decode(q8_format.c_max(a2).to(torch.uint8), q8_format.unit(a2), signed)
-        assert torch.equal(top.abs(), _pad_rows(deq).abs().amax(1))
+        assert torch.equal(top.abs(), q8_format.rows(deq).abs().amax(1))
         # moments that are not 8-bit values: the exact rule
         quantize_exact(values, signed, c2, a2)
         qc, qa = ops.quantize_8bit(values, signed=signed)
         assert torch.equal(c2, qc) and torch.equal(a2.view(torch.int32), qa.view(torch.int32))
-
-
-def _pad_rows(x: torch.Tensor) -> torch.Tensor:
-    rows = torch.zeros(adam_compact.num_blocks(x.numel()) * 256)
-    rows[:x.numel()] = x
-    return rows.view(-1, 256)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "8bit"])

@@ -187,13 +187,6 @@ def test_bf16_moments_round_to_nearest_even(cap):
 
 # ---- 8-bit moments -------------------------------------------------------------------------------
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    n = x.numel()
-    out = torch.zeros(adam_compact.num_blocks(n) * 256, dtype=x.dtype)
-    out[:n] = x.reshape(-1)
-    return out.view(-1, 256)
-
-
 def _units(scale: torch.Tensor, n: int) -> torch.Tensor:
     return q8_format.unit(scale).double().repeat_interleave(256)[:n]
 
@@ -239,7 +232,7 @@ def test_8bit_moments_steps(cap, grad_dtype, out_dtype, weight_decay, adamw):
                 if out is not None:
                     assert torch.equal(out, param.to(out_dtype))
                 ec_m, es_m, ec_v, es_v = q8_format.step_codes(
-                    _rows(m32), _rows(v32), old_ma, old_va, adamw or weight_decay == 0.0)
+                    q8_format.rows(m32), q8_format.rows(v32), old_ma, old_va, adamw or weight_decay == 0.0)
                 assert torch.equal(mq, ec_m.view(-1)[:n]) and torch.equal(vq, ec_v.view(-1)[:n])
                 assert torch.equal(ma.view(torch.int32), es_m.view(torch.int32)), what
                 assert torch.equal(va.view(torch.int32), es_v.view(torch.int32)), what
@@ -367,8 +360,8 @@ def test_8bit_step_reads_every_code(cap):
     with ops.cpu_capability_override(cap):
         mq, vq = codes.clone(), codes.flip(0).contiguous()
         km, kv = torch.tensor([-2, -9, 2, -20]), torch.tensor([-7, -15, 2, -30])
-        ma = q8_format.scale_field(km, q8_format.magnitude(_rows(mq), True).amax(1))
-        va = q8_format.scale_field(kv, _rows(vq).long().amax(1))
+        ma = q8_format.scale_field(km, q8_format.magnitude(q8_format.rows(mq), True).amax(1))
+        va = q8_format.scale_field(kv, q8_format.rows(vq).long().amax(1))
         m32 = ops.dequantize_8bit(mq, ma, signed=True)
         v32 = ops.dequantize_8bit(vq, va, signed=False)
         unit_m = q8_format.unit(ma).repeat_interleave(256)[:n]
@@ -382,7 +375,7 @@ def test_8bit_step_reads_every_code(cap):
         old_ma, old_va = ma.clone(), va.clone()
         ops.cpu_adam_step_8bit(param, grad, mq, ma, vq, va, step=5, **kw)
         assert torch.equal(param, expected)
-        ec_m, es_m, ec_v, es_v = q8_format.step_codes(_rows(m32), _rows(v32), old_ma, old_va, True)
+        ec_m, es_m, ec_v, es_v = q8_format.step_codes(q8_format.rows(m32), q8_format.rows(v32), old_ma, old_va, True)
         assert torch.equal(mq, ec_m.view(-1)[:n]) and torch.equal(vq, ec_v.view(-1)[:n])
         assert torch.equal(ma.view(torch.int32), es_m.view(torch.int32))
         assert torch.equal(va.view(torch.int32), es_v.view(torch.int32))
@@ -776,3 +769,37 @@ def test_bench_adam_formats_quick_runs(tmp_path):
         assert rows["fp32"]["speed_vs_fp32_same_rep_median"] == 1.0
         assert rows["8bit"]["bytes_per_param"] < rows["bf16"]["bytes_per_param"] \
             < rows["fp32"]["bytes_per_param"]
+
+
+_GARBAGE_STATE = r"""
+import sys, torch
+from infinity import ops
+n = 256 * 40 + 13
+gen = torch.Generator().manual_seed(31)
+results = []
+for cap in ops.available_cpu_capabilities():
+    param = torch.randn(n, generator=gen.manual_seed(1))
+    codes = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen) for _ in range(2)]
+    # scale fields of arbitrary bits: NaN, inf, subnormal, negative, huge, zero
+    scales = [torch.randint(-2 ** 31, 2 ** 31 - 1, (ops.adam_compact.num_blocks(n),),
+                            dtype=torch.int32, generator=gen).view(torch.float32)
+              for _ in range(2)]
+    with ops.cpu_capability_override(cap):
+        for step in (1, 2, 3):
+            ops.cpu_adam_step_8bit(param, torch.randn(n, generator=gen), codes[0], scales[0],
+                                   codes[1], scales[1], step=step, lr=1e-3)
+    results.append(torch.cat([c.float() for c in codes]))
+print(all(torch.equal(r, results[0]) for r in results))
+"""
+
+
+def test_8bit_step_on_a_corrupted_state_does_not_crash():
+    """Codes and scale fields of arbitrary bits (a corrupted state the kernels never write):
+    every native path steps through them without a crash (in a subprocess) and writes the same
+    codes."""
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-c", _GARBAGE_STATE], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "True", proc.stdout
