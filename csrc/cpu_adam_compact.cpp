@@ -77,6 +77,12 @@ using inf_adam::kErrNegativeLength;
 enum Kernel : int { kKernelBF16Moments = 0, kKernel8bit = 1 };
 enum Signedness : int { kUnsigned = 0, kSigned = 1 };  // exp_avg_sq, exp_avg
 
+// The 8-bit step's update variants (a template parameter of the AVX2 path, chosen per call in
+// inf_adam_step_q8g): kModeAny reads every flag of Coeffs per vector; the two common cases, with
+// grad_multiplier 1 and the lerp form m + (1 - beta1) * (g - m), have them compiled in (the
+// same operations, so bitwise the same result, in fewer instructions).
+enum Q8Mode : int { kModeAny = 0, kModeAdamW = 1, kModeNoDecay = 2 };
+
 // The 8-bit kernels' per-vector helpers are inlined into their loops (the compiler's own limits
 // left some as calls that spill every vector register around each call).
 #define INF_INLINE inline __attribute__((always_inline))
@@ -157,12 +163,27 @@ inline float decode_v(uint8_t byte, float unit) { return decode_mag(byte, unit);
 // HEADROOM).
 constexpr int kHeadroom = 2;
 
-inline int kfor(float x, int sign, int headroom) {
-  // x > 0 finite in every state the kernels write; a scale field they never write (a zero or
-  // inf decoded maximum) still gives a defined, clamped k
+// kfor for any x >= 0 (or NaN) by libm: subnormal, zero and inf inputs (a scale field the
+// kernels never write still gives a defined, clamped k).
+inline int kfor_general(float x, int sign, int headroom) {
   const int e = std::isinf(x) ? 128 : (x == 0.f ? -150 : std::ilogb(x));
   int k = e - kTopExp[sign];
   if (std::ldexp(x, -k) > kTopValue[sign]) k += 1;
+  k += headroom;
+  return std::min(std::max(k, -126), 126);
+}
+
+// The same k from x's bits, twice per block on the step's fast path: for a normal x, ilogb(x) is
+// its exponent field - 127 and ldexp(x, -k) (exact: a normal result) is x's mantissa under the
+// exponent of 2^E, so the test reads the mantissa bits against the top value.
+inline int kfor(float x, int sign, int headroom) {
+  const uint32_t b = f32_bits(x);
+  const uint32_t field = b >> 23;  // x >= 0: no sign bit; 0 (zero, subnormal), 255 (inf, NaN)
+  if (field == 0 || field >= 255) return kfor_general(x, sign, headroom);
+  int k = static_cast<int>(field) - 127 - kTopExp[sign];
+  const float scaled =
+      bits_f32((b & 0x007FFFFFu) | (static_cast<uint32_t>(kTopExp[sign] + 127) << 23));
+  if (scaled > kTopValue[sign]) k += 1;
   k += headroom;
   return std::min(std::max(k, -126), 126);
 }
@@ -772,9 +793,9 @@ template <bool SIGNED>
 INF_TARGET_AVX2 INF_INLINE __m256i avx2_codes(__m256 x, __m256i q) {
   const __m256i a = _mm256_min_epu32(q, _mm256_set1_epi32(static_cast<int>(kTopCode[SIGNED])));
   if constexpr (!SIGNED) return a;
-  const __m256i neg = _mm256_sub_epi32(_mm256_setzero_si256(), a);
-  return _mm256_castps_si256(
-      _mm256_blendv_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(neg), x));
+  // -a where x's bits are negative as an int32 (its sign bit), a where positive; where x is +0
+  // its a is 0
+  return _mm256_sign_epi32(a, _mm256_castps_si256(x));
 }
 
 // 32 codes (4 x 8 int32 in order: m -127..127 signed-saturating packs, v 0..255 unsigned) as bytes.
@@ -851,10 +872,15 @@ INF_TARGET_AVX2 INF_INLINE Q8V256 make_q8v256(const Job& job) {
                 c.adamw,                           c.lerp_small};
 }
 
-// U x 8 elements at i of the AVX2 8-bit step (avx512_q8_update's operations).
-template <int GD, int OD, int U, bool STORE>
+// U x 8 elements at i of the AVX2 8-bit step (avx512_q8_update's operations), the flags of
+// Coeffs as MODE fixes them.
+template <int GD, int OD, int U, bool STORE, int MODE>
 INF_TARGET_AVX2 INF_INLINE void avx2_q8_update(const Q8V256& c, const Span& s, int i,
                                                __m256 um, __m256 uv, __m256* mo, __m256* vo) {
+  const bool gmul_one = MODE != kModeAny || c.gmul_one;
+  const bool has_wd = MODE == kModeAny ? c.has_wd : MODE == kModeAdamW;
+  const bool adamw = MODE != kModeAny || c.adamw;
+  const bool lerp_small = MODE != kModeAny || c.lerp_small;
   const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0x80000000u)));
   __m256 mi[U], vi[U], over[U];
   __m256 any = _mm256_setzero_ps();
@@ -880,16 +906,16 @@ INF_TARGET_AVX2 INF_INLINE void avx2_q8_update(const Q8V256& c, const Span& s, i
   for (int u = 0; u < U; ++u) {
     const int e = i + 8 * u;
     __m256 grad = avx2_load_grad<GD>(static_cast<const char*>(s.g) + e * dtype_size(GD));
-    if (!c.gmul_one) grad = _mm256_mul_ps(grad, c.gmul);
+    if (!gmul_one) grad = _mm256_mul_ps(grad, c.gmul);
     __m256 param = _mm256_loadu_ps(s.p + e);
-    if (c.has_wd) {
-      if (c.adamw) {
+    if (has_wd) {
+      if (adamw) {
         param = _mm256_mul_ps(param, c.decay);
       } else {
         grad = _mm256_fmadd_ps(param, c.wd, grad);
       }
     }
-    mo[u] = _mm256_fmadd_ps(c.lerp, _mm256_sub_ps(grad, mi[u]), c.lerp_small ? mi[u] : grad);
+    mo[u] = _mm256_fmadd_ps(c.lerp, _mm256_sub_ps(grad, mi[u]), lerp_small ? mi[u] : grad);
     vo[u] = _mm256_fmadd_ps(_mm256_mul_ps(c.omb2, grad), grad, _mm256_mul_ps(vi[u], c.b2));
     if constexpr (STORE) {
       param = _mm256_sub_ps(param, _mm256_div_ps(_mm256_mul_ps(c.step, mo[u]),
@@ -903,7 +929,7 @@ INF_TARGET_AVX2 INF_INLINE void avx2_q8_update(const Q8V256& c, const Span& s, i
 }
 
 // One full block (or a zero-padded copy of the last one), as avx512_q8_block.
-template <int GD, int OD>
+template <int GD, int OD, int MODE>
 INF_TARGET_AVX2 void avx2_q8_block(const Job& job, const Span& span) {
   const Span s = span;  // a local copy: not reloaded after each store through its pointers
   const Q8V256 c = make_q8v256(job);
@@ -922,7 +948,7 @@ INF_TARGET_AVX2 void avx2_q8_block(const Job& job, const Span& span) {
     __m256i qm = _mm256_setzero_si256(), qv = _mm256_setzero_si256();
     for (int i = 0; i < kBlock; i += 32) {
       __m256 mo[4], vo[4];
-      avx2_q8_update<GD, OD, 4, true>(c, s, i, um, uv, mo, vo);
+      avx2_q8_update<GD, OD, 4, true, MODE>(c, s, i, um, uv, mo, vo);
       avx2_encode32<true>(mo, im, qm, mst + i);
       avx2_encode32<false>(vo, iv, qv, vst + i);
     }
@@ -937,7 +963,7 @@ INF_TARGET_AVX2 void avx2_q8_block(const Job& job, const Span& span) {
     }
     for (int i = 0; i < kBlock; i += 32) {  // a clip: redo from the intact old codes
       __m256 mo[4], vo[4];
-      avx2_q8_update<GD, OD, 4, false>(c, s, i, um, uv, mo, vo);
+      avx2_q8_update<GD, OD, 4, false, MODE>(c, s, i, um, uv, mo, vo);
       for (int u = 0; u < 4; ++u) {
         _mm256_store_ps(mbuf + i + 8 * u, mo[u]);
         _mm256_store_ps(vbuf + i + 8 * u, vo[u]);
@@ -946,7 +972,7 @@ INF_TARGET_AVX2 void avx2_q8_block(const Job& job, const Span& span) {
   } else {
     for (int i = 0; i < kBlock; i += 32) {
       __m256 mo[4], vo[4];
-      avx2_q8_update<GD, OD, 4, true>(c, s, i, um, uv, mo, vo);
+      avx2_q8_update<GD, OD, 4, true, MODE>(c, s, i, um, uv, mo, vo);
       for (int u = 0; u < 4; ++u) {
         _mm256_store_ps(mbuf + i + 8 * u, mo[u]);
         _mm256_store_ps(vbuf + i + 8 * u, vo[u]);
@@ -959,35 +985,47 @@ INF_TARGET_AVX2 void avx2_q8_block(const Job& job, const Span& span) {
 
 // ---- dispatch -----------------------------------------------------------------------------------
 template <int K, int GD, int OD>
-BlockFn pick(int cap) {
+BlockFn pick(int cap, int mode) {
   if constexpr (K == kKernelBF16Moments) {
     if (cap == kAVX512) return &avx512_bf16m_block<GD, OD>;
     if (cap == kAVX2) return &avx2_bf16m_block<GD, OD>;
     return &scalar_bf16m_block<GD, OD>;
   } else {
     if (cap == kAVX512) return &avx512_q8_block<GD, OD>;
-    if (cap == kAVX2) return &avx2_q8_block<GD, OD>;
+    if (cap == kAVX2) {
+      if (mode == kModeAdamW) return &avx2_q8_block<GD, OD, kModeAdamW>;
+      if (mode == kModeNoDecay) return &avx2_q8_block<GD, OD, kModeNoDecay>;
+      return &avx2_q8_block<GD, OD, kModeAny>;
+    }
     return &scalar_q8_block<GD, OD>;
   }
 }
 
 template <int K, int GD>
-BlockFn pick_out(int cap, int od) {
+BlockFn pick_out(int cap, int od, int mode) {
   switch (od) {
-    case kF32: return pick<K, GD, kF32>(cap);
-    case kBF16: return pick<K, GD, kBF16>(cap);
-    case kF16: return pick<K, GD, kF16>(cap);
-    default: return pick<K, GD, kNone>(cap);
+    case kF32: return pick<K, GD, kF32>(cap, mode);
+    case kBF16: return pick<K, GD, kBF16>(cap, mode);
+    case kF16: return pick<K, GD, kF16>(cap, mode);
+    default: return pick<K, GD, kNone>(cap, mode);
   }
 }
 
+// mode: the 8-bit kernel's Q8Mode (ignored by the bf16 kernel).
 template <int K>
-BlockFn select_block(int cap, int gd, int od) {
+BlockFn select_block(int cap, int gd, int od, int mode = kModeAny) {
   switch (gd) {
-    case kF32: return pick_out<K, kF32>(cap, od);
-    case kBF16: return pick_out<K, kBF16>(cap, od);
-    default: return pick_out<K, kF16>(cap, od);
+    case kF32: return pick_out<K, kF32>(cap, od, mode);
+    case kBF16: return pick_out<K, kBF16>(cap, od, mode);
+    default: return pick_out<K, kF16>(cap, od, mode);
   }
+}
+
+// The Q8Mode of a step's coefficients.
+int q8_mode(const Coeffs& c) {
+  if (c.grad_multiplier != 1.0f || !c.lerp_small) return kModeAny;
+  if (!c.has_weight_decay) return kModeNoDecay;
+  return c.adamw ? kModeAdamW : kModeAny;
 }
 
 QuantizeFn select_quantize(int cap) {
@@ -1125,7 +1163,7 @@ INF_API int inf_adam_step_q8g(float* p, const void* g, int g_dtype, uint8_t* m_c
   job.q8_step = static_cast<float>(lr / bias_correction1 * bias_correction2_sqrt);
   job.q8_eps = static_cast<float>(eps * bias_correction2_sqrt);
   job.q8_delayed = !(job.c.has_weight_decay && !job.c.adamw);
-  job.block = select_block<kKernel8bit>(cap, g_dtype, out_dtype);
+  job.block = select_block<kKernel8bit>(cap, g_dtype, out_dtype, q8_mode(job.c));
   job.range = &q8_range;
   run_job(job);
   return kOk;

@@ -346,6 +346,36 @@ def test_quantize_paths_agree_over_a_dense_sweep_and_tiny_blocks():
                     assert torch.equal(sc.view(torch.int32), ws.view(torch.int32)), (cap, signed)
 
 
+@needs_native
+@pytest.mark.parametrize("grad_multiplier", [1.0, 0.5])
+@pytest.mark.parametrize("beta1", [0.9, 0.3])
+@pytest.mark.parametrize("weight_decay,adamw", DECAY, ids=DECAY_IDS)
+def test_8bit_step_variants_agree(grad_multiplier, beta1, weight_decay, adamw):
+    """The native paths compile the common updates (grad_multiplier 1, beta1 > 0.5; AdamW or no
+    decay) separately from the general one: every combination gives the PyTorch reference's
+    parameters, codes and scale fields bitwise over several steps, the clip-and-redo and exact
+    paths included (a gradient that jumps 1e4x at step 3)."""
+    n = 2309
+    kw = dict(lr=1e-2, beta1=beta1, beta2=0.999, eps=1e-8, weight_decay=weight_decay,
+              adamw=adamw, grad_multiplier=grad_multiplier)
+    gs = grads(n, 11, torch.float32, steps=5)
+    gs[2] = gs[2] * 1e4
+    results = {}
+    for cap in ["torch"] + NATIVE_CAPS:
+        with ops.cpu_capability_override(cap):
+            param = torch.randn(n, generator=torch.Generator().manual_seed(12))
+            state = ops.new_8bit_state(n)
+            trace = []
+            for step, grad in enumerate(gs, start=1):
+                ops.cpu_adam_step_8bit(param, grad, *state.values(), step=step, **kw)
+                trace.append([param.clone()] + [t.clone() for t in state.values()])
+            results[cap] = trace
+    for cap in NATIVE_CAPS:
+        for step, (got, want) in enumerate(zip(results[cap], results["torch"]), start=1):
+            for a, b in zip(got, want):
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (cap, step)
+
+
 @pytest.mark.parametrize("cap", ALL_CAPS)
 def test_8bit_step_reads_every_code(cap):
     """Every code of both moments, in full blocks and in a padded last block, at several units,
