@@ -31,7 +31,7 @@ import torch  # noqa: E402
 import _common  # noqa: E402
 import infinity  # noqa: E402
 from infinity.models import GPTConfig, TinyGPT, lm_loss, synthetic_batch  # noqa: E402
-from infinity.runtime.registry import engine_of  # noqa: E402
+from infinity.runtime.core.registry import engine_of  # noqa: E402
 
 
 def main() -> None:

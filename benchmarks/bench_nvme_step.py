@@ -51,7 +51,7 @@ from bench_optimizer import LinearStack  # noqa: E402
 import infinity  # noqa: E402
 from infinity.runtime.port import OptimizerPort
 import infinity.io as inf_io  # noqa: E402
-from infinity.optim import swapper  # noqa: E402
+from infinity.optim.states import swapper  # noqa: E402
 from infinity.runtime import engine_of  # noqa: E402
 
 logger = logging.getLogger("bench_nvme_step")
@@ -125,7 +125,7 @@ class ExtentProbe:
     and memory."""
 
     def __init__(self, case: "Case") -> None:
-        from infinity.optim.state_extents import STATE_FILE
+        from infinity.optim.states.extents import STATE_FILE
         store = case.opt.core.wrapped.store(OptimizerPort.of(case.engine))
         sets = case.opt.core.wrapped.store(OptimizerPort.of(case.engine)).sets
         self.bufs = [sets.states[0], sets.states[1], sets.states[2]]

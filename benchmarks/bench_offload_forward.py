@@ -6,7 +6,7 @@ RAM and to NVMe, against the same model fully in memory, in one run.
 
 Each configuration runs in its own process (``--worker``), so the in-memory model is plain
 PyTorch in a process infinity never touched (the engine sets glibc's allocator thresholds for its
-whole process: see infinity/runtime/host_malloc.py). The processes take turns step by step, so a
+whole process: see infinity/runtime/process/host_memory.py). The processes take turns step by step, so a
 noisy phase of this shared machine hits every configuration alike.
 
 For each configuration: median step time over the measured steps (after one warm-up step that

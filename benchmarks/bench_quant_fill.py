@@ -33,7 +33,7 @@ _CHILD = textwrap.dedent(r"""
     sys.path.insert(0, ROOT)
     import torch, transformers, infinity
     from peft import LoraConfig, get_peft_model
-    from infinity.runtime import quant_home
+    from infinity.runtime.homes import quantized as quant_home
     from infinity.ops import int8_block, nf4
     args = json.loads(sys.argv[1])
 """) + _common.CHILD_INIT + textwrap.dedent(r"""

@@ -162,7 +162,7 @@ _CHILD = textwrap.dedent(r"""
     if args.get("attribute"):
         sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
         from bench_nvme_step import DiskProbe, attribute
-        from infinity.optim import swapper
+        from infinity.optim.states import swapper
         swapper.record_requests(True)
     for i in range(args["steps"]):
         loss, fb_s, step_s, s = timed_step(model, opt,

@@ -86,7 +86,7 @@ import infinity
 from infinity.io import FileHandle, aligned_empty
 from infinity.models import GPTConfig, TinyGPT, lm_loss, synthetic_batch
 from infinity.runtime import engine_of
-from infinity.runtime.pinned import upload
+from infinity.tiers.pinned import upload
 
 DEV = torch.device("cuda")
 

@@ -24,4 +24,7 @@ def __getattr__(name: str):
     if name == "optim":
         import importlib
         return importlib.import_module(".optim", __name__)
+    if name == "dist":
+        raise AttributeError("infinity.dist was renamed infinity.sharding: use "
+                             "infinity.sharding (import infinity.sharding)")
     raise AttributeError(f"module 'infinity' has no attribute {name!r}")

@@ -10,8 +10,8 @@ from torch import nn
 
 from .policy import OffloadPolicy
 from .runtime.engine import Engine, engine_of, locate
-from .runtime.host_memory import HOST_MEMORY, RELEASE
-from .runtime.sources import CheckpointSource, Init, InitSource
+from .runtime.process.host_memory import HOST_MEMORY, RELEASE
+from .runtime.homes.sources import CheckpointSource, Init, InitSource
 
 
 def wrap(model: nn.Module, nvme_path: Optional[str] = None, *,
@@ -72,10 +72,10 @@ def empty_init() -> Iterator[None]:
 
     Each parameter is created by its module as usual and replaced by a meta tensor as it is
     registered, so no more than one parameter's memory exists at a time. Inside, glibc's mmap
-    threshold is 128 KiB (see ``runtime/host_malloc.py``) so those short-lived parameters do
+    threshold is 128 KiB (see ``runtime/process/host_memory.py``) so those short-lived parameters do
     not leave holes in the heap that later raise peak RSS; on leaving, what the other users of
     glibc's thresholds want comes back (the heap-reusing threshold after a wrap without a
-    host_budget), or glibc's defaults if there are none (``runtime/host_memory.py``).
+    host_budget), or glibc's defaults if there are none (``runtime/process/host_memory.py``).
     """
     lease = HOST_MEMORY.acquire(RELEASE, name="empty_init")
     original = nn.Module.register_parameter
@@ -113,7 +113,7 @@ def _swap_bytes(engine: Any) -> Dict[str, Any]:
     committed states: extents in flight or kept for an update not yet confirmed); ``disk``
     the state files' blocks on the filesystem, ``peak`` their most live bytes so far;
     ``per_param`` each divided by the model's parameters."""
-    from .optim.offloaded_adam import swap_bytes_of
+    from .optim.adam import swap_bytes_of
     homes = engine.tier_bytes()["nvme"]["params"]
     grads = sum(f.numel * 4 for f in engine.flats if f.trainable) if engine.grads.on_nvme else 0
     states = swap_bytes_of(engine)
@@ -169,7 +169,7 @@ def stats(model: nn.Module, *, reset: bool = False) -> Dict[str, Any]:
                                "total": s.nvme_written_total},
         "nvme_per_step": _nvme_per_step(engine),
     }
-    from .optim.offloaded_adam import state_formats_of
+    from .optim.adam import state_formats_of
     formats = state_formats_of(engine)
     if formats:  # infinity optimizers' moment formats: {fmt: {params, numel, moment_bytes}}
         out["optimizer_states"] = formats

@@ -13,6 +13,9 @@ from .sizes import Size, parse_budget
 from .tiers.chunk_size import check_chunk_bytes
 from .tiers.tier import Tier
 
+# the frozen formats a quantized home can store (runtime/homes/quant_format.py lays each out)
+FROZEN_FORMATS = ("nf4", "nf4-dq", "int8")
+
 BlockRule = Union[None, Sequence[type], Callable[[str, nn.Module], bool]]
 
 _WORKING_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -132,13 +135,13 @@ class OffloadPolicy:
         swap file's pieces that hold them), and its gradient is accumulated row-sparse into
         the gradient tier (zeros elsewhere): the table is never materialized whole and no
         full-size dense gradient exists. Numbers are those of the plain lookup.
-        See infinity/runtime/rows.py. False: fetched whole when it runs.
+        See infinity/runtime/vocab/rows.py. False: fetched whole when it runs.
     tiled_head: the LM head (``get_output_embeddings()``, tied or not) streams its weight from
         its home in tiles of vocabulary rows (about a chunk each) and is never materialized
         whole; in a forward with labels (a Hugging Face ``*ForCausalLM``) the loss is computed
         over the tiles with an online logsumexp, the logits are never materialized and the
         output's ``logits`` is None; without labels the logits are computed tile by tile.
-        Within 1e-6 relative of plain PyTorch in fp32. See infinity/runtime/tiled_head.py.
+        Within 1e-6 relative of plain PyTorch in fp32. See infinity/runtime/vocab/tiled_head.py.
     """
 
     param_tier: str = "auto"
@@ -219,7 +222,6 @@ class OffloadPolicy:
             raise ValueError(f"collective_timeout must be a positive number of seconds, got "
                              f"{self.collective_timeout!r}")
         self._check_activations()
-        from .runtime.quant_format import FORMATS as FROZEN_FORMATS  # runtime imports policy
         if self.frozen_format is not None and self.frozen_format not in FROZEN_FORMATS:
             raise ValueError(f"infinity: frozen_format={self.frozen_format!r} is not supported; "
                              "use 'nf4', 'nf4-dq', 'int8' or None")

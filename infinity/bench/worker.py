@@ -48,7 +48,7 @@ def run(spec: Dict[str, Any]) -> Dict[str, Any]:
     from infinity.models import TinyGPT, lm_loss, synthetic_batch
     from infinity.bench.models import config_for, init_weights
     from infinity.plan.placements import placement as get_placement
-    from infinity.runtime.registry import engine_of
+    from infinity.runtime.core.registry import engine_of
 
     torch.manual_seed(spec.get("seed", 0))
     cfg = config_for(spec["size"], spec["seq"])

@@ -13,7 +13,7 @@ directory + renames), names (a model's tensors by name), save, load, consolidate
 """
 from .consolidate import consolidate
 from .load import load_checkpoint
-from .manifest import CheckpointError, CheckpointMismatchError, CorruptCheckpointError
+from .disk.manifest import CheckpointError, CheckpointMismatchError, CorruptCheckpointError
 from .save import save_checkpoint
 
 

@@ -14,10 +14,10 @@ import torch
 from tqdm.auto import tqdm
 
 from . import bnb4
-from .files import TensorFileWriter, aligned_order, fsync_dir, nbytes_of
+from .disk.files import TensorFileWriter, aligned_order, fsync_dir, nbytes_of
 from .load import Reader, open_checkpoint
-from .pieces import Source
-from .manifest import dtype_name, parse_dtype
+from .disk.pieces import Source
+from .disk.manifest import dtype_name, parse_dtype
 
 _PROGRESS_MIN_BYTES = 1 << 30
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,

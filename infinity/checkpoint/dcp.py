@@ -40,11 +40,11 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from .load import load_wrapped
-from .manifest import CheckpointError, parse_dtype
+from .disk.manifest import CheckpointError, parse_dtype
 from .names import ModelNames
 from .matching import TensorPlan
-from .pieces import Source
-from .reader import Reader, open_checkpoint
+from .disk.pieces import Source
+from .disk.reader import Reader, open_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -194,7 +194,7 @@ class _DcpSource:
 def _resolve_dcp(path: str) -> str:
     """``path``, or the previous checkpoint kept aside when a :func:`~.dcp_write.save_dcp`
     crashed between the renames that replace it (see :mod:`.atomic`)."""
-    from .atomic import _is_checkpoint, aside_path
+    from .disk.atomic import _is_checkpoint, aside_path
     from .dcp_write import DCP_MARKER
     if not os.path.exists(path) and _is_checkpoint(aside_path(path), DCP_MARKER):
         logger.warning("infinity: %s is missing (a save was interrupted while replacing it); "

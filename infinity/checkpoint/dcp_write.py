@@ -40,8 +40,8 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from .. import io as inf_io
-from .atomic import staged_directory
-from .manifest import CheckpointError
+from .disk.atomic import staged_directory
+from .disk.manifest import CheckpointError
 from .names import ModelNames
 
 logger = logging.getLogger(__name__)

@@ -12,9 +12,9 @@ import os
 from collections import Counter
 from typing import Any, Dict, List
 
-from .atomic import resolve
+from .disk.atomic import resolve
 from .load import Reader
-from .manifest import MANIFEST, CheckpointError, read_manifest
+from .disk.manifest import MANIFEST, CheckpointError, read_manifest
 
 
 def inspect_checkpoint(path: str, verify: bool = True) -> Dict[str, Any]:

@@ -14,13 +14,13 @@ from tqdm.auto import tqdm
 
 from .. import io as inf_io
 from ..runtime.engine import locate
-from .manifest import CheckpointError, CorruptCheckpointError, decode
+from .disk.manifest import CheckpointError, CorruptCheckpointError, decode
 from .matching import OptimizerPlan, TensorPlan
 from .names import ModelNames
 from .per_rank import is_sharded_checkpoint, load_per_rank, trainer_state
-from .pieces import Source
+from .disk.pieces import Source
 from .ranks import load_into_sharded, trainer_state_v3
-from .reader import Reader, open_checkpoint
+from .disk.reader import Reader, open_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ def load_checkpoint(path: str, model: nn.Module,
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"load_checkpoint expects an nn.Module, got {type(model).__name__}")
-    from ..runtime.registry import engine_of as _engine_of
+    from ..runtime.core.registry import engine_of as _engine_of
     if is_sharded_checkpoint(path):  # per-rank files of the earlier format, any world size
         # the trainer state: scheduler, scaler, extra from rank 0's file, RNG from this rank's
         part = getattr(_engine_of(model), "partitioner", None)

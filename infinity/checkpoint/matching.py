@@ -8,9 +8,9 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from .manifest import CheckpointMismatchError, decode
+from .disk.manifest import CheckpointMismatchError, decode
 from .names import ModelNames
-from .pieces import Source
+from .disk.pieces import Source
 
 logger = logging.getLogger(__name__)
 

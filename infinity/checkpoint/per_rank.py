@@ -11,9 +11,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..runtime.registry import engine_of
-from .atomic import resolve
-from .manifest import CheckpointError
+from ..runtime.core.registry import engine_of
+from .disk.atomic import resolve
+from .disk.manifest import CheckpointError
 
 FORMAT = "infinity-zero-sharded"
 VERSION = 1

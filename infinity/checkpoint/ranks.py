@@ -23,12 +23,12 @@ import torch
 from torch import nn
 
 from ..version import __version__
-from .manifest import (FORMAT, VERSION, CheckpointError, decode, dtype_name, encode)
+from .disk.manifest import FORMAT, VERSION, CheckpointError, decode, dtype_name, encode
 from .matching import OptimizerPlan, TensorPlan
 from .names import ModelNames
-from .pieces import STATE_KEYS, Source, piece_name
-from .reader import Reader
-from .writer import Writer, hf_config, same_bits, write_manifest
+from .disk.pieces import STATE_KEYS, Source, piece_name
+from .disk.reader import Reader
+from .disk.writer import Writer, hf_config, same_bits, write_manifest
 
 logger = logging.getLogger(__name__)
 

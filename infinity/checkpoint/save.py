@@ -16,13 +16,13 @@ from tqdm.auto import tqdm
 
 from .. import io as inf_io
 from ..runtime.engine import Engine
-from ..runtime.flat import FlatParam
+from ..runtime.core.flat import FlatParam
 from ..version import __version__
-from .atomic import staged_directory
-from .manifest import FORMAT, VERSION, dtype_name, encode
+from .disk.atomic import staged_directory
+from .disk.manifest import FORMAT, VERSION, dtype_name, encode
 from .names import ModelNames
 from .sharded import save_sharded
-from .writer import Writer, hf_config, same_bits, write_manifest
+from .disk.writer import Writer, hf_config, same_bits, write_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -220,7 +220,7 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"save_checkpoint expects an nn.Module, got {type(model).__name__}")
-    from ..runtime.registry import engine_of as _engine_of
+    from ..runtime.core.registry import engine_of as _engine_of
     if getattr(_engine_of(model), "partitioner", None) is not None:
         # sharded (ZeRO over torch.distributed): one file per rank, loadable on any world size
         trainer = {"scheduler": scheduler.state_dict() if scheduler is not None else None,

@@ -26,10 +26,10 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from ..runtime.registry import engine_of
-from . import atomic
+from ..runtime.core.registry import engine_of
+from .disk import atomic
 from .load import load_checkpoint
-from .manifest import CheckpointError
+from .disk.manifest import CheckpointError
 from .per_rank import is_sharded_checkpoint, load_per_rank
 from .ranks import merge_rank_parts, write_index_json, write_rank_part
 

@@ -10,14 +10,14 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ._common import _float
-from .chunks import Unit
-from .choices import FormatChoices
-from .param_states import ParamStates
-from .shard import Run, Shard
-from .shard_update import update_shard, update_unit
-from .step_stats import StepStats
-from .step_work import StepWork
+from .step.common import _float
+from .step.chunks import Unit
+from .step.choices import FormatChoices
+from .params import ParamStates
+from .step.shard import Run, Shard
+from .update import update_shard, update_unit
+from .step.stats import StepStats
+from .step.work import StepWork
 from .wrapped import WrappedModels
 
 

@@ -67,13 +67,13 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 
 from ..runtime.port import OptimizerPort
-from .chunks import Unit
+from .step.chunks import Unit
 from .core import AdamCore
-from .kernels import Window
-from .shard import Run as _Run, Shard
-from .state_store import StateStore
-from .step_stats import StepStats
-from .swapper import ShardFeed, run_pipeline
+from .step.kernels import Window
+from .step.shard import Run as _Run, Shard
+from .states.store import StateStore
+from .step.stats import StepStats
+from .states.swapper import ShardFeed, run_pipeline
 
 logger = logging.getLogger(__name__)
 

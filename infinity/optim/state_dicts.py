@@ -8,12 +8,12 @@ from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 import torch
 
 from .. import io as inf_io
-from ._common import ShardState, _check_hyper, _float
+from .step.common import ShardState, _check_hyper, _float
 from .core import AdamCore
-from .layout import StateViews
-from .shard import Shard, init_states
+from .step.layout import StateViews
+from .step.shard import Shard, init_states
 
-logger = logging.getLogger("infinity.optim")
+logger = logging.getLogger(__name__)
 
 
 class StateDicts:
@@ -91,7 +91,6 @@ class StateDicts:
         self.rollback("state_dict() before opt.step()")
         core = self.core
         if core.wrapped.sharded is not None:
-            from ..sharding.state import refuse_sharded
             raise refuse_sharded("optimizer.state_dict()")
         self._quiesce()
         for shard in core.wrapped.shards.values():
@@ -135,7 +134,6 @@ class StateDicts:
         self.rollback("load_state_dict() before opt.step()")
         core = self.core
         if core.wrapped.sharded is not None:
-            from ..sharding.state import refuse_sharded
             raise refuse_sharded("optimizer.load_state_dict()")
         entries = self.checked_entries(state_dict)
         params = core.param_index()
@@ -249,3 +247,13 @@ class StateDicts:
                 shard.steps[i] = int(_float(entry["step"]))
         store.rewrite(shard, fill, "loading", read=False)
         shard.initialized = True
+
+
+def refuse_sharded(what: str) -> RuntimeError:
+    return RuntimeError(
+        f"infinity: {what} of a sharded model (shard='zero1'/'zero2'/'zero3' over "
+        "torch.distributed) is not built yet. Use infinity.sharding.save_sharded(path, model, "
+        "optimizer) / load_sharded (one file per rank; loads on any number of ranks), or "
+        "infinity.sharding.full_state_dict(model) and full_optimizer_state_dict(optimizer) on "
+        "every rank (whole state dicts on rank 0; load_full_state_dict / "
+        "load_full_optimizer_state_dict on any number of ranks); see docs/zero3.md")

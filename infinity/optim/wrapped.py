@@ -10,14 +10,14 @@ import torch
 
 from ..runtime.port import OptimizerPort, PortLocation
 from ..tiers.chunk_size import resolve_chunk_bytes
-from .choices import FormatChoices
-from .formats import param_owners
-from .layout import state_nbytes
-from .shard import Shard
-from .state_store import StateStore
-from .stores import choose_tier, new_store
+from .step.choices import FormatChoices
+from .step.formats import param_owners
+from .step.layout import state_nbytes
+from .step.shard import Shard
+from .states.store import StateStore
+from .states.tier import choose_tier, new_store
 
-logger = logging.getLogger("infinity.optim")
+logger = logging.getLogger(__name__)
 
 
 class ModelSide:

@@ -18,7 +18,7 @@ def explain(model: Union[nn.Module, int, float], *, show: bool = True, **setting
     written). ``show``: also print it (to stdout)."""
     result: Optional[Plan] = None
     if isinstance(model, nn.Module):
-        from ..runtime.registry import engine_of
+        from ..runtime.core.registry import engine_of
         engine = engine_of(model)
         if engine is not None:
             result = getattr(engine, "plan", None)

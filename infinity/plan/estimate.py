@@ -80,7 +80,7 @@ from .placements import (MASTER_BYTES, PLACEMENTS, Placement, placement as get_p
 from .probe import ProbeResult, probe as run_probe
 from .results import Estimate, EstimateTable
 from .shape import EMBEDDING, HEAD, TIED, ModelShape, describe
-from ..optim.swapper import SETS  # the optimizer's buffer sets: its units in flight
+from ..optim.states.swapper import SETS  # the optimizer's buffer sets: its units in flight
 from ..tiers.chunk_size import DEFAULT_CHUNK_BYTES
 from ..tiers.pool_plan import MAX_PIECE_BYTES
 
@@ -108,8 +108,8 @@ def calibrated_compute(shape: ModelShape, batch: int, seq: int, reps: int = 3) -
 
 
 def read_by_rows(shape: ModelShape, role: str, tiled_head: bool, embedding_rows: bool) -> bool:
-    """Whether the engine reads the outer block of this role in rows (runtime/rows.py) or
-    tiles (runtime/tiled_head.py) instead of fetching it whole."""
+    """Whether the engine reads the outer block of this role in rows (runtime/vocab/rows.py) or
+    tiles (runtime/vocab/tiled_head.py) instead of fetching it whole."""
     if role == EMBEDDING:
         return embedding_rows
     if role == HEAD:
@@ -456,7 +456,7 @@ def side_by_side(compute_s: float, disk_s: float, overlap: float) -> float:
 
 def nvme_step_set(chunk: float, largest: float, s: float, bpp: float) -> Tuple[float, float]:
     """(elements per unit, bytes per buffer set) of the NVMe step with gradients read from
-    NVMe and working copies written there, as the optimizer cuts a shard (optim/chunks.py,
+    NVMe and working copies written there, as the optimizer cuts a shard (optim/step/chunks.py,
     ``NvmeStates.beside``): a unit's states, gradients and working copy fill about a chunk,
     less two whole file pieces (at most 4 MiB, or the chunk) of each on either edge when those
     fit in half of it; the gradient and working-copy windows are the pieces covering the unit,

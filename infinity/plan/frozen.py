@@ -8,8 +8,8 @@ from typing import Any, Optional
 
 from torch import nn
 
-from ..runtime.partition import LAYER, partition
-from ..runtime.quant_format import frozen_format as _format
+from ..runtime.build.split import LAYER, partition
+from ..runtime.homes.quant_format import frozen_format as _format
 from .shape import PERSISTENCE_THRESHOLD, ModelShape
 
 

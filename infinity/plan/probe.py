@@ -206,7 +206,7 @@ def _tiny_step_s(n_layers: int, layout: Optional[str], nvme_path: Optional[str],
     from ..models import GPTConfig, TinyGPT, lm_loss
     from ..optim import AdamW
     from ..policy import OffloadPolicy
-    from ..runtime.device import resolve_device
+    from ..runtime.core.device import resolve_device
     from ..runtime.engine import Engine
     cfg = GPTConfig(vocab_size=256, d_model=64, n_layers=n_layers, n_heads=1, max_seq=16)
     torch.manual_seed(0)

@@ -14,7 +14,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple, Union
 from torch import nn
 
 from ..policy import OffloadPolicy
-from ..runtime.partition import LAYER, OUTER, ROOT, partition
+from ..runtime.build.split import LAYER, OUTER, ROOT, partition
 
 # what an outer block holds (ModelShape.block_roles): the input embedding, the LM head, or both
 # (a tied embedding and head: one block); "" for anything else
@@ -39,7 +39,7 @@ class ModelShape:
     vocab_size: Optional[int] = None
     n_heads: Optional[int] = None
     # parameters that keep fp32 moments when the optimizer's states are "8bit" (embeddings,
-    # tensors under min_8bit_size: infinity.optim.formats' safeguards)
+    # tensors under min_8bit_size: infinity.optim.step.formats' safeguards)
     full_moment_params: int = 0
     # each block's kind ("layer", "outer", "root"); empty: layers, then the root block last
     block_kinds: Tuple[str, ...] = ()
@@ -127,7 +127,7 @@ def shape_of(model: nn.Module, block_rule=None,
     embs = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
     cfg = getattr(model, "cfg", None) or getattr(model, "config", None)
     heads = getattr(cfg, "n_heads", None) or getattr(cfg, "num_attention_heads", None)
-    from ..optim.formats import formats_for  # pure: the safeguards' choice per parameter
+    from ..optim.step.formats import formats_for  # pure: the safeguards' choice per parameter
     chosen = formats_for(model, "8bit")
     sizes = {name: p.numel() for name, p in model.named_parameters()}
     full = sum(sizes.get(name, 0) for name, fmt in chosen.items() if fmt != "8bit")
@@ -339,7 +339,7 @@ class DecoderDims:
         """Parameters that keep fp32 moments under states="8bit": the embedding (tied with the
         head or not; an untied head is a Linear and goes 8-bit) and every tensor under
         min_8bit_size (4096 elements: norm weights and biases of narrow models)."""
-        from ..optim.formats import MIN_8BIT_SIZE
+        from ..optim.step.formats import MIN_8BIT_SIZE
         d, hs = self.d_model, self.head_size
         small = [d] * (self.norms_per_layer * self.n_layers + 1)  # RMSNorm weights
         q, kv = self.n_heads * hs, self.kv_heads * hs

@@ -1,6 +1,6 @@
 """The runtime: blocks, residency, schedule, hooks, transfers and the Engine that owns them."""
 from .engine import Engine, ParamLocation, engine_of, locate
-from .residency import Residency, ResidencyError
-from .stats import Stats
+from .core.residency import Residency, ResidencyError
+from .core.stats import Stats
 
 __all__ = ["Engine", "ParamLocation", "engine_of", "locate", "Residency", "ResidencyError", "Stats"]

@@ -19,30 +19,29 @@ from torch import nn
 
 from .. import io as inf_io
 from ..policy import OffloadPolicy
-from ..sharding.partitioner import make_partitioner
+from .zero.partitioner import make_partitioner
 from ..tiers import Tier
 from ..tiers.chunk_size import resolve_chunk_bytes
-from . import hooks as hooks_mod
-from . import registry
-from .blockgroup import BlockGroup, GroupContext
-from .build import build
-from .device import resolve_device
-from .flat import FlatParam
-from .guard import guard_foreign_optimizers
-from .home_ranges import nvme_home_for, read_range
-from .host_malloc import trim_heap
-from .host_memory import HOST_MEMORY, REUSE
-from .outside import OutsideWrites
-from .quant_home import QuantFlat
-from .registry import ParamLocation, engine_of, locate  # noqa: F401 (re-exported)
-from .row_hooks import RowHooks
-from .schedule import Schedule
-from .sources import ParamSource
-from .stats import Stats
-from .step import StepHooks
-from .teardown import close_all, let_go, restore_params
-from .tier_bytes import tier_bytes
-from .transfer import Transfers
+from .step import hooks as hooks_mod
+from .core import registry
+from .step.group import BlockGroup, GroupContext
+from .build.builder import build
+from .core.device import resolve_device
+from .core.flat import FlatParam
+from .process.guard import guard_foreign_optimizers
+from .homes.ranges import nvme_home_for, read_range
+from .process.host_memory import HOST_MEMORY, REUSE
+from .step.outside import OutsideWrites
+from .homes.quantized import QuantFlat
+from .core.registry import ParamLocation, engine_of, locate  # noqa: F401 (re-exported)
+from .step.row_hooks import RowHooks
+from .core.schedule import Schedule
+from .homes.sources import ParamSource
+from .core.stats import Stats
+from .step.machine import StepHooks
+from .core.teardown import close_all, let_go, restore_params
+from .build.tier_bytes import tier_bytes
+from .step.transfer import Transfers
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +156,7 @@ class Engine:
                     self.partitioner.after_step()
                 if (self.device.type == "cpu" and HOST_MEMORY.state() != REUSE
                         and any(b.home is not Tier.HOST for b in self.blocks)):
-                    trim_heap()  # the step's temporaries go back to the OS, not to RSS
+                    HOST_MEMORY.trim()  # the step's temporaries go back to the OS, not to RSS
                 self.group.prefetch_for_forward()
 
     @contextlib.contextmanager
@@ -251,7 +250,7 @@ class Engine:
                 self.group.unpin(pinned, not self.step.idle())
 
     def tier_bytes(self) -> Dict[str, Dict[str, int]]:
-        """Bytes per tier (runtime/tier_bytes.py)."""
+        """Bytes per tier (runtime/build/tier_bytes.py)."""
         return tier_bytes(self.sizing, self.grads, self.pool, self.store, self.device_budget,
                           self.compute_buffers, self._compute_reserved)
 

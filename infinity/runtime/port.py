@@ -1,7 +1,7 @@
 """The one port between a wrapped model's engine and the optimizers that step it.
 
 infinity/optim reaches the runtime only through :class:`OptimizerPort` (and the flat-parameter
-type, :class:`~infinity.runtime.flat.FlatParam`): where a parameter lives, quiesce/resume
+type, :class:`~infinity.runtime.core.flat.FlatParam`): where a parameter lives, quiesce/resume
 around a step, the gradient source, reads and writes of the working copy (whole or by element
 range), the parameters the user wrote outside forward, host memory (the engine's budget),
 backward listeners, and the facts about tiers that the optimizer needs (where NVMe files go,
@@ -21,9 +21,9 @@ import torch
 from torch import nn
 
 from ..tiers.budget import ByteBudget
-from .flat import FlatParam
-from .homes import master_is_home
-from .registry import locate as _locate
+from .core.flat import FlatParam
+from .homes.home import master_is_home
+from .core.registry import locate as _locate
 
 if TYPE_CHECKING:  # pragma: no cover
     from .. import io as inf_io

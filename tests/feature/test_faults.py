@@ -23,10 +23,10 @@ import infinity
 from infinity.io import InfinityIOError, clear_faults, inject_fault
 from infinity.models import GPTConfig, TinyGPT, lm_loss, synthetic_batch
 from infinity.optim import OptimizerStateIOError
-from infinity.optim.state_extents import STATE_FILE
+from infinity.optim.states.extents import STATE_FILE
 from infinity.runtime.engine import Engine, engine_of, locate
-from infinity.runtime.flat import FlatParam
-from infinity.runtime.grads import GradientWriteError
+from infinity.runtime.core.flat import FlatParam
+from infinity.runtime.grads.sink import GradientWriteError
 from infinity.tiers import HostPool, SwapStore
 from engine_helpers import assert_tensors_equal
 

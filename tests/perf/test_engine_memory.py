@@ -45,7 +45,7 @@ _RSS_SCRIPT = textwrap.dedent("""
     layer_bytes = sum(p.numel() * 4 for p in model.layers[0].parameters())
     budget = 3 * layer_bytes
     # a host_budget: RAM is the constraint, so the temporaries go back to the OS as they are
-    # freed (runtime/host_malloc.py); without one they reuse glibc's heap, as in plain PyTorch
+    # freed (runtime/process/host_memory.py); without one they reuse glibc's heap, as in plain PyTorch
     infinity.wrap(model, nvme_path=sys.argv[1], param_tier="nvme", device_budget=budget,
                   prefetch_window=1, host_budget=4 * model_bytes)
     g = torch.Generator().manual_seed(1)
@@ -71,7 +71,7 @@ def test_forward_backward_from_nvme_peak_rss(tmp_path):
     measured here: 22-23%. The parts: engine buffers (1 staging + 3 gradient + the pooled
     compute buffers, which are kept for reuse up to the device budget (9% of the model here)
     instead of being unmapped at each release) plus activations; 12-14% before the pool.
-    Without the engine's fixed glibc mmap threshold (runtime/host_malloc.py) and without the
+    Without the engine's fixed glibc mmap threshold (runtime/process/host_memory.py) and without the
     pool it was 29-58%: freed block buffers stayed in the heap. With the threshold at 1 MiB
     instead of 128 KiB it varied from 23% to 35% between runs: backward's gradient temporaries
     were served from the holes the model's freed 590 KB parameters left in the heap. The wrap

@@ -1,4 +1,4 @@
-"""glibc's thresholds on a CPU-only machine (runtime/host_malloc.py): while a model is wrapped
+"""glibc's thresholds on a CPU-only machine (runtime/process/host_memory.py): while a model is wrapped
 its originals go back to the OS (128 KiB mmap threshold); afterwards, without a host_budget,
 forward and backward's temporaries reuse the heap (32 MiB threshold) instead of faulting in
 fresh pages every step; with a host_budget, or with activation offload, they keep going back to
@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 _SCRIPT = textwrap.dedent("""
     import json, resource, sys, torch, infinity
     from infinity.models import GPTConfig, TinyGPT, lm_loss, synthetic_batch
-    from infinity.runtime import host_malloc
+    from infinity.runtime.process.host_memory import HOST_MEMORY
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -32,7 +32,7 @@ _SCRIPT = textwrap.dedent("""
         r0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         lm_loss(model(x), y).backward()
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0)
-    print(json.dumps({"state": host_malloc.state(), "faults": faults[1:]}))
+    print(json.dumps({"state": HOST_MEMORY.state(), "faults": faults[1:]}))
 """)
 
 
@@ -108,16 +108,16 @@ def test_aligned_buffers_are_mapped_outside_the_heap():
 
 _EMPTY_INIT = textwrap.dedent("""
     import json, torch, infinity
-    from infinity.runtime import host_malloc
-    seen = [host_malloc.state()]
+    from infinity.runtime.process.host_memory import HOST_MEMORY
+    seen = [HOST_MEMORY.state()]
     with infinity.empty_init():
-        seen.append(host_malloc.state())
+        seen.append(HOST_MEMORY.state())
         torch.nn.Linear(512, 512)
-    seen.append(host_malloc.state())
-    host_malloc.return_freed_buffers_to_os()   # as a wrap with a host_budget leaves it
+    seen.append(HOST_MEMORY.state())
+    lease = HOST_MEMORY.acquire("release", name="test")   # as a wrap with a host_budget leaves it
     with infinity.empty_init():
         pass
-    seen.append(host_malloc.state())
+    seen.append(HOST_MEMORY.state())
     print(json.dumps(seen))
 """)
 
@@ -128,6 +128,6 @@ def test_empty_init_lowers_the_threshold_only_while_inside():
                          timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     # leaving it with no other user of glibc's thresholds puts back glibc's defaults
-    # (runtime/host_memory.py); with one that wants the low threshold it stays low
+    # (runtime/process/host_memory.py); with one that wants the low threshold it stays low
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [None, "release", None,
                                                                "release"]

@@ -33,8 +33,8 @@ import torch
 import infinity
 from infinity.checkpoint import (CheckpointError, CheckpointMismatchError,
                                  CorruptCheckpointError)
-from infinity.checkpoint import files as ckpt_files
-from infinity.checkpoint.atomic import aside_path
+from infinity.checkpoint.disk import files as ckpt_files
+from infinity.checkpoint.disk.atomic import aside_path
 from infinity.models import GPTConfig, TinyGPT, lm_loss, synthetic_batch
 
 CFG = GPTConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=2, max_seq=16)
@@ -174,7 +174,7 @@ def test_plain_model_round_trip(tmp_path, optim):
 _CHILD = r"""
 import pathlib, sys, time
 import infinity
-import infinity.checkpoint.files as files
+import infinity.checkpoint.disk.files as files
 from test_checkpoint import DATA, K, setup, train_step
 ckpt, tmp, tier = sys.argv[1], sys.argv[2], sys.argv[3]
 model, opt, sched, scaler = setup(pathlib.Path(tmp), tier)

@@ -309,7 +309,7 @@ def test_save_dcp_errors_and_atomic_replacement(tmp_path, monkeypatch):
         assert torch.equal(got[k], v), k
     assert not any(torch.equal(got[k], v) for k, v in first.items() if k.endswith("fc.weight"))
     # a crash between the two renames of a replacement: load_dcp reads the one kept aside
-    from infinity.checkpoint.atomic import aside_path
+    from infinity.checkpoint.disk.atomic import aside_path
     os.rename(ck, aside_path(ck))
     fresh = _wrap(_tiny(4), "host", tmp_path)
     infinity.checkpoint.load_dcp(ck, fresh)

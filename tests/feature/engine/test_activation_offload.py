@@ -13,8 +13,8 @@ from torch.utils.checkpoint import checkpoint
 import infinity
 from infinity.io import clear_faults, inject_fault
 from infinity.models import GPTConfig, TinyGPT, lm_loss, synthetic_batch
-from infinity.runtime.activations import ActivationOffloadError
-from infinity.runtime.registry import _ENGINES
+from infinity.runtime.activations.offload import ActivationOffloadError
+from infinity.runtime.core.registry import _ENGINES
 
 CFG = GPTConfig(vocab_size=128, d_model=32, n_layers=3, n_heads=4, max_seq=64)
 B, T = 2, 64

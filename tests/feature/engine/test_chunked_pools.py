@@ -25,8 +25,8 @@ import infinity
 from engine_helpers import batches, loss_of
 from infinity.io import clear_faults, inject_fault
 from infinity.models import GPTConfig, TinyGPT
-from infinity.runtime.grads import GradientWriteError, grad_key
-from infinity.runtime.registry import engine_of
+from infinity.runtime.grads.sink import GradientWriteError, grad_key
+from infinity.runtime.core.registry import engine_of
 from infinity.tiers import BudgetExceededError, SwapCorruptionError
 
 # a layer's flat is ~50k fp32 elements (200 KB): 25 chunks of 8 KiB; its 64x64 weights (16 KiB)
@@ -342,7 +342,7 @@ _RSS_SCRIPT = textwrap.dedent("""
     import torch
     from torch import nn
     import infinity
-    from infinity.runtime.registry import engine_of
+    from infinity.runtime.core.registry import engine_of
 
     def kib(field):
         for line in open("/proc/self/status"):

@@ -12,7 +12,7 @@ FSDP2 keeps its own: a compiled model runs them eagerly between its graphs. Chec
   three-line dispatcher;
 - keeping them out imports no ``torch._dynamo``, neither with ``import infinity`` nor in a
   forward and backward: importing it raises glibc's mmap threshold, so a model built after it
-  lies in the heap and the peak RSS of NVMe streaming grows (runtime/compile_guard.py).
+  lies in the heap and the peak RSS of NVMe streaming grows (runtime/process/compile_guard.py).
 
 The backend records dynamo's graphs and runs them as they are (no code generator): what is
 checked is the tracing."""
@@ -39,7 +39,7 @@ _RUNTIME_DIR = os.path.dirname(infinity.runtime.__file__)
 _TIERS = {"host": dict(param_tier="host", optimizer_tier="host"),
           "nvme": dict(param_tier="nvme", optimizer_tier="nvme"),
           # untied embeddings, each a block of its own: their forward reads only the batch's
-          # rows from the swap file (runtime/rows.py)
+          # rows from the swap file (runtime/vocab/rows.py)
           "nvme-rows": dict(param_tier="nvme", optimizer_tier="nvme",
                             param_persistence_threshold=1000)}
 _UNTIED = dataclasses.replace(SMALL, tie_embeddings=False)
@@ -148,7 +148,7 @@ def test_hooks_do_not_import_dynamo(tmp_path):
 
 def test_compiled_tiled_head_trains_as_eager(tmp_path):
     """torch.compile on a Llama wrapped with ``tiled_head=True`` (the head's weight streamed in
-    vocabulary tiles, the loss over the tiles; runtime/tiled_head.py): dynamo traces the model
+    vocabulary tiles, the loss over the tiles; runtime/vocab/tiled_head.py): dynamo traces the model
     around the tiled head, which runs eagerly, and the compiled model trains as the same wrapped
     model run eagerly: losses, gradients and weights after ``infinity.optim.AdamW`` bitwise over
     three steps; the logits are never materialized in either."""

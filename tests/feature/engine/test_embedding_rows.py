@@ -1,4 +1,4 @@
-"""Embedding row fetch (infinity/runtime/rows.py): an untied nn.Embedding block on the host or
+"""Embedding row fetch (infinity/runtime/vocab/rows.py): an untied nn.Embedding block on the host or
 NVMe tier reads only its batch's rows (on NVMe, the swap file's pieces holding them) and its
 gradient is row-sparse, scattered into the gradient tier with zeros elsewhere.
 
@@ -13,7 +13,7 @@ from torch import nn
 
 import infinity
 from infinity.runtime.engine import engine_of
-from infinity.runtime.row_grads import scatter_rows, sparse_rows
+from infinity.runtime.grads.rows import scatter_rows, sparse_rows
 from engine_helpers import assert_params_bitwise, check_grads_then_step
 from rss_helpers import run_rss_child
 

@@ -8,7 +8,7 @@ import torch
 
 import infinity
 from infinity.models import GPTConfig, TinyGPT, lm_loss
-from infinity.runtime.homes import TieredHome
+from infinity.runtime.homes.home import TieredHome
 from infinity.tiers import BudgetExceededError, Tier
 
 CFG = GPTConfig(vocab_size=256, d_model=64, n_layers=4, n_heads=2, max_seq=16)

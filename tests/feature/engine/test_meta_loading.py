@@ -13,7 +13,7 @@ from torch import nn
 import infinity
 from engine_helpers import SMALL, batches, loss_of
 from infinity.models import GPTConfig, TinyGPT
-from infinity.runtime.sources import SourceError
+from infinity.runtime.homes.sources import SourceError
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 

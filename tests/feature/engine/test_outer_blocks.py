@@ -17,7 +17,7 @@ from torch import nn
 import infinity
 from infinity.models import GPTConfig, TinyGPT, lm_loss, synthetic_batch
 from infinity.runtime.engine import engine_of
-from infinity.runtime.partition import partition
+from infinity.runtime.build.split import partition
 from infinity.tiers import BudgetExceededError
 from engine_helpers import assert_params_bitwise, check_grads_then_step
 
@@ -340,7 +340,7 @@ def test_host_budget_compute_buffers_count_root_and_largest_block(tmp_path):
     with pytest.raises(BudgetExceededError) as err:
         infinity.wrap(model, nvme_path=str(tmp_path), host_budget=1 << 20, **NVME_ALL)
     msg = str(err.value)
-    # the untied embedding is looked up row by row (runtime/rows.py): the head is the largest
+    # the untied embedding is looked up row by row (runtime/vocab/rows.py): the head is the largest
     m = re.search(r"the root block \+ the largest block '(lm_head)'\) ([\d,]+)", msg)
     assert m, msg
     compute = int(m.group(2).replace(",", ""))

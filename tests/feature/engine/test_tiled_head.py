@@ -1,4 +1,4 @@
-"""Vocabulary-tiled LM head and cross-entropy (infinity/runtime/tiled_head.py,
+"""Vocabulary-tiled LM head and cross-entropy (infinity/runtime/vocab/tiled_head.py,
 ``tiled_head=True``): the head's weight streams from its home in tiles of vocabulary rows, the
 loss over labels is computed with an online logsumexp over the tiles (logits never
 materialized), backward recomputes each tile and writes its weight gradient to the gradient

@@ -9,7 +9,7 @@ import torch
 import infinity
 import infinity.io as inf_io
 from infinity import _native
-from infinity.optim import swapper
+from infinity.optim.states import swapper
 from test_optim import _model, _train
 
 

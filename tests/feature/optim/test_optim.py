@@ -729,7 +729,7 @@ def test_benchmark_quick_thread_sweep_runs(tmp_path):
 def test_check_finite_auto_costs_no_pass_over_host_gradients(monkeypatch):
     """The default check_finite="auto" reads no gradient for the inf/nan check (torch.optim
     does none either); a non-finite norm from clip_grad_norm_ still skips the step."""
-    import infinity.optim.offloaded_adam as oa
+    import infinity.optim.adam as oa
     calls = []
     real = oa.OffloadedAdam.grads_finite
     monkeypatch.setattr(oa.OffloadedAdam, "grads_finite",

@@ -18,7 +18,7 @@ import torch
 import infinity
 from infinity import io as inf_io
 from infinity.models import GPTConfig, TinyGPT, lm_loss, synthetic_batch
-from infinity.optim import chunks
+from infinity.optim.step import chunks
 from infinity.tiers.budget import BudgetExceededError
 from infinity.tiers.swap_store import SwapCorruptionError
 from optim_helpers import assert_equal as _equal, states as _states, weights as _weights
@@ -471,7 +471,7 @@ def test_unit_geometry_tiles_the_layout(tmp_path, fmt, chunk):
     (4096-aligned size); over all units the spans of each region tile it in order, so the
     units together hold every byte of the shard's layout once; extents stay within the chunk
     once the chunk is above the per-region slack."""
-    from infinity.optim.state_store import layout_for
+    from infinity.optim.states.store import layout_for
     model = _model()
     infinity.wrap(model, nvme_path=str(tmp_path), optimizer_tier="nvme")
     engine = infinity.runtime.engine_of(model)

@@ -26,8 +26,7 @@ from infinity import ops
 from infinity.models import GPTConfig, TinyGPT, lm_loss, synthetic_batch
 from infinity.ops import adam_compact, q8_format
 from infinity.ops.adam import bias_corrections
-from infinity.optim.state_store import (STATE_FORMATS, layout_for, quantize_exact,
-                                        state_views)
+from infinity.optim.states.store import STATE_FORMATS, layout_for, quantize_exact, state_views
 from engine_helpers import assert_tensors_equal
 
 CFG = GPTConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=2, max_seq=16)

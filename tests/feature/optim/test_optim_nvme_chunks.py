@@ -1,5 +1,5 @@
 """The sub-chunk size check and the element-range geometry the NVMe step's sub-chunking is to be
-built on (infinity.optim.chunks; the step does not use it yet, and the optimizer takes no
+built on (infinity.optim.step.chunks; the step does not use it yet, and the optimizer takes no
 chunk_bytes= until it does): ranges never split an 8-bit block and map to the exact bytes each
 region's views cover."""
 import pytest
@@ -7,8 +7,8 @@ import torch
 
 import infinity
 from infinity import io as inf_io
-from infinity.optim import chunks
-from infinity.optim.state_store import layout_for, state_views
+from infinity.optim.step import chunks
+from infinity.optim.states.store import layout_for, state_views
 from infinity.runtime.engine import locate
 from test_optim import _model
 

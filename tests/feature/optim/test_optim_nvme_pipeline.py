@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import infinity
-from infinity.optim import swapper
+from infinity.optim.states import swapper
 from test_optim import _model, _train
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))

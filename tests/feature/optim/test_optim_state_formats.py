@@ -26,7 +26,7 @@ import infinity
 from infinity import ops
 from infinity.runtime.port import OptimizerPort
 from infinity.optim import format_summary, formats_for, moment_nbytes
-from infinity.optim.state_store import layout_for, state_views
+from infinity.optim.states.store import layout_for, state_views
 from infinity.runtime import engine_of
 from engine_helpers import assert_optimizer_states_equal, assert_tensors_equal
 

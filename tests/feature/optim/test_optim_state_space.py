@@ -14,8 +14,8 @@ import torch
 
 import infinity
 from infinity.models import GPTConfig, TinyGPT, lm_loss, synthetic_batch
-from infinity.optim.state_extents import STATE_FILE
-from infinity.optim.state_store import state_nbytes
+from infinity.optim.states.extents import STATE_FILE
+from infinity.optim.states.store import state_nbytes
 from infinity.tiers.swap_store import KEEP_FREED_EXTENTS
 from optim_helpers import assert_equal, states as opt_states, weights
 

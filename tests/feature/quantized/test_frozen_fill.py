@@ -1,4 +1,4 @@
-"""Filling quantized homes at wrap (runtime/quant_home.py): each segment is quantized straight
+"""Filling quantized homes at wrap (runtime/homes/quantized.py): each segment is quantized straight
 from the parameters as pieces (their own dtype, zeros in the gaps between parameters). The
 stored bytes equal those of quantizing the gathered fp32 flat (gaps and padding zero) segment by
 segment, for NF4 and int8, bf16 and fp32 parameters, several segments, odd-sized parameters."""
@@ -10,8 +10,8 @@ from torch import nn
 
 import infinity
 from infinity.runtime.engine import engine_of
-from infinity.runtime.homes import _gather_range
-from infinity.runtime.quant_home import QuantFlat
+from infinity.runtime.homes.home import _gather_range
+from infinity.runtime.homes.quantized import QuantFlat
 
 
 class _Block(nn.Module):

@@ -1,5 +1,5 @@
 """frozen_format="nf4" / "int8": frozen matrices of the layer blocks stored quantized on host or
-NVMe and dequantized at fetch (runtime/quant_home.py, runtime/quant_format.py).
+NVMe and dequantized at fetch (runtime/homes/quantized.py, runtime/homes/quant_format.py).
 
 * LoRA on a quantized base trains exactly like a plain PyTorch model whose frozen layer
   matrices hold bitsandbytes' dequantization of the same NF4 weights (losses within 1e-5 over
@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 
 import infinity  # noqa: E402
 from infinity.ops import int8_block, nf4  # noqa: E402
-from infinity.runtime.quant_format import frozen_format  # noqa: E402
+from infinity.runtime.homes.quant_format import frozen_format  # noqa: E402
 from integrations_helpers import TokenDataset, llama, wrap_settings  # noqa: E402
 
 from peft import LoraConfig, get_peft_model  # noqa: E402

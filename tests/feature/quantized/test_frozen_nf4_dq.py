@@ -1,5 +1,5 @@
 """frozen_format="nf4-dq": NF4 with its absmax double-quantized as bitsandbytes'
-``compress_statistics=True`` (runtime/quant_format.py, ops/nf4_dq.py).
+``compress_statistics=True`` (runtime/homes/quant_format.py, ops/nf4_dq.py).
 
 * the absmax quantization against bitsandbytes' own on one tensor (a single segment, so the
   offset is the same mean): the same map, offset and scales bitwise, codes equal but for
@@ -20,7 +20,7 @@ import torch
 
 import infinity
 from infinity.ops import nf4, nf4_dq
-from infinity.runtime.quant_format import frozen_format
+from infinity.runtime.homes.quant_format import frozen_format
 
 bnb_f = pytest.importorskip("bitsandbytes.functional")
 

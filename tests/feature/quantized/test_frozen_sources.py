@@ -1,4 +1,4 @@
-"""A bitsandbytes NF4 checkpoint as ``source=`` of a meta model (runtime/source_quant.py): each
+"""A bitsandbytes NF4 checkpoint as ``source=`` of a meta model (runtime/homes/source_quant.py): each
 weight decodes to bitsandbytes' own dequantization (bitwise), with and without double
 quantization, and with frozen_format="nf4" the home holds bitsandbytes' codes and absmax again.
 Other quantized formats are refused with a clear error."""
@@ -12,8 +12,8 @@ bnb_f = pytest.importorskip("bitsandbytes.functional")
 
 import infinity  # noqa: E402
 from infinity.runtime.engine import engine_of  # noqa: E402
-from infinity.runtime.quant_home import QuantFlat  # noqa: E402
-from infinity.runtime.sources import SourceError  # noqa: E402
+from infinity.runtime.homes.quantized import QuantFlat  # noqa: E402
+from infinity.runtime.homes.sources import SourceError  # noqa: E402
 from integrations_helpers import llama, llama_config  # noqa: E402
 
 from safetensors.torch import save_file  # noqa: E402

@@ -181,7 +181,7 @@ def test_peak_rss_per_rank_about_half(tmp_path):
     block and the root, engine-accounted) and one block's flat fp32 gradient buffer.
     Measured on this machine: 296 MB one process, 188 MB per rank (0.64x). With a host_budget:
     without one, a CPU rank's forward and backward temporaries reuse glibc's heap as in plain
-    PyTorch (runtime/host_malloc.py), which holds more RSS (measured 251 MB per rank)."""
+    PyTorch (runtime/process/host_memory.py), which holds more RSS (measured 251 MB per rank)."""
     opts = {"steps": 2, "batch": 4, "big": 1024, "layers": 8,
             "settings": {"host_budget": 1 << 30}}
     ref = run_ranks("train", 1, opts, tmp_path, dist=False)[0]
@@ -277,8 +277,8 @@ def test_shard_flat_parts_cover_the_flat_buffer(world):
     each rank, with param_start saying where its piece begins."""
     from torch import nn
 
-    from infinity.sharding.shard_flat import ShardFlat
-    from infinity.runtime.flat import FlatParam
+    from infinity.runtime.homes.shard_flat import ShardFlat
+    from infinity.runtime.core.flat import FlatParam
     torch.manual_seed(0)
     mods = [nn.Linear(37, 29), nn.Linear(29, 3)]
     entries = [(f"m{i}.{n}", m, n, p) for i, m in enumerate(mods)
@@ -312,7 +312,7 @@ def test_load_checkpoint_recognises_sharded_checkpoints_and_refuses_what_it_lack
     import json
 
     import infinity
-    from infinity.sharding.checkpoint import FORMAT, is_sharded_checkpoint
+    from infinity.sharding import FORMAT, is_sharded_checkpoint
 
     ck = tmp_path / "ck"
     ck.mkdir()
@@ -415,18 +415,23 @@ def test_sharded_checkpoint_keeps_scheduler_rng_and_extras(tmp_path):
     assert "no RNG states for this rank" in three[2].get("error", ""), three[2].get("log")
 
 
-def test_old_package_name_is_a_deprecated_alias():
-    """infinity.dist (the package's old name) still works, with a DeprecationWarning, and its
-    names and submodules are infinity.sharding's own objects (so patching one patches both)."""
+def test_old_package_name_fails_naming_the_new_one():
+    """infinity.dist (the package's old name) is gone: attribute access after ``import infinity``
+    and ``import infinity.dist`` both fail with an error that names infinity.sharding."""
     import subprocess
     import sys
-    code = ("import warnings; warnings.simplefilter('error')\n"
+    code = ("import infinity\n"
+            "try:\n    infinity.dist.full_state_dict\n"
+            "except AttributeError as e:\n    print('attr:', e)\n"
+            "try:\n    import infinity.dist\n"
+            "except ImportError as e:\n    print('import:', e)\n"
             "import infinity.sharding as s\n"
-            "try:\n    import infinity.dist\nexcept DeprecationWarning as e:\n    print('warned')\n"
-            "warnings.simplefilter('ignore')\n"
-            "import infinity.dist as d, infinity.dist.checkpoint as c\n"
-            "print(d.save_sharded is s.save_sharded, c is s.checkpoint)\n")
+            "print('sharding:', callable(s.full_state_dict))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["warned", "True", "True"]
+    lines = out.stdout.splitlines()
+    assert len(lines) == 3, out.stdout
+    assert lines[0].startswith("attr:") and "infinity.sharding" in lines[0], lines
+    assert lines[1].startswith("import:") and "infinity.sharding" in lines[1], lines
+    assert lines[2] == "sharding: True", lines

@@ -49,8 +49,8 @@ def test_sharded_parameters_start_on_quantization_blocks():
     from torch import nn
 
     from infinity.ops.adam_compact import BLOCK_SIZE
-    from infinity.runtime.flat import FlatParam
-    from infinity.sharding.shard_flat import ShardFlat
+    from infinity.runtime.core.flat import FlatParam
+    from infinity.runtime.homes.shard_flat import ShardFlat
     mods = [nn.Linear(37, 29), nn.Linear(29, 300), nn.Linear(11, 20), nn.Linear(300, 7)]
     entries = [(f"m{i}.{n}", m, n, p) for i, m in enumerate(mods)
                for n, p in m.named_parameters()]

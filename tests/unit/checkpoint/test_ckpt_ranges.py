@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from infinity.checkpoint import CorruptCheckpointError
-from infinity.checkpoint import files as files_mod
+from infinity.checkpoint.disk import files as files_mod
 
 
 def test_ranged_reads_verify_only_the_chunks_they_read(tmp_path, monkeypatch):

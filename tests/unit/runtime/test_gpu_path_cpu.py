@@ -17,10 +17,10 @@ from infinity.io import buffers
 from infinity.models import TinyGPT
 from infinity.policy import OffloadPolicy
 from infinity.runtime import engine as engine_mod
-from infinity.runtime import pinned
+from infinity.tiers import pinned
 from infinity.runtime.engine import resolve_device
-from infinity.runtime.stats import Stats
-from infinity.runtime.transfer import Fetch, Transfers
+from infinity.runtime.core.stats import Stats
+from infinity.runtime.step.transfer import Fetch, Transfers
 from infinity.tiers import BudgetExceededError, ByteBudget, HostPool, Tier
 
 
@@ -530,7 +530,7 @@ def test_transfers_close_drains_running_fetches():
 
 @pytest.mark.parametrize("restore", [False, True])
 def test_engine_close_drains_prefetches_in_flight(monkeypatch, tmp_path, restore):
-    from infinity.runtime.homes import NvmeHome
+    from infinity.runtime.homes.home import NvmeHome
     state = {"running": 0}
     lock = threading.Lock()
     original = NvmeHome.fetch_into

@@ -1,4 +1,4 @@
-"""Process-wide state has one owner (runtime/host_memory.py, runtime/guard.py): the global torch
+"""Process-wide state has one owner (runtime/process/host_memory.py, runtime/process/guard.py): the global torch
 optimizer step hooks are installed for the first engine and removed when the last one is
 unwrapped, closed or garbage-collected; glibc's malloc thresholds are counted per user and put
 back to glibc's defaults (as far as glibc allows) when the last user releases them. Each case
@@ -45,7 +45,8 @@ def _run(body: str, *args: str) -> dict:
 
 _HOOKS = """
     import infinity
-    from infinity.runtime import guard, registry
+    from infinity.runtime.process import guard
+    from infinity.runtime.core import registry
     calls = [0]
     real = registry.locate
 
@@ -106,7 +107,7 @@ _RSS = """
     state = None
     if sys.argv[1] == "unwrapped":
         import infinity
-        from infinity.runtime.host_memory import HOST_MEMORY
+        from infinity.runtime.process.host_memory import HOST_MEMORY
         model = wrap()
         state = HOST_MEMORY.state()
         infinity.unwrap(model)
@@ -137,7 +138,7 @@ def test_freed_blocks_go_back_to_the_os_after_unwrap_as_without_infinity():
 
 _TWO = """
     import infinity
-    from infinity.runtime.host_memory import HOST_MEMORY
+    from infinity.runtime.process.host_memory import HOST_MEMORY
 
     def seen():
         return [HOST_MEMORY.state(), HOST_MEMORY.users(), len(infinity_hooks())]

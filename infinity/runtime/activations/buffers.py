@@ -1,0 +1,280 @@
+"""Buffers for activation offload: reusable aligned host buffers (by size), scratch swap-file
+slots on NVMe, and tensors that view a pooled buffer and give it back when autograd drops them.
+
+- :class:`BufferPool`: 4 KiB-aligned host buffers handed out as :class:`Lease` objects, counted
+  in a :class:`~infinity.tiers.ByteBudget`. A buffer whose lease dies goes back to a free list of
+  its size and is reused by the next step (steps repeat their shapes, so after the first step no
+  allocation happens); free buffers above ``keep_bytes`` are freed instead.
+- :class:`ScratchFiles`: extents of a few scratch files (one set per size) in the directory of
+  a :class:`~infinity.tiers.SwapStore`, reused step after step (never fsynced: scratch, not
+  durable state), CRC32C-checked like swap files.
+- :func:`owned_view`: a tensor over a lease's bytes whose storage keeps the lease alive; when
+  the last view dies (autograd freed the saved tensor) the lease ends and ``on_free`` runs.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import threading
+from typing import Callable, Deque, Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from ... import io as inf_io
+from ...tiers import BudgetExceededError, ByteBudget, SwapCorruptionError, SwapStore
+
+
+def round_up(nbytes: int) -> int:
+    a = inf_io.ALIGNMENT
+    return max(a, (nbytes + a - 1) // a * a)
+
+
+class Lease:
+    """One pooled buffer on loan; goes back to its pool when released or garbage collected."""
+
+    __slots__ = ("buf", "nbytes", "_pool", "_on_release", "__weakref__")
+
+    def __init__(self, pool: "BufferPool", buf: torch.Tensor) -> None:
+        self.buf = buf
+        self.nbytes = buf.numel()
+        self._pool: Optional[BufferPool] = pool
+        self._on_release: List[Callable[[], None]] = []
+
+    def on_release(self, fn: Callable[[], None]) -> None:
+        self._on_release.append(fn)
+
+    def release(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        callbacks, self._on_release = self._on_release, []
+        pool._give_back(self.buf)
+        for fn in callbacks:
+            fn()
+
+    def __del__(self) -> None:
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+class BufferPool:
+    """Aligned host buffers by size, within ``budget``; see the module docstring."""
+
+    def __init__(self, budget: ByteBudget, what: str, keep_bytes: Optional[int] = None,
+                 pin: bool = False) -> None:
+        self._budget = budget
+        self._what = what
+        self._keep = keep_bytes
+        self._pin = pin
+        self._free: Dict[int, Deque[torch.Tensor]] = collections.defaultdict(collections.deque)
+        self._cached = 0
+        self._lock = threading.Lock()
+        self._closed = False
+        self.allocations = 0  # buffers allocated so far (stays flat once steps repeat)
+        self._held = 0        # bytes of this pool's buffers, on loan or cached
+
+    @property
+    def cached_bytes(self) -> int:
+        return self._cached
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of this pool's buffers that exist now (on loan or kept for reuse)."""
+        return self._held
+
+    def acquire(self, nbytes: int) -> Lease:
+        size = round_up(nbytes)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"infinity: the {self._what} pool is closed")
+            free = self._free.get(size)
+            if free:
+                self._cached -= size
+                return Lease(self, free.popleft())
+            self._evict_locked(size)
+            self._budget.acquire(size, what=f"a {self._what} buffer")
+            self._held += size
+        try:
+            buf = inf_io.aligned_empty(size, pin=self._pin, what=f"a {self._what} buffer")
+        except BaseException:
+            with self._lock:
+                self._held -= size
+            self._budget.release(size)
+            raise
+        self.allocations += 1
+        return Lease(self, buf)
+
+    def _evict_locked(self, size: int) -> None:
+        """Frees cached buffers of other sizes until ``size`` more bytes fit the budget."""
+        for other in list(self._free):
+            while self._free[other] and not self._budget.fits(size):
+                self._free[other].popleft()
+                self._cached -= other
+                self._held -= other
+                self._budget.release(other)
+
+    def _give_back(self, buf: torch.Tensor) -> None:
+        size = buf.numel()
+        with self._lock:
+            if self._closed or (self._keep is not None and self._cached + size > self._keep):
+                self._held -= size
+                self._budget.release(size)
+                return
+            self._free[size].append(buf)
+            self._cached += size
+
+    def close(self) -> None:
+        """Frees the cached buffers; leases still out release their bytes when they end."""
+        with self._lock:
+            self._closed = True
+            self._budget.release(self._cached)
+            self._held -= self._cached
+            self._cached = 0
+            self._free.clear()
+
+
+class Slot:
+    """One extent of a scratch file on loan; back to the free list when it dies. ``crc`` is
+    the CRC32C of its last completed write (None: none completed, e.g. it failed)."""
+
+    __slots__ = ("handle", "offset", "nbytes", "crc", "_files", "__weakref__")
+
+    def __init__(self, files: "ScratchFiles", handle: "inf_io.FileHandle", offset: int,
+                 nbytes: int) -> None:
+        self.handle = handle
+        self.offset = offset
+        self.nbytes = nbytes
+        self.crc: Optional[int] = None
+        self._files: Optional[ScratchFiles] = files
+
+    @property
+    def where(self) -> str:
+        return f"{self.handle.path!r} at offset {self.offset:,}"
+
+    def __del__(self) -> None:
+        files, self._files = self._files, None
+        if files is not None:
+            try:
+                files._give_back(self.handle, self.offset, self.nbytes)
+            except Exception:  # noqa: BLE001 - interpreter shutdown
+                pass
+
+
+class ScratchFiles:
+    """Scratch extents in the swap directory of ``store``, reused by size: files of one size
+    class hold many extents (about ``file_bytes`` each), so a step with thousands of saved
+    tensors opens a few files, not thousands. Preallocated; written without fsync; closed (and
+    removed with the directory) at close."""
+
+    def __init__(self, store: SwapStore, *, verify: bool, require_direct: bool,
+                 file_bytes: int = 64 << 20, max_extents: int = 256) -> None:
+        self.store = store
+        self.verify = verify
+        self._require_direct = require_direct
+        self._file_bytes = file_bytes
+        self._max_extents = max_extents
+        self._free: Dict[int, List[tuple]] = collections.defaultdict(list)
+        self._handles: List[inf_io.FileHandle] = []
+        self._total = 0
+        self._lock = threading.Lock()
+
+    @property
+    def files(self) -> int:
+        return len(self._handles)
+
+    @property
+    def total_bytes(self) -> int:
+        return self._total
+
+    def acquire(self, nbytes: int) -> Slot:
+        size = round_up(nbytes)
+        with self._lock:
+            free = self._free.get(size)
+            if free:
+                handle, offset = free.pop()
+                return Slot(self, handle, offset, size)
+            count = max(1, min(self._max_extents, self._file_bytes // size))
+            path = os.path.join(self.store.directory,
+                                f"activations-{size}-{len(self._handles):04d}.swp")
+            handle = inf_io.FileHandle(path, "w+", require_direct=self._require_direct)
+            try:
+                handle.allocate(count * size)
+            except BaseException:
+                handle.close()
+                os.unlink(path)
+                raise
+            self._handles.append(handle)
+            self._total += count * size
+            self._free[size].extend((handle, i * size) for i in range(count - 1, 0, -1))
+        return Slot(self, handle, 0, size)
+
+    def _give_back(self, handle: "inf_io.FileHandle", offset: int, nbytes: int) -> None:
+        with self._lock:
+            self._free[nbytes].append((handle, offset))
+
+    def write(self, slot: Slot, buf: torch.Tensor) -> None:
+        """Writes ``buf`` (the slot's size) to the slot and waits; records its CRC."""
+        slot.crc = None
+        future = slot.handle.pwrite(buf, slot.offset, crc=self.verify)
+        future.wait()
+        if self.verify:
+            slot.crc = future.crc32c()
+
+    def read(self, slot: Slot, buf: torch.Tensor) -> None:
+        """Reads the slot into ``buf`` and waits; checks the CRC of its last write."""
+        if self.verify and slot.crc is None:
+            raise SwapCorruptionError(f"scratch extent {slot.where} holds no completed write")
+        future = slot.handle.pread(buf, slot.offset, crc=self.verify)
+        future.wait()
+        if self.verify and future.crc32c() != slot.crc:
+            raise SwapCorruptionError(
+                f"scratch extent {slot.where} is corrupted: CRC32C {future.crc32c():#010x} "
+                f"does not match {slot.crc:#010x} recorded when it was written (the disk or "
+                "another process changed it)")
+
+    def close(self) -> None:
+        with self._lock:
+            handles, self._handles = self._handles, []
+            self._free.clear()
+        for h in handles:
+            h.close()
+
+
+class _Owner:
+    """The numpy base of an :func:`owned_view`: keeps the lease; runs ``on_free`` at death."""
+
+    def __init__(self, lease: Lease, nbytes: int, on_free: Optional[Callable[[], None]]) -> None:
+        self.lease = lease
+        self.on_free = on_free
+        self.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
+                                    "data": (lease.buf.data_ptr(), False), "version": 3}
+
+    def __del__(self) -> None:
+        fn, self.on_free = self.on_free, None
+        self.lease = None
+        if fn is not None:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - interpreter shutdown
+                pass
+
+
+def strided_view(buf: torch.Tensor, dtype: torch.dtype, size: Sequence[int],
+                 stride: Sequence[int], nbytes: int) -> torch.Tensor:
+    """``buf``'s first ``nbytes`` bytes as a tensor of ``size``/``stride``/``dtype``."""
+    return buf[:nbytes].view(dtype).as_strided(size, stride)
+
+
+def owned_view(lease: Lease, dtype: torch.dtype, size: Sequence[int], stride: Sequence[int],
+               nbytes: int, on_free: Optional[Callable[[], None]] = None) -> torch.Tensor:
+    """A tensor over ``lease``'s bytes that owns the lease: the buffer returns to its pool
+    (and ``on_free`` runs) only when every view of this tensor's storage is gone."""
+    flat = torch.from_numpy(np.asarray(_Owner(lease, nbytes, on_free)))
+    return strided_view(flat, dtype, size, stride, nbytes)
+
+
+__all__ = ["BufferPool", "Lease", "ScratchFiles", "Slot", "owned_view", "round_up",
+           "strided_view", "BudgetExceededError"]

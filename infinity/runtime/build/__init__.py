@@ -1,0 +1,1 @@
+"""Wrap-time building: blocks split and planned, tiers placed, sizes checked, homes filled."""

@@ -1,0 +1,269 @@
+"""NVMe gradient store: gradient swap files, a pool of chunk buffers, write-behind.
+
+A pooled host buffer is open only while the flat's block's backward runs, then written to the
+flat's gradient swap file, so host memory for gradients is bounded by a few blocks instead of
+the whole model. Each slot's L2 norm is measured right after its gradient lands (while still in
+the CPU's caches) and the block's write is submitted by a writer thread (grad_writes.py), so
+the compute thread neither re-reads the block nor waits for the submission; a write's buffer
+returns to the pool only once it is on disk.
+
+The pool's buffers are one chunk each (``chunk_bytes``), not the largest flat. A flat that fits
+one buffer is accumulated there whole (``flat.grad``); a larger flat is accumulated chunk by
+chunk (grad_chunks.py), and ``in_ram`` is None for it.
+
+Kept in RAM: a flat may be closed with ``keep_in_ram=True`` when an optimizer step overlapping
+backward takes its gradients from RAM (grad_held.py). A flat in one buffer keeps it as
+``flat.grad``; a larger flat keeps the chunks still in RAM at its close (as many as leave two
+buffers of the pool to the rest of backward; the others are on NVMe already) and the reads
+(grad_reads.py) copy those from RAM. Backward waits for the optimizer to hand buffers back when
+the pool runs out.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from ... import trace_events
+from ...tiers import ByteBudget, HostPool, SwapStore, Tier
+from ...tiers.pool_plan import buffer_bytes, piece_bytes
+from ..core.flat import FlatParam
+from .chunks import ChunkedGrads
+from .held import HeldGrads
+from .mapped import MappedGradViews
+from .reads import NvmeGradReads
+from .store import GradStore, accumulate_into, grad_key
+from .writes import GradWriter
+from .rows import scatter_rows
+from ..core.stats import Stats
+
+
+class NvmeGradStore(GradStore):
+    tier = Tier.NVME
+    on_nvme = True
+
+    def __init__(self, *, stats: Stats, host_budget: ByteBudget, store: Optional[SwapStore],
+                 flats: List[FlatParam], pool_count: int, chunk_bytes: Optional[int],
+                 drain: Callable[[], None]) -> None:
+        super().__init__(chunk_bytes)
+        self.stats = stats
+        self.drain = drain  # accumulates the device->host copies in flight
+        self._open: Dict[int, Tuple[FlatParam, torch.Tensor]] = {}  # whole flats: buffer
+        trainable = [f for f in flats if f.trainable]
+        if trainable:
+            if store is None:
+                raise ValueError("infinity: gradients on NVMe need a swap store: pass nvme_path")
+            largest = max(f.numel * 4 for f in trainable)
+            size = buffer_bytes(chunk_bytes, largest) if chunk_bytes else largest
+            self.pool = HostPool(pool_count, size, host_budget)
+            # checksummed per piece (a chunk, at most 4 MiB): read, verified, written alone
+            for f in trainable:
+                store.create(grad_key(f), f.numel * 4)
+                store.use_pieces(grad_key(f), piece_bytes(size))
+        self._store = store
+        # one writer thread: the RAM in flight is bounded by the pool (pool_count buffers,
+        # counted in the host budget)
+        self._writer = GradWriter(store, stats, self.pool, start=bool(trainable))
+        self.held = HeldGrads(self.pool.release if self.pool is not None else None,
+                              self._writer.writing)
+        self._chunks = ChunkedGrads(self, store, stats, self.pool, self._writer, self.norms,
+                                    self.held)
+        self.reads = NvmeGradReads(self, store, stats, self._writer, self.held, self._chunks)
+        self.views = MappedGradViews(self, store, self.held, self.norms)
+
+    # ---- accumulation --------------------------------------------------------------------
+    def accumulating(self, flat: FlatParam) -> bool:
+        return id(flat) in self._open or self._chunks.accumulating(flat)
+
+    def open(self, flat: FlatParam) -> None:
+        if self.accumulating(flat):
+            return
+        self.held.reclaim()
+        # a flat kept in RAM for the optimizer reopens (it was handed back, or its block runs
+        # again in this backward): its reads come from the file again
+        self.held.drop_chunks(flat)
+        if any(flat.grad_ready) and not self.held.written(flat):
+            # the sum so far was taken from RAM by the step overlapping backward and never
+            # written: it cannot be accumulated onto (the step refuses, naming it)
+            self.held.lose_unwritten(flat, "a backward accumulated onto them after the step "
+                                           "overlapping the previous backward took them from "
+                                           "RAM without writing them to NVMe")
+        if self._chunks.larger(flat):
+            self._chunks.open(flat)
+            return
+        buf = self.acquire()
+        view = buf[:flat.numel * 4].view(torch.float32)
+        if any(flat.grad_ready):  # accumulating across micro-batches: bring back the sum so far
+            self.accumulations += 1
+            self._writer.wait_written(flat)  # a write of it may still be queued
+            self._store.read_sync(grad_key(flat), view)
+            self.stats.add_moved("nvme_to_host", flat.numel * 4, "grads")
+        # else: the buffer holds stale bytes; every slot that gets a gradient is overwritten
+        # (copy_), and _close zeroes the rest before the write (one pass less over the buffer)
+        flat.grad = view
+        self._open[id(flat)] = (flat, buf)
+
+    def accumulate(self, flat: FlatParam, index: int, grad: torch.Tensor) -> None:
+        if self._chunks.accumulating(flat):
+            self._chunks.put(flat, index, grad, add=bool(flat.grad_ready[index]))
+            return
+        accumulate_into(flat, index, grad)
+        # its L2 norm now, while the slot is still in the CPU's caches, rather than at the
+        # close after the whole block (one more pass over memory); computed exactly as the
+        # close would, on the same view, so it is the same number
+        self.norms.pending(flat)[index] = self.norms.norm_of(flat, index)
+
+    def add_rows(self, flat: FlatParam, index: int, rows: torch.Tensor, values: torch.Tensor,
+                 *, add: bool) -> bool:
+        if self._chunks.accumulating(flat):
+            return self._chunks.add_rows(flat, index, rows, values, add=add)
+        s = flat.slots[index]
+        scatter_rows(flat.grad[s.offset:s.offset + s.numel], s.offset, s.offset, s.shape[1],
+                     rows, values, add=add)
+        self.norms.pending(flat)[index] = self.norms.norm_of(flat, index)
+        return True
+
+    # ---- the pool ------------------------------------------------------------------------
+    def acquire(self) -> torch.Tensor:
+        """A pool buffer, making room when none is free."""
+        self.reap(block=False)
+        self.held.reclaim()
+        chunks = self._chunks
+        while self.free_count() <= 0:
+            if chunks.open_count() and len(self._writer) < max(1, self.pool.count - 2) \
+                    and chunks.evict(complete_only=True):
+                # a complete chunk goes to disk (all but two buffers may be writing while
+                # accumulation goes on in the rest); it is never read back for this backward
+                continue
+            if len(self._writer):
+                self.reap(block=True, count=1)
+            elif chunks.ahead_count():
+                chunks.drop_ahead()
+            elif self.held.any_held():
+                # the optimizer's worker still steps from them: it hands one back as soon as
+                # it has stepped its block (backward waits for the step here, as for a
+                # write, rather than write out a chunk still accumulating: that one would be
+                # read back and written again, three transfers instead of one)
+                self.held.reclaim(wait=True)
+            elif chunks.open_count():
+                # the least recently used chunk still accumulating goes to disk (read back
+                # when its next gradient arrives)
+                chunks.evict()
+            elif self._open:
+                # more flats are accumulating at once than the pool holds (tied weights,
+                # blocks whose backward is not over): write the oldest out; it is read back
+                # if reopened
+                oldest, _ = next(iter(self._open.values()))
+                self.close(oldest)
+            else:
+                raise RuntimeError("infinity: the gradient buffer pool has no buffer to give "
+                                   "and nothing to write out (accounting bug)")
+        return self.pool.acquire()
+
+    def free_count(self) -> int:
+        return (self.pool.count - len(self._open) - self._chunks.open_count()
+                - len(self._writer) - self._chunks.ahead_count() - self.held.buffers_out()
+                - self._chunks.holding_now)
+
+    def reap(self, *, block: bool, count: Optional[int] = None) -> None:
+        """Collects finished gradient writes. A failed write gives its buffer back, marks the
+        flat's gradients as lost and raises once (GradientWriteError); later calls go on."""
+        self._writer.reap(block=block, count=count, failed=self._write_failed,
+                          held=self.held.holds_buffer)
+
+    def _write_failed(self, flat: FlatParam, exc: BaseException) -> None:
+        self.held.fail(flat, f"writing them to NVMe failed ({exc})")
+        flat.grad_ready = [False] * len(flat.slots)
+        self._chunks.invalidate(flat)
+
+    # ---- closing -------------------------------------------------------------------------
+    def close(self, flat: FlatParam, *, keep_in_ram: bool = False, write: bool = True) -> None:
+        """The flat's gradients for this backward are complete: start writing them.
+        ``keep_in_ram``: also keep them in their buffer(s) for the optimizer until it hands
+        them back; with ``write=False`` they are not written at all. A flat larger than one
+        buffer keeps the chunks still in RAM (the others are on NVMe already)."""
+        if not self.accumulating(flat):
+            return
+        t0 = time.perf_counter()
+        if self._chunks.accumulating(flat):
+            self._chunks.close(flat, keep_in_ram, write)
+        else:
+            self._close_whole(flat, keep_in_ram, write)
+        trace_events.span("grad_write", flat.key, flat.numel * 4, t0)
+
+    @staticmethod
+    def _zero_unwritten(flat: FlatParam) -> None:
+        """Zeroes what no gradient was copied into: slots without one, gaps, the padding (so
+        slots without a gradient read as zeros, never as stale bytes)."""
+        pos = 0
+        for i, s in enumerate(flat.slots):
+            if flat.grad_ready[i]:
+                if s.offset > pos:
+                    flat.grad[pos:s.offset].zero_()
+                pos = s.offset + s.numel
+        if pos < flat.numel:
+            flat.grad[pos:].zero_()
+
+    def _close_whole(self, flat: FlatParam, keep_in_ram: bool, write: bool) -> None:
+        self.drain()
+        self._zero_unwritten(flat)
+        flat, buf = self._open.pop(id(flat))
+        # measured now, while the buffer is in RAM, so the optimizer need not read it back
+        self.norms.record_whole(flat)
+        if keep_in_ram:  # flat.grad stays the buffer until the optimizer hands it back
+            self.held.hold(flat, [buf])
+            if not write:
+                self.held.set_unwritten(flat, "taken from RAM by the optimizer step "
+                                              "overlapping backward and not written to NVMe")
+                return
+        self.held.clear_unwritten(flat)
+        self._writer.write(flat, buf, flat.grad)
+        if not keep_in_ram:
+            flat.grad = None
+
+    def finish_backward(self) -> None:
+        for flat, _ in list(self._open.values()):
+            self.close(flat)
+        for flat in self._chunks.flats():
+            self.close(flat)
+        self._chunks.drop_ahead()
+        self.reap(block=True)
+
+    def wait_writes(self) -> None:
+        self.reap(block=True)
+
+    # ---- p.grad and the optimizer --------------------------------------------------------
+    def ready(self, flat: FlatParam, index: int) -> bool:
+        return flat.grad_ready[index]
+
+    def forget(self, flat: FlatParam, index: int) -> None:
+        if self._chunks.larger(flat):  # zeroed at its next close
+            self._chunks.forget_slot(flat, index)
+
+    def replace(self, flat: FlatParam, index: int, grad: torch.Tensor) -> bool:
+        self.open(flat)
+        if self._chunks.accumulating(flat):
+            self._chunks.put(flat, index, grad.to(torch.float32), add=False)
+        else:
+            flat.grad_view(index).copy_(grad)
+            flat.grad_ready[index] = True
+            self.norms.pending(flat)[index] = None  # measured again when written
+        return True  # written out (norms measured again) by the close
+
+    def zero_grad(self) -> None:
+        self.norms.clear_pending()
+        self._chunks.clear()
+
+    def host_bytes(self) -> int:
+        return self.pool.count * self.pool.nbytes if self.pool is not None else 0
+
+    def shutdown(self) -> None:
+        try:
+            self._chunks.drop_ahead()
+            self.reap(block=True)
+            self.held.reclaim()
+        finally:
+            self._writer.shutdown()
+            if self.pool is not None:
+                self.pool.close()

@@ -1,0 +1,1 @@
+"""Where a flat buffer's parameters live between uses: one home per tier, quantized and sharded homes, sources."""

@@ -1,0 +1,1 @@
+"""Blocks read by rows: the embedding fetched row by row and the vocabulary-tiled LM head."""

@@ -1,0 +1,331 @@
+"""Partitioner: ZeRO sharding of an engine's flat buffers over torch.distributed ranks.
+
+Stages (``shard=``):
+    zero3  parameters, gradients and optimizer states sharded: each rank's home holds its
+           part of every flat buffer; a block's fetch reads that part and all-gathers the
+           rest into the compute buffer; after the block's backward its flat gradient is
+           reduce-scattered (averaged) and only this rank's part reaches the gradient sink.
+    zero2  gradients and optimizer states sharded, parameters replicated (every home holds
+           the whole buffer); after each optimizer step the updated parts are all-gathered
+           into every rank's home.
+    zero1  optimizer states sharded; gradients all-reduced (averaged) whole, so every rank
+           keeps the full gradient (``p.grad`` as without sharding); parameters as zero2.
+
+Every rank keeps part ``rank`` = elements ``[rank*n, (rank+1)*n)`` of each flat buffer, whose
+length is padded to a multiple of ``world * elements per 4 KiB page`` (every part is
+page-aligned for O_DIRECT). Parameters start on 8-bit quantization block boundaries
+(:meth:`Partitioner.slot_align`), so a cut never splits a block. The engine calls in here at a few points (its own code is
+unchanged without a partitioner); collectives run on the engine's thread, in the order the
+model runs its blocks, through :class:`~.collectives.Collectives`.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Dict, List, Optional, Set
+
+import torch
+
+from ... import io as inf_io
+from ...ops.adam_compact import BLOCK_SIZE
+from ..core.flat import Binding, FlatParam
+from ..homes.home import Home
+from ...tiers import Tier
+from .collectives import Collectives
+from .group import DistGroups
+from ..homes.shard_flat import ShardFlat
+from ..homes.sharded import ShardedHome
+
+logger = logging.getLogger(__name__)
+
+
+class Partitioner:
+    def __init__(self, groups: DistGroups, stage: str, device: torch.device) -> None:
+        self.groups = groups
+        self.stage = stage
+        self.rank = groups.rank
+        self.world = groups.world
+        self.device = device
+        coll_device = device if groups.backend == "nccl" else torch.device("cpu")
+        if device.type == "cuda" and groups.backend != "nccl":
+            raise ValueError(f"infinity: computing on {device} needs an NCCL process group "
+                             f"for sharding; got backend {groups.backend!r}")
+        self.coll_device = coll_device
+        self.blocks: List = []
+        self._local: Dict[int, ShardFlat] = {}
+        self._block_of: Dict[int, int] = {}
+        self._gathered: Set[int] = set()
+        self._early: Dict[int, list] = {}  # block index -> in-flight all-gathers
+        self.early_gathers = 0
+        self._grad_bufs: Dict[int, torch.Tensor] = {}
+        self._grad_seen: Dict[int, Set[int]] = {}
+        self.coll = Collectives(groups, coll_device, self._block_name)
+
+    # ---- settings ----------------------------------------------------------------------
+    @property
+    def shards_params(self) -> bool:
+        return self.stage == "zero3"
+
+    @property
+    def shards_grads(self) -> bool:
+        return self.stage in ("zero2", "zero3")
+
+    @property
+    def swap_tag(self) -> str:
+        return self.groups.swap_tag
+
+    def pad_multiple(self, dtype: torch.dtype) -> int:
+        """Flat buffers are padded to a multiple of this many elements."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return self.world * max(1, inf_io.ALIGNMENT // itemsize)
+
+    def slot_align(self) -> int:
+        """Each parameter starts at a multiple of this many elements of its flat buffer: the
+        8-bit quantization block. Parts are cut at multiples of a page of elements (a multiple
+        of it), so every cut falls on a block boundary of the parameter it splits: each rank's
+        piece quantizes in exactly the blocks one process would use, and 8-bit states give
+        the same numbers on any world size."""
+        return BLOCK_SIZE
+
+    def _block_name(self, index: int) -> str:
+        if 0 <= index < len(self.blocks):
+            return self.blocks[index].name
+        return f"#{index}"
+
+    def check_tiers(self, param_tier: Tier, grad_tier: Tier) -> None:
+        if param_tier is Tier.DEVICE:
+            raise ValueError("infinity: shard=... with param_tier='device' is not built; "
+                             "use param_tier='host' or 'nvme' (each rank keeps its part there)")
+        if not self.shards_params and param_tier is Tier.NVME:
+            raise ValueError(f"infinity: shard={self.stage!r} with parameters on NVMe is not "
+                             "built; use shard='zero3' (the default) or param_tier='host'")
+        if self.stage == "zero1" and grad_tier is Tier.NVME:
+            raise ValueError("infinity: shard='zero1' keeps every rank's whole gradient in "
+                             "host RAM; use grad_tier='host', or shard='zero2'/'zero3'")
+
+    # ---- structure ---------------------------------------------------------------------
+    def attach(self, blocks: List) -> None:
+        """Makes this rank's ShardFlat of every flat buffer."""
+        self.blocks = list(blocks)
+        for block in blocks:
+            for flat in block.flats:
+                if flat.numel % self.world:
+                    raise AssertionError(f"{flat.key}: {flat.numel} elements not padded to "
+                                         f"{self.world} ranks (engine bug)")
+                n = flat.numel // self.world
+                local = ShardFlat(flat, self.rank * n, (self.rank + 1) * n, self.rank,
+                                  self.world)
+                self._local[id(flat)] = local
+                self._block_of[id(flat)] = block.index
+
+    def local(self, flat: FlatParam) -> ShardFlat:
+        return self._local[id(flat)]
+
+    def home_flats(self) -> List[ShardFlat]:
+        return [self._local[id(f)] for b in self.blocks for f in b.flats]
+
+    def wrap_home(self, home: Home) -> Home:
+        return ShardedHome(home, self) if self.shards_params else home
+
+    def after_fill(self, flat: FlatParam) -> None:
+        """zero1/zero2: the rank's part is a view of the (whole, replicated) home copy."""
+        if not self.shards_params:
+            local = self.local(flat)
+            local.home = flat.home[local.start:local.end]
+
+    def location(self, loc):
+        """The optimizer's view of a parameter: its part in this rank's shard (None when no
+        element of it is here: another rank steps it)."""
+        local = self.local(loc.flat)
+        index = local.local_index(loc.slot)
+        if index is None:
+            return None
+        return type(loc)(loc.engine, loc.block, local, index)
+
+    def take_user_writes(self, flat: FlatParam) -> List[int]:
+        if not isinstance(flat, ShardFlat):
+            written = sorted(flat.user_written)
+            flat.user_written.clear()
+            return written
+        full = flat.full
+        written = sorted(j for j in (flat.local_index(i) for i in full.user_written)
+                         if j is not None)
+        full.user_written.clear()
+        return written
+
+    # ---- parameters outside forward (zero3) -------------------------------------------
+    def bind_outside(self, flat: FlatParam) -> None:
+        """Outside forward a zero3 parameter is not materialized on any rank: it views a NaN
+        of its shape (one element, broadcast). Reading it gives NaN (loudly wrong, never a
+        freed buffer); writing it in place raises; ``p.data = tensor`` is taken in. Use
+        ``infinity.materialized(model)`` (on every rank) to read real values, or
+        ``infinity.sharding.full_state_dict``."""
+        for s in flat.slots:
+            nan = torch.full((1,), float("nan"), dtype=flat.home_dtype)
+            s.param.data = nan.view(()) if len(s.shape) == 0 else nan.expand(s.shape)
+        flat.binding = Binding.OUTSIDE
+        flat.record_versions()
+
+    def refuse_inplace_outside(self, flat: FlatParam, written: List[int],
+                               rebound: List[int]) -> None:
+        silent = [i for i in written if i not in rebound]
+        if silent:
+            names = ", ".join(repr(flat.slots[i].qualname) for i in silent[:3])
+            raise RuntimeError(
+                f"infinity: parameter(s) {names} were changed in place outside forward, but "
+                "with shard='zero3' a parameter outside forward is not materialized (it reads "
+                "as NaN); the change is lost. Change it inside `with infinity.materialized("
+                "model):` (on every rank), assign `p.data = new_tensor`, or load with "
+                "infinity.sharding.load_full_state_dict")
+
+    # ---- fetch: all-gather (zero3) ----------------------------------------------------
+    def gather_if_needed(self, block) -> None:
+        """Called once the block's fetch (this rank's part) completed, when the block is
+        needed: all-gathers the other ranks' parts into its compute buffers."""
+        if not self.shards_params or block.index in self._gathered:
+            return
+        if block.index in self._early:
+            self._finish_early(block)
+            return
+        for flat in block.flats:
+            local = self.local(flat)
+            compute = flat.compute
+            part = compute[local.start:local.end]
+            if compute.device != self.coll_device:  # pragma: no cover - gloo with CUDA
+                raise RuntimeError("infinity: collectives device mismatch (engine bug)")
+            self.coll.all_gather(compute, part.clone(), block.index)
+        self._gathered.add(block.index)
+
+    def wants_early_gather(self, block) -> bool:
+        return block.index not in self._gathered and block.index not in self._early
+
+    def start_gather(self, block) -> None:
+        """Starts the block's all-gather asynchronously (its part already fetched): it
+        overlaps the running block's compute; :meth:`gather_if_needed` waits for it."""
+        works = []
+        for flat in block.flats:
+            local = self.local(flat)
+            works.append(self.coll.all_gather_async(flat.compute,
+                                                    flat.compute[local.start:local.end].clone(),
+                                                    block.index))
+        self._early[block.index] = works
+        self.early_gathers += 1
+
+    def _finish_early(self, block) -> None:
+        works = self._early.pop(block.index)
+        for work in works:
+            self.coll.wait(work, block.index)
+        self._gathered.add(block.index)
+
+    def dropped(self, block) -> None:
+        if block.index in self._early:  # never free a buffer a collective still writes
+            self._finish_early(block)
+        self._gathered.discard(block.index)
+
+    def drain(self) -> None:
+        """Waits for every early all-gather still in flight (close, recovery)."""
+        for index in list(self._early):
+            self._finish_early(self.blocks[index])
+
+    def gather_home(self, flat: FlatParam, local_values: torch.Tensor) -> torch.Tensor:
+        """The whole flat buffer (home dtype, CPU) from every rank's home part."""
+        out = torch.empty(flat.numel, dtype=flat.home_dtype, device=self.coll_device)
+        self.coll.all_gather(out, local_values.to(self.coll_device),
+                             self._block_of[id(flat)], kind=5)
+        return out.cpu()
+
+    def after_step(self) -> None:
+        """zero1/zero2: every rank stepped its part of the replicated homes; all-gather them."""
+        if self.shards_params:
+            return
+        for block in self.blocks:
+            for flat in block.flats:
+                local = self.local(flat)
+                self.coll.all_gather(flat.home, flat.home[local.start:local.end].clone(),
+                                     block.index, kind=6)
+
+    # ---- gradients ---------------------------------------------------------------------
+    def add_grad(self, flat: FlatParam, index: int, grad: torch.Tensor) -> None:
+        """Accumulates one parameter's gradient into the flat gradient buffer on the device
+        (fp32), reduced once the block's backward is over."""
+        buf = self._grad_bufs.get(id(flat))
+        s = flat.slots[index]
+        if buf is None:
+            buf = torch.zeros(flat.numel, dtype=torch.float32, device=self.coll_device)
+            self._grad_bufs[id(flat)] = buf
+            self._grad_seen[id(flat)] = set()
+        if grad.is_sparse:
+            raise TypeError(f"{s.qualname}: sparse gradients are not supported")
+        buf[s.offset:s.offset + s.numel].add_(grad.detach().reshape(-1).to(buf.dtype))
+        self._grad_seen[id(flat)].add(index)
+
+    def has_pending(self, flat: FlatParam) -> bool:
+        return id(flat) in self._grad_bufs
+
+    def reduce_grads(self, flat: FlatParam, sink) -> None:
+        """Reduces the flat's gradient buffer over the ranks and hands this rank's part to
+        the gradient sink (zero2/3); zero1 hands the whole averaged gradient."""
+        buf = self._grad_bufs.pop(id(flat), None)
+        seen = self._grad_seen.pop(id(flat), set())
+        if buf is None:
+            return
+        index = self._block_of[id(flat)]
+        if self.shards_grads:
+            local = self.local(flat)
+            out = torch.empty(local.numel, dtype=torch.float32, device=self.coll_device)
+            self.coll.reduce_scatter_avg(out, buf, index)
+            for li, s in enumerate(local.slots):
+                if s.full_index in seen:
+                    sink.add(local, li, out[s.offset:s.offset + s.numel])
+            sink.close(local)
+        else:
+            self.coll.all_reduce_avg(buf, index)
+            for i in sorted(seen):
+                s = flat.slots[i]
+                sink.add(flat, i, buf[s.offset:s.offset + s.numel].view(s.shape))
+            sink.close(flat)
+
+    def flush_grads(self, sink) -> None:
+        """End of backward: reduces every flat still holding gradients, in block order."""
+        for block in self.blocks:
+            for flat in block.flats:
+                if id(flat) in self._grad_bufs:
+                    self.reduce_grads(flat, sink)
+
+    def drop_grads(self) -> None:
+        """After a backward that raised: its unreduced gradients are dropped."""
+        self._grad_bufs.clear()
+        self._grad_seen.clear()
+
+    def sync_zero1_views(self) -> None:
+        """zero1: the optimizer's part of each flat views the whole gradient accumulator."""
+        if self.stage != "zero1":
+            return
+        for block in self.blocks:
+            for flat in block.flats:
+                local = self.local(flat)
+                local.grad = (flat.grad[local.start:local.end] if flat.grad is not None
+                              else None)
+                local.grad_ready = [flat.grad_ready[s.full_index] for s in local.slots]
+
+    # ---- optimizer: global values ------------------------------------------------------
+    def all_reduce(self, value: float, op: str) -> float:
+        return self.coll.all_reduce_scalar(value, op, replicas=False)
+
+    def stats(self) -> Dict[str, object]:
+        return {"stage": self.stage, "rank": self.rank, "world": self.world,
+                "early_gathers": self.early_gathers,
+                "replicas": self.groups.replicas,
+                "seconds": dict(self.coll.seconds), "bytes": dict(self.coll.bytes),
+                "calls": dict(self.coll.calls)}
+
+
+def make_partitioner(process_group, shard: str, timeout_s: float,
+                     device: torch.device) -> Optional[Partitioner]:
+    from .group import resolve, stage_of
+    groups = resolve(process_group, shard, timeout_s)
+    if groups is None:
+        return None
+    return Partitioner(groups, stage_of(shard), device)
+
+
+__all__ = ["Partitioner", "make_partitioner"]
