@@ -287,3 +287,116 @@ def test_import_circles_are_only_the_known_ones():
                        "list):\n" + "\n".join(", ".join(sorted(c)) for c in gone))
     if message:
         raise AssertionError("\n".join(message))
+
+
+# ---- folders, package layers, module __getattr__ ------------------------------------------
+MAX_MODULES_PER_FOLDER = 12  # __init__.py not counted
+
+# The layer order of each package's children, lowest first: a child (a module, or a
+# sub-package with everything below it) imports only children listed before it. "__init__" is
+# the package's own face. A child missing from its package's list fails the test too.
+LAYERS: Dict[str, List[str]] = {
+    "infinity": ["_native", "version", "sizes", "trace_events", "models", "io", "ops", "tiers",
+                 "policy", "runtime", "optim", "plan", "checkpoint", "sharding", "api",
+                 "__init__", "integrations", "demo", "bench", "cli", "__main__", "dist"],
+    "infinity.runtime": ["core", "process", "homes", "zero", "grads", "vocab", "activations",
+                         "step", "build", "engine", "port", "__init__"],
+    "infinity.optim": ["step", "states", "loss_scale", "clip", "params", "update", "wrapped",
+                       "core", "checks", "overlap", "state_dicts", "zero_states", "adam",
+                       "__init__"],
+    "infinity.checkpoint": ["disk", "names", "matching", "bnb4", "per_rank", "ranks", "load",
+                            "sharded", "save", "consolidate", "dcp_write", "dcp", "inspect",
+                            "__init__"],
+}
+
+
+def _packages() -> Set[str]:
+    return {m for m, p in _module_names().items() if os.path.basename(p) == "__init__.py"}
+
+
+def _child(package: str, module: str) -> str:
+    """The child of ``package`` that ``module`` lies in ("__init__" for the package itself),
+    or "" when it lies outside."""
+    if module == package:
+        return "__init__"
+    if not module.startswith(package + "."):
+        return ""
+    return module[len(package) + 1:].split(".")[0]
+
+
+def package_edges(graph: Dict[str, Set[str]], package: str) -> Dict[str, Set[str]]:
+    """The import graph between the children of ``package`` (imports inside one child are
+    not edges)."""
+    edges: Dict[str, Set[str]] = defaultdict(set)
+    for a, targets in graph.items():
+        ca = _child(package, a)
+        if not ca:
+            continue
+        edges.setdefault(ca, set())
+        for b in targets:
+            cb = _child(package, b)
+            if cb and cb != ca:
+                edges[ca].add(cb)
+    return edges
+
+
+def upward_imports(edges: Dict[str, Set[str]], order: List[str]) -> List[str]:
+    """``a -> b`` edges where ``b`` stands above ``a`` in ``order`` (or either is unlisted)."""
+    rank = {name: i for i, name in enumerate(order)}
+    bad = []
+    for a in sorted(edges):
+        for b in sorted(edges[a]):
+            if a not in rank or b not in rank or rank[b] > rank[a]:
+                bad.append(f"{a} -> {b}")
+    return bad
+
+
+def test_no_folder_holds_more_than_12_modules():
+    crowded = {}
+    for d, _, files in os.walk(PACKAGE):
+        n = sum(f.endswith(".py") and f != "__init__.py" for f in files)
+        if n > MAX_MODULES_PER_FOLDER:
+            crowded[os.path.relpath(d, os.path.dirname(PACKAGE))] = n
+    assert not crowded, f"folders with more than {MAX_MODULES_PER_FOLDER} modules: {crowded}"
+
+
+def test_package_layer_check_on_a_synthetic_graph():
+    graph = {"p": {"p.b"}, "p.a": set(), "p.b": {"p.a"}, "p.c.x": {"p.b", "p.c.y"},
+             "p.c.y": {"p.a"}}
+    edges = package_edges(graph, "p")
+    assert edges == {"__init__": {"b"}, "a": set(), "b": {"a"}, "c": {"b", "a"}}
+    assert upward_imports(edges, ["a", "b", "c", "__init__"]) == []
+    assert upward_imports(edges, ["b", "a", "c", "__init__"]) == ["b -> a"]
+    assert upward_imports(edges, ["a", "b", "__init__"]) == ["c -> a", "c -> b"]  # c unlisted
+    assert strongly_connected({"a": {"b"}, "b": {"a"}}) == [frozenset("ab")]
+
+
+def test_packages_import_only_down_their_layers_and_form_no_circle():
+    graph, where = _import_graph()
+    problems = []
+    for package in sorted(_packages()):
+        edges = package_edges(graph, package)
+        for circle in strongly_connected(edges):
+            problems.append(f"{package}: package-level circle {sorted(circle)}")
+        if package in LAYERS:
+            children = set(edges)
+            missing = sorted(children - set(LAYERS[package]))
+            if missing:
+                problems.append(f"{package}: children missing from LAYERS: {missing}")
+            for edge in upward_imports(edges, LAYERS[package]):
+                a, b = edge.split(" -> ")
+                at = [w for (m, t), ws in where.items() for w in ws
+                      if _child(package, m) == a and _child(package, t) == b]
+                problems.append(f"{package}: upward import {edge}: {at[:3]}")
+    assert not problems, "\n".join(problems)
+
+
+def test_no_module_level_getattr_but_the_lazy_optim():
+    allowed = {os.path.join(PACKAGE, "__init__.py")}
+    found = []
+    for path, tree in _sources().items():
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and node.name == "__getattr__" \
+                    and path not in allowed:
+                found.append(os.path.relpath(path, os.path.dirname(PACKAGE)))
+    assert not found, f"module-level __getattr__ (a shim): {found}"
