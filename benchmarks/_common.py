@@ -114,7 +114,7 @@ def run_child(name: str, code: str, payload: Dict[str, Any], timeout: float) -> 
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def write_json(path: "os.PathLike[str] | str", data: Any, indent: int = 2) -> None:
+def write_json(path: os.PathLike[str] | str, data: Any, indent: int = 2) -> None:
     """Write ``data`` to ``path``, creating its folder."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as fh:
@@ -134,7 +134,7 @@ def pyplot(logger: Optional[logging.Logger] = None, hint: str = ""):
     return plt
 
 
-def save_figure(fig, path: "os.PathLike[str] | str", dpi: Optional[int] = None) -> None:
+def save_figure(fig, path: os.PathLike[str] | str, dpi: Optional[int] = None) -> None:
     """tight_layout, save to ``path`` and close ``fig``."""
     import matplotlib.pyplot as plt
     fig.tight_layout()

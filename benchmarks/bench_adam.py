@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import _common  # noqa: E402  (benchmarks/, this script's folder)
+
 from infinity import ops  # noqa: E402
 
 logger = logging.getLogger("bench_adam")

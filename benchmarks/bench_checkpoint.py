@@ -35,9 +35,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
+import _common  # noqa: E402  (benchmarks/, this script's folder)
 import torch  # noqa: E402
 
-import _common  # noqa: E402  (benchmarks/, this script's folder)
 import infinity  # noqa: E402
 from infinity.models import GPTConfig, TinyGPT, lm_loss, synthetic_batch  # noqa: E402
 

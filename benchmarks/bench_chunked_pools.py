@@ -21,14 +21,14 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Dict, List
+from typing import Dict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import _common  # noqa: E402
 import torch  # noqa: E402
 
-import _common  # noqa: E402
 import infinity  # noqa: E402
 from infinity.models import GPTConfig, TinyGPT, lm_loss, synthetic_batch  # noqa: E402
 from infinity.runtime.core.registry import engine_of  # noqa: E402

@@ -58,7 +58,7 @@ class Utilisation:
         while not self._stop.wait(0.05):
             self.samples.append(float(torch.cuda.utilization()))
 
-    def __enter__(self) -> "Utilisation":
+    def __enter__(self) -> Utilisation:
         if self._thread is not None:
             self._thread.start()
         return self

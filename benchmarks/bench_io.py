@@ -38,9 +38,9 @@ from typing import Callable, Dict, List, Optional
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import _common  # noqa: E402  (benchmarks/, this script's folder)
 import torch  # noqa: E402
 
-import _common  # noqa: E402  (benchmarks/, this script's folder)
 import infinity.io as io  # noqa: E402
 
 MiB = 1 << 20

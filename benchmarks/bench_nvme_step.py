@@ -48,11 +48,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import _common  # noqa: E402  (benchmarks/, this script's folder)
 from bench_optimizer import LinearStack  # noqa: E402
+
 import infinity  # noqa: E402
-from infinity.runtime.port import OptimizerPort
 import infinity.io as inf_io  # noqa: E402
 from infinity.optim.states import swapper  # noqa: E402
 from infinity.runtime import engine_of  # noqa: E402
+from infinity.runtime.port import OptimizerPort
 
 logger = logging.getLogger("bench_nvme_step")
 ATTRIBUTION = ("read_wait_s", "write_wait_s", "verify_s", "other_s", "crc_s", "read_busy_s",
@@ -124,7 +125,7 @@ class ExtentProbe:
     fresh-file probe unchanged, so the step is compared with the disk time of its own files
     and memory."""
 
-    def __init__(self, case: "Case") -> None:
+    def __init__(self, case: Case) -> None:
         from infinity.optim.states.extents import STATE_FILE
         store = case.opt.core.wrapped.store(OptimizerPort.of(case.engine))
         sets = case.opt.core.wrapped.store(OptimizerPort.of(case.engine)).sets
@@ -179,7 +180,7 @@ def _union(intervals: List[Tuple[float, float]]) -> float:
     return total
 
 
-def attribute(stats: "swapper.StepStats", t0: float, t1: float) -> Dict[str, float]:
+def attribute(stats: swapper.StepStats, t0: float, t1: float) -> Dict[str, float]:
     """Where one step's wall time ``t1 - t0`` went (see the module docstring)."""
     reqs = stats.requests or []
     reads = [(r[3] or r[2], r[4]) for r in reqs if r[0] == "read"]

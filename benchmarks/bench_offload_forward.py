@@ -21,12 +21,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import resource
-import subprocess
 import os
 import platform
+import resource
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -35,9 +35,9 @@ from typing import Dict, List
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import _common  # noqa: E402  (benchmarks/, this script's folder)
 import torch  # noqa: E402
 
-import _common  # noqa: E402  (benchmarks/, this script's folder)
 import infinity  # noqa: E402
 from infinity.models import GPTConfig, TinyGPT, lm_loss, synthetic_batch  # noqa: E402
 

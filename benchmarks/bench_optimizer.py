@@ -42,6 +42,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import _common  # noqa: E402  (benchmarks/, this script's folder)
+
 import infinity  # noqa: E402
 from infinity import ops  # noqa: E402
 from infinity.runtime import engine_of  # noqa: E402

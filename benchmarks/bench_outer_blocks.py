@@ -34,6 +34,7 @@ import infinity
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import _common  # noqa: E402
+
 from infinity.runtime.core.registry import engine_of  # noqa: E402
 
 

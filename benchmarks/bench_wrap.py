@@ -87,6 +87,7 @@ def _model_bytes(model) -> int:
 def child_write_source(cfg_kw: Dict, folder: str) -> Dict:
     import torch
     from safetensors.torch import save_file
+
     from infinity.models import GPTConfig, TinyGPT
     torch.manual_seed(0)
     model = TinyGPT(GPTConfig(**cfg_kw))
@@ -99,7 +100,9 @@ def child_write_source(cfg_kw: Dict, folder: str) -> Dict:
 def child_wrap(case: str, cfg_kw: Dict, nvme: str, source: Optional[str],
                train_step: bool = True) -> Dict:
     import gc
+
     import torch
+
     import infinity
     from infinity import _native
     from infinity.models import GPTConfig, TinyGPT

@@ -14,8 +14,13 @@ import argparse
 import tempfile
 
 import torch
-from transformers import (LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments,
-                          get_linear_schedule_with_warmup)
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Trainer,
+    TrainingArguments,
+    get_linear_schedule_with_warmup,
+)
 
 import infinity
 

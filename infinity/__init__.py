@@ -1,20 +1,29 @@
 """infinity: heterogeneous GPU/CPU/NVMe offload engine for PyTorch training.
 
-    model = infinity.wrap(model, nvme_path="/mnt/ssd")
-    opt = infinity.optim.AdamW(model.parameters(), lr=1e-4)
+model = infinity.wrap(model, nvme_path="/mnt/ssd")
+opt = infinity.optim.AdamW(model.parameters(), lr=1e-4)
 """
-from .api import (empty_init, gradient, materialized, parameters_changed, stats, unwrap,
-                  wrap)
+
+from .api import empty_init, gradient, materialized, parameters_changed, stats, unwrap, wrap
 from .checkpoint import consolidate, load_checkpoint, save_checkpoint
 from .plan import PlanError, estimate, explain, probe
 from .policy import OffloadPolicy
-from .trace_events import trace
 from .tiers import Tier
+from .trace_events import trace
 from .version import __version__
 
-__all__ = ["wrap", "unwrap", "stats", "materialized", "gradient", "empty_init",
-           "parameters_changed", "OffloadPolicy",
-           "Tier", "__version__"]
+__all__ = [
+    "wrap",
+    "unwrap",
+    "stats",
+    "materialized",
+    "gradient",
+    "empty_init",
+    "parameters_changed",
+    "OffloadPolicy",
+    "Tier",
+    "__version__",
+]
 __all__ += ["save_checkpoint", "load_checkpoint", "consolidate"]
 __all__ += ["probe", "estimate", "explain", "PlanError", "trace"]
 
@@ -23,8 +32,11 @@ def __getattr__(name: str):
     # optim is imported lazily so `import infinity` stays light and one-way layered
     if name == "optim":
         import importlib
+
         return importlib.import_module(".optim", __name__)
     if name == "dist":
-        raise AttributeError("infinity.dist was renamed infinity.sharding: use "
-                             "infinity.sharding (import infinity.sharding)")
+        raise AttributeError(
+            "infinity.dist was renamed infinity.sharding: use "
+            "infinity.sharding (import infinity.sharding)"
+        )
     raise AttributeError(f"module 'infinity' has no attribute {name!r}")

@@ -1,4 +1,5 @@
 """The public entry points: wrap, unwrap, stats, materialized, gradient."""
+
 from __future__ import annotations
 
 import contextlib
@@ -10,14 +11,20 @@ from torch import nn
 
 from .policy import OffloadPolicy
 from .runtime.engine import Engine, engine_of, locate
-from .runtime.process.host_memory import HOST_MEMORY, RELEASE
 from .runtime.homes.sources import CheckpointSource, Init, InitSource
+from .runtime.process.host_memory import HOST_MEMORY, RELEASE
 
 
-def wrap(model: nn.Module, nvme_path: Optional[str] = None, *,
-         policy: Optional[OffloadPolicy] = None, source: Optional[Union[str, os.PathLike]] = None,
-         init: Optional[Init] = None, process_group: Any = None,
-         **settings: Any) -> nn.Module:
+def wrap(
+    model: nn.Module,
+    nvme_path: Optional[str] = None,
+    *,
+    policy: Optional[OffloadPolicy] = None,
+    source: Optional[Union[str, os.PathLike]] = None,
+    init: Optional[Init] = None,
+    process_group: Any = None,
+    **settings: Any,
+) -> nn.Module:
     """Returns ``model`` itself with its parameters moved to their offload tier.
 
     Settings are the fields of :class:`OffloadPolicy` (param_tier, grad_tier, optimizer_tier,
@@ -42,10 +49,13 @@ def wrap(model: nn.Module, nvme_path: Optional[str] = None, *,
     else:
         unknown = sorted(set(settings) - set(OffloadPolicy.field_names()))
         if unknown:
-            raise TypeError(f"unknown infinity.wrap setting(s) {unknown}; valid settings are "
-                            f"{list(OffloadPolicy.field_names())}")
+            raise TypeError(
+                f"unknown infinity.wrap setting(s) {unknown}; valid settings are "
+                f"{list(OffloadPolicy.field_names())}"
+            )
         policy = OffloadPolicy(nvme_path=nvme_path, **settings)
     from .plan.planner import apply_plan
+
     policy, plan, unplanned = apply_plan(model, policy, process_group)
     values = None
     if source is not None:
@@ -83,8 +93,9 @@ def empty_init() -> Iterator[None]:
     def register(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
         original(module, name, param)
         if param is not None and not param.is_meta:
-            module._parameters[name] = nn.Parameter(param.to("meta"),
-                                                    requires_grad=param.requires_grad)
+            module._parameters[name] = nn.Parameter(
+                param.to("meta"), requires_grad=param.requires_grad
+            )
 
     nn.Module.register_parameter = register
     try:
@@ -114,15 +125,19 @@ def _swap_bytes(engine: Any) -> Dict[str, Any]:
     the state files' blocks on the filesystem, ``peak`` their most live bytes so far;
     ``per_param`` each divided by the model's parameters."""
     from .optim.adam import swap_bytes_of
+
     homes = engine.tier_bytes()["nvme"]["params"]
     grads = sum(f.numel * 4 for f in engine.flats if f.trainable) if engine.grads.on_nvme else 0
     states = swap_bytes_of(engine)
-    out: Dict[str, Any] = {"parameters": homes, "gradients": grads,
-                           "master": states.get("master", 0),
-                           "moments": states.get("moments", 0),
-                           "spare": states.get("spare", 0),
-                           "states_disk": states.get("disk", 0),
-                           "states_peak": states.get("peak", 0)}
+    out: Dict[str, Any] = {
+        "parameters": homes,
+        "gradients": grads,
+        "master": states.get("master", 0),
+        "moments": states.get("moments", 0),
+        "spare": states.get("spare", 0),
+        "states_disk": states.get("disk", 0),
+        "states_peak": states.get("peak", 0),
+    }
     n = max(1, sum(f.numel for f in engine.flats))
     out["per_param"] = {k: v / n for k, v in out.items()}
     return out
@@ -165,11 +180,14 @@ def stats(model: nn.Module, *, reset: bool = False) -> Dict[str, Any]:
         "schedule_deviations": s.schedule_deviations,
         "blocks": len(engine.blocks),
         "time": s.time_breakdown(),
-        "nvme_bytes_written": {"last_step": s.nvme_written_last_step,
-                               "total": s.nvme_written_total},
+        "nvme_bytes_written": {
+            "last_step": s.nvme_written_last_step,
+            "total": s.nvme_written_total,
+        },
         "nvme_per_step": _nvme_per_step(engine),
     }
     from .optim.adam import state_formats_of
+
     formats = state_formats_of(engine)
     if formats:  # infinity optimizers' moment formats: {fmt: {params, numel, moment_bytes}}
         out["optimizer_states"] = formats
@@ -194,10 +212,12 @@ def _nvme_per_step(engine) -> Dict[str, Any]:
     s = engine.stats
     params = sum(f.numel for f in engine.flats) or 1
     last = dict(s.nvme_by_category_last_step)
-    return {"bytes": last,
-            "bytes_per_param": {k: v / params for k, v in last.items()},
-            "written": s.nvme_written_last_step,
-            "tb_written_per_1000_steps": s.nvme_written_last_step * 1000 / 1e12}
+    return {
+        "bytes": last,
+        "bytes_per_param": {k: v / params for k, v in last.items()},
+        "written": s.nvme_written_last_step,
+        "tb_written_per_1000_steps": s.nvme_written_last_step * 1000 / 1e12,
+    }
 
 
 @contextlib.contextmanager
@@ -227,8 +247,10 @@ def gradient(param: torch.Tensor) -> Optional[torch.Tensor]:
     if loc is None:
         return param.grad
     if loc.engine.partitioner is not None and loc.engine.partitioner.shards_grads:
-        raise RuntimeError("infinity.gradient: with shard='zero2'/'zero3' each rank holds only "
-                           "its part of a gradient (reduce-scattered); there is no whole "
-                           "gradient to return. Use shard='zero1' to keep whole gradients")
+        raise RuntimeError(
+            "infinity.gradient: with shard='zero2'/'zero3' each rank holds only "
+            "its part of a gradient (reduce-scattered); there is no whole "
+            "gradient to return. Use shard='zero1' to keep whole gradients"
+        )
     loc.engine.sync_gradients()
     return loc.engine.grads.gradient(loc.flat, loc.slot)

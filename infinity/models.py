@@ -1,5 +1,6 @@
 """A small GPT-style model (embedding, transformer layers in an nn.ModuleList, tied output head)
 used by the demo, the tests and the benchmarks. Plain PyTorch: nothing infinity-specific."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,5 @@
 """User-facing policies: frozen dataclasses, one name and one default per setting, checked once."""
+
 from __future__ import annotations
 
 import numbers
@@ -21,8 +22,9 @@ BlockRule = Union[None, Sequence[type], Callable[[str, nn.Module], bool]]
 _WORKING_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def nvme_path_problem(path: Union[str, "os.PathLike[str]"], must_exist: bool = False
-                      ) -> Optional[Tuple[type, str]]:
+def nvme_path_problem(
+    path: Union[str, os.PathLike[str]], must_exist: bool = False
+) -> Optional[Tuple[type, str]]:
     """Why ``path`` cannot be an nvme_path, as (exception class, message), or None. Checked
     before anything is written: an existing file (or other non-directory) is always wrong; a
     missing path only where ``must_exist`` (a policy may be made before its directory)."""
@@ -36,17 +38,18 @@ def nvme_path_problem(path: Union[str, "os.PathLike[str]"], must_exist: bool = F
         return NotADirectoryError, (
             f"infinity: nvme_path {os.fspath(path)!r} is {what}, not a directory; pass a "
             f"directory on the fast disk instead (e.g. {parent!r}, or a new folder there): "
-            "infinity creates its swap files inside it")
+            "infinity creates its swap files inside it"
+        )
     if must_exist:
         return FileNotFoundError, (
             f"infinity: nvme_path {os.fspath(path)!r} does not exist; create the directory (on "
             "the disk that will hold the swap files) first: infinity creates its swap files "
-            "inside it")
+            "inside it"
+        )
     return None
 
 
-def check_nvme_path(path: Optional[Union[str, "os.PathLike[str]"]],
-                    must_exist: bool = False) -> None:
+def check_nvme_path(path: Optional[Union[str, os.PathLike[str]]], must_exist: bool = False) -> None:
     """Raises what :func:`nvme_path_problem` finds (NotADirectoryError, FileNotFoundError)."""
     problem = None if path is None else nvme_path_problem(path, must_exist)
     if problem is not None:
@@ -173,8 +176,9 @@ class OffloadPolicy:
         if self.param_tier != "auto":
             Tier.parse(self.param_tier, what="param_tier")
         if self.optimizer_tier not in ("auto", "host", "nvme"):
-            raise ValueError(f"optimizer_tier={self.optimizer_tier!r}; use 'host', 'nvme' or "
-                             "'auto'")
+            raise ValueError(
+                f"optimizer_tier={self.optimizer_tier!r}; use 'host', 'nvme' or 'auto'"
+            )
         if self.grad_tier not in ("auto", "host", "nvme"):
             raise ValueError(f"grad_tier={self.grad_tier!r}; use 'host', 'nvme' or 'auto'")
         check_nvme_path(self.nvme_path)  # an existing file: refused before anything is written
@@ -191,87 +195,126 @@ class OffloadPolicy:
         check_chunk_bytes(self.chunk_bytes, "infinity.wrap")
         for name in ("embedding_rows", "tiled_head"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"infinity: {name} must be True or False, got "
-                                 f"{getattr(self, name)!r}")
+                raise ValueError(
+                    f"infinity: {name} must be True or False, got {getattr(self, name)!r}"
+                )
         t = self.param_persistence_threshold
         if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0:
-            raise ValueError(f"infinity: param_persistence_threshold must be an integer number "
-                             f"of elements >= 0, got {t!r}")
-        if (isinstance(self.prefetch_window, bool)
-                or not isinstance(self.prefetch_window, numbers.Integral)
-                or self.prefetch_window < 0):
-            raise ValueError(f"prefetch_window must be an integer >= 0, got "
-                             f"{self.prefetch_window!r}")
+            raise ValueError(
+                f"infinity: param_persistence_threshold must be an integer number "
+                f"of elements >= 0, got {t!r}"
+            )
+        if (
+            isinstance(self.prefetch_window, bool)
+            or not isinstance(self.prefetch_window, numbers.Integral)
+            or self.prefetch_window < 0
+        ):
+            raise ValueError(
+                f"prefetch_window must be an integer >= 0, got {self.prefetch_window!r}"
+            )
         if self.compute_dtype is not None and self.compute_dtype not in _WORKING_DTYPES:
-            raise ValueError(f"compute_dtype={self.compute_dtype} is not supported; use "
-                             "torch.float32, torch.bfloat16, torch.float16 or None")
+            raise ValueError(
+                f"compute_dtype={self.compute_dtype} is not supported; use "
+                "torch.float32, torch.bfloat16, torch.float16 or None"
+            )
         if self.device is not None:
             try:
                 dev = torch.device(self.device)
             except (RuntimeError, TypeError) as exc:
                 raise ValueError(f"device={self.device!r} is not a device: {exc}") from None
             if dev.type not in ("cpu", "cuda"):
-                raise ValueError(f"device={self.device!r} is not supported; use 'cuda', "
-                                 "'cuda:N' or 'cpu'")
+                raise ValueError(
+                    f"device={self.device!r} is not supported; use 'cuda', 'cuda:N' or 'cpu'"
+                )
         if self.shard not in ("auto", "none", "zero1", "zero2", "zero3"):
-            raise ValueError(f"shard={self.shard!r}; use 'zero3', 'zero2', 'zero1', 'none' "
-                             "or 'auto'")
-        if (isinstance(self.collective_timeout, bool)
-                or not isinstance(self.collective_timeout, numbers.Real)
-                or not self.collective_timeout > 0):
-            raise ValueError(f"collective_timeout must be a positive number of seconds, got "
-                             f"{self.collective_timeout!r}")
+            raise ValueError(
+                f"shard={self.shard!r}; use 'zero3', 'zero2', 'zero1', 'none' or 'auto'"
+            )
+        if (
+            isinstance(self.collective_timeout, bool)
+            or not isinstance(self.collective_timeout, numbers.Real)
+            or not self.collective_timeout > 0
+        ):
+            raise ValueError(
+                f"collective_timeout must be a positive number of seconds, got "
+                f"{self.collective_timeout!r}"
+            )
         self._check_activations()
         if self.frozen_format is not None and self.frozen_format not in FROZEN_FORMATS:
-            raise ValueError(f"infinity: frozen_format={self.frozen_format!r} is not supported; "
-                             "use 'nf4', 'nf4-dq', 'int8' or None")
+            raise ValueError(
+                f"infinity: frozen_format={self.frozen_format!r} is not supported; "
+                "use 'nf4', 'nf4-dq', 'int8' or None"
+            )
         if self.frozen_format is not None and self.param_tier == "device":
-            raise ValueError(f"infinity: frozen_format={self.frozen_format!r} stores frozen "
-                             "parameters quantized on host or NVMe; param_tier='device' keeps "
-                             "them materialized. Use param_tier='host' or 'nvme'")
+            raise ValueError(
+                f"infinity: frozen_format={self.frozen_format!r} stores frozen "
+                "parameters quantized on host or NVMe; param_tier='device' keeps "
+                "them materialized. Use param_tier='host' or 'nvme'"
+            )
         rule = self.block_rule
         if rule is not None and not callable(rule):
-            if (not isinstance(rule, (list, tuple)) or not rule
-                    or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in rule)):
-                raise TypeError("block_rule must be None, a sequence of nn.Module subclasses, "
-                                f"or a callable (name, module) -> bool; got {rule!r}")
+            if (
+                not isinstance(rule, (list, tuple))
+                or not rule
+                or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in rule)
+            ):
+                raise TypeError(
+                    "block_rule must be None, a sequence of nn.Module subclasses, "
+                    f"or a callable (name, module) -> bool; got {rule!r}"
+                )
 
     def _check_host_blocks(self) -> None:
         k = self.host_blocks
         if k is None:
             return
         if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
-            raise ValueError(f"infinity: host_blocks must be an integer >= 0 (how many blocks "
-                             f"keep their parameters in host RAM) or None, got {k!r}")
+            raise ValueError(
+                f"infinity: host_blocks must be an integer >= 0 (how many blocks "
+                f"keep their parameters in host RAM) or None, got {k!r}"
+            )
         if k and self.param_tier not in ("auto", "nvme"):
-            raise ValueError(f"infinity: host_blocks={k} splits parameters between host and "
-                             f"NVMe; it needs param_tier='nvme' (or 'auto'), not "
-                             f"{self.param_tier!r}")
+            raise ValueError(
+                f"infinity: host_blocks={k} splits parameters between host and "
+                f"NVMe; it needs param_tier='nvme' (or 'auto'), not "
+                f"{self.param_tier!r}"
+            )
         if k and self.nvme_path is None:
-            raise ValueError(f"infinity: host_blocks={k} keeps the other blocks' parameters on "
-                             "NVMe: pass nvme_path=<a directory on a fast disk>")
+            raise ValueError(
+                f"infinity: host_blocks={k} keeps the other blocks' parameters on "
+                "NVMe: pass nvme_path=<a directory on a fast disk>"
+            )
 
     def _check_activations(self) -> None:
         tier = self.activation_tier
         if tier is not None and tier not in ("host", "nvme"):
-            hint = (" (activations already live on the device without offload: use None)"
-                    if tier == "device" else "")
-            raise ValueError(f"infinity: activation_tier={tier!r} is not supported; use None "
-                             f"(no activation offload), 'host' or 'nvme'{hint}")
+            hint = (
+                " (activations already live on the device without offload: use None)"
+                if tier == "device"
+                else ""
+            )
+            raise ValueError(
+                f"infinity: activation_tier={tier!r} is not supported; use None "
+                f"(no activation offload), 'host' or 'nvme'{hint}"
+            )
         if tier == "nvme" and self.nvme_path is None:
-            raise ValueError("infinity: activation_tier='nvme' needs nvme_path=<a directory on "
-                             "a fast disk> for the activations' scratch swap files")
+            raise ValueError(
+                "infinity: activation_tier='nvme' needs nvme_path=<a directory on "
+                "a fast disk> for the activations' scratch swap files"
+            )
         for name in ("activation_min_bytes", "activation_prefetch_bytes"):
             value = getattr(self, name)
             if value is None:
                 continue
             if tier is None:
-                raise ValueError(f"infinity: {name}={value!r} has no effect without "
-                                 "activation_tier; pass activation_tier='host' or 'nvme' too")
+                raise ValueError(
+                    f"infinity: {name}={value!r} has no effect without "
+                    "activation_tier; pass activation_tier='host' or 'nvme' too"
+                )
             low = 0 if name == "activation_min_bytes" else 1
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-                raise ValueError(f"infinity: {name} must be an integer number of bytes >= {low}, "
-                                 f"got {value!r}")
+                raise ValueError(
+                    f"infinity: {name} must be an integer number of bytes >= {low}, got {value!r}"
+                )
 
     @classmethod
     def field_names(cls) -> tuple:

@@ -5,10 +5,10 @@ the machinery lives in :mod:`infinity.runtime.zero`, checkpoints in :mod:`infini
 
 from .checkpoint.per_rank import FORMAT, VERSION, is_sharded_checkpoint, trainer_state
 from .checkpoint.sharded import load_sharded, save_sharded
+from .optim.zero_states import full_optimizer_state_dict, load_full_optimizer_state_dict
 from .runtime.zero.collectives import CollectiveTimeoutError, RanksDivergedError
 from .runtime.zero.group import DistGroups
 from .runtime.zero.partitioner import Partitioner
-from .optim.zero_states import full_optimizer_state_dict, load_full_optimizer_state_dict
 from .runtime.zero.state import full_state_dict, load_full_state_dict
 
 __all__ = [

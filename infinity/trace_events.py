@@ -9,6 +9,7 @@ The engine and the optimizer call :func:`span` at the few places these events ha
 trace active that is one global read. This module imports nothing of infinity (any layer may
 call it) and pyarrow only when writing.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -18,8 +19,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Union
 
-KINDS = ("fetch", "release", "grad_offload", "grad_write", "optimizer_read",
-         "optimizer_compute", "optimizer_write", "optimizer_step")
+KINDS = (
+    "fetch",
+    "release",
+    "grad_offload",
+    "grad_write",
+    "optimizer_read",
+    "optimizer_compute",
+    "optimizer_write",
+    "optimizer_step",
+)
 
 
 @dataclass
@@ -31,9 +40,16 @@ class Recorder:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, kind: str, name: str, nbytes: int, start: float, end: float) -> None:
-        row = {"step": self.step, "kind": kind, "name": name, "bytes": int(nbytes),
-               "start_s": start - self.t0, "end_s": end - self.t0,
-               "duration_s": max(0.0, end - start), "thread": threading.current_thread().name}
+        row = {
+            "step": self.step,
+            "kind": kind,
+            "name": name,
+            "bytes": int(nbytes),
+            "start_s": start - self.t0,
+            "end_s": end - self.t0,
+            "duration_s": max(0.0, end - start),
+            "thread": threading.current_thread().name,
+        }
         with self._lock:
             self.events.append(row)
             if kind == "optimizer_step":
@@ -41,24 +57,36 @@ class Recorder:
 
     def table(self):
         import pyarrow as pa
+
         cols = ("step", "kind", "name", "bytes", "start_s", "end_s", "duration_s", "thread")
         with self._lock:
             rows = list(self.events)
-        return pa.table({c: [r[c] for r in rows] for c in cols},
-                        schema=pa.schema([("step", pa.int64()), ("kind", pa.string()),
-                                          ("name", pa.string()), ("bytes", pa.int64()),
-                                          ("start_s", pa.float64()), ("end_s", pa.float64()),
-                                          ("duration_s", pa.float64()),
-                                          ("thread", pa.string())]))
+        return pa.table(
+            {c: [r[c] for r in rows] for c in cols},
+            schema=pa.schema(
+                [
+                    ("step", pa.int64()),
+                    ("kind", pa.string()),
+                    ("name", pa.string()),
+                    ("bytes", pa.int64()),
+                    ("start_s", pa.float64()),
+                    ("end_s", pa.float64()),
+                    ("duration_s", pa.float64()),
+                    ("thread", pa.string()),
+                ]
+            ),
+        )
 
     def write(self) -> str:
         table = self.table()
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         if self.path.endswith((".arrow", ".feather")):
             import pyarrow.feather as feather
+
             feather.write_feather(table, self.path)
         else:
             import pyarrow.parquet as pq
+
             pq.write_table(table, self.path)
         return self.path
 
@@ -86,8 +114,9 @@ def trace(path: Union[str, os.PathLike]) -> Iterator[Recorder]:
     try:
         import pyarrow  # noqa: F401 - fail now, not after the run
     except ImportError:
-        raise ImportError("infinity.trace needs pyarrow: pip install pyarrow (or "
-                          "'infinity-offload[bench]')") from None
+        raise ImportError(
+            "infinity.trace needs pyarrow: pip install pyarrow (or 'infinity-offload[bench]')"
+        ) from None
     rec = Recorder(os.fspath(path))
     with _guard:
         if _active is not None:

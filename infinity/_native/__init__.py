@@ -6,6 +6,7 @@ waits never hold it. When the library is missing (a build failure, an unusual pl
 pure-PyTorch fallback; that is announced once with a warning. Tests switch paths with
 :func:`force_fallback`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -46,8 +47,10 @@ def _load() -> None:
             return
         path = _library_path()
         if path is None:
-            _load_error = ("the native library infinity/_native/_C*.so was not built; "
-                           "reinstall with `pip install -e .` and a C++ compiler present")
+            _load_error = (
+                "the native library infinity/_native/_C*.so was not built; "
+                "reinstall with `pip install -e .` and a C++ compiler present"
+            )
             return
         try:
             handle = ctypes.CDLL(path)
@@ -57,8 +60,10 @@ def _load() -> None:
             _load_error = f"could not load {path}: {exc}"
             return
         if version != ABI_VERSION:
-            _load_error = (f"{path} has ABI version {version}, expected {ABI_VERSION}; "
-                           "rebuild it with `pip install -e .`")
+            _load_error = (
+                f"{path} has ABI version {version}, expected {ABI_VERSION}; "
+                "rebuild it with `pip install -e .`"
+            )
             return
         _lib = handle
 
@@ -71,8 +76,12 @@ def lib() -> Optional[ctypes.CDLL]:
         return None
     if _lib is None and not _warned:
         _warned = True
-        warnings.warn(f"infinity: native core unavailable ({_load_error}); "
-                      "using the slower pure-PyTorch fallbacks", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"infinity: native core unavailable ({_load_error}); "
+            "using the slower pure-PyTorch fallbacks",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     return _lib
 
 

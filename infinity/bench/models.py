@@ -1,4 +1,5 @@
 """The GPT ladder of ``infinity bench``: a size name -> a GPT config, built on meta when large."""
+
 from __future__ import annotations
 
 from typing import List, Tuple
@@ -37,8 +38,9 @@ def config_for(size: str, seq: int) -> GPTConfig:
         if err < best[0]:
             best = (err, d, layers)
     _, d, layers = best
-    return GPTConfig(vocab_size=VOCAB, d_model=d, n_layers=layers, n_heads=max(1, d // 64),
-                     max_seq=seq)
+    return GPTConfig(
+        vocab_size=VOCAB, d_model=d, n_layers=layers, n_heads=max(1, d // 64), max_seq=seq
+    )
 
 
 def init_weights(module: nn.Module) -> None:

@@ -5,6 +5,7 @@ NVMe bytes written per step.
 
     python -m infinity.bench.worker '{"size": "small", "placement": "nvme", ...}'
 """
+
 from __future__ import annotations
 
 import json
@@ -45,8 +46,8 @@ def run(spec: Dict[str, Any]) -> Dict[str, Any]:
     import torch
 
     import infinity
-    from infinity.models import TinyGPT, lm_loss, synthetic_batch
     from infinity.bench.models import config_for, init_weights
+    from infinity.models import TinyGPT, lm_loss, synthetic_batch
     from infinity.plan.placements import placement as get_placement
     from infinity.runtime.core.registry import engine_of
 
@@ -63,14 +64,21 @@ def run(spec: Dict[str, Any]) -> Dict[str, Any]:
         # to tell the machine's load during the run from an error of the model
         if spec.get("calibrate_in_run"):
             from infinity.plan.probe import measure_gpt_parts
-            parts = measure_gpt_parts(cfg.d_model, cfg.n_heads, cfg.vocab_size, batch, seq,
-                                      reps=3)
+
+            parts = measure_gpt_parts(cfg.d_model, cfg.n_heads, cfg.vocab_size, batch, seq, reps=3)
             calibrations.append(cfg.n_layers * parts["layer_s"] + parts["head_s"])
+
     rss_start = _rss_kib()
     _reset_peak_rss()
-    out: Dict[str, Any] = {"size": spec["size"], "placement": name, "d_model": cfg.d_model,
-                           "n_layers": cfg.n_layers, "batch": batch, "seq": seq,
-                           "loadavg_start": os.getloadavg()[0]}
+    out: Dict[str, Any] = {
+        "size": spec["size"],
+        "placement": name,
+        "d_model": cfg.d_model,
+        "n_layers": cfg.n_layers,
+        "batch": batch,
+        "seq": seq,
+        "loadavg_start": os.getloadavg()[0],
+    }
     t0 = time.perf_counter()
     states = "fp32"
     if name == "device":
@@ -96,9 +104,12 @@ def run(spec: Dict[str, Any]) -> Dict[str, Any]:
         infinity.wrap(model, init=init_weights, **settings)
         opt = infinity.optim.AdamW(model.parameters(), lr=1e-4, states=states)
         eng = engine_of(model)
-        out["tiers"] = {"param": eng.param_tier.value, "grad": eng.grad_tier.value,
-                        "optimizer": eng.policy.optimizer_tier,
-                        "prefetch_window": eng.policy.prefetch_window}
+        out["tiers"] = {
+            "param": eng.param_tier.value,
+            "grad": eng.grad_tier.value,
+            "optimizer": eng.policy.optimizer_tier,
+            "prefetch_window": eng.policy.prefetch_window,
+        }
     out["params"] = sum(p.numel() for p in model.parameters())
     out["build_s"] = time.perf_counter() - t0
     gen = torch.Generator().manual_seed(1)
@@ -119,27 +130,39 @@ def run(spec: Dict[str, Any]) -> Dict[str, Any]:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
         losses.append(float(loss.detach()))
-    measured = times[spec["warmup"]:]
+    measured = times[spec["warmup"] :]
     calibrate()
     if calibrations:
         out["compute_in_run_s"] = calibrations[-1]
     step = statistics.median(measured)
-    out.update({"step_s": step, "step_s_all": measured, "warmup_s_all": times[:spec["warmup"]],
-                "states": states if wrapped else "torch", "loadavg_end": os.getloadavg()[0],
-                "tokens_per_s": batch * seq / step,
-                "loss_first": losses[0], "loss_last": losses[-1],
-                "rss_start_bytes": rss_start * 1024, "peak_rss_bytes": _peak_rss_kib() * 1024})
+    out.update(
+        {
+            "step_s": step,
+            "step_s_all": measured,
+            "warmup_s_all": times[: spec["warmup"]],
+            "states": states if wrapped else "torch",
+            "loadavg_end": os.getloadavg()[0],
+            "tokens_per_s": batch * seq / step,
+            "loss_first": losses[0],
+            "loss_last": losses[-1],
+            "rss_start_bytes": rss_start * 1024,
+            "peak_rss_bytes": _peak_rss_kib() * 1024,
+        }
+    )
     if cuda:
         out["peak_device_bytes"] = int(torch.cuda.max_memory_allocated())
     if wrapped:
         s = infinity.stats(model)
         t = s["time"]
-        out["attribution"] = {"compute": t["compute"] / steps, "fetch_wait": t["fetch_wait"] / steps,
-                              "grad_offload": t["grad_offload"] / steps,
-                              "engine": t["engine"] / steps,
-                              "optimizer": t["optimizer"]["total"] / steps,
-                              "optimizer_cpu_adam": t["optimizer"]["cpu_adam"] / steps,
-                              "optimizer_nvme_wait": t["optimizer"]["nvme_wait"] / steps}
+        out["attribution"] = {
+            "compute": t["compute"] / steps,
+            "fetch_wait": t["fetch_wait"] / steps,
+            "grad_offload": t["grad_offload"] / steps,
+            "engine": t["engine"] / steps,
+            "optimizer": t["optimizer"]["total"] / steps,
+            "optimizer_cpu_adam": t["optimizer"]["cpu_adam"] / steps,
+            "optimizer_nvme_wait": t["optimizer"]["nvme_wait"] / steps,
+        }
         out["nvme_bytes_per_step"] = s["nvme_bytes_written"]["total"] / steps
         if not cuda:
             out["peak_device_bytes"] = s["tiers"]["device"]["peak"]
@@ -164,8 +187,12 @@ def main() -> int:
         result = run(spec)
         result["ok"] = True
     except Exception as exc:  # noqa: BLE001 - reported in the result row
-        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
-                  "size": spec.get("size"), "placement": spec.get("placement")}
+        result = {
+            "ok": False,
+            "error": f"{type(exc).__name__}: {exc}",
+            "size": spec.get("size"),
+            "placement": spec.get("placement"),
+        }
     sys.stdout.write("INFINITY_BENCH_RESULT " + json.dumps(result) + "\n")
     sys.stdout.flush()
     return 0 if result["ok"] else 1

@@ -2,6 +2,7 @@
 (one file, or shards with a ``model.safetensors.index.json`` in Hugging Face's format), plus
 ``config.json`` when the model had a transformers config, so ``from_pretrained(out)`` works.
 Streams file by file: at most two checkpoint files and one tensor being cast are in RAM."""
+
 from __future__ import annotations
 
 import glob
@@ -15,13 +16,23 @@ from tqdm.auto import tqdm
 
 from . import bnb4
 from .disk.files import TensorFileWriter, aligned_order, fsync_dir, nbytes_of
-from .load import Reader, open_checkpoint
-from .disk.pieces import Source
 from .disk.manifest import dtype_name, parse_dtype
+from .disk.pieces import Source
+from .load import Reader, open_checkpoint
 
 _PROGRESS_MIN_BYTES = 1 << 30
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def parse_size(size: Union[int, str]) -> int:
@@ -38,8 +49,9 @@ def parse_size(size: Union[int, str]) -> int:
     return value
 
 
-def _plan_shards(entries: List[Tuple[str, torch.dtype, Tuple[int, ...]]], limit: int
-                 ) -> List[List[Tuple[str, torch.dtype, Tuple[int, ...]]]]:
+def _plan_shards(
+    entries: List[Tuple[str, torch.dtype, Tuple[int, ...]]], limit: int
+) -> List[List[Tuple[str, torch.dtype, Tuple[int, ...]]]]:
     shards: List[list] = [[]]
     size = 0
     for spec in entries:
@@ -53,8 +65,11 @@ def _plan_shards(entries: List[Tuple[str, torch.dtype, Tuple[int, ...]]], limit:
 
 
 def _remove_previous_outputs(out: str) -> None:
-    for pattern in ("model.safetensors", "model-*-of-*.safetensors",
-                    "model.safetensors.index.json"):
+    for pattern in (
+        "model.safetensors",
+        "model-*-of-*.safetensors",
+        "model.safetensors.index.json",
+    ):
         for path in glob.glob(os.path.join(out, pattern)):
             os.remove(path)
 
@@ -69,9 +84,13 @@ def _write_json(path: str, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def consolidate(checkpoint: str, out: str, dtype: Optional[Union[str, torch.dtype]] = None,
-                max_shard_size: Union[int, str] = "5GB",
-                quantize: Optional[str] = None) -> List[str]:
+def consolidate(
+    checkpoint: str,
+    out: str,
+    dtype: Optional[Union[str, torch.dtype]] = None,
+    max_shard_size: Union[int, str] = "5GB",
+    quantize: Optional[str] = None,
+) -> List[str]:
     """Writes the model of ``checkpoint`` to the directory ``out`` as safetensors in its own
     parameter names (tied weights once, under their first name, as transformers saves them);
     ``dtype`` casts floating-point tensors (e.g. "bf16"); above ``max_shard_size`` the weights
@@ -100,16 +119,24 @@ def consolidate(checkpoint: str, out: str, dtype: Optional[Union[str, torch.dtyp
         else:
             entries.append((name, target, shape))
     shards = _plan_shards(entries, limit)
-    names = (["model.safetensors"] if len(shards) == 1 else
-             [f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-              for k in range(1, len(shards) + 1)])
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{k:05d}-of-{len(shards):05d}.safetensors" for k in range(1, len(shards) + 1)]
+    )
     out = os.path.abspath(os.fspath(out))
     os.makedirs(out, exist_ok=True)
     _remove_previous_outputs(out)
     written: List[str] = []
     total = sum(nbytes_of(d, s) for _, d, s in entries)
-    with tqdm(total=total, unit="B", unit_scale=True, leave=False, desc="infinity: consolidating",
-              disable=total < _PROGRESS_MIN_BYTES) as bar:
+    with tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        leave=False,
+        desc="infinity: consolidating",
+        disable=total < _PROGRESS_MIN_BYTES,
+    ) as bar:
         source = Source(manifest, Reader(root, manifest))
         for fname, specs in zip(names, shards):
             specs = aligned_order(specs)
@@ -141,9 +168,12 @@ def consolidate(checkpoint: str, out: str, dtype: Optional[Union[str, torch.dtyp
             os.replace(tmp, path)
             written.append(path)
     if len(shards) > 1:
-        index = {"metadata": {"total_size": total},
-                 "weight_map": {name: fname for fname, specs in zip(names, shards)
-                                for name, _, _ in specs}}
+        index = {
+            "metadata": {"total_size": total},
+            "weight_map": {
+                name: fname for fname, specs in zip(names, shards) for name, _, _ in specs
+            },
+        }
         path = os.path.join(out, "model.safetensors.index.json")
         _write_json(path, index)
         written.append(path)
@@ -155,8 +185,11 @@ def consolidate(checkpoint: str, out: str, dtype: Optional[Union[str, torch.dtyp
                 if key in config or key == "dtype":
                     config[key] = dtype_name(cast)
         if quantize is not None:
-            compute = dtype_name(cast) if cast is not None else str(
-                config.get("dtype") or config.get("torch_dtype") or "float32")
+            compute = (
+                dtype_name(cast)
+                if cast is not None
+                else str(config.get("dtype") or config.get("torch_dtype") or "float32")
+            )
             config["quantization_config"] = bnb4.hf_quantization_config(quantize, compute)
         path = os.path.join(out, "config.json")
         _write_json(path, config)

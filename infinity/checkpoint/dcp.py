@@ -23,6 +23,7 @@ Only model tensors travel this way; optimizer states from a DCP checkpoint are n
 The other way, a wrapped model written as a DCP checkpoint that plain ``dcp.load`` reads into
 the unwrapped model, is :func:`~.dcp_write.save_dcp`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -33,18 +34,22 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata,
-                                                   TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from .load import load_wrapped
 from .disk.manifest import CheckpointError, parse_dtype
-from .names import ModelNames
-from .matching import TensorPlan
 from .disk.pieces import Source
 from .disk.reader import Reader, open_checkpoint
+from .load import load_wrapped
+from .matching import TensorPlan
+from .names import ModelNames
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +59,11 @@ _STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")
 
 def _meta(dtype: torch.dtype, shape: List[int]) -> TensorStorageMetadata:
     size = torch.Size(shape)
-    return TensorStorageMetadata(TensorProperties(dtype=dtype), size,
-                                 [ChunkStorageMetadata(torch.Size([0] * len(size)), size)])
+    return TensorStorageMetadata(
+        TensorProperties(dtype=dtype),
+        size,
+        [ChunkStorageMetadata(torch.Size([0] * len(size)), size)],
+    )
 
 
 class InfinityStorageReader(StorageReader):
@@ -83,8 +91,9 @@ class InfinityStorageReader(StorageReader):
         self._source = Source(manifest, Reader(root, manifest, keep=2), ranged=True)
         entries: Dict[str, TensorStorageMetadata] = {}
         names = {n: n for n in manifest.get("tensors", {})}
-        names.update({alias: name for alias, name in manifest.get("aliases", {}).items()
-                      if name in names})
+        names.update(
+            {alias: name for alias, name in manifest.get("aliases", {}).items() if name in names}
+        )
         for fqn, name in names.items():
             info = manifest["tensors"][name]
             md = _meta(parse_dtype(info["dtype"]), list(info["shape"]))
@@ -98,8 +107,9 @@ class InfinityStorageReader(StorageReader):
                     self._index[f"{_STATE_PREFIX}{fqn}.{key}"] = (name, key)
         return Metadata(state_dict_metadata=entries, storage_data={})
 
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
-                              **kwargs: Any) -> None:
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
         if self._source is None:
             self.read_metadata()
 
@@ -119,8 +129,10 @@ class InfinityStorageReader(StorageReader):
             value = self._read(fqn, list(req.storage_offsets), list(req.lengths))
             target = planner.resolve_tensor(req).detach()
             if tuple(target.shape) != tuple(value.shape):
-                raise CheckpointError(f"infinity DCP reader: {fqn} asked for shape "
-                                      f"{tuple(target.shape)}, read {tuple(value.shape)}")
+                raise CheckpointError(
+                    f"infinity DCP reader: {fqn} asked for shape "
+                    f"{tuple(target.shape)}, read {tuple(value.shape)}"
+                )
             target.copy_(value)
             planner.commit_tensor(req, target)
         fut: Future = Future()
@@ -165,25 +177,33 @@ class _DcpSource:
         self.tensors: Dict[str, Any] = {}
         for key, md in metadata.state_dict_metadata.items():
             if isinstance(md, TensorStorageMetadata) and key.startswith(prefix):
-                self.tensors[key[len(prefix):]] = {"shape": list(md.size), "kind": "param",
-                                      "dtype": str(md.properties.dtype).replace("torch.", "")}
+                self.tensors[key[len(prefix) :]] = {
+                    "shape": list(md.size),
+                    "kind": "param",
+                    "dtype": str(md.properties.dtype).replace("torch.", ""),
+                }
         self._last: Optional[Tuple[str, torch.Tensor]] = None
 
     def whole(self, name: str) -> torch.Tensor:
         if self._last is None or self._last[0] != name:
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint import FileSystemReader
+
             info = self.tensors[name]
             t = torch.empty(info["shape"], dtype=parse_dtype(info["dtype"]))
             with warnings.catch_warnings():  # "assuming ... a single process": on purpose
                 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
-                dcp.load({self.prefix + name: t}, storage_reader=FileSystemReader(self.path),
-                         no_dist=True)
+                dcp.load(
+                    {self.prefix + name: t},
+                    storage_reader=FileSystemReader(self.path),
+                    no_dist=True,
+                )
             self._last = (name, t)
         return self._last[1]
 
-    def param(self, name: str, a: int = 0, b: Optional[int] = None,
-              dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    def param(
+        self, name: str, a: int = 0, b: Optional[int] = None, dtype: Optional[torch.dtype] = None
+    ) -> torch.Tensor:
         t = self.whole(name).reshape(-1)[a:b]
         return t if dtype is None else t.to(dtype)
 
@@ -194,11 +214,16 @@ class _DcpSource:
 def _resolve_dcp(path: str) -> str:
     """``path``, or the previous checkpoint kept aside when a :func:`~.dcp_write.save_dcp`
     crashed between the renames that replace it (see :mod:`.atomic`)."""
-    from .disk.atomic import _is_checkpoint, aside_path
     from .dcp_write import DCP_MARKER
+    from .disk.atomic import _is_checkpoint, aside_path
+
     if not os.path.exists(path) and _is_checkpoint(aside_path(path), DCP_MARKER):
-        logger.warning("infinity: %s is missing (a save was interrupted while replacing it); "
-                       "loading the previous checkpoint kept at %s", path, aside_path(path))
+        logger.warning(
+            "infinity: %s is missing (a save was interrupted while replacing it); "
+            "loading the previous checkpoint kept at %s",
+            path,
+            aside_path(path),
+        )
         return aside_path(path)
     return path
 
@@ -211,22 +236,24 @@ def load_dcp(path: str, model: nn.Module, *, prefix: str = "", strict: bool = Tr
     for ``dcp.save({"model": model.state_dict(), ...})``). Names and shapes are checked first, as :func:`~.load.load_checkpoint`
     does. On sharded ranks each rank reads the tensors of its part; call it on every rank."""
     from torch.distributed.checkpoint import FileSystemReader
+
     path = _resolve_dcp(os.fspath(path))
     try:
         metadata = FileSystemReader(path).read_metadata()
     except FileNotFoundError:
-        raise CheckpointError(f"{path} is not a torch.distributed.checkpoint directory (no "
-                              ".metadata file)") from None
+        raise CheckpointError(
+            f"{path} is not a torch.distributed.checkpoint directory (no .metadata file)"
+        ) from None
     source = _DcpSource(path, metadata, prefix)
     names = ModelNames(model)
     manifest = {"tensors": source.tensors, "aliases": {}, "model_class": "a DCP checkpoint"}
     plan = TensorPlan(manifest, names, os.fspath(path), strict)
     engine = names.engine
     if engine is None:
-        model.load_state_dict({n: source.whole(s) for n, s in plan.source.items()},
-                              strict=False)
+        model.load_state_dict({n: source.whole(s) for n, s in plan.source.items()}, strict=False)
     elif engine.partitioner is not None:
         from .ranks import fill_sharded
+
         fill_sharded(names, plan, source, None, None, strict)
     else:
         load_wrapped(names, plan, source, None)  # type: ignore[arg-type]

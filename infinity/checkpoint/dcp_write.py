@@ -26,6 +26,7 @@ to (plain ``dcp.load`` does not).
 
 One process only (world size 1); a model sharded over ranks is refused.
 """
+
 from __future__ import annotations
 
 import logging
@@ -56,7 +57,7 @@ class _ModelTensors:
     def __init__(self, names: ModelNames) -> None:
         self.names = names
         self.engine = names.engine
-        self.order: List[str] = []                 # canonical names, block by block
+        self.order: List[str] = []  # canonical names, block by block
         self.where: Dict[str, Tuple[Any, Any]] = {}  # name -> (flat, slot) of a wrapped param
         if self.engine is not None:
             for flat in self.engine.flats:
@@ -99,8 +100,11 @@ class _ModelTensors:
         if self._flat is not flat:
             self._buf = None  # the previous block goes before the next is read
             working = self.engine.home.working_buffer(flat)
-            if working is not None and working.device.type == "cpu" \
-                    and working.dtype == flat.home_dtype:
+            if (
+                working is not None
+                and working.device.type == "cpu"
+                and working.dtype == flat.home_dtype
+            ):
                 self._buf = working  # a host home: read in place
             else:
                 self._buf = inf_io.aligned_empty(flat.numel, flat.home_dtype, lock=False)
@@ -108,7 +112,7 @@ class _ModelTensors:
             self._flat = flat
         # a tensor of its own: a view would be written with its whole block by torch.save
         # (torch's writers copy such views too; this does not depend on it)
-        return self._buf[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
+        return self._buf[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
 
     def release(self) -> None:
         self._flat = self._buf = None
@@ -128,8 +132,10 @@ class _LazyPlanner(DefaultSavePlanner):
             return super().resolve_data(write_item)
         fqn = write_item.index.fqn
         if fqn not in self.names:
-            raise CheckpointError(f"infinity.checkpoint.save_dcp: DCP asked for {fqn!r}, which "
-                                  "is not a tensor of the model")
+            raise CheckpointError(
+                f"infinity.checkpoint.save_dcp: DCP asked for {fqn!r}, which "
+                "is not a tensor of the model"
+            )
         return self.tensors.value(self.names[fqn])
 
 
@@ -142,18 +148,22 @@ def save_dcp(path: str, model: nn.Module, *, prefix: str = "") -> str:
     parameters' home dtypes. Streams one block at a time; atomic. Model tensors only: no
     optimizer state."""
     if not isinstance(model, nn.Module):
-        raise TypeError(f"infinity.checkpoint.save_dcp expects an nn.Module, got "
-                        f"{type(model).__name__}")
+        raise TypeError(
+            f"infinity.checkpoint.save_dcp expects an nn.Module, got {type(model).__name__}"
+        )
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
+
     names = ModelNames(model)
     engine = names.engine
     if engine is not None and engine.partitioner is not None:
-        raise CheckpointError("infinity.checkpoint.save_dcp: this model is sharded over "
-                              "torch.distributed ranks, which save_dcp does not support (one "
-                              "process only). Save it with infinity.save_checkpoint: "
-                              "torch.distributed.checkpoint.load reads that checkpoint through "
-                              "infinity.checkpoint.dcp_reader(path)")
+        raise CheckpointError(
+            "infinity.checkpoint.save_dcp: this model is sharded over "
+            "torch.distributed ranks, which save_dcp does not support (one "
+            "process only). Save it with infinity.save_checkpoint: "
+            "torch.distributed.checkpoint.load reads that checkpoint through "
+            "infinity.checkpoint.dcp_reader(path)"
+        )
     path = os.path.abspath(os.fspath(path))
     tensors = _ModelTensors(names)
     spec = tensors.spec(prefix)
@@ -167,17 +177,23 @@ def save_dcp(path: str, model: nn.Module, *, prefix: str = "") -> str:
             try:
                 with warnings.catch_warnings():  # "assuming ... a single process": on purpose
                     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
-                    dcp.save(spec, storage_writer=writer, planner=_LazyPlanner(tensors, keys),
-                             no_dist=True)
+                    dcp.save(
+                        spec,
+                        storage_writer=writer,
+                        planner=_LazyPlanner(tensors, keys),
+                        no_dist=True,
+                    )
             except CheckpointException as exc:  # one process: its error, as raised
                 failures = list(exc.failures.values())
                 if len(failures) == 1 and isinstance(failures[0][0], Exception):
                     raise failures[0][0] from None
                 raise
             if not os.path.isfile(os.path.join(tmp, DCP_MARKER)):
-                raise CheckpointError(f"infinity.checkpoint.save_dcp: torch's FileSystemWriter "
-                                      f"wrote no {DCP_MARKER} under {tmp}; nothing at {path} "
-                                      "was replaced")
+                raise CheckpointError(
+                    f"infinity.checkpoint.save_dcp: torch's FileSystemWriter "
+                    f"wrote no {DCP_MARKER} under {tmp}; nothing at {path} "
+                    "was replaced"
+                )
     finally:
         tensors.release()
         if engine is not None:

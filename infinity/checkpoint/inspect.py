@@ -5,6 +5,7 @@ reused-extent optimizer file: its header and data sections apart), the way loadi
 without building a model. For a sharded checkpoint (``infinity.sharding.save_sharded``) it reports
 the world size and each rank file's presence and size (those files carry no recorded checksum).
 """
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,8 @@ from collections import Counter
 from typing import Any, Dict, List
 
 from .disk.atomic import resolve
-from .load import Reader
 from .disk.manifest import MANIFEST, CheckpointError, read_manifest
+from .load import Reader
 
 
 def inspect_checkpoint(path: str, verify: bool = True) -> Dict[str, Any]:
@@ -31,25 +32,39 @@ def inspect_checkpoint(path: str, verify: bool = True) -> Dict[str, Any]:
     files = manifest.get("files", {})
     tensors = manifest.get("tensors", {})
     out: Dict[str, Any] = {
-        "path": root, "kind": "single" if manifest.get("world_size", 1) == 1 else "ranks",
+        "path": root,
+        "kind": "single" if manifest.get("world_size", 1) == 1 else "ranks",
         "format_version": manifest.get("version"),
         "infinity_version": manifest.get("infinity_version"),
-        "created": manifest.get("created"), "model_class": manifest.get("model_class"),
-        "world_size": manifest.get("world_size", 1), "wrapped": manifest.get("wrapped"),
-        "param_tier": manifest.get("param_tier"), "tensors": len(tensors),
+        "created": manifest.get("created"),
+        "model_class": manifest.get("model_class"),
+        "world_size": manifest.get("world_size", 1),
+        "wrapped": manifest.get("wrapped"),
+        "param_tier": manifest.get("param_tier"),
+        "tensors": len(tensors),
         "dtypes": dict(Counter(t.get("dtype") for t in tensors.values())),
-        "files": len(files), "bytes": sum(int(f.get("size", 0)) for f in files.values()),
+        "files": len(files),
+        "bytes": sum(int(f.get("size", 0)) for f in files.values()),
         "scheduler": manifest.get("scheduler") is not None,
-        "scaler": manifest.get("scaler") is not None, "rng": manifest.get("rng") is not None,
+        "scaler": manifest.get("scaler") is not None,
+        "rng": manifest.get("rng") is not None,
     }
     opt = manifest.get("optimizer")
     if opt:
         states = opt.get("states", {}) if isinstance(opt, dict) else {}
-        steps = sorted({int(v.get("values", {}).get("step", 0)) for v in states.values()
-                        if isinstance(v, dict)})
-        out["optimizer"] = {"class": opt.get("class") if isinstance(opt, dict) else None,
-                            "states": len(states), "steps": steps[-1] if steps else None,
-                            "moments": "fp32 (any state format is saved widened to fp32)"}
+        steps = sorted(
+            {
+                int(v.get("values", {}).get("step", 0))
+                for v in states.values()
+                if isinstance(v, dict)
+            }
+        )
+        out["optimizer"] = {
+            "class": opt.get("class") if isinstance(opt, dict) else None,
+            "states": len(states),
+            "steps": steps[-1] if steps else None,
+            "moments": "fp32 (any state format is saved widened to fp32)",
+        }
     else:
         out["optimizer"] = None
     problems: List[str] = []
@@ -74,19 +89,43 @@ def _sharded(root: str, raw: Dict[str, Any], verify: bool) -> Dict[str, Any]:
             problems.append(f"{rel}: missing")
         else:
             sizes += os.path.getsize(p)
-    return {"path": root, "kind": "sharded", "format_version": raw.get("version"),
-            "world_size": raw.get("world"), "files": len(raw.get("files", [])), "bytes": sizes,
-            "flats": len(raw.get("layout", {})), "optimizer": bool(raw.get("optimizer")),
-            "verified": (not problems) if verify else None, "problems": problems,
-            "note": "rank files carry no recorded checksum: presence checked only"}
+    return {
+        "path": root,
+        "kind": "sharded",
+        "format_version": raw.get("version"),
+        "world_size": raw.get("world"),
+        "files": len(raw.get("files", [])),
+        "bytes": sizes,
+        "flats": len(raw.get("layout", {})),
+        "optimizer": bool(raw.get("optimizer")),
+        "verified": (not problems) if verify else None,
+        "problems": problems,
+        "note": "rank files carry no recorded checksum: presence checked only",
+    }
 
 
 def format_inspection(info: Dict[str, Any]) -> str:
-    lines = [f"{info['path']}: infinity checkpoint ({info['kind']}, format "
-             f"{info.get('format_version')}), saved with world size {info.get('world_size')}"]
-    for key in ("model_class", "created", "infinity_version", "wrapped", "param_tier",
-                "tensors", "dtypes", "flats", "files", "bytes", "optimizer", "scheduler",
-                "scaler", "rng", "note"):
+    lines = [
+        f"{info['path']}: infinity checkpoint ({info['kind']}, format "
+        f"{info.get('format_version')}), saved with world size {info.get('world_size')}"
+    ]
+    for key in (
+        "model_class",
+        "created",
+        "infinity_version",
+        "wrapped",
+        "param_tier",
+        "tensors",
+        "dtypes",
+        "flats",
+        "files",
+        "bytes",
+        "optimizer",
+        "scheduler",
+        "scaler",
+        "rng",
+        "note",
+    ):
         if key in info and info[key] is not None:
             lines.append(f"  {key}: {info[key]}")
     if info["verified"] is None:

@@ -1,6 +1,7 @@
 """load_checkpoint: checks a checkpoint against the model, then streams it back file by file:
 parameters through the engine's homes, optimizer states shard by shard, then the trainer's
 state. Every file's size and CRC32C is checked before its bytes are used."""
+
 from __future__ import annotations
 
 import logging
@@ -15,12 +16,12 @@ from tqdm.auto import tqdm
 from .. import io as inf_io
 from ..runtime.engine import locate
 from .disk.manifest import CheckpointError, CorruptCheckpointError, decode
+from .disk.pieces import Source
+from .disk.reader import Reader, open_checkpoint
 from .matching import OptimizerPlan, TensorPlan
 from .names import ModelNames
 from .per_rank import is_sharded_checkpoint, load_per_rank, trainer_state
-from .disk.pieces import Source
 from .ranks import load_into_sharded, trainer_state_v3
-from .disk.reader import Reader, open_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -28,19 +29,23 @@ _PROGRESS_MIN_BYTES = 1 << 30
 
 
 # ---- loading ----------------------------------------------------------------------------------
-def load_wrapped(names: ModelNames, plan: TensorPlan, source: Source,
-                 opt: Optional[OptimizerPlan]) -> None:
+def load_wrapped(
+    names: ModelNames, plan: TensorPlan, source: Source, opt: Optional[OptimizerPlan]
+) -> None:
     engine = names.engine
     engine.quiesce()  # no block materialized: every fetch after this reads the new homes
     shards: Dict[int, Any] = {}
     if opt is not None:
         # groups, hyper-parameters and unwrapped parameters' states; wrapped shards start empty
-        opt.optimizer.load_state_dict(opt.torch_state_dict(source, skip=lambda p: locate(p)
-                                                           is not None))
+        opt.optimizer.load_state_dict(
+            opt.torch_state_dict(source, skip=lambda p: locate(p) is not None)
+        )
         shards = {id(s.flat): s for s in opt.optimizer.shard_states()}  # none holds states now
     for flat in engine.flats:
-        sources = [(i, slot, plan.source.get(names.of(slot.param) or slot.qualname))
-                   for i, slot in enumerate(flat.slots)]
+        sources = [
+            (i, slot, plan.source.get(names.of(slot.param) or slot.qualname))
+            for i, slot in enumerate(flat.slots)
+        ]
         buf = inf_io.aligned_empty(flat.numel, flat.home_dtype, lock=False)
         if all(src is not None for _, _, src in sources):
             buf.zero_()
@@ -48,7 +53,7 @@ def load_wrapped(names: ModelNames, plan: TensorPlan, source: Source,
             engine.home.read_into(flat, buf)  # non-strict: keep what the checkpoint lacks
         for _, slot, src in sources:
             if src is not None:
-                buf[slot.offset:slot.offset + slot.numel].copy_(source.param(src))
+                buf[slot.offset : slot.offset + slot.numel].copy_(source.param(src))
         engine.home.write_from(flat, buf)
         # the optimizer's masters follow these values (unless its states are loaded below)
         engine.note_home_written(flat, [i for i, _, src in sources if src is not None])
@@ -98,10 +103,16 @@ def _load_trainer(state: Dict[str, Any], scheduler: Any, scaler: Any, rng: bool)
         _set_rng(state["rng"])
 
 
-def load_checkpoint(path: str, model: nn.Module,
-                    optimizer: Optional[torch.optim.Optimizer] = None, *, scheduler: Any = None,
-                    scaler: Any = None, rng: bool = False, strict: bool = True
-                    ) -> Dict[str, Any]:
+def load_checkpoint(
+    path: str,
+    model: nn.Module,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    *,
+    scheduler: Any = None,
+    scaler: Any = None,
+    rng: bool = False,
+    strict: bool = True,
+) -> Dict[str, Any]:
     """Loads a checkpoint written by :func:`save_checkpoint` into ``model`` (wrapped or not)
     and, when given, ``optimizer``, ``scheduler``, ``scaler`` and the RNG states (``rng=True``);
     returns the ``extra`` values it was saved with.
@@ -117,57 +128,82 @@ def load_checkpoint(path: str, model: nn.Module,
     if not isinstance(model, nn.Module):
         raise TypeError(f"load_checkpoint expects an nn.Module, got {type(model).__name__}")
     from ..runtime.core.registry import engine_of as _engine_of
+
     if is_sharded_checkpoint(path):  # per-rank files of the earlier format, any world size
         # the trainer state: scheduler, scaler, extra from rank 0's file, RNG from this rank's
         part = getattr(_engine_of(model), "partitioner", None)
         state = trainer_state(path, part.rank if part is not None else 0)
-        for what, obj, key in (("a scheduler", scheduler, "scheduler"),
-                               ("a loss scaler", scaler, "scaler")):
+        for what, obj, key in (
+            ("a scheduler", scheduler, "scheduler"),
+            ("a loss scaler", scaler, "scaler"),
+        ):
             if obj is not None and state.get(key) is None:
-                raise CheckpointError(f"checkpoint {path} was saved without {what}; do not "
-                                      f"pass {key}= to load_checkpoint, or save it with one")
+                raise CheckpointError(
+                    f"checkpoint {path} was saved without {what}; do not "
+                    f"pass {key}= to load_checkpoint, or save it with one"
+                )
         if rng and state.get("rng") is None:
             raise CheckpointError(
                 f"checkpoint {path} holds no RNG states for this rank (saved without rng=True, "
-                "or by fewer ranks than load it); load without rng=True")
+                "or by fewer ranks than load it); load without rng=True"
+            )
         load_per_rank(path, model, optimizer)
         _load_trainer(state, scheduler, scaler, rng)
         return dict(state.get("extra") or {})
     part = getattr(_engine_of(model), "partitioner", None)
     root, manifest = open_checkpoint(path)
-    for what, obj, key in (("an optimizer", optimizer, "optimizer"),
-                           ("a scheduler", scheduler, "scheduler"),
-                           ("a loss scaler", scaler, "scaler")):
+    for what, obj, key in (
+        ("an optimizer", optimizer, "optimizer"),
+        ("a scheduler", scheduler, "scheduler"),
+        ("a loss scaler", scaler, "scaler"),
+    ):
         if obj is not None and manifest.get(key) is None:
-            raise CheckpointError(f"checkpoint {root} was saved without {what}; do not pass "
-                                  f"{key}= to load_checkpoint, or save it with one")
+            raise CheckpointError(
+                f"checkpoint {root} was saved without {what}; do not pass "
+                f"{key}= to load_checkpoint, or save it with one"
+            )
     trainer = trainer_state_v3(manifest, part.rank if part is not None else 0)
     if rng and trainer["rng"] is None:
         raise CheckpointError(
             f"checkpoint {root} holds no RNG states for this rank (saved without rng=True, or "
             f"by {manifest.get('world_size', 1)} rank(s), fewer than load it); load without "
-            "rng=True")
+            "rng=True"
+        )
     if part is not None:  # each rank reads the pieces of its part, whoever saved them
         try:
             load_into_sharded(root, manifest, model, optimizer, strict)
         except CorruptCheckpointError as exc:
             raise CorruptCheckpointError(
                 f"{exc}. The model{' and optimizer' if optimizer is not None else ''} may be "
-                "partly loaded: load an intact checkpoint before training on") from None
+                "partly loaded: load an intact checkpoint before training on"
+            ) from None
         _load_trainer(trainer, scheduler, scaler, rng)
         return dict(trainer["extra"])
     names = ModelNames(model)
     plan = TensorPlan(manifest, names, root, strict)
-    opt = OptimizerPlan(manifest["optimizer"], optimizer, names, root) \
-        if optimizer is not None else None
+    opt = (
+        OptimizerPlan(manifest["optimizer"], optimizer, names, root)
+        if optimizer is not None
+        else None
+    )
     total = sum(f["size"] for f in manifest.get("files", {}).values())
-    with tqdm(total=total, unit="B", unit_scale=True, leave=False,
-              desc="infinity: loading checkpoint", disable=total < _PROGRESS_MIN_BYTES) as bar:
+    with tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        leave=False,
+        desc="infinity: loading checkpoint",
+        disable=total < _PROGRESS_MIN_BYTES,
+    ) as bar:
         source = Source(manifest, Reader(root, manifest, bar))
         try:
             if names.engine is not None:
-                load_wrapped(names, plan, source, opt if opt is not None and
-                              hasattr(optimizer, "load_shard_state") else None)
+                load_wrapped(
+                    names,
+                    plan,
+                    source,
+                    opt if opt is not None and hasattr(optimizer, "load_shard_state") else None,
+                )
                 if opt is not None and not hasattr(optimizer, "load_shard_state"):
                     optimizer.load_state_dict(opt.torch_state_dict(source))
             else:
@@ -177,11 +213,13 @@ def load_checkpoint(path: str, model: nn.Module,
         except CorruptCheckpointError as exc:
             raise CorruptCheckpointError(
                 f"{exc}. The model{' and optimizer' if optimizer is not None else ''} may be "
-                "partly loaded: load an intact checkpoint before training on") from None
+                "partly loaded: load an intact checkpoint before training on"
+            ) from None
     objects = decode(manifest.get("objects") or {})
     if objects:
-        model.load_state_dict({k: v for k, v in objects.items() if k in names.objects},
-                              strict=False)
+        model.load_state_dict(
+            {k: v for k, v in objects.items() if k in names.objects}, strict=False
+        )
     if scheduler is not None:
         scheduler.load_state_dict(decode(manifest["scheduler"]))
     if scaler is not None:

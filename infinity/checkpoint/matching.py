@@ -1,6 +1,7 @@
 """Matching a checkpoint to the model and optimizer it is loaded into: which saved tensor feeds
 each of the model's tensors (:class:`TensorPlan`) and the saved optimizer state by parameter
 names (:class:`OptimizerPlan`). A mismatch raises one error listing every difference."""
+
 from __future__ import annotations
 
 import logging
@@ -9,8 +10,8 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from .disk.manifest import CheckpointMismatchError, decode
-from .names import ModelNames
 from .disk.pieces import Source
+from .names import ModelNames
 
 logger = logging.getLogger(__name__)
 
@@ -26,8 +27,9 @@ def _listing(title: str, items: List[str]) -> str:
 class TensorPlan:
     """Which saved tensor feeds each of the model's tensors."""
 
-    def __init__(self, manifest: Dict[str, Any], names: ModelNames, root: str,
-                 strict: bool) -> None:
+    def __init__(
+        self, manifest: Dict[str, Any], names: ModelNames, root: str, strict: bool
+    ) -> None:
         saved: Dict[str, Any] = manifest["tensors"]
         saved_aliases: Dict[str, str] = manifest.get("aliases", {})
         self.saved = saved
@@ -50,8 +52,10 @@ class TensorPlan:
         used = matched | {n for n in saved if n in names.aliases}
         unexpected = [n for n in saved if n not in used]
         if mismatched or (strict and (missing or unexpected)):
-            msg = (f"checkpoint {root} (saved from {manifest.get('model_class')}) does not match "
-                   f"the model {type(names.model).__module__}.{type(names.model).__qualname__}:")
+            msg = (
+                f"checkpoint {root} (saved from {manifest.get('model_class')}) does not match "
+                f"the model {type(names.model).__module__}.{type(names.model).__qualname__}:"
+            )
             if missing:
                 msg += _listing("missing in the checkpoint", missing)
             if unexpected:
@@ -62,15 +66,25 @@ class TensorPlan:
                 msg += "\nPass strict=False to load the tensors that match."
             raise CheckpointMismatchError(msg)
         if missing or unexpected:
-            logger.warning("infinity: loading %s non-strictly: %d model tensors missing in it, "
-                           "%d of its tensors unused", root, len(missing), len(unexpected))
+            logger.warning(
+                "infinity: loading %s non-strictly: %d model tensors missing in it, "
+                "%d of its tensors unused",
+                root,
+                len(missing),
+                len(unexpected),
+            )
 
 
 class OptimizerPlan:
     """The saved optimizer state, matched to ``optimizer`` by parameter names."""
 
-    def __init__(self, section: Dict[str, Any], optimizer: torch.optim.Optimizer,
-                 names: ModelNames, root: str) -> None:
+    def __init__(
+        self,
+        section: Dict[str, Any],
+        optimizer: torch.optim.Optimizer,
+        names: ModelNames,
+        root: str,
+    ) -> None:
         self.optimizer = optimizer
         self.names = names.optimizer_names(optimizer)
         self.groups = decode(section["param_groups"])
@@ -84,15 +98,21 @@ class OptimizerPlan:
                 n = next(i for i, (a, b) in enumerate(zip(current, saved)) if a != b)
                 only_saved = [x for x in saved[n] if x not in current[n]]
                 only_here = [x for x in current[n] if x not in saved[n]]
-                why = (f"param group {n} differs" + _listing("only in the checkpoint", only_saved)
-                       + _listing("only in the optimizer", only_here)
-                       + ("\n  (same parameters in another order)"
-                          if not only_saved and not only_here else ""))
-            raise CheckpointMismatchError(f"the optimizer state in checkpoint {root} was saved "
-                                          f"for other parameters: {why}")
+                why = (
+                    f"param group {n} differs"
+                    + _listing("only in the checkpoint", only_saved)
+                    + _listing("only in the optimizer", only_here)
+                    + (
+                        "\n  (same parameters in another order)"
+                        if not only_saved and not only_here
+                        else ""
+                    )
+                )
+            raise CheckpointMismatchError(
+                f"the optimizer state in checkpoint {root} was saved for other parameters: {why}"
+            )
 
-    def entry(self, source: Source, name: str, copy: bool = False
-              ) -> Optional[Dict[str, Any]]:
+    def entry(self, source: Source, name: str, copy: bool = False) -> Optional[Dict[str, Any]]:
         record = self.states.get(name)
         if record is None:
             return None
@@ -119,8 +139,12 @@ class OptimizerPlan:
                     state[i] = e
         groups, start = [], 0
         for g in self.groups:
-            groups.append({**{k: v for k, v in g.items() if k != "params"},
-                           "params": list(range(start, start + len(g["params"])))})
+            groups.append(
+                {
+                    **{k: v for k, v in g.items() if k != "params"},
+                    "params": list(range(start, start + len(g["params"]))),
+                }
+            )
             start += len(g["params"])
         return {"state": state, "param_groups": groups}
 

@@ -1,6 +1,7 @@
 """A model's tensors by name, as a checkpoint sees them: the names of ``model.state_dict()``,
 each tensor once (the first name of a tied weight is its name, the others are aliases), and
 for a wrapped model where each parameter lives (its block's flat buffer and slot)."""
+
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
@@ -35,9 +36,9 @@ class ModelNames:
             self._state = _named_state(model)
         else:
             self._state = model.state_dict(keep_vars=True)  # keeps every id() below alive
-        self.tensors: Dict[str, torch.Tensor] = {}   # canonical name -> tensor, in order
-        self.objects: Dict[str, Any] = {}             # non-tensor entries (extra state)
-        self.aliases: Dict[str, str] = {}             # other name of a tied tensor -> canonical
+        self.tensors: Dict[str, torch.Tensor] = {}  # canonical name -> tensor, in order
+        self.objects: Dict[str, Any] = {}  # non-tensor entries (extra state)
+        self.aliases: Dict[str, str] = {}  # other name of a tied tensor -> canonical
         self._name_of: Dict[int, str] = {}
         for name, value in self._state.items():
             if not isinstance(value, torch.Tensor):

@@ -2,6 +2,7 @@
 per rank and a ``manifest.json`` of format ``FORMAT`` below. They are read, never written
 (sharded models are saved in the one checkpoint format, see :mod:`.ranks` and
 :mod:`.sharded`), on any number of ranks or in one process."""
+
 from __future__ import annotations
 
 import json
@@ -21,13 +22,19 @@ VERSION = 1
 
 def _layout(engine) -> Dict[str, Dict[str, Any]]:
     """Per flat: its whole (unpadded) layout, the same on any world size."""
-    return {f.key: {"used": f.used_numel, "dtype": str(f.home_dtype),
-                    "slots": [[s.qualname, s.offset, s.numel] for s in f.slots]}
-            for f in engine.flats}
+    return {
+        f.key: {
+            "used": f.used_numel,
+            "dtype": str(f.home_dtype),
+            "slots": [[s.qualname, s.offset, s.numel] for s in f.slots],
+        }
+        for f in engine.flats
+    }
 
 
-def _assemble(files: List[Dict[str, Any]], key: str, name: str, start: int, end: int,
-              dtype: torch.dtype) -> torch.Tensor:
+def _assemble(
+    files: List[Dict[str, Any]], key: str, name: str, start: int, end: int, dtype: torch.dtype
+) -> torch.Tensor:
     """Elements [start, end) of ``name`` of flat ``key`` from the files that hold them (zero
     where none does: padding, which another world size lays out differently)."""
     out = torch.zeros(end - start, dtype=dtype)
@@ -37,7 +44,7 @@ def _assemble(files: List[Dict[str, Any]], key: str, name: str, start: int, end:
             continue
         lo, hi = max(start, e["start"]), min(end, e["end"])
         if hi > lo:
-            out[lo - start:hi - start].copy_(e[name][lo - e["start"]:hi - e["start"]])
+            out[lo - start : hi - start].copy_(e[name][lo - e["start"] : hi - e["start"]])
     return out
 
 
@@ -71,8 +78,11 @@ def trainer_state(path: str, rank: int) -> Dict[str, Any]:
     out.pop("rng", None)
     mine = None
     if rank < len(files):
-        own = first if rank == 0 else torch.load(os.path.join(path, files[rank]),
-                                                 weights_only=False, mmap=True)
+        own = (
+            first
+            if rank == 0
+            else torch.load(os.path.join(path, files[rank]), weights_only=False, mmap=True)
+        )
         mine = (own.get("trainer") or {}).get("rng")
     out["rng"] = mine
     return out
@@ -91,8 +101,9 @@ def load_per_rank(path: str, model: nn.Module, optimizer: Optional[Any] = None) 
     with open(mpath) as fh:
         manifest = json.load(fh)
     if manifest.get("format") != FORMAT:
-        raise ValueError(f"infinity.sharding.load_sharded: {path} is not a sharded infinity "
-                         "checkpoint")
+        raise ValueError(
+            f"infinity.sharding.load_sharded: {path} is not a sharded infinity checkpoint"
+        )
     mine = _layout(engine)
     saved_layout = manifest["layout"]
 
@@ -102,26 +113,33 @@ def load_per_rank(path: str, model: nn.Module, optimizer: Optional[Any] = None) 
             return None
         return entry.get("dtype"), [(q, n) for q, _, n in entry.get("slots", [])]
 
-    diff = sorted(k for k in set(mine) | set(saved_layout)
-                  if params_of(mine.get(k)) != params_of(saved_layout.get(k)))
+    diff = sorted(
+        k
+        for k in set(mine) | set(saved_layout)
+        if params_of(mine.get(k)) != params_of(saved_layout.get(k))
+    )
     if diff:
-        raise ValueError(f"infinity.sharding.load_sharded: the checkpoint's parameters differ "
-                         f"from this model's in {diff[:3]} (other model, block_rule, "
-                         "param_persistence_threshold or dtype): it cannot be loaded here. A "
-                         "checkpoint saved with the embedding and head in the root block (the "
-                         "layout before outer blocks) loads into the model wrapped with "
-                         "param_persistence_threshold above the element count of its largest "
-                         "module outside the layers (e.g. 10**12)")
+        raise ValueError(
+            f"infinity.sharding.load_sharded: the checkpoint's parameters differ "
+            f"from this model's in {diff[:3]} (other model, block_rule, "
+            "param_persistence_threshold or dtype): it cannot be loaded here. A "
+            "checkpoint saved with the embedding and head in the root block (the "
+            "layout before outer blocks) loads into the model wrapped with "
+            "param_persistence_threshold above the element count of its largest "
+            "module outside the layers (e.g. 10**12)"
+        )
     # memory-mapped: a rank reads only the pages of the ranges it copies out (_assemble)
-    files = [torch.load(os.path.join(path, f), weights_only=False, mmap=True)
-             for f in manifest["files"]]
+    files = [
+        torch.load(os.path.join(path, f), weights_only=False, mmap=True) for f in manifest["files"]
+    ]
     engine.quiesce()
     part = engine.partitioner
     shards = {}
     if optimizer is not None:
         if not manifest["optimizer"]:
-            raise ValueError("infinity.sharding.load_sharded: the checkpoint has no optimizer "
-                             "states")
+            raise ValueError(
+                "infinity.sharding.load_sharded: the checkpoint has no optimizer states"
+            )
         for g, saved in zip(optimizer.param_groups, files[0].get("param_groups", [])):
             g.update(saved)
         optimizer.discard_pending_step()
@@ -139,9 +157,9 @@ def load_per_rank(path: str, model: nn.Module, optimizer: Optional[Any] = None) 
         target = part.local(flat) if zero3 else flat
         home = torch.zeros(target.numel, dtype=flat.home_dtype)
         for i, s in enumerate(target.slots):
-            home[s.offset:s.offset + s.numel].copy_(
-                _assemble(files, flat.key, "home", *saved_range(flat.key, s, i),
-                          flat.home_dtype))
+            home[s.offset : s.offset + s.numel].copy_(
+                _assemble(files, flat.key, "home", *saved_range(flat.key, s, i), flat.home_dtype)
+            )
         if zero3:
             engine.home.inner.write_from(target, home)
         else:
@@ -160,8 +178,10 @@ def load_per_rank(path: str, model: nn.Module, optimizer: Optional[Any] = None) 
                 if fi not in steps:
                     continue
                 lo, hi = saved_range(flat.key, s, i)
-                entry = {n: _assemble(files, flat.key, n, lo, hi, torch.float32)
-                         for n in ("master", "exp_avg", "exp_avg_sq")}
+                entry = {
+                    n: _assemble(files, flat.key, n, lo, hi, torch.float32)
+                    for n in ("master", "exp_avg", "exp_avg_sq")
+                }
                 by_param[id(s.param)] = {"step": steps[fi], **entry}
         optimizer.load_shard(shard, by_param)
 

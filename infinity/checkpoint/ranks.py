@@ -11,6 +11,7 @@ Loading (:func:`load_into_sharded`) works on any number of ranks from a checkpoi
 number (one process included): each rank reads the ranges of the parameters in its part,
 flat by flat, from the files that hold them.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,11 +25,11 @@ from torch import nn
 
 from ..version import __version__
 from .disk.manifest import FORMAT, VERSION, CheckpointError, decode, dtype_name, encode
-from .matching import OptimizerPlan, TensorPlan
-from .names import ModelNames
 from .disk.pieces import STATE_KEYS, Source, piece_name
 from .disk.reader import Reader
 from .disk.writer import Writer, hf_config, same_bits, write_manifest
+from .matching import OptimizerPlan, TensorPlan
+from .names import ModelNames
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +57,16 @@ def _rank_file(key: str, rank: int, world: int) -> str:
     return f"model/{key}.rank{rank}-of-{world}.safetensors"
 
 
-def _write_flat(out: Writer, engine: Any, names: ModelNames, flat: Any, shard: Any,
-                rank: int, world: int, index: Dict[str, Any]) -> None:
+def _write_flat(
+    out: Writer,
+    engine: Any,
+    names: ModelNames,
+    flat: Any,
+    shard: Any,
+    rank: int,
+    world: int,
+    index: Dict[str, Any],
+) -> None:
     """The pieces of ``flat`` in this rank's part, with ``shard``'s states (a ShardState or
     None), as one file; records them in ``index``."""
     start, end = _range(engine, flat)
@@ -79,14 +88,14 @@ def _write_flat(out: Writer, engine: Any, names: ModelNames, flat: Any, shard: A
         a, b = lo - s.offset, hi - s.offset
         name = names.of(s.param) or s.qualname
         piece = piece_name(name, a, b, s.numel)
-        value = home[lo - start:hi - start]
+        value = home[lo - start : hi - start]
         items.append((piece, value.view(s.shape) if piece == name else value))
         index["tensors"].setdefault(name, []).append([rel, a, b])
         if i not in steps:
             continue
         keys = []
         for key, src in zip(STATE_KEYS, (shard.master, shard.exp_avg, shard.exp_avg_sq)):
-            t = src[lo - start:hi - start]
+            t = src[lo - start : hi - start]
             if key == "master" and same_bits(t, value):
                 continue
             items.append((f"{piece}::{key}", t.view(s.shape) if piece == name else t))
@@ -96,8 +105,15 @@ def _write_flat(out: Writer, engine: Any, names: ModelNames, flat: Any, shard: A
     out.write(rel, items, {"infinity_flat": flat.key, "infinity_range": f"{start}:{end}"})
 
 
-def write_rank_part(tmp: str, model: nn.Module, optimizer: Any, rank: int, world: int,
-                    trainer: Optional[Dict[str, Any]], write_index: Any) -> None:
+def write_rank_part(
+    tmp: str,
+    model: nn.Module,
+    optimizer: Any,
+    rank: int,
+    world: int,
+    trainer: Optional[Dict[str, Any]],
+    write_index: Any,
+) -> None:
     """This rank's files under ``tmp`` and its index (written by ``write_index(obj, path)``,
     last: its presence says the rank finished)."""
     names = ModelNames(model)
@@ -122,16 +138,21 @@ def write_rank_part(tmp: str, model: nn.Module, optimizer: Any, rank: int, world
         for flat in engine.flats:
             for s in flat.slots:
                 name = names.of(s.param) or s.qualname
-                index["tensors_meta"][name] = {"kind": "param", "dtype":
-                                               dtype_name(flat.home_dtype),
-                                               "shape": list(s.shape)}
+                index["tensors_meta"][name] = {
+                    "kind": "param",
+                    "dtype": dtype_name(flat.home_dtype),
+                    "shape": list(s.shape),
+                }
         buffers = names.buffers()
         if buffers:
             rel = out.write("model/buffers.safetensors", buffers)
             for name, t in buffers:
-                index["tensors_meta"][name] = {"file": rel, "kind": "buffer",
-                                               "dtype": dtype_name(t.dtype),
-                                               "shape": list(t.shape)}
+                index["tensors_meta"][name] = {
+                    "file": rel,
+                    "kind": "buffer",
+                    "dtype": dtype_name(t.dtype),
+                    "shape": list(t.shape),
+                }
         index["aliases"] = dict(names.aliases)
         index["model_class"] = f"{type(model).__module__}.{type(model).__qualname__}"
         index["hf_config"] = hf_config(model)
@@ -139,12 +160,17 @@ def write_rank_part(tmp: str, model: nn.Module, optimizer: Any, rank: int, world
         index["stage"] = engine.partitioner.stage if engine.partitioner is not None else None
         if optimizer is not None:
             opt_names = names.optimizer_names(optimizer)
-            groups = [{**{k: v for k, v in g.items() if k != "params"},
-                       "params": [opt_names[id(p)] for p in g["params"]]}
-                      for g in optimizer.param_groups]
+            groups = [
+                {
+                    **{k: v for k, v in g.items() if k != "params"},
+                    "params": [opt_names[id(p)] for p in g["params"]],
+                }
+                for g in optimizer.param_groups
+            ]
             index["optimizer"] = {
                 "class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
-                "param_groups": encode(groups, "optimizer param_groups")}
+                "param_groups": encode(groups, "optimizer param_groups"),
+            }
     index["files"] = out.files
     write_index(index, os.path.join(tmp, RANK_INDEX.format(rank=rank)))
 
@@ -176,8 +202,10 @@ def merge_rank_parts(tmp: str, world: int) -> None:
         for name, rec in p["states"].items():
             st = states.setdefault(name, {"values": {"step": rec["step"]}, "pieces": []})
             if st["values"]["step"] != rec["step"]:
-                raise CheckpointError(f"infinity: ranks saved different step counts for "
-                                      f"{name} ({st['values']['step']} and {rec['step']})")
+                raise CheckpointError(
+                    f"infinity: ranks saved different step counts for "
+                    f"{name} ({st['values']['step']} and {rec['step']})"
+                )
             st["pieces"].extend(rec["pieces"])
     for name, meta in tensors.items():
         if "file" in meta:
@@ -193,8 +221,10 @@ def merge_rank_parts(tmp: str, world: int) -> None:
                 break
             pos = b
         if pos != numel:
-            raise CheckpointError(f"infinity: the ranks' parts do not cover {name} (elements "
-                                  f"[{pos}, {numel}) are in no rank's file)")
+            raise CheckpointError(
+                f"infinity: the ranks' parts do not cover {name} (elements "
+                f"[{pos}, {numel}) are in no rank's file)"
+            )
     for st in states.values():
         st["pieces"].sort(key=lambda q: q[1])
     trainer = first.get("trainer", {})
@@ -202,14 +232,28 @@ def merge_rank_parts(tmp: str, world: int) -> None:
     if opt is not None:
         opt = dict(opt, states=states)
     body: Dict[str, Any] = {
-        "format": FORMAT, "version": VERSION, "infinity_version": __version__,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "model_class": first["model_class"],
-        "world_size": world, "rank": 0, "stage": first["stage"],
-        "extra": trainer.get("extra") or {}, "scheduler": trainer.get("scheduler"),
-        "scaler": trainer.get("scaler"), "rng": parts[0]["rng"],
-        "rng_ranks": [p["rng"] for p in parts], "hf_config": first["hf_config"],
-        "wrapped": True, "param_tier": first["param_tier"], "objects": {},
-        "tensors": tensors, "aliases": first["aliases"], "optimizer": opt, "files": files}
+        "format": FORMAT,
+        "version": VERSION,
+        "infinity_version": __version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "model_class": first["model_class"],
+        "world_size": world,
+        "rank": 0,
+        "stage": first["stage"],
+        "extra": trainer.get("extra") or {},
+        "scheduler": trainer.get("scheduler"),
+        "scaler": trainer.get("scaler"),
+        "rng": parts[0]["rng"],
+        "rng_ranks": [p["rng"] for p in parts],
+        "hf_config": first["hf_config"],
+        "wrapped": True,
+        "param_tier": first["param_tier"],
+        "objects": {},
+        "tensors": tensors,
+        "aliases": first["aliases"],
+        "optimizer": opt,
+        "files": files,
+    }
     for r in range(world):
         os.remove(os.path.join(tmp, RANK_INDEX.format(rank=r)))
     write_manifest(tmp, body)
@@ -217,20 +261,36 @@ def merge_rank_parts(tmp: str, world: int) -> None:
 
 # ---- loading on any number of ranks -----------------------------------------------------------
 @torch.no_grad()
-def load_into_sharded(root: str, manifest: Dict[str, Any], model: nn.Module,
-                      optimizer: Any, strict: bool = True) -> None:
+def load_into_sharded(
+    root: str, manifest: Dict[str, Any], model: nn.Module, optimizer: Any, strict: bool = True
+) -> None:
     """Loads the checkpoint (any format version, saved by any number of ranks) into a sharded
     model: each rank reads only the pieces of the parameters in its part of every flat."""
     names = ModelNames(model)
     plan = TensorPlan(manifest, names, root, strict)
-    opt = OptimizerPlan(manifest["optimizer"], optimizer, names, root) \
-        if optimizer is not None else None
-    fill_sharded(names, plan, Source(manifest, Reader(root, manifest), ranged=True), optimizer,
-                 opt.groups if opt is not None else None, strict)
+    opt = (
+        OptimizerPlan(manifest["optimizer"], optimizer, names, root)
+        if optimizer is not None
+        else None
+    )
+    fill_sharded(
+        names,
+        plan,
+        Source(manifest, Reader(root, manifest), ranged=True),
+        optimizer,
+        opt.groups if opt is not None else None,
+        strict,
+    )
 
 
-def fill_sharded(names: ModelNames, plan: Any, src: Any, optimizer: Any,
-                 groups: Optional[List[Dict[str, Any]]], strict: bool) -> None:
+def fill_sharded(
+    names: ModelNames,
+    plan: Any,
+    src: Any,
+    optimizer: Any,
+    groups: Optional[List[Dict[str, Any]]],
+    strict: bool,
+) -> None:
     """Each rank's part of every flat (and, with ``optimizer``, its states and the param
     groups' hyper-parameters ``groups``) from ``src`` (a :class:`~.pieces.Source`)."""
     engine = names.engine
@@ -253,12 +313,12 @@ def fill_sharded(names: ModelNames, plan: Any, src: Any, optimizer: Any,
                 engine.home.read_into(flat, buf)
             else:
                 buf.copy_(engine.home.inner.snapshot(local))
-        for s in (flat.slots if whole_home else local.slots):
+        for s in flat.slots if whole_home else local.slots:
             saved = plan.source.get(names.of(s.param) or s.qualname)
             if saved is None:
                 continue
             a = getattr(s, "param_start", 0)
-            buf[s.offset:s.offset + s.numel].copy_(src.param(saved, a, a + s.numel))
+            buf[s.offset : s.offset + s.numel].copy_(src.param(saved, a, a + s.numel))
         if whole_home:
             engine.home.write_from(flat, buf)
         else:
@@ -288,11 +348,19 @@ def trainer_state_v3(manifest: Dict[str, Any], rank: int) -> Dict[str, Any]:
     if ranks is None:
         ranks = [manifest.get("rng")]
     rng = ranks[rank] if rank < len(ranks) else None
-    return {"scheduler": decode(manifest.get("scheduler")),
-            "scaler": decode(manifest.get("scaler")),
-            "extra": decode(manifest.get("extra") or {}),
-            "rng": decode(rng) if rng is not None else None}
+    return {
+        "scheduler": decode(manifest.get("scheduler")),
+        "scaler": decode(manifest.get("scaler")),
+        "extra": decode(manifest.get("extra") or {}),
+        "rng": decode(rng) if rng is not None else None,
+    }
 
 
-__all__ = ["write_rank_part", "merge_rank_parts", "load_into_sharded", "fill_sharded",
-           "trainer_state_v3", "write_index_json"]
+__all__ = [
+    "write_rank_part",
+    "merge_rank_parts",
+    "load_into_sharded",
+    "fill_sharded",
+    "trainer_state_v3",
+    "write_index_json",
+]

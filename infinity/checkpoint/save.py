@@ -1,5 +1,6 @@
 """save_checkpoint: streams a (wrapped) model, its optimizer and the trainer's state into an
 atomic checkpoint directory, one block in RAM at a time."""
+
 from __future__ import annotations
 
 import errno as errno_mod
@@ -15,18 +16,18 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .. import io as inf_io
-from ..runtime.engine import Engine
 from ..runtime.core.flat import FlatParam
+from ..runtime.engine import Engine
 from ..version import __version__
 from .disk.atomic import staged_directory
 from .disk.manifest import FORMAT, VERSION, dtype_name, encode
+from .disk.writer import Writer, hf_config, same_bits, write_manifest
 from .names import ModelNames
 from .sharded import save_sharded
-from .disk.writer import Writer, hf_config, same_bits, write_manifest
 
 logger = logging.getLogger(__name__)
 
-_PLAIN_FILE_BYTES = 1 << 30   # an unwrapped model's state_dict is split in files of ~1 GiB
+_PLAIN_FILE_BYTES = 1 << 30  # an unwrapped model's state_dict is split in files of ~1 GiB
 _PROGRESS_MIN_BYTES = 1 << 30  # show a progress bar for saves at least this big
 _FULL_DISK = (errno_mod.ENOSPC, errno_mod.EDQUOT, errno_mod.EFBIG)
 
@@ -40,9 +41,16 @@ def _flat_file(flat: FlatParam) -> str:
     return f"model/{flat.key}.safetensors"
 
 
-def _save_flat(out: Writer, engine: Engine, flat: FlatParam, names: ModelNames,
-               opt_names: Dict[int, str], shard: Any, meta: Dict[str, Any],
-               opt_states: Dict[str, Any]) -> None:
+def _save_flat(
+    out: Writer,
+    engine: Engine,
+    flat: FlatParam,
+    names: ModelNames,
+    opt_names: Dict[int, str],
+    shard: Any,
+    meta: Dict[str, Any],
+    opt_states: Dict[str, Any],
+) -> None:
     """One block's parameters (home dtype, read through its home) and, with ``shard`` (a
     ShardState of the optimizer), their fp32 optimizer states, as one file."""
     rel = _flat_file(flat)
@@ -51,7 +59,7 @@ def _save_flat(out: Writer, engine: Engine, flat: FlatParam, names: ModelNames,
     items: List[Tuple[str, torch.Tensor]] = []
     for i, slot in enumerate(flat.slots):
         name = names.of(slot.param) or slot.qualname
-        value = buf[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        value = buf[slot.offset : slot.offset + slot.numel].view(slot.shape)
         items.append((name, value))
         meta[name] = _tensor_meta(rel, value, "param")
         if shard is not None:
@@ -59,9 +67,15 @@ def _save_flat(out: Writer, engine: Engine, flat: FlatParam, names: ModelNames,
     out.write(rel, items, {"infinity_flat": flat.key})
 
 
-def _add_shard_slot(items: List[Tuple[str, torch.Tensor]], opt_states: Dict[str, Any],
-                    shard: Any, i: int, opt_names: Dict[int, str], rel: str,
-                    param_value: Optional[torch.Tensor]) -> None:
+def _add_shard_slot(
+    items: List[Tuple[str, torch.Tensor]],
+    opt_states: Dict[str, Any],
+    shard: Any,
+    i: int,
+    opt_names: Dict[int, str],
+    rel: str,
+    param_value: Optional[torch.Tensor],
+) -> None:
     """Slot ``i`` of a ShardState: its moments and (unless it equals the fp32 parameter bit for
     bit) its master weight, when the optimizer has taken a step for it."""
     if shard.exp_avg is None or shard.groups[i] is None or shard.steps[i] == 0:
@@ -69,24 +83,28 @@ def _add_shard_slot(items: List[Tuple[str, torch.Tensor]], opt_states: Dict[str,
     slot = shard.flat.slots[i]
     name = opt_names[id(slot.param)]
     sl = slice(slot.offset, slot.offset + slot.numel)
-    tensors = {"exp_avg": shard.exp_avg[sl].view(slot.shape),
-               "exp_avg_sq": shard.exp_avg_sq[sl].view(slot.shape)}
+    tensors = {
+        "exp_avg": shard.exp_avg[sl].view(slot.shape),
+        "exp_avg_sq": shard.exp_avg_sq[sl].view(slot.shape),
+    }
     master = shard.master[sl].view(slot.shape)
     if param_value is None or not same_bits(master, param_value):
         tensors["master"] = master
     for key, t in tensors.items():
         items.append((f"{name}::{key}", t))
-    opt_states[name] = {"values": {"step": int(shard.steps[i])},
-                        "tensors": {k: rel for k in tensors}}
+    opt_states[name] = {
+        "values": {"step": int(shard.steps[i])},
+        "tensors": {k: rel for k in tensors},
+    }
 
 
-def _save_extent(out: Writer, optimizer: Any, shard: Any, opt_names: Dict[int, str],
-                 opt_states: Dict[str, Any]) -> bool:
+def _save_extent(
+    out: Writer, optimizer: Any, shard: Any, opt_names: Dict[int, str], opt_states: Dict[str, Any]
+) -> bool:
     """The shard's committed fp32 states on NVMe, as ``optimizer/<key>.states.safetensors``
     whose data section is the extent file itself (copied by the kernel, not through RAM):
     [master | exp_avg | exp_avg_sq], each ``flat.numel`` fp32. False when not applicable."""
-    src = optimizer.committed_extent(shard.key) \
-        if hasattr(optimizer, "committed_extent") else None
+    src = optimizer.committed_extent(shard.key) if hasattr(optimizer, "committed_extent") else None
     if src is None:
         return False
     rel = f"optimizer/{shard.key}.states.safetensors"
@@ -97,19 +115,26 @@ def _save_extent(out: Writer, optimizer: Any, shard: Any, opt_names: Dict[int, s
             continue
         name = opt_names[id(slot.param)]
         for k, key in enumerate(("master", "exp_avg", "exp_avg_sq")):
-            tensors.append((f"{name}::{key}", torch.float32, tuple(slot.shape),
-                            4 * (k * numel + slot.offset)))
-        opt_states[name] = {"values": {"step": int(shard.steps[i])},
-                            "tensors": {"master": rel, "exp_avg": rel, "exp_avg_sq": rel}}
+            tensors.append(
+                (f"{name}::{key}", torch.float32, tuple(slot.shape), 4 * (k * numel + slot.offset))
+            )
+        opt_states[name] = {
+            "values": {"step": int(shard.steps[i])},
+            "tensors": {"master": rel, "exp_avg": rel, "exp_avg_sq": rel},
+        }
     if tensors:
-        out.write_extent(rel, src, tensors, {"infinity_flat": shard.key,
-                                             "infinity_states": "fp32"})
+        out.write_extent(rel, src, tensors, {"infinity_flat": shard.key, "infinity_states": "fp32"})
     return True
 
 
-def _save_wrapped(out: Writer, names: ModelNames, optimizer: Any,
-                  opt_names: Dict[int, str], meta: Dict[str, Any],
-                  opt_states: Dict[str, Any]) -> None:
+def _save_wrapped(
+    out: Writer,
+    names: ModelNames,
+    optimizer: Any,
+    opt_names: Dict[int, str],
+    meta: Dict[str, Any],
+    opt_states: Dict[str, Any],
+) -> None:
     engine = names.engine
     engine.quiesce()
     own = {id(f) for f in engine.flats}
@@ -117,13 +142,23 @@ def _save_wrapped(out: Writer, names: ModelNames, optimizer: Any,
     if optimizer is not None and hasattr(optimizer, "shard_states"):
         extents = hasattr(optimizer, "committed_extent")
         # one shard's states in RAM at a time; NVMe fp32 states are not read at all
-        for shard in (optimizer.shard_states(skip_extents=True) if extents
-                      else optimizer.shard_states()):
-            reused = shard.master is None and _save_extent(out, optimizer, shard, opt_names,
-                                                           opt_states)
+        for shard in (
+            optimizer.shard_states(skip_extents=True) if extents else optimizer.shard_states()
+        ):
+            reused = shard.master is None and _save_extent(
+                out, optimizer, shard, opt_names, opt_states
+            )
             if id(shard.flat) in own:
-                _save_flat(out, engine, shard.flat, names, opt_names,
-                           None if reused else shard, meta, opt_states)
+                _save_flat(
+                    out,
+                    engine,
+                    shard.flat,
+                    names,
+                    opt_names,
+                    None if reused else shard,
+                    meta,
+                    opt_states,
+                )
                 done.add(id(shard.flat))
             elif not reused:  # a block of another wrapped model stepped by this optimizer
                 rel = f"optimizer/{shard.key}.safetensors"
@@ -161,8 +196,13 @@ def _save_plain(out: Writer, names: ModelNames, meta: Dict[str, Any]) -> None:
 
 
 # ---- the optimizer (what is not in the blocks' files) -----------------------------------------
-def _save_optimizer(out: Writer, optimizer: torch.optim.Optimizer, names: ModelNames,
-                    opt_names: Dict[int, str], opt_states: Dict[str, Any]) -> Dict[str, Any]:
+def _save_optimizer(
+    out: Writer,
+    optimizer: torch.optim.Optimizer,
+    names: ModelNames,
+    opt_names: Dict[int, str],
+    opt_states: Dict[str, Any],
+) -> Dict[str, Any]:
     streamed = hasattr(optimizer, "shard_states") and names.engine is not None
     sd = optimizer.state_dict(wrapped=False) if streamed else optimizer.state_dict()
     params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -184,14 +224,20 @@ def _save_optimizer(out: Writer, optimizer: torch.optim.Optimizer, names: ModelN
         opt_states[name] = record
     if items:
         out.write(rel, items)
-    return {"class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
-            "param_groups": encode(groups, "optimizer param_groups"), "states": opt_states}
+    return {
+        "class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
+        "param_groups": encode(groups, "optimizer param_groups"),
+        "states": opt_states,
+    }
 
 
 # ---- trainer state ----------------------------------------------------------------------------
 def rng_state() -> Dict[str, Any]:
-    state: Dict[str, Any] = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-                             "python": random.getstate()}
+    state: Dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -204,9 +250,16 @@ def _estimate_bytes(names: ModelNames, optimizer: Any) -> int:
     return sum(f.numel * (f.home_itemsize + per_param) for f in names.engine.flats)
 
 
-def save_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
-                    *, scheduler: Any = None, scaler: Any = None, rng: bool = False,
-                    **extra: Any) -> str:
+def save_checkpoint(
+    path: str,
+    model: nn.Module,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    *,
+    scheduler: Any = None,
+    scaler: Any = None,
+    rng: bool = False,
+    **extra: Any,
+) -> str:
     """Saves ``model`` (wrapped by infinity.wrap or not), ``optimizer`` and the trainer's
     state as a checkpoint directory at ``path``; returns its absolute path.
 
@@ -221,25 +274,34 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim
     if not isinstance(model, nn.Module):
         raise TypeError(f"save_checkpoint expects an nn.Module, got {type(model).__name__}")
     from ..runtime.core.registry import engine_of as _engine_of
+
     if getattr(_engine_of(model), "partitioner", None) is not None:
         # sharded (ZeRO over torch.distributed): one file per rank, loadable on any world size
-        trainer = {"scheduler": scheduler.state_dict() if scheduler is not None else None,
-                   "scaler": scaler.state_dict() if scaler is not None else None,
-                   "rng": rng_state() if rng else None, "extra": dict(extra)}
+        trainer = {
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "scaler": scaler.state_dict() if scaler is not None else None,
+            "rng": rng_state() if rng else None,
+            "extra": dict(extra),
+        }
         return save_sharded(path, model, optimizer, trainer=trainer)
     path = os.path.abspath(os.fspath(path))
     body: Dict[str, Any] = {
-        "format": FORMAT, "version": VERSION, "infinity_version": __version__,
+        "format": FORMAT,
+        "version": VERSION,
+        "infinity_version": __version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
-        "world_size": 1, "rank": 0,
+        "world_size": 1,
+        "rank": 0,
         # the trainer's state is encoded first: a value that cannot be saved fails before
         # anything is written
         "extra": encode(extra, "extra"),
         "scheduler": encode(scheduler.state_dict(), "scheduler.state_dict()")
-        if scheduler is not None else None,
+        if scheduler is not None
+        else None,
         "scaler": encode(scaler.state_dict(), "scaler.state_dict()")
-        if scaler is not None else None,
+        if scaler is not None
+        else None,
         "rng": encode(rng_state(), "rng") if rng else None,
         "hf_config": hf_config(model),
     }
@@ -253,10 +315,17 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim
     opt_states: Dict[str, Any] = {}
     total = _estimate_bytes(names, optimizer)
     try:
-        with staged_directory(path) as tmp, \
-                tqdm(total=total, unit="B", unit_scale=True, leave=False,
-                     desc="infinity: saving checkpoint",
-                     disable=total < _PROGRESS_MIN_BYTES) as bar:
+        with (
+            staged_directory(path) as tmp,
+            tqdm(
+                total=total,
+                unit="B",
+                unit_scale=True,
+                leave=False,
+                desc="infinity: saving checkpoint",
+                disable=total < _PROGRESS_MIN_BYTES,
+            ) as bar,
+        ):
             out = Writer(tmp, bar)
             if engine is not None:
                 _save_wrapped(out, names, optimizer, opt_names, meta, opt_states)
@@ -264,19 +333,26 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim
                 _save_plain(out, names, meta)
             body["tensors"] = {n: meta[n] for n in names.tensors if n in meta}
             body["aliases"] = dict(names.aliases)
-            body["optimizer"] = _save_optimizer(out, optimizer, names, opt_names, opt_states) \
-                if optimizer is not None else None
+            body["optimizer"] = (
+                _save_optimizer(out, optimizer, names, opt_names, opt_states)
+                if optimizer is not None
+                else None
+            )
             body["files"] = out.files
             # the oldest version that reads it: 1 without reused extents, 2 with them
             body["version"] = 2 if any("data_offset" in f for f in out.files.values()) else 1
             write_manifest(tmp, body)
     except OSError as exc:
         if exc.errno in _FULL_DISK:
-            raise OSError(exc.errno, f"infinity.save_checkpoint: the disk under "
-                          f"{os.path.dirname(path)} is full ({os.strerror(exc.errno)}); the "
-                          f"checkpoint was not written and nothing at {path} was replaced: the "
-                          "previous checkpoint there (if any) is intact. Free space or save "
-                          "elsewhere", getattr(exc, "filename", None)) from exc
+            raise OSError(
+                exc.errno,
+                f"infinity.save_checkpoint: the disk under "
+                f"{os.path.dirname(path)} is full ({os.strerror(exc.errno)}); the "
+                f"checkpoint was not written and nothing at {path} was replaced: the "
+                "previous checkpoint there (if any) is intact. Free space or save "
+                "elsewhere",
+                getattr(exc, "filename", None),
+            ) from exc
         raise
     finally:
         if engine is not None:

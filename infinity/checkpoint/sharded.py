@@ -17,6 +17,7 @@ sharding only the first replica writes. One flat's part (1/N of a block, with it
 in RAM at a time. Checkpoints in the earlier per-rank format still load (see
 :mod:`.per_rank`).
 """
+
 from __future__ import annotations
 
 import os
@@ -28,8 +29,8 @@ from torch import nn
 
 from ..runtime.core.registry import engine_of
 from .disk import atomic
-from .load import load_checkpoint
 from .disk.manifest import CheckpointError
+from .load import load_checkpoint
 from .per_rank import is_sharded_checkpoint, load_per_rank
 from .ranks import merge_rank_parts, write_index_json, write_rank_part
 
@@ -55,6 +56,7 @@ def _first_replica(engine) -> bool:
     if part is None or part.groups.replicate is None:
         return True
     import torch.distributed as dist
+
     return dist.get_rank(group=part.groups.replicate) == 0
 
 
@@ -64,8 +66,13 @@ def _write_durably(obj: Any, path: str) -> None:
 
 
 @torch.no_grad()
-def save_sharded(path: str, model: nn.Module, optimizer: Optional[Any] = None, *,
-                 trainer: Optional[Dict[str, Any]] = None) -> str:
+def save_sharded(
+    path: str,
+    model: nn.Module,
+    optimizer: Optional[Any] = None,
+    *,
+    trainer: Optional[Dict[str, Any]] = None,
+) -> str:
     """One file per rank (see the module docstring). ``trainer``: this rank's trainer state,
     ``{"scheduler": state_dict, "scaler": state_dict, "rng": states, "extra": dict}`` (each
     optional), stored in the rank's own file: scheduler, scaler and extra are read back from
@@ -90,8 +97,10 @@ def save_sharded(path: str, model: nn.Module, optimizer: Optional[Any] = None, *
     if agreed <= 0:
         if failure is not None:
             raise failure
-        raise CheckpointError(f"infinity.sharding.save_sharded: rank 0 could not prepare "
-                              f"{path} (see rank 0's error); nothing was written")
+        raise CheckpointError(
+            f"infinity.sharding.save_sharded: rank 0 could not prepare "
+            f"{path} (see rank 0's error); nothing was written"
+        )
     tmp = atomic.staging_name(path, agreed)
     # 2. every rank writes its file into it
     ok = 0.0
@@ -101,8 +110,9 @@ def save_sharded(path: str, model: nn.Module, optimizer: Optional[Any] = None, *
             for e in optimizer.engines():
                 e.quiesce()
         if writer:
-            write_rank_part(tmp, model, optimizer, rank, world, trainer,
-                            lambda obj, p: _write_durably(obj, p))
+            write_rank_part(
+                tmp, model, optimizer, rank, world, trainer, lambda obj, p: _write_durably(obj, p)
+            )
             ok = 1.0
     except Exception as exc:  # noqa: BLE001 - the others must not commit without this file
         failure = exc
@@ -112,8 +122,10 @@ def save_sharded(path: str, model: nn.Module, optimizer: Optional[Any] = None, *
             shutil.rmtree(tmp, ignore_errors=True)
         if failure is not None:
             raise failure
-        raise CheckpointError(f"infinity.sharding.save_sharded: only {done} of {world} "
-                              f"ranks wrote their file; {path} is left as it was")
+        raise CheckpointError(
+            f"infinity.sharding.save_sharded: only {done} of {world} "
+            f"ranks wrote their file; {path} is left as it was"
+        )
     # 3. rank 0 writes the manifest and renames the directory into place
     committed = 0.0
     if lead:
@@ -127,8 +139,10 @@ def save_sharded(path: str, model: nn.Module, optimizer: Optional[Any] = None, *
     if _agree(engine, committed) != 1.0:  # the checkpoint is in place when save returns
         if failure is not None:
             raise failure
-        raise CheckpointError(f"infinity.sharding.save_sharded: rank 0 could not put the "
-                              f"checkpoint in place at {path} (see rank 0's error)")
+        raise CheckpointError(
+            f"infinity.sharding.save_sharded: rank 0 could not put the "
+            f"checkpoint in place at {path} (see rank 0's error)"
+        )
     return path
 
 

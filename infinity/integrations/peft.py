@@ -5,6 +5,7 @@ bump the parameters' version counters, so the engine cannot see it (with paramet
 the next forward could use a prefetched copy of the old weights). This merge tells the engine
 afterwards that every parameter changed.
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -11,6 +11,7 @@ aligned body and the page cache only for unaligned tails; without the native lib
 Settings: :func:`configure` / :func:`get_config` (``backend``: worker threads or io_uring,
 :func:`backend_name` tells which is active).
 """
+
 from infinity.io._backends import backend_name
 from infinity.io.buffers import ALIGNMENT, aligned_empty, is_aligned
 from infinity.io.config import IOConfig, configure, get_config
@@ -20,7 +21,19 @@ from infinity.io.faults import clear_faults, inject_fault
 from infinity.io.handle import FileHandle, IOFuture, supports_direct_io
 
 __all__ = [
-    "ALIGNMENT", "FileHandle", "backend_name", "IOConfig", "IOFuture", "InfinityIOError", "aligned_empty",
-    "clear_faults", "configure", "crc32c", "crc32c_combine", "get_config", "inject_fault", "is_aligned",
+    "ALIGNMENT",
+    "FileHandle",
+    "backend_name",
+    "IOConfig",
+    "IOFuture",
+    "InfinityIOError",
+    "aligned_empty",
+    "clear_faults",
+    "configure",
+    "crc32c",
+    "crc32c_combine",
+    "get_config",
+    "inject_fault",
+    "is_aligned",
     "supports_direct_io",
 ]

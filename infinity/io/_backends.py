@@ -10,6 +10,7 @@ NativeBackend drives the native engine (csrc/aio*.cpp); FallbackBackend does os.
 on a thread pool (buffered I/O, never O_DIRECT) when the native library is absent or
 force_fallback() is on.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -21,8 +22,8 @@ import threading
 from typing import Optional, Set, Tuple
 
 from infinity.io import faults
-from infinity.io.crc import crc32c
 from infinity.io.config import IOConfig, _on_change, get_config
+from infinity.io.crc import crc32c
 
 _log = logging.getLogger(__name__)
 
@@ -30,8 +31,12 @@ READ, WRITE = 0, 1
 Result = Tuple[int, int, int, str]  # bytes, errno (0 ok), error offset, message
 
 MODES = {"r": 0, "r+": 1, "w+": 2, "c+": 3}
-_OS_FLAGS = {0: os.O_RDONLY, 1: os.O_RDWR, 2: os.O_RDWR | os.O_CREAT | os.O_TRUNC,
-             3: os.O_RDWR | os.O_CREAT}
+_OS_FLAGS = {
+    0: os.O_RDONLY,
+    1: os.O_RDWR,
+    2: os.O_RDWR | os.O_CREAT | os.O_TRUNC,
+    3: os.O_RDWR | os.O_CREAT,
+}
 
 
 class BackendOpenError(Exception):
@@ -44,15 +49,24 @@ class NativeBackend:
     def __init__(self, lib: ctypes.CDLL, path: str, mode: int, want_direct: bool) -> None:
         self._lib = lib
         direct = ctypes.c_int(0)
-        handle = lib.inf_aio_open(os.fsencode(path), mode, 1 if want_direct else 0,
-                                  ctypes.byref(direct))
+        handle = lib.inf_aio_open(
+            os.fsencode(path), mode, 1 if want_direct else 0, ctypes.byref(direct)
+        )
         if handle < 0:
             raise BackendOpenError(-handle)
         self._handle = handle
         self.direct = bool(direct.value)
 
-    def submit(self, op: int, ptr: int, nbytes: int, offset: int, fsync: bool,
-               crc: bool = False, urgent: bool = False) -> int:
+    def submit(
+        self,
+        op: int,
+        ptr: int,
+        nbytes: int,
+        offset: int,
+        fsync: bool,
+        crc: bool = False,
+        urgent: bool = False,
+    ) -> int:
         flags = (1 if fsync else 0) | (2 if crc else 0) | (4 if urgent else 0)
         req = self._lib.inf_aio_submit_ex(self._handle, op, ptr, nbytes, offset, flags)
         if req < 0:
@@ -68,8 +82,9 @@ class NativeBackend:
     def result(self, token: int) -> Result:
         nbytes, err, err_off = ctypes.c_int64(0), ctypes.c_int(0), ctypes.c_int64(0)
         msg = ctypes.create_string_buffer(512)
-        rc = self._lib.inf_aio_result(token, ctypes.byref(nbytes), ctypes.byref(err),
-                                      ctypes.byref(err_off), msg, len(msg))
+        rc = self._lib.inf_aio_result(
+            token, ctypes.byref(nbytes), ctypes.byref(err), ctypes.byref(err_off), msg, len(msg)
+        )
         if rc < 0:
             return 0, _errno.EINVAL, 0, "unknown request (already released)"
         return nbytes.value, err.value, err_off.value, msg.value.decode(errors="replace")
@@ -143,7 +158,8 @@ def _executor() -> concurrent.futures.ThreadPoolExecutor:
     with _pool_lock:
         if _pool is None:
             _pool = concurrent.futures.ThreadPoolExecutor(
-                max_workers=get_config().num_threads, thread_name_prefix="infinity-io")
+                max_workers=get_config().num_threads, thread_name_prefix="infinity-io"
+            )
         return _pool
 
 
@@ -162,8 +178,9 @@ class FallbackBackend:
         self._pending: Set[concurrent.futures.Future] = set()
         self._closed = False
 
-    def _transfer(self, op: int, ptr: int, nbytes: int, offset: int, fsync: bool,
-                  crc: bool = False) -> Tuple[int, int, int, str, Optional[int]]:
+    def _transfer(
+        self, op: int, ptr: int, nbytes: int, offset: int, fsync: bool, crc: bool = False
+    ) -> Tuple[int, int, int, str, Optional[int]]:
         view = memoryview((ctypes.c_char * max(nbytes, 1)).from_address(ptr)).cast("B")
         checksum = crc32c(view[:nbytes]) if crc and op == WRITE else None
         done, err, err_off, msg = self._move(op, view, nbytes, offset, fsync)
@@ -181,21 +198,33 @@ class FallbackBackend:
                 if err:
                     raise OSError(err, os.strerror(err))
                 if op == READ:
-                    got = os.preadv(self._fd, [view[done:done + want]], offset + done)
+                    got = os.preadv(self._fd, [view[done : done + want]], offset + done)
                 else:
-                    got = os.pwrite(self._fd, view[done:done + want], offset + done)
+                    got = os.pwrite(self._fd, view[done : done + want], offset + done)
             except InterruptedError:
                 continue
             except OSError as exc:
                 code = exc.errno or _errno.EIO
-                return done, code, offset + done, (
-                    f"{'read' if op == READ else 'write'} failed at offset {offset + done} after "
-                    f"{done} of {nbytes} bytes: {os.strerror(code)}")
+                return (
+                    done,
+                    code,
+                    offset + done,
+                    (
+                        f"{'read' if op == READ else 'write'} failed at offset {offset + done} after "
+                        f"{done} of {nbytes} bytes: {os.strerror(code)}"
+                    ),
+                )
             if got == 0:
                 if op == READ:
-                    return done, _errno.ENODATA, offset + done, (
-                        f"short read: got {done} of {nbytes} bytes at offset {offset} "
-                        f"(end of file at offset {offset + done})")
+                    return (
+                        done,
+                        _errno.ENODATA,
+                        offset + done,
+                        (
+                            f"short read: got {done} of {nbytes} bytes at offset {offset} "
+                            f"(end of file at offset {offset + done})"
+                        ),
+                    )
                 return done, _errno.EIO, offset + done, "write returned 0"
             done += got
         if fsync and op == WRITE:
@@ -206,9 +235,16 @@ class FallbackBackend:
                 return done, code, offset, f"fdatasync failed: {os.strerror(code)}"
         return done, 0, 0, ""
 
-    def submit(self, op: int, ptr: int, nbytes: int, offset: int,
-               fsync: bool, crc: bool = False,
-               urgent: bool = False) -> concurrent.futures.Future:
+    def submit(
+        self,
+        op: int,
+        ptr: int,
+        nbytes: int,
+        offset: int,
+        fsync: bool,
+        crc: bool = False,
+        urgent: bool = False,
+    ) -> concurrent.futures.Future:
         # urgent: the fallback's executor has no priorities (a FIFO of whole requests)
         with self._lock:
             if self._closed:
@@ -315,21 +351,26 @@ def _select_backend(lib: ctypes.CDLL, backend: str) -> None:
             raise RuntimeError(
                 f"infinity.io: backend='io_uring' was requested but io_uring is not usable here "
                 f"({reason}; causes: kernel < 5.1, sysctl kernel.io_uring_disabled, a seccomp "
-                "filter in containers). Use backend='threads' (or 'auto').")
+                "filter in containers). Use backend='threads' (or 'auto')."
+            )
         if reason not in _reported:  # once per cause, not on every configure()
             _reported.add(reason)
-            _log.info("infinity.io: io_uring unavailable (%s); using the thread-pool backend",
-                      reason)
+            _log.info(
+                "infinity.io: io_uring unavailable (%s); using the thread-pool backend", reason
+            )
     if hasattr(lib, "inf_aio_set_backend"):
         rc = lib.inf_aio_set_backend(0)
         if rc != 0:
-            raise ValueError(f"the native I/O engine refused backend 'threads' ({os.strerror(-rc)})")
+            raise ValueError(
+                f"the native I/O engine refused backend 'threads' ({os.strerror(-rc)})"
+            )
 
 
 def backend_name() -> str:
     """The engine serving aligned O_DIRECT requests now: "io_uring", "threads" (the native
     worker pool) or "python" (the pure-Python fallback: native library absent or forced off)."""
     from infinity.io._lib import native
+
     lib = native()
     if lib is None:
         return "python"
@@ -341,6 +382,7 @@ def backend_name() -> str:
 
 def _configure_native(config: IOConfig) -> None:
     from infinity.io._lib import native
+
     lib = native(ignore_forced=True)
     if lib is not None:
         _select_backend(lib, config.backend)  # first: a refused backend changes nothing else

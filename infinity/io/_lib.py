@@ -1,4 +1,5 @@
 """ctypes declarations of the native I/O functions (csrc/aio.cpp), made once."""
+
 from __future__ import annotations
 
 import ctypes
@@ -27,8 +28,10 @@ _SIGNATURES = {
     "inf_aio_crc": (c_int, [c_int64, POINTER(ctypes.c_uint32)]),
     "inf_aio_poll": (c_int, [c_int64]),
     "inf_aio_wait": (c_int, [c_int64, c_int64]),
-    "inf_aio_result": (c_int, [c_int64, POINTER(c_int64), POINTER(c_int), POINTER(c_int64),
-                               c_char_p, c_int]),
+    "inf_aio_result": (
+        c_int,
+        [c_int64, POINTER(c_int64), POINTER(c_int), POINTER(c_int64), c_char_p, c_int],
+    ),
     "inf_aio_release": (None, [c_int64]),
     "inf_aio_inject_fault": (c_int, [c_int, c_int, c_int64]),
     "inf_aio_clear_faults": (None, []),

@@ -21,6 +21,7 @@ The tensors wrap the memory without a copy: a small owner object exposes
 ``__array_interface__``, numpy keeps it as the array's base, torch.from_numpy keeps the array,
 and the owner unregisters and frees the memory when the last tensor view dies.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -40,8 +41,17 @@ try:
 except ImportError:  # not on Linux/macOS: no RLIMIT_MEMLOCK to check
     resource = None  # type: ignore[assignment]
 
-__all__ = ["ALIGNMENT", "PinnedMemoryError", "PinnedRegions", "aligned_empty", "check_memlock",
-           "is_aligned", "locked_bytes", "pin_tensors", "pinned_bytes"]
+__all__ = [
+    "ALIGNMENT",
+    "PinnedMemoryError",
+    "PinnedRegions",
+    "aligned_empty",
+    "check_memlock",
+    "is_aligned",
+    "locked_bytes",
+    "pin_tensors",
+    "pinned_bytes",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -50,9 +60,9 @@ _CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context, as torch regi
 _CAP_IPC_LOCK = 14
 
 _lock = threading.Lock()
-_pinned_total = 0                  # bytes registered with CUDA through this module
-_locked_total = 0                  # bytes mlock'ed (no CUDA runtime) through this module
-_registered: Dict[int, int] = {}   # data pointer -> registered bytes
+_pinned_total = 0  # bytes registered with CUDA through this module
+_locked_total = 0  # bytes mlock'ed (no CUDA runtime) through this module
+_registered: Dict[int, int] = {}  # data pointer -> registered bytes
 _warned_unlocked = False
 
 
@@ -92,8 +102,11 @@ def _has_cap_ipc_lock() -> bool:
 
 
 def _fmt_limit(value: int) -> str:
-    return "unlimited" if resource is not None and value == resource.RLIM_INFINITY \
+    return (
+        "unlimited"
+        if resource is not None and value == resource.RLIM_INFINITY
         else f"{value:,} bytes"
+    )
 
 
 def check_memlock(nbytes: int, what: str) -> None:
@@ -111,8 +124,12 @@ def check_memlock(nbytes: int, what: str) -> None:
     if hard == resource.RLIM_INFINITY or need <= hard:
         try:
             resource.setrlimit(resource.RLIMIT_MEMLOCK, (hard, hard))
-            logger.info("infinity: raised RLIMIT_MEMLOCK from %s to its hard limit %s to pin %s",
-                        _fmt_limit(soft), _fmt_limit(hard), what)
+            logger.info(
+                "infinity: raised RLIMIT_MEMLOCK from %s to its hard limit %s to pin %s",
+                _fmt_limit(soft),
+                _fmt_limit(hard),
+                what,
+            )
             return
         except (ValueError, OSError):
             pass
@@ -126,7 +143,8 @@ def check_memlock(nbytes: int, what: str) -> None:
         "limit needs root: `memlock unlimited` in /etc/security/limits.conf, LimitMEMLOCK= "
         "for systemd, `docker run --ulimit memlock=-1`); or pin less (a smaller host_budget, "
         "param_tier='nvme', smaller blocks); or set INFINITY_IGNORE_MEMLOCK=1 if your GPU "
-        "driver does not charge pinned memory to this limit")
+        "driver does not charge pinned memory to this limit"
+    )
 
 
 # ---- registration ----------------------------------------------------------------------
@@ -141,7 +159,8 @@ class _Registration:
                 f"infinity: cudaHostRegister of {nbytes:,} bytes for {what} failed with CUDA "
                 f"error {code} ({_pinned_total:,} bytes already pinned by infinity); the system "
                 "could not page-lock that much memory: pin less (a smaller host_budget, "
-                "param_tier='nvme') or free host RAM")
+                "param_tier='nvme') or free host RAM"
+            )
         self._cudart = cudart
         self.ptr = ptr
         self.nbytes = nbytes
@@ -236,7 +255,10 @@ class _Allocation:
             with _lock:
                 _locked_total += nbytes
         self.__array_interface__ = {
-            "shape": (nbytes,), "typestr": "|u1", "data": (self.ptr, False), "version": 3,
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (self.ptr, False),
+            "version": 3,
         }
 
     def __del__(self) -> None:
@@ -253,8 +275,14 @@ class _Allocation:
         self._keep = None
 
 
-def aligned_empty(numel: int, dtype: torch.dtype = torch.uint8, *, pin: bool = False,
-                  lock: Optional[bool] = None, what: str = "a host buffer") -> torch.Tensor:
+def aligned_empty(
+    numel: int,
+    dtype: torch.dtype = torch.uint8,
+    *,
+    pin: bool = False,
+    lock: Optional[bool] = None,
+    what: str = "a host buffer",
+) -> torch.Tensor:
     """An uninitialised 1-D CPU tensor of ``numel`` elements whose data_ptr is 4096-aligned.
 
     pin: page-lock it because a DMA will read or write it: registered with CUDA (exactly its
@@ -285,8 +313,10 @@ def _warn_unlocked() -> None:
     global _warned_unlocked
     if not _warned_unlocked:
         _warned_unlocked = True
-        logger.info("infinity.io: mlock of host buffers not permitted (RLIMIT_MEMLOCK); "
-                    "using pageable aligned memory")
+        logger.info(
+            "infinity.io: mlock of host buffers not permitted (RLIMIT_MEMLOCK); "
+            "using pageable aligned memory"
+        )
 
 
 def is_aligned(tensor: torch.Tensor, alignment: int = ALIGNMENT) -> bool:

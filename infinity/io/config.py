@@ -1,5 +1,6 @@
 """Settings of the I/O engine, in one place: :class:`IOConfig`, :func:`configure`,
 :func:`get_config`. Both the native engine and the pure-Python fallback read them."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -54,19 +55,29 @@ class IOConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.num_threads, int) or not 1 <= self.num_threads <= 1024:
             raise ValueError(f"num_threads must be an int in [1, 1024], got {self.num_threads!r}")
-        if (not isinstance(self.chunk_bytes, int) or self.chunk_bytes < ALIGNMENT
-                or self.chunk_bytes % ALIGNMENT or self.chunk_bytes > (1 << 30)):
-            raise ValueError("chunk_bytes must be a multiple of 4096 in [4096, 1 GiB], "
-                             f"got {self.chunk_bytes!r}")
+        if (
+            not isinstance(self.chunk_bytes, int)
+            or self.chunk_bytes < ALIGNMENT
+            or self.chunk_bytes % ALIGNMENT
+            or self.chunk_bytes > (1 << 30)
+        ):
+            raise ValueError(
+                f"chunk_bytes must be a multiple of 4096 in [4096, 1 GiB], got {self.chunk_bytes!r}"
+            )
         if not isinstance(self.queue_depth, int) or not 1 <= self.queue_depth <= (1 << 20):
             raise ValueError(f"queue_depth must be an int in [1, 2**20], got {self.queue_depth!r}")
-        if (not isinstance(self.crc_threads, int) or isinstance(self.crc_threads, bool)
-                or not 0 <= self.crc_threads <= 64):
+        if (
+            not isinstance(self.crc_threads, int)
+            or isinstance(self.crc_threads, bool)
+            or not 0 <= self.crc_threads <= 64
+        ):
             raise ValueError(f"crc_threads must be an int in [0, 64], got {self.crc_threads!r}")
         if self.backend not in BACKENDS:
-            raise ValueError(f"infinity.io: backend must be one of {', '.join(BACKENDS)}, got "
-                             f"{self.backend!r} (check IOConfig/configure() or "
-                             "$INFINITY_IO_BACKEND)")
+            raise ValueError(
+                f"infinity.io: backend must be one of {', '.join(BACKENDS)}, got "
+                f"{self.backend!r} (check IOConfig/configure() or "
+                "$INFINITY_IO_BACKEND)"
+            )
 
 
 _lock = threading.Lock()

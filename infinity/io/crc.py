@@ -2,6 +2,7 @@
 folding (csrc/crc32c_fold.cpp) or the SSE4.2 crc32 instruction, chosen at run time
 (``INFINITY_CRC32C_IMPL=sse42|table`` overrides), a table in Python otherwise. All give the
 same value; ``crc32c(b, crc32c(a)) == crc32c(a + b)``."""
+
 from __future__ import annotations
 
 from typing import Union
@@ -35,8 +36,10 @@ def _crc32c_python(data: memoryview, seed: int) -> int:
 def _as_uint8(data: BytesLike) -> np.ndarray:
     if isinstance(data, torch.Tensor):
         if data.device.type != "cpu":
-            raise ValueError(f"crc32c needs a CPU tensor, got one on {data.device}; "
-                             "copy it to a host buffer first")
+            raise ValueError(
+                f"crc32c needs a CPU tensor, got one on {data.device}; "
+                "copy it to a host buffer first"
+            )
         if not data.is_contiguous():
             raise ValueError("crc32c needs a contiguous tensor")
         flat = data.detach().reshape(-1)

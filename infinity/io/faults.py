@@ -1,5 +1,6 @@
 """Test-only fault injection: make the engine's next reads or writes fail with an errno after a
 number of bytes (for example ENOSPC after 1 MiB), for both the native engine and the fallback."""
+
 from __future__ import annotations
 
 import threading

@@ -1,4 +1,5 @@
 """FileHandle: asynchronous pread/pwrite of CPU tensors, returning IOFutures."""
+
 from __future__ import annotations
 
 import errno as _errno
@@ -31,10 +32,13 @@ def _warn_no_direct(path: str) -> None:
     with _warn_lock:
         first, _warned_no_direct = not _warned_no_direct, True
     if first:
-        warnings.warn(f"infinity.io: the filesystem of {path} does not support O_DIRECT "
-                      "(e.g. tmpfs); using buffered I/O through the page cache there. "
-                      "Pass require_direct=True to make this an error.",
-                      RuntimeWarning, stacklevel=4)
+        warnings.warn(
+            f"infinity.io: the filesystem of {path} does not support O_DIRECT "
+            "(e.g. tmpfs); using buffered I/O through the page cache there. "
+            "Pass require_direct=True to make this an error.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
     else:
         logger.debug("infinity.io: O_DIRECT unavailable for %s; buffered I/O", path)
 
@@ -43,8 +47,17 @@ class IOFuture:
     """One pending pread/pwrite. ``wait()`` returns the bytes transferred or raises
     InfinityIOError; the tensor is kept alive until the request completed."""
 
-    def __init__(self, backend, token, tensor: torch.Tensor, path: str, op: str, offset: int,
-                 nbytes: int, want_crc: bool = False) -> None:
+    def __init__(
+        self,
+        backend,
+        token,
+        tensor: torch.Tensor,
+        path: str,
+        op: str,
+        offset: int,
+        nbytes: int,
+        want_crc: bool = False,
+    ) -> None:
         self._backend = backend
         self._token = token
         self._tensor: Optional[torch.Tensor] = tensor
@@ -96,8 +109,10 @@ class IOFuture:
                 if self._backend.wait(self._token, slice_s):
                     break
                 if deadline is not None and time.monotonic() >= deadline:
-                    raise TimeoutError(f"infinity.io: {self._op} of {self._path} at offset "
-                                       f"{self._offset} not complete after {timeout} s")
+                    raise TimeoutError(
+                        f"infinity.io: {self._op} of {self._path} at offset "
+                        f"{self._offset} not complete after {timeout} s"
+                    )
             self._finish()
         if self._error is not None:
             raise self._error
@@ -129,8 +144,9 @@ class IOFuture:
 
     def __repr__(self) -> str:
         state = "done" if self._finished else "pending"
-        return (f"IOFuture({self._op} {self._nbytes} bytes of {self._path} at {self._offset}, "
-                f"{state})")
+        return (
+            f"IOFuture({self._op} {self._nbytes} bytes of {self._path} at {self._offset}, {state})"
+        )
 
     def __del__(self) -> None:
         # Never let the buffer die under a running transfer.
@@ -140,8 +156,9 @@ class IOFuture:
                     pass
                 self._finish()
                 if self._error is not None:
-                    logger.warning("infinity.io: unobserved error of a dropped IOFuture: %s",
-                                   self._error)
+                    logger.warning(
+                        "infinity.io: unobserved error of a dropped IOFuture: %s", self._error
+                    )
             except Exception:  # noqa: BLE001 - interpreter shutdown
                 pass
 
@@ -150,20 +167,24 @@ def _validate_tensor(tensor: torch.Tensor, offset: int, nbytes: Optional[int], o
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{op} takes a torch.Tensor, got {type(tensor).__name__}")
     if tensor.device.type != "cpu":
-        raise ValueError(f"{op}: the tensor is on {tensor.device}; file I/O works on host "
-                         "memory: copy to a pinned host buffer first "
-                         "(infinity.io.aligned_empty)")
+        raise ValueError(
+            f"{op}: the tensor is on {tensor.device}; file I/O works on host "
+            "memory: copy to a pinned host buffer first "
+            "(infinity.io.aligned_empty)"
+        )
     if not tensor.is_contiguous():
-        raise ValueError(f"{op}: the tensor is not contiguous; call .contiguous() or use a flat "
-                         "buffer")
+        raise ValueError(
+            f"{op}: the tensor is not contiguous; call .contiguous() or use a flat buffer"
+        )
     if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
         raise ValueError(f"{op}: offset must be a non-negative int, got {offset!r}")
     total = tensor.numel() * tensor.element_size()
     if nbytes is None:
         return total
     if not isinstance(nbytes, int) or isinstance(nbytes, bool) or not 0 <= nbytes <= total:
-        raise ValueError(f"{op}: nbytes must be an int in [0, {total}] (the tensor's size), "
-                         f"got {nbytes!r}")
+        raise ValueError(
+            f"{op}: nbytes must be an int in [0, {total}] (the tensor's size), got {nbytes!r}"
+        )
     return nbytes
 
 
@@ -178,8 +199,14 @@ class FileHandle:
     ``.direct`` is False. require_direct: raise InfinityIOError instead of falling back.
     """
 
-    def __init__(self, path: Union[str, os.PathLike], mode: str = "r", *, direct: bool = True,
-                 require_direct: bool = False) -> None:
+    def __init__(
+        self,
+        path: Union[str, os.PathLike],
+        mode: str = "r",
+        *,
+        direct: bool = True,
+        require_direct: bool = False,
+    ) -> None:
         self.path = os.fspath(path)
         self.mode = mode
         self._backend = None
@@ -187,8 +214,9 @@ class FileHandle:
             raise ValueError(f"mode must be one of {sorted(_backends.MODES)}, got {mode!r}")
         parent = os.path.dirname(os.path.abspath(self.path))
         if not os.path.isdir(parent):
-            raise io_error(_errno.ENOENT, self.path, op="open",
-                           detail=f"directory {parent} does not exist")
+            raise io_error(
+                _errno.ENOENT, self.path, op="open", detail=f"directory {parent} does not exist"
+            )
         code = _backends.MODES[mode]
         lib = native()
         try:
@@ -201,19 +229,34 @@ class FileHandle:
         if (direct or require_direct) and not backend.direct:
             if require_direct:
                 backend.close()
-                why = ("the filesystem does not support O_DIRECT (e.g. tmpfs)" if lib is not None
-                       else "the native I/O engine is unavailable")
-                raise io_error(_errno.EINVAL, self.path, op="open with O_DIRECT",
-                               detail=f"{why}; put the file on a disk-backed filesystem or "
-                                      "pass require_direct=False")
+                why = (
+                    "the filesystem does not support O_DIRECT (e.g. tmpfs)"
+                    if lib is not None
+                    else "the native I/O engine is unavailable"
+                )
+                raise io_error(
+                    _errno.EINVAL,
+                    self.path,
+                    op="open with O_DIRECT",
+                    detail=f"{why}; put the file on a disk-backed filesystem or "
+                    "pass require_direct=False",
+                )
             if lib is not None:
                 _warn_no_direct(self.path)
         self._backend = backend
         self.direct: bool = backend.direct
 
     # -- I/O -------------------------------------------------------------------------------
-    def _submit(self, op: int, tensor: torch.Tensor, offset: int, nbytes: Optional[int],
-                fsync: bool, crc: bool = False, urgent: bool = False) -> IOFuture:
+    def _submit(
+        self,
+        op: int,
+        tensor: torch.Tensor,
+        offset: int,
+        nbytes: Optional[int],
+        fsync: bool,
+        crc: bool = False,
+        urgent: bool = False,
+    ) -> IOFuture:
         name = "read" if op == _backends.READ else "write"
         n = _validate_tensor(tensor, offset, nbytes, f"FileHandle.p{name}")
         backend = self._require_open(name)
@@ -223,8 +266,15 @@ class FileHandle:
             raise io_error(exc.errno, self.path, op=name, offset=offset) from None
         return IOFuture(backend, token, tensor, self.path, name, offset, n, crc)
 
-    def pread(self, tensor: torch.Tensor, offset: int = 0, nbytes: Optional[int] = None, *,
-              crc: bool = False, urgent: bool = False) -> IOFuture:
+    def pread(
+        self,
+        tensor: torch.Tensor,
+        offset: int = 0,
+        nbytes: Optional[int] = None,
+        *,
+        crc: bool = False,
+        urgent: bool = False,
+    ) -> IOFuture:
         """Reads ``nbytes`` (default: all of the tensor's bytes) at file ``offset`` into the
         tensor. Reading past the end of the file fails with ENODATA ("short read").
         crc: the workers checksum what they read (``future.crc32c()``), off the caller.
@@ -232,8 +282,15 @@ class FileHandle:
         already being transferred finishes the chunks it has started)."""
         return self._submit(_backends.READ, tensor, offset, nbytes, False, crc, urgent)
 
-    def pwrite(self, tensor: torch.Tensor, offset: int = 0, nbytes: Optional[int] = None,
-               fsync: bool = False, *, crc: bool = False) -> IOFuture:
+    def pwrite(
+        self,
+        tensor: torch.Tensor,
+        offset: int = 0,
+        nbytes: Optional[int] = None,
+        fsync: bool = False,
+        *,
+        crc: bool = False,
+    ) -> IOFuture:
         """Writes the tensor's first ``nbytes`` bytes at file ``offset``. fsync: make the data
         durable (fdatasync) before the future completes. crc: the workers checksum what they
         write (``future.crc32c()``)."""
@@ -243,8 +300,13 @@ class FileHandle:
         """Blocking pread."""
         return self.pread(tensor, offset, nbytes).wait()
 
-    def write(self, tensor: torch.Tensor, offset: int = 0, nbytes: Optional[int] = None,
-              fsync: bool = False) -> int:
+    def write(
+        self,
+        tensor: torch.Tensor,
+        offset: int = 0,
+        nbytes: Optional[int] = None,
+        fsync: bool = False,
+    ) -> int:
         """Blocking pwrite."""
         return self.pwrite(tensor, offset, nbytes, fsync).wait()
 
@@ -298,7 +360,7 @@ class FileHandle:
             except _backends.BackendOpenError as exc:
                 raise io_error(exc.errno, self.path, op="close") from None
 
-    def __enter__(self) -> "FileHandle":
+    def __enter__(self) -> FileHandle:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -320,8 +382,9 @@ def supports_direct_io(directory: Union[str, os.PathLike]) -> bool:
     temporary file, removed afterwards)."""
     directory = os.fspath(directory)
     if not os.path.isdir(directory):
-        raise io_error(_errno.ENOENT, directory, op="O_DIRECT probe",
-                       detail="not an existing directory")
+        raise io_error(
+            _errno.ENOENT, directory, op="O_DIRECT probe", detail="not an existing directory"
+        )
     if not hasattr(os, "O_DIRECT"):
         return False
     fd_tmp, path = tempfile.mkstemp(prefix=".infinity-odirect-", dir=directory)

@@ -4,6 +4,7 @@ The constants mirror the enums in csrc/cpu_adam.cpp. :func:`native` returns the 
 or None when the caller must use the pure-PyTorch fallback (library missing, or
 ``infinity._native.force_fallback()`` active).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -30,9 +31,23 @@ _bound: Optional[ctypes.CDLL] = None
 def _declare(lib: ctypes.CDLL) -> None:
     c_int, c_i64, c_dbl, c_vp = ctypes.c_int, ctypes.c_int64, ctypes.c_double, ctypes.c_void_p
     lib.inf_adam_step.argtypes = [
-        c_vp, c_vp, c_int, c_vp, c_vp, c_vp, c_int, c_i64,  # p g g_dtype m v out out_dtype n
-        c_dbl, c_dbl, c_dbl, c_dbl, c_dbl, c_int,           # lr beta1 beta2 eps wd adamw
-        c_dbl, c_dbl, c_dbl,                                # bc1 bc2_sqrt grad_multiplier
+        c_vp,
+        c_vp,
+        c_int,
+        c_vp,
+        c_vp,
+        c_vp,
+        c_int,
+        c_i64,  # p g g_dtype m v out out_dtype n
+        c_dbl,
+        c_dbl,
+        c_dbl,
+        c_dbl,
+        c_dbl,
+        c_int,  # lr beta1 beta2 eps wd adamw
+        c_dbl,
+        c_dbl,
+        c_dbl,  # bc1 bc2_sqrt grad_multiplier
     ]
     lib.inf_adam_step.restype = c_int
     lib.inf_adam_strerror.argtypes = [c_int]
@@ -41,8 +56,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.inf_adam_calls.restype = c_i64
     lib.inf_all_finite_f32.argtypes = [c_vp, c_i64]
     lib.inf_all_finite_f32.restype = c_int
-    for name in ("inf_cpu_capability", "inf_cpu_best_capability", "inf_cpu_capability_env_status",
-                 "inf_get_num_threads"):
+    for name in (
+        "inf_cpu_capability",
+        "inf_cpu_best_capability",
+        "inf_cpu_capability_env_status",
+        "inf_get_num_threads",
+    ):
         getattr(lib, name).argtypes = []
         getattr(lib, name).restype = c_int
     for name in ("inf_set_cpu_capability", "inf_set_num_threads"):
@@ -60,20 +79,50 @@ COMPACT_KERNELS = {"bf16_moments": 0, "8bit": 1}
 
 def _declare_compact(lib: ctypes.CDLL) -> None:
     c_int, c_i64, c_dbl, c_vp = ctypes.c_int, ctypes.c_int64, ctypes.c_double, ctypes.c_void_p
-    hyper = [c_dbl, c_dbl, c_dbl, c_dbl, c_dbl, c_int,  # lr beta1 beta2 eps wd adamw
-             c_dbl, c_dbl, c_dbl]                       # bc1 bc2_sqrt grad_multiplier
+    hyper = [
+        c_dbl,
+        c_dbl,
+        c_dbl,
+        c_dbl,
+        c_dbl,
+        c_int,  # lr beta1 beta2 eps wd adamw
+        c_dbl,
+        c_dbl,
+        c_dbl,
+    ]  # bc1 bc2_sqrt grad_multiplier
     lib.inf_adam_step_bf16m.argtypes = [
-        c_vp, c_vp, c_int, c_vp, c_vp, c_vp, c_int, c_i64] + hyper  # p g gd m v out od n
+        c_vp,
+        c_vp,
+        c_int,
+        c_vp,
+        c_vp,
+        c_vp,
+        c_int,
+        c_i64,
+    ] + hyper  # p g gd m v out od n
     lib.inf_adam_step_bf16m.restype = c_int
-    lib.inf_adam_step_q8g.argtypes = [
-        c_vp, c_vp, c_int, c_vp, c_vp, c_vp, c_vp, c_vp, c_int, c_i64,  # p g gd mq ma vq va out
-    ] + hyper + [c_dbl]                                                # od n ... m_bound
+    lib.inf_adam_step_q8g.argtypes = (
+        [
+            c_vp,
+            c_vp,
+            c_int,
+            c_vp,
+            c_vp,
+            c_vp,
+            c_vp,
+            c_vp,
+            c_int,
+            c_i64,  # p g gd mq ma vq va out
+        ]
+        + hyper
+        + [c_dbl]
+    )  # od n ... m_bound
     lib.inf_adam_step_q8g.restype = c_int
     lib.inf_q8_block_size.argtypes = []
     lib.inf_q8_block_size.restype = c_int
-    lib.inf_q8_code_table.argtypes = [c_int, c_vp]                     # signed out[256]
+    lib.inf_q8_code_table.argtypes = [c_int, c_vp]  # signed out[256]
     lib.inf_q8_code_table.restype = c_int
-    lib.inf_q8_quantize.argtypes = [c_vp, c_i64, c_int, c_vp, c_vp]    # x n signed codes scale
+    lib.inf_q8_quantize.argtypes = [c_vp, c_i64, c_int, c_vp, c_vp]  # x n signed codes scale
     lib.inf_q8_quantize.restype = c_int
     lib.inf_q8_dequantize.argtypes = [c_vp, c_vp, c_i64, c_int, c_vp]  # codes scale n signed out
     lib.inf_q8_dequantize.restype = c_int
@@ -93,8 +142,18 @@ def _declare_bf16_master(lib: ctypes.CDLL) -> None:
     lib.inf_bf16_master_widen.argtypes = [c_vp, c_vp, c_vp, c_i64]  # master comp out n
     lib.inf_bf16_master_widen.restype = c_int
     lib.inf_bf16_master_round.argtypes = [
-        c_vp, c_vp, c_vp, c_int, c_u64, c_u64, c_u64, c_vp, c_int, c_i64]  # p master comp mode
-    lib.inf_bf16_master_round.restype = c_int                           # seed step index0 out od n
+        c_vp,
+        c_vp,
+        c_vp,
+        c_int,
+        c_u64,
+        c_u64,
+        c_u64,
+        c_vp,
+        c_int,
+        c_i64,
+    ]  # p master comp mode
+    lib.inf_bf16_master_round.restype = c_int  # seed step index0 out od n
     lib.inf_bf16_master_calls.argtypes = [c_int, c_int]
     lib.inf_bf16_master_calls.restype = c_i64
 
@@ -149,14 +208,18 @@ def strerror(lib: ctypes.CDLL, code: int) -> str:
 _warned_stale: Set[str] = set()
 
 
-def kernels_or_warn(getter: Callable[[], Optional[ctypes.CDLL]], what: str
-                    ) -> Optional[ctypes.CDLL]:
+def kernels_or_warn(
+    getter: Callable[[], Optional[ctypes.CDLL]], what: str
+) -> Optional[ctypes.CDLL]:
     """``getter()``: the library with ``what`` kernels, or None. Warns once per ``what`` when a
     native library is loaded but predates those kernels (the callers use their fallbacks)."""
     lib = getter()
     if lib is None and native() is not None and what not in _warned_stale:
         _warned_stale.add(what)
-        warnings.warn(f"infinity: the native library predates the {what} kernels; using the "
-                      "pure-PyTorch fallback (rebuild with `pip install -e .`)",
-                      RuntimeWarning, stacklevel=4)
+        warnings.warn(
+            f"infinity: the native library predates the {what} kernels; using the "
+            "pure-PyTorch fallback (rebuild with `pip install -e .`)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
     return lib

@@ -32,6 +32,7 @@ shards. Plain round-to-nearest bf16 masters would stall: with lr * update below 
 Native kernels: csrc/cpu_bf16_master.cpp (AVX-512 / AVX2 / scalar, bitwise equal, chosen like
 the Adam kernels); the pure-PyTorch fallback here computes the same bits.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -40,8 +41,7 @@ import torch
 
 from infinity.ops import _adam_native as _an
 from infinity.ops.adam import OUT_DTYPES, _check_tensor, cpu_adam_step
-from infinity.ops.adam_compact import (BLOCK_SIZE, cpu_adam_step_8bit,
-                                       cpu_adam_step_bf16_moments)
+from infinity.ops.adam_compact import BLOCK_SIZE, cpu_adam_step_8bit, cpu_adam_step_bf16_moments
 from infinity.ops.cpu import use_torch_fallback
 
 MASTER_FORMATS = ("fp32", "bf16_sr", "bf16_kahan")
@@ -63,7 +63,8 @@ def check_master(master: object) -> str:
             "infinity.optim: master must be 'fp32' (default: fp32 master weights, 4 bytes per "
             "parameter), 'bf16_sr' (bf16 masters with stochastic rounding, 2 B/param) or "
             f"'bf16_kahan' (bf16 masters with a bf16 compensation term, 4 B/param); got "
-            f"{master!r}")
+            f"{master!r}"
+        )
     return master
 
 
@@ -104,8 +105,9 @@ def sr_hash(seed: int, step: int, index: torch.Tensor) -> torch.Tensor:
 
 
 # ---- widen / round --------------------------------------------------------------------------
-def widen_bf16_master(master: torch.Tensor, comp: Optional[torch.Tensor] = None,
-                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def widen_bf16_master(
+    master: torch.Tensor, comp: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """fp32 value of a bf16 master: ``f32(master)`` (+ ``f32(comp)`` for Kahan), into ``out``
     (fp32, same numel) or a new tensor."""
     master = _check_tensor("master", master, (torch.bfloat16,))
@@ -124,15 +126,26 @@ def widen_bf16_master(master: torch.Tensor, comp: Optional[torch.Tensor] = None,
             value = value + comp.reshape(-1).float()
         out.view(-1).copy_(value)
         return out
-    _check_code(lib, lib.inf_bf16_master_widen(
-        master.data_ptr(), comp.data_ptr() if comp is not None else None, out.data_ptr(), n),
-        "bf16 master widen")
+    _check_code(
+        lib,
+        lib.inf_bf16_master_widen(
+            master.data_ptr(), comp.data_ptr() if comp is not None else None, out.data_ptr(), n
+        ),
+        "bf16 master widen",
+    )
     return out
 
 
-def round_bf16_master(param: torch.Tensor, master: torch.Tensor,
-                      comp: Optional[torch.Tensor] = None, *, seed: int = 0, step: int = 0,
-                      index: int = 0, out: Optional[torch.Tensor] = None) -> None:
+def round_bf16_master(
+    param: torch.Tensor,
+    master: torch.Tensor,
+    comp: Optional[torch.Tensor] = None,
+    *,
+    seed: int = 0,
+    step: int = 0,
+    index: int = 0,
+    out: Optional[torch.Tensor] = None,
+) -> None:
     """Stores fp32 ``param`` as a bf16 master: stochastically rounded into ``master`` (element
     i with :func:`sr_hash` of (seed, step, index + i)) when ``comp`` is None, else as a Kahan
     pair into ``master`` + ``comp``. ``out`` (fp32/bf16/fp16, optional): the working copy,
@@ -151,21 +164,46 @@ def round_bf16_master(param: torch.Tensor, master: torch.Tensor,
         return
     lib = None if use_torch_fallback() else _lib()
     if lib is None:
-        _torch_round(param.view(-1), master.view(-1),
-                     comp.view(-1) if comp is not None else None, seed, step, index,
-                     out.view(-1) if out is not None else None)
+        _torch_round(
+            param.view(-1),
+            master.view(-1),
+            comp.view(-1) if comp is not None else None,
+            seed,
+            step,
+            index,
+            out.view(-1) if out is not None else None,
+        )
         return
     mode = _an.BF16_MASTER_MODES["kahan" if comp is not None else "sr"]
     od = _an.DTYPE_CODES[out.dtype] if out is not None else _an.DTYPE_NONE
-    _check_code(lib, lib.inf_bf16_master_round(
-        param.data_ptr(), master.data_ptr(), comp.data_ptr() if comp is not None else None,
-        mode, seed, step, index, out.data_ptr() if out is not None else None, od, n),
-        "bf16 master round")
+    _check_code(
+        lib,
+        lib.inf_bf16_master_round(
+            param.data_ptr(),
+            master.data_ptr(),
+            comp.data_ptr() if comp is not None else None,
+            mode,
+            seed,
+            step,
+            index,
+            out.data_ptr() if out is not None else None,
+            od,
+            n,
+        ),
+        "bf16 master round",
+    )
 
 
 @torch.no_grad()
-def _torch_round(p: torch.Tensor, master: torch.Tensor, comp: Optional[torch.Tensor], seed: int,
-                 step: int, index: int, out: Optional[torch.Tensor]) -> None:
+def _torch_round(
+    p: torch.Tensor,
+    master: torch.Tensor,
+    comp: Optional[torch.Tensor],
+    seed: int,
+    step: int,
+    index: int,
+    out: Optional[torch.Tensor],
+) -> None:
     if comp is None:
         bits = p.view(torch.int32).to(torch.int64) & _M32
         h = sr_hash(seed, step, torch.arange(p.numel(), dtype=torch.int64) + index)
@@ -195,14 +233,22 @@ def _rne(x: torch.Tensor, dst: torch.Tensor) -> None:
 
 
 # ---- the step ---------------------------------------------------------------------------------
-def cpu_adam_step_bf16_master(master: torch.Tensor, comp: Optional[torch.Tensor],
-                              grad: torch.Tensor, exp_avg: torch.Tensor,
-                              exp_avg_sq: torch.Tensor, *, states: str = "bf16",
-                              exp_avg_absmax: Optional[torch.Tensor] = None,
-                              exp_avg_sq_absmax: Optional[torch.Tensor] = None,
-                              seed: int = 0, index: int = 0,
-                              out: Optional[torch.Tensor] = None, chunk: int = CHUNK,
-                              **hyper) -> None:
+def cpu_adam_step_bf16_master(
+    master: torch.Tensor,
+    comp: Optional[torch.Tensor],
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    states: str = "bf16",
+    exp_avg_absmax: Optional[torch.Tensor] = None,
+    exp_avg_sq_absmax: Optional[torch.Tensor] = None,
+    seed: int = 0,
+    index: int = 0,
+    out: Optional[torch.Tensor] = None,
+    chunk: int = CHUNK,
+    **hyper,
+) -> None:
     """One Adam(W) step on a bf16 master (``comp`` None: stochastic rounding; else Kahan), in
     place. ``states`` is the moments' format, with the arguments of that kernel: "fp32"
     (:func:`infinity.ops.cpu_adam_step`), "bf16" (:func:`cpu_adam_step_bf16_moments`) or
@@ -222,8 +268,7 @@ def cpu_adam_step_bf16_master(master: torch.Tensor, comp: Optional[torch.Tensor]
     if isinstance(step, bool) or not isinstance(step, int) or step < 1:
         raise ValueError(f"step must be an int >= 1, got {step!r}")
     for name, t in (("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-        _same(name, _check_tensor(name, t, (t.dtype,) if isinstance(t, torch.Tensor) else ()),
-              n)
+        _same(name, _check_tensor(name, t, (t.dtype,) if isinstance(t, torch.Tensor) else ()), n)
     if out is not None:
         _same("out", _check_tensor("out", out, OUT_DTYPES), n)
     if n == 0:
@@ -233,7 +278,7 @@ def cpu_adam_step_bf16_master(master: torch.Tensor, comp: Optional[torch.Tensor]
     scratch = torch.empty(min(chunk, n), dtype=torch.float32)
     for a in range(0, n, chunk):
         b = min(n, a + chunk)
-        p = scratch[:b - a]
+        p = scratch[: b - a]
         widen_bf16_master(m[a:b], c[a:b] if c is not None else None, p)
         if states == "fp32":
             cpu_adam_step(p, g[a:b], ea[a:b], es[a:b], **hyper)
@@ -241,10 +286,18 @@ def cpu_adam_step_bf16_master(master: torch.Tensor, comp: Optional[torch.Tensor]
             cpu_adam_step_bf16_moments(p, g[a:b], ea[a:b], es[a:b], **hyper)
         else:
             blk = slice(a // BLOCK_SIZE, -(-b // BLOCK_SIZE))
-            cpu_adam_step_8bit(p, g[a:b], ea[a:b], exp_avg_absmax[blk], es[a:b],
-                               exp_avg_sq_absmax[blk], **hyper)
-        round_bf16_master(p, m[a:b], c[a:b] if c is not None else None, seed=seed, step=step,
-                          index=index + a, out=o[a:b] if o is not None else None)
+            cpu_adam_step_8bit(
+                p, g[a:b], ea[a:b], exp_avg_absmax[blk], es[a:b], exp_avg_sq_absmax[blk], **hyper
+            )
+        round_bf16_master(
+            p,
+            m[a:b],
+            c[a:b] if c is not None else None,
+            seed=seed,
+            step=step,
+            index=index + a,
+            out=o[a:b] if o is not None else None,
+        )
 
 
 # ---- helpers ----------------------------------------------------------------------------------
@@ -260,7 +313,9 @@ def _lib():
 
 def _check_code(lib, code: int, what: str) -> None:
     if code == -7:
-        raise RuntimeError(f"native {what} failed: invalid mode / compensation buffer "
-                           "(Kahan needs comp, stochastic rounding must not have one)")
+        raise RuntimeError(
+            f"native {what} failed: invalid mode / compensation buffer "
+            "(Kahan needs comp, stochastic rounding must not have one)"
+        )
     if code != 0:
         raise RuntimeError(f"native {what} failed: {_an.strerror(lib, code)} (code {code})")

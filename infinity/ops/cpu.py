@@ -5,6 +5,7 @@ The native library picks the best path this CPU supports at load time; the envir
 pure-PyTorch fallback). Tests force each path in one process with :func:`set_cpu_capability`
 or the :func:`cpu_capability_override` context manager.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,7 +24,7 @@ TORCH = "torch"
 _NATIVE_ORDER = ("avx512", "avx2", "scalar")
 
 _lock = threading.Lock()
-_torch_forced = False   # set_cpu_capability("torch")
+_torch_forced = False  # set_cpu_capability("torch")
 _env_checked = False
 
 
@@ -44,11 +45,19 @@ def _check_env_once() -> None:
         status = lib.inf_cpu_capability_env_status()
         best = _an.CAPABILITY_NAMES[lib.inf_cpu_best_capability()]
         if status == _an.ENV_UNSUPPORTED:
-            warnings.warn(f"{ENV_VAR}={requested!r}: this CPU does not support it; using the best "
-                          f"available path {best!r} instead", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"{ENV_VAR}={requested!r}: this CPU does not support it; using the best "
+                f"available path {best!r} instead",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         elif status == _an.ENV_UNKNOWN:
-            warnings.warn(f"{ENV_VAR}={requested!r} is not one of avx512, avx2, scalar, torch; "
-                          f"using the best available path {best!r}", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"{ENV_VAR}={requested!r} is not one of avx512, avx2, scalar, torch; "
+                f"using the best available path {best!r}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
 
 def use_torch_fallback() -> bool:
@@ -85,16 +94,21 @@ def set_cpu_capability(name: str) -> None:
         _torch_forced = True
         return
     if key not in _an.CAPABILITY_CODES:
-        raise ValueError(f"unknown cpu capability {name!r}; choose one of "
-                         f"{list(_NATIVE_ORDER) + [TORCH]}")
+        raise ValueError(
+            f"unknown cpu capability {name!r}; choose one of {list(_NATIVE_ORDER) + [TORCH]}"
+        )
     lib = _an.loaded()
     if lib is None:
-        raise RuntimeError(f"cannot select {key!r}: the native library is not loaded "
-                           "(only 'torch' is available); rebuild with `pip install -e .`")
+        raise RuntimeError(
+            f"cannot select {key!r}: the native library is not loaded "
+            "(only 'torch' is available); rebuild with `pip install -e .`"
+        )
     code = lib.inf_set_cpu_capability(_an.CAPABILITY_CODES[key])
     if code != 0:
-        raise ValueError(f"cannot select cpu capability {key!r}: {_an.strerror(lib, code)}; "
-                         f"this CPU supports {available_cpu_capabilities()}")
+        raise ValueError(
+            f"cannot select cpu capability {key!r}: {_an.strerror(lib, code)}; "
+            f"this CPU supports {available_cpu_capabilities()}"
+        )
     _torch_forced = False
     logger.debug("cpu adam capability set to %s", key)
 

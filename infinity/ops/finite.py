@@ -1,4 +1,5 @@
 """all_finite: whether a tensor holds no inf/nan, in one native read-only pass."""
+
 from __future__ import annotations
 
 import math
@@ -19,8 +20,12 @@ def all_finite(tensor: torch.Tensor) -> bool:
     if tensor.numel() == 0:
         return True
     lib = native()
-    if (lib is not None and tensor.dtype == torch.float32 and tensor.device.type == "cpu"
-            and tensor.is_contiguous()):
+    if (
+        lib is not None
+        and tensor.dtype == torch.float32
+        and tensor.device.type == "cpu"
+        and tensor.is_contiguous()
+    ):
         result = lib.inf_all_finite_f32(tensor.data_ptr(), tensor.numel())
         if result < 0:
             raise RuntimeError(f"inf_all_finite_f32 failed with code {result}")

@@ -14,6 +14,7 @@ definition here (:func:`_torch_quantize`, the fallback without the native librar
 Dequantization into fp32 or bf16 on the CPU runs in the native kernel too (the same fp32
 products as the PyTorch path kept here for other devices and dtypes, and without the library:
 a widening copy, then an in-place product per block)."""
+
 from __future__ import annotations
 
 import ctypes
@@ -35,11 +36,14 @@ def num_blocks(numel: int, blocksize: int = DEFAULT_BLOCKSIZE) -> int:
 
 def _check(name: str, t: object, dtype: torch.dtype, numel: int) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"infinity.ops.int8_block: {name} must be a torch.Tensor, got "
-                        f"{type(t).__name__}")
+        raise TypeError(
+            f"infinity.ops.int8_block: {name} must be a torch.Tensor, got {type(t).__name__}"
+        )
     if t.dtype != dtype or not t.is_contiguous() or t.numel() != numel:
-        raise ValueError(f"infinity.ops.int8_block: {name} must be a contiguous {dtype} tensor "
-                         f"of {numel} elements, got {t.dtype} with {t.numel()}")
+        raise ValueError(
+            f"infinity.ops.int8_block: {name} must be a contiguous {dtype} tensor "
+            f"of {numel} elements, got {t.dtype} with {t.numel()}"
+        )
     return t
 
 
@@ -57,29 +61,37 @@ def _lib():
             lib.inf_int8_dequantize.restype = ctypes.c_int
             lib._inf_int8_declared = True
         return lib
+
     return None if use_torch_fallback() else _an.kernels_or_warn(getter, "int8 block")
 
 
-def quantize_int8(x: torch.Tensor, blocksize: int = DEFAULT_BLOCKSIZE, *,
-                  out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
-                  ) -> Tuple[torch.Tensor, torch.Tensor]:
+def quantize_int8(
+    x: torch.Tensor,
+    blocksize: int = DEFAULT_BLOCKSIZE,
+    *,
+    out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """(int8 codes of n, fp32 absmax of ceil(n / blocksize)) of ``x`` (any float dtype; the
     codes are those of ``x`` in fp32). ``out``: (codes, absmax) to write into."""
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"infinity.ops.int8_block: x must be a torch.Tensor, got "
-                        f"{type(x).__name__}")
+        raise TypeError(
+            f"infinity.ops.int8_block: x must be a torch.Tensor, got {type(x).__name__}"
+        )
     return quantize_int8_pieces([(x, x.numel())], blocksize, out=out)
 
 
-def quantize_int8_pieces(pieces: Sequence[quant_pieces.Piece],
-                         blocksize: int = DEFAULT_BLOCKSIZE, *,
-                         out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
-                         ) -> Tuple[torch.Tensor, torch.Tensor]:
+def quantize_int8_pieces(
+    pieces: Sequence[quant_pieces.Piece],
+    blocksize: int = DEFAULT_BLOCKSIZE,
+    *,
+    out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """:func:`quantize_int8` of the concatenation of ``pieces`` ((values, total) each, zeros
     past the values; every piece but the last a whole number of blocks)."""
     if isinstance(blocksize, bool) or not isinstance(blocksize, int) or blocksize <= 0:
-        raise ValueError(f"infinity.ops.int8_block: blocksize must be a positive int, got "
-                         f"{blocksize!r}")
+        raise ValueError(
+            f"infinity.ops.int8_block: blocksize must be a positive int, got {blocksize!r}"
+        )
     pieces = quant_pieces.normalize(pieces, blocksize, "infinity.ops.int8_block")
     n = quant_pieces.total_numel(pieces)
     if out is None:
@@ -98,8 +110,9 @@ def quantize_int8_pieces(pieces: Sequence[quant_pieces.Piece],
         codes.copy_(c)
         absmax.copy_(a)
         return codes, absmax
-    code = lib.inf_int8_quantize_pieces(*quant_pieces.native_args(pieces), blocksize,
-                                        codes.data_ptr(), absmax.data_ptr())
+    code = lib.inf_int8_quantize_pieces(
+        *quant_pieces.native_args(pieces), blocksize, codes.data_ptr(), absmax.data_ptr()
+    )
     if code != 0:
         raise RuntimeError(f"infinity.ops.int8_block: native quantize failed (code {code})")
     return codes, absmax
@@ -111,8 +124,12 @@ def int8_calls(kernel: str, capability: str) -> int:
     lib = _lib()
     if lib is None:
         return -1
-    return int(lib.inf_int8_calls({"quantize": 0, "dequantize": 1}[kernel],
-                                  {"scalar": 0, "avx2": 1, "avx512": 2}[capability]))
+    return int(
+        lib.inf_int8_calls(
+            {"quantize": 0, "dequantize": 1}[kernel],
+            {"scalar": 0, "avx2": 1, "avx512": 2}[capability],
+        )
+    )
 
 
 @torch.no_grad()
@@ -130,10 +147,15 @@ def _torch_quantize(x: torch.Tensor, blocksize: int) -> Tuple[torch.Tensor, torc
 
 
 @torch.no_grad()
-def dequantize_int8(codes: torch.Tensor, absmax: torch.Tensor, numel: int,
-                    blocksize: int = DEFAULT_BLOCKSIZE, *,
-                    out: Optional[torch.Tensor] = None,
-                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_int8(
+    codes: torch.Tensor,
+    absmax: torch.Tensor,
+    numel: int,
+    blocksize: int = DEFAULT_BLOCKSIZE,
+    *,
+    out: Optional[torch.Tensor] = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """``code * (absmax / 127)`` for ``numel`` elements (a multiple of ``blocksize``, or the
     whole tensor) into ``out`` (a float tensor of numel elements; new when omitted)."""
     numel = int(numel)
@@ -142,26 +164,29 @@ def dequantize_int8(codes: torch.Tensor, absmax: torch.Tensor, numel: int,
     if out is None:
         out = torch.empty(numel, dtype=dtype, device=codes.device)
     if out.numel() != numel or not out.is_contiguous():
-        raise ValueError(f"infinity.ops.int8_block: out must be contiguous with {numel} "
-                         f"elements")
+        raise ValueError(f"infinity.ops.int8_block: out must be contiguous with {numel} elements")
     on_cpu = all(t.device.type == "cpu" for t in (codes, absmax, out))
     lib = _lib() if on_cpu else None
     if lib is not None and out.dtype in _OUT:
-        code = lib.inf_int8_dequantize(codes.data_ptr(), absmax.data_ptr(), numel, blocksize,
-                                       out.data_ptr(), _OUT[out.dtype])
+        code = lib.inf_int8_dequantize(
+            codes.data_ptr(), absmax.data_ptr(), numel, blocksize, out.data_ptr(), _OUT[out.dtype]
+        )
         if code != 0:
             raise RuntimeError(f"infinity.ops.int8_block: native dequantize failed (code {code})")
         return out
     scale = absmax * (1.0 / 127.0)
     # the widening copy, then one in-place product per block: twice as fast here as one
     # broadcast multiply of int8 by fp32 (which converts inside the loop)
-    wide = out if out.dtype == torch.float32 else torch.empty(numel, dtype=torch.float32,
-                                                                device=out.device)
+    wide = (
+        out
+        if out.dtype == torch.float32
+        else torch.empty(numel, dtype=torch.float32, device=out.device)
+    )
     flat = wide.view(-1)
     flat.copy_(codes)
     full = numel // blocksize * blocksize
     if full:
-        flat[:full].view(-1, blocksize).mul_(scale[:full // blocksize, None])
+        flat[:full].view(-1, blocksize).mul_(scale[: full // blocksize, None])
     if full < numel:
         flat[full:].mul_(scale[-1])
     if wide is not out:

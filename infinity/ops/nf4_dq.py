@@ -7,6 +7,7 @@ bitsandbytes' signed 8-bit dynamic map (:func:`dynamic_map`, bitsandbytes'
 :func:`infinity.ops.nf4.absmax_from_nested`: ``code[q] * absmax2[block] + offset`` in fp32.
 NF4 then costs 0.5 + 1/64 + 4/(64*256) bytes per parameter (0.5159) instead of 0.5625.
 """
+
 from __future__ import annotations
 
 import functools
@@ -39,18 +40,24 @@ def dynamic_map() -> torch.Tensor:
 
 def _check(absmax: torch.Tensor, blocksize2: int) -> torch.Tensor:
     if not isinstance(absmax, torch.Tensor) or absmax.dtype != torch.float32:
-        raise TypeError("infinity.ops.nf4_dq: absmax must be a float32 tensor, got "
-                        f"{getattr(absmax, 'dtype', type(absmax).__name__)}")
+        raise TypeError(
+            "infinity.ops.nf4_dq: absmax must be a float32 tensor, got "
+            f"{getattr(absmax, 'dtype', type(absmax).__name__)}"
+        )
     if isinstance(blocksize2, bool) or not isinstance(blocksize2, int) or blocksize2 <= 0:
-        raise ValueError(f"infinity.ops.nf4_dq: blocksize2 must be a positive int, got "
-                         f"{blocksize2!r}")
+        raise ValueError(
+            f"infinity.ops.nf4_dq: blocksize2 must be a positive int, got {blocksize2!r}"
+        )
     return absmax.reshape(-1)
 
 
 @torch.no_grad()
-def quantize_absmax(absmax: torch.Tensor, blocksize2: int = NESTED_BLOCKSIZE, *,
-                    out: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
-                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_absmax(
+    absmax: torch.Tensor,
+    blocksize2: int = NESTED_BLOCKSIZE,
+    *,
+    out: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(codes uint8 of n, absmax2 fp32 of ceil(n / blocksize2), offset fp32 of 1) of the fp32
     ``absmax`` (n values). ``out``: those three tensors to write into. A block whose values
     are all equal to the offset gets absmax2 0 and the code of 0."""
@@ -58,12 +65,16 @@ def quantize_absmax(absmax: torch.Tensor, blocksize2: int = NESTED_BLOCKSIZE, *,
     n = a.numel()
     nb2 = (n + blocksize2 - 1) // blocksize2
     if out is None:
-        out = (torch.empty(n, dtype=torch.uint8), torch.empty(nb2, dtype=torch.float32),
-               torch.empty(1, dtype=torch.float32))
+        out = (
+            torch.empty(n, dtype=torch.uint8),
+            torch.empty(nb2, dtype=torch.float32),
+            torch.empty(1, dtype=torch.float32),
+        )
     codes, absmax2, offset = out
     if codes.numel() != n or absmax2.numel() != nb2 or offset.numel() != 1:
-        raise ValueError(f"infinity.ops.nf4_dq: out must hold {n} codes, {nb2} absmax2 and "
-                         "1 offset")
+        raise ValueError(
+            f"infinity.ops.nf4_dq: out must hold {n} codes, {nb2} absmax2 and 1 offset"
+        )
     if n == 0:
         offset.zero_()
         return codes, absmax2, offset

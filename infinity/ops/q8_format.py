@@ -31,6 +31,7 @@ falls back to the exact rule for a block whose new values would clip, for a firs
 (``c_max`` 0) and for Adam with L2 weight decay. Which k a block has does not change its values'
 precision (a float code), only its range at the bottom.
 """
+
 from __future__ import annotations
 
 from typing import Tuple
@@ -38,14 +39,14 @@ from typing import Tuple
 import torch
 
 BLOCK_SIZE = 256
-ONE = 0x3F800000          # bits of 1.0f
+ONE = 0x3F800000  # bits of 1.0f
 SHIFT = 19
 ROUND = 1 << 18
-TOP = {True: 247.0, False: 63487.0}      # the largest value of a code, in units
+TOP = {True: 247.0, False: 63487.0}  # the largest value of a code, in units
 TOP_CODE = {True: 127, False: 255}
-TOP_BINADE = {True: 7, False: 15}        # exponent of z's top binade
+TOP_BINADE = {True: 7, False: 15}  # exponent of z's top binade
 K_MIN, K_MAX = -126, 126
-HEADROOM = 2                             # binades the delayed rule leaves above the last maximum
+HEADROOM = 2  # binades the delayed rule leaves above the last maximum
 _LOW_BYTE = 0xFF
 
 
@@ -153,15 +154,20 @@ def scale_field(k: torch.Tensor, cm: torch.Tensor) -> torch.Tensor:
     return _float(((k + 127) << 23) | cm)
 
 
-def _scale_fields(k: torch.Tensor, codes: torch.Tensor, signed: bool, ok: torch.Tensor,
-                  special: torch.Tensor) -> torch.Tensor:
+def _scale_fields(
+    k: torch.Tensor, codes: torch.Tensor, signed: bool, ok: torch.Tensor, special: torch.Tensor
+) -> torch.Tensor:
     """bits(2**k) | c_max for the rows where ``ok``, else ``special`` (0, inf or NaN)."""
     return torch.where(ok, scale_field(k, magnitude(codes, signed).amax(dim=1)), special)
 
 
-def step_codes(m: torch.Tensor, v: torch.Tensor, old_m_scale: torch.Tensor,
-               old_v_scale: torch.Tensor, delayed_allowed: bool
-               ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def step_codes(
+    m: torch.Tensor,
+    v: torch.Tensor,
+    old_m_scale: torch.Tensor,
+    old_v_scale: torch.Tensor,
+    delayed_allowed: bool,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The step's encoding of the new fp32 moments (rows of 256) given the old scale fields:
     the delayed rule where it applies (module docstring), else the exact rule. Returns
     (m codes, m scale fields, v codes, v scale fields)."""
@@ -187,5 +193,3 @@ def step_codes(m: torch.Tensor, v: torch.Tensor, old_m_scale: torch.Tensor,
     vs_d = _scale_fields(kv, vc_d, False, fast, vs_e)
     col = fast[:, None]
     return (torch.where(col, mc_d, mc_e), ms_d, torch.where(col, vc_d, vc_e), vs_d)
-
-

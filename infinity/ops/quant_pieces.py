@@ -5,6 +5,7 @@ its length in the range, the rest zeros. Every piece but the last holds a whole 
 quantization blocks, so no block spans two pieces. The quantized bytes are those of the
 concatenation (zeros included) quantized as one fp32 tensor: a frozen flat's segment is
 quantized straight from its parameters, with no gathering copy (csrc/quant_pieces.h)."""
+
 from __future__ import annotations
 
 import ctypes
@@ -22,18 +23,24 @@ def normalize(pieces: Sequence[Piece], blocksize: int, owner: str) -> List[Piece
     out: List[Piece] = []
     for k, piece in enumerate(pieces):
         if not isinstance(piece, tuple) or len(piece) != 2:
-            raise TypeError(f"{owner}: piece {k} must be a (tensor, total) tuple, got "
-                            f"{type(piece).__name__}")
+            raise TypeError(
+                f"{owner}: piece {k} must be a (tensor, total) tuple, got {type(piece).__name__}"
+            )
         values, total = piece
         if not isinstance(values, torch.Tensor):
-            raise TypeError(f"{owner}: piece {k}'s values must be a torch.Tensor, got "
-                            f"{type(values).__name__}")
+            raise TypeError(
+                f"{owner}: piece {k}'s values must be a torch.Tensor, got {type(values).__name__}"
+            )
         if isinstance(total, bool) or not isinstance(total, int) or total < values.numel():
-            raise ValueError(f"{owner}: piece {k}'s total must be an int >= its {values.numel()} "
-                             f"values, got {total!r}")
+            raise ValueError(
+                f"{owner}: piece {k}'s total must be an int >= its {values.numel()} "
+                f"values, got {total!r}"
+            )
         if k + 1 < len(pieces) and total % blocksize:
-            raise ValueError(f"{owner}: piece {k} holds {total} elements, not a multiple of the "
-                             f"blocksize {blocksize} (only the last piece may end mid-block)")
+            raise ValueError(
+                f"{owner}: piece {k} holds {total} elements, not a multiple of the "
+                f"blocksize {blocksize} (only the last piece may end mid-block)"
+            )
         values = values.detach().reshape(-1)
         if values.dtype not in DTYPE_CODES:
             values = values.to(torch.float32)
@@ -50,7 +57,7 @@ def as_fp32(pieces: Sequence[Piece]) -> torch.Tensor:
     flat = torch.zeros(total_numel(pieces), dtype=torch.float32)
     at = 0
     for values, total in pieces:
-        flat[at:at + values.numel()].copy_(values)
+        flat[at : at + values.numel()].copy_(values)
         at += total
     return flat
 
@@ -69,10 +76,17 @@ def native_args(pieces: Sequence[Piece]) -> tuple:
 def declare(fn) -> None:
     """argtypes / restype of an ``inf_*_quantize_pieces`` entry point."""
     vp, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int32),
-                   ctypes.POINTER(i64), ctypes.POINTER(i64), i64, i64, vp, vp]
+    fn.argtypes = [
+        ctypes.POINTER(ctypes.c_void_p),
+        ctypes.POINTER(ctypes.c_int32),
+        ctypes.POINTER(i64),
+        ctypes.POINTER(i64),
+        i64,
+        i64,
+        vp,
+        vp,
+    ]
     fn.restype = ctypes.c_int
 
 
-__all__ = ["DTYPE_CODES", "Piece", "as_fp32", "declare", "native_args", "normalize",
-           "total_numel"]
+__all__ = ["DTYPE_CODES", "Piece", "as_fp32", "declare", "native_args", "normalize", "total_numel"]

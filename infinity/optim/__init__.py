@@ -13,14 +13,33 @@ Which moment format each parameter gets (``states=``, ``min_8bit_size=``): :mod:
 (``formats_for(model, states)`` tells it without an optimizer, ``moment_nbytes`` the bytes).
 fp16 models: :class:`LossScaler` (``torch.amp.GradScaler``'s interface).
 """
-from .step.formats import (MIN_8BIT_SIZE, STATE_FORMATS, format_summary, formats_for,
-                           model_state_bytes, moment_nbytes)
-from .loss_scale import LossScaler
-from .adam import Adam, AdamW, OffloadedAdam
-from .states.store import OptimizerStateIOError
-from .states.tier import choose_tier
-from .states.swapper import StepStats
 
-__all__ = ["Adam", "AdamW", "OffloadedAdam", "LossScaler", "OptimizerStateIOError",
-           "StepStats", "choose_tier", "MIN_8BIT_SIZE", "STATE_FORMATS", "format_summary",
-           "formats_for", "model_state_bytes", "moment_nbytes"]
+from .adam import Adam, AdamW, OffloadedAdam
+from .loss_scale import LossScaler
+from .states.store import OptimizerStateIOError
+from .states.swapper import StepStats
+from .states.tier import choose_tier
+from .step.formats import (
+    MIN_8BIT_SIZE,
+    STATE_FORMATS,
+    format_summary,
+    formats_for,
+    model_state_bytes,
+    moment_nbytes,
+)
+
+__all__ = [
+    "Adam",
+    "AdamW",
+    "OffloadedAdam",
+    "LossScaler",
+    "OptimizerStateIOError",
+    "StepStats",
+    "choose_tier",
+    "MIN_8BIT_SIZE",
+    "STATE_FORMATS",
+    "format_summary",
+    "formats_for",
+    "model_state_bytes",
+    "moment_nbytes",
+]

@@ -20,6 +20,7 @@ gradient in a step is left alone and its step does not advance), hyper-parameter
 param group at every step (LR schedulers work), ``state_dict`` in torch's format plus an fp32
 ``master`` entry per parameter.
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,22 +35,23 @@ from ..ops.bf16_master import check_master
 from ..runtime.port import OptimizerPort
 from ..sizes import Size, parse_size
 from ..tiers.chunk_size import check_chunk_bytes
-from .step.common import ShardState, _check_hyper  # noqa: F401 (ShardState re-exported)
-from .step.choices import FormatChoices
-from .core import AdamCore
-from .step.formats import MIN_8BIT_SIZE, FormatSpec, States as StatesArg, format_summary
 from .checks import GradientChecks
+from .core import AdamCore
 from .overlap import BackwardOverlap
-from .step.shard import Shard
 from .state_dicts import StateDicts
 from .states.store import OptimizerStateIOError
+from .step.choices import FormatChoices
+from .step.common import ShardState, _check_hyper  # noqa: F401 (ShardState re-exported)
+from .step.formats import MIN_8BIT_SIZE, FormatSpec, format_summary
+from .step.formats import States as StatesArg
+from .step.shard import Shard
 from .step.stats import StepStats
 
 logger = logging.getLogger(__name__)
 
 # the state of the live infinity optimizers (for infinity.stats: which formats a wrapped
 # model's states use, and their NVMe bytes)
-_LIVE: "weakref.WeakSet[AdamCore]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[AdamCore] = weakref.WeakSet()
 
 
 def state_formats_of(engine: Any) -> Dict[str, Dict[str, int]]:
@@ -167,38 +169,58 @@ class OffloadedAdam(torch.optim.Optimizer):
     # read by the engine's guard on torch optimizers: this one reads the engine's gradients
     infinity_reads_engine_gradients = True
 
-    def __init__(self, params, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, *, adamw: bool = True,
-                 amsgrad: bool = False, maximize: bool = False,
-                 check_finite: Union[bool, str] = "auto", states: StatesArg = "fp32",
-                 overlap: Union[bool, str] = "auto", master: str = "fp32",
-                 sr_seed: int = 0, min_8bit_size: int = MIN_8BIT_SIZE,
-                 chunk_bytes: Optional[Size] = None,
-                 keep_grads: Union[bool, str] = True) -> None:
-        chunk = check_chunk_bytes(parse_size(chunk_bytes, "chunk_bytes")
-                                  if isinstance(chunk_bytes, str) else chunk_bytes,
-                                  "infinity.optim")
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: Tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        *,
+        adamw: bool = True,
+        amsgrad: bool = False,
+        maximize: bool = False,
+        check_finite: Union[bool, str] = "auto",
+        states: StatesArg = "fp32",
+        overlap: Union[bool, str] = "auto",
+        master: str = "fp32",
+        sr_seed: int = 0,
+        min_8bit_size: int = MIN_8BIT_SIZE,
+        chunk_bytes: Optional[Size] = None,
+        keep_grads: Union[bool, str] = True,
+    ) -> None:
+        chunk = check_chunk_bytes(
+            parse_size(chunk_bytes, "chunk_bytes") if isinstance(chunk_bytes, str) else chunk_bytes,
+            "infinity.optim",
+        )
         spec = FormatSpec(states, min_8bit_size)
         self.states_format = spec.default  # the default format's name
         self.min_8bit_size = spec.min_8bit_size
         self.master_format = check_master(master)
-        if isinstance(sr_seed, bool) or not isinstance(sr_seed, int) \
-                or not 0 <= sr_seed < 1 << 64:
-            raise ValueError(f"infinity.optim: sr_seed must be an int in [0, 2**64), got "
-                             f"{sr_seed!r}")
+        if isinstance(sr_seed, bool) or not isinstance(sr_seed, int) or not 0 <= sr_seed < 1 << 64:
+            raise ValueError(
+                f"infinity.optim: sr_seed must be an int in [0, 2**64), got {sr_seed!r}"
+            )
         self.sr_seed = sr_seed
         if check_finite not in (True, False, "auto"):
             raise ValueError(f"check_finite must be True, False or 'auto', got {check_finite!r}")
         self.check_finite = check_finite
         # what the step works on, owned here (the overlap, checks and state dicts share it;
         # public: tests and tools read its stores and shards through it)
-        self.core = AdamCore(self, FormatChoices(spec), self.master_format, sr_seed,
-                             bool(adamw), chunk)
+        self.core = AdamCore(
+            self, FormatChoices(spec), self.master_format, sr_seed, bool(adamw), chunk
+        )
         self._overlap = BackwardOverlap(self.core, overlap, keep_grads)
         self._checks = GradientChecks(self.core, self._overlap.grads_scaled)
         self._dicts = StateDicts(self.core, self._overlap.rollback_all)
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                        amsgrad=amsgrad, maximize=maximize)
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            maximize=maximize,
+        )
         _check_hyper(defaults)
         self.skipped_steps = 0
         self.last_step_stats: Optional[StepStats] = None
@@ -224,7 +246,8 @@ class OffloadedAdam(torch.optim.Optimizer):
                 raise ValueError(
                     f"infinity.optim: master={self.master_format!r} is not supported with "
                     "ZeRO-sharded models (their state and checkpoint code reads fp32 masters); "
-                    "use master='fp32' (compact moments, states='bf16'/'8bit', still work)")
+                    "use master='fp32' (compact moments, states='bf16'/'8bit', still work)"
+                )
             core.wrapped.add(p, loc, index, self._overlap)
 
     def state_formats(self, by: str = "name") -> Dict[Union[str, int], str]:
@@ -233,12 +256,11 @@ class OffloadedAdam(torch.optim.Optimizer):
         parameters, and a name that two wrapped models share, by their index in the param
         groups' order, as in ``state_dict()``) or that index for all (``by="index"``)."""
         if by not in ("name", "index"):
-            raise ValueError(f"infinity.optim: state_formats(by=) is 'name' or 'index', got "
-                             f"{by!r}")
+            raise ValueError(f"infinity.optim: state_formats(by=) is 'name' or 'index', got {by!r}")
         core = self.core
         out: Dict[Union[str, int], str] = {}
         names: Dict[int, str] = {}  # id(param) -> its qualified name in its wrapped model
-        for port in (core.wrapped.ports() if by == "name" else ()):
+        for port in core.wrapped.ports() if by == "name" else ():
             for flat in port.flats:
                 for s in flat.slots:
                     names.setdefault(id(s.param), s.qualname)
@@ -260,8 +282,7 @@ class OffloadedAdam(torch.optim.Optimizer):
     def state_tiers(self) -> Dict[str, str]:
         """Where each wrapped shard's states live ("host"/"nvme"), once chosen."""
         wrapped = self.core.wrapped
-        tiers = {side.port: side.store.tier for side in wrapped.sides()
-                 if side.store is not None}
+        tiers = {side.port: side.store.tier for side in wrapped.sides() if side.store is not None}
         return {s.key: tiers[s.port] for s in wrapped.shards.values() if s.port in tiers}
 
     # ---- gradients: finiteness, clipping, multipliers ----------------------------------------
@@ -270,8 +291,9 @@ class OffloadedAdam(torch.optim.Optimizer):
         NVMe were checked by the engine while they were in RAM, so they are not read back."""
         return self._checks.grads_finite()
 
-    def set_grad_multiplier(self, factor: float, *, finite: Optional[bool] = None,
-                            source: str = "") -> None:
+    def set_grad_multiplier(
+        self, factor: float, *, finite: Optional[bool] = None, source: str = ""
+    ) -> None:
         """Multiplies every gradient by ``factor`` in the next step (inside the kernel; the
         stored gradients are not changed). ``finite``: the caller already checked them."""
         self._checks.set_grad_multiplier(factor, finite=finite, source=source)
@@ -336,8 +358,10 @@ class OffloadedAdam(torch.optim.Optimizer):
             overlap.step_finished()
             self.skipped_steps += 1
             stats.skipped = True
-            logger.warning("infinity.optim: gradients contain inf/nan; step skipped "
-                           "(%d skipped so far)", self.skipped_steps)
+            logger.warning(
+                "infinity.optim: gradients contain inf/nan; step skipped (%d skipped so far)",
+                self.skipped_steps,
+            )
             return loss
         try:
             if overlap.pending:
@@ -357,9 +381,14 @@ class OffloadedAdam(torch.optim.Optimizer):
                 mine = [s for s in core.wrapped.shards_of(port) if work.steps(s)]
                 if mine:
                     core.wrapped.store(port).step(mine, work)
-            stats.params += core.params.step(self.param_groups, self.state,
-                                             core.wrapped.is_wrapped, core.formats.format_of,
-                                             core.element_base, multiplier)
+            stats.params += core.params.step(
+                self.param_groups,
+                self.state,
+                core.wrapped.is_wrapped,
+                core.formats.format_of,
+                core.element_base,
+                multiplier,
+            )
         except BaseException:
             # re-armed: calling step() again retries this same step (clipping included)
             core.multiplier, core.finite = multiplier, finite
@@ -387,16 +416,22 @@ class OffloadedAdam(torch.optim.Optimizer):
         core = self.core
         self._overlap.rollback_all("zero_grad() before opt.step()")
         if core.done:
-            logger.warning("infinity.optim: zero_grad() after a failed step that %d shard(s) had "
-                           "already taken; the others skip it", len(core.done))
+            logger.warning(
+                "infinity.optim: zero_grad() after a failed step that %d shard(s) had "
+                "already taken; the others skip it",
+                len(core.done),
+            )
             core.done.clear()
         for port in core.wrapped.ports():
             store = core.wrapped.side(port).store
             partial = store.partial if store is not None else []
             if partial:
-                logger.warning("infinity.optim: zero_grad() after a failed step that shard(s) %s "
-                               "had taken part way: their units that took it keep it (their "
-                               "step count does not), the others skip it", ", ".join(partial))
+                logger.warning(
+                    "infinity.optim: zero_grad() after a failed step that shard(s) %s "
+                    "had taken part way: their units that took it keep it (their "
+                    "step count does not), the others skip it",
+                    ", ".join(partial),
+                )
                 for shard in core.wrapped.shards_of(port):
                     if shard.key in partial:
                         store.finish(shard)
@@ -502,21 +537,43 @@ class OffloadedAdam(torch.optim.Optimizer):
 class AdamW(OffloadedAdam):
     """torch.optim.AdamW (decoupled weight decay, default 1e-2) with offloaded states."""
 
-    def __init__(self, params, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, **kwargs: Any) -> None:
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                         adamw=True, **kwargs)
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: Tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw=True, **kwargs
+        )
 
 
 class Adam(OffloadedAdam):
     """torch.optim.Adam (L2 weight decay added to the gradient, default 0) with offloaded
     states."""
 
-    def __init__(self, params, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, **kwargs: Any) -> None:
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                         adamw=False, **kwargs)
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: Tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw=False, **kwargs
+        )
 
 
-__all__ = ["OffloadedAdam", "AdamW", "Adam", "OptimizerStateIOError", "ShardState",
-           "state_formats_of"]
+__all__ = [
+    "OffloadedAdam",
+    "AdamW",
+    "Adam",
+    "OptimizerStateIOError",
+    "ShardState",
+    "state_formats_of",
+]

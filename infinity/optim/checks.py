@@ -1,5 +1,6 @@
 """Gradient norms, clipping, inf/nan checks and grad multipliers of the offloaded optimizer,
 read through the engine's gradient source (norms measured on the way where it has them)."""
+
 from __future__ import annotations
 
 import logging
@@ -9,8 +10,8 @@ from typing import Callable, Dict, Iterator, List, Optional
 import torch
 
 from . import clip as clip_mod
-from .step.common import _grad_ranges, _number, _read_grads
 from .core import AdamCore
+from .step.common import _grad_ranges, _number, _read_grads
 
 logger = logging.getLogger(__name__)
 
@@ -42,11 +43,11 @@ class GradientChecks:
                         s = shard.flat.slots[i]
                         lo, hi = max(s.offset, start), min(s.offset + s.numel, end)
                         if lo < hi:
-                            yield part[lo - start:hi - start]
+                            yield part[lo - start : hi - start]
                 continue
             for i in ready:
                 s = shard.flat.slots[i]
-                yield grad[s.offset:s.offset + s.numel]
+                yield grad[s.offset : s.offset + s.numel]
         for group in self.core.groups:
             for p in group["params"]:
                 if p.grad is not None and not self.core.wrapped.is_wrapped(p):
@@ -70,7 +71,8 @@ class GradientChecks:
             for i in ready:
                 s = shard.flat.slots[i]
                 wrapped[id(s.param)] = clip_mod.tensor_norm(
-                    grad[s.offset:s.offset + s.numel], norm_type)
+                    grad[s.offset : s.offset + s.numel], norm_type
+                )
         norms = []
         for group in self.core.groups:
             for p in group["params"]:
@@ -84,17 +86,20 @@ class GradientChecks:
     def known_finite(self) -> Optional[bool]:
         """False when a gradient the engine already checked (NVMe tier) holds an inf/nan."""
         for shard in self.core.wrapped.shards.values():
-            if (shard.port.grads.finite(shard.flat) is False
-                    and any(shard.ready(i) for i in range(len(shard.flat.slots)))):
+            if shard.port.grads.finite(shard.flat) is False and any(
+                shard.ready(i) for i in range(len(shard.flat.slots))
+            ):
                 return False
         return None
 
     def grads_finite(self) -> bool:
         """True when no gradient this optimizer would apply holds an inf or nan. Gradients on
         NVMe were checked by the engine while they were in RAM, so they are not read back."""
-        finite = not any(shard.port.grads.finite(shard.flat) is False
-                         and any(shard.ready(i) for i in range(len(shard.flat.slots)))
-                         for shard in self.core.wrapped.shards.values())
+        finite = not any(
+            shard.port.grads.finite(shard.flat) is False
+            and any(shard.ready(i) for i in range(len(shard.flat.slots)))
+            for shard in self.core.wrapped.shards.values()
+        )
         finite = finite and clip_mod.all_finite(self._grads(skip_checked=True))
         return bool(self.agree_finite(finite))
 
@@ -119,8 +124,9 @@ class GradientChecks:
         total = part.all_reduce(float(local) ** norm_type, "sum")
         return torch.tensor(total ** (1.0 / norm_type), dtype=torch.float32)
 
-    def set_grad_multiplier(self, factor: float, *, finite: Optional[bool] = None,
-                            source: str = "") -> None:
+    def set_grad_multiplier(
+        self, factor: float, *, finite: Optional[bool] = None, source: str = ""
+    ) -> None:
         """Multiplies every gradient by ``factor`` in the next step (inside the kernel; the
         stored gradients are not changed). ``finite``: the caller already checked them."""
         core = self.core
@@ -138,8 +144,9 @@ class GradientChecks:
         core = self.core
         for port in core.wrapped.ports():
             port.sync_gradients()
-        raw = self._global_norm(clip_mod.norm_of_norms(self._grad_norms(norm_type), norm_type),
-                                norm_type)
+        raw = self._global_norm(
+            clip_mod.norm_of_norms(self._grad_norms(norm_type), norm_type), norm_type
+        )
         norm = raw * core.multiplier if core.multiplier != 1.0 else raw
         finite = math.isfinite(float(norm))
         if finite:
@@ -153,4 +160,5 @@ class GradientChecks:
             if why is not None:
                 raise RuntimeError(
                     f"infinity.optim: the gradients of {shard.key} were lost: {why}; no step "
-                    "was taken. Call zero_grad() and run the backward of this batch again")
+                    "was taken. Call zero_grad() and run the backward of this batch again"
+                )

@@ -1,4 +1,5 @@
 """Gradient norms over the offloaded gradients (``flat.grad`` slots) and plain ``p.grad``."""
+
 from __future__ import annotations
 
 from typing import Iterable, List

@@ -13,6 +13,7 @@
 Gradients are never rewritten in place: ``unscale_`` hands ``1/scale`` to the optimizer, whose
 CPU Adam kernel multiplies each gradient by it as it reads it (``grad_multiplier``).
 """
+
 from __future__ import annotations
 
 import logging
@@ -26,8 +27,12 @@ logger = logging.getLogger(__name__)
 
 
 def _positive(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) \
-            or not math.isfinite(float(value)) or float(value) <= 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not math.isfinite(float(value))
+        or float(value) <= 0
+    ):
         raise ValueError(f"{name} must be a positive finite number, got {value!r}")
     return float(value)
 
@@ -43,9 +48,14 @@ class LossScaler:
         enabled: False makes every method a pass-through (scale 1, steps always taken).
     """
 
-    def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 2000,
-                 enabled: bool = True) -> None:
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+    ) -> None:
         self._scale = _positive("init_scale", init_scale)
         self.growth_factor = _positive("growth_factor", growth_factor)
         if self.growth_factor <= 1.0:
@@ -53,13 +63,16 @@ class LossScaler:
         self.backoff_factor = _positive("backoff_factor", backoff_factor)
         if self.backoff_factor >= 1.0:
             raise ValueError(f"backoff_factor must be < 1, got {backoff_factor}")
-        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) \
-                or growth_interval < 1:
+        if (
+            isinstance(growth_interval, bool)
+            or not isinstance(growth_interval, int)
+            or growth_interval < 1
+        ):
             raise ValueError(f"growth_interval must be a positive int, got {growth_interval!r}")
         self.growth_interval = growth_interval
         self.enabled = bool(enabled)
         self._growth_tracker = 0
-        self._found_inf: Optional[bool] = None   # of the current iteration, once unscaled
+        self._found_inf: Optional[bool] = None  # of the current iteration, once unscaled
         self._stepped = False
         self.skipped_steps = 0
 
@@ -76,8 +89,9 @@ class LossScaler:
         if not self.enabled:
             return
         if self._found_inf is not None:
-            raise RuntimeError("unscale_() has already been called on this optimizer since "
-                               "the last update()")
+            raise RuntimeError(
+                "unscale_() has already been called on this optimizer since the last update()"
+            )
         finite = optimizer.grads_finite()
         self._found_inf = not finite
         optimizer.set_grad_multiplier(1.0 / self._scale, finite=finite, source="loss scale")
@@ -94,8 +108,10 @@ class LossScaler:
         if self._found_inf:
             optimizer.discard_pending_step()
             self.skipped_steps += 1
-            logger.info("infinity.optim.LossScaler: inf/nan gradients at scale %g; step skipped",
-                        self._scale)
+            logger.info(
+                "infinity.optim.LossScaler: inf/nan gradients at scale %g; step skipped",
+                self._scale,
+            )
             return None
         return optimizer.step(*args, **kwargs)
 
@@ -125,9 +141,14 @@ class LossScaler:
         return self.enabled
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"scale": self._scale, "growth_factor": self.growth_factor,
-                "backoff_factor": self.backoff_factor, "growth_interval": self.growth_interval,
-                "_growth_tracker": self._growth_tracker, "skipped_steps": self.skipped_steps}
+        return {
+            "scale": self._scale,
+            "growth_factor": self.growth_factor,
+            "backoff_factor": self.backoff_factor,
+            "growth_interval": self.growth_interval,
+            "_growth_tracker": self._growth_tracker,
+            "skipped_steps": self.skipped_steps,
+        }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         missing = {"scale", "_growth_tracker"} - set(state)

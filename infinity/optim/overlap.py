@@ -57,6 +57,7 @@ committed states). The optimizer's own ``state_dict``/checkpoint calls roll back
 written before the forward (``load_state_dict``, an EMA copied back) keep the step after that
 forward from speculating.
 """
+
 from __future__ import annotations
 
 import logging
@@ -67,13 +68,14 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 
 from ..runtime.port import OptimizerPort
-from .step.chunks import Unit
 from .core import AdamCore
-from .step.kernels import Window
-from .step.shard import Run as _Run, Shard
 from .states.store import StateStore
-from .step.stats import StepStats
 from .states.swapper import ShardFeed, run_pipeline
+from .step.chunks import Unit
+from .step.kernels import Window
+from .step.shard import Run as _Run
+from .step.shard import Shard
+from .step.stats import StepStats
 
 logger = logging.getLogger(__name__)
 
@@ -85,18 +87,22 @@ KEEP_GRADS_MODES = (True, "auto")
 
 def check_keep_grads(value: object) -> Union[str, bool]:
     if not any(value is m or (isinstance(m, str) and value == m) for m in KEEP_GRADS_MODES):
-        raise ValueError(f"infinity.optim: keep_grads must be True (default: with the step "
-                         f"overlapping backward, gradients are written to NVMe too) or 'auto' "
-                         f"(written only while the loop may need them after backward); got "
-                         f"{value!r}")
+        raise ValueError(
+            f"infinity.optim: keep_grads must be True (default: with the step "
+            f"overlapping backward, gradients are written to NVMe too) or 'auto' "
+            f"(written only while the loop may need them after backward); got "
+            f"{value!r}"
+        )
     return value  # type: ignore[return-value]
 
 
 def check_overlap(value: object) -> Union[str, bool]:
     if not any(value is m or (isinstance(m, str) and value == m) for m in OVERLAP_MODES):
-        raise ValueError(f"infinity.optim: overlap must be 'auto' (default: overlap the step "
-                         f"with backward once the loop steps after every backward), True "
-                         f"(always) or False (never); got {value!r}")
+        raise ValueError(
+            f"infinity.optim: overlap must be 'auto' (default: overlap the step "
+            f"with backward once the loop steps after every backward), True "
+            f"(always) or False (never); got {value!r}"
+        )
     return value  # type: ignore[return-value]
 
 
@@ -130,18 +136,39 @@ class _Worker:
         self._lock = threading.Lock()
         sets = store.reserve()
 
-        def compute(shard: Shard, unit: Unit, buf: torch.Tensor,
-                    out: Optional[Window], grad: Optional[Window]) -> None:
+        def compute(
+            shard: Shard,
+            unit: Unit,
+            buf: torch.Tensor,
+            out: Optional[Window],
+            grad: Optional[Window],
+        ) -> None:
             spec = self.specs[shard.key]
-            core.apply_unit(shard, list(spec.runs), unit, buf, 1.0, out, grad,
-                            hypers=[dict(h) for h in spec.hypers])
+            core.apply_unit(
+                shard,
+                list(spec.runs),
+                unit,
+                buf,
+                1.0,
+                out,
+                grad,
+                hypers=[dict(h) for h in spec.hypers],
+            )
             if unit.last:
                 self._release(shard)
 
         def run() -> None:
             try:
-                run_pipeline(self.feed, store, sets, compute, port.working.staged,
-                             self.stats, self.computed, commit=False)
+                run_pipeline(
+                    self.feed,
+                    store,
+                    sets,
+                    compute,
+                    port.working.staged,
+                    self.stats,
+                    self.computed,
+                    commit=False,
+                )
             except BaseException as exc:  # noqa: BLE001 - reported at step(), then rolled back
                 self.error = exc
             finally:
@@ -177,28 +204,39 @@ class _Worker:
 
 
 class _ModelState:
-    __slots__ = ("backwards", "good_steps", "armed", "mismatch", "kept", "backoff", "wait",
-                 "write", "quiet", "marks")
+    __slots__ = (
+        "backwards",
+        "good_steps",
+        "armed",
+        "mismatch",
+        "kept",
+        "backoff",
+        "wait",
+        "write",
+        "quiet",
+        "marks",
+    )
 
     def __init__(self) -> None:
-        self.write = True      # this backward's gradients are written to NVMe too
-        self.quiet = 0         # consecutive armed steps that needed no gradient after backward
-        self.marks = (0, 0)    # the sink's (accumulations, p.grad changes) at the last step
-        self.backwards = 0     # forwards with grad enabled since the last step
-        self.good_steps = 0    # consecutive steps that had exactly one
+        self.write = True  # this backward's gradients are written to NVMe too
+        self.quiet = 0  # consecutive armed steps that needed no gradient after backward
+        self.marks = (0, 0)  # the sink's (accumulations, p.grad changes) at the last step
+        self.backwards = 0  # forwards with grad enabled since the last step
+        self.good_steps = 0  # consecutive steps that had exactly one
         self.armed = False
         self.mismatch = False  # this step rolled back speculative updates that differed
-        self.kept = False      # this step kept speculative updates (and rolled back none)
-        self.backoff = 0       # "auto": steps to sit out after the next mismatch / 2
-        self.wait = 0          # "auto": steps left to sit out
+        self.kept = False  # this step kept speculative updates (and rolled back none)
+        self.backoff = 0  # "auto": steps to sit out after the next mismatch / 2
+        self.wait = 0  # "auto": steps left to sit out
 
 
 class BackwardOverlap:
     """Part of OffloadedAdam: the engine's backward listener (``grads_complete``,
     ``forward_started``) and the verification at step()."""
 
-    def __init__(self, core: AdamCore, mode: Union[str, bool],
-                 keep_grads: Union[str, bool] = True) -> None:
+    def __init__(
+        self, core: AdamCore, mode: Union[str, bool], keep_grads: Union[str, bool] = True
+    ) -> None:
         # the core holds its optimizer weakly: the engine holds this listener, and an
         # optimizer dropped without close() must still be freed by reference counting
         self.core = core
@@ -233,8 +271,9 @@ class BackwardOverlap:
         if marks[1] != st.marks[1]:
             st.quiet = 0
         st.marks = marks
-        st.write = not (st.armed and self.keep_grads == "auto" and st.quiet >= SKIP_AFTER
-                        and not self.scaled)
+        st.write = not (
+            st.armed and self.keep_grads == "auto" and st.quiet >= SKIP_AFTER and not self.scaled
+        )
 
     def takes_in_ram(self, port: OptimizerPort, flat: Any) -> bool:
         """Just before a block's gradients are closed: True when this backward's update of
@@ -245,8 +284,9 @@ class BackwardOverlap:
             return False
         shard = self.core.wrapped.shards.get(id(flat))
         worker = self._workers.get(port)
-        if shard is None or (worker is not None and (not worker.alive
-                                                     or shard.key in worker.specs)):
+        if shard is None or (
+            worker is not None and (not worker.alive or shard.key in worker.specs)
+        ):
             return False
         if not shard.runs():
             return False
@@ -265,8 +305,7 @@ class BackwardOverlap:
         core = self.core
         if self.mode is False or not core.clean:
             return False  # a failed step to finish, or a multiplier set before backward
-        if self.mode == "auto" and (st.good_steps < AUTO_AFTER or st.backwards != 1
-                                    or st.wait > 0):
+        if self.mode == "auto" and (st.good_steps < AUTO_AFTER or st.backwards != 1 or st.wait > 0):
             return False
         if self.mode is True and st.backwards != 1:
             return False
@@ -306,8 +345,9 @@ class BackwardOverlap:
             self._workers[port] = worker
         if held and not port.grads.written(flat):
             self.unwritten_total += 1
-        worker.put(_Spec(shard, tuple(runs), tuple(_freeze(core.hyper(r, 1.0)) for r in runs),
-                         norms), held)
+        worker.put(
+            _Spec(shard, tuple(runs), tuple(_freeze(core.hyper(r, 1.0)) for r in runs), norms), held
+        )
 
     # ---- step side ---------------------------------------------------------------------------
     @property
@@ -332,16 +372,18 @@ class BackwardOverlap:
         for worker in list(self._workers.values()):
             self.rollback_model(worker.port, why)
 
-    def _rollback(self, worker: _Worker, shards: List[Shard], why: str,
-                  keep_home: Tuple[Shard, ...] = ()) -> None:
+    def _rollback(
+        self, worker: _Worker, shards: List[Shard], why: str, keep_home: Tuple[Shard, ...] = ()
+    ) -> None:
         """Forgets the shards' pending state writes and rewrites their parameters from the
         committed masters -- except ``keep_home``: shards the step redoes at once, over the
         same slots, whose parameters the user wrote after backward (the step takes those
         writes in first, then rewrites every stepped slot)."""
         if not shards:
             return
-        logger.debug("infinity.optim: rolling back %d speculative shard update(s): %s",
-                     len(shards), why)
+        logger.debug(
+            "infinity.optim: rolling back %d speculative shard update(s): %s", len(shards), why
+        )
         for shard in shards:
             worker.store.abort_shard(shard)
             if shard not in keep_home:
@@ -376,16 +418,23 @@ class BackwardOverlap:
                 for shard in worker.computed:
                     spec = worker.specs[shard.key]
                     runs = shard.runs()
-                    same = (multiplier == 1.0 and tuple(runs) == spec.runs
-                            and tuple(_freeze(core.hyper(r, 1.0)) for r in runs) == spec.hypers
-                            and grads.slot_norms(shard.flat) is spec.norms
-                            and not shard.flat.user_written)
+                    same = (
+                        multiplier == 1.0
+                        and tuple(runs) == spec.runs
+                        and tuple(_freeze(core.hyper(r, 1.0)) for r in runs) == spec.hypers
+                        and grads.slot_norms(shard.flat) is spec.norms
+                        and not shard.flat.user_written
+                    )
                     (good if same else bad).append(shard)
-                why = ("the step differs from what backward computed (clipping, loss scale, lr, "
-                       "gradients or parameters changed)")
+                why = (
+                    "the step differs from what backward computed (clipping, loss scale, lr, "
+                    "gradients or parameters changed)"
+                )
                 if multiplier != 1.0:
-                    why = (f"the step multiplies the gradients by {multiplier!r} (clip_grad_norm_ "
-                           "that clipped, or a loss scale), which backward could not know")
+                    why = (
+                        f"the step multiplies the gradients by {multiplier!r} (clip_grad_norm_ "
+                        "that clipped, or a loss scale), which backward could not know"
+                    )
                 redo = bad
                 decided.append((worker, good, bad, why))
             gone.extend(s for s in redo if not grads.written(s.flat) and s.runs())
@@ -405,7 +454,8 @@ class BackwardOverlap:
                 "skips those writes once the loop's steps needed no gradient after backward). "
                 "Call zero_grad(), run this batch's forward and backward again and step; use "
                 "keep_grads=True (the default) for loops that clip, scale or change the step "
-                "only sometimes")
+                "only sometimes"
+            )
         for worker, good, bad, why in decided:
             if worker.error is not None or worker.poisoned is not None:
                 self._rollback(worker, list(worker.computed), why)
@@ -415,8 +465,11 @@ class BackwardOverlap:
                 self._state(worker.port).mismatch = True
             elif good:
                 self._state(worker.port).kept = True
-            written = tuple(s for s in bad if s.flat.user_written
-                            and tuple(s.runs()) == worker.specs[s.key].runs)
+            written = tuple(
+                s
+                for s in bad
+                if s.flat.user_written and tuple(s.runs()) == worker.specs[s.key].runs
+            )
             self._rollback(worker, bad, why, keep_home=written)
             worker.store.commit_shards(good)
             for shard in good:

@@ -3,6 +3,7 @@ like torch: one dict per parameter in ``optimizer.state`` with ``step``, the mom
 parameter's format and, where needed, a master copy; stepped by the same kernel as a shard
 (:func:`.kernels.adam_kernel`). Their 8-bit blocks start at the parameter's first element,
 as a wrapped slot's."""
+
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, Iterable, Optional
@@ -26,8 +27,12 @@ class ParamStates:
         self.adamw = adamw
 
     def needs_master(self, p: torch.Tensor) -> bool:
-        return (self.master != "fp32" or p.dtype != torch.float32
-                or p.device.type != "cpu" or not p.is_contiguous())
+        return (
+            self.master != "fp32"
+            or p.dtype != torch.float32
+            or p.device.type != "cpu"
+            or not p.is_contiguous()
+        )
 
     def new_master(self, value: torch.Tensor) -> Dict[str, torch.Tensor]:
         """The master entries from fp32-convertible ``value``."""
@@ -38,8 +43,10 @@ class ParamStates:
         if self.master == "bf16_sr":
             return {"master": hi}
         d = value - hi.float()
-        return {"master": hi, "master_comp": torch.where(torch.isfinite(d), d,
-                                                         torch.zeros_like(d)).bfloat16()}
+        return {
+            "master": hi,
+            "master_comp": torch.where(torch.isfinite(d), d, torch.zeros_like(d)).bfloat16(),
+        }
 
     @staticmethod
     def master_value(state: Dict[str, Any]) -> torch.Tensor:
@@ -53,8 +60,10 @@ class ParamStates:
         if fmt == "8bit":
             return new_8bit_state(p.numel())
         dtype = torch.float32 if fmt == "fp32" else torch.bfloat16
-        return {"exp_avg": torch.zeros(p.shape, dtype=dtype),
-                "exp_avg_sq": torch.zeros(p.shape, dtype=dtype)}
+        return {
+            "exp_avg": torch.zeros(p.shape, dtype=dtype),
+            "exp_avg_sq": torch.zeros(p.shape, dtype=dtype),
+        }
 
     def new_state(self, p: torch.Tensor, fmt: str) -> Dict[str, torch.Tensor]:
         state = {"step": torch.tensor(0.0), **self.new_moments(p, fmt)}
@@ -62,9 +71,15 @@ class ParamStates:
             state.update(self.new_master(p))
         return state
 
-    def step(self, groups: Iterable[Dict[str, Any]], states: Dict[Any, Dict[str, Any]],
-             skip: Callable[[torch.Tensor], bool], fmt_of: Callable[[torch.Tensor], str],
-             index_of: Callable[[torch.Tensor], int], multiplier: float) -> int:
+    def step(
+        self,
+        groups: Iterable[Dict[str, Any]],
+        states: Dict[Any, Dict[str, Any]],
+        skip: Callable[[torch.Tensor], bool],
+        fmt_of: Callable[[torch.Tensor], str],
+        index_of: Callable[[torch.Tensor], int],
+        multiplier: float,
+    ) -> int:
         """Steps every parameter of ``groups`` with a gradient that ``skip`` does not exclude;
         returns the elements stepped. ``fmt_of``/``index_of``: a parameter's moment format
         and stochastic-rounding element base."""
@@ -90,21 +105,34 @@ class ParamStates:
                 if grad.device.type != "cpu" or not grad.is_contiguous():
                     grad = grad.to("cpu").contiguous()
                 if fmt == "8bit":
-                    moments = (state["exp_avg_codes"], state["exp_avg_sq_codes"],
-                               state["exp_avg_absmax"], state["exp_avg_sq_absmax"])
+                    moments = (
+                        state["exp_avg_codes"],
+                        state["exp_avg_sq_codes"],
+                        state["exp_avg_absmax"],
+                        state["exp_avg_sq_absmax"],
+                    )
                 else:
-                    moments = (state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1),
-                               None, None)
+                    moments = (state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1), None, None)
                 comp = state.get("master_comp")
                 bf16 = target.dtype != torch.float32
-                adam_kernel(fmt, target.view(-1), grad.reshape(-1), moments,
-                            out.view(-1) if out is not None else None,
-                            comp.view(-1) if comp is not None else None, seed=self.sr_seed,
-                            index=index_of(p) if bf16 else 0,
-                            step=int(state["step"].item()), lr=_float(group["lr"]),
-                            beta1=_float(beta1), beta2=_float(beta2), eps=_float(group["eps"]),
-                            weight_decay=_float(group["weight_decay"]), adamw=self.adamw,
-                            grad_multiplier=multiplier)
+                adam_kernel(
+                    fmt,
+                    target.view(-1),
+                    grad.reshape(-1),
+                    moments,
+                    out.view(-1) if out is not None else None,
+                    comp.view(-1) if comp is not None else None,
+                    seed=self.sr_seed,
+                    index=index_of(p) if bf16 else 0,
+                    step=int(state["step"].item()),
+                    lr=_float(group["lr"]),
+                    beta1=_float(beta1),
+                    beta2=_float(beta2),
+                    eps=_float(group["eps"]),
+                    weight_decay=_float(group["weight_decay"]),
+                    adamw=self.adamw,
+                    grad_multiplier=multiplier,
+                )
                 if master is not None and out is None:
                     p.data.copy_(self.master_value(state).view_as(p))
                 stepped += p.numel()
@@ -112,23 +140,26 @@ class ParamStates:
 
     def to_torch(self, p: torch.Tensor, state: Dict[str, Any]) -> Dict[str, Any]:
         """The state in torch's format (fp32 moments, dequantized; the master's fp32 value)."""
-        out = {k: (t.clone() if isinstance(t, torch.Tensor) else t) for k, t in state.items()
-               if k in ("step", "master")}
+        out = {
+            k: (t.clone() if isinstance(t, torch.Tensor) else t)
+            for k, t in state.items()
+            if k in ("step", "master")
+        }
         if "master" in state and self.master != "fp32":
             out["master"] = self.master_value(state)  # its value, in fp32
         if "exp_avg_codes" in state:  # 8bit
-            out["exp_avg"] = dequantize_8bit(state["exp_avg_codes"], state["exp_avg_absmax"],
-                                             signed=True).view(p.shape)
-            out["exp_avg_sq"] = dequantize_8bit(state["exp_avg_sq_codes"],
-                                                state["exp_avg_sq_absmax"],
-                                                signed=False).view(p.shape)
+            out["exp_avg"] = dequantize_8bit(
+                state["exp_avg_codes"], state["exp_avg_absmax"], signed=True
+            ).view(p.shape)
+            out["exp_avg_sq"] = dequantize_8bit(
+                state["exp_avg_sq_codes"], state["exp_avg_sq_absmax"], signed=False
+            ).view(p.shape)
         else:
             out["exp_avg"] = state["exp_avg"].to(torch.float32, copy=True)
             out["exp_avg_sq"] = state["exp_avg_sq"].to(torch.float32, copy=True)
         return out
 
-    def from_torch(self, p: torch.Tensor, entry: Dict[str, Any], fmt: str
-                   ) -> Dict[str, Any]:
+    def from_torch(self, p: torch.Tensor, entry: Dict[str, Any], fmt: str) -> Dict[str, Any]:
         """A state from torch's format (moments stored in ``fmt``: bf16 rounded, 8-bit
         quantized so that moments saved from 8 bits come back bitwise)."""
         state = {"step": torch.tensor(_float(entry["step"])), **self.new_moments(p, fmt)}

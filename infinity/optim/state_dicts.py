@@ -1,5 +1,6 @@
 """state_dict / load_state_dict of the offloaded optimizer in torch's format, and the streamed
 per-shard access that checkpoints use (one shard in RAM at a time)."""
+
 from __future__ import annotations
 
 import logging
@@ -8,8 +9,8 @@ from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 import torch
 
 from .. import io as inf_io
-from .step.common import ShardState, _check_hyper, _float
 from .core import AdamCore
+from .step.common import ShardState, _check_hyper, _float
 from .step.layout import StateViews
 from .step.shard import Shard, init_states
 
@@ -57,8 +58,17 @@ class StateDicts:
             self.core.sync_user_writes(shard)
             fmt = shard.formats[0] if len(set(shard.formats)) == 1 else "mixed"
             if skip_extents and self.committed_extent(shard.key) is not None:
-                yield ShardState(shard.key, shard.flat, None, None, None, tuple(shard.steps),
-                                 tuple(shard.groups), fmt, tuple(shard.formats))
+                yield ShardState(
+                    shard.key,
+                    shard.flat,
+                    None,
+                    None,
+                    None,
+                    tuple(shard.steps),
+                    tuple(shard.groups),
+                    fmt,
+                    tuple(shard.formats),
+                )
                 continue
             buf = self.read_committed(shard)
             master = m = v = None
@@ -66,8 +76,17 @@ class StateDicts:
                 views = self.core.wrapped.store_of(shard).views(shard, buf)
                 master = views.master_value()  # bf16 masters: their fp32 value (a copy)
                 m, v = views.moments_fp32(shard.flat)  # compact moments: dequantized copies
-            yield ShardState(shard.key, shard.flat, master, m, v, tuple(shard.steps),
-                             tuple(shard.groups), fmt, tuple(shard.formats))
+            yield ShardState(
+                shard.key,
+                shard.flat,
+                master,
+                m,
+                v,
+                tuple(shard.steps),
+                tuple(shard.groups),
+                fmt,
+                tuple(shard.formats),
+            )
 
     def load_shard_state(self, key: str, per_slot: Dict[int, Dict[str, Any]]) -> None:
         """Loads one shard's states: ``per_slot[slot index] = {"step", "exp_avg",
@@ -103,7 +122,7 @@ class StateDicts:
             packed["params"] = [index[id(p)] for p in g["params"]]
             groups.append(packed)
         state: Dict[int, Dict[str, Any]] = {}
-        for shard in (core.wrapped.shards.values() if wrapped else ()):
+        for shard in core.wrapped.shards.values() if wrapped else ():
             buf = self.read_committed(shard)
             if buf is None:
                 continue
@@ -117,11 +136,16 @@ class StateDicts:
                     "step": torch.tensor(float(shard.steps[i])),
                     "exp_avg": m.view(slot.shape).clone(),
                     "exp_avg_sq": v.view(slot.shape).clone(),
-                    "master": views.master_value(sl).view(slot.shape).clone()}
+                    "master": views.master_value(sl).view(slot.shape).clone(),
+                }
         state.update(self.unwrapped_states())
-        return {"state": state, "param_groups": groups, "states": core.formats.spec.default,
-                "state_formats": {i: core.formats.format_of(p) for i, p in enumerate(params)},
-                "master": core.master}
+        return {
+            "state": state,
+            "param_groups": groups,
+            "states": core.formats.spec.default,
+            "state_formats": {i: core.formats.format_of(p) for i, p in enumerate(params)},
+            "master": core.master,
+        }
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Loads a state from :meth:`state_dict` (or torch.optim.Adam/AdamW's: without a
@@ -150,21 +174,30 @@ class StateDicts:
             self.load_shard(shard, by_param)
 
     def checked_entries(self, state_dict: Dict[str, Any]) -> Dict[int, Dict[str, Any]]:
-        if not isinstance(state_dict, dict) or "state" not in state_dict \
-                or "param_groups" not in state_dict:
-            raise ValueError("load_state_dict expects a dict with 'state' and 'param_groups' "
-                             "(from optimizer.state_dict())")
+        if (
+            not isinstance(state_dict, dict)
+            or "state" not in state_dict
+            or "param_groups" not in state_dict
+        ):
+            raise ValueError(
+                "load_state_dict expects a dict with 'state' and 'param_groups' "
+                "(from optimizer.state_dict())"
+            )
         saved_groups = state_dict["param_groups"]
         groups = self.core.groups
         if len(saved_groups) != len(groups):
-            raise ValueError(f"the loaded optimizer state has {len(saved_groups)} param groups "
-                             f"but this optimizer has {len(groups)}: it was saved "
-                             "for a different model or optimizer setup")
+            raise ValueError(
+                f"the loaded optimizer state has {len(saved_groups)} param groups "
+                f"but this optimizer has {len(groups)}: it was saved "
+                "for a different model or optimizer setup"
+            )
         for n, (g, sg) in enumerate(zip(groups, saved_groups)):
             if len(g["params"]) != len(sg["params"]):
-                raise ValueError(f"param group {n} of the loaded optimizer state has "
-                                 f"{len(sg['params'])} parameters but this optimizer's has "
-                                 f"{len(g['params'])}: it was saved for a different model")
+                raise ValueError(
+                    f"param group {n} of the loaded optimizer state has "
+                    f"{len(sg['params'])} parameters but this optimizer's has "
+                    f"{len(g['params'])}: it was saved for a different model"
+                )
         params = self.core.param_index()
         remap: Dict[Any, int] = {}
         for g, sg in zip(groups, saved_groups):
@@ -173,8 +206,10 @@ class StateDicts:
         entries: Dict[int, Dict[str, Any]] = {}
         for saved_id, entry in state_dict["state"].items():
             if saved_id not in remap:
-                raise ValueError(f"the loaded optimizer state has an entry for parameter "
-                                 f"{saved_id!r}, which no param group lists")
+                raise ValueError(
+                    f"the loaded optimizer state has an entry for parameter "
+                    f"{saved_id!r}, which no param group lists"
+                )
             i = remap[saved_id]
             p = params[i]
             for name in ("exp_avg", "exp_avg_sq", "master"):
@@ -182,9 +217,11 @@ class StateDicts:
                 if name != "master" and t is None:
                     raise ValueError(f"the loaded state of parameter {i} has no {name!r}")
                 if t is not None and tuple(t.shape) != tuple(p.shape):
-                    raise ValueError(f"the loaded {name} of parameter {i} has shape "
-                                     f"{tuple(t.shape)} but the parameter has {tuple(p.shape)}: "
-                                     "the optimizer state was saved for a different model")
+                    raise ValueError(
+                        f"the loaded {name} of parameter {i} has shape "
+                        f"{tuple(t.shape)} but the parameter has {tuple(p.shape)}: "
+                        "the optimizer state was saved for a different model"
+                    )
             if "step" not in entry:
                 raise ValueError(f"the loaded state of parameter {i} has no 'step'")
             entries[i] = entry
@@ -194,9 +231,11 @@ class StateDicts:
         """The states of the parameters outside wrapped models in torch's format (fp32
         moments, dequantized), by index in the param groups' order."""
         core = self.core
-        return {i: core.params.to_torch(p, core.state[p])
-                for i, p in enumerate(core.param_index())
-                if not core.wrapped.is_wrapped(p) and core.state.get(p)}
+        return {
+            i: core.params.to_torch(p, core.state[p])
+            for i, p in enumerate(core.param_index())
+            if not core.wrapped.is_wrapped(p) and core.state.get(p)
+        }
 
     def load_unwrapped_states(self, entries: Dict[int, Dict[str, Any]]) -> None:
         """The parameters outside wrapped models take their states from ``entries`` (from
@@ -222,8 +261,10 @@ class StateDicts:
         """Loads ``shard``'s states: ``by_param[id(param)] = {"step", "exp_avg", "exp_avg_sq",
         "master" (optional)}``; the slots not given start without state."""
         slots = shard.flat.slots
-        loaded = [by_param.get(id(s.param)) if shard.groups[i] is not None else None
-                  for i, s in enumerate(slots)]
+        loaded = [
+            by_param.get(id(s.param)) if shard.groups[i] is not None else None
+            for i, s in enumerate(slots)
+        ]
         shard.steps = [0] * len(slots)
         if not any(e is not None for e in loaded):
             shard.initialized = False  # states are recreated from the home copy when needed
@@ -232,8 +273,7 @@ class StateDicts:
         port.quiesce()
         port.working.take_user_writes(shard.flat)  # the loaded (or current) values are masters
         store = self.core.wrapped.store_of(shard)
-        scratch = inf_io.aligned_empty(shard.flat.home_nbytes) \
-            if port.working.staged else None
+        scratch = inf_io.aligned_empty(shard.flat.home_nbytes) if port.working.staged else None
 
         def fill(views: StateViews) -> None:
             init_states(shard, views, scratch)
@@ -245,6 +285,7 @@ class StateDicts:
                 if entry.get("master") is not None:
                     views.set_master(entry["master"].reshape(-1), sl)
                 shard.steps[i] = int(_float(entry["step"]))
+
         store.rewrite(shard, fill, "loading", read=False)
         shard.initialized = True
 
@@ -256,4 +297,5 @@ def refuse_sharded(what: str) -> RuntimeError:
         "optimizer) / load_sharded (one file per rank; loads on any number of ranks), or "
         "infinity.sharding.full_state_dict(model) and full_optimizer_state_dict(optimizer) on "
         "every rank (whole state dicts on rank 0; load_full_state_dict / "
-        "load_full_optimizer_state_dict on any number of ranks); see docs/zero3.md")
+        "load_full_optimizer_state_dict on any number of ranks); see docs/zero3.md"
+    )

@@ -1,6 +1,7 @@
 """The optimizer's side of the wrapped models it steps: one :class:`ModelSide` per model (its
 port, its state store once the tier is chosen, the modules holding each parameter) and the
 shards of all of them (:class:`WrappedModels`)."""
+
 from __future__ import annotations
 
 import logging
@@ -10,12 +11,12 @@ import torch
 
 from ..runtime.port import OptimizerPort, PortLocation
 from ..tiers.chunk_size import resolve_chunk_bytes
+from .states.store import StateStore
+from .states.tier import choose_tier, new_store
 from .step.choices import FormatChoices
 from .step.formats import param_owners
 from .step.layout import state_nbytes
 from .step.shard import Shard
-from .states.store import StateStore
-from .states.tier import choose_tier, new_store
 
 logger = logging.getLogger(__name__)
 
@@ -45,19 +46,19 @@ class WrappedModels:
     ``master``: the master-weight format; ``chunk_bytes``: the optimizer's own chunk (None: the
     model's)."""
 
-    def __init__(self, formats: FormatChoices, master: str,
-                 chunk_bytes: Optional[int]) -> None:
+    def __init__(self, formats: FormatChoices, master: str, chunk_bytes: Optional[int]) -> None:
         self.formats = formats
         self.master = master
         self.chunk_bytes = chunk_bytes
-        self.shards: Dict[int, Shard] = {}            # id(flat) -> shard, in registration order
+        self.shards: Dict[int, Shard] = {}  # id(flat) -> shard, in registration order
         self._where: Dict[int, Tuple[Shard, int]] = {}  # id(param) -> (shard, slot)
-        self._elsewhere: Set[int] = set()             # ZeRO: ids of params other ranks step
+        self._elsewhere: Set[int] = set()  # ZeRO: ids of params other ranks step
         self._models: Dict[OptimizerPort, ModelSide] = {}  # in the order first seen
 
     # ---- registration ------------------------------------------------------------------------
-    def add(self, p: torch.Tensor, loc: Optional[PortLocation], group: int,
-            listener: object) -> None:
+    def add(
+        self, p: torch.Tensor, loc: Optional[PortLocation], group: int, listener: object
+    ) -> None:
         """Records parameter ``p`` of param group ``group`` (``loc``: where it is wrapped, None
         for an unwrapped one); ``listener`` hears the backward of its model."""
         if loc is None:
@@ -73,8 +74,12 @@ class WrappedModels:
         flat, slot = loc.part
         shard = self.shards.get(id(flat))
         if shard is None:
-            shard = Shard(loc.port, flat, [None] * len(flat.slots),
-                          formats=self.formats.slot_formats(flat, side.owners))
+            shard = Shard(
+                loc.port,
+                flat,
+                [None] * len(flat.slots),
+                formats=self.formats.slot_formats(flat, side.owners),
+            )
             self.shards[id(flat)] = shard
         shard.groups[slot] = group
         self._where[id(p)] = (shard, slot)
@@ -122,9 +127,13 @@ class WrappedModels:
             tier = choose_tier(port, flats, fmts, self.master, later)
             side.store = new_store(tier, port, self.master, self.chunk_for(port), self.shards)
             present = sorted({f for ff in fmts for f in ff})
-            logger.info("infinity.optim: %s bytes of %s optimizer states (%s master) on %s",
-                        f"{sum(state_nbytes(f, ff, self.master) for f, ff in zip(flats, fmts)):,}",
-                        "+".join(present) or self.formats.spec.default, self.master, tier)
+            logger.info(
+                "infinity.optim: %s bytes of %s optimizer states (%s master) on %s",
+                f"{sum(state_nbytes(f, ff, self.master) for f, ff in zip(flats, fmts)):,}",
+                "+".join(present) or self.formats.spec.default,
+                self.master,
+                tier,
+            )
         return side.store
 
     def store_of(self, shard: Shard) -> StateStore:
@@ -143,8 +152,7 @@ class WrappedModels:
         the model's policy, else derived from its host budget."""
         if self.chunk_bytes is not None:
             return self.chunk_bytes
-        return resolve_chunk_bytes(port.facts.chunk_bytes, port.host_budget.limit,
-                                   "infinity.optim")
+        return resolve_chunk_bytes(port.facts.chunk_bytes, port.host_budget.limit, "infinity.optim")
 
     def reserve(self) -> None:
         """With a host budget: the state tier is chosen and, on NVMe, the buffer sets are

@@ -1,5 +1,6 @@
 """Whole optimizer states of a sharded model: every rank's parts gathered shard by shard, and
 a whole state loaded on any number of ranks (each keeps the parts its shard holds)."""
+
 from __future__ import annotations
 
 from typing import Dict
@@ -57,7 +58,7 @@ def full_optimizer_state_dict(opt, *, rank0_only: bool = True) -> Dict:
                 current = opt.current_states(shard) if shard is not None else None
                 if current is not None:
                     for k, values in enumerate(current):  # master, exp_avg, exp_avg_sq
-                        seg[k * n:(k + 1) * n].copy_(values[:n])
+                        seg[k * n : (k + 1) * n].copy_(values[:n])
                     for li, s in enumerate(local.slots):
                         if shard.groups[li] is not None and shard.steps[li] > 0:
                             steps[s.full_index] = shard.steps[li]
@@ -74,13 +75,17 @@ def full_optimizer_state_dict(opt, *, rank0_only: bool = True) -> Dict:
                         "step": torch.tensor(float(steps[i])),
                         "exp_avg": whole[1][sl].view(s.shape).clone(),
                         "exp_avg_sq": whole[2][sl].view(s.shape).clone(),
-                        "master": whole[0][sl].view(s.shape).clone()}
+                        "master": whole[0][sl].view(s.shape).clone(),
+                    }
     if rank0_only and part.groups.global_rank != 0:
         return {}
     state.update(opt.unwrapped_states())
-    return {"state": state, "param_groups": _pack_groups(opt, index),
-            "states": opt.states_format,
-            "state_formats": opt.state_formats(by="index")}
+    return {
+        "state": state,
+        "param_groups": _pack_groups(opt, index),
+        "states": opt.states_format,
+        "state_formats": opt.state_formats(by="index"),
+    }
 
 
 def _shard_entries(shard, whole: Dict[int, Dict]) -> Dict[int, Dict]:
@@ -96,7 +101,8 @@ def _shard_entries(shard, whole: Dict[int, Dict]) -> Dict[int, Dict]:
             "step": e["step"],
             "exp_avg": e["exp_avg"].reshape(-1)[cut],
             "exp_avg_sq": e["exp_avg_sq"].reshape(-1)[cut],
-            "master": (e["master"].reshape(-1)[cut] if e.get("master") is not None else None)}
+            "master": (e["master"].reshape(-1)[cut] if e.get("master") is not None else None),
+        }
     return by_param
 
 

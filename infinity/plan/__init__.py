@@ -1,4 +1,5 @@
 """Know your machine: probe it, estimate a model on it, plan a placement, explain the plan."""
+
 from __future__ import annotations
 
 from typing import Any, Optional, Union
@@ -19,14 +20,17 @@ def explain(model: Union[nn.Module, int, float], *, show: bool = True, **setting
     result: Optional[Plan] = None
     if isinstance(model, nn.Module):
         from ..runtime.core.registry import engine_of
+
         engine = engine_of(model)
         if engine is not None:
             result = getattr(engine, "plan", None)
             if result is None:
                 why = getattr(engine, "unplanned", None) or "it was not planned"
-                raise ValueError(f"infinity.explain: this model has no plan: {why}. Unwrap it "
-                                 "and call infinity.explain(model, nvme_path=...) to see the "
-                                 "plan the planner would choose")
+                raise ValueError(
+                    f"infinity.explain: this model has no plan: {why}. Unwrap it "
+                    "and call infinity.explain(model, nvme_path=...) to see the "
+                    "plan the planner would choose"
+                )
     if result is None:
         settings.pop("placement", None)
         result = plan(model, **settings)
@@ -35,6 +39,22 @@ def explain(model: Union[nn.Module, int, float], *, show: bool = True, **setting
     return result
 
 
-__all__ = ["DecoderDims", "Estimate", "EstimateTable", "ModelShape", "PLACEMENTS", "Placement",
-           "Plan", "PlanError", "ProbeError", "ProbeResult", "decoder_dims", "describe",
-           "estimate", "explain", "format_probe", "plan", "probe"]
+__all__ = [
+    "DecoderDims",
+    "Estimate",
+    "EstimateTable",
+    "ModelShape",
+    "PLACEMENTS",
+    "Placement",
+    "Plan",
+    "PlanError",
+    "ProbeError",
+    "ProbeResult",
+    "decoder_dims",
+    "describe",
+    "estimate",
+    "explain",
+    "format_probe",
+    "plan",
+    "probe",
+]

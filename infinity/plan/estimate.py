@@ -67,6 +67,7 @@ outer blocks only.
 With R ranks each holds 1/R of the homes, gradients and states (ZeRO-3 partitioning) and
 computes its own batch; collectives are not modelled (and multi-rank runs are not built yet).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -75,14 +76,15 @@ from typing import Any, Dict, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from .placements import (MASTER_BYTES, PLACEMENTS, Placement, placement as get_placement,
-                         state_bytes_per_param)
-from .probe import ProbeResult, probe as run_probe
-from .results import Estimate, EstimateTable
-from .shape import EMBEDDING, HEAD, TIED, ModelShape, describe
 from ..optim.states.swapper import SETS  # the optimizer's buffer sets: its units in flight
 from ..tiers.chunk_size import DEFAULT_CHUNK_BYTES
 from ..tiers.pool_plan import MAX_PIECE_BYTES
+from .placements import MASTER_BYTES, PLACEMENTS, Placement, state_bytes_per_param
+from .placements import placement as get_placement
+from .probe import ProbeResult
+from .probe import probe as run_probe
+from .results import Estimate, EstimateTable
+from .shape import EMBEDDING, HEAD, TIED, ModelShape, describe
 
 # Per block and step when the probe did not measure the engine's fixed costs (an old result).
 BLOCK_OVERHEAD_S = 2e-4
@@ -102,8 +104,15 @@ def calibrated_compute(shape: ModelShape, batch: int, seq: int, reps: int = 3) -
     """Seconds of forward + backward measured at this model's exact shape: one GPT layer and
     the embeddings + head, timed separately (``layers * layer + head``)."""
     from .probe import measure_gpt_parts
-    parts = measure_gpt_parts(shape.d_model, shape.n_heads or max(1, shape.d_model // 64),
-                              shape.vocab_size or 50304, batch, seq, reps=reps)
+
+    parts = measure_gpt_parts(
+        shape.d_model,
+        shape.n_heads or max(1, shape.d_model // 64),
+        shape.vocab_size or 50304,
+        batch,
+        seq,
+        reps=reps,
+    )
     return shape.n_layers * parts["layer_s"] + parts["head_s"]
 
 
@@ -117,18 +126,30 @@ def read_by_rows(shape: ModelShape, role: str, tiled_head: bool, embedding_rows:
     return role == TIED and tiled_head and embedding_rows
 
 
-def fetched_outer_bytes(shape: ModelShape, tiled_head: bool = False,
-                        embedding_rows: bool = True) -> int:
+def fetched_outer_bytes(
+    shape: ModelShape, tiled_head: bool = False, embedding_rows: bool = True
+) -> int:
     """The largest outer block fetched whole (read neither by rows nor in tiles)."""
     roles = shape.block_roles or ("",) * len(shape.block_bytes)
-    return max((b for b, k, r in zip(shape.block_bytes, shape.kinds, roles)
-                if k == "outer" and not read_by_rows(shape, r, tiled_head, embedding_rows)),
-               default=0)
+    return max(
+        (
+            b
+            for b, k, r in zip(shape.block_bytes, shape.kinds, roles)
+            if k == "outer" and not read_by_rows(shape, r, tiled_head, embedding_rows)
+        ),
+        default=0,
+    )
 
 
-def autograd_working_set(shape: ModelShape, tokens: Optional[int], compute_bytes: float, *,
-                         tiled_head: bool = False, embedding_rows: bool = True,
-                         chunk_bytes: Optional[float] = None) -> Dict[str, float]:
+def autograd_working_set(
+    shape: ModelShape,
+    tokens: Optional[int],
+    compute_bytes: float,
+    *,
+    tiled_head: bool = False,
+    embedding_rows: bool = True,
+    chunk_bytes: Optional[float] = None,
+) -> Dict[str, float]:
     """The bytes autograd allocates outside the engine's pools in a training step, by term,
     and their peak (the formula in the module docstring). ``tokens`` None: the batch is not
     known, and the terms that grow with it (activations, logits) are left out."""
@@ -137,9 +158,14 @@ def autograd_working_set(shape: ModelShape, tokens: Optional[int], compute_bytes
     tokens = tokens or 0
     ffn = shape.ffn or 4 * d
     kv = shape.kv_dim or d
-    terms: Dict[str, float] = {} if not per_batch else {
-        "activations": shape.n_layers * tokens * (c * (6 * d + 2 * kv + 4 * ffn) + 8 * d)
-        + tokens * d * (4 + 2 * c)}
+    terms: Dict[str, float] = (
+        {}
+        if not per_batch
+        else {
+            "activations": shape.n_layers * tokens * (c * (6 * d + 2 * kv + 4 * ffn) + 8 * d)
+            + tokens * d * (4 + 2 * c)
+        }
+    )
     roles = set(shape.block_roles)
     trained = shape.trainable_params is None  # a frozen base: no embedding or head gradient
     # the head streams in tiles only when its block is read by rows (a tied block: with the
@@ -158,11 +184,20 @@ def autograd_working_set(shape: ModelShape, tokens: Optional[int], compute_bytes
         rows = max(1.0, min(v, chunk // (d * shape.bytes_per_param)))
         terms["head_tile"] = 2 * tile + 12.0 * tokens * rows
     emb_role = TIED if shape.tied else EMBEDDING
-    if v and trained and shape.tied is not None and not (
-            emb_role in roles and read_by_rows(shape, emb_role, tiled_head, embedding_rows)):
+    if (
+        v
+        and trained
+        and shape.tied is not None
+        and not (emb_role in roles and read_by_rows(shape, emb_role, tiled_head, embedding_rows))
+    ):
         terms["embedding_grad"] = float(v * d * c)
-    start = terms.get("activations", 0.0) + terms.get("logits", 0.0) + terms.get("head_grad", 0.0) + \
-        terms.get("head_tile", 0.0) + (terms.get("embedding_grad", 0.0) if shape.tied else 0.0)
+    start = (
+        terms.get("activations", 0.0)
+        + terms.get("logits", 0.0)
+        + terms.get("head_grad", 0.0)
+        + terms.get("head_tile", 0.0)
+        + (terms.get("embedding_grad", 0.0) if shape.tied else 0.0)
+    )
     end = terms.get("embedding_grad", 0.0) * (3 if shape.tied else 1)
     terms["peak"] = max(start, end)
     return terms
@@ -191,7 +226,7 @@ def engine_overhead_s(pl: Placement, pr: ProbeResult, blocks: int) -> float:
     latency = (pr.disk.latency_s or 0.0) if pr.disk is not None else 0.0
     best = blocks * (BLOCK_OVERHEAD_S + REQUESTS_PER_BLOCK[layout] * latency)
     found = False
-    for name in LAYOUT_ORDER[:LAYOUT_ORDER.index(layout) + 1]:
+    for name in LAYOUT_ORDER[: LAYOUT_ORDER.index(layout) + 1]:
         if name in pr.overhead or (pr.disk is not None and name in pr.disk.overhead):
             o = pr.engine_overhead(name)
             cost = blocks * o["block_s"] + o["step_s"]
@@ -211,13 +246,25 @@ def _state_bpp(shape: ModelShape, pl: Placement, with_master: bool = True) -> fl
     return s
 
 
-def estimate_one(shape: ModelShape, pl: Placement, pr: ProbeResult, *, batch: int, seq: int,
-                 ranks: int = 1, prefetch_window: int = 2,
-                 compute_bytes_per_param: Optional[float] = None,
-                 compute_s: Optional[float] = None, states: Optional[str] = None,
-                 master: Optional[str] = None, chunk_bytes: Optional[int] = None,
-                 tiled_head: bool = False, embedding_rows: bool = True,
-                 batch_known: bool = True, host_blocks: int = 0) -> Estimate:
+def estimate_one(
+    shape: ModelShape,
+    pl: Placement,
+    pr: ProbeResult,
+    *,
+    batch: int,
+    seq: int,
+    ranks: int = 1,
+    prefetch_window: int = 2,
+    compute_bytes_per_param: Optional[float] = None,
+    compute_s: Optional[float] = None,
+    states: Optional[str] = None,
+    master: Optional[str] = None,
+    chunk_bytes: Optional[int] = None,
+    tiled_head: bool = False,
+    embedding_rows: bool = True,
+    batch_known: bool = True,
+    host_blocks: int = 0,
+) -> Estimate:
     """One placement's bytes per tier and predicted step. ``compute_s``: forward + backward
     seconds timed at this shape (else from the probe's FLOP rate); ``states`` / ``master``:
     the optimizer's moment / master-weight format, overriding the placement's own;
@@ -233,26 +280,33 @@ def estimate_one(shape: ModelShape, pl: Placement, pr: ProbeResult, *, batch: in
     neither read nor written back through the disk; gradients and states keep their tiers."""
     if master is not None and master != pl.master:
         if pl.plain:
-            raise ValueError("infinity.estimate: the device placement (plain PyTorch) has no "
-                             "choice of master weights; leave master unset")
+            raise ValueError(
+                "infinity.estimate: the device placement (plain PyTorch) has no "
+                "choice of master weights; leave master unset"
+            )
         if master not in MASTER_BYTES:
-            raise ValueError(f"infinity.estimate: master must be one of "
-                             f"{', '.join(MASTER_BYTES)}, got {master!r}")
+            raise ValueError(
+                f"infinity.estimate: master must be one of "
+                f"{', '.join(MASTER_BYTES)}, got {master!r}"
+            )
         pl = dataclasses.replace(pl, master=master)
     if states is not None and states != pl.states:
         if pl.plain:
-            raise ValueError("infinity.estimate: the device placement (plain PyTorch) has no "
-                             "choice of optimizer states format; leave states unset")
+            raise ValueError(
+                "infinity.estimate: the device placement (plain PyTorch) has no "
+                "choice of optimizer states format; leave states unset"
+            )
         if states not in ("fp32", "bf16", "8bit"):
-            raise ValueError(f"infinity.estimate: states must be 'fp32', 'bf16' or '8bit', "
-                             f"got {states!r}")
+            raise ValueError(
+                f"infinity.estimate: states must be 'fp32', 'bf16' or '8bit', got {states!r}"
+            )
         pl = dataclasses.replace(pl, states=states)
     # parameters this rank steps (grads, states): all of them, or a frozen base's adapters
     n = (shape.params if shape.trainable_params is None else shape.trainable_params) / ranks
     stored = shape.param_bytes if shape.stored_bytes is None else shape.stored_bytes
-    pbytes = stored / ranks               # home bytes (a frozen base in its stored format)
+    pbytes = stored / ranks  # home bytes (a frozen base in its stored format)
     bpp = shape.bytes_per_param
-    wbytes = n * bpp                      # working copies the optimizer writes back
+    wbytes = n * bpp  # working copies the optimizer writes back
     cbpp = compute_bytes_per_param or bpp
     tokens = batch * seq
     cuda = pr.device == "cuda"
@@ -267,9 +321,11 @@ def estimate_one(shape: ModelShape, pl: Placement, pr: ProbeResult, *, batch: in
     window_bytes = root_bytes + streamed_bytes + prefetch_window * layer_bytes
     # read before the first compute: the root and the first block (the embedding's, if any)
     first_bytes = root_bytes + (outer_bytes or layer_bytes)
-    compute = (compute_s if compute_s is not None
-               else model_flops(shape, tokens, seq) / pr.flops_at(shape.d_model,
-                                                                 compute_dtype(cbpp)))
+    compute = (
+        compute_s
+        if compute_s is not None
+        else model_flops(shape, tokens, seq) / pr.flops_at(shape.d_model, compute_dtype(cbpp))
+    )
     blocks = len(shape.block_bytes)
     overhead = engine_overhead_s(pl, pr, blocks)
     adam_rate = pr.adam8_params_per_s if pl.states == "8bit" else pr.adam_params_per_s
@@ -277,8 +333,14 @@ def estimate_one(shape: ModelShape, pl: Placement, pr: ProbeResult, *, batch: in
     fetch = grad = opt = 0.0
     written = overlap_bytes = 0.0
     chunk = float(chunk_bytes or DEFAULT_CHUNK_BYTES)
-    work = autograd_working_set(shape, tokens if batch_known else None, cbpp, tiled_head=tiled_head,
-                                embedding_rows=embedding_rows, chunk_bytes=chunk)
+    work = autograd_working_set(
+        shape,
+        tokens if batch_known else None,
+        cbpp,
+        tiled_head=tiled_head,
+        embedding_rows=embedding_rows,
+        chunk_bytes=chunk,
+    )
     categories: Dict[str, float] = {}
     moved: Dict[str, float] = {}
     overlap = compute_overlap(pr)
@@ -286,8 +348,11 @@ def estimate_one(shape: ModelShape, pl: Placement, pr: ProbeResult, *, batch: in
         device = shape.param_bytes * 2 + 8 * shape.params
         host = nvme = 0.0
         rate = pr.torch_adam_params_per_s or pr.adam_params_per_s
-        opt = (28.0 * shape.params / pr.device_mem_bps) if cuda and pr.device_mem_bps else \
-            shape.params / rate
+        opt = (
+            (28.0 * shape.params / pr.device_mem_bps)
+            if cuda and pr.device_mem_bps
+            else shape.params / rate
+        )
         step = compute + opt
     else:
         if cuda:
@@ -326,7 +391,7 @@ def estimate_one(shape: ModelShape, pl: Placement, pr: ProbeResult, *, batch: in
             # the first host_blocks blocks' parameters stay on host (engine order: layers, outer
             # blocks, the root); the rest live on NVMe
             k = max(0, min(host_blocks, len(shape.block_bytes)))
-            scale = pbytes / max(1, shape.param_bytes)     # stored (frozen) or own format
+            scale = pbytes / max(1, shape.param_bytes)  # stored (frozen) or own format
             held = sum(shape.block_bytes[:k]) * scale
             on_disk = pbytes - held
             device = window_bytes
@@ -334,19 +399,22 @@ def estimate_one(shape: ModelShape, pl: Placement, pr: ProbeResult, *, batch: in
             # the largest block when that is smaller): staging (one on a CPU device, where
             # fetches read straight into the compute buffers), window + 2 gradient buffers,
             # 3 sets of one unit's states, gradients and working copy
-            staging = (1 if not cuda else min(2, max(1, prefetch_window))) * \
-                min(chunk, shape.largest_block_bytes / ranks)
+            staging = (1 if not cuda else min(2, max(1, prefetch_window))) * min(
+                chunk, shape.largest_block_bytes / ranks
+            )
             grad_bufs = (prefetch_window + 2) * min(chunk, 4.0 * largest)
             unit, set_bytes = nvme_step_set(chunk, largest / ranks, s, bpp)
             host = staging + grad_bufs + SETS * set_bytes + held
-            categories = dict(parameters=on_disk, gradients=4.0 * n,
-                              **_state_categories(pl, s, n, unit))
+            categories = dict(
+                parameters=on_disk, gradients=4.0 * n, **_state_categories(pl, s, n, unit)
+            )
             nvme = sum(categories.values())
             overlap_bytes = s * n - categories["spare"]
             disk = pr.disk
             reads = param_reads(shape, k, prefetch_window, tiled_head, embedding_rows)
-            moved = nvme_bytes_per_step(pl, n, s, reads * scale / ranks,
-                                        wbytes * on_disk / pbytes if pbytes else 0.0)
+            moved = nvme_bytes_per_step(
+                pl, n, s, reads * scale / ranks, wbytes * on_disk / pbytes if pbytes else 0.0
+            )
             # forward + backward: the reads of the blocks on NVMe and the gradients' writes
             # against compute and the gradients' hand-off (the prefetch window pipelines
             # them); the first block's read comes before any compute
@@ -371,10 +439,26 @@ def estimate_one(shape: ModelShape, pl: Placement, pr: ProbeResult, *, batch: in
         work = {k: v for k, v in work.items() if k in ("activations", "logits", "head_tile")}
         work["peak"] = sum(work.values())
     device += work["peak"]
-    return Estimate(pl.name, ranks, int(device), int(host), int(nvme), step, compute, fetch,
-                    grad, opt, int(written), tokens, pl.what, overhead,
-                    {k: int(v) for k, v in categories.items()}, int(overlap_bytes),
-                    {k: int(v) for k, v in work.items()}, {k: int(v) for k, v in moved.items()})
+    return Estimate(
+        pl.name,
+        ranks,
+        int(device),
+        int(host),
+        int(nvme),
+        step,
+        compute,
+        fetch,
+        grad,
+        opt,
+        int(written),
+        tokens,
+        pl.what,
+        overhead,
+        {k: int(v) for k, v in categories.items()},
+        int(overlap_bytes),
+        {k: int(v) for k, v in work.items()},
+        {k: int(v) for k, v in moved.items()},
+    )
 
 
 # what each phase of a step moves through the disk (the categories of stats()["nvme_per_step"])
@@ -382,8 +466,9 @@ FB_CATEGORIES = ("params_read", "grads_written")
 OPT_CATEGORIES = ("grads_read", "states_read", "states_written", "params_written")
 
 
-def param_reads(shape: ModelShape, host_blocks: int, window: int, tiled_head: bool,
-                embedding_rows: bool) -> float:
+def param_reads(
+    shape: ModelShape, host_blocks: int, window: int, tiled_head: bool, embedding_rows: bool
+) -> float:
     """Block bytes a step reads from the parameters' NVMe homes, as the engine fetches them:
     the root once (materialized for the whole step); in forward every block each time it runs
     (a tied embedding and head twice: first and last), but an embedding read by rows; in
@@ -397,9 +482,8 @@ def param_reads(shape: ModelShape, host_blocks: int, window: int, tiled_head: bo
     layers = [i for i, kd in enumerate(kinds) if kd == "layer"]
     emb = [i for i, r in enumerate(roles) if r in (EMBEDDING, TIED)]
     head = [i for i, r in enumerate(roles) if r in (HEAD, TIED)]
-    forward = [(i, EMBEDDING) for i in emb] + [(i, "") for i in layers] + \
-        [(i, HEAD) for i in head]
-    kept = {i for i, _ in forward[-max(1, window):]}
+    forward = [(i, EMBEDDING) for i in emb] + [(i, "") for i in layers] + [(i, HEAD) for i in head]
+    kept = {i for i, _ in forward[-max(1, window) :]}
     total = 0.0
     for i, use in forward:
         rows = use == EMBEDDING and read_by_rows(shape, roles[i], tiled_head, embedding_rows)
@@ -413,8 +497,9 @@ def param_reads(shape: ModelShape, host_blocks: int, window: int, tiled_head: bo
     return total + root
 
 
-def nvme_bytes_per_step(pl: Placement, n: float, s: float, reads: float,
-                        copies: float) -> Dict[str, float]:
+def nvme_bytes_per_step(
+    pl: Placement, n: float, s: float, reads: float, copies: float
+) -> Dict[str, float]:
     """The bytes a step moves through the swap disk, by category, as the engine moves them
     with parameters on NVMe (gradients and states where ``pl`` puts them): the parameter
     reads (:func:`param_reads`), the working copies the optimizer writes back to the blocks
@@ -468,8 +553,11 @@ def nvme_step_set(chunk: float, largest: float, s: float, bpp: float) -> Tuple[f
     unit = min(largest, usable / (s + bpp + 4.0))
     if unit >= largest:  # a whole block: no windows beyond it
         return unit, unit * (s + bpp + 4.0)
-    return unit, (unit * s + min(4.0 * largest, 4.0 * unit + 2 * grad_piece)
-                  + min(bpp * largest, bpp * unit + 2 * home_piece))
+    return unit, (
+        unit * s
+        + min(4.0 * largest, 4.0 * unit + 2 * grad_piece)
+        + min(bpp * largest, bpp * unit + 2 * home_piece)
+    )
 
 
 def _state_categories(pl: Placement, s: float, n: float, unit: float) -> Dict[str, float]:
@@ -477,23 +565,37 @@ def _state_categories(pl: Placement, s: float, n: float, unit: float) -> Dict[st
     the extents of the units in flight (one per buffer set, ``unit`` elements each), written
     before the extents they replace are freed (each unit commits on its own)."""
     master = MASTER_BYTES[pl.master]
-    return {"master": master * n, "moments": (s - master) * n,
-            "spare": min(s * n, SETS * unit * s)}
+    return {"master": master * n, "moments": (s - master) * n, "spare": min(s * n, SETS * unit * s)}
 
 
-def estimate(model_or_count: Union[nn.Module, int, float, str, ModelShape, Any] = None, *,
-             batch: int = 4, seq: int = 128, ranks: Union[int, Sequence[int]] = 1,
-             placements: Optional[Sequence[str]] = None, nvme_path: Optional[str] = None,
-             probe: Optional[ProbeResult] = None, prefetch_window: int = 2,
-             n_layers: Optional[int] = None, d_model: Optional[int] = None,
-             quick_probe: bool = False, calibrate: bool = False,
-             master: str = "fp32", vocab_size: Optional[int] = None, ffn: Optional[int] = None,
-             n_heads: Optional[int] = None, n_kv_heads: Optional[int] = None,
-             tied: Optional[bool] = None, head_dim: Optional[int] = None,
-             chunk_bytes: Optional[int] = None, tiled_head: bool = False,
-             embedding_rows: bool = True,
-             dtype: Optional[torch.dtype] = None, frozen_format: Optional[str] = None,
-             trainable_params: Optional[int] = None) -> EstimateTable:
+def estimate(
+    model_or_count: Union[nn.Module, int, float, str, ModelShape, Any] = None,
+    *,
+    batch: int = 4,
+    seq: int = 128,
+    ranks: Union[int, Sequence[int]] = 1,
+    placements: Optional[Sequence[str]] = None,
+    nvme_path: Optional[str] = None,
+    probe: Optional[ProbeResult] = None,
+    prefetch_window: int = 2,
+    n_layers: Optional[int] = None,
+    d_model: Optional[int] = None,
+    quick_probe: bool = False,
+    calibrate: bool = False,
+    master: str = "fp32",
+    vocab_size: Optional[int] = None,
+    ffn: Optional[int] = None,
+    n_heads: Optional[int] = None,
+    n_kv_heads: Optional[int] = None,
+    tied: Optional[bool] = None,
+    head_dim: Optional[int] = None,
+    chunk_bytes: Optional[int] = None,
+    tiled_head: bool = False,
+    embedding_rows: bool = True,
+    dtype: Optional[torch.dtype] = None,
+    frozen_format: Optional[str] = None,
+    trainable_params: Optional[int] = None,
+) -> EstimateTable:
     """Predicts, before anything is allocated, what each placement needs and how fast a step
     runs. ``model_or_count``: an nn.Module (built on the meta device is fine); a Hugging Face
     config of a Llama-style decoder (the path of a ``config.json`` or of the model folder, a
@@ -520,19 +622,36 @@ def estimate(model_or_count: Union[nn.Module, int, float, str, ModelShape, Any] 
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise ValueError(f"infinity.estimate: dtype must be a torch.dtype, got {dtype!r}")
     if dtype is not None and isinstance(model_or_count, (nn.Module, ModelShape)):
-        raise ValueError("infinity.estimate: dtype describes a config or a parameter count; "
-                         "a model has its own dtypes (leave dtype out, or cast the model)")
-    shape = describe(model_or_count, n_layers=n_layers, d_model=d_model, vocab_size=vocab_size,
-                     ffn=ffn, n_heads=n_heads, n_kv_heads=n_kv_heads, tied=tied,
-                     head_dim=head_dim,
-                     bytes_per_param=None if dtype is None else dtype.itemsize)
+        raise ValueError(
+            "infinity.estimate: dtype describes a config or a parameter count; "
+            "a model has its own dtypes (leave dtype out, or cast the model)"
+        )
+    shape = describe(
+        model_or_count,
+        n_layers=n_layers,
+        d_model=d_model,
+        vocab_size=vocab_size,
+        ffn=ffn,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        tied=tied,
+        head_dim=head_dim,
+        bytes_per_param=None if dtype is None else dtype.itemsize,
+    )
     if frozen_format is not None:
         from .frozen import frozen_shape
+
         shape = frozen_shape(shape, frozen_format, model_or_count, trainable_params)
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch <= 0 or \
-            not isinstance(seq, int) or seq <= 0:
-        raise ValueError(f"infinity.estimate: batch and seq must be positive ints, got "
-                         f"{batch!r}, {seq!r}")
+    if (
+        isinstance(batch, bool)
+        or not isinstance(batch, int)
+        or batch <= 0
+        or not isinstance(seq, int)
+        or seq <= 0
+    ):
+        raise ValueError(
+            f"infinity.estimate: batch and seq must be positive ints, got {batch!r}, {seq!r}"
+        )
     pr = probe if probe is not None else run_probe(nvme_path, quick=quick_probe)
     rank_list = list(range(1, ranks + 1)) if isinstance(ranks, int) else list(ranks)
     if not rank_list or any((not isinstance(r, int)) or r < 1 for r in rank_list):
@@ -541,24 +660,44 @@ def estimate(model_or_count: Union[nn.Module, int, float, str, ModelShape, Any] 
     notes = []
     if frozen_format is not None:
         chosen = [p for p in chosen if not p.plain and p.param_tier != "device"]
-        notes.append(f"frozen_format={frozen_format!r}: base homes {shape.stored_bytes:,} "
-                     f"bytes; {shape.trainable_params:,} trainable parameters")
+        notes.append(
+            f"frozen_format={frozen_format!r}: base homes {shape.stored_bytes:,} "
+            f"bytes; {shape.trainable_params:,} trainable parameters"
+        )
     if pr.disk is None and any(p.uses_nvme for p in chosen):
         notes.append("no nvme_path given: NVMe placements left out (pass nvme_path=...)")
         chosen = [p for p in chosen if not p.uses_nvme]
     if max(rank_list) > 1:
-        notes.append("ranks > 1: ZeRO-3 partitioning of homes, gradients and states; "
-                     "collectives not modelled")
+        notes.append(
+            "ranks > 1: ZeRO-3 partitioning of homes, gradients and states; "
+            "collectives not modelled"
+        )
     if shape.full_moment_params and any(p.states == "8bit" for p in chosen):
-        notes.append(f"8-bit states: {shape.full_moment_params:,} parameters (embeddings, "
-                     "tensors under 4096 elements) keep fp32 moments (+"
-                     f"{shape.full_moment_params * 5.97 / 2**30:.2f} GiB over all-8-bit)")
+        notes.append(
+            f"8-bit states: {shape.full_moment_params:,} parameters (embeddings, "
+            "tensors under 4096 elements) keep fp32 moments (+"
+            f"{shape.full_moment_params * 5.97 / 2**30:.2f} GiB over all-8-bit)"
+        )
     compute_s = calibrated_compute(shape, batch, seq) if calibrate else None
     if calibrate:
         notes.append("compute timed at this shape (one layer + head)")
-    rows = [estimate_one(shape, p, pr, batch=batch, seq=seq, ranks=r,
-                         prefetch_window=prefetch_window, compute_s=compute_s,
-                         master=None if p.plain else master, chunk_bytes=chunk_bytes,
-                         tiled_head=tiled_head, embedding_rows=embedding_rows)
-            for r in rank_list for p in chosen if not (p.plain and r > 1)]
+    rows = [
+        estimate_one(
+            shape,
+            p,
+            pr,
+            batch=batch,
+            seq=seq,
+            ranks=r,
+            prefetch_window=prefetch_window,
+            compute_s=compute_s,
+            master=None if p.plain else master,
+            chunk_bytes=chunk_bytes,
+            tiled_head=tiled_head,
+            embedding_rows=embedding_rows,
+        )
+        for r in rank_list
+        for p in chosen
+        if not (p.plain and r > 1)
+    ]
     return EstimateTable(shape, rows, batch, seq, pr.device, notes)

@@ -1,5 +1,6 @@
 """Who this machine is: CPU model, RAM, GPU, and the disk behind a path. The probe cache is
 keyed by it, so a cache copied from another machine (or a disk swapped) is measured again."""
+
 from __future__ import annotations
 
 import hashlib

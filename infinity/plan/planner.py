@@ -16,6 +16,7 @@ without ``tiled_head``, a dense embedding gradient without rows: ``estimate.py``
 ``autograd_working_set``) is counted in every placement's device bytes, so on a CPU the
 host-homed blocks leave room for it within the host budget.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,16 +32,17 @@ from ..policy import OffloadPolicy, check_nvme_path
 from ..tiers.chunk_size import resolve_chunk_bytes
 from .estimate import compute_dtype, compute_overlap, estimate_one, model_flops
 from .placements import PLACEMENTS, Placement
-from .probe import ProbeResult, probe as run_probe
+from .probe import ProbeResult
+from .probe import probe as run_probe
 from .results import Estimate, Plan
 from .shape import ModelShape, describe
 from .units import fmt_bytes, fmt_s
 
 logger = logging.getLogger(__name__)
 
-RAM_SHARE = 0.7        # of the available RAM, when no host_budget is given
-DEVICE_SHARE = 0.9     # of a GPU's memory, when no device_budget is given
-DISK_MARGIN = 0.95     # of the free disk space the swap files may take
+RAM_SHARE = 0.7  # of the available RAM, when no host_budget is given
+DEVICE_SHARE = 0.9  # of a GPU's memory, when no device_budget is given
+DISK_MARGIN = 0.95  # of the free disk space the swap files may take
 MAX_WINDOW = 4
 DEFAULT_BATCH = (4, 128)  # batch x seq of the speed prediction when plan() is not told
 _DEFAULT_WINDOW = OffloadPolicy().prefetch_window
@@ -55,8 +57,9 @@ class PlanError(ValueError):
         self.disk = disk
 
 
-def budgets(policy: OffloadPolicy, pr: ProbeResult, ram_share: float = RAM_SHARE
-            ) -> Dict[str, Optional[int]]:
+def budgets(
+    policy: OffloadPolicy, pr: ProbeResult, ram_share: float = RAM_SHARE
+) -> Dict[str, Optional[int]]:
     host = policy.host_budget
     if host is None:
         host = int(ram_share * psutil.virtual_memory().available)
@@ -73,9 +76,11 @@ def _window(shape: ModelShape, pr: ProbeResult, pl: Placement, batch: int, seq: 
     blocks before it (at least 1, at most MAX_WINDOW)."""
     if pl.param_tier != "nvme" or pr.disk is None:
         return _DEFAULT_WINDOW
-    per_block_compute = model_flops(shape, batch * seq, seq) / \
-        pr.flops_at(shape.d_model, compute_dtype(shape.bytes_per_param)) \
+    per_block_compute = (
+        model_flops(shape, batch * seq, seq)
+        / pr.flops_at(shape.d_model, compute_dtype(shape.bytes_per_param))
         / max(1, len(shape.block_bytes))
+    )
     per_block_read = shape.layer_block_bytes / pr.disk.read_bps
     return max(1, min(MAX_WINDOW, math.ceil(per_block_read / max(per_block_compute, 1e-9)) + 1))
 
@@ -88,16 +93,17 @@ def _fits(e: Estimate, pl: Placement, b: Dict[str, Optional[int]], cuda: bool) -
         if e.host_bytes > b["host"]:
             return f"host needs {fmt_bytes(e.host_bytes)} > {fmt_bytes(b['host'])}"
     elif e.device_bytes + e.host_bytes > b["host"]:
-        return (f"RAM needs {fmt_bytes(e.device_bytes + e.host_bytes)} > "
-                f"{fmt_bytes(b['host'])}")
+        return f"RAM needs {fmt_bytes(e.device_bytes + e.host_bytes)} > {fmt_bytes(b['host'])}"
     elif e.device_bytes > b["device"]:  # a device_budget given on a CPU-only machine
         return f"device needs {fmt_bytes(e.device_bytes)} > {fmt_bytes(b['device'])}"
     if pl.uses_nvme:
         if b["disk"] is None:
             return "no nvme_path"
         if e.nvme_bytes > DISK_MARGIN * b["disk"]:
-            return (f"disk needs {fmt_bytes(e.nvme_bytes)} > {fmt_bytes(DISK_MARGIN * b['disk'])}"
-                    f" ({DISK_MARGIN:.0%} of the free space)")
+            return (
+                f"disk needs {fmt_bytes(e.nvme_bytes)} > {fmt_bytes(DISK_MARGIN * b['disk'])}"
+                f" ({DISK_MARGIN:.0%} of the free space)"
+            )
     return ""
 
 
@@ -106,11 +112,20 @@ def _host_part(e: Estimate, cuda: bool) -> int:
     return e.host_bytes if cuda else e.host_bytes + e.device_bytes
 
 
-def _split(shape: ModelShape, pr: ProbeResult, nvme_pl: Placement, e_nvme: Estimate, w: int,
-           b: Dict[str, Optional[int]], cuda: bool, batch: int, seq: int,
-           k_given: Optional[int] = None, **layout: Any
-           ) -> Optional[Tuple[Placement, Estimate, int]]:
-    """"The first K blocks' parameters on host, the rest on NVMe" (gradients and states as in
+def _split(
+    shape: ModelShape,
+    pr: ProbeResult,
+    nvme_pl: Placement,
+    e_nvme: Estimate,
+    w: int,
+    b: Dict[str, Optional[int]],
+    cuda: bool,
+    batch: int,
+    seq: int,
+    k_given: Optional[int] = None,
+    **layout: Any,
+) -> Optional[Tuple[Placement, Estimate, int]]:
+    """ "The first K blocks' parameters on host, the rest on NVMe" (gradients and states as in
     ``nvme_pl``), K as large as the host budget holds after what the NVMe placement needs; None
     when not even one block fits (or all do: then a host placement is the one to compare).
     Estimated as the engine runs it (``estimate_one(host_blocks=K)``): the host blocks' fetches
@@ -134,18 +149,31 @@ def _split(shape: ModelShape, pr: ProbeResult, nvme_pl: Placement, e_nvme: Estim
         return None
     n = len(shape.block_bytes)
     name = f"{nvme_pl.name}+host{k}"
-    pl = dataclasses.replace(nvme_pl, name=name, what=(
-        f"parameters of the first {k} of {n} blocks on host, the rest on NVMe; gradients on "
-        f"{nvme_pl.grad_tier}, optimizer states on {nvme_pl.optimizer_tier}"))
-    e = estimate_one(shape, pl, pr, batch=batch, seq=seq, prefetch_window=w, host_blocks=k,
-                     **layout)
+    pl = dataclasses.replace(
+        nvme_pl,
+        name=name,
+        what=(
+            f"parameters of the first {k} of {n} blocks on host, the rest on NVMe; gradients on "
+            f"{nvme_pl.grad_tier}, optimizer states on {nvme_pl.optimizer_tier}"
+        ),
+    )
+    e = estimate_one(
+        shape, pl, pr, batch=batch, seq=seq, prefetch_window=w, host_blocks=k, **layout
+    )
     return pl, e, k
 
 
-def plan(model: Union[nn.Module, ModelShape, int, float], policy: Optional[OffloadPolicy] = None,
-         *, probe: Optional[ProbeResult] = None, states: str = "fp32",
-         batch: Optional[int] = None, seq: Optional[int] = None, ram_share: float = RAM_SHARE,
-         **settings: Any) -> Plan:
+def plan(
+    model: Union[nn.Module, ModelShape, int, float],
+    policy: Optional[OffloadPolicy] = None,
+    *,
+    probe: Optional[ProbeResult] = None,
+    states: str = "fp32",
+    batch: Optional[int] = None,
+    seq: Optional[int] = None,
+    ram_share: float = RAM_SHARE,
+    **settings: Any,
+) -> Plan:
     """The placement ``wrap(model, placement="auto", ...)`` would use, with its reasons.
     ``states``: the optimizer's moment format you will use ("fp32", "bf16", "8bit");
     ``batch``/``seq``: the step the predictions are for. Given both, the activations and
@@ -159,19 +187,32 @@ def plan(model: Union[nn.Module, ModelShape, int, float], policy: Optional[Offlo
         policy = OffloadPolicy(**settings)
     elif settings:
         raise TypeError("pass either policy= or keyword settings, not both")
-    shape = describe(model, block_rule=policy.block_rule,
-                     param_persistence_threshold=policy.param_persistence_threshold)
+    shape = describe(
+        model,
+        block_rule=policy.block_rule,
+        param_persistence_threshold=policy.param_persistence_threshold,
+    )
     if policy.frozen_format is not None:  # homes in the stored format, the adapters trained
         from .frozen import frozen_shape
-        shape = frozen_shape(shape, policy.frozen_format, model, None, policy.block_rule,
-                             policy.param_persistence_threshold)
+
+        shape = frozen_shape(
+            shape,
+            policy.frozen_format,
+            model,
+            None,
+            policy.block_rule,
+            policy.param_persistence_threshold,
+        )
     pr = probe if probe is not None else run_probe(policy.nvme_path, quick=True)
     if policy.nvme_path is not None and pr.disk is None:
         pr = run_probe(policy.nvme_path, quick=True)
     cuda = pr.device == "cuda"
     b = budgets(policy, pr, ram_share)
-    explicit = {k: getattr(policy, k) for k in ("param_tier", "grad_tier", "optimizer_tier")
-                if getattr(policy, k) != "auto"}
+    explicit = {
+        k: getattr(policy, k)
+        for k in ("param_tier", "grad_tier", "optimizer_tier")
+        if getattr(policy, k) != "auto"
+    }
     given_k = policy.host_blocks or None
     if given_k:  # the user's split: parameters on NVMe but for the first blocks
         explicit.setdefault("param_tier", "nvme")
@@ -189,19 +230,28 @@ def plan(model: Union[nn.Module, ModelShape, int, float], policy: Optional[Offlo
         pool.append(pl)
     if not pool:  # an explicit combination none of the named placements has: honour it
         t = {k: explicit.get(k, "host") for k in ("param_tier", "grad_tier", "optimizer_tier")}
-        pool.append(Placement("custom", t["param_tier"], t["grad_tier"], t["optimizer_tier"],
-                              states, "as set"))
+        pool.append(
+            Placement(
+                "custom", t["param_tier"], t["grad_tier"], t["optimizer_tier"], states, "as set"
+            )
+        )
     # how the engine lays out the step: the chunk its pools use (the one wrap derives from the
     # same chunk_bytes and host_budget), the head and embedding reads
     chunk = resolve_chunk_bytes(policy.chunk_bytes, policy.host_budget, "infinity.plan")
-    layout = dict(chunk_bytes=chunk,
-                  tiled_head=policy.tiled_head, embedding_rows=policy.embedding_rows,
-                  batch_known=batch_known)
+    layout = dict(
+        chunk_bytes=chunk,
+        tiled_head=policy.tiled_head,
+        embedding_rows=policy.embedding_rows,
+        batch_known=batch_known,
+    )
     rows = []
     splits = {}  # placement name -> host_blocks
     for pl in pool:
-        w = (policy.prefetch_window if policy.prefetch_window != _DEFAULT_WINDOW
-             else _window(shape, pr, pl, batch, seq))
+        w = (
+            policy.prefetch_window
+            if policy.prefetch_window != _DEFAULT_WINDOW
+            else _window(shape, pr, pl, batch, seq)
+        )
         if pl.uses_nvme and pr.disk is None:
             rows.append((pl, None, w, "no nvme_path"))
             continue
@@ -213,8 +263,13 @@ def plan(model: Union[nn.Module, ModelShape, int, float], policy: Optional[Offlo
             w -= 1  # a smaller window may fit where a deeper one does not
             e = estimate_one(shape, pl, pr, batch=batch, seq=seq, prefetch_window=w, **layout)
         rows.append((pl, e, w, why))
-        if pl.param_tier == "nvme" and e is not None and (given_k or (
-                "param_tier" not in explicit and policy.host_blocks is None and not why)):
+        if (
+            pl.param_tier == "nvme"
+            and e is not None
+            and (
+                given_k or ("param_tier" not in explicit and policy.host_blocks is None and not why)
+            )
+        ):
             split = _split(shape, pr, pl, e, w, b, cuda, batch, seq, given_k, **layout)
             if split is not None:
                 spl, se, k = split
@@ -223,25 +278,31 @@ def plan(model: Union[nn.Module, ModelShape, int, float], policy: Optional[Offlo
                     rows.pop()
                 rows.append((spl, se, w, _fits(se, spl, b, cuda)))
     fitting = [(pl, e, w) for pl, e, w, why in rows if not why]
-    candidates = tuple((pl.name, e.step_s if e else float("nan"), not why, why)
-                       for pl, e, w, why in rows)
+    candidates = tuple(
+        (pl.name, e.step_s if e else float("nan"), not why, why) for pl, e, w, why in rows
+    )
     if not fitting:
         raise PlanError(*_no_fit_message(shape, policy, b, rows, cuda))
     pl, e, w = min(fitting, key=lambda r: r[1].step_s)
     host_blocks = splits.get(pl.name, 0)
-    reasons = [f"{pl.name} ({pl.what}) has the shortest predicted step, {fmt_s(e.step_s)}, "
-               "of the placements that fit"]
+    reasons = [
+        f"{pl.name} ({pl.what}) has the shortest predicted step, {fmt_s(e.step_s)}, "
+        "of the placements that fit"
+    ]
     if host_blocks and not given_k:
         held = sum(shape.block_bytes[:host_blocks])
         reasons.append(
             f"host_blocks={host_blocks}: the first {host_blocks} blocks' parameters "
             f"({fmt_bytes(held)}) fit in the host budget ({fmt_bytes(b['host'])}) next to what "
             "NVMe offload needs, one more does not; their fetches and working-copy writes "
-            "skip the disk")
+            "skip the disk"
+        )
     if not batch_known:
-        reasons.append("the activations and logits of a step are not counted in the RAM "
-                       "needed (the batch is not known): pass batch= and seq= to plan() to "
-                       "count them")
+        reasons.append(
+            "the activations and logits of a step are not counted in the RAM "
+            "needed (the batch is not known): pass batch= and seq= to plan() to "
+            "count them"
+        )
     if explicit:
         reasons.append("kept as you set: " + ", ".join(f"{k}={v}" for k, v in explicit.items()))
     if given_k:
@@ -249,50 +310,79 @@ def plan(model: Union[nn.Module, ModelShape, int, float], policy: Optional[Offlo
     for name, step, ok, why in candidates:
         if name == pl.name:
             continue
-        reasons.append(f"{name}: " + (f"fits, predicted {fmt_s(step)}" if ok else
-                                      f"does not fit: {why}"))
+        reasons.append(
+            f"{name}: " + (f"fits, predicted {fmt_s(step)}" if ok else f"does not fit: {why}")
+        )
     if pl.param_tier == "nvme":
         overlap = compute_overlap(pr)
         measured = pr.disk.compute_overlap is not None
-        reasons.append(f"prefetch window {w}: a block's read "
-                       f"({fmt_s(shape.layer_block_bytes / pr.disk.read_bps)}) is issued while "
-                       f"the {w} blocks before it compute; {overlap:.0%} of the shorter of "
-                       "compute and disk time is counted as hidden "
-                       + ("(the probe's measurement)" if measured else
-                          "(not measured by the probe: none on a CPU, all on a GPU)"))
-    return Plan(pl.name, pl.param_tier, pl.grad_tier, pl.optimizer_tier, w,
-                max(1, min(2, w)), w + 2, b, e, tuple(reasons), candidates, host_blocks,
-                len(shape.block_bytes), chunk)
+        reasons.append(
+            f"prefetch window {w}: a block's read "
+            f"({fmt_s(shape.layer_block_bytes / pr.disk.read_bps)}) is issued while "
+            f"the {w} blocks before it compute; {overlap:.0%} of the shorter of "
+            "compute and disk time is counted as hidden "
+            + (
+                "(the probe's measurement)"
+                if measured
+                else "(not measured by the probe: none on a CPU, all on a GPU)"
+            )
+        )
+    return Plan(
+        pl.name,
+        pl.param_tier,
+        pl.grad_tier,
+        pl.optimizer_tier,
+        w,
+        max(1, min(2, w)),
+        w + 2,
+        b,
+        e,
+        tuple(reasons),
+        candidates,
+        host_blocks,
+        len(shape.block_bytes),
+        chunk,
+    )
 
 
-def _no_fit_message(shape: ModelShape, policy: OffloadPolicy, b: Dict[str, Optional[int]],
-                    rows, cuda: bool) -> Tuple[str, bool]:
+def _no_fit_message(
+    shape: ModelShape, policy: OffloadPolicy, b: Dict[str, Optional[int]], rows, cuda: bool
+) -> Tuple[str, bool]:
     block = shape.largest_block_bytes
     if b["device"] is not None and block > b["device"]:
-        return (f"infinity: the device budget ({b['device']:,} bytes) cannot hold the largest "
-                f"block ({block:,} bytes); raise device_budget or split blocks with "
-                "block_rule"), False
+        return (
+            f"infinity: the device budget ({b['device']:,} bytes) cannot hold the largest "
+            f"block ({block:,} bytes); raise device_budget or split blocks with "
+            "block_rule"
+        ), False
     if block > b["host"]:
-        return (f"infinity: the host budget ({b['host']:,} bytes) cannot hold the largest "
-                f"block ({block:,} bytes); raise host_budget or split blocks with "
-                "block_rule"), False
+        return (
+            f"infinity: the host budget ({b['host']:,} bytes) cannot hold the largest "
+            f"block ({block:,} bytes); raise host_budget or split blocks with "
+            "block_rule"
+        ), False
     nvme_rows = [(pl, e) for pl, e, w, why in rows if pl.uses_nvme and e is not None]
-    ram_ok = [(pl, e) for pl, e in nvme_rows
-              if not _fits(e, pl, {**b, "disk": float("inf")}, cuda)]
+    ram_ok = [(pl, e) for pl, e in nvme_rows if not _fits(e, pl, {**b, "disk": float("inf")}, cuda)]
     if ram_ok and b["disk"] is not None:
         pl, e = min(ram_ok, key=lambda r: r[1].nvme_bytes)
-        return (f"infinity: nvme_path {policy.nvme_path!r} is too small: placement {pl.name!r} "
-                f"needs {e.nvme_bytes:,} bytes of swap files, {b['disk']:,} bytes are free "
-                f"({DISK_MARGIN:.0%} usable); free space there, point nvme_path at a larger "
-                "disk, or use compact optimizer states (states='8bit')"), True
+        return (
+            f"infinity: nvme_path {policy.nvme_path!r} is too small: placement {pl.name!r} "
+            f"needs {e.nvme_bytes:,} bytes of swap files, {b['disk']:,} bytes are free "
+            f"({DISK_MARGIN:.0%} usable); free space there, point nvme_path at a larger "
+            "disk, or use compact optimizer states (states='8bit')"
+        ), True
     if policy.nvme_path is None:
-        return (f"infinity: the model ({shape.param_bytes:,} bytes of parameters) does not fit "
-                f"in the host budget ({b['host']:,} bytes) with its gradients and optimizer "
-                "states; pass nvme_path=<a directory on a fast disk> to offload to NVMe"), False
+        return (
+            f"infinity: the model ({shape.param_bytes:,} bytes of parameters) does not fit "
+            f"in the host budget ({b['host']:,} bytes) with its gradients and optimizer "
+            "states; pass nvme_path=<a directory on a fast disk> to offload to NVMe"
+        ), False
     why = "; ".join(f"{pl.name}: {w}" for pl, e, _, w in rows)
-    return (f"infinity: no placement fits the budgets (device {b['device']:,}, host "
-            f"{b['host']:,}, disk {b['disk']:,} bytes): {why}. Raise host_budget, or split "
-            "blocks with block_rule so the staging buffers shrink"), False
+    return (
+        f"infinity: no placement fits the budgets (device {b['device']:,}, host "
+        f"{b['host']:,}, disk {b['disk']:,} bytes): {why}. Raise host_budget, or split "
+        "blocks with block_rule so the staging buffers shrink"
+    ), False
 
 
 _TIERS = ("param_tier", "grad_tier", "optimizer_tier")
@@ -304,6 +394,7 @@ def _sharded(policy: OffloadPolicy, process_group: Any) -> int:
     if policy.shard == "none":
         return 0
     import torch.distributed as dist
+
     if not (dist.is_available() and dist.is_initialized()):
         return 0
     world = dist.get_world_size()
@@ -317,18 +408,23 @@ def skip_reason(model: Any, policy: OffloadPolicy, process_group: Any = None) ->
     if not isinstance(model, nn.Module) or not any(True for _ in model.parameters()):
         return "there is nothing to plan"
     if all(getattr(policy, k) != "auto" for k in _TIERS):
-        return ("param_tier, grad_tier and optimizer_tier were all set explicitly: there was "
-                "nothing to place")
+        return (
+            "param_tier, grad_tier and optimizer_tier were all set explicitly: there was "
+            "nothing to place"
+        )
     ranks = _sharded(policy, process_group)
     if ranks:
-        return (f"it is sharded over {ranks} ranks: every rank must take the same placement "
-                "(a rank-dependent one would hang the collectives), so its tiers follow the "
-                "rules, which see the same inputs on every rank")
+        return (
+            f"it is sharded over {ranks} ranks: every rank must take the same placement "
+            "(a rank-dependent one would hang the collectives), so its tiers follow the "
+            "rules, which see the same inputs on every rank"
+        )
     return None
 
 
-def apply_plan(model: nn.Module, policy: OffloadPolicy, process_group: Any = None
-               ) -> Tuple[OffloadPolicy, Optional[Plan], Optional[str]]:
+def apply_plan(
+    model: nn.Module, policy: OffloadPolicy, process_group: Any = None
+) -> Tuple[OffloadPolicy, Optional[Plan], Optional[str]]:
     """The policy ``wrap`` uses: with ``placement="auto"`` (the default) the planner's tiers
     for those left "auto", its window and its per-block split; unchanged when the planner is
     skipped (returns the reason instead of a plan)."""
@@ -343,9 +439,18 @@ def apply_plan(model: nn.Module, policy: OffloadPolicy, process_group: Any = Non
             raise
         # the parameters' tier was set by hand: the engine checks its own budgets exactly
         # (the planner's estimates also count the optimizer's states and buffers)
-        logger.warning("infinity: the planner found no placement that fits (%s); keeping "
-                       "param_tier=%r and resolving the rest by the rules", exc,
-                       policy.param_tier)
-        return policy, None, (f"the planner found no placement that fits ({exc}), so the "
-                              "tiers left 'auto' follow the rules")
+        logger.warning(
+            "infinity: the planner found no placement that fits (%s); keeping "
+            "param_tier=%r and resolving the rest by the rules",
+            exc,
+            policy.param_tier,
+        )
+        return (
+            policy,
+            None,
+            (
+                f"the planner found no placement that fits ({exc}), so the "
+                "tiers left 'auto' follow the rules"
+            ),
+        )
     return dataclasses.replace(policy, **p.policy_changes()), p, None

@@ -20,6 +20,7 @@ the machine's identity (CPU model, RAM, GPU, torch) and, for the disk figures, t
 the block device behind the path. A cache written on another machine, or for another disk, is
 not used: the machine is measured again.
 """
+
 from __future__ import annotations
 
 import json
@@ -75,17 +76,17 @@ class ProbeResult:
     identity: Dict[str, Any]
     quick: bool
     measured_at: float
-    mem_bps: float                     # bytes/s of an in-place update (read + write counted)
-    adam_params_per_s: float           # fp32 states
-    adam8_params_per_s: float          # 8-bit states
-    device: str                        # "cuda" or "cpu": where the compute rates were measured
-    flops: Dict[str, float]            # str(d_model) -> FLOP/s of a GPT layer fwd+bwd (fp32)
+    mem_bps: float  # bytes/s of an in-place update (read + write counted)
+    adam_params_per_s: float  # fp32 states
+    adam8_params_per_s: float  # 8-bit states
+    device: str  # "cuda" or "cpu": where the compute rates were measured
+    flops: Dict[str, float]  # str(d_model) -> FLOP/s of a GPT layer fwd+bwd (fp32)
     h2d_pinned_bps: Optional[float] = None
     h2d_pageable_bps: Optional[float] = None
     d2h_pinned_bps: Optional[float] = None
     d2h_pageable_bps: Optional[float] = None
     device_memory_bytes: Optional[int] = None
-    device_mem_bps: Optional[float] = None   # in-place update on the GPU
+    device_mem_bps: Optional[float] = None  # in-place update on the GPU
     disk: Optional[DiskProbe] = None
     from_cache: bool = False
     notes: List[str] = field(default_factory=list)
@@ -107,14 +108,18 @@ class ProbeResult:
         """The measured rate at the nearest width (log-linear between two measured widths),
         for a model computing in ``dtype``: bf16 and fp16 take the bf16 rate where it was
         measured (a probe from before it was measured gives the fp32 rate)."""
-        table = self.flops_bf16 if dtype in (torch.bfloat16, torch.float16) and \
-            self.flops_bf16 else self.flops
+        table = (
+            self.flops_bf16
+            if dtype in (torch.bfloat16, torch.float16) and self.flops_bf16
+            else self.flops
+        )
         pts = sorted((int(k), v) for k, v in table.items())
         if d_model <= pts[0][0]:
             return pts[0][1]
         if d_model >= pts[-1][0]:
             return pts[-1][1]
         import math
+
         for (d0, r0), (d1, r1) in zip(pts, pts[1:]):
             if d0 <= d_model <= d1:
                 w = (math.log(d_model) - math.log(d0)) / (math.log(d1) - math.log(d0))
@@ -125,7 +130,7 @@ class ProbeResult:
         return asdict(self)
 
     @staticmethod
-    def from_json(data: Dict[str, Any]) -> "ProbeResult":
+    def from_json(data: Dict[str, Any]) -> ProbeResult:
         """A saved result; fields a newer infinity added are left out (and missing ones take
         their defaults), so a result or cache written by another version still reads."""
         data = dict(data)
@@ -134,7 +139,8 @@ class ProbeResult:
         disk_known = {f.name for f in fields(DiskProbe)}
         return ProbeResult(
             disk=DiskProbe(**{k: v for k, v in disk.items() if k in disk_known}) if disk else None,
-            **{k: v for k, v in data.items() if k in known})
+            **{k: v for k, v in data.items() if k in known},
+        )
 
 
 def _median_time(fn: Callable[[], None], reps: int, warmup: int = 1) -> float:
@@ -169,13 +175,24 @@ def measure_memory(nbytes: int, reps: int = 5) -> float:
 
 def measure_adam(numel: int, reps: int = 3) -> Dict[str, float]:
     from ..ops import cpu_adam_step, cpu_adam_step_8bit, new_8bit_state
+
     p, g = torch.zeros(numel), torch.full((numel,), 1e-3)
     m, v = torch.zeros(numel), torch.zeros(numel)
     t = _median_time(lambda: cpu_adam_step(p, g, m, v, step=1, lr=1e-3), reps)
     s8 = new_8bit_state(numel)
-    t8 = _median_time(lambda: cpu_adam_step_8bit(
-        p, g, s8["exp_avg_codes"], s8["exp_avg_absmax"], s8["exp_avg_sq_codes"],
-        s8["exp_avg_sq_absmax"], step=1, lr=1e-3), reps)
+    t8 = _median_time(
+        lambda: cpu_adam_step_8bit(
+            p,
+            g,
+            s8["exp_avg_codes"],
+            s8["exp_avg_absmax"],
+            s8["exp_avg_sq_codes"],
+            s8["exp_avg_sq_absmax"],
+            step=1,
+            lr=1e-3,
+        ),
+        reps,
+    )
     return {"fp32": numel / t, "8bit": numel / t8}
 
 
@@ -193,12 +210,16 @@ def measure_torch_adam(numel: int, reps: int = 3) -> float:
 
 # (n_layers) of the two tiny GPTs whose difference gives the engine's per-block cost
 OVERHEAD_DEPTHS = (2, 10)
-OVERHEAD_LAYOUTS = {"host": ("host", "host", "host"), "optim_nvme": ("host", "host", "nvme"),
-                    "nvme": ("nvme", "nvme", "nvme")}
+OVERHEAD_LAYOUTS = {
+    "host": ("host", "host", "host"),
+    "optim_nvme": ("host", "host", "nvme"),
+    "nvme": ("nvme", "nvme", "nvme"),
+}
 
 
-def _tiny_step_s(n_layers: int, layout: Optional[str], nvme_path: Optional[str],
-                 warmup: int, steps: int) -> float:
+def _tiny_step_s(
+    n_layers: int, layout: Optional[str], nvme_path: Optional[str], warmup: int, steps: int
+) -> float:
     """Seconds of the fastest training step (forward, backward, optimizer step, zero_grad) of a
     d_model=64 GPT, plain PyTorch (``layout`` None) or wrapped with a tier layout (an engine
     built from a policy with every tier given, as ``infinity.wrap`` builds it when nothing is
@@ -208,6 +229,7 @@ def _tiny_step_s(n_layers: int, layout: Optional[str], nvme_path: Optional[str],
     from ..policy import OffloadPolicy
     from ..runtime.core.device import resolve_device
     from ..runtime.engine import Engine
+
     cfg = GPTConfig(vocab_size=256, d_model=64, n_layers=n_layers, n_heads=1, max_seq=16)
     torch.manual_seed(0)
     model = TinyGPT(cfg)
@@ -217,9 +239,18 @@ def _tiny_step_s(n_layers: int, layout: Optional[str], nvme_path: Optional[str],
         opt: Any = torch.optim.AdamW(model.parameters(), lr=1e-4)
     else:
         p_t, g_t, o_t = OVERHEAD_LAYOUTS[layout]
-        engine = Engine(model, OffloadPolicy(
-            nvme_path=nvme_path if "nvme" in (p_t, o_t) else None, placement=None,
-            param_tier=p_t, grad_tier=g_t, optimizer_tier=o_t), None, None)
+        engine = Engine(
+            model,
+            OffloadPolicy(
+                nvme_path=nvme_path if "nvme" in (p_t, o_t) else None,
+                placement=None,
+                param_tier=p_t,
+                grad_tier=g_t,
+                optimizer_tier=o_t,
+            ),
+            None,
+            None,
+        )
         opt = AdamW(model.parameters(), lr=1e-4)
     x = torch.randint(0, cfg.vocab_size, (1, 16), device=device)
     times = []
@@ -240,8 +271,9 @@ def _tiny_step_s(n_layers: int, layout: Optional[str], nvme_path: Optional[str],
     return min(times)
 
 
-def measure_engine_overhead(layouts, nvme_path: Optional[str] = None, quick: bool = False,
-                            depths=OVERHEAD_DEPTHS) -> Dict[str, Dict[str, float]]:
+def measure_engine_overhead(
+    layouts, nvme_path: Optional[str] = None, quick: bool = False, depths=OVERHEAD_DEPTHS
+) -> Dict[str, Dict[str, float]]:
     """For each tier layout: the seconds the engine adds to a plain PyTorch training step,
     per block (``block_s``) and per step (``step_s``), from two tiny GPTs (d_model 64, 2 and 10
     layers: 3 and 11 blocks) whose compute is negligible. ``nvme_path``: a directory on the
@@ -250,15 +282,16 @@ def measure_engine_overhead(layouts, nvme_path: Optional[str] = None, quick: boo
     d0, d1 = depths
     plain = {d: _tiny_step_s(d, None, None, warmup, steps) for d in (d0, d1)}
     out: Dict[str, Dict[str, float]] = {}
-    scratch = tempfile.mkdtemp(prefix=".infinity-probe-engine-", dir=nvme_path) \
-        if nvme_path else None
+    scratch = (
+        tempfile.mkdtemp(prefix=".infinity-probe-engine-", dir=nvme_path) if nvme_path else None
+    )
     try:
         for layout in layouts:
-            extra = {d: _tiny_step_s(d, layout, scratch, warmup, steps) - plain[d]
-                     for d in (d0, d1)}
+            extra = {
+                d: _tiny_step_s(d, layout, scratch, warmup, steps) - plain[d] for d in (d0, d1)
+            }
             block = max(0.0, (extra[d1] - extra[d0]) / (d1 - d0))
-            out[layout] = {"block_s": block,
-                           "step_s": max(0.0, extra[d0] - (d0 + 1) * block)}
+            out[layout] = {"block_s": block, "step_s": max(0.0, extra[d0] - (d0 + 1) * block)}
     finally:
         if scratch:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -272,11 +305,13 @@ def layer_flops(d_model: int, tokens: int, seq: int) -> float:
     return 6.0 * params * tokens + 12.0 * tokens * seq * d_model
 
 
-def measure_compute(shapes, device: torch.device, reps: int = 2,
-                    dtype: torch.dtype = torch.float32) -> Dict[str, float]:
+def measure_compute(
+    shapes, device: torch.device, reps: int = 2, dtype: torch.dtype = torch.float32
+) -> Dict[str, float]:
     """FLOP/s of one GPT layer's forward + backward at each (d_model, batch, seq), with its
     weights and activations in ``dtype``."""
     from ..models import Block, GPTConfig
+
     out: Dict[str, float] = {}
     for d, batch, seq in shapes:
         cfg = GPTConfig(d_model=d, n_heads=max(1, d // 64), max_seq=seq)
@@ -287,22 +322,30 @@ def measure_compute(shapes, device: torch.device, reps: int = 2,
             layer(x).sum().backward()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
+
         t = _median_time(step, reps)
         out[str(d)] = layer_flops(d, batch * seq, seq) / t
 
     return out
 
 
-def measure_gpt_parts(d_model: int, n_heads: int, vocab: int, batch: int, seq: int,
-                      device: Optional[torch.device] = None, reps: int = 3) -> Dict[str, float]:
+def measure_gpt_parts(
+    d_model: int,
+    n_heads: int,
+    vocab: int,
+    batch: int,
+    seq: int,
+    device: Optional[torch.device] = None,
+    reps: int = 3,
+) -> Dict[str, float]:
     """Seconds of forward + backward of one GPT layer (``layer_s``) and of the rest of the
     model with no layer (embeddings, final norm, tied head, loss: ``head_s``), at exactly this
     shape: the compute of an L-layer model is ``L * layer_s + head_s``. The fastest of ``reps``
     after two warm-up calls: a prediction for the machine, not for its load at that moment."""
     from ..models import Block, GPTConfig, TinyGPT, lm_loss
+
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cfg = GPTConfig(vocab_size=vocab, d_model=d_model, n_layers=0, n_heads=n_heads,
-                    max_seq=seq)
+    cfg = GPTConfig(vocab_size=vocab, d_model=d_model, n_layers=0, n_heads=n_heads, max_seq=seq)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     layer = Block(cfg).to(device)
     x = torch.randn(batch, seq, d_model, device=device, requires_grad=True)
@@ -310,6 +353,7 @@ def measure_gpt_parts(d_model: int, n_heads: int, vocab: int, batch: int, seq: i
     def layer_step() -> None:
         layer(x).sum().backward()
         sync()
+
     layer_s = _best_time(layer_step, reps)
 
     head = TinyGPT(cfg).to(device)
@@ -318,6 +362,7 @@ def measure_gpt_parts(d_model: int, n_heads: int, vocab: int, batch: int, seq: i
     def head_step() -> None:
         lm_loss(head(idx), idx).backward()
         sync()
+
     head_s = _best_time(head_step, reps)
     return {"layer_s": layer_s, "head_s": head_s}
 
@@ -337,6 +382,7 @@ def measure_transfers(nbytes: int, reps: int = 3) -> Dict[str, float]:
         def down() -> None:
             h.copy_(d, non_blocking=pinned)
             torch.cuda.synchronize()
+
         out[f"h2d_{tag}"] = nbytes / _median_time(up, reps)
         out[f"d2h_{tag}"] = nbytes / _median_time(down, reps)
     return out
@@ -350,8 +396,10 @@ def _check_dir(path: str) -> None:
     if problem is not None:
         raise ProbeError(problem[1].replace("infinity:", "infinity.probe:", 1))
     if not os.path.isdir(path):
-        raise ProbeError(f"infinity.probe: nvme_path {path!r} is not an existing directory; "
-                         "create it (on the disk that will hold the swap files) first")
+        raise ProbeError(
+            f"infinity.probe: nvme_path {path!r} is not an existing directory; "
+            "create it (on the disk that will hold the swap files) first"
+        )
 
 
 def measure_disk(path: str, nbytes: int, reps: int = 3, overlap: bool = True) -> DiskProbe:
@@ -359,6 +407,7 @@ def measure_disk(path: str, nbytes: int, reps: int = 3, overlap: bool = True) ->
     and read of ``nbytes`` in one request each (the I/O engine splits it across its workers);
     ``overlap``: also :func:`measure_compute_overlap` (left out of a quick probe)."""
     from .. import io as inf_io
+
     _check_dir(path)
     free = shutil.disk_usage(path).free
     nbytes = max(inf_io.ALIGNMENT, min(nbytes, (free // 4) // inf_io.ALIGNMENT * inf_io.ALIGNMENT))
@@ -372,15 +421,25 @@ def measure_disk(path: str, nbytes: int, reps: int = 3, overlap: bool = True) ->
             fh.allocate(nbytes)
             write = _median_time(lambda: fh.pwrite(buf).wait(), reps)
             read = _median_time(lambda: fh.pread(buf).wait(), reps)
-            small = buf[:inf_io.ALIGNMENT]
-            latency = 0.5 * (_median_time(lambda: fh.pwrite(small).wait(), 5)
-                             + _median_time(lambda: fh.pread(small).wait(), 5))
+            small = buf[: inf_io.ALIGNMENT]
+            latency = 0.5 * (
+                _median_time(lambda: fh.pwrite(small).wait(), 5)
+                + _median_time(lambda: fh.pread(small).wait(), 5)
+            )
             hidden = measure_compute_overlap(fh, buf, reps) if overlap else None
     finally:
         os.unlink(name)
-    return DiskProbe(path=os.path.abspath(path), identity=disk_identity(path), direct=direct,
-                     read_bps=nbytes / read, write_bps=nbytes / write, free_bytes=free,
-                     test_bytes=nbytes, latency_s=latency, compute_overlap=hidden)
+    return DiskProbe(
+        path=os.path.abspath(path),
+        identity=disk_identity(path),
+        direct=direct,
+        read_bps=nbytes / read,
+        write_bps=nbytes / write,
+        free_bytes=free,
+        test_bytes=nbytes,
+        latency_s=latency,
+        compute_overlap=hidden,
+    )
 
 
 def measure_compute_overlap(fh: Any, buf: torch.Tensor, reps: int = 3) -> float:
@@ -412,6 +471,7 @@ def measure_compute_overlap(fh: Any, buf: torch.Tensor, reps: int = 3) -> float:
         worker.start()
         mm(k)
         worker.join()
+
     t_both = _median_time(both, reps)
     hidden = (t_disk + t_compute - t_both) / max(min(t_disk, t_compute), 1e-9)
     return min(1.0, max(0.0, hidden))
@@ -420,7 +480,8 @@ def measure_compute_overlap(fh: Any, buf: torch.Tensor, reps: int = 3) -> float:
 # ---- the cache ------------------------------------------------------------------------------
 def cache_path() -> str:
     root = os.environ.get("INFINITY_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "infinity")
+        os.path.expanduser("~"), ".cache", "infinity"
+    )
     return os.path.join(root, "probe.json")
 
 
@@ -446,8 +507,13 @@ def _save_cache(path: str, data: Dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def probe(nvme_path: Optional[str] = None, *, quick: bool = False, refresh: bool = False,
-          cache: Optional[str] = None) -> ProbeResult:
+def probe(
+    nvme_path: Optional[str] = None,
+    *,
+    quick: bool = False,
+    refresh: bool = False,
+    cache: Optional[str] = None,
+) -> ProbeResult:
     """Measures this machine (or returns the cached figures for it) and, when ``nvme_path`` is
     given, the disk behind it. ``quick``: small buffers, a few seconds (a cached full probe is
     also accepted). ``refresh``: measure again even when cached. ``cache``: the JSON file
@@ -460,8 +526,10 @@ def probe(nvme_path: Optional[str] = None, *, quick: bool = False, refresh: bool
     if data and not refresh:
         if data.get("identity_key") != key_of(ident):
             diff = sorted(k for k in ident if data.get("identity", {}).get(k) != ident[k])
-            notes.append(f"probe cache {cache} is from another machine (differs in "
-                         f"{', '.join(diff) or 'identity'}); measured again")
+            notes.append(
+                f"probe cache {cache} is from another machine (differs in "
+                f"{', '.join(diff) or 'identity'}); measured again"
+            )
             logger.warning("infinity.probe: %s", notes[-1])
             data = {}
         else:
@@ -472,8 +540,12 @@ def probe(nvme_path: Optional[str] = None, *, quick: bool = False, refresh: bool
                     machine["flops_bf16"] = _measure_bf16(machine.get("quick", quick))
                     data["machine"] = machine
     if not data:
-        data = {"version": CACHE_VERSION, "identity": ident, "identity_key": key_of(ident),
-                "disks": {}}
+        data = {
+            "version": CACHE_VERSION,
+            "identity": ident,
+            "identity_key": key_of(ident),
+            "disks": {},
+        }
     from_cache = machine is not None
     if machine is None:
         machine = _measure_machine(quick)
@@ -492,35 +564,52 @@ def probe(nvme_path: Optional[str] = None, *, quick: bool = False, refresh: bool
         ident_d.pop("cached")
         disk = DiskProbe(**{**asdict(disk), "identity": ident_d})
     known = {f.name for f in fields(ProbeResult)}  # a cache a newer infinity wrote still reads
-    return ProbeResult(identity=ident, from_cache=from_cache, notes=notes, disk=disk,
-                       **{k: v for k, v in machine.items() if k in known})
+    return ProbeResult(
+        identity=ident,
+        from_cache=from_cache,
+        notes=notes,
+        disk=disk,
+        **{k: v for k, v in machine.items() if k in known},
+    )
 
 
-def _disk(path: str, quick: bool, refresh: bool, data: Dict[str, Any],
-          notes: List[str]) -> DiskProbe:
+def _disk(
+    path: str, quick: bool, refresh: bool, data: Dict[str, Any], notes: List[str]
+) -> DiskProbe:
     _check_dir(path)
     ident = disk_identity(path)
     key = key_of(ident)
     cached = data.get("disks", {}).get(key)
     free = shutil.disk_usage(path).free
     if cached and not refresh and (quick or not cached.get("quick")):
-        return DiskProbe(path=os.path.abspath(path), identity={**ident, "cached": True},
-                         direct=cached["direct"], read_bps=cached["read_bps"],
-                         write_bps=cached["write_bps"], free_bytes=free,
-                         test_bytes=cached["test_bytes"], overhead=cached.get("overhead", {}),
-                         latency_s=cached.get("latency_s"),
-                         compute_overlap=cached.get("compute_overlap"))
-    result = measure_disk(path, (32 << 20) if quick else (1 << 30), reps=2 if quick else 3,
-                          overlap=not quick)
+        return DiskProbe(
+            path=os.path.abspath(path),
+            identity={**ident, "cached": True},
+            direct=cached["direct"],
+            read_bps=cached["read_bps"],
+            write_bps=cached["write_bps"],
+            free_bytes=free,
+            test_bytes=cached["test_bytes"],
+            overhead=cached.get("overhead", {}),
+            latency_s=cached.get("latency_s"),
+            compute_overlap=cached.get("compute_overlap"),
+        )
+    result = measure_disk(
+        path, (32 << 20) if quick else (1 << 30), reps=2 if quick else 3, overlap=not quick
+    )
     overhead = {} if quick else measure_engine_overhead(["optim_nvme", "nvme"], nvme_path=path)
     result = DiskProbe(**{**asdict(result), "overhead": overhead})
-    data.setdefault("disks", {})[key] = {"identity": ident, "quick": quick,
-                                         "direct": result.direct, "read_bps": result.read_bps,
-                                         "write_bps": result.write_bps,
-                                         "test_bytes": result.test_bytes,
-                                         "overhead": overhead,
-                                         "latency_s": result.latency_s,
-                                         "compute_overlap": result.compute_overlap}
+    data.setdefault("disks", {})[key] = {
+        "identity": ident,
+        "quick": quick,
+        "direct": result.direct,
+        "read_bps": result.read_bps,
+        "write_bps": result.write_bps,
+        "test_bytes": result.test_bytes,
+        "overhead": overhead,
+        "latency_s": result.latency_s,
+        "compute_overlap": result.compute_overlap,
+    }
     if not result.direct:
         notes.append(f"{path}: no O_DIRECT (e.g. tmpfs); swap files go through the page cache")
     return result
@@ -539,9 +628,11 @@ def _measure_machine(quick: bool) -> Dict[str, Any]:
     dev = torch.device("cuda" if cuda else "cpu")
     adam = measure_adam((1 << 20) if quick else (16 << 20))
     out: Dict[str, Any] = {
-        "quick": quick, "measured_at": time.time(),
+        "quick": quick,
+        "measured_at": time.time(),
         "mem_bps": measure_memory((32 << 20) if quick else (512 << 20)),
-        "adam_params_per_s": adam["fp32"], "adam8_params_per_s": adam["8bit"],
+        "adam_params_per_s": adam["fp32"],
+        "adam8_params_per_s": adam["8bit"],
         "device": dev.type,
         "flops": measure_compute(QUICK_SHAPES if quick else FULL_SHAPES, dev),
         "flops_bf16": _measure_bf16(quick),
@@ -551,14 +642,19 @@ def _measure_machine(quick: bool) -> Dict[str, Any]:
         "overhead": {} if quick else measure_engine_overhead(["host"]),
     }
     if cuda:
-        out.update({f"{k}_bps": v for k, v in
-                    measure_transfers((64 << 20) if quick else (512 << 20)).items()})
+        out.update(
+            {
+                f"{k}_bps": v
+                for k, v in measure_transfers((64 << 20) if quick else (512 << 20)).items()
+            }
+        )
         out["device_memory_bytes"] = int(torch.cuda.get_device_properties(0).total_memory)
         x = torch.ones((256 << 20) // 4, device=dev)
 
         def update() -> None:
             x.mul_(1.0000001)
             torch.cuda.synchronize()
+
         out["device_mem_bps"] = 2 * x.numel() * 4 / _median_time(update, 5)
         del x
     logger.info("infinity.probe: measured the machine in %.1f s", time.perf_counter() - t0)
@@ -577,44 +673,76 @@ def _fmt_rate(v: Optional[float], unit: str = "B/s") -> str:
 def format_probe(r: ProbeResult) -> str:
     """The probe as a table a person reads in a glance."""
     rows = [
-        ("machine", f"{r.identity['cpu']}, {r.identity['cpus']} CPUs, "
-                    f"{r.identity['ram_bytes'] / (1 << 30):.1f} GiB RAM, "
-                    f"GPU: {r.identity['gpu'] or 'none (the CPU is the device tier)'}"),
-        ("memory bandwidth (in-place update)", _fmt_rate(r.mem_bps)
-         + (f"; GPU {_fmt_rate(r.device_mem_bps)}" if r.device_mem_bps else "")),
-        ("host->device pinned / pageable",
-         f"{_fmt_rate(r.h2d_pinned_bps)} / {_fmt_rate(r.h2d_pageable_bps)}"),
-        ("device->host pinned / pageable",
-         f"{_fmt_rate(r.d2h_pinned_bps)} / {_fmt_rate(r.d2h_pageable_bps)}"),
-        ("CPU Adam fp32 / 8-bit states",
-         f"{_fmt_rate(r.adam_params_per_s, 'params/s')} / "
-         f"{_fmt_rate(r.adam8_params_per_s, 'params/s')}"),
-        ("torch AdamW (plain PyTorch)", _fmt_rate(r.torch_adam_params_per_s, 'params/s')),
-        ("engine overhead per block / step", "; ".join(
-            f"{k}: {1e3 * v['block_s']:.2f} / {1e3 * v['step_s']:.2f} ms" for k, v in
-            list(r.overhead.items()) + list((r.disk.overhead if r.disk else {}).items()))
-         or "-"),
-        (f"{r.device} GPT layer fwd+bwd", ", ".join(
-            f"d={k}: {_fmt_rate(v, 'FLOP/s')}" for k, v in
-            sorted(r.flops.items(), key=lambda kv: int(kv[0])))),
-        (f"{r.device} GPT layer fwd+bwd, bf16", ", ".join(
-            f"d={k}: {_fmt_rate(v, 'FLOP/s')}" for k, v in
-            sorted(r.flops_bf16.items(), key=lambda kv: int(kv[0]))) or "-"),
+        (
+            "machine",
+            f"{r.identity['cpu']}, {r.identity['cpus']} CPUs, "
+            f"{r.identity['ram_bytes'] / (1 << 30):.1f} GiB RAM, "
+            f"GPU: {r.identity['gpu'] or 'none (the CPU is the device tier)'}",
+        ),
+        (
+            "memory bandwidth (in-place update)",
+            _fmt_rate(r.mem_bps)
+            + (f"; GPU {_fmt_rate(r.device_mem_bps)}" if r.device_mem_bps else ""),
+        ),
+        (
+            "host->device pinned / pageable",
+            f"{_fmt_rate(r.h2d_pinned_bps)} / {_fmt_rate(r.h2d_pageable_bps)}",
+        ),
+        (
+            "device->host pinned / pageable",
+            f"{_fmt_rate(r.d2h_pinned_bps)} / {_fmt_rate(r.d2h_pageable_bps)}",
+        ),
+        (
+            "CPU Adam fp32 / 8-bit states",
+            f"{_fmt_rate(r.adam_params_per_s, 'params/s')} / "
+            f"{_fmt_rate(r.adam8_params_per_s, 'params/s')}",
+        ),
+        ("torch AdamW (plain PyTorch)", _fmt_rate(r.torch_adam_params_per_s, "params/s")),
+        (
+            "engine overhead per block / step",
+            "; ".join(
+                f"{k}: {1e3 * v['block_s']:.2f} / {1e3 * v['step_s']:.2f} ms"
+                for k, v in list(r.overhead.items())
+                + list((r.disk.overhead if r.disk else {}).items())
+            )
+            or "-",
+        ),
+        (
+            f"{r.device} GPT layer fwd+bwd",
+            ", ".join(
+                f"d={k}: {_fmt_rate(v, 'FLOP/s')}"
+                for k, v in sorted(r.flops.items(), key=lambda kv: int(kv[0]))
+            ),
+        ),
+        (
+            f"{r.device} GPT layer fwd+bwd, bf16",
+            ", ".join(
+                f"d={k}: {_fmt_rate(v, 'FLOP/s')}"
+                for k, v in sorted(r.flops_bf16.items(), key=lambda kv: int(kv[0]))
+            )
+            or "-",
+        ),
     ]
     if r.disk is not None:
         d = r.disk
         rows += [
-            ("swap dir", f"{d.path} on {d.identity.get('name') or d.identity['dev']} "
-                         f"({d.identity.get('fs')}), O_DIRECT {'yes' if d.direct else 'NO'}"),
+            (
+                "swap dir",
+                f"{d.path} on {d.identity.get('name') or d.identity['dev']} "
+                f"({d.identity.get('fs')}), O_DIRECT {'yes' if d.direct else 'NO'}",
+            ),
             ("swap read / write (O_DIRECT)", f"{_fmt_rate(d.read_bps)} / {_fmt_rate(d.write_bps)}"),
             ("swap free space", f"{d.free_bytes / (1 << 30):.1f} GiB"),
             ("swap 4 KiB request", "-" if d.latency_s is None else f"{1e6 * d.latency_s:.0f} us"),
-            ("swap I/O hidden behind compute", "-" if d.compute_overlap is None
-             else f"{d.compute_overlap:.0%} (of the shorter, both at once)"),
+            (
+                "swap I/O hidden behind compute",
+                "-"
+                if d.compute_overlap is None
+                else f"{d.compute_overlap:.0%} (of the shorter, both at once)",
+            ),
         ]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
-    lines.append(f"({'cached' if r.from_cache else 'measured'}"
-                 f"{', quick' if r.quick else ''})")
+    lines.append(f"({'cached' if r.from_cache else 'measured'}{', quick' if r.quick else ''})")
     lines += [f"note: {n}" for n in r.notes]
     return "\n".join(lines) + "\n"

@@ -1,5 +1,6 @@
 """What ``infinity.estimate`` and the planner return, and how each reads as text: a table a
 person takes in at a glance (``print(infinity.estimate(...))``, ``print(plan)``)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ class Estimate:
     nvme_written_per_step: int
     tokens_per_step: int
     what: str = ""
-    engine_s: float = 0.0       # the engine's fixed cost per block and step (in step_s)
+    engine_s: float = 0.0  # the engine's fixed cost per block and step (in step_s)
     # swap bytes by category: parameters, gradients, master, moments, spare (the extents of
     # the optimizer's units in flight: each is written before the one it replaces is freed)
     nvme_by_category: Dict[str, int] = field(default_factory=dict)
@@ -80,7 +81,7 @@ class Plan:
     estimate: Estimate
     reasons: Tuple[str, ...]
     candidates: Tuple[Tuple[str, float, bool, str], ...]  # name, predicted step, fits, why not
-    host_blocks: int = 0      # with param_tier "nvme": the first blocks' parameters on host
+    host_blocks: int = 0  # with param_tier "nvme": the first blocks' parameters on host
     n_blocks: int = 0
     # the size of the host buffers I/O and the optimizer pass through, as wrap derives it
     # (infinity.tiers.chunk_size.resolve_chunk_bytes); the estimate counts its pools at it
@@ -88,8 +89,11 @@ class Plan:
 
     def policy_changes(self) -> Dict[str, Any]:
         changes: Dict[str, Any] = {
-            "param_tier": self.param_tier, "grad_tier": self.grad_tier,
-            "optimizer_tier": self.optimizer_tier, "prefetch_window": self.prefetch_window}
+            "param_tier": self.param_tier,
+            "grad_tier": self.grad_tier,
+            "optimizer_tier": self.optimizer_tier,
+            "prefetch_window": self.prefetch_window,
+        }
         if self.host_blocks:
             changes["host_blocks"] = self.host_blocks
         return changes
@@ -100,14 +104,18 @@ class Plan:
 
 def format_estimates(t: EstimateTable) -> str:
     sh = t.shape
-    lines = [f"{sh.name}: {sh.params:,} parameters ({fmt_count(sh.params)}, "
-             f"{fmt_bytes(sh.param_bytes)}), "
-             f"{sh.n_layers} layers, d_model {sh.d_model}, {len(sh.block_bytes)} blocks "
-             f"(largest {fmt_bytes(sh.largest_block_bytes)}); batch {t.batch} x seq {t.seq} "
-             f"on {t.device}"]
-    head = (f"{'placement':<11} {'ranks':>5} {'device':>10} {'host':>10} {'nvme':>10} "
-            f"{'step':>9} {'tokens/s':>9} {'compute':>9} {'fetch':>8} {'grads':>8} "
-            f"{'optim':>8} {'nvme w/step':>11}")
+    lines = [
+        f"{sh.name}: {sh.params:,} parameters ({fmt_count(sh.params)}, "
+        f"{fmt_bytes(sh.param_bytes)}), "
+        f"{sh.n_layers} layers, d_model {sh.d_model}, {len(sh.block_bytes)} blocks "
+        f"(largest {fmt_bytes(sh.largest_block_bytes)}); batch {t.batch} x seq {t.seq} "
+        f"on {t.device}"
+    ]
+    head = (
+        f"{'placement':<11} {'ranks':>5} {'device':>10} {'host':>10} {'nvme':>10} "
+        f"{'step':>9} {'tokens/s':>9} {'compute':>9} {'fetch':>8} {'grads':>8} "
+        f"{'optim':>8} {'nvme w/step':>11}"
+    )
     lines += [head, "-" * len(head)]
     for r in t.rows:
         lines.append(
@@ -115,26 +123,36 @@ def format_estimates(t: EstimateTable) -> str:
             f"{fmt_bytes(r.host_bytes):>10} {fmt_bytes(r.nvme_bytes):>10} {fmt_s(r.step_s):>9} "
             f"{r.tokens_per_s:>9,.0f} {fmt_s(r.compute_s):>9} {fmt_s(r.fetch_s):>8} "
             f"{fmt_s(r.grad_offload_s):>8} {fmt_s(r.optimizer_s):>8} "
-            f"{fmt_bytes(r.nvme_written_per_step):>11}")
+            f"{fmt_bytes(r.nvme_written_per_step):>11}"
+        )
     for r in t.rows:
         if r.nvme_by_category:
             n = max(1, sh.params // r.ranks)
             parts = ", ".join(f"{k} {v / n:.2f}" for k, v in r.nvme_by_category.items())
-            lines.append(f"swap bytes/param ({r.placement}, {r.ranks} rank{'s' if r.ranks > 1 else ''}): "
-                         f"{parts}; SSD wear {r.tb_written_per_1000_steps:.2f} TB per 1,000 steps"
-                         + (f"; +{r.nvme_overlap_bytes / n:.2f} while the step overlaps backward"
-                            if r.nvme_overlap_bytes else ""))
+            lines.append(
+                f"swap bytes/param ({r.placement}, {r.ranks} rank{'s' if r.ranks > 1 else ''}): "
+                f"{parts}; SSD wear {r.tb_written_per_1000_steps:.2f} TB per 1,000 steps"
+                + (
+                    f"; +{r.nvme_overlap_bytes / n:.2f} while the step overlaps backward"
+                    if r.nvme_overlap_bytes
+                    else ""
+                )
+            )
         if r.nvme_per_step:
             n = max(1, sh.params // r.ranks)
-            moved = ", ".join(f"{k.replace('_', ' ')} {v / n:.2f}"
-                              for k, v in r.nvme_per_step.items() if v)
+            moved = ", ".join(
+                f"{k.replace('_', ' ')} {v / n:.2f}" for k, v in r.nvme_per_step.items() if v
+            )
             lines.append(f"NVMe per step, bytes/param ({r.placement}): {moved}")
     if t.rows and t.rows[0].working_set:
         ws = t.rows[-1].working_set
-        parts = ", ".join(f"{k.replace('_', ' ')} {fmt_bytes(v)}" for k, v in ws.items()
-                          if k != "peak")
-        lines.append(f"autograd's working set outside the engine ({t.rows[-1].placement}, in "
-                     f"device): {parts}; peak {fmt_bytes(ws['peak'])}")
+        parts = ", ".join(
+            f"{k.replace('_', ' ')} {fmt_bytes(v)}" for k, v in ws.items() if k != "peak"
+        )
+        lines.append(
+            f"autograd's working set outside the engine ({t.rows[-1].placement}, in "
+            f"device): {parts}; peak {fmt_bytes(ws['peak'])}"
+        )
     lines += [f"note: {n}" for n in t.notes]
     return "\n".join(lines) + "\n"
 
@@ -142,8 +160,10 @@ def format_estimates(t: EstimateTable) -> str:
 def format_plan(plan: Plan) -> str:
     params = f"parameters on {plan.param_tier}"
     if plan.host_blocks:
-        params = (f"parameters of the first {plan.host_blocks} of {plan.n_blocks} blocks on "
-                  f"host, the rest on {plan.param_tier}")
+        params = (
+            f"parameters of the first {plan.host_blocks} of {plan.n_blocks} blocks on "
+            f"host, the rest on {plan.param_tier}"
+        )
     lines: List[str] = [
         f"infinity plan: {plan.placement} -- {params}, gradients on "
         f"{plan.grad_tier}, optimizer states on {plan.optimizer_tier}; prefetch window "
@@ -151,14 +171,17 @@ def format_plan(plan: Plan) -> str:
         f"buffers {plan.grad_buffers}, chunk {fmt_bytes(plan.chunk_bytes)})",
         f"  budgets: device {fmt_bytes(plan.budgets['device'])}, host "
         f"{fmt_bytes(plan.budgets['host'])}, disk "
-        + (fmt_bytes(plan.budgets['disk']) if plan.budgets.get('disk') is not None else "-"),
+        + (fmt_bytes(plan.budgets["disk"]) if plan.budgets.get("disk") is not None else "-"),
         f"  predicted step {fmt_s(plan.estimate.step_s)} "
         f"({plan.estimate.tokens_per_s:,.0f} tokens/s); needs device "
         f"{fmt_bytes(plan.estimate.device_bytes)}, host {fmt_bytes(plan.estimate.host_bytes)}, "
         f"NVMe {fmt_bytes(plan.estimate.nvme_bytes)}"
-        + (f" (device includes autograd's working set, "
-           f"{fmt_bytes(plan.estimate.working_set['peak'])})"
-           if plan.estimate.working_set.get("peak") else ""),
+        + (
+            f" (device includes autograd's working set, "
+            f"{fmt_bytes(plan.estimate.working_set['peak'])})"
+            if plan.estimate.working_set.get("peak")
+            else ""
+        ),
         "  why:",
     ]
     lines += [f"    - {r}" for r in plan.reasons]

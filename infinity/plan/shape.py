@@ -2,6 +2,7 @@
 unit of offload) and the GPT-like shape that sets its FLOPs. Works on meta-device models (no
 memory is touched), on a Hugging Face ``config.json`` of a Llama-style decoder (or the same
 dimensions given one by one: :class:`DecoderDims`) and on a bare parameter count."""
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,8 @@ PERSISTENCE_THRESHOLD: int = OffloadPolicy.param_persistence_threshold
 
 @dataclass(frozen=True)
 class ModelShape:
-    params: int                  # parameter count (tied weights once)
-    param_bytes: int             # home bytes (the model's own dtypes)
+    params: int  # parameter count (tied weights once)
+    param_bytes: int  # home bytes (the model's own dtypes)
     # parameters per block in the engine's order: layer blocks, outer blocks (modules outside
     # the layers: embedding, head), the root block last
     block_params: Tuple[int, ...]
@@ -112,8 +113,9 @@ def _guess_d_model(model: nn.Module) -> int:
     return widths.most_common(1)[0][0] if widths else 512
 
 
-def shape_of(model: nn.Module, block_rule=None,
-             persistence_threshold: Optional[int] = PERSISTENCE_THRESHOLD) -> ModelShape:
+def shape_of(
+    model: nn.Module, block_rule=None, persistence_threshold: Optional[int] = PERSISTENCE_THRESHOLD
+) -> ModelShape:
     """The blocks ``infinity.wrap`` makes of ``model`` (``block_rule``,
     ``param_persistence_threshold``) and its size."""
     specs = partition(model, block_rule, persistence_threshold)
@@ -128,24 +130,40 @@ def shape_of(model: nn.Module, block_rule=None,
     cfg = getattr(model, "cfg", None) or getattr(model, "config", None)
     heads = getattr(cfg, "n_heads", None) or getattr(cfg, "num_attention_heads", None)
     from ..optim.step.formats import formats_for  # pure: the safeguards' choice per parameter
+
     chosen = formats_for(model, "8bit")
     sizes = {name: p.numel() for name, p in model.named_parameters()}
     full = sum(sizes.get(name, 0) for name, fmt in chosen.items() if fmt != "8bit")
     emb, head = _io_embeddings(model)
-    tied = (emb is not None and head is not None
-            and getattr(head, "weight", None) is getattr(emb, "weight", False))
+    tied = (
+        emb is not None
+        and head is not None
+        and getattr(head, "weight", None) is getattr(emb, "weight", False)
+    )
     roles = tuple(_role(s, emb, head) for s in specs)
     d_model = _guess_d_model(model)
     ffn = _cfg_int(cfg, "intermediate_size", "n_inner", "ffn_dim")
     kv_heads = _cfg_int(cfg, "num_key_value_heads")
-    head_dim = _cfg_int(cfg, "head_dim") or (d_model // heads if isinstance(heads, int) and
-                                             heads > 0 else None)
-    return ModelShape(sum(params), sum(nbytes), tuple(params), tuple(nbytes), max(1, layers),
-                      d_model, type(model).__name__,
-                      max(embs) if embs else None, heads if isinstance(heads, int) else None,
-                      full, tuple(s.kind for s in specs), block_roles=roles,
-                      tied=tied if emb is not None else None, ffn=ffn,
-                      kv_dim=kv_heads * head_dim if kv_heads and head_dim else None)
+    head_dim = _cfg_int(cfg, "head_dim") or (
+        d_model // heads if isinstance(heads, int) and heads > 0 else None
+    )
+    return ModelShape(
+        sum(params),
+        sum(nbytes),
+        tuple(params),
+        tuple(nbytes),
+        max(1, layers),
+        d_model,
+        type(model).__name__,
+        max(embs) if embs else None,
+        heads if isinstance(heads, int) else None,
+        full,
+        tuple(s.kind for s in specs),
+        block_roles=roles,
+        tied=tied if emb is not None else None,
+        ffn=ffn,
+        kv_dim=kv_heads * head_dim if kv_heads and head_dim else None,
+    )
 
 
 def _cfg_int(cfg: Any, *names: str) -> Optional[int]:
@@ -175,8 +193,10 @@ def _io_embeddings(model: nn.Module) -> Tuple[Optional[nn.Module], Optional[nn.M
         embs = [m for m in model.modules() if isinstance(m, nn.Embedding)]
         emb = embs[0] if len(embs) == 1 else None
         if emb is not None and head is None:
-            head = next((m for m in model.modules() if isinstance(m, nn.Linear)
-                         and m.weight is emb.weight), None)
+            head = next(
+                (m for m in model.modules() if isinstance(m, nn.Linear) and m.weight is emb.weight),
+                None,
+            )
     return emb, head
 
 
@@ -188,9 +208,14 @@ def _role(spec: Any, emb: Optional[nn.Module], head: Optional[nn.Module]) -> str
     return TIED if has_emb and has_head else EMBEDDING if has_emb else HEAD if has_head else ""
 
 
-def shape_of_count(params: int, *, n_layers: Optional[int] = None,
-                   d_model: Optional[int] = None, bytes_per_param: int = 4,
-                   vocab_size: int = 50304) -> ModelShape:
+def shape_of_count(
+    params: int,
+    *,
+    n_layers: Optional[int] = None,
+    d_model: Optional[int] = None,
+    bytes_per_param: int = 4,
+    vocab_size: int = 50304,
+) -> ModelShape:
     """A GPT of ``params`` parameters: ``n_layers`` of 12·d² each plus an embedding of
     ``vocab_size``·d (tied head). Missing dimensions follow GPT-3's aspect (d ≈ 128·layers)."""
     if isinstance(params, bool) or not isinstance(params, (int, float)) or params <= 0:
@@ -210,23 +235,36 @@ def shape_of_count(params: int, *, n_layers: Optional[int] = None,
     # the embedding (tied head) is a block of its own from the persistence threshold on
     outer = emb >= PERSISTENCE_THRESHOLD
     kinds = (LAYER,) * n_layers + ((OUTER,) if outer else (ROOT,))
-    return ModelShape(params, params * bytes_per_param, blocks,
-                      tuple(b * bytes_per_param for b in blocks), n_layers, d_model,
-                      f"GPT {params / 1e6:.0f}M", vocab_size, max(1, d_model // 64),
-                      block_kinds=kinds, block_roles=("",) * n_layers + (TIED if outer else "",),
-                      tied=True, ffn=4 * d_model, kv_dim=d_model)
+    return ModelShape(
+        params,
+        params * bytes_per_param,
+        blocks,
+        tuple(b * bytes_per_param for b in blocks),
+        n_layers,
+        d_model,
+        f"GPT {params / 1e6:.0f}M",
+        vocab_size,
+        max(1, d_model // 64),
+        block_kinds=kinds,
+        block_roles=("",) * n_layers + (TIED if outer else "",),
+        tied=True,
+        ffn=4 * d_model,
+        kv_dim=d_model,
+    )
 
 
 # The decoder dimensions, each as (DecoderDims field and estimate() keyword, config.json key,
 # CLI flag). Keywords and flags override what a config says.
-DECODER_KEYS = (("d_model", "hidden_size", "--d-model"),
-                ("n_layers", "num_hidden_layers", "--layers"),
-                ("n_heads", "num_attention_heads", "--heads"),
-                ("n_kv_heads", "num_key_value_heads", "--kv-heads"),
-                ("ffn", "intermediate_size", "--ffn"),
-                ("vocab_size", "vocab_size", "--vocab"),
-                ("tied", "tie_word_embeddings", "--tied"),
-                ("head_dim", "head_dim", "--head-dim"))
+DECODER_KEYS = (
+    ("d_model", "hidden_size", "--d-model"),
+    ("n_layers", "num_hidden_layers", "--layers"),
+    ("n_heads", "num_attention_heads", "--heads"),
+    ("n_kv_heads", "num_key_value_heads", "--kv-heads"),
+    ("ffn", "intermediate_size", "--ffn"),
+    ("vocab_size", "vocab_size", "--vocab"),
+    ("tied", "tie_word_embeddings", "--tied"),
+    ("head_dim", "head_dim", "--head-dim"),
+)
 DECODER_OPTIONS = tuple(k for k, _, _ in DECODER_KEYS)
 # Keys of mixture-of-experts configs: their MLPs are not one gate/up/down per layer.
 _MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -262,22 +300,26 @@ class DecoderDims:
     name: str = "decoder"
 
     def __post_init__(self) -> None:
-        for f in ("d_model", "n_layers", "n_heads", "ffn", "vocab_size", "n_kv_heads",
-                  "head_dim"):
+        for f in ("d_model", "n_layers", "n_heads", "ffn", "vocab_size", "n_kv_heads", "head_dim"):
             v = getattr(self, f)
             if v is None and f in ("n_kv_heads", "head_dim"):
                 continue
             if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v <= 0:
-                raise ValueError(f"infinity.estimate: {f}={v!r} must be a positive int "
-                                 f"({_flag_help(f)})")
+                raise ValueError(
+                    f"infinity.estimate: {f}={v!r} must be a positive int ({_flag_help(f)})"
+                )
         kv = self.kv_heads
         if self.n_heads % kv:
-            raise ValueError(f"infinity.estimate: n_heads={self.n_heads} is not a multiple of "
-                             f"n_kv_heads={kv} (grouped-query attention shares each key/value "
-                             "head among a whole number of query heads); fix --heads/--kv-heads")
+            raise ValueError(
+                f"infinity.estimate: n_heads={self.n_heads} is not a multiple of "
+                f"n_kv_heads={kv} (grouped-query attention shares each key/value "
+                "head among a whole number of query heads); fix --heads/--kv-heads"
+            )
         if self.head_dim is None and self.d_model % self.n_heads:
-            raise ValueError(f"infinity.estimate: d_model={self.d_model} is not a multiple of "
-                             f"n_heads={self.n_heads}; give head_dim (config.json 'head_dim')")
+            raise ValueError(
+                f"infinity.estimate: d_model={self.d_model} is not a multiple of "
+                f"n_heads={self.n_heads}; give head_dim (config.json 'head_dim')"
+            )
 
     @property
     def kv_heads(self) -> int:
@@ -310,29 +352,42 @@ class DecoderDims:
     def params(self) -> int:
         return self.n_layers * self.layer_params + self.root_params
 
-    def shape(self, bytes_per_param: int = 4,
-              persistence_threshold: Optional[int] = PERSISTENCE_THRESHOLD) -> ModelShape:
+    def shape(
+        self, bytes_per_param: int = 4, persistence_threshold: Optional[int] = PERSISTENCE_THRESHOLD
+    ) -> ModelShape:
         """The engine's blocks, as ``partition`` makes them for the transformers model: one
         per layer; the embedding (with a tied head) and an untied head as outer blocks when
         they hold at least ``persistence_threshold`` elements; the root block last (the final
         norm and whatever stayed under the threshold)."""
         emb = self.vocab_size * self.d_model
         outer = [emb] + ([] if self.tied else [emb])
-        big = [n for n in outer if persistence_threshold is not None
-               and n >= persistence_threshold]
+        big = [n for n in outer if persistence_threshold is not None and n >= persistence_threshold]
         root = self.root_params - sum(big)
         blocks = (self.layer_params,) * self.n_layers + tuple(big) + ((root,) if root else ())
-        kinds = ((LAYER,) * self.n_layers + (OUTER,) * len(big) + ((ROOT,) if root else ()))
+        kinds = (LAYER,) * self.n_layers + (OUTER,) * len(big) + ((ROOT,) if root else ())
         names = [TIED if self.tied else EMBEDDING] + ([] if self.tied else [HEAD])
-        roles = tuple(r for r, n in zip(names, outer) if persistence_threshold is not None
-                      and n >= persistence_threshold)
-        return ModelShape(self.params, self.params * bytes_per_param, blocks,
-                          tuple(b * bytes_per_param for b in blocks), self.n_layers,
-                          self.d_model, self.name, self.vocab_size, self.n_heads,
-                          self.full_moment_params, kinds,
-                          block_roles=("",) * self.n_layers + roles + (("",) if root else ()),
-                          tied=self.tied, ffn=self.ffn,
-                          kv_dim=self.kv_heads * self.head_size)
+        roles = tuple(
+            r
+            for r, n in zip(names, outer)
+            if persistence_threshold is not None and n >= persistence_threshold
+        )
+        return ModelShape(
+            self.params,
+            self.params * bytes_per_param,
+            blocks,
+            tuple(b * bytes_per_param for b in blocks),
+            self.n_layers,
+            self.d_model,
+            self.name,
+            self.vocab_size,
+            self.n_heads,
+            self.full_moment_params,
+            kinds,
+            block_roles=("",) * self.n_layers + roles + (("",) if root else ()),
+            tied=self.tied,
+            ffn=self.ffn,
+            kv_dim=self.kv_heads * self.head_size,
+        )
 
     @property
     def full_moment_params(self) -> int:
@@ -340,6 +395,7 @@ class DecoderDims:
         head or not; an untied head is a Linear and goes 8-bit) and every tensor under
         min_8bit_size (4096 elements: norm weights and biases of narrow models)."""
         from ..optim.step.formats import MIN_8BIT_SIZE
+
         d, hs = self.d_model, self.head_size
         small = [d] * (self.norms_per_layer * self.n_layers + 1)  # RMSNorm weights
         q, kv = self.n_heads * hs, self.kv_heads * hs
@@ -369,24 +425,32 @@ def load_config(config: Any) -> Dict[str, Any]:
     if hasattr(config, "to_dict"):
         return dict(config.to_dict())
     if not isinstance(config, (str, os.PathLike)):
-        raise TypeError(f"infinity.estimate: a model config must be a dict, a transformers "
-                        f"config or the path of a config.json, got {type(config).__name__}")
+        raise TypeError(
+            f"infinity.estimate: a model config must be a dict, a transformers "
+            f"config or the path of a config.json, got {type(config).__name__}"
+        )
     path = os.fspath(config)
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"infinity.estimate: no model config at {path!r}; pass the path "
-                                "of a Hugging Face config.json (or of the model folder holding "
-                                "it)")
+        raise FileNotFoundError(
+            f"infinity.estimate: no model config at {path!r}; pass the path "
+            "of a Hugging Face config.json (or of the model folder holding "
+            "it)"
+        )
     try:
         with open(path) as fh:
             data = json.load(fh)
     except (OSError, ValueError) as exc:
-        raise ValueError(f"infinity.estimate: cannot read {path!r} as a JSON config: {exc}; "
-                         "pass a Hugging Face config.json") from None
+        raise ValueError(
+            f"infinity.estimate: cannot read {path!r} as a JSON config: {exc}; "
+            "pass a Hugging Face config.json"
+        ) from None
     if not isinstance(data, dict):
-        raise ValueError(f"infinity.estimate: {path!r} holds a JSON {type(data).__name__}, not "
-                         "a config object; pass a Hugging Face config.json")
+        raise ValueError(
+            f"infinity.estimate: {path!r} holds a JSON {type(data).__name__}, not "
+            "a config object; pass a Hugging Face config.json"
+        )
     return data
 
 
@@ -398,46 +462,61 @@ def decoder_dims(config: Any = None, **overrides: Any) -> DecoderDims:
     builds them); without ``num_key_value_heads``, one key/value head per query head."""
     unknown = sorted(set(overrides) - set(DECODER_OPTIONS))
     if unknown:
-        raise TypeError(f"infinity.estimate: unknown decoder dimension(s) {unknown}; use "
-                        f"{list(DECODER_OPTIONS)}")
+        raise TypeError(
+            f"infinity.estimate: unknown decoder dimension(s) {unknown}; use "
+            f"{list(DECODER_OPTIONS)}"
+        )
     cfg = load_config(config) if config is not None else {}
     where = "the config" if config is not None else "the dimensions"
     if "hidden_size" not in cfg and isinstance(cfg.get("text_config"), Mapping):
-        raise ValueError("infinity.estimate: this config describes a multimodal model (its "
-                         "decoder is under 'text_config', next to other towers); build the "
-                         "model on the meta device (with infinity.empty_init()) and pass it "
-                         "instead")
+        raise ValueError(
+            "infinity.estimate: this config describes a multimodal model (its "
+            "decoder is under 'text_config', next to other towers); build the "
+            "model on the meta device (with infinity.empty_init()) and pass it "
+            "instead"
+        )
     moe = [k for k in _MOE_KEYS if cfg.get(k)]
     if moe:
-        raise ValueError(f"infinity.estimate: the config is a mixture-of-experts model "
-                         f"({moe[0]}={cfg[moe[0]]}); its MLPs are not one gate/up/down per layer. "
-                         "Build the model on the meta device (with infinity.empty_init()) and "
-                         "pass it instead")
+        raise ValueError(
+            f"infinity.estimate: the config is a mixture-of-experts model "
+            f"({moe[0]}={cfg[moe[0]]}); its MLPs are not one gate/up/down per layer. "
+            "Build the model on the meta device (with infinity.empty_init()) and "
+            "pass it instead"
+        )
     values: Dict[str, Any] = {}
     for f, key, _ in DECODER_KEYS:
         v = overrides.get(f)
         values[f] = cfg.get(key) if v is None else v
-    missing = [f"{key!r} ({flag})" if flag else repr(key)
-               for f, key, flag in DECODER_KEYS
-               if values[f] is None and f not in ("n_kv_heads", "tied", "head_dim")]
+    missing = [
+        f"{key!r} ({flag})" if flag else repr(key)
+        for f, key, flag in DECODER_KEYS
+        if values[f] is None and f not in ("n_kv_heads", "tied", "head_dim")
+    ]
     if missing:
-        raise ValueError(f"infinity.estimate: {where} lack(s) {', '.join(missing)} to describe "
-                         "a Llama-style decoder; add them (config.json keys, or the flags / "
-                         "keywords), or estimate a parameter count (e.g. 8B) instead")
+        raise ValueError(
+            f"infinity.estimate: {where} lack(s) {', '.join(missing)} to describe "
+            "a Llama-style decoder; add them (config.json keys, or the flags / "
+            "keywords), or estimate a parameter count (e.g. 8B) instead"
+        )
     model_type = str(cfg.get("model_type") or "")
     arch = cfg.get("architectures")
-    name = (arch[0] if isinstance(arch, list) and arch and isinstance(arch[0], str)
-            else model_type or "Llama-style decoder")
+    name = (
+        arch[0]
+        if isinstance(arch, list) and arch and isinstance(arch[0], str)
+        else model_type or "Llama-style decoder"
+    )
     if values["tied"] is None:
         values["tied"] = model_type in _TIED_BY_DEFAULT
     values["tied"] = bool(values["tied"])
-    return DecoderDims(**values, name=name,
-                       attention_bias=bool(cfg.get("attention_bias", False)),
-                       qkv_bias=model_type == "qwen2",
-                       mlp_bias=bool(cfg.get("mlp_bias", False)),
-                       qk_norm=model_type in ("qwen3", "gemma3", "gemma3_text"),
-                       norms_per_layer=4 if model_type in ("gemma2", "gemma3", "gemma3_text")
-                       else 2)
+    return DecoderDims(
+        **values,
+        name=name,
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        qkv_bias=model_type == "qwen2",
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        qk_norm=model_type in ("qwen3", "gemma3", "gemma3_text"),
+        norms_per_layer=4 if model_type in ("gemma2", "gemma3", "gemma3_text") else 2,
+    )
 
 
 def _is_config(obj: Any) -> bool:
@@ -445,8 +524,9 @@ def _is_config(obj: Any) -> bool:
         return True
     if isinstance(obj, os.PathLike):
         return True
-    return isinstance(obj, str) and (obj.endswith(".json") or os.path.sep in obj
-                                     or os.path.exists(obj))
+    return isinstance(obj, str) and (
+        obj.endswith(".json") or os.path.sep in obj or os.path.exists(obj)
+    )
 
 
 def describe(model_or_count: Any = None, **kw: Any) -> ModelShape:
@@ -460,9 +540,11 @@ def describe(model_or_count: Any = None, **kw: Any) -> ModelShape:
     dims = {k: kw[k] for k in DECODER_OPTIONS if kw.get(k) is not None}
     bpp = kw.get("bytes_per_param") or 4
     if isinstance(model_or_count, (ModelShape, nn.Module)) and dims:
-        raise ValueError(f"infinity.estimate: {', '.join(sorted(dims))} describe a config or a "
-                         f"parameter count; a {type(model_or_count).__name__} has its own shape "
-                         "(leave them out, or pass the config instead of the model)")
+        raise ValueError(
+            f"infinity.estimate: {', '.join(sorted(dims))} describe a config or a "
+            f"parameter count; a {type(model_or_count).__name__} has its own shape "
+            "(leave them out, or pass the config instead of the model)"
+        )
     if isinstance(model_or_count, ModelShape):
         return model_or_count
     threshold = kw.get("param_persistence_threshold", PERSISTENCE_THRESHOLD)
@@ -472,13 +554,20 @@ def describe(model_or_count: Any = None, **kw: Any) -> ModelShape:
         return decoder_dims(model_or_count, **dims).shape(bpp, threshold)
     llama_only = sorted(set(dims) - {"n_layers", "d_model", "vocab_size"})
     if llama_only:
-        raise ValueError(f"infinity.estimate: the dimension(s) {', '.join(llama_only)} describe "
-                         "a Llama-style decoder, not a parameter count (which is estimated as "
-                         "a GPT); give the decoder's dimensions (or a config.json) without a "
-                         "count")
+        raise ValueError(
+            f"infinity.estimate: the dimension(s) {', '.join(llama_only)} describe "
+            "a Llama-style decoder, not a parameter count (which is estimated as "
+            "a GPT); give the decoder's dimensions (or a config.json) without a "
+            "count"
+        )
     count = parse_count(model_or_count) if isinstance(model_or_count, str) else model_or_count
-    return shape_of_count(count, n_layers=kw.get("n_layers"), d_model=kw.get("d_model"),
-                          bytes_per_param=bpp, vocab_size=kw.get("vocab_size") or 50304)
+    return shape_of_count(
+        count,
+        n_layers=kw.get("n_layers"),
+        d_model=kw.get("d_model"),
+        bytes_per_param=bpp,
+        vocab_size=kw.get("vocab_size") or 50304,
+    )
 
 
 def parse_count(text: Union[str, int, float]) -> int:

@@ -1,4 +1,5 @@
 """Sizes, counts and durations as a person reads them in a table or a message."""
+
 from __future__ import annotations
 
 

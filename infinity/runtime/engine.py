@@ -7,6 +7,7 @@ resume() around its step, grads, home, read_home/write_home and their ranged for
 take_user_writes(), attach_optimizer(), working_copy_staged and backward_listeners. Every state
 change happens on the thread running forward/backward (or the optimizer), under one lock;
 transfer threads only copy bytes and complete futures."""
+
 from __future__ import annotations
 
 import contextlib
@@ -19,29 +20,29 @@ from torch import nn
 
 from .. import io as inf_io
 from ..policy import OffloadPolicy
-from .zero.partitioner import make_partitioner
 from ..tiers import Tier
 from ..tiers.chunk_size import resolve_chunk_bytes
-from .step import hooks as hooks_mod
-from .core import registry
-from .step.group import BlockGroup, GroupContext
 from .build.builder import build
+from .build.tier_bytes import tier_bytes
+from .core import registry
 from .core.device import resolve_device
 from .core.flat import FlatParam
-from .process.guard import guard_foreign_optimizers
-from .homes.ranges import nvme_home_for, read_range
-from .process.host_memory import HOST_MEMORY, REUSE
-from .step.outside import OutsideWrites
-from .homes.quantized import QuantFlat
 from .core.registry import ParamLocation, engine_of, locate  # noqa: F401 (re-exported)
-from .step.row_hooks import RowHooks
 from .core.schedule import Schedule
-from .homes.sources import ParamSource
 from .core.stats import Stats
-from .step.machine import StepHooks
 from .core.teardown import close_all, let_go, restore_params
-from .build.tier_bytes import tier_bytes
+from .homes.quantized import QuantFlat
+from .homes.ranges import nvme_home_for, read_range
+from .homes.sources import ParamSource
+from .process.guard import guard_foreign_optimizers
+from .process.host_memory import HOST_MEMORY, REUSE
+from .step import hooks as hooks_mod
+from .step.group import BlockGroup, GroupContext
+from .step.machine import StepHooks
+from .step.outside import OutsideWrites
+from .step.row_hooks import RowHooks
 from .step.transfer import Transfers
+from .zero.partitioner import make_partitioner
 
 logger = logging.getLogger(__name__)
 
@@ -50,21 +51,29 @@ class Engine:
     """One per wrapped model: wrap/close, quiesce/resume around an optimizer step,
     ``materialized``, stats; the work is done by the objects it owns (see the module)."""
 
-    def __init__(self, model: nn.Module, policy: OffloadPolicy,
-                 source: Optional[ParamSource] = None, process_group=None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        policy: OffloadPolicy,
+        source: Optional[ParamSource] = None,
+        process_group=None,
+    ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"infinity.wrap expects an nn.Module, got {type(model).__name__}")
         if engine_of(model) is not None:
-            raise RuntimeError("this model is already wrapped by infinity; call "
-                               "infinity.unwrap(model) first if you want to wrap it again")
+            raise RuntimeError(
+                "this model is already wrapped by infinity; call "
+                "infinity.unwrap(model) first if you want to wrap it again"
+            )
         self.model, self.policy, self.source = model, policy, source
         self.device = resolve_device(policy.device)
         self.stats = Stats()
         self._lock = threading.RLock()
         self._release_guard: Optional[Callable[[], None]] = None  # global optimizer hooks
         # ZeRO sharding over torch.distributed ranks (None: single process, code unchanged)
-        self.partitioner = make_partitioner(process_group, policy.shard,
-                                            policy.collective_timeout, self.device)
+        self.partitioner = make_partitioner(
+            process_group, policy.shard, policy.collective_timeout, self.device
+        )
         built = build(self, model, policy, source, self.device, self.partitioner, self.stats)
         self.placement = built.placement
         self.param_tier, self.grad_tier = built.placement.param, built.placement.grad
@@ -74,7 +83,7 @@ class Engine:
         self.chunk_bytes = resolve_chunk_bytes(policy.chunk_bytes, self.host_budget.limit)
         self.compute_buffers = built.compute_buffers
         self._compute_reserved = built.compute_reserved  # host RAM held for them (CPU)
-        self._host_memory = built.host_memory    # glibc's thresholds (released in close)
+        self._host_memory = built.host_memory  # glibc's thresholds (released in close)
         self.activations = built.activations
         self.homes, self.home, self.grads = built.homes, built.home, built.grads
         self.store, self.pool = built.store, built.pool
@@ -84,36 +93,97 @@ class Engine:
         # NVMe swap file) for some flat (with host_blocks: the NVMe ones, stages_working_copy)
         self.working_copy_staged = any(b.home is Tier.NVME for b in self.blocks)
         self.schedule = Schedule(policy.prefetch_window, guess=built.guess)
-        self.transfers = Transfers(self.device, self.stats, self.home, self.pool,
-                                   self.home_flats, workers=self.sizing.transfer_workers())
+        self.transfers = Transfers(
+            self.device,
+            self.stats,
+            self.home,
+            self.pool,
+            self.home_flats,
+            workers=self.sizing.transfer_workers(),
+        )
         # optimizers overlapping their step with backward (takes_in_ram, grads_complete,
         # forward_started, homes_needed, engine_closing: docs/architecture.md)
         self.backward_listeners: List[Any] = []
-        self.group = BlockGroup(self.blocks, GroupContext(
-            self._lock, self.device, self.device_budget, self.transfers, self.home, self.stats,
-            self.schedule, self.partitioner, self.compute_buffers, policy.prefetch_window))
-        self.outside = OutsideWrites(self._lock, self.blocks, self.home, self.partitioner,
-                                     self.group)
+        self.group = BlockGroup(
+            self.blocks,
+            GroupContext(
+                self._lock,
+                self.device,
+                self.device_budget,
+                self.transfers,
+                self.home,
+                self.stats,
+                self.schedule,
+                self.partitioner,
+                self.compute_buffers,
+                policy.prefetch_window,
+            ),
+        )
+        self.outside = OutsideWrites(
+            self._lock, self.blocks, self.home, self.partitioner, self.group
+        )
         self.group.sync_outside = self.outside.sync
-        self.step = StepHooks(self, self._lock, self.stats, self.blocks, self.schedule,
-                              self.group, self.outside, self.grads, self.partitioner,
-                              self.activations, self.backward_listeners)
-        self.rows = RowHooks(self._lock, self.stats, self.step, self.outside, self.grads,
-                             self.homes, self.store, self.device, self.chunk_bytes)
+        self.step = StepHooks(
+            self,
+            self._lock,
+            self.stats,
+            self.blocks,
+            self.schedule,
+            self.group,
+            self.outside,
+            self.grads,
+            self.partitioner,
+            self.activations,
+            self.backward_listeners,
+        )
+        self.rows = RowHooks(
+            self._lock,
+            self.stats,
+            self.step,
+            self.outside,
+            self.grads,
+            self.homes,
+            self.store,
+            self.device,
+            self.chunk_bytes,
+        )
         # model.state_dict(): quantized frozen parameters dequantized; ZeRO-3: whole
         # parameters, gathered (every rank must call it)
-        self._hooks = hooks_mod.register(model, self.blocks, self.tiled_head, self.step, [
-            *([self.outside.on_state_dict_quantized]
-              if any(isinstance(f, QuantFlat) for f in self.flats) else []),
-            *([self.step.on_state_dict]
-              if self.partitioner is not None and self.partitioner.shards_params else [])])
+        self._hooks = hooks_mod.register(
+            model,
+            self.blocks,
+            self.tiled_head,
+            self.step,
+            [
+                *(
+                    [self.outside.on_state_dict_quantized]
+                    if any(isinstance(f, QuantFlat) for f in self.flats)
+                    else []
+                ),
+                *(
+                    [self.step.on_state_dict]
+                    if self.partitioner is not None and self.partitioner.shards_params
+                    else []
+                ),
+            ],
+        )
         self._release_guard = guard_foreign_optimizers(self)
-        registry.register(self, model, {
-            id(s.param): (b.index, fi, si) for b in self.blocks
-            for fi, f in enumerate(b.flats) for si, s in enumerate(f.slots)})
-        logger.info("infinity: wrapped %d blocks (%s bytes of parameters) with parameters on %s",
-                    len(self.blocks), f"{built.home_bytes:,}", ", ".join(
-                        f"{t.value} ({n} blocks)" for t, n in self.param_blocks().items()))
+        registry.register(
+            self,
+            model,
+            {
+                id(s.param): (b.index, fi, si)
+                for b in self.blocks
+                for fi, f in enumerate(b.flats)
+                for si, s in enumerate(f.slots)
+            },
+        )
+        logger.info(
+            "infinity: wrapped %d blocks (%s bytes of parameters) with parameters on %s",
+            len(self.blocks),
+            f"{built.home_bytes:,}",
+            ", ".join(f"{t.value} ({n} blocks)" for t, n in self.param_blocks().items()),
+        )
 
     def param_blocks(self) -> Dict[Tier, int]:
         """How many blocks keep their parameters in each tier."""
@@ -154,8 +224,11 @@ class Engine:
             if not self.step.closed:
                 if self.partitioner is not None:  # zero1/2: all-gather the updated parts
                     self.partitioner.after_step()
-                if (self.device.type == "cpu" and HOST_MEMORY.state() != REUSE
-                        and any(b.home is not Tier.HOST for b in self.blocks)):
+                if (
+                    self.device.type == "cpu"
+                    and HOST_MEMORY.state() != REUSE
+                    and any(b.home is not Tier.HOST for b in self.blocks)
+                ):
                     HOST_MEMORY.trim()  # the step's temporaries go back to the OS, not to RSS
                 self.group.prefetch_for_forward()
 
@@ -207,11 +280,10 @@ class Engine:
         """Whether ``flat``'s working copy reaches its home through a staging buffer."""
         return self.home.staged(flat)
 
-    def write_home(self, flat: FlatParam, src: torch.Tensor) -> "inf_io.IOFuture":
+    def write_home(self, flat: FlatParam, src: torch.Tensor) -> inf_io.IOFuture:
         """Starts writing an updated working copy (home dtype, aligned) to the NVMe home."""
         if self.home.tier_of(flat) is not Tier.NVME:
-            raise RuntimeError(f"write_home is only for parameters homed on NVMe, not "
-                               f"{flat.key!r}")
+            raise RuntimeError(f"write_home is only for parameters homed on NVMe, not {flat.key!r}")
         return self.home.write_async(flat, src)
 
     def read_home(self, flat: FlatParam, dst: torch.Tensor) -> None:
@@ -221,8 +293,7 @@ class Engine:
         """Elements per piece of an NVMe-homed flat's swap file (the unit of ranged I/O)."""
         return nvme_home_for(self.homes, self.home, flat, "home_range_elems").range_elems(flat)
 
-    def write_home_range(self, flat: FlatParam, start: int,
-                         src: torch.Tensor) -> "inf_io.IOFuture":
+    def write_home_range(self, flat: FlatParam, start: int, src: torch.Tensor) -> inf_io.IOFuture:
         """Starts writing elements [start, start + len(src)) to the NVMe home (whole pieces)."""
         home = nvme_home_for(self.homes, self.home, flat, "write_home_range")
         return home.write_range_async(flat, start, src)
@@ -251,8 +322,15 @@ class Engine:
 
     def tier_bytes(self) -> Dict[str, Dict[str, int]]:
         """Bytes per tier (runtime/build/tier_bytes.py)."""
-        return tier_bytes(self.sizing, self.grads, self.pool, self.store, self.device_budget,
-                          self.compute_buffers, self._compute_reserved)
+        return tier_bytes(
+            self.sizing,
+            self.grads,
+            self.pool,
+            self.store,
+            self.device_budget,
+            self.compute_buffers,
+            self._compute_reserved,
+        )
 
     def close(self, *, restore: bool = True) -> None:
         """Removes every hook and, with ``restore``, gives the parameters back as plain
@@ -306,8 +384,10 @@ def _no_deepcopy_of_engine(engine: Engine, memo: dict) -> None:
 
 
 def _no_pickling_of_engine(engine: Engine):
-    raise TypeError("infinity: a wrapped model cannot be pickled whole (torch.save(model)); save "
-                    "model.state_dict() or use infinity.save_checkpoint(path, model, optimizer)")
+    raise TypeError(
+        "infinity: a wrapped model cannot be pickled whole (torch.save(model)); save "
+        "model.state_dict() or use infinity.save_checkpoint(path, model, optimizer)"
+    )
 
 
 Engine.__deepcopy__ = _no_deepcopy_of_engine  # a deepcopy of a wrapped model is unwrapped

@@ -11,6 +11,7 @@ There is one port per engine while anything holds it (:meth:`OptimizerPort.of`),
 compare by identity like the engines behind them. The port calls only the engine's public
 methods; it owns no state of its own.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -22,8 +23,8 @@ from torch import nn
 
 from ..tiers.budget import ByteBudget
 from .core.flat import FlatParam
-from .homes.home import master_is_home
 from .core.registry import locate as _locate
+from .homes.home import master_is_home
 
 if TYPE_CHECKING:  # pragma: no cover
     from .. import io as inf_io
@@ -31,7 +32,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 # id(engine) -> its port, while something holds the port (the port holds the engine, so the
 # id cannot be reused meanwhile)
-_PORTS: "weakref.WeakValueDictionary[int, OptimizerPort]" = weakref.WeakValueDictionary()
+_PORTS: weakref.WeakValueDictionary[int, OptimizerPort] = weakref.WeakValueDictionary()
 
 
 class PortLocation(NamedTuple):
@@ -40,7 +41,7 @@ class PortLocation(NamedTuple):
     sharded flat as (flat, slot), None where another rank steps the parameter (for an
     unsharded model ``part`` is ``(flat, slot)``)."""
 
-    port: "OptimizerPort"
+    port: OptimizerPort
     flat: FlatParam
     slot: int
     part: Optional[tuple]
@@ -55,22 +56,22 @@ class _Relay:
     def __init__(self, listener: Any) -> None:
         self.listener = listener
 
-    def forward_started(self, engine: "Engine") -> None:
+    def forward_started(self, engine: Engine) -> None:
         self.listener.forward_started(OptimizerPort.of(engine))
 
-    def takes_in_ram(self, engine: "Engine", flat: FlatParam) -> bool:
+    def takes_in_ram(self, engine: Engine, flat: FlatParam) -> bool:
         return self.listener.takes_in_ram(OptimizerPort.of(engine), flat)
 
-    def writes(self, engine: "Engine") -> bool:
+    def writes(self, engine: Engine) -> bool:
         return self.listener.writes(OptimizerPort.of(engine))
 
-    def grads_complete(self, engine: "Engine", flat: FlatParam) -> None:
+    def grads_complete(self, engine: Engine, flat: FlatParam) -> None:
         self.listener.grads_complete(OptimizerPort.of(engine), flat)
 
-    def homes_needed(self, engine: "Engine") -> None:
+    def homes_needed(self, engine: Engine) -> None:
         self.listener.homes_needed(OptimizerPort.of(engine))
 
-    def engine_closing(self, engine: "Engine") -> None:
+    def engine_closing(self, engine: Engine) -> None:
         self.listener.engine_closing(OptimizerPort.of(engine))
 
 
@@ -96,7 +97,7 @@ class WorkingCopy:
     """The parameters' working copy (the home each flat lives in) as an optimizer reads and
     writes it: whole, or by element ranges of whole pieces of an NVMe home."""
 
-    def __init__(self, engine: "Engine") -> None:
+    def __init__(self, engine: Engine) -> None:
         self._engine = engine
 
     @property
@@ -123,7 +124,7 @@ class WorkingCopy:
     def read(self, flat: FlatParam, dst: torch.Tensor) -> None:
         self._engine.read_home(flat, dst)
 
-    def write(self, flat: FlatParam, src: torch.Tensor) -> "inf_io.IOFuture":
+    def write(self, flat: FlatParam, src: torch.Tensor) -> inf_io.IOFuture:
         return self._engine.write_home(flat, src)
 
     def range_elems(self, flat: FlatParam) -> int:
@@ -133,7 +134,7 @@ class WorkingCopy:
     def read_range(self, flat: FlatParam, start: int, dst: torch.Tensor) -> None:
         self._engine.read_home_range(flat, start, dst)
 
-    def write_range(self, flat: FlatParam, start: int, src: torch.Tensor) -> "inf_io.IOFuture":
+    def write_range(self, flat: FlatParam, start: int, src: torch.Tensor) -> inf_io.IOFuture:
         return self._engine.write_home_range(flat, start, src)
 
     def take_user_writes(self, flat: FlatParam) -> List[int]:
@@ -144,19 +145,24 @@ class WorkingCopy:
 class OptimizerPort:
     """What an optimizer may do with one wrapped model's engine; see the module docstring."""
 
-    def __init__(self, engine: "Engine") -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine  # for ZeRO state code that speaks to the engine (infinity.sharding)
         self._working = WorkingCopy(engine)
         policy = engine.policy
         tier = policy.optimizer_tier
-        self._facts = TierFacts(policy.nvme_path, policy.require_direct_io,
-                                policy.verify_checksums, engine.swap_tag, policy.chunk_bytes,
-                                tier if tier in ("host", "nvme") else None,
-                                policy.host_budget is not None)
+        self._facts = TierFacts(
+            policy.nvme_path,
+            policy.require_direct_io,
+            policy.verify_checksums,
+            engine.swap_tag,
+            policy.chunk_bytes,
+            tier if tier in ("host", "nvme") else None,
+            policy.host_budget is not None,
+        )
 
     # ---- identity and location -------------------------------------------------------------
     @staticmethod
-    def of(engine: "Engine") -> "OptimizerPort":
+    def of(engine: Engine) -> OptimizerPort:
         """The port of ``engine`` (the same object while anything holds it)."""
         port = _PORTS.get(id(engine))
         if port is None or port.engine is not engine:
@@ -220,12 +226,12 @@ class OptimizerPort:
 
     # ---- the working copy and the tier facts ------------------------------------------------
     @property
-    def working(self) -> "WorkingCopy":
+    def working(self) -> WorkingCopy:
         """Reads and writes of the parameters' working copy (their home)."""
         return self._working
 
     @property
-    def facts(self) -> "TierFacts":
+    def facts(self) -> TierFacts:
         """What the optimizer needs to know about tiers, read once."""
         return self._facts
 
@@ -241,19 +247,24 @@ class OptimizerPort:
         accumulators of the flats that have none yet (allocated at their first backward;
         none where gradients live on NVMe, or for a sharded model's per-rank parts)."""
         engine = self.engine
-        if engine.host_budget.limit is None or engine.grads.on_nvme \
-                or engine.partitioner is not None:
+        if (
+            engine.host_budget.limit is None
+            or engine.grads.on_nvme
+            or engine.partitioner is not None
+        ):
             return 0
-        return sum(f.numel * 4 for f in engine.flats
-                   if f.trainable and engine.grads.in_ram(f) is None)
+        return sum(
+            f.numel * 4 for f in engine.flats if f.trainable and engine.grads.in_ram(f) is None
+        )
 
     # ---- backward listeners -----------------------------------------------------------------
     def add_listener(self, listener: Any) -> None:
         """``listener`` hears this model's backward: ``forward_started(port)``,
         ``takes_in_ram(port, flat)``, ``grads_complete(port, flat)``, ``homes_needed(port)``,
         ``engine_closing(port)``. Adding one twice has no effect."""
-        if not any(isinstance(r, _Relay) and r.listener is listener
-                   for r in self.engine.backward_listeners):
+        if not any(
+            isinstance(r, _Relay) and r.listener is listener for r in self.engine.backward_listeners
+        ):
             self.engine.backward_listeners.append(_Relay(listener))
 
     def remove_listener(self, listener: Any) -> None:

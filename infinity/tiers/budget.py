@@ -51,14 +51,20 @@ class ByteBudget:
                 f"already held). This needs {self.name}_budget >= {self._used + nbytes:,} "
                 f"bytes (more if later allocations follow); raise {self.name}_budget to at "
                 f"least that, or use smaller blocks (block_rule)"
-                + (", or a smaller chunk_bytes (staging and gradient buffers are one chunk "
-                   "each)" if self.name == "host" else ""))
+                + (
+                    ", or a smaller chunk_bytes (staging and gradient buffers are one chunk each)"
+                    if self.name == "host"
+                    else ""
+                )
+            )
 
     def release(self, nbytes: int) -> None:
         with self._lock:
             if nbytes > self._used:
-                raise RuntimeError(f"{self.name} budget: releasing {nbytes} bytes but only "
-                                   f"{self._used} are held (accounting bug)")
+                raise RuntimeError(
+                    f"{self.name} budget: releasing {nbytes} bytes but only "
+                    f"{self._used} are held (accounting bug)"
+                )
             self._used -= nbytes
 
     def reset_peak(self) -> None:

@@ -5,14 +5,15 @@ A flat of any size streams through buffers of this size, so host RAM is bounded 
 4-16x a transformer layer. :func:`resolve_chunk_bytes` is the one place its value is checked
 and its default derived; the engine's pools and the optimizer's NVMe pipeline both use it.
 """
+
 from __future__ import annotations
 
 from typing import Optional
 
 from .. import io as inf_io
 
-DEFAULT_CHUNK_BYTES = 256 << 20   # without a host budget
-BUDGET_FRACTION = 32              # with one: at most 1/32 of it per chunk (several in flight)
+DEFAULT_CHUNK_BYTES = 256 << 20  # without a host budget
+BUDGET_FRACTION = 32  # with one: at most 1/32 of it per chunk (several in flight)
 MIN_DEFAULT_CHUNK_BYTES = 1 << 20
 
 
@@ -21,12 +22,17 @@ def check_chunk_bytes(chunk_bytes: object, what: str = "infinity") -> Optional[i
     if chunk_bytes is None:
         return None
     align = inf_io.ALIGNMENT
-    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0 \
-            or chunk_bytes % align:
+    if (
+        isinstance(chunk_bytes, bool)
+        or not isinstance(chunk_bytes, int)
+        or chunk_bytes <= 0
+        or chunk_bytes % align
+    ):
         raise ValueError(
             f"{what}: chunk_bytes must be a positive multiple of {align} bytes (the O_DIRECT "
             f"alignment of swap-file I/O), got {chunk_bytes!r}; round it, e.g. "
-            f"chunk_bytes={_suggest(chunk_bytes, align)}, or pass None for the default")
+            f"chunk_bytes={_suggest(chunk_bytes, align)}, or pass None for the default"
+        )
     return chunk_bytes
 
 
@@ -37,8 +43,9 @@ def _suggest(value: object, align: int) -> int:
         return DEFAULT_CHUNK_BYTES
 
 
-def resolve_chunk_bytes(chunk_bytes: Optional[int], host_budget_limit: Optional[int],
-                        what: str = "infinity") -> int:
+def resolve_chunk_bytes(
+    chunk_bytes: Optional[int], host_budget_limit: Optional[int], what: str = "infinity"
+) -> int:
     """The chunk in bytes: ``chunk_bytes`` when given; else 1/:data:`BUDGET_FRACTION` of the
     host budget (at least 1 MiB, at most :data:`DEFAULT_CHUNK_BYTES`, a multiple of 4096) when
     one is set, else :data:`DEFAULT_CHUNK_BYTES`."""

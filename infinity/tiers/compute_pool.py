@@ -16,6 +16,7 @@ the same size; with a device budget, buffers in use plus kept ones never exceed 
 are dropped first). Without ``_swap_data_ptr_`` (older torch), :func:`supported` is False and
 the engine allocates and frees as before.
 """
+
 from __future__ import annotations
 
 import threading
@@ -40,8 +41,8 @@ class ComputeBuffers:
         self._lock = threading.Lock()
         self._free: Dict[int, List[torch.UntypedStorage]] = defaultdict(list)
         self._lent: Dict[int, torch.UntypedStorage] = {}  # id(compute tensor) -> its buffer
-        self.held = 0        # bytes allocated by the pool (lent + kept)
-        self.cached = 0      # bytes kept, not lent
+        self.held = 0  # bytes allocated by the pool (lent + kept)
+        self.cached = 0  # bytes kept, not lent
         self.peak_held = 0
         self.allocations = 0  # new buffers made (the rest of the attaches reused one)
 

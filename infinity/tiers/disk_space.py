@@ -1,4 +1,5 @@
 """Free space under nvme_path, checked before any swap file is written."""
+
 from __future__ import annotations
 
 import errno
@@ -29,8 +30,10 @@ def check_free_space(path: str, needs: Dict[str, int], what: str) -> None:
     free = free_bytes(path)
     if need > free:
         listed = " + ".join(f"{k} {v:,}" for k, v in needs.items() if v)
-        raise OSError(errno.ENOSPC,
-                      f"infinity: {what} need {need:,} bytes of swap files under nvme_path "
-                      f"{path!r} ({listed}), but its disk has {free:,} bytes free. Free space "
-                      "or choose a larger disk for nvme_path, or keep less on NVMe "
-                      "(8-bit or bf16 optimizer states, grad_tier='host', param_tier='host')")
+        raise OSError(
+            errno.ENOSPC,
+            f"infinity: {what} need {need:,} bytes of swap files under nvme_path "
+            f"{path!r} ({listed}), but its disk has {free:,} bytes free. Free space "
+            "or choose a larger disk for nvme_path, or keep less on NVMe "
+            "(8-bit or bf16 optimizer states, grad_tier='host', param_tier='host')",
+        )

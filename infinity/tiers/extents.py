@@ -9,6 +9,7 @@ workload needs stays bounded by its peak of live bytes plus the fragmentation of
 :class:`RangeSet` (sorted, coalesced ranges) holds the free space; the swap store uses it too,
 for the freed ranges it keeps allocated on disk.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -67,8 +68,10 @@ class RangeSet:
         i = bisect.bisect_left(self._starts, offset)
         prev_end = self._starts[i - 1] + self._sizes[i - 1] if i > 0 else -1
         if prev_end > offset or (i < len(self._starts) and self._starts[i] < end):
-            raise RuntimeError(f"infinity: [{offset:,}, {end:,}) of the {self.what} is {verb} "
-                               "twice (a bug in its owner's bookkeeping)")
+            raise RuntimeError(
+                f"infinity: [{offset:,}, {end:,}) of the {self.what} is {verb} "
+                "twice (a bug in its owner's bookkeeping)"
+            )
         self.total += nbytes
         if prev_end == offset:  # merge with the range before
             i -= 1
@@ -128,8 +131,8 @@ class RangeSet:
             lo, hi = max(start, offset), min(stop, end)
             self.total -= hi - lo
             pieces = [(s, e - s) for s, e in ((start, lo), (hi, stop)) if e > s]
-            self._starts[i:i + 1] = [s for s, _ in pieces]
-            self._sizes[i:i + 1] = [n for _, n in pieces]
+            self._starts[i : i + 1] = [s for s, _ in pieces]
+            self._sizes[i : i + 1] = [n for _, n in pieces]
             i += len(pieces)
             at = hi
         if at < end:
@@ -140,14 +143,22 @@ class RangeSet:
 class ExtentAllocator:
     """First-fit allocation of aligned ranges; ``capacity`` is the space's current end."""
 
-    def __init__(self, capacity: int = 0, limit: Optional[int] = None,
-                 align: int = ALIGNMENT, what: str = "swap file") -> None:
+    def __init__(
+        self,
+        capacity: int = 0,
+        limit: Optional[int] = None,
+        align: int = ALIGNMENT,
+        what: str = "swap file",
+    ) -> None:
         if align <= 0 or capacity < 0 or capacity % align:
-            raise ValueError(f"infinity: extent allocator needs capacity ({capacity}) a "
-                             f"non-negative multiple of align ({align})")
+            raise ValueError(
+                f"infinity: extent allocator needs capacity ({capacity}) a "
+                f"non-negative multiple of align ({align})"
+            )
         if limit is not None and limit < capacity:
-            raise ValueError(f"infinity: extent allocator limit {limit} below its capacity "
-                             f"{capacity}")
+            raise ValueError(
+                f"infinity: extent allocator limit {limit} below its capacity {capacity}"
+            )
         self.align = align
         self.limit = limit
         self.what = what
@@ -194,7 +205,8 @@ class ExtentAllocator:
                 f"infinity: the {self.what} has no free extent of {size:,} bytes: "
                 f"{self.used:,} of its {self.limit:,}-byte limit are in use, the largest free "
                 f"range is {largest:,} bytes. Raise the limit (more disk under nvme_path), or "
-                "use smaller units (a smaller chunk_bytes)")
+                "use smaller units (a smaller chunk_bytes)"
+            )
         offset = self.capacity - tail
         if tail:
             self._free.take_last()
@@ -207,8 +219,10 @@ class ExtentAllocator:
         free neighbours. Freeing a range that is (partly) free already raises."""
         size = self._round(nbytes)
         if offset < 0 or offset % self.align or size <= 0 or offset + size > self.capacity:
-            raise ValueError(f"infinity: cannot free [{offset:,}, {offset + size:,}) of the "
-                             f"{self.what}: outside its {self.capacity:,} bytes or unaligned")
+            raise ValueError(
+                f"infinity: cannot free [{offset:,}, {offset + size:,}) of the "
+                f"{self.what}: outside its {self.capacity:,} bytes or unaligned"
+            )
         self._free.add(offset, size)
         self.used -= size
 

@@ -11,8 +11,8 @@ from .. import io as inf_io
 from ..io.buffers import PinnedRegions, pin_tensors
 from .budget import ByteBudget
 
-_POLL_FIRST_S = 50e-6   # waiting for a DMA to leave a buffer: first poll interval,
-_POLL_MAX_S = 2e-3      # doubled up to this
+_POLL_FIRST_S = 50e-6  # waiting for a DMA to leave a buffer: first poll interval,
+_POLL_MAX_S = 2e-3  # doubled up to this
 
 
 class HostPool:
@@ -30,8 +30,15 @@ class HostPool:
     thread ever synchronizes a stream.
     """
 
-    def __init__(self, count: int, nbytes: int, budget: ByteBudget, *, pin: bool = False,
-                 timeout_s: float = 600.0):
+    def __init__(
+        self,
+        count: int,
+        nbytes: int,
+        budget: ByteBudget,
+        *,
+        pin: bool = False,
+        timeout_s: float = 600.0,
+    ):
         if count < 1 or nbytes < 1:
             raise ValueError(f"HostPool needs count >= 1 and nbytes >= 1, got {count}, {nbytes}")
         self.nbytes = nbytes
@@ -80,8 +87,10 @@ class HostPool:
                     return self._free.popleft()
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise RuntimeError(f"no host staging buffer was freed within "
-                                       f"{self._timeout_s} s; a transfer is stuck")
+                    raise RuntimeError(
+                        f"no host staging buffer was freed within "
+                        f"{self._timeout_s} s; a transfer is stuck"
+                    )
                 if self._deferred:  # a copy still reads one: look again shortly
                     self._cond.wait(min(poll, remaining))
                     poll = min(2 * poll, _POLL_MAX_S)

@@ -9,6 +9,7 @@
   handed to a consumer (the accumulation), so pinned memory for gradients in flight is bounded
   whatever the model size.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, List, Optional, Tuple
@@ -20,8 +21,8 @@ from ..io.buffers import PinnedRegions, pin_tensors
 from . import ByteBudget
 
 CAST_CHUNK_BYTES = 64 << 20  # device staging for an upload that changes dtype, per transfer
-D2H_STAGING_BUFFERS = 2      # gradient staging: one filling while the other's copies land
-_PACK_ALIGN = 256            # byte alignment of each tensor packed into a staging buffer
+D2H_STAGING_BUFFERS = 2  # gradient staging: one filling while the other's copies land
+_PACK_ALIGN = 256  # byte alignment of each tensor packed into a staging buffer
 
 
 def pin_for_dma(device: torch.device) -> bool:
@@ -30,8 +31,9 @@ def pin_for_dma(device: torch.device) -> bool:
 
 
 # ---- host -> device ---------------------------------------------------------------------
-def cast_upload(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool,
-                chunk_bytes: int = CAST_CHUNK_BYTES) -> None:
+def cast_upload(
+    dst: torch.Tensor, src: torch.Tensor, non_blocking: bool, chunk_bytes: int = CAST_CHUNK_BYTES
+) -> None:
     """Copies ``src`` into ``dst`` of another dtype: chunk by chunk, each uploaded in
     ``src``'s dtype into a staging tensor on ``dst``'s device, then cast there into ``dst``.
     The staging tensor is allocated on the current stream and reused in stream order, so the
@@ -43,7 +45,7 @@ def cast_upload(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool,
     stage = torch.empty(min(n, step), dtype=src.dtype, device=dst.device)
     for start in range(0, n, step):
         stop = min(n, start + step)
-        part = stage[:stop - start]
+        part = stage[: stop - start]
         part.copy_(src[start:stop], non_blocking=non_blocking)
         dst[start:stop].copy_(part)
 
@@ -80,12 +82,18 @@ class StagingRing:
     parameter's gradient or the chunk, whichever is larger, never above the largest flat).
     """
 
-    def __init__(self, count: int, nbytes: int, budget: ByteBudget, *, pin: bool,
-                 consume: Callable[[Any, torch.Tensor], None],
-                 what: str = "gradient staging") -> None:
+    def __init__(
+        self,
+        count: int,
+        nbytes: int,
+        budget: ByteBudget,
+        *,
+        pin: bool,
+        consume: Callable[[Any, torch.Tensor], None],
+        what: str = "gradient staging",
+    ) -> None:
         if count < 1 or nbytes < 1:
-            raise ValueError(f"StagingRing needs count >= 1 and nbytes >= 1, got {count}, "
-                             f"{nbytes}")
+            raise ValueError(f"StagingRing needs count >= 1 and nbytes >= 1, got {count}, {nbytes}")
         self.count = count
         self.nbytes = nbytes
         self._budget = budget
@@ -119,8 +127,9 @@ class StagingRing:
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         need = numel * torch.empty((), dtype=dtype).element_size()
         if need > self.nbytes:
-            raise ValueError(f"a tensor of {need:,} bytes does not fit a staging buffer of "
-                             f"{self.nbytes:,} bytes")
+            raise ValueError(
+                f"a tensor of {need:,} bytes does not fit a staging buffer of {self.nbytes:,} bytes"
+            )
         slab = self._slabs[self._current]
         start = -(-slab.used // _PACK_ALIGN) * _PACK_ALIGN
         if start + need > self.nbytes:
@@ -129,7 +138,7 @@ class StagingRing:
             self._settle(slab)
             start = 0
         slab.used = start + need
-        return slab.buf[start:start + need].view(dtype)
+        return slab.buf[start : start + need].view(dtype)
 
     def commit(self, item: Any, view: torch.Tensor, event: Any) -> None:
         slab = self._slabs[self._current]

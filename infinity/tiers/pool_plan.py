@@ -7,6 +7,7 @@ overlapped; with a host budget they shrink towards a minimum (1 staging buffer, 
 buffers: one filling while the other is written) before anything is refused, and only a
 budget below that minimum is an error (raised by the engine's budget check, which names it).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -49,9 +50,9 @@ def buffer_bytes(chunk_bytes: int, largest: int) -> int:
 class PoolPlan:
     chunk_bytes: int
     staging_count: int
-    staging_bytes: int   # per buffer (0: no staging pool)
+    staging_bytes: int  # per buffer (0: no staging pool)
     grad_count: int
-    grad_bytes: int      # per buffer (0: no gradient pool)
+    grad_bytes: int  # per buffer (0: no gradient pool)
 
     @property
     def staging_total(self) -> int:
@@ -64,12 +65,20 @@ class PoolPlan:
     @property
     def minimum_total(self) -> int:
         """Bytes of both pools at their minimum counts."""
-        return (MIN_STAGING_BUFFERS * self.staging_bytes if self.staging_bytes else 0) + \
-            (MIN_GRAD_BUFFERS * self.grad_bytes if self.grad_bytes else 0)
+        return (MIN_STAGING_BUFFERS * self.staging_bytes if self.staging_bytes else 0) + (
+            MIN_GRAD_BUFFERS * self.grad_bytes if self.grad_bytes else 0
+        )
 
 
-def plan_pools(chunk_bytes: int, *, largest_home: int, staging_default: int,
-               largest_grad: int, grad_default: int, room: Optional[int]) -> PoolPlan:
+def plan_pools(
+    chunk_bytes: int,
+    *,
+    largest_home: int,
+    staging_default: int,
+    largest_grad: int,
+    grad_default: int,
+    room: Optional[int],
+) -> PoolPlan:
     """Counts and sizes of the staging and gradient pools. ``largest_home``: the largest
     home (bytes) fetched from NVMe (0: no staging pool); ``largest_grad``: the largest fp32
     gradient of a flat whose gradients go to NVMe (0: no gradient pool); ``room``: host bytes

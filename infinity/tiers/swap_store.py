@@ -1,4 +1,5 @@
 """The NVMe tier: one swap file per key under a private directory of the user's nvme_path."""
+
 from __future__ import annotations
 
 import errno as errno_mod
@@ -29,8 +30,9 @@ _DIR_PREFIX = "infinity-swap-"
 _LOCK_NAME = ".lock"  # held (flock, exclusive) by the live store owning the directory
 _STALE_GRACE_S = 60.0  # a directory without a lock file younger than this is being created
 # flock errors meaning "this filesystem cannot lock", as opposed to "someone holds it"
-_NOLOCK_ERRNOS = frozenset({errno_mod.ENOLCK, errno_mod.EOPNOTSUPP, errno_mod.ENOTSUP,
-                            errno_mod.ENOSYS, errno_mod.EINVAL})
+_NOLOCK_ERRNOS = frozenset(
+    {errno_mod.ENOLCK, errno_mod.EOPNOTSUPP, errno_mod.ENOTSUP, errno_mod.ENOSYS, errno_mod.EINVAL}
+)
 _nolock_logged = False
 # Freed ranges of a file whose extents the caller allocates stay allocated on disk, for the
 # next extents, up to this many times the file's largest extent; beyond, the ranges nearest the
@@ -50,12 +52,13 @@ class _Entry:
     be shorter): one CRC32C per piece, so a byte range made of whole pieces can be written or
     read and verified on its own. A store whose callers always move the whole file creates
     its entries with one piece (the file): then nothing differs from one whole-file CRC."""
-    handle: "inf_io.FileHandle"
+
+    handle: inf_io.FileHandle
     nbytes: int
     piece: int
     crcs: List[Optional[int]] = field(default_factory=list)
     # per piece: the write in flight whose CRC becomes crcs[i] once done
-    pending: List[Optional["inf_io.IOFuture"]] = field(default_factory=list)
+    pending: List[Optional[inf_io.IOFuture]] = field(default_factory=list)
     # per piece: (buffer address, future) of the latest read of it
     last_read: Dict[int, tuple] = field(default_factory=dict)
 
@@ -78,7 +81,7 @@ class PieceFutures:
     ``wait`` waits for all of them (so no buffer is freed under a running transfer) and
     raises the first error; ``crc32c`` is the CRC of the whole range (combined)."""
 
-    def __init__(self, futures: List["inf_io.IOFuture"], op: str, nbytes: int) -> None:
+    def __init__(self, futures: List[inf_io.IOFuture], op: str, nbytes: int) -> None:
         self._futures = futures
         self._op = op
         self._nbytes = nbytes
@@ -115,8 +118,12 @@ class PieceFutures:
         timings = [f.timing() for f in self._futures]
         if not timings or any(t is None for t in timings):
             return None
-        return (min(t[0] for t in timings), min(t[1] for t in timings),
-                max(t[2] for t in timings), sum(t[3] for t in timings))
+        return (
+            min(t[0] for t in timings),
+            min(t[1] for t in timings),
+            max(t[2] for t in timings),
+            sum(t[3] for t in timings),
+        )
 
     @property
     def op(self) -> str:
@@ -135,10 +142,14 @@ def _log_no_locking(path: str, err: OSError) -> None:
     global _nolock_logged
     if not _nolock_logged:
         _nolock_logged = True
-        logger.warning("infinity: the filesystem under %r cannot take file locks (%s); stale "
-                       "swap directories of dead processes are not removed automatically. "
-                       "Delete %s* directories there by hand when no infinity process uses it",
-                       path, os.strerror(err.errno or 0), _DIR_PREFIX)
+        logger.warning(
+            "infinity: the filesystem under %r cannot take file locks (%s); stale "
+            "swap directories of dead processes are not removed automatically. "
+            "Delete %s* directories there by hand when no infinity process uses it",
+            path,
+            os.strerror(err.errno or 0),
+            _DIR_PREFIX,
+        )
 
 
 def _same_file(fd: int, path: str) -> bool:
@@ -157,13 +168,17 @@ def validate_nvme_path(path: str) -> str:
         raise TypeError(f"nvme_path must be a path string, got {type(path).__name__}")
     path = os.path.abspath(os.fspath(path))
     if not os.path.exists(path):
-        raise FileNotFoundError(f"nvme_path {path!r} does not exist; create the directory "
-                                "(on a local NVMe/SSD filesystem) or pass another path")
+        raise FileNotFoundError(
+            f"nvme_path {path!r} does not exist; create the directory "
+            "(on a local NVMe/SSD filesystem) or pass another path"
+        )
     if not os.path.isdir(path):
         raise NotADirectoryError(f"nvme_path {path!r} is not a directory")
     if not os.access(path, os.W_OK | os.X_OK):
-        raise PermissionError(f"nvme_path {path!r} is not writable by this process; "
-                              "fix its permissions or choose another directory")
+        raise PermissionError(
+            f"nvme_path {path!r} is not writable by this process; "
+            "fix its permissions or choose another directory"
+        )
     return path
 
 
@@ -206,8 +221,9 @@ class SwapStore:
     deletes other directories, and says so once in the log.
     """
 
-    def __init__(self, nvme_path: str, *, require_direct: bool = False, verify: bool = True,
-                 tag: str = ""):
+    def __init__(
+        self, nvme_path: str, *, require_direct: bool = False, verify: bool = True, tag: str = ""
+    ):
         self._closed = True  # until set up: a half-built store's __del__ does nothing
         self._lock_fd: Optional[int] = None
         self._owner_pid = os.getpid()  # a forked child's copy must not remove the directory
@@ -222,7 +238,7 @@ class SwapStore:
         self._largest: Dict[str, int] = {}
         self._space_lock = threading.Lock()
         self.allocated_bytes = 0  # bytes of blocks reserved fresh (fallocate) so far
-        self.released_bytes = 0   # bytes of blocks given back (punched) so far
+        self.released_bytes = 0  # bytes of blocks given back (punched) so far
         self._closed = False
         try:
             if self._lock_fd is not None:  # no lock on this filesystem: delete nothing
@@ -236,8 +252,9 @@ class SwapStore:
 
     # ---- setup -------------------------------------------------------------------------
     @staticmethod
-    def _create_locked_directory(base: str, attempts: int = 8, tag: str = ""
-                                 ) -> "tuple[str, Optional[int]]":
+    def _create_locked_directory(
+        base: str, attempts: int = 8, tag: str = ""
+    ) -> tuple[str, Optional[int]]:
         """Creates this store's directory and its lock file and takes the lock. Returns the
         directory and the lock's fd (None where the filesystem cannot lock).
 
@@ -247,12 +264,16 @@ class SwapStore:
         for _ in range(attempts):
             # tag: "<host>-rank<k>-" for a ZeRO rank (ranks and nodes never collide)
             directory = os.path.join(
-                base, f"{_DIR_PREFIX}{tag}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+                base, f"{_DIR_PREFIX}{tag}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            )
             os.mkdir(directory)
             lock_path = os.path.join(directory, _LOCK_NAME)
             try:
-                fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-                             | os.O_NOFOLLOW, 0o644)
+                fd = os.open(
+                    lock_path,
+                    os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
+                    0o644,
+                )
             except FileNotFoundError:
                 continue  # the directory vanished under us
             except BaseException:
@@ -276,8 +297,11 @@ class SwapStore:
             if _same_file(fd, lock_path):
                 return directory, fd
             os.close(fd)  # a cleanup deleted it before we locked
-        raise OSError(errno_mod.EAGAIN, f"could not create a locked swap directory under "
-                      f"{base!r} after {attempts} attempts (another process keeps deleting it)")
+        raise OSError(
+            errno_mod.EAGAIN,
+            f"could not create a locked swap directory under "
+            f"{base!r} after {attempts} attempts (another process keeps deleting it)",
+        )
 
     @staticmethod
     def _cleanup_stale(base: str, own: Optional[str] = None) -> None:
@@ -308,8 +332,11 @@ class SwapStore:
                 fd = os.open(lock_path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
             except FileNotFoundError:
                 if now - st.st_mtime > _STALE_GRACE_S:
-                    logger.info("removing swap directory %s without a lock file (older than "
-                                "%.0f s)", name, _STALE_GRACE_S)
+                    logger.info(
+                        "removing swap directory %s without a lock file (older than %.0f s)",
+                        name,
+                        _STALE_GRACE_S,
+                    )
                     shutil.rmtree(path, ignore_errors=True)
                 continue
             except OSError:
@@ -324,8 +351,9 @@ class SwapStore:
                     continue  # held (EWOULDBLOCK): its owner is alive
                 if not _same_file(fd, lock_path):
                     continue  # another cleanup removed it meanwhile
-                logger.info("removing stale swap directory %s (its owner no longer holds "
-                            "its lock)", name)
+                logger.info(
+                    "removing stale swap directory %s (its owner no longer holds its lock)", name
+                )
                 shutil.rmtree(path, ignore_errors=True)
             finally:
                 os.close(fd)  # releases the lock, after the removal
@@ -342,15 +370,20 @@ class SwapStore:
         direct = inf_io.supports_direct_io(self.directory)
         if not direct and require_direct:
             shutil.rmtree(self.directory, ignore_errors=True)
-            raise OSError(errno_mod.EINVAL,
-                          f"the filesystem under {self.directory!r} does not support O_DIRECT "
-                          "(tmpfs?); put nvme_path on a real disk, or pass "
-                          "require_direct_io=False to accept buffered I/O through the page cache")
+            raise OSError(
+                errno_mod.EINVAL,
+                f"the filesystem under {self.directory!r} does not support O_DIRECT "
+                "(tmpfs?); put nvme_path on a real disk, or pass "
+                "require_direct_io=False to accept buffered I/O through the page cache",
+            )
         if not direct:
-            warnings.warn(f"infinity: the filesystem under {self.directory!r} does not support "
-                          "O_DIRECT; swap I/O goes through the page cache (slower, and it takes "
-                          "RAM). Put nvme_path on a real disk for full speed.", RuntimeWarning,
-                          stacklevel=4)
+            warnings.warn(
+                f"infinity: the filesystem under {self.directory!r} does not support "
+                "O_DIRECT; swap I/O goes through the page cache (slower, and it takes "
+                "RAM). Put nvme_path on a real disk for full speed.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
         return direct
 
     # ---- keys ----------------------------------------------------------------------------
@@ -368,8 +401,10 @@ class SwapStore:
         if key in self._entries:
             raise KeyError(f"swap key {key!r} already exists")
         if nbytes % inf_io.ALIGNMENT:
-            raise ValueError(f"swap extent for {key!r} must be a multiple of "
-                             f"{inf_io.ALIGNMENT} bytes, got {nbytes}")
+            raise ValueError(
+                f"swap extent for {key!r} must be a multiple of "
+                f"{inf_io.ALIGNMENT} bytes, got {nbytes}"
+            )
         piece = self._piece_for(key, nbytes, piece_bytes)
         handle = inf_io.FileHandle(self._path(key), "w+", require_direct=self._require_direct)
         try:
@@ -384,8 +419,10 @@ class SwapStore:
         if piece_bytes is None or piece_bytes >= nbytes:
             return max(nbytes, inf_io.ALIGNMENT)
         if piece_bytes <= 0 or piece_bytes % inf_io.ALIGNMENT:
-            raise ValueError(f"swap pieces of {key!r} must be a positive multiple of "
-                             f"{inf_io.ALIGNMENT} bytes, got {piece_bytes}")
+            raise ValueError(
+                f"swap pieces of {key!r} must be a positive multiple of "
+                f"{inf_io.ALIGNMENT} bytes, got {piece_bytes}"
+            )
         return piece_bytes
 
     def use_pieces(self, key: str, piece_bytes: Optional[int]) -> None:
@@ -394,8 +431,11 @@ class SwapStore:
         entry = self._entry(key)
         if any(c is not None for c in entry.crcs) or any(f is not None for f in entry.pending):
             raise RuntimeError(f"swap file {key!r} was written already: its pieces are fixed")
-        self._entries[key] = _Entry(handle=entry.handle, nbytes=entry.nbytes,
-                                    piece=self._piece_for(key, entry.nbytes, piece_bytes))
+        self._entries[key] = _Entry(
+            handle=entry.handle,
+            nbytes=entry.nbytes,
+            piece=self._piece_for(key, entry.nbytes, piece_bytes),
+        )
 
     def piece_bytes(self, key: str) -> int:
         """The unit of the key's ranged I/O and checksums (its size when it is one piece)."""
@@ -425,24 +465,32 @@ class SwapStore:
         """A ranged request must cover whole pieces: it starts at a piece boundary and ends at
         one or at the end of the file (its checksums are those of the pieces)."""
         end = offset + nbytes
-        if (offset < 0 or nbytes <= 0 or end > entry.nbytes or offset % entry.piece
-                or (end % entry.piece and end != entry.nbytes)):
+        if (
+            offset < 0
+            or nbytes <= 0
+            or end > entry.nbytes
+            or offset % entry.piece
+            or (end % entry.piece and end != entry.nbytes)
+        ):
             raise ValueError(
                 f"infinity: swap I/O of {key!r} must cover whole pieces of {entry.piece:,} "
                 f"bytes within its {entry.nbytes:,} bytes (start at a multiple of the piece, "
-                f"end at one or at the end of the file); got bytes [{offset:,}, {end:,})")
+                f"end at one or at the end of the file); got bytes [{offset:,}, {end:,})"
+            )
 
     def _check_buffer(self, key: str, buf: torch.Tensor, entry: _Entry) -> None:
         nbytes = buf.numel() * buf.element_size()
         if nbytes != entry.nbytes:
-            raise ValueError(f"swap buffer for {key!r} has {nbytes} bytes, the file holds "
-                             f"{entry.nbytes}")
+            raise ValueError(
+                f"swap buffer for {key!r} has {nbytes} bytes, the file holds {entry.nbytes}"
+            )
 
     def _pieces_in(self, entry: _Entry, offset: int, nbytes: int) -> range:
         return range(offset // entry.piece, -(-(offset + nbytes) // entry.piece))
 
-    def _submit(self, key: str, entry: _Entry, op: str, offset: int, buf: torch.Tensor,
-                urgent: bool = False) -> IOResult:
+    def _submit(
+        self, key: str, entry: _Entry, op: str, offset: int, buf: torch.Tensor, urgent: bool = False
+    ) -> IOResult:
         """One request per piece of [offset, offset + len(buf)) (one in all for a one-piece
         file), each checksummed by the I/O workers."""
         raw = self._bytes_of(buf)
@@ -451,7 +499,7 @@ class SwapStore:
         futures = []
         for i in self._pieces_in(entry, offset, nbytes):
             start, end = entry.span(i)
-            part = raw[start - offset:end - offset]
+            part = raw[start - offset : end - offset]
             if op == "write":
                 with self._lock:
                     entry.crcs[i] = None
@@ -501,8 +549,7 @@ class SwapStore:
         self._check_buffer(key, buf, entry)
         return self._submit(key, entry, "read", 0, buf, urgent)
 
-    def read_at(self, key: str, offset: int, buf: torch.Tensor,
-                urgent: bool = False) -> IOResult:
+    def read_at(self, key: str, offset: int, buf: torch.Tensor, urgent: bool = False) -> IOResult:
         """Starts reading bytes [offset, offset + len(buf)) of the key's file (whole pieces)
         into ``buf``; check it with :meth:`verify_read_at` once complete."""
         return self._submit(key, self._entry(key), "read", offset, buf, urgent)
@@ -530,8 +577,9 @@ class SwapStore:
             if recorded is None:
                 raise SwapCorruptionError(
                     f"swap file {self._path(key)!r}{where} holds no completed write (never "
-                    "written, or its last write failed)")
-            part = raw[start - offset:end - offset]
+                    "written, or its last write failed)"
+                )
+            part = raw[start - offset : end - offset]
             last = entry.last_read.pop(i, None)
             if last is not None and last[0] == part.data_ptr():
                 crc = last[1].crc32c()  # computed by the I/O workers during the read
@@ -545,14 +593,14 @@ class SwapStore:
                     "restart from a checkpoint), or code wrote a wrapped parameter in place "
                     "through `p.data` outside forward, which infinity cannot see: write "
                     "through the parameter under torch.no_grad() instead, or call "
-                    "infinity.parameters_changed(model) right after such writes")
+                    "infinity.parameters_changed(model) right after such writes"
+                )
 
     def read_sync(self, key: str, buf: torch.Tensor, urgent: bool = False) -> None:
         self.read(key, buf, urgent=urgent).wait()
         self.verify_read(key, buf)
 
-    def read_at_sync(self, key: str, offset: int, buf: torch.Tensor,
-                     urgent: bool = False) -> None:
+    def read_at_sync(self, key: str, offset: int, buf: torch.Tensor, urgent: bool = False) -> None:
         self.read_at(key, offset, buf, urgent=urgent).wait()
         self.verify_read_at(key, offset, buf)
 
@@ -577,12 +625,14 @@ class SwapStore:
         entry = self._entry(key)
         raw = self._bytes_of(scratch)
         if raw.numel() < min(entry.piece, entry.nbytes):
-            raise ValueError(f"rehash of {key!r} needs a scratch buffer of at least "
-                             f"{min(entry.piece, entry.nbytes):,} bytes, got {raw.numel():,}")
+            raise ValueError(
+                f"rehash of {key!r} needs a scratch buffer of at least "
+                f"{min(entry.piece, entry.nbytes):,} bytes, got {raw.numel():,}"
+            )
         for i in range(entry.pieces):
             self._settle(entry, i)
             start, end = entry.span(i)
-            future = entry.handle.pread(raw[:end - start], start, crc=self.verify)
+            future = entry.handle.pread(raw[: end - start], start, crc=self.verify)
             future.wait()
             entry.last_read.pop(i, None)
             if self.verify:
@@ -598,14 +648,18 @@ class SwapStore:
         nbytes = buf.numel() * buf.element_size()
         align = inf_io.ALIGNMENT
         if entry.pieces != 1:
-            raise ValueError(f"infinity: span I/O of {key!r} needs an extent checksummed whole "
-                             f"(one piece); it has {entry.pieces} pieces: use read_at/write_at")
+            raise ValueError(
+                f"infinity: span I/O of {key!r} needs an extent checksummed whole "
+                f"(one piece); it has {entry.pieces} pieces: use read_at/write_at"
+            )
         if offset % align or nbytes % align or nbytes <= 0 or offset + nbytes > entry.nbytes:
-            raise ValueError(f"swap span of {key!r} at offset {offset} with {nbytes} bytes: "
-                             f"both must be multiples of {align} inside the {entry.nbytes}-byte "
-                             "extent")
+            raise ValueError(
+                f"swap span of {key!r} at offset {offset} with {nbytes} bytes: "
+                f"both must be multiples of {align} inside the {entry.nbytes}-byte "
+                "extent"
+            )
 
-    def read_span(self, key: str, buf: torch.Tensor, offset: int) -> "inf_io.IOFuture":
+    def read_span(self, key: str, buf: torch.Tensor, offset: int) -> inf_io.IOFuture:
         """Starts reading ``buf``'s size of the key's file at ``offset`` (CRC32C computed by
         the workers when the store verifies)."""
         entry = self._entry(key)
@@ -613,7 +667,7 @@ class SwapStore:
         self._settle(entry, 0)  # a whole write in flight lands first
         return entry.handle.pread(self._bytes_of(buf), offset, crc=self.verify)
 
-    def write_span(self, key: str, buf: torch.Tensor, offset: int) -> "inf_io.IOFuture":
+    def write_span(self, key: str, buf: torch.Tensor, offset: int) -> inf_io.IOFuture:
         """Starts writing ``buf`` at ``offset``. The extent has no valid checksum until
         :meth:`record_crc`, so a read that verifies it before then is refused."""
         entry = self._entry(key)
@@ -648,8 +702,10 @@ class SwapStore:
         before anything is written there), growing the file when they lie past its end."""
         entry = self._entry(key)
         if offset % inf_io.ALIGNMENT or nbytes <= 0 or nbytes % inf_io.ALIGNMENT:
-            raise ValueError(f"swap reserve of {key!r}: offset {offset} and size {nbytes} must "
-                             f"be multiples of {inf_io.ALIGNMENT}")
+            raise ValueError(
+                f"swap reserve of {key!r}: offset {offset} and size {nbytes} must "
+                f"be multiples of {inf_io.ALIGNMENT}"
+            )
         if entry.pieces != 1:
             raise ValueError(f"infinity: reserve of {key!r} needs a one-piece extent")
         with self._space_lock:
@@ -672,13 +728,11 @@ class SwapStore:
         if offset + nbytes > entry.nbytes:
             with self._lock:
                 crcs, pending = entry.crcs, entry.pending
-                grown = _Entry(handle=entry.handle, nbytes=offset + nbytes,
-                               piece=offset + nbytes)
+                grown = _Entry(handle=entry.handle, nbytes=offset + nbytes, piece=offset + nbytes)
                 grown.crcs, grown.pending = crcs, pending
                 self._entries[key] = grown
 
-    def _keep_again(self, key: str, offset: int, nbytes: int,
-                    gaps: List[Tuple[int, int]]) -> None:
+    def _keep_again(self, key: str, offset: int, nbytes: int, gaps: List[Tuple[int, int]]) -> None:
         """A failed reserve: the kept parts of [offset, offset + nbytes) are kept again."""
         at = offset
         with self._space_lock:
@@ -696,8 +750,10 @@ class SwapStore:
         filesystem cannot punch holes (the blocks stay allocated and are reused)."""
         entry = self._entry(key)
         if offset < 0 or nbytes <= 0 or offset + nbytes > entry.nbytes:
-            raise ValueError(f"swap release of {key!r}: [{offset}, {offset + nbytes}) is "
-                             f"outside its {entry.nbytes} bytes")
+            raise ValueError(
+                f"swap release of {key!r}: [{offset}, {offset + nbytes}) is "
+                f"outside its {entry.nbytes} bytes"
+            )
         with self._space_lock:
             kept = self._kept.setdefault(key, RangeSet(f"swap file {key!r}"))
             kept.add(offset, nbytes, verb="released")
@@ -800,6 +856,7 @@ def _fallocate() -> Any:
     """libc's fallocate(2) through ctypes (None where there is none)."""
     import ctypes
     import ctypes.util
+
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
         fn = libc.fallocate
@@ -818,6 +875,7 @@ def punch_hole(path: str, offset: int, nbytes: int) -> bool:
         _punch_ok = False
         return False
     import ctypes
+
     fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
     try:
         if fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, nbytes) == 0:
@@ -827,11 +885,16 @@ def punch_hole(path: str, offset: int, nbytes: int) -> bool:
         os.close(fd)
     if err in (errno_mod.EOPNOTSUPP, errno_mod.ENOSYS, errno_mod.EINVAL):
         _punch_ok = False
-        logger.info("infinity: the filesystem under %r cannot punch holes (%s); freed swap "
-                    "extents keep their blocks until reused", path, os.strerror(err))
+        logger.info(
+            "infinity: the filesystem under %r cannot punch holes (%s); freed swap "
+            "extents keep their blocks until reused",
+            path,
+            os.strerror(err),
+        )
         return False
-    raise OSError(err, f"punching a hole in {path!r} at {offset} ({nbytes} bytes) failed: "
-                       f"{os.strerror(err)}")
+    raise OSError(
+        err, f"punching a hole in {path!r} at {offset} ({nbytes} bytes) failed: {os.strerror(err)}"
+    )
 
 
 def default_swap_root() -> str:

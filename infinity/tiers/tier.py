@@ -11,7 +11,7 @@ class Tier(str, enum.Enum):
     NVME = "nvme"
 
     @classmethod
-    def parse(cls, value: "str | Tier", *, what: str) -> "Tier":
+    def parse(cls, value: str | Tier, *, what: str) -> Tier:
         if isinstance(value, Tier):
             return value
         try:

@@ -17,6 +17,7 @@ from typing import Dict, List, Tuple
 
 import pytest
 import torch
+from engine_helpers import assert_tensors_equal
 from torch import nn
 
 import infinity
@@ -24,11 +25,10 @@ from infinity.io import InfinityIOError, clear_faults, inject_fault
 from infinity.models import GPTConfig, TinyGPT, lm_loss, synthetic_batch
 from infinity.optim import OptimizerStateIOError
 from infinity.optim.states.extents import STATE_FILE
-from infinity.runtime.engine import Engine, engine_of, locate
 from infinity.runtime.core.flat import FlatParam
+from infinity.runtime.engine import Engine, engine_of, locate
 from infinity.runtime.grads.sink import GradientWriteError
 from infinity.tiers import HostPool, SwapStore
-from engine_helpers import assert_tensors_equal
 
 CFG = GPTConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=2, max_seq=16)
 STEPS = 5

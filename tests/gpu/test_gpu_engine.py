@@ -17,8 +17,9 @@ from torch.utils.checkpoint import checkpoint
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "helpers"))
 
-import infinity  # noqa: E402
 from engine_helpers import SMALL, batches  # noqa: E402
+
+import infinity  # noqa: E402
 from infinity.io import buffers  # noqa: E402
 from infinity.models import GPTConfig, TinyGPT, lm_loss  # noqa: E402
 from infinity.runtime import engine_of  # noqa: E402

@@ -5,9 +5,9 @@ import sys
 import textwrap
 
 import torch
+from engine_helpers import batches, loss_of
 
 import infinity
-from engine_helpers import batches, loss_of
 from infinity.models import GPTConfig, TinyGPT
 
 

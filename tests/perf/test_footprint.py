@@ -10,11 +10,11 @@ import sys
 
 import pytest
 import torch
+from engine_helpers import SMALL, batches, loss_of
 
 import infinity
-from infinity.runtime.port import OptimizerPort
-from engine_helpers import SMALL, batches, loss_of
 from infinity.models import TinyGPT
+from infinity.runtime.port import OptimizerPort
 from infinity.tiers import BudgetExceededError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -12,6 +12,7 @@ A crash before 2 leaves ``P`` untouched (the temporary directory of a dead proce
 the next save); a crash between 2 and 3 leaves only ``.P.old``, which :func:`resolve` falls back
 to; a crash after 3 leaves a complete ``P`` and a stale ``.P.old`` that the next save removes.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -61,12 +62,14 @@ def remove_stale_temporaries(path: str) -> None:
         if not entry.startswith(prefix):
             continue
         try:
-            pid = int(entry[len(prefix):].split("-", 1)[0])
+            pid = int(entry[len(prefix) :].split("-", 1)[0])
         except ValueError:
             continue
         if pid == os.getpid() or not _pid_alive(pid):
-            logger.info("infinity: removing %s, left by an interrupted checkpoint save",
-                        os.path.join(head, entry))
+            logger.info(
+                "infinity: removing %s, left by an interrupted checkpoint save",
+                os.path.join(head, entry),
+            )
             shutil.rmtree(os.path.join(head, entry), ignore_errors=True)
 
 
@@ -75,19 +78,27 @@ def resolve(path: str) -> str:
     checkpoint kept aside when a save crashed while replacing it. Clear errors otherwise."""
     path = os.path.abspath(os.fspath(path))
     if os.path.isfile(path):
-        raise CheckpointError(f"{path} is a file, not an infinity checkpoint (a directory "
-                              "written by infinity.save_checkpoint)")
+        raise CheckpointError(
+            f"{path} is a file, not an infinity checkpoint (a directory "
+            "written by infinity.save_checkpoint)"
+        )
     if _is_checkpoint(path):
         return path
     aside = aside_path(path)
     if _is_checkpoint(aside):
-        logger.warning("infinity: %s is missing (a save was interrupted while replacing it); "
-                       "loading the previous checkpoint kept at %s", path, aside)
+        logger.warning(
+            "infinity: %s is missing (a save was interrupted while replacing it); "
+            "loading the previous checkpoint kept at %s",
+            path,
+            aside,
+        )
         return aside
     if not os.path.exists(path):
         raise FileNotFoundError(f"no checkpoint at {path}: the path does not exist")
-    raise CheckpointError(f"{path} is not an infinity checkpoint: it has no {MANIFEST} "
-                          "(write one with infinity.save_checkpoint)")
+    raise CheckpointError(
+        f"{path} is not an infinity checkpoint: it has no {MANIFEST} "
+        "(write one with infinity.save_checkpoint)"
+    )
 
 
 def staging_name(path: str, token: int) -> str:
@@ -111,8 +122,9 @@ def prepare_staging(path: str, token: int, marker: str = MANIFEST) -> str:
         raise CheckpointError(f"refusing to replace {path}: it is a file, not a checkpoint")
     if os.path.isdir(path) and not _is_checkpoint(path, marker) and os.listdir(path):
         what = "an infinity checkpoint" if marker == MANIFEST else f"a checkpoint (no {marker})"
-        raise CheckpointError(f"refusing to replace {path}: it is a non-empty directory that "
-                              f"is not {what}")
+        raise CheckpointError(
+            f"refusing to replace {path}: it is a non-empty directory that is not {what}"
+        )
     remove_stale_temporaries(path)
     tmp = staging_name(path, token)
     os.mkdir(tmp)

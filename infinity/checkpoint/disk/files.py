@@ -6,6 +6,7 @@ fsyncs. :func:`read_tensor_file` reads a whole file into one buffer, checks its 
 against the manifest before anything is parsed, and returns views into that buffer.
 The files are ordinary safetensors: ``safetensors.torch.load_file`` and transformers read them.
 """
+
 from __future__ import annotations
 
 import errno as errno_mod
@@ -22,18 +23,31 @@ from ... import io as inf_io
 from .manifest import CorruptCheckpointError
 
 _ST_NAMES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL", torch.complex64: "C64",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.complex64: "C64",
 }
-for _name, _st in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"),
-                   ("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64")):
+for _name, _st in (
+    ("float8_e4m3fn", "F8_E4M3"),
+    ("float8_e5m2", "F8_E5M2"),
+    ("uint16", "U16"),
+    ("uint32", "U32"),
+    ("uint64", "U64"),
+):
     if hasattr(torch, _name):
         _ST_NAMES[getattr(torch, _name)] = _st
 _ST_DTYPES = {v: k for k, v in _ST_NAMES.items()}
 
 WRITE_CHUNK = 64 << 20  # bytes per write call (and per progress update)
-CRC_CHUNK = 64 << 20    # the manifest records a CRC32C per this many bytes of each file it
+CRC_CHUNK = 64 << 20  # the manifest records a CRC32C per this many bytes of each file it
 #                         writes, so a range is verified by reading only the chunks around it
 
 Spec = Tuple[str, torch.dtype, Tuple[int, ...]]
@@ -82,8 +96,13 @@ class TensorFileWriter:
     """One safetensors file, written in the order of ``specs``. ``progress``: a tqdm bar (or
     None) updated with the bytes written."""
 
-    def __init__(self, path: str, specs: Sequence[Spec],
-                 metadata: Optional[Dict[str, str]] = None, progress: Any = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        specs: Sequence[Spec],
+        metadata: Optional[Dict[str, str]] = None,
+        progress: Any = None,
+    ) -> None:
         header: Dict[str, Any] = {}
         if metadata:
             header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -91,13 +110,17 @@ class TensorFileWriter:
         self._pending: List[Tuple[str, torch.dtype, Tuple[int, ...], int]] = []
         for name, dtype, shape in specs:
             if dtype not in _ST_NAMES:
-                raise TypeError(f"tensor {name!r} has dtype {dtype}, which safetensors "
-                                "cannot store")
+                raise TypeError(
+                    f"tensor {name!r} has dtype {dtype}, which safetensors cannot store"
+                )
             if name in header:
                 raise ValueError(f"tensor name {name!r} appears twice in {path}")
             n = nbytes_of(dtype, shape)
-            header[name] = {"dtype": _ST_NAMES[dtype], "shape": list(shape),
-                            "data_offsets": [offset, offset + n]}
+            header[name] = {
+                "dtype": _ST_NAMES[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + n],
+            }
             self._pending.append((name, dtype, tuple(shape), n))
             offset += n
         raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
@@ -110,8 +133,9 @@ class TensorFileWriter:
         self._pos = 0
         self._progress = progress
         self._next = 0
-        self._fd: Optional[int] = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL
-                                          | getattr(os, "O_CLOEXEC", 0), 0o644)
+        self._fd: Optional[int] = os.open(
+            path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644
+        )
         try:
             self._emit(np.frombuffer(struct.pack("<Q", len(raw)) + raw, dtype=np.uint8))
         except BaseException:
@@ -120,7 +144,7 @@ class TensorFileWriter:
 
     def _emit(self, data: np.ndarray) -> None:
         for start in range(0, data.size, WRITE_CHUNK):
-            chunk = data[start:start + WRITE_CHUNK]
+            chunk = data[start : start + WRITE_CHUNK]
             _write_bytes(self._fd, memoryview(chunk))
             self.crc = inf_io.crc32c(chunk, self.crc)
             self._chunk_crc_update(chunk)
@@ -142,17 +166,18 @@ class TensorFileWriter:
             raise ValueError(f"{self.path}: tensor {name!r} was not announced")
         want, dtype, shape, n = self._pending[self._next]
         if name != want or tensor.dtype != dtype or tuple(tensor.shape) != shape:
-            raise ValueError(f"{self.path}: expected tensor {want!r} {dtype} {shape}, got "
-                             f"{name!r} {tensor.dtype} {tuple(tensor.shape)}")
+            raise ValueError(
+                f"{self.path}: expected tensor {want!r} {dtype} {shape}, got "
+                f"{name!r} {tensor.dtype} {tuple(tensor.shape)}"
+            )
         self._emit(_raw(tensor))
         self._next += 1
 
     def close(self) -> Tuple[int, int]:
         """Fsyncs and closes the file; returns (size, crc32c)."""
         if self._next != len(self._pending):
-            missing = [p[0] for p in self._pending[self._next:]]
-            raise ValueError(f"{self.path}: tensors {missing[:5]} were announced but not "
-                             "written")
+            missing = [p[0] for p in self._pending[self._next :]]
+            raise ValueError(f"{self.path}: tensors {missing[:5]} were announced but not written")
         if self._pos % CRC_CHUNK:
             self.chunk_crcs.append(self._chunk_crc)
             self._chunk_crc = 0
@@ -169,9 +194,13 @@ class TensorFileWriter:
             os.close(fd)
 
 
-def write_tensor_file(path: str, items: Iterable[Tuple[str, torch.Tensor]],
-                      metadata: Optional[Dict[str, str]] = None, progress: Any = None,
-                      chunk_crcs: Optional[List[int]] = None) -> Tuple[int, int]:
+def write_tensor_file(
+    path: str,
+    items: Iterable[Tuple[str, torch.Tensor]],
+    metadata: Optional[Dict[str, str]] = None,
+    progress: Any = None,
+    chunk_crcs: Optional[List[int]] = None,
+) -> Tuple[int, int]:
     """Writes ``items`` (name, tensor) as one safetensors file; returns (size, crc32c) and
     fills ``chunk_crcs`` (when given) with the CRC32C of each CRC_CHUNK of the file."""
     tensors = dict(items)
@@ -190,13 +219,19 @@ def write_tensor_file(path: str, items: Iterable[Tuple[str, torch.Tensor]],
 
 
 EXTENT_DATA_OFFSET = 4096  # data section of a reused-extent file: page aligned
-PAD_PREFIX = "__pad__."   # tensors covering gaps in a reused-extent file; readers skip them
-_COPY_FALLBACK = {errno_mod.EXDEV, errno_mod.ENOSYS, errno_mod.EOPNOTSUPP, errno_mod.EINVAL,
-                  errno_mod.EBADF}
+PAD_PREFIX = "__pad__."  # tensors covering gaps in a reused-extent file; readers skip them
+_COPY_FALLBACK = {
+    errno_mod.EXDEV,
+    errno_mod.ENOSYS,
+    errno_mod.EOPNOTSUPP,
+    errno_mod.EINVAL,
+    errno_mod.EBADF,
+}
 
 
-def _kernel_copy(src: int, dst: int, nbytes: int, dst_offset: int, progress: Any,
-                 src_offset: int = 0) -> None:
+def _kernel_copy(
+    src: int, dst: int, nbytes: int, dst_offset: int, progress: Any, src_offset: int = 0
+) -> None:
     """Copies ``nbytes`` from ``src_offset`` of ``src`` to ``dst_offset`` of ``dst`` inside
     the kernel: copy_file_range (a reflink on XFS/btrfs), else sendfile; never through
     Python."""
@@ -222,10 +257,15 @@ def _kernel_copy(src: int, dst: int, nbytes: int, dst_offset: int, progress: Any
             progress.update(n)
 
 
-def write_extent_file(path: str, src_path: str, nbytes: int,
-                      tensors: Sequence[Tuple[str, torch.dtype, Tuple[int, ...], int]],
-                      metadata: Optional[Dict[str, str]] = None, progress: Any = None,
-                      src_offset: int = 0) -> Tuple[int, int]:
+def write_extent_file(
+    path: str,
+    src_path: str,
+    nbytes: int,
+    tensors: Sequence[Tuple[str, torch.dtype, Tuple[int, ...], int]],
+    metadata: Optional[Dict[str, str]] = None,
+    progress: Any = None,
+    src_offset: int = 0,
+) -> Tuple[int, int]:
     """A safetensors file whose data section is the ``nbytes`` of ``src_path`` from
     ``src_offset``, copied by the
     kernel: ``tensors`` (name, dtype, shape, byte offset in the data) describe it, gaps and the
@@ -239,24 +279,32 @@ def write_extent_file(path: str, src_path: str, nbytes: int,
         if offset < pos or offset % _itemsize(dtype):
             raise ValueError(f"{path}: tensor {name!r} overlaps or is misaligned at {offset}")
         if offset > pos:
-            header[f"{PAD_PREFIX}{pads}"] = {"dtype": "U8", "shape": [offset - pos],
-                                             "data_offsets": [pos, offset]}
+            header[f"{PAD_PREFIX}{pads}"] = {
+                "dtype": "U8",
+                "shape": [offset - pos],
+                "data_offsets": [pos, offset],
+            }
             pads += 1
         end = offset + nbytes_of(dtype, shape)
-        header[name] = {"dtype": _ST_NAMES[dtype], "shape": list(shape),
-                        "data_offsets": [offset, end]}
+        header[name] = {
+            "dtype": _ST_NAMES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, end],
+        }
         pos = end
     if pos > nbytes:
         raise ValueError(f"{path}: tensors end at {pos}, past the {nbytes} bytes of the data")
     if pos < nbytes:
-        header[f"{PAD_PREFIX}{pads}"] = {"dtype": "U8", "shape": [nbytes - pos],
-                                         "data_offsets": [pos, nbytes]}
+        header[f"{PAD_PREFIX}{pads}"] = {
+            "dtype": "U8",
+            "shape": [nbytes - pos],
+            "data_offsets": [pos, nbytes],
+        }
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     start = -(-(8 + len(raw)) // EXTENT_DATA_OFFSET) * EXTENT_DATA_OFFSET
     raw += b" " * (start - 8 - len(raw))
     head = np.frombuffer(struct.pack("<Q", len(raw)) + raw, dtype=np.uint8)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
-                 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
         _write_bytes(fd, memoryview(head))
         src = os.open(src_path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -273,8 +321,9 @@ def write_extent_file(path: str, src_path: str, nbytes: int,
 class TensorFile:
     """A verified safetensors file held in memory: ``get(name)`` gives a tensor over its bytes."""
 
-    def __init__(self, path: str, label: str, buf: np.ndarray, header: Dict[str, Any],
-                 data_start: int) -> None:
+    def __init__(
+        self, path: str, label: str, buf: np.ndarray, header: Dict[str, Any], data_start: int
+    ) -> None:
         self.path = path
         self.label = label
         self._buf = buf
@@ -294,15 +343,19 @@ class TensorFile:
         shape = info["shape"]
         if end == begin:
             return torch.empty(shape, dtype=dtype)
-        raw = torch.from_numpy(self._buf[self._start + begin:self._start + end])
+        raw = torch.from_numpy(self._buf[self._start + begin : self._start + end])
         if (self._start + begin) % _itemsize(dtype):
             raw = raw.clone()  # not aligned for a view
         return raw.view(dtype).view(shape)
 
 
-def read_tensor_file(path: str, label: str, size: Optional[int] = None,
-                     crc: Optional[int] = None,
-                     parts: Sequence[Tuple[int, int, int]] = ()) -> TensorFile:
+def read_tensor_file(
+    path: str,
+    label: str,
+    size: Optional[int] = None,
+    crc: Optional[int] = None,
+    parts: Sequence[Tuple[int, int, int]] = (),
+) -> TensorFile:
     """Reads ``path`` and checks it against the manifest's ``size`` and ``crc`` (of the whole
     file) or ``parts`` ((start, end, crc32c) of byte ranges covering it) before parsing;
     errors name ``label`` (the file's name in the checkpoint) and the path."""
@@ -311,9 +364,11 @@ def read_tensor_file(path: str, label: str, size: Optional[int] = None,
     except FileNotFoundError:
         raise CorruptCheckpointError(f"checkpoint file {label} is missing ({path})") from None
     if size is not None and actual != size:
-        raise CorruptCheckpointError(f"checkpoint file {label} has {actual:,} bytes but the "
-                                     f"manifest recorded {size:,} ({path}): it is truncated or "
-                                     "was replaced")
+        raise CorruptCheckpointError(
+            f"checkpoint file {label} has {actual:,} bytes but the "
+            f"manifest recorded {size:,} ({path}): it is truncated or "
+            "was replaced"
+        )
     buf = np.empty(actual, dtype=np.uint8)
     with open(path, "rb", buffering=0) as f:
         view = memoryview(buf)
@@ -333,23 +388,27 @@ def read_tensor_file(path: str, label: str, size: Optional[int] = None,
         if parts and covered != actual:
             crc = -1
     if crc is not None and (crc < 0 or (not parts and inf_io.crc32c(buf) != crc)):
-        raise CorruptCheckpointError(f"checkpoint file {label} is corrupted: its CRC32C does "
-                                     f"not match the manifest ({path}). Restore it from a copy "
-                                     "or use another checkpoint")
+        raise CorruptCheckpointError(
+            f"checkpoint file {label} is corrupted: its CRC32C does "
+            f"not match the manifest ({path}). Restore it from a copy "
+            "or use another checkpoint"
+        )
     try:
         (hlen,) = struct.unpack("<Q", buf[:8].tobytes())
-        header = json.loads(buf[8:8 + hlen].tobytes().decode("utf-8"))
+        header = json.loads(buf[8 : 8 + hlen].tobytes().decode("utf-8"))
     except (struct.error, ValueError, UnicodeDecodeError) as exc:
-        raise CorruptCheckpointError(f"checkpoint file {label} is not a valid safetensors "
-                                     f"file ({path}): {exc}") from None
+        raise CorruptCheckpointError(
+            f"checkpoint file {label} is not a valid safetensors file ({path}): {exc}"
+        ) from None
     start = 8 + hlen
     for name, info in header.items():
         if name == "__metadata__":
             continue
         begin, end = info["data_offsets"]
         if info["dtype"] not in _ST_DTYPES or not 0 <= begin <= end <= actual - start:
-            raise CorruptCheckpointError(f"checkpoint file {label}: entry {name!r} is invalid "
-                                         f"({path})")
+            raise CorruptCheckpointError(
+                f"checkpoint file {label}: entry {name!r} is invalid ({path})"
+            )
     return TensorFile(path, label, buf, header, start)
 
 
@@ -359,8 +418,9 @@ class RangedFile:
     CRC32C the manifest recorded for it before its bytes are used; the last chunk is kept for
     the next range. The header is parsed from the chunks that hold it."""
 
-    def __init__(self, path: str, label: str, size: int, chunk_bytes: int,
-                 chunk_crcs: Sequence[int]) -> None:
+    def __init__(
+        self, path: str, label: str, size: int, chunk_bytes: int, chunk_crcs: Sequence[int]
+    ) -> None:
         self.path, self.label, self.size = path, label, size
         self.chunk_bytes, self.chunk_crcs = chunk_bytes, list(chunk_crcs)
         try:
@@ -368,17 +428,21 @@ class RangedFile:
         except FileNotFoundError:
             raise CorruptCheckpointError(f"checkpoint file {label} is missing ({path})") from None
         if actual != size:
-            raise CorruptCheckpointError(f"checkpoint file {label} has {actual:,} bytes but the "
-                                         f"manifest recorded {size:,} ({path}): it is truncated "
-                                         "or was replaced")
+            raise CorruptCheckpointError(
+                f"checkpoint file {label} has {actual:,} bytes but the "
+                f"manifest recorded {size:,} ({path}): it is truncated "
+                "or was replaced"
+            )
         if len(self.chunk_crcs) != -(-size // chunk_bytes):
-            raise CorruptCheckpointError(f"checkpoint file {label}: the manifest's chunk "
-                                         "checksums do not cover the file")
+            raise CorruptCheckpointError(
+                f"checkpoint file {label}: the manifest's chunk checksums do not cover the file"
+            )
         self._last: Optional[Tuple[int, np.ndarray]] = None
         (hlen,) = struct.unpack("<Q", self._bytes(0, 8).tobytes())
         if not 0 < hlen <= size - 8:
-            raise CorruptCheckpointError(f"checkpoint file {label} is not a valid safetensors "
-                                         f"file ({path})")
+            raise CorruptCheckpointError(
+                f"checkpoint file {label} is not a valid safetensors file ({path})"
+            )
         self._header = json.loads(self._bytes(8, 8 + hlen).tobytes().decode("utf-8"))
         self._start = 8 + hlen
 
@@ -394,8 +458,9 @@ class RangedFile:
             while done < n:
                 got = os.preadv(fd, [memoryview(buf)[done:]], lo + done)
                 if got <= 0:
-                    raise CorruptCheckpointError(f"checkpoint file {self.label} ended early "
-                                                 f"({self.path})")
+                    raise CorruptCheckpointError(
+                        f"checkpoint file {self.label} ended early ({self.path})"
+                    )
                 done += got
         finally:
             os.close(fd)
@@ -403,7 +468,8 @@ class RangedFile:
             raise CorruptCheckpointError(
                 f"checkpoint file {self.label} is corrupted: the CRC32C of its bytes "
                 f"[{lo:,}, {lo + n:,}) does not match the manifest ({self.path}). Restore it "
-                "from a copy or use another checkpoint")
+                "from a copy or use another checkpoint"
+            )
         self._last = (k, buf)
         return buf
 
@@ -415,7 +481,7 @@ class RangedFile:
             chunk = self._chunk(k)
             base = k * self.chunk_bytes
             take = min(hi, base + chunk.size) - pos
-            out[pos - lo:pos - lo + take] = chunk[pos - base:pos - base + take]
+            out[pos - lo : pos - lo + take] = chunk[pos - base : pos - base + take]
             pos += take
         return out
 
@@ -426,14 +492,16 @@ class RangedFile:
         """Elements [a, b) of tensor ``name`` (flattened)."""
         info = self._header.get(name)
         if info is None or name == "__metadata__" or info.get("dtype") not in _ST_DTYPES:
-            raise CorruptCheckpointError(f"checkpoint file {self.label} has no tensor "
-                                         f"{name!r} ({self.path})")
+            raise CorruptCheckpointError(
+                f"checkpoint file {self.label} has no tensor {name!r} ({self.path})"
+            )
         dtype = _ST_DTYPES[info["dtype"]]
         size = _itemsize(dtype)
         begin, end = info["data_offsets"]
         if not (0 <= a <= b and begin + b * size <= end):
-            raise CorruptCheckpointError(f"checkpoint file {self.label}: {name!r} holds no "
-                                         f"elements [{a}, {b}) ({self.path})")
+            raise CorruptCheckpointError(
+                f"checkpoint file {self.label}: {name!r} holds no elements [{a}, {b}) ({self.path})"
+            )
         if b == a:
             return torch.empty(0, dtype=dtype)
         raw = self._bytes(self._start + begin + a * size, self._start + begin + b * size)

@@ -24,6 +24,7 @@ a CRC32C per 64 MiB chunk, so a rank verifies only the chunks it reads) and carr
 (``manifest_crc32c``, over the JSON of everything before it), so a flipped byte anywhere is
 caught before it is used.
 """
+
 from __future__ import annotations
 
 import base64
@@ -77,28 +78,38 @@ def encode(obj: Any, where: str = "value") -> Any:
     if isinstance(obj, list):
         return [encode(v, f"{where}[{i}]") for i, v in enumerate(obj)]
     if isinstance(obj, dict):
-        plain = all(isinstance(k, str) for k in obj) and not (len(obj) == 1 and
-                                                                next(iter(obj)) in _TAGS)
+        plain = all(isinstance(k, str) for k in obj) and not (
+            len(obj) == 1 and next(iter(obj)) in _TAGS
+        )
         if plain:
             return {k: encode(v, f"{where}[{k!r}]") for k, v in obj.items()}
-        return {"__dict__": [[encode(k, where), encode(v, f"{where}[{k!r}]")]
-                             for k, v in obj.items()]}
+        return {
+            "__dict__": [[encode(k, where), encode(v, f"{where}[{k!r}]")] for k, v in obj.items()]
+        }
     if isinstance(obj, torch.Tensor):
         t = obj.detach().to("cpu").contiguous()
         raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        return {"__tensor__": {"dtype": str(t.dtype).replace("torch.", ""),
-                               "shape": list(t.shape), "data": _b64(raw)}}
+        return {
+            "__tensor__": {
+                "dtype": str(t.dtype).replace("torch.", ""),
+                "shape": list(t.shape),
+                "data": _b64(raw),
+            }
+        }
     if isinstance(obj, np.ndarray):
         a = np.ascontiguousarray(obj)
-        return {"__ndarray__": {"dtype": a.dtype.str, "shape": list(a.shape),
-                                "data": _b64(a.tobytes())}}
+        return {
+            "__ndarray__": {"dtype": a.dtype.str, "shape": list(a.shape), "data": _b64(a.tobytes())}
+        }
     if isinstance(obj, (bytes, bytearray)):
         return {"__bytes__": _b64(bytes(obj))}
     if isinstance(obj, torch.dtype):
         return {"__dtype__": str(obj).replace("torch.", "")}
-    raise TypeError(f"{where} is a {type(obj).__name__}, which a checkpoint manifest cannot "
-                    "hold: use JSON values (numbers, strings, lists, dicts), tuples, tensors "
-                    "or numpy arrays")
+    raise TypeError(
+        f"{where} is a {type(obj).__name__}, which a checkpoint manifest cannot "
+        "hold: use JSON values (numbers, strings, lists, dicts), tuples, tensors "
+        "or numpy arrays"
+    )
 
 
 def decode(obj: Any) -> Any:
@@ -107,7 +118,7 @@ def decode(obj: Any) -> Any:
     if not isinstance(obj, dict):
         return obj
     if len(obj) == 1:
-        (tag, value), = obj.items()
+        ((tag, value),) = obj.items()
         if tag == "__tuple__":
             return tuple(decode(v) for v in value)
         if tag == "__dict__":
@@ -120,8 +131,7 @@ def decode(obj: Any) -> Any:
             return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(value["shape"])
         if tag == "__ndarray__":
             raw = base64.b64decode(value["data"])
-            return np.frombuffer(raw, dtype=np.dtype(value["dtype"])).reshape(
-                value["shape"]).copy()
+            return np.frombuffer(raw, dtype=np.dtype(value["dtype"])).reshape(value["shape"]).copy()
         if tag == "__bytes__":
             return base64.b64decode(value)
         if tag == "__dtype__":
@@ -142,10 +152,18 @@ def parse_dtype(name: Any) -> torch.dtype:
     """A torch dtype from "bf16"/"bfloat16"/"fp16"/"float16"/"fp32"/"float32" or a dtype."""
     if isinstance(name, torch.dtype):
         return name
-    aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
-               "float": "float32", "fp64": "float64", "double": "float64"}
-    key = aliases.get(str(name).lower().replace("torch.", ""),
-                      str(name).lower().replace("torch.", ""))
+    aliases = {
+        "bf16": "bfloat16",
+        "fp16": "float16",
+        "half": "float16",
+        "fp32": "float32",
+        "float": "float32",
+        "fp64": "float64",
+        "double": "float64",
+    }
+    key = aliases.get(
+        str(name).lower().replace("torch.", ""), str(name).lower().replace("torch.", "")
+    )
     dtype = getattr(torch, key, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype {name!r}; use bf16, fp16 or fp32")
@@ -174,15 +192,21 @@ def read_manifest(directory: str) -> Dict[str, Any]:
     try:
         data = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
-        raise CorruptCheckpointError(f"checkpoint manifest {path} is damaged (it is not valid "
-                                     f"JSON: {exc}); the checkpoint cannot be used") from None
+        raise CorruptCheckpointError(
+            f"checkpoint manifest {path} is damaged (it is not valid "
+            f"JSON: {exc}); the checkpoint cannot be used"
+        ) from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not an infinity checkpoint manifest")
     crc = data.pop(_CRC_KEY, None)
     if crc is None or inf_io.crc32c(_dumps(data).encode("utf-8")) != crc:
-        raise CorruptCheckpointError(f"checkpoint manifest {path} is damaged (its checksum does "
-                                     "not match its content); the checkpoint cannot be used")
+        raise CorruptCheckpointError(
+            f"checkpoint manifest {path} is damaged (its checksum does "
+            "not match its content); the checkpoint cannot be used"
+        )
     if data.get("version", 0) > VERSION:
-        raise CheckpointError(f"{path} has checkpoint format version {data['version']}; this "
-                              f"infinity reads up to version {VERSION}: upgrade infinity")
+        raise CheckpointError(
+            f"{path} has checkpoint format version {data['version']}; this "
+            f"infinity reads up to version {VERSION}: upgrade infinity"
+        )
     return data

@@ -19,6 +19,7 @@ parameter bit for bit; the parameter's piece is then read instead).
 One process reads whole tensors, a rank only the element ranges it owns; either way from the
 files that hold them, through :class:`~.reader.Reader` (verified, at most a few files in RAM).
 """
+
 from __future__ import annotations
 
 import math
@@ -51,24 +52,32 @@ class Source:
     def numel(self, name: str) -> int:
         return math.prod(self.tensors[name]["shape"])
 
-    def _gather(self, pieces: Sequence[Sequence[Any]], name: str, suffix: str, a: int, b: int,
-                dtype: Optional[torch.dtype], numel: int) -> torch.Tensor:
+    def _gather(
+        self,
+        pieces: Sequence[Sequence[Any]],
+        name: str,
+        suffix: str,
+        a: int,
+        b: int,
+        dtype: Optional[torch.dtype],
+        numel: int,
+    ) -> torch.Tensor:
         out: Optional[torch.Tensor] = None
         covered = 0
         for rel, pa, pb, *_ in pieces:
             lo, hi = max(a, pa), min(b, pb)
             if hi <= lo:
                 continue
-            t = self._read(rel, piece_name(name, pa, pb, numel) + suffix, lo - pa, hi - pa,
-                           pb - pa)
+            t = self._read(rel, piece_name(name, pa, pb, numel) + suffix, lo - pa, hi - pa, pb - pa)
             if out is None:
                 out = torch.empty(b - a, dtype=dtype or t.dtype)
-            out[lo - a:hi - a].copy_(t)
+            out[lo - a : hi - a].copy_(t)
             covered += hi - lo
         if out is None or covered != b - a:
             raise CorruptCheckpointError(
                 f"checkpoint {self.reader.root}: elements [{a}, {b}) of {name}{suffix} are not "
-                "all in its files (the manifest's pieces leave a gap)")
+                "all in its files (the manifest's pieces leave a gap)"
+            )
         return out
 
     def _read(self, rel: str, stored: str, a: int, b: int, numel: int) -> torch.Tensor:
@@ -77,12 +86,15 @@ class Source:
             return self.reader.elements(rel, stored, a, b)
         t = self.reader.tensor(rel, stored).reshape(-1)
         if t.numel() != numel:
-            raise CorruptCheckpointError(f"checkpoint file {rel}: {stored} holds {t.numel()} "
-                                         f"values, not {numel} ({self.reader.root})")
+            raise CorruptCheckpointError(
+                f"checkpoint file {rel}: {stored} holds {t.numel()} "
+                f"values, not {numel} ({self.reader.root})"
+            )
         return t[a:b]
 
-    def param(self, name: str, a: int = 0, b: Optional[int] = None,
-              dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    def param(
+        self, name: str, a: int = 0, b: Optional[int] = None, dtype: Optional[torch.dtype] = None
+    ) -> torch.Tensor:
         """Elements [a, b) of saved tensor ``name`` (flattened), in ``dtype`` (default: as
         saved)."""
         record = self.tensors[name]
@@ -103,8 +115,9 @@ class Source:
     def step(self, name: str) -> Any:
         return decode(self.states[name]["values"]).get("step")
 
-    def state(self, name: str, key: str, a: int = 0, b: Optional[int] = None
-              ) -> Optional[torch.Tensor]:
+    def state(
+        self, name: str, key: str, a: int = 0, b: Optional[int] = None
+    ) -> Optional[torch.Tensor]:
         """Elements [a, b) of optimizer state ``key`` of parameter ``name`` as fp32, flat;
         None where not saved (a master equal to the parameter: the caller reads that)."""
         record = self.states[name]
@@ -117,21 +130,21 @@ class Source:
             return self._read(rel, f"{name}::{key}", a, b, self.numel(name)).to(torch.float32)
         numel = self.numel(name)
         b = numel if b is None else b
-        pieces: List[Sequence[Any]] = [p for p in record["pieces"]
-                                       if max(a, p[1]) < min(b, p[2])]
+        pieces: List[Sequence[Any]] = [p for p in record["pieces"] if max(a, p[1]) < min(b, p[2])]
         if key == "master" and any(key not in p[3] for p in pieces):
             # some pieces left the master out (equal to the fp32 parameter): read it piecewise
             out = torch.empty(b - a, dtype=torch.float32)
             for p in pieces:
                 lo, hi = max(a, p[1]), min(b, p[2])
-                out[lo - a:hi - a].copy_(
+                out[lo - a : hi - a].copy_(
                     self._gather([p], name, "::master", lo, hi, torch.float32, numel)
-                    if key in p[3] else self.param(name, lo, hi, torch.float32))
+                    if key in p[3]
+                    else self.param(name, lo, hi, torch.float32)
+                )
             return out
         return self._gather(pieces, name, f"::{key}", a, b, torch.float32, numel)
 
-    def state_entry(self, name: str, a: int = 0, b: Optional[int] = None
-                    ) -> Dict[str, Any]:
+    def state_entry(self, name: str, a: int = 0, b: Optional[int] = None) -> Dict[str, Any]:
         """{"step", "exp_avg", "exp_avg_sq", "master"} of elements [a, b), flat fp32."""
         entry: Dict[str, Any] = {"step": self.step(name)}
         for key in STATE_KEYS:

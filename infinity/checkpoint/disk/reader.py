@@ -1,4 +1,5 @@
 """Reading a checkpoint's files, each verified (size and CRC32C) before its bytes are used."""
+
 from __future__ import annotations
 
 import os
@@ -15,13 +16,14 @@ from .manifest import CorruptCheckpointError, read_manifest
 class Reader:
     """Reads the checkpoint's files verified, keeping the last ``keep`` in memory."""
 
-    def __init__(self, root: str, manifest: Dict[str, Any], progress: Any = None,
-                 keep: int = 2) -> None:
+    def __init__(
+        self, root: str, manifest: Dict[str, Any], progress: Any = None, keep: int = 2
+    ) -> None:
         self.root = root
         self.files: Dict[str, Dict[str, int]] = manifest.get("files", {})
         self.progress = progress
         self.keep = keep
-        self._cache: "OrderedDict[str, TensorFile]" = OrderedDict()
+        self._cache: OrderedDict[str, TensorFile] = OrderedDict()
         self._ranged: Dict[str, RangedFile] = {}
 
     def file(self, rel: str) -> TensorFile:
@@ -31,16 +33,23 @@ class Reader:
             return cached
         info = self.files.get(rel)
         if info is None:
-            raise CorruptCheckpointError(f"checkpoint {self.root}: the manifest refers to "
-                                         f"{rel}, which it does not list among its files")
+            raise CorruptCheckpointError(
+                f"checkpoint {self.root}: the manifest refers to "
+                f"{rel}, which it does not list among its files"
+            )
         if "crc32c" in info:
-            tf = read_tensor_file(os.path.join(self.root, rel), rel, info["size"],
-                                  info["crc32c"])
+            tf = read_tensor_file(os.path.join(self.root, rel), rel, info["size"], info["crc32c"])
         else:  # a reused-extent file: its header and its data section, checked apart
             start = info["data_offset"]
-            tf = read_tensor_file(os.path.join(self.root, rel), rel, info["size"], parts=[
-                (0, start, info["header_crc32c"]),
-                (start, info["size"], info["data_crc32c"])])
+            tf = read_tensor_file(
+                os.path.join(self.root, rel),
+                rel,
+                info["size"],
+                parts=[
+                    (0, start, info["header_crc32c"]),
+                    (start, info["size"], info["data_crc32c"]),
+                ],
+            )
         if self.progress is not None:
             self.progress.update(info["size"])
         self._cache[rel] = tf
@@ -57,16 +66,23 @@ class Reader:
             return self.tensor(rel, name).reshape(-1)[a:b]
         ranged = self._ranged.get(rel)
         if ranged is None:
-            ranged = RangedFile(os.path.join(self.root, rel), rel, info["size"],
-                                info["chunk_bytes"], info["chunk_crc32c"])
+            ranged = RangedFile(
+                os.path.join(self.root, rel),
+                rel,
+                info["size"],
+                info["chunk_bytes"],
+                info["chunk_crc32c"],
+            )
             self._ranged = {rel: ranged}  # one file's last chunk in RAM
         return ranged.elements(name, a, b)
 
     def tensor(self, rel: str, name: str) -> torch.Tensor:
         tf = self.file(rel)
         if name not in tf:
-            raise CorruptCheckpointError(f"checkpoint file {rel} has no tensor {name!r}, which "
-                                         f"the manifest places there ({self.root})")
+            raise CorruptCheckpointError(
+                f"checkpoint file {rel} has no tensor {name!r}, which "
+                f"the manifest places there ({self.root})"
+            )
         return tf.get(name)
 
 

@@ -1,5 +1,6 @@
 """Writing a checkpoint's files: the data files with their sizes and CRC32C (:class:`Writer`),
 the manifest (:func:`write_manifest`), and what a save records beside the tensors."""
+
 from __future__ import annotations
 
 import json
@@ -26,9 +27,13 @@ class Writer:
         self.progress = progress
         self.files: Dict[str, Dict[str, int]] = {}
 
-    def write_extent(self, rel: str, src: Tuple[Any, ...],
-                     tensors: List[Tuple[str, torch.dtype, Tuple[int, ...], int]],
-                     metadata: Dict[str, str]) -> str:
+    def write_extent(
+        self,
+        rel: str,
+        src: Tuple[Any, ...],
+        tensors: List[Tuple[str, torch.dtype, Tuple[int, ...], int]],
+        metadata: Dict[str, str],
+    ) -> str:
         """A file whose data section is ``src`` = (path, nbytes, crc32c[, offset]): that many
         bytes of the file from ``offset`` (default 0), copied by the kernel; the manifest
         records the header's and the data's CRC32C apart."""
@@ -36,40 +41,60 @@ class Writer:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         src_path, nbytes, data_crc = src[:3]
         src_offset = src[3] if len(src) > 3 else 0
-        size, header_crc = files_mod.write_extent_file(path, src_path, nbytes, tensors,
-                                                       {"format": "pt", **metadata},
-                                                       self.progress, src_offset)
-        self.files[rel] = {"size": size, "data_offset": size - nbytes,
-                           "header_crc32c": header_crc, "data_crc32c": data_crc}
+        size, header_crc = files_mod.write_extent_file(
+            path, src_path, nbytes, tensors, {"format": "pt", **metadata}, self.progress, src_offset
+        )
+        self.files[rel] = {
+            "size": size,
+            "data_offset": size - nbytes,
+            "header_crc32c": header_crc,
+            "data_crc32c": data_crc,
+        }
         return rel
 
-    def write(self, rel: str, items: List[Tuple[str, torch.Tensor]],
-              metadata: Optional[Dict[str, str]] = None) -> str:
+    def write(
+        self,
+        rel: str,
+        items: List[Tuple[str, torch.Tensor]],
+        metadata: Optional[Dict[str, str]] = None,
+    ) -> str:
         path = os.path.join(self.root, rel)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         chunks: List[int] = []
-        size, crc = write_tensor_file(path, items, {"format": "pt", **(metadata or {})},
-                                      self.progress, chunks)
-        self.files[rel] = {"size": size, "crc32c": crc, "chunk_bytes": files_mod.CRC_CHUNK,
-                           "chunk_crc32c": chunks}
+        size, crc = write_tensor_file(
+            path, items, {"format": "pt", **(metadata or {})}, self.progress, chunks
+        )
+        self.files[rel] = {
+            "size": size,
+            "crc32c": crc,
+            "chunk_bytes": files_mod.CRC_CHUNK,
+            "chunk_crc32c": chunks,
+        }
         return rel
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.int32),
-                                              b.reshape(-1).view(torch.int32))
+    return a.dtype == b.dtype and torch.equal(
+        a.reshape(-1).view(torch.int32), b.reshape(-1).view(torch.int32)
+    )
 
 
 def hf_config(model: nn.Module) -> Optional[Dict[str, Any]]:
     config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "to_json_string") \
-            or not hasattr(config, "save_pretrained"):
+    if (
+        config is None
+        or not hasattr(config, "to_json_string")
+        or not hasattr(config, "save_pretrained")
+    ):
         return None
     try:
         data = json.loads(config.to_json_string(use_diff=False))
     except Exception as exc:  # noqa: BLE001 - a config is a convenience, not the checkpoint
-        logger.warning("infinity: the model's config could not be saved (%s); consolidate "
-                       "will not write config.json", exc)
+        logger.warning(
+            "infinity: the model's config could not be saved (%s); consolidate "
+            "will not write config.json",
+            exc,
+        )
         return None
     if not data.get("architectures"):
         data["architectures"] = [type(model).__name__]

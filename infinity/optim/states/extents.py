@@ -12,6 +12,7 @@ A unit is written into a free extent; once the write completed, :meth:`written` 
 CRC and either commits it (its old extent is freed) or keeps it pending (a speculative
 update, see :mod:`.overlap`) until :meth:`commit_pending` or :meth:`abort_shard`.
 """
+
 from __future__ import annotations
 
 import errno as errno_mod
@@ -39,16 +40,15 @@ class StateExtents:
     """The state file under ``nvme_path`` and the map shard key -> extent per unit
     (``require_direct``, ``verify``, ``tag``: as for :class:`SwapStore`)."""
 
-    def __init__(self, nvme_path: str, require_direct: bool, verify: bool,
-                 tag: str = "") -> None:
+    def __init__(self, nvme_path: str, require_direct: bool, verify: bool, tag: str = "") -> None:
         self.nvme_path = nvme_path
         self.store = SwapStore(nvme_path, require_direct=require_direct, verify=verify, tag=tag)
         self.store.create(STATE_FILE, 0)
         self.space = ExtentAllocator(what="optimizer state file")
-        self.committed: Dict[str, List[Extent]] = {}          # shard key -> extent per unit
-        self._pending: Dict[Tuple[str, int], Extent] = {}     # (shard key, unit) -> written
-        self._stepped: Dict[str, Set[int]] = {}               # units a failed step committed
-        self.peak_bytes = 0                                   # most bytes of live extents
+        self.committed: Dict[str, List[Extent]] = {}  # shard key -> extent per unit
+        self._pending: Dict[Tuple[str, int], Extent] = {}  # (shard key, unit) -> written
+        self._stepped: Dict[str, Set[int]] = {}  # units a failed step committed
+        self.peak_bytes = 0  # most bytes of live extents
 
     # ---- extents ---------------------------------------------------------------------------
     def _extent(self, shard: Shard, unit: Unit) -> Extent:
@@ -73,23 +73,26 @@ class StateExtents:
         try:
             self.store.release(STATE_FILE, ext.offset, ext.nbytes)
         except OSError as exc:  # the blocks stay allocated; the extent is reused later
-            logger.warning("infinity.optim: could not release %d bytes of the state file "
-                           "(%s)", ext.nbytes, exc)
+            logger.warning(
+                "infinity.optim: could not release %d bytes of the state file (%s)", ext.nbytes, exc
+            )
 
     # ---- I/O of one unit -------------------------------------------------------------------
-    def read_unit(self, shard: Shard, unit: Unit, buf: torch.Tensor) -> "inf_io.IOFuture":
+    def read_unit(self, shard: Shard, unit: Unit, buf: torch.Tensor) -> inf_io.IOFuture:
         """Starts reading one unit's committed states into ``buf`` (its first ``unit.nbytes``
         bytes); check them with :meth:`check_unit` once it completed."""
         ext = self._extent(shard, unit)
-        return self.store.read_span(STATE_FILE, buf[:unit.nbytes], ext.offset)
+        return self.store.read_span(STATE_FILE, buf[: unit.nbytes], ext.offset)
 
-    def check_unit(self, shard: Shard, unit: Unit, future: "inf_io.IOFuture") -> None:
+    def check_unit(self, shard: Shard, unit: Unit, future: inf_io.IOFuture) -> None:
         """Checks a completed :meth:`read_unit` against the CRC32C recorded for the extent."""
         if not self.store.verify:
             return
         ext = self._extent(shard, unit)
-        where = (f"swap file {self.store.path(STATE_FILE)!r} (optimizer states of "
-                 f"{shard.key!r}, unit {unit.index}, bytes {ext.offset:,}-{ext.end:,})")
+        where = (
+            f"swap file {self.store.path(STATE_FILE)!r} (optimizer states of "
+            f"{shard.key!r}, unit {unit.index}, bytes {ext.offset:,}-{ext.end:,})"
+        )
         if ext.crc is None:
             raise SwapCorruptionError(f"{where} holds no completed write")
         crc = future.crc32c()
@@ -97,9 +100,10 @@ class StateExtents:
             raise SwapCorruptionError(
                 f"{where} is corrupted: CRC32C {crc:#010x} of what was read does not match "
                 f"{ext.crc:#010x} recorded when it was written; the unit was not stepped "
-                "(restart from a checkpoint)")
+                "(restart from a checkpoint)"
+            )
 
-    def write_unit(self, shard: Shard, unit: Unit, buf: torch.Tensor) -> "inf_io.IOFuture":
+    def write_unit(self, shard: Shard, unit: Unit, buf: torch.Tensor) -> inf_io.IOFuture:
         """Starts writing one unit's new states into a free extent (pending until
         :meth:`written`)."""
         ext = self._allocate(shard, unit.nbytes, "writing")
@@ -108,20 +112,22 @@ class StateExtents:
             self._free(self._pending.pop(key))
         self._pending[key] = ext
         try:
-            return self.store.write_span(STATE_FILE, buf[:unit.nbytes], ext.offset)
+            return self.store.write_span(STATE_FILE, buf[: unit.nbytes], ext.offset)
         except BaseException:
             self._free(self._pending.pop(key))
             raise
 
-    def written(self, shard: Shard, unit: Unit, future: "inf_io.IOFuture",
-                commit: bool = True) -> None:
+    def written(
+        self, shard: Shard, unit: Unit, future: inf_io.IOFuture, commit: bool = True
+    ) -> None:
         """A unit's write completed: records its CRC and, with ``commit``, makes it the
         unit's committed states (the old extent is freed)."""
         key = (shard.key, unit.index)
         ext = self._pending.get(key)
         if ext is None:
-            raise RuntimeError(f"infinity.optim: no pending state write of {shard.key} unit "
-                               f"{unit.index}")
+            raise RuntimeError(
+                f"infinity.optim: no pending state write of {shard.key} unit {unit.index}"
+            )
         crc = future.crc32c() if self.store.verify else None
         ext = Extent(ext.offset, ext.nbytes, crc)
         if not commit:
@@ -165,8 +171,9 @@ class StateExtents:
         keys = [(shard.key, u.index) for u in units]
         missing = [k[1] for k in keys if k not in self._pending]
         if missing:
-            raise RuntimeError(f"infinity.optim: no pending state write of {shard.key} units "
-                               f"{missing} to commit")
+            raise RuntimeError(
+                f"infinity.optim: no pending state write of {shard.key} units {missing} to commit"
+            )
         old = self.committed.get(shard.key)
         self.committed[shard.key] = [self._pending.pop(k) for k in keys]
         for ext in old or ():
@@ -195,15 +202,21 @@ class StateExtents:
         """The I/O error ``exc`` of ``doing`` the shard's states, naming the shard and the
         disk and saying that no committed state was lost."""
         err = getattr(exc, "errno", None) or errno_mod.EIO
-        what = ("disk full: the disk under nvme_path has no space left" if err in _FULL_DISK
-                else errno_mod.errorcode.get(err, f"errno {err}"))
-        msg = (f"{doing} optimizer states of shard {shard.key!r} under nvme_path "
-               f"{self.nvme_path!r} failed ({what}). No state was lost: every unit of every "
-               "shard holds its committed states, from before this step or (units that "
-               "finished it) after, and the optimizer records which. Cause: "
-               f"{exc}")
-        return OptimizerStateIOError(err, msg, getattr(exc, "filename", None) or self.nvme_path,
-                                     getattr(exc, "offset", None))
+        what = (
+            "disk full: the disk under nvme_path has no space left"
+            if err in _FULL_DISK
+            else errno_mod.errorcode.get(err, f"errno {err}")
+        )
+        msg = (
+            f"{doing} optimizer states of shard {shard.key!r} under nvme_path "
+            f"{self.nvme_path!r} failed ({what}). No state was lost: every unit of every "
+            "shard holds its committed states, from before this step or (units that "
+            "finished it) after, and the optimizer records which. Cause: "
+            f"{exc}"
+        )
+        return OptimizerStateIOError(
+            err, msg, getattr(exc, "filename", None) or self.nvme_path, getattr(exc, "offset", None)
+        )
 
     # ---- footprint -------------------------------------------------------------------------
     def swap_bytes(self, layouts: Mapping[str, StateLayout]) -> Dict[str, int]:
@@ -216,9 +229,14 @@ class StateExtents:
             master += layout.master_nbytes
             moments += total - layout.master_nbytes
         disk = self.store.disk_bytes(STATE_FILE)
-        return {"master": master, "moments": moments,
-                "spare": max(0, disk - master - moments), "disk": disk,
-                "file": self.space.capacity, "peak": self.peak_bytes}
+        return {
+            "master": master,
+            "moments": moments,
+            "spare": max(0, disk - master - moments),
+            "disk": disk,
+            "file": self.space.capacity,
+            "peak": self.peak_bytes,
+        }
 
     def close(self) -> None:
         self.store.close()

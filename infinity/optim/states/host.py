@@ -6,6 +6,7 @@ buffer then the parameter swap file (NVMe homes), or copied afterwards (device h
 the swap-file write fails, the states have taken the step already; the shard is recorded as
 dirty and its working copy is rewritten from the masters by the next step.
 """
+
 from __future__ import annotations
 
 import time
@@ -30,9 +31,13 @@ class HostStates(StateStore):
 
     tier = "host"
 
-    def __init__(self, port: OptimizerPort, master: str = "fp32",
-                 shards: Optional[Dict[int, Shard]] = None,
-                 chunk_bytes: Optional[int] = None) -> None:  # (states move whole)
+    def __init__(
+        self,
+        port: OptimizerPort,
+        master: str = "fp32",
+        shards: Optional[Dict[int, Shard]] = None,
+        chunk_bytes: Optional[int] = None,
+    ) -> None:  # (states move whole)
         super().__init__(port, master, shards)
         self._bufs: Dict[str, torch.Tensor] = {}
         self._held = 0
@@ -56,8 +61,9 @@ class HostStates(StateStore):
     def read_committed(self, shard: Shard) -> torch.Tensor:
         return self.buffer(shard)
 
-    def rewrite(self, shard: Shard, fill: Callable[[StateViews], None], doing: str,
-                read: bool = True) -> None:
+    def rewrite(
+        self, shard: Shard, fill: Callable[[StateViews], None], doing: str, read: bool = True
+    ) -> None:
         fill(self.views(shard, self.buffer(shard)))  # in place: committed as written
 
     def staging(self) -> torch.Tensor:
@@ -65,12 +71,11 @@ class HostStates(StateStore):
         each updated working copy passes through on its way to the swap file."""
         if self._staging is None:
             nbytes = max(s.flat.home_nbytes for s in self.shards())
-            self.port.host_budget.acquire(nbytes,
-                                            what="optimizer working-copy staging buffer")
+            self.port.host_budget.acquire(nbytes, what="optimizer working-copy staging buffer")
             self._staging = inf_io.aligned_empty(nbytes)
         return self._staging
 
-    def step(self, shards: List[Shard], work: "StepWork") -> None:
+    def step(self, shards: List[Shard], work: StepWork) -> None:
         stats, port = work.stats, self.port
         for shard in shards:
             runs = work.runs_of(shard)
@@ -89,7 +94,7 @@ class HostStates(StateStore):
             trace_events.span("optimizer_compute", shard.key, shard.numel, t0)
             work.took(shard)
             if staging is not None:  # the updated working copy goes to the parameter swap file
-                home = staging[:shard.flat.home_nbytes].view(shard.flat.home_dtype)
+                home = staging[: shard.flat.home_nbytes].view(shard.flat.home_dtype)
                 try:
                     port.working.write(shard.flat, home).wait()
                 except BaseException as exc:
@@ -102,7 +107,8 @@ class HostStates(StateStore):
                         "this step before writing the parameters of "
                         f"{shard.key!r} failed. Call opt.step() again once the disk is fixed: "
                         "it rewrites them and finishes this same step (the gradients are "
-                        "kept), so training continues as if nothing had failed.")
+                        "kept), so training continues as if nothing had failed."
+                    )
                     raise
                 stats.bytes_written += shard.flat.home_nbytes
             stats.shards += 1

@@ -26,6 +26,7 @@ writes with ``commit=False``: its extents stay *pending* beside the committed on
 :meth:`~NvmeStates.commit_shards` (kept) or :meth:`~NvmeStates.abort_shard` (rolled back), so
 while it is armed the spare grows to the units it stepped.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple
@@ -35,10 +36,10 @@ import torch
 from ... import io as inf_io
 from ...runtime.port import OptimizerPort
 from ..step.chunks import Beside, ChunkPlan, Unit, plan_chunks, scatter_unit
-from . import nvme_step
-from .extents import StateExtents
 from ..step.layout import StateViews
 from ..step.shard import Shard
+from . import nvme_step
+from .extents import StateExtents
 from .store import StateStore
 from .swapper import BufferSets, grad_piece, home_piece
 
@@ -53,17 +54,23 @@ class NvmeStates(StateStore):
 
     tier = "nvme"
 
-    def __init__(self, port: OptimizerPort, master: str = "fp32",
-                 chunk_bytes: Optional[int] = None,
-                 shards: Optional[Dict[int, Shard]] = None) -> None:
+    def __init__(
+        self,
+        port: OptimizerPort,
+        master: str = "fp32",
+        chunk_bytes: Optional[int] = None,
+        shards: Optional[Dict[int, Shard]] = None,
+    ) -> None:
         super().__init__(port, master, shards)
         self.sets: Optional[BufferSets] = None
         self.chunk_bytes = chunk_bytes
         self._plans: Dict[str, ChunkPlan] = {}
-        self.extents = StateExtents(port.facts.nvme_path,
-                                    require_direct=port.facts.require_direct_io,
-                                    verify=port.facts.verify_checksums,
-                                    tag=port.facts.swap_tag)
+        self.extents = StateExtents(
+            port.facts.nvme_path,
+            require_direct=port.facts.require_direct_io,
+            verify=port.facts.verify_checksums,
+            tag=port.facts.swap_tag,
+        )
 
     def speculates(self) -> bool:
         """With gradients on NVMe too (gradients in RAM can be changed in place through
@@ -78,10 +85,13 @@ class NvmeStates(StateStore):
         if plan is None:
             layout = self.layout(shard)
             port, flat = shard.port, shard.flat
-            cut = port.working.stages(flat) or \
-                port.working.buffer(flat) is not None
-            plan = plan_chunks(layout, [(s.offset, s.numel) for s in flat.slots],
-                               self.chunk_bytes if cut else None, self.beside(shard))
+            cut = port.working.stages(flat) or port.working.buffer(flat) is not None
+            plan = plan_chunks(
+                layout,
+                [(s.offset, s.numel) for s in flat.slots],
+                self.chunk_bytes if cut else None,
+                self.beside(shard),
+            )
             self._plans[shard.key] = plan
         return plan
 
@@ -135,8 +145,9 @@ class NvmeStates(StateStore):
             if plan.chunked:
                 scatter_unit(unit, tmp, buf)
 
-    def write_units_and_commit(self, shard: Shard, prepare: Callable[[Unit], torch.Tensor],
-                               doing: str) -> None:
+    def write_units_and_commit(
+        self, shard: Shard, prepare: Callable[[Unit], torch.Tensor], doing: str
+    ) -> None:
         """Writes a shard's units one at a time, ``prepare(unit)`` giving the buffer to write,
         and commits them together; on any failure (preparing or writing) nothing is committed
         and an I/O error names the shard, ``doing`` and the disk."""
@@ -181,8 +192,9 @@ class NvmeStates(StateStore):
         self.read_whole(shard, buf)
         return buf
 
-    def rewrite(self, shard: Shard, fill: Callable[[StateViews], None], doing: str,
-                read: bool = True) -> None:
+    def rewrite(
+        self, shard: Shard, fill: Callable[[StateViews], None], doing: str, read: bool = True
+    ) -> None:
         buf = self.read_committed(shard) if read else self.empty(shard)
         fill(self.views(shard, buf))
         nvme_step.write_whole(self, shard, buf, doing)
@@ -199,7 +211,7 @@ class NvmeStates(StateStore):
         else:
             super().sync_masters(shard, written)
 
-    def step(self, shards: List[Shard], work: "StepWork") -> None:
+    def step(self, shards: List[Shard], work: StepWork) -> None:
         nvme_step.step(self, shards, work)
 
     # ---- footprint -------------------------------------------------------------------------

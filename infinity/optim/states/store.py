@@ -14,6 +14,7 @@ failed step is recorded):
 The layout of a shard's states is :mod:`.layout`'s; :mod:`.stores` chooses the tier and makes
 the store. The names of :mod:`.layout` and :mod:`.shard` are re-exported here.
 """
+
 from __future__ import annotations
 
 import logging
@@ -24,8 +25,12 @@ import torch
 from ... import io as inf_io
 from ...ops.bf16_master import check_master
 from ...runtime.port import OptimizerPort
-from ..step.layout import (STATE_FORMATS, Moments, StateLayout, StateViews, check_states,
-                           layout_for, quantize_exact, state_nbytes, state_views)
+from ..step.layout import (
+    StateLayout,
+    StateViews,
+    layout_for,
+    state_views,
+)
 from ..step.shard import Run, Shard, init_states, master_in_home  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -53,8 +58,9 @@ class StateStore:
     tier = ""
     sets: Optional[Any] = None  # the NVMe step's buffer sets (.swapper.BufferSets; None: none)
 
-    def __init__(self, port: OptimizerPort, master: str = "fp32",
-                 shards: Optional[Dict[int, "Shard"]] = None) -> None:
+    def __init__(
+        self, port: OptimizerPort, master: str = "fp32", shards: Optional[Dict[int, Shard]] = None
+    ) -> None:
         self.port = port
         self.master = check_master(master)
         self._layouts: Dict[str, StateLayout] = {}
@@ -67,38 +73,38 @@ class StateStore:
         without trace. None here."""
         return False
 
-    def shards(self) -> List["Shard"]:
+    def shards(self) -> List[Shard]:
         """The optimizer's shards of this store's model, in registration order."""
         return [s for s in self._all.values() if s.port is self.port]
 
-    def _with_master(self, shard: "Shard") -> bool:
+    def _with_master(self, shard: Shard) -> bool:
         return True
 
-    def layout(self, shard: "Shard") -> StateLayout:
+    def layout(self, shard: Shard) -> StateLayout:
         layout = self._layouts.get(shard.key)
         if layout is None:
-            layout = layout_for(shard.flat, shard.formats, self._with_master(shard),
-                                self.master)
+            layout = layout_for(shard.flat, shard.formats, self._with_master(shard), self.master)
             self._layouts[shard.key] = layout
         return layout
 
-    def views(self, shard: "Shard", buf: torch.Tensor) -> StateViews:
+    def views(self, shard: Shard, buf: torch.Tensor) -> StateViews:
         """Typed views of a state buffer of ``shard`` (as :meth:`layout` says)."""
         layout = self.layout(shard)
         home = None if layout.with_master else self.port.working.buffer(shard.flat)
         return state_views(layout, buf, home)
 
-    def empty(self, shard: "Shard") -> torch.Tensor:
+    def empty(self, shard: Shard) -> torch.Tensor:
         """A new aligned buffer for one copy of the shard's states."""
         return inf_io.aligned_empty(self.layout(shard).nbytes)
 
     # ---- what each tier implements --------------------------------------------------------
-    def read_committed(self, shard: "Shard") -> torch.Tensor:
+    def read_committed(self, shard: Shard) -> torch.Tensor:
         """The shard's committed state buffer (the live one in RAM, or a checked copy)."""
         raise NotImplementedError
 
-    def rewrite(self, shard: "Shard", fill: Callable[[StateViews], None], doing: str,
-                read: bool = True) -> None:
+    def rewrite(
+        self, shard: Shard, fill: Callable[[StateViews], None], doing: str, read: bool = True
+    ) -> None:
         """Replaces the shard's whole states: ``fill(views)`` edits them (``read``: starting
         from the committed ones, else from a buffer it fills entirely), then they are
         committed (``doing`` names the work in an I/O error)."""
@@ -109,7 +115,7 @@ class StateStore:
         bytes the engine still takes from it); None where the tier needs none."""
         return None
 
-    def step(self, shards: List["Shard"], work: "StepWork") -> None:
+    def step(self, shards: List[Shard], work: StepWork) -> None:
         """Steps ``shards`` (initializing a shard's states at its first use): each shard's
         states and working copy updated by ``work``'s kernels, ``work.took`` told for each
         shard whose states took the step, ``work.dirty`` for each whose working copy may no
@@ -117,12 +123,12 @@ class StateStore:
         raise NotImplementedError
 
     # ---- written once over the above --------------------------------------------------------
-    def restore_home(self, shard: "Shard") -> None:
+    def restore_home(self, shard: Shard) -> None:
         """Rewrites the shard's working copy from its committed masters."""
         views = self.views(shard, self.read_committed(shard))
         self.port.working.write_all(shard.flat, views.master_value())
 
-    def sync_masters(self, shard: "Shard", written: Sequence[int]) -> None:
+    def sync_masters(self, shard: Shard, written: Sequence[int]) -> None:
         """Slots ``written`` were written outside forward: their masters follow the working
         copy's values, except where a value is just the master's rounding."""
         flat = shard.flat
@@ -137,6 +143,7 @@ class StateStore:
                 value = views.master_value(sl)
                 changed = new != value.to(flat.home_dtype)
                 views.set_master(torch.where(changed, new.float(), value), sl)
+
         self.rewrite(shard, fill, "updating the master weights of")
 
     # ---- progress of a failed step, footprint (tiers without them: none) -------------------
@@ -145,10 +152,10 @@ class StateStore:
         """Shards whose step a failure left part way."""
         return []
 
-    def finish(self, shard: "Shard") -> None:
+    def finish(self, shard: Shard) -> None:
         """The step in progress is over for ``shard``."""
 
-    def committed_extent(self, shard: "Shard") -> Optional[Tuple[str, int, int, int]]:
+    def committed_extent(self, shard: Shard) -> Optional[Tuple[str, int, int, int]]:
         """(path, nbytes, crc32c, offset) of a file range holding the shard's whole committed
         states; None where they are not in one."""
         return None

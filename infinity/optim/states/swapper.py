@@ -12,6 +12,7 @@ updated working copy, in whole pieces of the engine's swap files (no buffer of a
 Nothing here decides *what* a step computes: the caller passes
 ``compute(shard, unit, states_buf, out, grad)``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,15 +35,16 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = logging.getLogger(__name__)
 
-SETS = 3            # the minimum: one set read into, one computed on, one written from
+SETS = 3  # the minimum: one set read into, one computed on, one written from
 MAX_SETS = 16
 
 
 READ_AHEAD_SHARDS = 1  # default depth: shards read ahead of the one being computed
 
 
-def choose_sets(set_nbytes: int, budget_left: Optional[int],
-                read_ahead: Optional[int] = None) -> int:
+def choose_sets(
+    set_nbytes: int, budget_left: Optional[int], read_ahead: Optional[int] = None
+) -> int:
     """Number of buffer sets: 2 + ``read_ahead`` (default :data:`READ_AHEAD_SHARDS`), at most
     MAX_SETS; with a host budget, the sets beyond the minimum of 3 take at most half of
     ``budget_left`` (None: no limit), leaving room for what the engine allocates later.
@@ -69,19 +71,21 @@ class IOClock:
         self.wait_s = 0.0
         self.crc_s = 0.0
         self.requests: Optional[List[Tuple[str, int, float, float, float, float]]] = (
-            [] if record else None)
-        self._open: Dict[int, Tuple["inf_io.IOFuture", float]] = {}
+            [] if record else None
+        )
+        self._open: Dict[int, Tuple[inf_io.IOFuture, float]] = {}
         self._labels: Dict[int, Tuple[str, str, int]] = {}  # for infinity.trace
         self._intervals: List[Tuple[float, float]] = []
 
-    def submitted(self, future: "inf_io.IOFuture", kind: str = "", name: str = "",
-                  nbytes: int = 0) -> "inf_io.IOFuture":
+    def submitted(
+        self, future: inf_io.IOFuture, kind: str = "", name: str = "", nbytes: int = 0
+    ) -> inf_io.IOFuture:
         self._open[id(future)] = (future, time.perf_counter())
         if kind and trace_events.active():
             self._labels[id(future)] = (kind, name, nbytes)
         return future
 
-    def _close(self, future: "inf_io.IOFuture", now: float) -> None:
+    def _close(self, future: inf_io.IOFuture, now: float) -> None:
         entry = self._open.pop(id(future), None)
         if entry is not None:
             self._intervals.append((entry[1], now))
@@ -100,7 +104,7 @@ class IOClock:
             if future.done():
                 self._close(future, now)
 
-    def wait(self, future: "inf_io.IOFuture") -> float:
+    def wait(self, future: inf_io.IOFuture) -> float:
         """Waits for ``future``; returns the seconds blocked."""
         t0 = time.perf_counter()
         try:
@@ -187,8 +191,15 @@ class BufferSets:
     every buffer is bounded by the chunk, never by the largest shard. With a host budget the
     minimum (3 sets) is checked here, and what is left above it buys more sets."""
 
-    def __init__(self, states: NvmeStates, shards: List[Shard], staging: bool,
-                 grads: bool, count: Optional[int] = None, later: int = 0) -> None:
+    def __init__(
+        self,
+        states: NvmeStates,
+        shards: List[Shard],
+        staging: bool,
+        grads: bool,
+        count: Optional[int] = None,
+        later: int = 0,
+    ) -> None:
         port = states.port
         self.port = port
         self.states_nbytes = max(states.plan(s).buffer_nbytes for s in shards)
@@ -207,13 +218,16 @@ class BufferSets:
         left = None if budget.limit is None else budget.limit - budget.used - later
         self.later = later
         if left is not None and SETS * self.set_nbytes > left:
-            raise BudgetExceededError(self._refusal(states, budget.limit, budget.used,
-                                                    SETS * self.set_nbytes))
+            raise BudgetExceededError(
+                self._refusal(states, budget.limit, budget.used, SETS * self.set_nbytes)
+            )
         if count is None:
             count = choose_sets(self.set_nbytes, left)
         if not isinstance(count, int) or count < SETS:
-            raise ValueError(f"infinity.optim: the NVMe state pipeline needs at least {SETS} "
-                             f"buffer sets, got {count!r}")
+            raise ValueError(
+                f"infinity.optim: the NVMe state pipeline needs at least {SETS} "
+                f"buffer sets, got {count!r}"
+            )
         self.count = count
         self.nbytes = count * self.set_nbytes
         parts = [f"{self.states_nbytes:,} bytes of states"]
@@ -222,31 +236,47 @@ class BufferSets:
         if self.staging_nbytes:
             parts.append(f"{self.staging_nbytes:,} of working copy")
         port.host_budget.acquire(
-            self.nbytes, what=f"{count} optimizer swap buffer sets of {self.set_nbytes:,} "
-                              f"bytes ({' + '.join(parts)})")
+            self.nbytes,
+            what=f"{count} optimizer swap buffer sets of {self.set_nbytes:,} "
+            f"bytes ({' + '.join(parts)})",
+        )
         self.states = [inf_io.aligned_empty(self.states_nbytes) for _ in range(count)]
-        self.grads = [inf_io.aligned_empty(self.grad_nbytes // 4, torch.float32)
-                      if self.grad_nbytes else None for _ in range(count)]
-        self.staging = [inf_io.aligned_empty(self.staging_nbytes) if self.staging_nbytes
-                        else None for _ in range(count)]
+        self.grads = [
+            inf_io.aligned_empty(self.grad_nbytes // 4, torch.float32) if self.grad_nbytes else None
+            for _ in range(count)
+        ]
+        self.staging = [
+            inf_io.aligned_empty(self.staging_nbytes) if self.staging_nbytes else None
+            for _ in range(count)
+        ]
         self._closed = False
 
     def _refusal(self, states: NvmeStates, limit: int, used: int, minimum: int) -> str:
         chunk = states.chunk_bytes
-        what = (f"{SETS} buffer sets of {self.set_nbytes:,} bytes (one unit each: its states, "
-                f"about chunk_bytes={chunk:,} with its edge pages, or a whole shard smaller "
-                "than that")
+        what = (
+            f"{SETS} buffer sets of {self.set_nbytes:,} bytes (one unit each: its states, "
+            f"about chunk_bytes={chunk:,} with its edge pages, or a whole shard smaller "
+            "than that"
+        )
         if self.grad_nbytes or self.staging_nbytes:
-            what += (", with the gradients read from NVMe and/or the working copy written to "
-                     "it for that unit, in whole pieces of their swap files")
+            what += (
+                ", with the gradients read from NVMe and/or the working copy written to "
+                "it for that unit, in whole pieces of their swap files"
+            )
         held = used + self.later
-        later = (f", {self.later:,} of it for the gradient accumulators the engine allocates "
-                 "at the first backward" if self.later else "")
-        return (f"infinity.optim: host_budget={limit:,} bytes has {limit - held:,} free "
-                f"({held:,} held by the engine and others{later}), but the NVMe optimizer step "
-                f"needs at least {minimum:,}: {what}). This needs host_budget >= "
-                f"{held + minimum:,} bytes: raise it to at least that, or pass a smaller "
-                "chunk_bytes= to the optimizer (a multiple of 4096)")
+        later = (
+            f", {self.later:,} of it for the gradient accumulators the engine allocates "
+            "at the first backward"
+            if self.later
+            else ""
+        )
+        return (
+            f"infinity.optim: host_budget={limit:,} bytes has {limit - held:,} free "
+            f"({held:,} held by the engine and others{later}), but the NVMe optimizer step "
+            f"needs at least {minimum:,}: {what}). This needs host_budget >= "
+            f"{held + minimum:,} bytes: raise it to at least that, or pass a smaller "
+            "chunk_bytes= to the optimizer (a multiple of 4096)"
+        )
 
     def fits(self, states: NvmeStates, shards: List[Shard], staging: bool, grads: bool) -> bool:
         if any(states.plan(s).buffer_nbytes > self.states_nbytes for s in shards):
@@ -254,19 +284,20 @@ class BufferSets:
         for s in shards:
             for un in states.plan(s).units:
                 g, h = unit_windows(states, s, un)
-                if (grads and 4 * g > self.grad_nbytes) or \
-                        (staging and h * s.flat.home_itemsize > self.staging_nbytes):
+                if (grads and 4 * g > self.grad_nbytes) or (
+                    staging and h * s.flat.home_itemsize > self.staging_nbytes
+                ):
                     return False
         return True
 
     def state_view(self, k: int, states: NvmeStates, shard: Shard) -> torch.Tensor:
         """Set k's state buffer cut to ``shard``'s layout (uint8; ``states.views`` types it);
         only for a shard stepped whole."""
-        return self.states[k][:states.layout(shard).nbytes]
+        return self.states[k][: states.layout(shard).nbytes]
 
     def home_view(self, k: int, flat: Any, numel: int) -> torch.Tensor:
         """Set k's working-copy buffer as ``numel`` elements of the home's dtype."""
-        return self.staging[k][:numel * flat.home_itemsize].view(flat.home_dtype)
+        return self.staging[k][: numel * flat.home_itemsize].view(flat.home_dtype)
 
     def close(self) -> None:
         if not self._closed:
@@ -317,9 +348,16 @@ class ShardFeed:
             return list(self._items)
 
 
-def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets: BufferSets,
-                 compute: Compute, write_home: bool, stats: StepStats,
-                 computed: List[Shard], commit: bool = True) -> None:
+def run_pipeline(
+    shards: Union[List[Shard], ShardFeed],
+    states: NvmeStates,
+    sets: BufferSets,
+    compute: Compute,
+    write_home: bool,
+    stats: StepStats,
+    computed: List[Shard],
+    commit: bool = True,
+) -> None:
     """Reads, computes and writes every unit of every shard (a shard larger than a chunk is
     several units, see :mod:`.chunks`); returns once every write finished. Unit u uses set
     ``u % count`` for its states and, where the engine keeps them on NVMe, its gradients
@@ -346,14 +384,14 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
     clock = IOClock(record=_record)
     count = sets.count
     ahead = count - 2
-    units: List[Tuple[int, Shard, Unit]] = []   # (shard index, shard, unit), in step order
+    units: List[Tuple[int, Shard, Unit]] = []  # (shard index, shard, unit), in step order
     given: List[Shard] = []
-    skipped: Dict[int, Set[int]] = {}           # shard index -> units committed already
-    reads: Dict[int, "inf_io.IOFuture"] = {}
+    skipped: Dict[int, Set[int]] = {}  # shard index -> units committed already
+    reads: Dict[int, inf_io.IOFuture] = {}
     # unit -> (gradient read or None, first element read, the buffer it reads into)
-    grad_reads: Dict[int, Tuple[Optional["inf_io.IOFuture"], int, Optional[torch.Tensor]]] = {}
-    grad_base: Dict[int, int] = {}   # unit -> first element of its gradient window
-    home_base: Dict[int, int] = {}   # unit -> first element of its working-copy window
+    grad_reads: Dict[int, Tuple[Optional[inf_io.IOFuture], int, Optional[torch.Tensor]]] = {}
+    grad_base: Dict[int, int] = {}  # unit -> first element of its gradient window
+    home_base: Dict[int, int] = {}  # unit -> first element of its working-copy window
     writes: List[List[Pending]] = [[] for _ in range(count)]
     held: List[Optional[int]] = [None] * count  # the unit whose values set k holds
     started: Set[int] = set()
@@ -367,14 +405,15 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
             j = len(given) - 1
             done = extents.stepped(shard)
             if done and not commit:
-                raise RuntimeError(f"infinity.optim: {shard.key} has a step half done (a "
-                                   "failed step to finish first); it cannot be updated ahead")
+                raise RuntimeError(
+                    f"infinity.optim: {shard.key} has a step half done (a "
+                    "failed step to finish first); it cannot be updated ahead"
+                )
             skipped[j] = done
-            units.extend((j, shard, un) for un in states.plan(shard).units
-                         if un.index not in done)
+            units.extend((j, shard, un) for un in states.plan(shard).units if un.index not in done)
         return units[u]
 
-    def finish_write(future: "inf_io.IOFuture", shard: Shard, un: Optional[Unit]) -> None:
+    def finish_write(future: inf_io.IOFuture, shard: Shard, un: Optional[Unit]) -> None:
         if un is not None:
             extents.written(shard, un, future, commit)
 
@@ -405,8 +444,11 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
 
     def adjacent(u: int) -> bool:
         """Unit u - 1 of the pipeline is the unit before u in its shard."""
-        return u > 0 and units[u - 1][0] == units[u][0] and \
-            units[u - 1][2].index == units[u][2].index - 1
+        return (
+            u > 0
+            and units[u - 1][0] == units[u][0]
+            and units[u - 1][2].index == units[u][2].index - 1
+        )
 
     def grads_from_nvme(shard: Shard, k: int) -> Optional[int]:
         """The gradient file's piece (elements) when this shard's gradients are read."""
@@ -422,7 +464,7 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
         if u == 0 or units[u - 1][0] != units[u][0]:
             port.grads.wait_written(flat)  # on NVMe (written by the engine's writer thread)
         if un.whole:
-            dst = sets.grads[k][:flat.numel]
+            dst = sets.grads[k][: flat.numel]
             grad_base[u] = 0
             grad_reads[u] = (clock.submitted(port.grads.read(flat, dst)), 0, dst)
             stats.bytes_read += flat.numel * 4
@@ -434,9 +476,8 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
         if first >= end:
             grad_reads[u] = (None, first, None)
             return
-        dst = sets.grads[k][first - base:end - base]
-        grad_reads[u] = (clock.submitted(port.grads.read_range(flat, first, end, dst)),
-                         first, dst)
+        dst = sets.grads[k][first - base : end - base]
+        grad_reads[u] = (clock.submitted(port.grads.read_range(flat, first, end, dst)), first, dst)
         stats.bytes_read += (end - first) * 4
 
     def issue(u: int) -> None:
@@ -455,8 +496,10 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
         """Set of unit u - 1, which must still hold that unit's values."""
         k = (u - 1) % count
         if not adjacent(u) or held[k] != u - 1:
-            raise RuntimeError(f"infinity.optim: the {what} of the unit before is gone (a bug "
-                               "in the pipeline order)")
+            raise RuntimeError(
+                f"infinity.optim: the {what} of the unit before is gone (a bug "
+                "in the pipeline order)"
+            )
         return k
 
     def gradients(u: int, shard: Shard, un: Unit, k: int) -> Optional[Window]:
@@ -476,25 +519,30 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
                 port.grads.verify_range(flat, first, dst)
             stats.verify_s += time.perf_counter() - t0
         if un.whole:
-            return sets.grads[k][:flat.numel], 0
+            return sets.grads[k][: flat.numel], 0
         base = grad_base[u]
         if first > base:  # the piece shared with the unit before: in its set
             pk = previous(u, "gradients")
             pb = grad_base[u - 1]
             size = min(first, flat.numel) - base
-            sets.grads[k][:size].copy_(sets.grads[pk][base - pb:base - pb + size])
+            sets.grads[k][:size].copy_(sets.grads[pk][base - pb : base - pb + size])
         end = piece_window(un.start, un.end, flat.numel, grad_piece(shard))[1]
-        return sets.grads[k][:end - base], base
+        return sets.grads[k][: end - base], base
 
     def from_home(flat: Any, h: int, a: int, b: int, dst: torch.Tensor) -> None:
         """Elements [a, b) of the working copy on NVMe (inside one piece) into ``dst``."""
         base = a // h * h
-        logger.debug("infinity.optim: %s elements %d-%d of the working copy read back (a "
-                     "neighbouring unit took the step before)", flat.key, a, b)
+        logger.debug(
+            "infinity.optim: %s elements %d-%d of the working copy read back (a "
+            "neighbouring unit took the step before)",
+            flat.key,
+            a,
+            b,
+        )
         piece = inf_io.aligned_empty(min(h, flat.numel - base) * flat.home_itemsize)
         part = piece.view(flat.home_dtype)
         port.working.read_range(flat, base, part)
-        dst.copy_(part[a - base:b - base])
+        dst.copy_(part[a - base : b - base])
 
     def working_copy(u: int, shard: Shard, un: Unit, k: int) -> Optional[Window]:
         flat = shard.flat
@@ -515,15 +563,14 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
                 pk = previous(u, "working copy")
                 pb = home_base[u - 1]
                 prev = sets.home_view(pk, flat, un.start - pb)
-                out[:un.start - base].copy_(prev[base - pb:un.start - pb])
+                out[: un.start - base].copy_(prev[base - pb : un.start - pb])
             else:  # stepped by a failed run: on NVMe since its restore
-                from_home(flat, h, base, un.start, out[:un.start - base])
+                from_home(flat, h, base, un.start, out[: un.start - base])
         if end > un.end:
-            from_home(flat, h, un.end, end, out[un.end - base:end - base])
-        return out[:un.end - base], base
+            from_home(flat, h, un.end, end, out[un.end - base : end - base])
+        return out[: un.end - base], base
 
-    def write_working_copy(u: int, shard: Shard, un: Unit, k: int,
-                           out: Optional[Window]) -> None:
+    def write_working_copy(u: int, shard: Shard, un: Unit, k: int, out: Optional[Window]) -> None:
         flat = shard.flat
         if out is None or not write_home:
             return
@@ -539,10 +586,16 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
                 return  # inside one piece: a later unit writes it
             base = out[1]
             whole = sets.home_view(k, flat, b - base)
-            future = port.working.write_range(flat, a, whole[a - base:b - base])
+            future = port.working.write_range(flat, a, whole[a - base : b - base])
             nbytes = (b - a) * flat.home_itemsize
-        writes[k].append((clock.submitted(future, "optimizer_write", flat.key, nbytes), shard,
-                          "writing the parameters updated with the", None))
+        writes[k].append(
+            (
+                clock.submitted(future, "optimizer_write", flat.key, nbytes),
+                shard,
+                "writing the parameters updated with the",
+                None,
+            )
+        )
         stats.bytes_written += nbytes  # a disk write of this step
 
     try:
@@ -575,7 +628,7 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
             if j not in started:
                 started.add(j)
                 computed.append(shard)
-            compute(shard, un, buf[:un.nbytes], out, grad)
+            compute(shard, un, buf[: un.nbytes], out, grad)
             held[k] = u
             t1 = time.perf_counter()
             stats.compute_s += t1 - t0
@@ -584,8 +637,14 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
             trace_events.span("optimizer_compute", shard.key, un.end - un.start, t0)
             clock.poll()
             future = extents.write_unit(shard, un, buf)
-            writes[k].append((clock.submitted(future, "optimizer_write", shard.key, un.nbytes),
-                              shard, "writing", un))
+            writes[k].append(
+                (
+                    clock.submitted(future, "optimizer_write", shard.key, un.nbytes),
+                    shard,
+                    "writing",
+                    un,
+                )
+            )
             stats.bytes_written += un.nbytes
             port.add_moved("host_to_nvme", un.nbytes, "states")
             write_working_copy(u, shard, un, k, out)
@@ -620,9 +679,14 @@ def run_pipeline(shards: Union[List[Shard], ShardFeed], states: NvmeStates, sets
             stats.requests = (stats.requests or []) + clock.requests
 
 
-def write_units(states: NvmeStates, shard: Shard, sets: BufferSets,
-                fill: Callable[[Unit, torch.Tensor], None], doing: str,
-                read: bool = False) -> None:
+def write_units(
+    states: NvmeStates,
+    shard: Shard,
+    sets: BufferSets,
+    fill: Callable[[Unit, torch.Tensor], None],
+    doing: str,
+    read: bool = False,
+) -> None:
     """Writes a shard's states unit by unit through state set 0 and commits them at once
     (first use of a shard larger than a chunk; the masters following parameters the user
     wrote): ``fill(unit, buf)`` puts the unit's values in its buffer, zeroed (``read``:
@@ -630,7 +694,7 @@ def write_units(states: NvmeStates, shard: Shard, sets: BufferSets,
     buf = sets.states[0]
 
     def prepare(un: Unit) -> torch.Tensor:
-        view = buf[:un.nbytes]
+        view = buf[: un.nbytes]
         if read:
             future = states.extents.read_unit(shard, un, buf)
             future.wait()
@@ -639,10 +703,11 @@ def write_units(states: NvmeStates, shard: Shard, sets: BufferSets,
             view.zero_()
         fill(un, view)
         return view
+
     states.write_units_and_commit(shard, prepare, doing)
 
 
-def _settle(reads: List[Optional["inf_io.IOFuture"]], writes: List[List[Pending]]) -> None:
+def _settle(reads: List[Optional[inf_io.IOFuture]], writes: List[List[Pending]]) -> None:
     """Waits for every request still in flight (their buffers must not be reused under them)."""
     futures = [f for f in reads if f is not None] + [p[0] for ws in writes for p in ws]
     for future in futures:

@@ -1,23 +1,28 @@
 """Where a wrapped model's optimizer states live: the tier chosen once per model, and its
 store made (:class:`~.host_states.HostStates` or :class:`~.nvme_states.NvmeStates`)."""
+
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence, Union
 
 from ...runtime.core.flat import FlatParam
 from ...runtime.port import OptimizerPort
-from .host import HostStates
 from ..step.layout import state_nbytes
-from .nvme import NvmeStates
 from ..step.shard import Shard
+from .host import HostStates
+from .nvme import NvmeStates
 from .store import StateStore
 
 _STORES = {"host": HostStates, "nvme": NvmeStates}
 
 
-def choose_tier(port: OptimizerPort, flats: List[FlatParam],
-                fmt: Union[str, Sequence[Union[str, Sequence[str]]]] = "fp32",
-                master: str = "fp32", later: int = 0) -> str:
+def choose_tier(
+    port: OptimizerPort,
+    flats: List[FlatParam],
+    fmt: Union[str, Sequence[Union[str, Sequence[str]]]] = "fp32",
+    master: str = "fp32",
+    later: int = 0,
+) -> str:
     """The optimizer-state tier of ``port``'s model: the one resolved at wrap
     (:attr:`OptimizerPort.optimizer_tier`: set by hand, or by the planner), else -- where wrap
     left it "auto" because the planner did not run -- "nvme" when ``nvme_path`` is set and (no
@@ -36,8 +41,13 @@ def choose_tier(port: OptimizerPort, flats: List[FlatParam],
     return "host"
 
 
-def new_store(tier: str, port: OptimizerPort, master: str, chunk_bytes: Optional[int],
-              shards: Dict[int, Shard]) -> StateStore:
+def new_store(
+    tier: str,
+    port: OptimizerPort,
+    master: str,
+    chunk_bytes: Optional[int],
+    shards: Dict[int, Shard],
+) -> StateStore:
     """The store of ``tier`` (as :func:`choose_tier` decided) for ``port``'s shards;
     ``chunk_bytes``: the unit size of a tier that moves states in units."""
     cls = _STORES.get(tier)

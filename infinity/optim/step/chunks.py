@@ -21,6 +21,7 @@ committed alone: a step writes it into a free extent and switches the shard's ma
 layout of the whole shard (what :func:`byte_spans` describes) is what a unit's ``spans``
 scatter to and gather from when the whole shard is read or written at once.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,8 +32,6 @@ import torch
 from ... import io as inf_io
 from ...io.crc import crc32c_combine  # noqa: F401 (re-exported)
 from ...ops.adam_compact import BLOCK_SIZE, num_blocks
-from ...tiers.chunk_size import (BUDGET_FRACTION, DEFAULT_CHUNK_BYTES, MIN_DEFAULT_CHUNK_BYTES,
-                                 check_chunk_bytes, resolve_chunk_bytes)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .layout import StateLayout
@@ -67,8 +66,7 @@ def _per_unit(chunk_bytes: int, spans: int, bpe: float, beside: Beside) -> int:
     usable = chunk_bytes - inf_io.ALIGNMENT - spans * _SPAN_ALIGN
     if beside.fixed <= usable // 2:
         usable -= beside.fixed
-    return max(BLOCK_SIZE, int(usable // (bpe + beside.per_element)) // BLOCK_SIZE
-               * BLOCK_SIZE)
+    return max(BLOCK_SIZE, int(usable // (bpe + beside.per_element)) // BLOCK_SIZE * BLOCK_SIZE)
 
 
 def _cut(n: int, per: int, slots: List[Tuple[int, int]]) -> List[Tuple[int, int]]:
@@ -89,8 +87,12 @@ def _cut(n: int, per: int, slots: List[Tuple[int, int]]) -> List[Tuple[int, int]
     return out
 
 
-def element_ranges(layout: "StateLayout", slots: List[Tuple[int, int]],
-                   chunk_bytes: int, beside: Beside = NOTHING_BESIDE) -> List[Tuple[int, int]]:
+def element_ranges(
+    layout: StateLayout,
+    slots: List[Tuple[int, int]],
+    chunk_bytes: int,
+    beside: Beside = NOTHING_BESIDE,
+) -> List[Tuple[int, int]]:
     """[start, end) element ranges covering ``[0, layout.numel)`` whose state bytes (plus
     what moves ``beside`` them) are at most about ``chunk_bytes`` each (a page of slack is left
     for the padding of the unit's extent). ``slots``: (offset, numel) of
@@ -98,8 +100,9 @@ def element_ranges(layout: "StateLayout", slots: List[Tuple[int, int]],
     block boundary inside a slot, so no 8-bit block is ever split. Only one-format layouts
     with an fp32 master."""
     if layout.mixed or layout.master != "fp32" or not layout.with_master:
-        raise ValueError("infinity.optim: element ranges need a one-format layout with an "
-                         "fp32 master")
+        raise ValueError(
+            "infinity.optim: element ranges need a one-format layout with an fp32 master"
+        )
     spans = 5 if layout.fmt == "8bit" else 3
     per = _per_unit(chunk_bytes, spans, bytes_per_element(layout.fmt), beside)
     return _cut(layout.numel, per, slots)
@@ -117,14 +120,14 @@ def blocks_before(slots: List[Tuple[int, int]], x: int) -> int:
     return total
 
 
-def byte_spans(layout: "StateLayout", slots: List[Tuple[int, int]], a: int,
-               b: int) -> List[Tuple[str, int, int]]:
+def byte_spans(
+    layout: StateLayout, slots: List[Tuple[int, int]], a: int, b: int
+) -> List[Tuple[str, int, int]]:
     """The byte spans (name, start, end) in the state extent of elements ``[a, b)``, one per
     region part, in file order (as :func:`.state_store.state_views` lays them out)."""
     n, fmt = layout.numel, layout.fmt
     if layout.mixed or layout.master != "fp32" or not layout.with_master:
-        raise ValueError("infinity.optim: byte spans need a one-format layout with an fp32 "
-                         "master")
+        raise ValueError("infinity.optim: byte spans need a one-format layout with an fp32 master")
     out = [("master", 4 * a, 4 * b)]
     base = layout.master_nbytes
     if fmt in ("fp32", "bf16"):
@@ -143,12 +146,16 @@ def byte_spans(layout: "StateLayout", slots: List[Tuple[int, int]], a: int,
 
 
 # ---- mixed layouts: one moment region per format ------------------------------------------
-def _mixed_spans_count(layout: "StateLayout") -> int:
+def _mixed_spans_count(layout: StateLayout) -> int:
     return 1 + sum(4 if f == "8bit" else 2 for f in layout.formats)
 
 
-def mixed_ranges(layout: "StateLayout", slots: List[Tuple[int, int]],
-                 chunk_bytes: int, beside: Beside = NOTHING_BESIDE) -> List[Tuple[int, int]]:
+def mixed_ranges(
+    layout: StateLayout,
+    slots: List[Tuple[int, int]],
+    chunk_bytes: int,
+    beside: Beside = NOTHING_BESIDE,
+) -> List[Tuple[int, int]]:
     """:func:`element_ranges` of a layout whose slots have several formats: sized by the
     widest format present (12 B/element with fp32 moments), boundaries as there."""
     spans = _mixed_spans_count(layout)
@@ -157,7 +164,7 @@ def mixed_ranges(layout: "StateLayout", slots: List[Tuple[int, int]],
     return _cut(layout.numel, per, slots)
 
 
-def region_pos(layout: "StateLayout", slots: List[Tuple[int, int]], fmt: str, x: int) -> int:
+def region_pos(layout: StateLayout, slots: List[Tuple[int, int]], fmt: str, x: int) -> int:
     """Where shard element ``x`` (a range boundary) falls in ``fmt``'s region of a mixed
     layout: the region position of the first element at or after ``x`` of a slot of that
     format (the region's end when there is none), so consecutive ranges tile each region,
@@ -168,13 +175,13 @@ def region_pos(layout: "StateLayout", slots: List[Tuple[int, int]], fmt: str, x:
     return layout.region_numel(fmt)
 
 
-def slots_of(layout: "StateLayout", slots: List[Tuple[int, int]],
-             fmt: str) -> List[Tuple[int, int]]:
+def slots_of(layout: StateLayout, slots: List[Tuple[int, int]], fmt: str) -> List[Tuple[int, int]]:
     return [s for i, s in enumerate(slots) if layout.format_of(i) == fmt]
 
 
-def mixed_spans(layout: "StateLayout", slots: List[Tuple[int, int]], a: int,
-                b: int) -> List[Tuple[str, int, int]]:
+def mixed_spans(
+    layout: StateLayout, slots: List[Tuple[int, int]], a: int, b: int
+) -> List[Tuple[str, int, int]]:
     """:func:`byte_spans` of a mixed layout: the master, then each format's region in
     :func:`.state_store.state_views` order, spans named ``"<format>.<part>"``."""
     out = [("master", 4 * a, 4 * b)]
@@ -187,8 +194,9 @@ def mixed_spans(layout: "StateLayout", slots: List[Tuple[int, int]], a: int,
             eight = slots_of(layout, slots, "8bit")
             ba, bb = blocks_before(eight, a), blocks_before(eight, b)
             out.append(("8bit.exp_avg_absmax", base + 4 * ba, base + 4 * bb))
-            out.append(("8bit.exp_avg_sq_absmax", base + 4 * (blocks + ba),
-                        base + 4 * (blocks + bb)))
+            out.append(
+                ("8bit.exp_avg_sq_absmax", base + 4 * (blocks + ba), base + 4 * (blocks + bb))
+            )
             codes = base + 8 * blocks
             out.append(("8bit.exp_avg", codes + ra, codes + rb))
             out.append(("8bit.exp_avg_sq", codes + rn + ra, codes + rn + rb))
@@ -239,27 +247,30 @@ class ChunkPlan:
         return max(u.nbytes for u in self.units)
 
 
-def chunkable(layout: "StateLayout") -> bool:
+def chunkable(layout: StateLayout) -> bool:
     """Layouts that can be stepped in element ranges: an fp32 master (bf16 masters are
     stepped whole)."""
     return layout.master == "fp32" and layout.with_master
 
 
-def whole_plan(layout: "StateLayout") -> ChunkPlan:
+def whole_plan(layout: StateLayout) -> ChunkPlan:
     n = layout.nbytes
     return ChunkPlan(n, (Unit(0, 0, layout.numel, n),))
 
 
-def plan_chunks(layout: "StateLayout", slots: List[Tuple[int, int]],
-                chunk_bytes: Optional[int], beside: Beside = NOTHING_BESIDE) -> ChunkPlan:
+def plan_chunks(
+    layout: StateLayout,
+    slots: List[Tuple[int, int]],
+    chunk_bytes: Optional[int],
+    beside: Beside = NOTHING_BESIDE,
+) -> ChunkPlan:
     """The units of a shard (see the module docstring): one whole unit when its states (plus
     what moves ``beside`` them per element) fit in ``chunk_bytes`` (None: never cut) or the
     layout is not :func:`chunkable`."""
     whole_bytes = layout.nbytes + int(layout.numel * beside.per_element)
     if chunk_bytes is None or whole_bytes <= chunk_bytes or not chunkable(layout):
         return whole_plan(layout)
-    ranges = (mixed_ranges if layout.mixed else element_ranges)(layout, slots, chunk_bytes,
-                                                                beside)
+    ranges = (mixed_ranges if layout.mixed else element_ranges)(layout, slots, chunk_bytes, beside)
     if len(ranges) <= 1:
         return whole_plan(layout)
     spans_of = mixed_spans if layout.mixed else byte_spans
@@ -273,23 +284,33 @@ def plan_chunks(layout: "StateLayout", slots: List[Tuple[int, int]],
                 pos = -(-(pos + e - s) // _SPAN_ALIGN) * _SPAN_ALIGN
         nbytes = -(-max(pos, 1) // inf_io.ALIGNMENT) * inf_io.ALIGNMENT
         blocks = (blocks_before(eight, a), blocks_before(eight, b)) if eight else (0, 0)
-        units.append(Unit(r, a, b, nbytes, whole=False, last=r == len(ranges) - 1,
-                          blocks=blocks, spans=tuple(placed)))
+        units.append(
+            Unit(
+                r,
+                a,
+                b,
+                nbytes,
+                whole=False,
+                last=r == len(ranges) - 1,
+                blocks=blocks,
+                spans=tuple(placed),
+            )
+        )
     return ChunkPlan(sum(u.nbytes for u in units), tuple(units))
 
 
 def scatter_unit(unit: Unit, src: torch.Tensor, whole: torch.Tensor) -> None:
     """Copies a unit's extent content ``src`` into the shard's whole layout ``whole``."""
     for _name, s, e, pos in unit.spans:
-        whole[s:e].copy_(src[pos:pos + e - s])
+        whole[s:e].copy_(src[pos : pos + e - s])
 
 
 def gather_unit(unit: Unit, whole: torch.Tensor, dst: torch.Tensor) -> None:
     """Copies a unit's bytes from the shard's whole layout ``whole`` into its extent ``dst``
     (the padding zeroed)."""
-    dst[:unit.nbytes].zero_()
+    dst[: unit.nbytes].zero_()
     for _name, s, e, pos in unit.spans:
-        dst[pos:pos + e - s].copy_(whole[s:e])
+        dst[pos : pos + e - s].copy_(whole[s:e])
 
 
 # ---- gradients and working copies of a unit: whole pieces of the engine's swap files ------
@@ -315,35 +336,43 @@ class UnitViews:
     unit's first 8-bit block)."""
 
     master: torch.Tensor
-    regions: Dict[str, Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor],
-                             Optional[torch.Tensor]]]
+    regions: Dict[
+        str, Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]
+    ]
     base: Dict[str, int]
 
 
 _MOMENT = {"fp32": torch.float32, "bf16": torch.bfloat16, "8bit": torch.uint8}
 
 
-def unit_views(layout: "StateLayout", slots: List[Tuple[int, int]], unit: Unit,
-               buf: torch.Tensor) -> UnitViews:
+def unit_views(
+    layout: StateLayout, slots: List[Tuple[int, int]], unit: Unit, buf: torch.Tensor
+) -> UnitViews:
     """Views of a (not whole) unit's buffer ``buf`` (uint8)."""
     named: Dict[str, torch.Tensor] = {}
     for name, s, e, pos in unit.spans:
         fmt, _, part = name.rpartition(".")
         fmt = fmt or layout.fmt
-        dtype = torch.float32 if part in ("master", "exp_avg_absmax", "exp_avg_sq_absmax") \
+        dtype = (
+            torch.float32
+            if part in ("master", "exp_avg_absmax", "exp_avg_sq_absmax")
             else _MOMENT[fmt]
-        named[name] = buf[pos:pos + (e - s)].view(dtype)
-    regions: Dict[str, Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor],
-                             Optional[torch.Tensor]]] = {}
+        )
+        named[name] = buf[pos : pos + (e - s)].view(dtype)
+    regions: Dict[
+        str, Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]
+    ] = {}
     base: Dict[str, int] = {}
     for fmt in layout.formats:
         prefix = f"{fmt}." if layout.mixed else ""
         empty = torch.empty(0, dtype=_MOMENT[fmt])
         nof = torch.empty(0, dtype=torch.float32)
         get = lambda part, dflt: named.get(prefix + part, dflt)  # noqa: E731
-        regions[fmt] = (get("exp_avg", empty), get("exp_avg_sq", empty),
-                        get("exp_avg_absmax", nof) if fmt == "8bit" else None,
-                        get("exp_avg_sq_absmax", nof) if fmt == "8bit" else None)
-        base[fmt] = (region_pos(layout, slots, fmt, unit.start) if layout.mixed
-                     else unit.start)
+        regions[fmt] = (
+            get("exp_avg", empty),
+            get("exp_avg_sq", empty),
+            get("exp_avg_absmax", nof) if fmt == "8bit" else None,
+            get("exp_avg_sq_absmax", nof) if fmt == "8bit" else None,
+        )
+        base[fmt] = region_pos(layout, slots, fmt, unit.start) if layout.mixed else unit.start
     return UnitViews(named.get("master", torch.empty(0, dtype=torch.float32)), regions, base)

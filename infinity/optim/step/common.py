@@ -1,5 +1,6 @@
 """Small pieces shared by the offloaded optimizer's files: validation, the shard run, the
 streamed shard state."""
+
 from __future__ import annotations
 
 import logging
@@ -16,7 +17,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from .shard import Shard
 
 logger = logging.getLogger(__name__)
-
 
 
 @dataclass(frozen=True)
@@ -40,8 +40,8 @@ class ShardState:
 
 # ---- validation ---------------------------------------------------------------------------
 
-def _number(name: str, value: object, *, low: float = 0.0, high: Optional[float] = None
-            ) -> None:
+
+def _number(name: str, value: object, *, low: float = 0.0, high: Optional[float] = None) -> None:
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -85,7 +85,7 @@ def _grad_ranges(shard: Shard, max_elems: int) -> Iterator[Tuple[int, torch.Tens
     buf = inf_io.aligned_empty(min(per, flat.numel), torch.float32)
     for start in range(0, flat.numel, per):
         end = min(flat.numel, start + per)
-        view = buf[:end - start]
+        view = buf[: end - start]
         grads.read_range(flat, start, end, view).wait()
         grads.verify_range(flat, start, view)
         yield start, view

@@ -30,6 +30,7 @@ Everything here is pure (no state of the optimizer): :func:`formats_for` gives t
 model's parameters (meta models too), :func:`moment_nbytes` / :func:`format_summary` the bytes
 they take, for estimates and reports.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -45,9 +46,11 @@ MIN_8BIT_SIZE = 4096  # bitsandbytes' default min_8bit_size
 
 States = Union[str, Dict[Any, str], Callable[[nn.Parameter], Optional[str]]]
 
-_FORMATS_TEXT = ("'fp32' (default: fp32 moments, 12 bytes per parameter with the fp32 "
-                 "master), 'bf16' (bf16 moments, 8 B/param) or '8bit' (block-wise 8-bit "
-                 "moments, ~6.03 B/param)")
+_FORMATS_TEXT = (
+    "'fp32' (default: fp32 moments, 12 bytes per parameter with the fp32 "
+    "master), 'bf16' (bf16 moments, 8 B/param) or '8bit' (block-wise 8-bit "
+    "moments, ~6.03 B/param)"
+)
 
 
 def check_format(value: object, what: str = "states") -> str:
@@ -59,8 +62,10 @@ def check_format(value: object, what: str = "states") -> str:
 
 def check_min_8bit_size(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"infinity.optim: min_8bit_size must be an int >= 0 (elements; "
-                         f"bitsandbytes' default is {MIN_8BIT_SIZE}), got {value!r}")
+        raise ValueError(
+            f"infinity.optim: min_8bit_size must be an int >= 0 (elements; "
+            f"bitsandbytes' default is {MIN_8BIT_SIZE}), got {value!r}"
+        )
     return value
 
 
@@ -104,32 +109,38 @@ class FormatSpec:
             self.kind = "callable"
             self._fn = states
         else:
-            raise ValueError(f"infinity.optim: states must be {_FORMATS_TEXT}, a dict "
-                             "{parameter | module | 'default': format} or a callable "
-                             f"f(param) -> format or None; got {type(states).__name__} "
-                             f"{states!r}")
+            raise ValueError(
+                f"infinity.optim: states must be {_FORMATS_TEXT}, a dict "
+                "{parameter | module | 'default': format} or a callable "
+                f"f(param) -> format or None; got {type(states).__name__} "
+                f"{states!r}"
+            )
 
     def _from_dict(self, states: Dict[Any, str]) -> None:
         modules = []
         for n, (key, value) in enumerate(states.items()):
             if isinstance(key, str):
                 if key != "default":
-                    raise ValueError(f"infinity.optim: the only string key of states= is "
-                                     f"'default'; got {key!r} (use the nn.Parameter or "
-                                     "nn.Module object itself as the key)")
+                    raise ValueError(
+                        f"infinity.optim: the only string key of states= is "
+                        f"'default'; got {key!r} (use the nn.Parameter or "
+                        "nn.Module object itself as the key)"
+                    )
                 self.default = check_format(value, "states['default']")
             elif isinstance(key, torch.Tensor):  # an nn.Parameter
-                fmt = check_format(value, f"the states= value of a parameter of shape "
-                                          f"{tuple(key.shape)}")
+                fmt = check_format(
+                    value, f"the states= value of a parameter of shape {tuple(key.shape)}"
+                )
                 self._named[id(key)] = (fmt, (0, n))  # a parameter key beats module keys
                 self._keep.append(key)
             elif isinstance(key, nn.Module):
-                fmt = check_format(value, f"the states= value of module "
-                                          f"{type(key).__name__}")
+                fmt = check_format(value, f"the states= value of module {type(key).__name__}")
                 modules.append((key, fmt, n))
             else:
-                raise TypeError(f"infinity.optim: a states= dict key must be an nn.Parameter, "
-                                f"an nn.Module or 'default'; got {type(key).__name__} {key!r}")
+                raise TypeError(
+                    f"infinity.optim: a states= dict key must be an nn.Parameter, "
+                    f"an nn.Module or 'default'; got {type(key).__name__} {key!r}"
+                )
         for module, fmt, n in modules:
             params = list(module.parameters())
             rank = (1 + len(params), -n)  # innermost (fewest parameters) first, then later
@@ -146,13 +157,20 @@ class FormatSpec:
             fmt = self._fn(param)
             if fmt is None:
                 return self.default, False
-            return check_format(fmt, f"the format returned by the states= callable for a "
-                                     f"parameter of shape {tuple(param.shape)}"), False
+            return check_format(
+                fmt,
+                f"the format returned by the states= callable for a "
+                f"parameter of shape {tuple(param.shape)}",
+            ), False
         named = self._named.get(id(param))
         return (named[0], True) if named is not None else (self.default, False)
 
-    def choose(self, param: torch.Tensor, numel: Optional[int] = None,
-               owners: Optional[Sequence[nn.Module]] = None) -> Choice:
+    def choose(
+        self,
+        param: torch.Tensor,
+        numel: Optional[int] = None,
+        owners: Optional[Sequence[nn.Module]] = None,
+    ) -> Choice:
         """``param``'s format. ``numel``: its number of elements (default ``param.numel()``;
         a sharded slot passes the whole parameter's); ``owners``: the modules holding it
         directly (None: unknown, the embedding rule cannot apply)."""
@@ -179,9 +197,12 @@ def param_owners(model: nn.Module) -> Dict[int, List[nn.Module]]:
     return owners
 
 
-def formats_for(model: nn.Module, states: States = "fp32",
-                min_8bit_size: int = MIN_8BIT_SIZE,
-                params: Optional[Iterable[torch.Tensor]] = None) -> Dict[str, str]:
+def formats_for(
+    model: nn.Module,
+    states: States = "fp32",
+    min_8bit_size: int = MIN_8BIT_SIZE,
+    params: Optional[Iterable[torch.Tensor]] = None,
+) -> Dict[str, str]:
     """The moment format ``infinity.optim.AdamW(params, states=states,
     min_8bit_size=min_8bit_size)`` gives each parameter of ``model`` once the model is wrapped
     (its modules known): ``{qualified name: format}`` (a tied parameter under its first name).
@@ -196,8 +217,7 @@ def formats_for(model: nn.Module, states: States = "fp32",
     return out
 
 
-def format_summary(numels_and_formats: Iterable[Tuple[int, str]]
-                   ) -> Dict[str, Dict[str, int]]:
+def format_summary(numels_and_formats: Iterable[Tuple[int, str]]) -> Dict[str, Dict[str, int]]:
     """``{format: {"params": count, "numel": elements, "moment_bytes": bytes}}`` of
     (numel, format) pairs (each parameter once), formats present only."""
     out: Dict[str, Dict[str, int]] = {}
@@ -209,8 +229,9 @@ def format_summary(numels_and_formats: Iterable[Tuple[int, str]]
     return {f: out[f] for f in STATE_FORMATS if f in out}
 
 
-def model_state_bytes(model: nn.Module, states: States = "fp32",
-                      min_8bit_size: int = MIN_8BIT_SIZE) -> Dict[str, Dict[str, int]]:
+def model_state_bytes(
+    model: nn.Module, states: States = "fp32", min_8bit_size: int = MIN_8BIT_SIZE
+) -> Dict[str, Dict[str, int]]:
     """:func:`format_summary` of a model's trainable parameters under ``states=`` (what an
     estimate needs: moment bytes per format; add the masters' bytes, 4 B/param for fp32)."""
     fmts = formats_for(model, states, min_8bit_size)
@@ -218,6 +239,15 @@ def model_state_bytes(model: nn.Module, states: States = "fp32",
     return format_summary((sizes[n], f) for n, f in fmts.items() if n in sizes)
 
 
-__all__ = ["STATE_FORMATS", "MIN_8BIT_SIZE", "FormatSpec", "Choice", "check_format",
-           "formats_for", "format_summary", "model_state_bytes", "moment_nbytes",
-           "param_owners"]
+__all__ = [
+    "STATE_FORMATS",
+    "MIN_8BIT_SIZE",
+    "FormatSpec",
+    "Choice",
+    "check_format",
+    "formats_for",
+    "format_summary",
+    "model_state_bytes",
+    "moment_nbytes",
+    "param_owners",
+]

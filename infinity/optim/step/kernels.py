@@ -11,6 +11,7 @@ moments are quantized in 256-element blocks that start at each slot's first elem
 masters hash each slot's rounding from its own element base, so those go slot by slot: every
 block re-quantized belongs to a slot that takes the step.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -27,19 +28,27 @@ Region = Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torc
 Window = Tuple[torch.Tensor, int]  # (tensor, the shard element its first element is)
 
 
-def adam_kernel(fmt: str, master: torch.Tensor, grad: torch.Tensor, moments: Region,
-                out: Optional[torch.Tensor], comp: Optional[torch.Tensor] = None,
-                seed: int = 0, index: int = 0, **hyper: Any) -> None:
+def adam_kernel(
+    fmt: str,
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    moments: Region,
+    out: Optional[torch.Tensor],
+    comp: Optional[torch.Tensor] = None,
+    seed: int = 0,
+    index: int = 0,
+    **hyper: Any,
+) -> None:
     """One kernel call over 1-D views: ``master`` (fp32, or bf16 with ``comp`` for Kahan
     pairs), ``grad`` (fp32), the moments in format ``fmt`` and ``out`` (the working copy
     written in the same pass, or None). ``seed``/``index``: the stochastic rounding's hash
     of bf16 masters (ignored otherwise)."""
     m, v, m_abs, v_abs = moments
     if master.dtype != torch.float32:  # bf16 masters: their own kernel, any moment format
-        absmax = (dict(exp_avg_absmax=m_abs, exp_avg_sq_absmax=v_abs) if fmt == "8bit"
-                  else {})
-        cpu_adam_step_bf16_master(master, comp, grad, m, v, states=fmt, **absmax, seed=seed,
-                                  index=index, out=out, **hyper)
+        absmax = dict(exp_avg_absmax=m_abs, exp_avg_sq_absmax=v_abs) if fmt == "8bit" else {}
+        cpu_adam_step_bf16_master(
+            master, comp, grad, m, v, states=fmt, **absmax, seed=seed, index=index, out=out, **hyper
+        )
     elif fmt == "fp32":
         cpu_adam_step(master, grad, m, v, out=out, **hyper)
     elif fmt == "bf16":
@@ -50,12 +59,22 @@ def adam_kernel(fmt: str, master: torch.Tensor, grad: torch.Tensor, moments: Reg
         raise ValueError(f"infinity.optim: unknown state format {fmt!r}")
 
 
-def step_runs(layout: Any, slots: Sequence[Any], runs: Sequence[Any],
-              hypers: Sequence[Dict[str, Any]], window: Tuple[int, int],
-              master: torch.Tensor, grad: Window, out: Optional[Window],
-              regions: Dict[str, Region], base: Dict[str, int], block0: int = 0,
-              comp: Optional[torch.Tensor] = None, seed: int = 0,
-              element_base: Optional[Callable[[int], int]] = None) -> List[Tuple[int, int]]:
+def step_runs(
+    layout: Any,
+    slots: Sequence[Any],
+    runs: Sequence[Any],
+    hypers: Sequence[Dict[str, Any]],
+    window: Tuple[int, int],
+    master: torch.Tensor,
+    grad: Window,
+    out: Optional[Window],
+    regions: Dict[str, Region],
+    base: Dict[str, int],
+    block0: int = 0,
+    comp: Optional[torch.Tensor] = None,
+    seed: int = 0,
+    element_base: Optional[Callable[[int], int]] = None,
+) -> List[Tuple[int, int]]:
     """Steps the elements of ``runs`` inside ``window`` = [a, b) (the whole shard, or one
     unit); returns the ranges written, in order.
 
@@ -73,14 +92,27 @@ def step_runs(layout: Any, slots: Sequence[Any], runs: Sequence[Any],
     def pos(i: int) -> int:  # slot i's first element in its format's region
         return layout.slot_pos[i] if layout.mixed else slots[i].offset
 
-    def call(fmt: str, lo: int, hi: int, p: int, scales: Tuple[Optional[torch.Tensor], ...],
-             hyper: Dict[str, Any], index: int) -> None:
+    def call(
+        fmt: str,
+        lo: int,
+        hi: int,
+        p: int,
+        scales: Tuple[Optional[torch.Tensor], ...],
+        hyper: Dict[str, Any],
+        index: int,
+    ) -> None:
         m, v = regions[fmt][0], regions[fmt][1]
-        adam_kernel(fmt, master[lo - a:hi - a], g[lo - gb:hi - gb],
-                    (m[p:p + hi - lo], v[p:p + hi - lo]) + scales,
-                    o[lo - ob:hi - ob] if o is not None else None,
-                    comp[lo - a:hi - a] if comp is not None else None,
-                    seed=seed, index=index, **hyper)
+        adam_kernel(
+            fmt,
+            master[lo - a : hi - a],
+            g[lo - gb : hi - gb],
+            (m[p : p + hi - lo], v[p : p + hi - lo]) + scales,
+            o[lo - ob : hi - ob] if o is not None else None,
+            comp[lo - a : hi - a] if comp is not None else None,
+            seed=seed,
+            index=index,
+            **hyper,
+        )
         written.append((lo, hi))
 
     for j, r in enumerate(runs):
@@ -99,10 +131,9 @@ def step_runs(layout: Any, slots: Sequence[Any], runs: Sequence[Any],
                         b0 = layout.block_start[i] + (lo - s.offset) // BLOCK_SIZE - block0
                         nb = num_blocks(hi - lo)
                         m_abs, v_abs = regions[fmt][2], regions[fmt][3]
-                        scales = (m_abs[b0:b0 + nb], v_abs[b0:b0 + nb])
+                        scales = (m_abs[b0 : b0 + nb], v_abs[b0 : b0 + nb])
                     index = element_base(i) if per_slot_master and element_base else 0
-                    call(fmt, lo, hi, pos(i) + (lo - s.offset) - base[fmt], scales, hyper,
-                         index)
+                    call(fmt, lo, hi, pos(i) + (lo - s.offset) - base[fmt], scales, hyper, index)
                 continue
             # one call over the sub-run, the padding between its slots included
             start = slots[first].offset

@@ -9,6 +9,7 @@ quantized moments (~6.03 B/param); a shard whose slots differ holds one moment r
 format. Master weights fp32 (4 B/param) unless ``master=`` asks for bf16 masters
 (``"bf16_sr"`` 2 B/param, ``"bf16_kahan"`` 4 B/param).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -84,8 +85,8 @@ class StateLayout:
     block_start: Tuple[int, ...] = ()
     blocks: int = 0
     master: str = "fp32"  # master-weight format (infinity.ops.bf16_master.MASTER_FORMATS)
-    slot_formats: Tuple[str, ...] = ()             # mixed: each slot's format
-    slot_pos: Tuple[int, ...] = ()                 # mixed: each slot's element in its region
+    slot_formats: Tuple[str, ...] = ()  # mixed: each slot's format
+    slot_pos: Tuple[int, ...] = ()  # mixed: each slot's element in its region
     region_sizes: Tuple[Tuple[str, int], ...] = ()  # mixed: (format, elements per moment)
 
     @property
@@ -123,9 +124,10 @@ class StateLayout:
     @property
     def moment_nbytes(self) -> int:
         """Bytes of exp_avg + exp_avg_sq (absmax scales included), every region."""
-        return sum(self._region_nbytes(f, self.region_numel(f),
-                                       self.blocks if f == "8bit" else 0)
-                   for f in self.formats)
+        return sum(
+            self._region_nbytes(f, self.region_numel(f), self.blocks if f == "8bit" else 0)
+            for f in self.formats
+        )
 
     @property
     def nbytes(self) -> int:
@@ -149,15 +151,18 @@ def _slot_formats(flat: FlatParam, fmt: Union[str, Sequence[str]]) -> Tuple[str,
         return (check_states(fmt),) * len(flat.slots)
     formats = tuple(fmt)
     if len(formats) != len(flat.slots):
-        raise ValueError(f"infinity.optim: {flat.key} has {len(flat.slots)} slots but "
-                         f"{len(formats)} state formats were given")
+        raise ValueError(
+            f"infinity.optim: {flat.key} has {len(flat.slots)} slots but "
+            f"{len(formats)} state formats were given"
+        )
     for f in formats:
         check_states(f)
     return formats
 
 
-def layout_for(flat: FlatParam, fmt: Union[str, Sequence[str]], with_master: bool,
-               master: str = "fp32") -> StateLayout:
+def layout_for(
+    flat: FlatParam, fmt: Union[str, Sequence[str]], with_master: bool, master: str = "fp32"
+) -> StateLayout:
     """The layout of ``flat``'s states: ``fmt`` is one format for every slot or one per slot
     (all equal: exactly the one-format layout)."""
     formats = _slot_formats(flat, fmt)
@@ -185,14 +190,15 @@ def layout_for(flat: FlatParam, fmt: Union[str, Sequence[str]], with_master: boo
         if f == "8bit":
             starts[i] = blocks
             blocks += num_blocks(slot.numel)
-    sizes = tuple((f, _align(max(end[f], 1), _REGION_ALIGN)) for f in STATE_FORMATS
-                  if f in kinds)
-    return StateLayout("mixed", flat.numel, with_master, tuple(starts), blocks, master,
-                       formats, tuple(pos), sizes)
+    sizes = tuple((f, _align(max(end[f], 1), _REGION_ALIGN)) for f in STATE_FORMATS if f in kinds)
+    return StateLayout(
+        "mixed", flat.numel, with_master, tuple(starts), blocks, master, formats, tuple(pos), sizes
+    )
 
 
-def state_nbytes(flat: FlatParam, fmt: Union[str, Sequence[str]] = "fp32",
-                 master: str = "fp32") -> int:
+def state_nbytes(
+    flat: FlatParam, fmt: Union[str, Sequence[str]] = "fp32", master: str = "fp32"
+) -> int:
     """Bytes of one shard's states with its master (as held on NVMe, per extent)."""
     return layout_for(flat, fmt, True, master).nbytes
 
@@ -259,8 +265,13 @@ class StateViews:
         if fmt != "8bit":
             return fmt, Moments(fmt, reg.exp_avg[sl], reg.exp_avg_sq[sl])
         b = self.blocks_of(flat, i)
-        return fmt, Moments(fmt, reg.exp_avg[sl], reg.exp_avg_sq[sl], reg.exp_avg_absmax[b],
-                            reg.exp_avg_sq_absmax[b])
+        return fmt, Moments(
+            fmt,
+            reg.exp_avg[sl],
+            reg.exp_avg_sq[sl],
+            reg.exp_avg_absmax[b],
+            reg.exp_avg_sq_absmax[b],
+        )
 
     def run_state(self, flat: FlatParam, first: int, last: int) -> Tuple[str, Moments]:
         """The moments of adjacent same-format slots ``first..last`` (fp32/bf16) and the
@@ -269,7 +280,7 @@ class StateViews:
         reg = self.regions[fmt]
         n = flat.slots[last].offset + flat.slots[last].numel - flat.slots[first].offset
         p = self._pos(flat, first)
-        return fmt, Moments(fmt, reg.exp_avg[p:p + n], reg.exp_avg_sq[p:p + n])
+        return fmt, Moments(fmt, reg.exp_avg[p : p + n], reg.exp_avg_sq[p : p + n])
 
     def zero_moments(self) -> None:
         """Zero moments (8bit: zero codes with zero scales are a zero state)."""
@@ -285,11 +296,14 @@ class StateViews:
             return m.exp_avg, m.exp_avg_sq
         if fmt == "bf16":
             return m.exp_avg.float(), m.exp_avg_sq.float()
-        return (dequantize_8bit(m.exp_avg, m.exp_avg_absmax, signed=True),
-                dequantize_8bit(m.exp_avg_sq, m.exp_avg_sq_absmax, signed=False))
+        return (
+            dequantize_8bit(m.exp_avg, m.exp_avg_absmax, signed=True),
+            dequantize_8bit(m.exp_avg_sq, m.exp_avg_sq_absmax, signed=False),
+        )
 
-    def set_slot_moments(self, flat: FlatParam, i: int, exp_avg: torch.Tensor,
-                         exp_avg_sq: torch.Tensor) -> None:
+    def set_slot_moments(
+        self, flat: FlatParam, i: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor
+    ) -> None:
         """Stores fp32 moments of slot i in its format (bf16: round to nearest even; 8bit:
         :func:`quantize_exact`, so moments that came from an 8-bit state come back bitwise)."""
         fmt, mom = self.slot_state(flat, i)
@@ -318,8 +332,9 @@ class StateViews:
         return m, v
 
 
-def state_views(layout: StateLayout, buf: torch.Tensor,
-                home_master: Optional[torch.Tensor] = None) -> StateViews:
+def state_views(
+    layout: StateLayout, buf: torch.Tensor, home_master: Optional[torch.Tensor] = None
+) -> StateViews:
     """Typed views of ``buf`` (uint8, at least ``layout.nbytes``). ``home_master``: the home
     copy, which is the master when the layout holds none."""
     n, pos = layout.numel, 0
@@ -327,7 +342,7 @@ def state_views(layout: StateLayout, buf: torch.Tensor,
     def take(count: int, dtype: torch.dtype) -> torch.Tensor:
         nonlocal pos
         size = torch.empty((), dtype=dtype).element_size()
-        out = buf[pos:pos + count * size].view(dtype)
+        out = buf[pos : pos + count * size].view(dtype)
         pos += count * size
         return out
 
@@ -349,24 +364,32 @@ def state_views(layout: StateLayout, buf: torch.Tensor,
         rn = layout.region_numel(fmt)
         if fmt == "8bit":
             m_abs, v_abs = take(layout.blocks, torch.float32), take(layout.blocks, torch.float32)
-            regions[fmt] = Moments(fmt, take(rn, torch.uint8), take(rn, torch.uint8), m_abs,
-                                   v_abs)
+            regions[fmt] = Moments(fmt, take(rn, torch.uint8), take(rn, torch.uint8), m_abs, v_abs)
         else:
             dtype = _MOMENT_DTYPE[fmt]
             regions[fmt] = Moments(fmt, take(rn, dtype), take(rn, dtype))
     if layout.mixed:
         return StateViews(layout, master, None, None, master_comp=comp, regions=regions)
     one = regions[layout.fmt]
-    return StateViews(layout, master, one.exp_avg, one.exp_avg_sq, one.exp_avg_absmax,
-                      one.exp_avg_sq_absmax, comp, regions)
+    return StateViews(
+        layout,
+        master,
+        one.exp_avg,
+        one.exp_avg_sq,
+        one.exp_avg_absmax,
+        one.exp_avg_sq_absmax,
+        comp,
+        regions,
+    )
 
 
 # ---- 8-bit load: quantization that reproduces decoded values ---------------------------------
 RELOAD_SEARCH = 9  # exponents tried above the exact rule's for a block to round-trip
 
 
-def quantize_exact(x: torch.Tensor, signed: bool, codes: torch.Tensor,
-                   absmax: torch.Tensor) -> None:
+def quantize_exact(
+    x: torch.Tensor, signed: bool, codes: torch.Tensor, absmax: torch.Tensor
+) -> None:
     """``quantize_8bit(x)`` into ``codes``/``absmax`` (the exact rule), except that a block whose
     values are exactly the decoded values of some 8-bit block gets codes and a scale field that
     decode to them again, bit for bit (state_dict/checkpoints store decoded fp32 moments; loading
@@ -411,5 +434,14 @@ def quantize_exact(x: torch.Tensor, signed: bool, codes: torch.Tensor,
     codes.view(-1).copy_(codes_p.view(-1)[:n])
 
 
-__all__ = ["StateLayout", "StateViews", "Moments", "layout_for", "state_nbytes",
-           "state_views", "quantize_exact", "check_states", "STATE_FORMATS"]
+__all__ = [
+    "StateLayout",
+    "StateViews",
+    "Moments",
+    "layout_for",
+    "state_nbytes",
+    "state_views",
+    "quantize_exact",
+    "check_states",
+    "STATE_FORMATS",
+]

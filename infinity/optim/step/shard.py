@@ -1,5 +1,6 @@
 """The optimizer's view of one FlatParam (:class:`Shard`: which slots it steps, their step
 counts) and the runs of slots that take a step together."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -29,12 +30,12 @@ class Run:
 class Shard:
     """The optimizer's view of one FlatParam: which slots it steps and their step counts."""
 
-    port: OptimizerPort                 # the engine of the shard's model, through its port
+    port: OptimizerPort  # the engine of the shard's model, through its port
     flat: FlatParam
-    groups: List[Optional[int]]          # per slot: index of its param group, None = not ours
+    groups: List[Optional[int]]  # per slot: index of its param group, None = not ours
     steps: List[int] = field(default_factory=list)  # per slot: Adam steps taken (0 = no state)
-    initialized: bool = False            # states exist (master taken from the home copy)
-    formats: Tuple[str, ...] = ()        # per slot: its moment format (fixed at creation)
+    initialized: bool = False  # states exist (master taken from the home copy)
+    formats: Tuple[str, ...] = ()  # per slot: its moment format (fixed at creation)
 
     def __post_init__(self) -> None:
         if not self.steps:
@@ -52,8 +53,11 @@ class Shard:
 
     def ready(self, i: int) -> bool:
         """Slot i takes the next step: ours, trainable, and its gradient is complete."""
-        return (self.groups[i] is not None and self.flat.slots[i].param.requires_grad
-                and self.port.grads.ready(self.flat, i))
+        return (
+            self.groups[i] is not None
+            and self.flat.slots[i].param.requires_grad
+            and self.port.grads.ready(self.flat, i)
+        )
 
     def runs(self) -> List[Run]:
         """The slots that take the next step, as runs of adjacent slots with one param group
@@ -64,10 +68,8 @@ class Shard:
                 continue
             group, step = self.groups[i], self.steps[i] + 1
             last = runs[-1] if runs else None
-            if (last is not None and last.group == group and last.step == step
-                    and self.ready(i - 1)):
-                runs[-1] = Run(last.start, slot.offset + slot.numel, group, step,
-                               last.first, i)
+            if last is not None and last.group == group and last.step == step and self.ready(i - 1):
+                runs[-1] = Run(last.start, slot.offset + slot.numel, group, step, last.first, i)
             else:
                 runs.append(Run(slot.offset, slot.offset + slot.numel, group, step, i, i))
         return runs
@@ -97,7 +99,7 @@ def init_states(shard: Shard, views: StateViews, scratch: Optional[torch.Tensor]
     elif port.working.stages(flat):
         if scratch is None:
             raise RuntimeError("init_states needs a scratch buffer for NVMe-homed parameters")
-        home = scratch[:flat.home_nbytes].view(flat.home_dtype)
+        home = scratch[: flat.home_nbytes].view(flat.home_dtype)
         port.working.read(flat, home)
         views.set_master(home)
     elif views.master.dtype != torch.float32:  # bf16 masters from the home copy

@@ -1,6 +1,7 @@
 """What one ``opt.step()`` hands to a state store: the work (runs, kernels) and where the
 store reports which shards took the step. The store owns how its tier moves the states; the
 optimizer owns the step counts and the record of shards to finish or restore."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,19 +36,17 @@ class StepWork:
 
     runs: Dict[int, List[_Run]]
     stats: StepStats
-    apply: Callable[["Shard", torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]],
-                    None]
-    apply_unit: Callable[["Shard", "Unit", torch.Tensor, Optional["Window"],
-                          Optional["Window"]], None]
-    took: Callable[["Shard"], None]
-    dirty: Callable[["Shard"], None]
+    apply: Callable[[Shard, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]], None]
+    apply_unit: Callable[[Shard, Unit, torch.Tensor, Optional[Window], Optional[Window]], None]
+    took: Callable[[Shard], None]
+    dirty: Callable[[Shard], None]
     restore: Callable[[], None]
     dirty_count: Callable[[], int]
     done_count: Callable[[], int]
 
-    def runs_of(self, shard: "Shard") -> List[_Run]:
+    def runs_of(self, shard: Shard) -> List[_Run]:
         return self.runs[id(shard.flat)]
 
-    def steps(self, shard: "Shard") -> bool:
+    def steps(self, shard: Shard) -> bool:
         """Whether ``shard`` takes this step (it has runs)."""
         return id(shard.flat) in self.runs

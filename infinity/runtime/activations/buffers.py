@@ -11,6 +11,7 @@ slots on NVMe, and tensors that view a pooled buffer and give it back when autog
 - :func:`owned_view`: a tensor over a lease's bytes whose storage keeps the lease alive; when
   the last view dies (autograd freed the saved tensor) the lease ends and ``on_free`` runs.
 """
+
 from __future__ import annotations
 
 import collections
@@ -35,7 +36,7 @@ class Lease:
 
     __slots__ = ("buf", "nbytes", "_pool", "_on_release", "__weakref__")
 
-    def __init__(self, pool: "BufferPool", buf: torch.Tensor) -> None:
+    def __init__(self, pool: BufferPool, buf: torch.Tensor) -> None:
         self.buf = buf
         self.nbytes = buf.numel()
         self._pool: Optional[BufferPool] = pool
@@ -63,8 +64,9 @@ class Lease:
 class BufferPool:
     """Aligned host buffers by size, within ``budget``; see the module docstring."""
 
-    def __init__(self, budget: ByteBudget, what: str, keep_bytes: Optional[int] = None,
-                 pin: bool = False) -> None:
+    def __init__(
+        self, budget: ByteBudget, what: str, keep_bytes: Optional[int] = None, pin: bool = False
+    ) -> None:
         self._budget = budget
         self._what = what
         self._keep = keep_bytes
@@ -74,7 +76,7 @@ class BufferPool:
         self._lock = threading.Lock()
         self._closed = False
         self.allocations = 0  # buffers allocated so far (stays flat once steps repeat)
-        self._held = 0        # bytes of this pool's buffers, on loan or cached
+        self._held = 0  # bytes of this pool's buffers, on loan or cached
 
     @property
     def cached_bytes(self) -> int:
@@ -142,8 +144,9 @@ class Slot:
 
     __slots__ = ("handle", "offset", "nbytes", "crc", "_files", "__weakref__")
 
-    def __init__(self, files: "ScratchFiles", handle: "inf_io.FileHandle", offset: int,
-                 nbytes: int) -> None:
+    def __init__(
+        self, files: ScratchFiles, handle: inf_io.FileHandle, offset: int, nbytes: int
+    ) -> None:
         self.handle = handle
         self.offset = offset
         self.nbytes = nbytes
@@ -169,8 +172,15 @@ class ScratchFiles:
     tensors opens a few files, not thousands. Preallocated; written without fsync; closed (and
     removed with the directory) at close."""
 
-    def __init__(self, store: SwapStore, *, verify: bool, require_direct: bool,
-                 file_bytes: int = 64 << 20, max_extents: int = 256) -> None:
+    def __init__(
+        self,
+        store: SwapStore,
+        *,
+        verify: bool,
+        require_direct: bool,
+        file_bytes: int = 64 << 20,
+        max_extents: int = 256,
+    ) -> None:
         self.store = store
         self.verify = verify
         self._require_direct = require_direct
@@ -197,8 +207,9 @@ class ScratchFiles:
                 handle, offset = free.pop()
                 return Slot(self, handle, offset, size)
             count = max(1, min(self._max_extents, self._file_bytes // size))
-            path = os.path.join(self.store.directory,
-                                f"activations-{size}-{len(self._handles):04d}.swp")
+            path = os.path.join(
+                self.store.directory, f"activations-{size}-{len(self._handles):04d}.swp"
+            )
             handle = inf_io.FileHandle(path, "w+", require_direct=self._require_direct)
             try:
                 handle.allocate(count * size)
@@ -211,7 +222,7 @@ class ScratchFiles:
             self._free[size].extend((handle, i * size) for i in range(count - 1, 0, -1))
         return Slot(self, handle, 0, size)
 
-    def _give_back(self, handle: "inf_io.FileHandle", offset: int, nbytes: int) -> None:
+    def _give_back(self, handle: inf_io.FileHandle, offset: int, nbytes: int) -> None:
         with self._lock:
             self._free[nbytes].append((handle, offset))
 
@@ -233,7 +244,8 @@ class ScratchFiles:
             raise SwapCorruptionError(
                 f"scratch extent {slot.where} is corrupted: CRC32C {future.crc32c():#010x} "
                 f"does not match {slot.crc:#010x} recorded when it was written (the disk or "
-                "another process changed it)")
+                "another process changed it)"
+            )
 
     def close(self) -> None:
         with self._lock:
@@ -249,8 +261,12 @@ class _Owner:
     def __init__(self, lease: Lease, nbytes: int, on_free: Optional[Callable[[], None]]) -> None:
         self.lease = lease
         self.on_free = on_free
-        self.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
-                                    "data": (lease.buf.data_ptr(), False), "version": 3}
+        self.__array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (lease.buf.data_ptr(), False),
+            "version": 3,
+        }
 
     def __del__(self) -> None:
         fn, self.on_free = self.on_free, None
@@ -262,19 +278,34 @@ class _Owner:
                 pass
 
 
-def strided_view(buf: torch.Tensor, dtype: torch.dtype, size: Sequence[int],
-                 stride: Sequence[int], nbytes: int) -> torch.Tensor:
+def strided_view(
+    buf: torch.Tensor, dtype: torch.dtype, size: Sequence[int], stride: Sequence[int], nbytes: int
+) -> torch.Tensor:
     """``buf``'s first ``nbytes`` bytes as a tensor of ``size``/``stride``/``dtype``."""
     return buf[:nbytes].view(dtype).as_strided(size, stride)
 
 
-def owned_view(lease: Lease, dtype: torch.dtype, size: Sequence[int], stride: Sequence[int],
-               nbytes: int, on_free: Optional[Callable[[], None]] = None) -> torch.Tensor:
+def owned_view(
+    lease: Lease,
+    dtype: torch.dtype,
+    size: Sequence[int],
+    stride: Sequence[int],
+    nbytes: int,
+    on_free: Optional[Callable[[], None]] = None,
+) -> torch.Tensor:
     """A tensor over ``lease``'s bytes that owns the lease: the buffer returns to its pool
     (and ``on_free`` runs) only when every view of this tensor's storage is gone."""
     flat = torch.from_numpy(np.asarray(_Owner(lease, nbytes, on_free)))
     return strided_view(flat, dtype, size, stride, nbytes)
 
 
-__all__ = ["BufferPool", "Lease", "ScratchFiles", "Slot", "owned_view", "round_up",
-           "strided_view", "BudgetExceededError"]
+__all__ = [
+    "BufferPool",
+    "Lease",
+    "ScratchFiles",
+    "Slot",
+    "owned_view",
+    "round_up",
+    "strided_view",
+    "BudgetExceededError",
+]

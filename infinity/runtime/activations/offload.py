@@ -41,6 +41,7 @@ an event recorded where the tensor was saved; host->device into a fresh tensor t
 ``record_stream``-ed on the compute stream) from/to pinned pooled buffers; that path has not
 run in this project's CI (no GPU there): tests/gpu/test_activation_offload_gpu.py covers it.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -56,10 +57,10 @@ import torch
 from torch import nn
 
 from ...tiers import BudgetExceededError, ByteBudget, SwapStore
-from .buffers import BufferPool, Lease, ScratchFiles, Slot, owned_view, round_up, strided_view
-from ..process.host_memory import HOST_MEMORY, RELEASE
 from ..core.schedule import Schedule
 from ..core.stats import Stats
+from ..process.host_memory import HOST_MEMORY, RELEASE
+from .buffers import BufferPool, Lease, ScratchFiles, Slot, owned_view, strided_view
 
 logger = logging.getLogger(__name__)
 
@@ -90,12 +91,30 @@ class _Kept:
 class _Entry:
     """One offloaded saved tensor: where its bytes are and what becomes of its fetch."""
 
-    __slots__ = ("step", "segment", "where", "dtype", "size", "stride", "nbytes", "version",
-                 "src", "ready", "host", "slot", "stored", "error", "fetch", "used",
-                 "uncount", "__weakref__")
+    __slots__ = (
+        "step",
+        "segment",
+        "where",
+        "dtype",
+        "size",
+        "stride",
+        "nbytes",
+        "version",
+        "src",
+        "ready",
+        "host",
+        "slot",
+        "stored",
+        "error",
+        "fetch",
+        "used",
+        "uncount",
+        "__weakref__",
+    )
 
-    def __init__(self, step: "_Step", segment: int, where: str, t: torch.Tensor,
-                 stride, nbytes: int) -> None:
+    def __init__(
+        self, step: _Step, segment: int, where: str, t: torch.Tensor, stride, nbytes: int
+    ) -> None:
         self.step = step
         self.segment = segment
         self.where = where
@@ -105,14 +124,14 @@ class _Entry:
         self.nbytes = nbytes
         self.version = t._version
         self.src: Optional[torch.Tensor] = t.detach()
-        self.ready: Any = None                 # CUDA: event after the op that saved it
-        self.host: Optional[Lease] = None      # tier host: the copy
-        self.slot: Optional[Slot] = None       # tier nvme: the scratch file
+        self.ready: Any = None  # CUDA: event after the op that saved it
+        self.host: Optional[Lease] = None  # tier host: the copy
+        self.slot: Optional[Slot] = None  # tier nvme: the scratch file
         self.stored: Optional[cf.Future] = None  # the copy/write (worker)
         self.error: Optional[BaseException] = None
-        self.fetch: Optional[cf.Future] = None   # nvme: read in flight or done -> Lease
-        self.used = False                        # handed to autograd (this backward)
-        self.uncount: Any = None                 # CUDA: ends the fetch's accounting once
+        self.fetch: Optional[cf.Future] = None  # nvme: read in flight or done -> Lease
+        self.used = False  # handed to autograd (this backward)
+        self.uncount: Any = None  # CUDA: ends the fetch's accounting once
 
 
 class _Step:
@@ -120,7 +139,7 @@ class _Step:
 
     def __init__(self, number: int) -> None:
         self.number = number
-        self.segments: List[List["weakref.ref[_Entry]"]] = []
+        self.segments: List[List[weakref.ref[_Entry]]] = []
         self.touched: Set[int] = set()
         self.failure: Optional[_Entry] = None
         self.offloaded_bytes = 0
@@ -132,11 +151,15 @@ class _Step:
         self.wait_seconds = 0.0
 
     def summary(self) -> Dict[str, Any]:
-        return {"offloaded_bytes": self.offloaded_bytes,
-                "offloaded_tensors": self.offloaded_tensors,
-                "kept_bytes": self.kept_bytes, "kept_tensors": self.kept_tensors,
-                "fetched_bytes": self.fetched_bytes, "on_demand_fetches": self.on_demand,
-                "wait_seconds": self.wait_seconds}
+        return {
+            "offloaded_bytes": self.offloaded_bytes,
+            "offloaded_tensors": self.offloaded_tensors,
+            "kept_bytes": self.kept_bytes,
+            "kept_tensors": self.kept_tensors,
+            "fetched_bytes": self.fetched_bytes,
+            "on_demand_fetches": self.on_demand,
+            "wait_seconds": self.wait_seconds,
+        }
 
 
 class _Frame:
@@ -150,21 +173,33 @@ class _Frame:
 class ActivationOffloader:
     """Offloads the saved activations of one wrapped model (see the module docstring)."""
 
-    def __init__(self, *, tier: str, min_bytes: int, device: torch.device, window: int,
-                 prefetch_bytes: int, host_budget: ByteBudget, stats: Stats,
-                 nvme_path: Optional[str] = None, require_direct_io: bool = False,
-                 verify_checksums: bool = True, owned_storages=lambda: (),
-                 block_names: Sequence[str] = (), owned_ranges=lambda: ()) -> None:
+    def __init__(
+        self,
+        *,
+        tier: str,
+        min_bytes: int,
+        device: torch.device,
+        window: int,
+        prefetch_bytes: int,
+        host_budget: ByteBudget,
+        stats: Stats,
+        nvme_path: Optional[str] = None,
+        require_direct_io: bool = False,
+        verify_checksums: bool = True,
+        owned_storages=lambda: (),
+        block_names: Sequence[str] = (),
+        owned_ranges=lambda: (),
+    ) -> None:
         if tier not in ("host", "nvme"):
             raise ValueError(f"infinity: activation_tier={tier!r}; use None, 'host' or 'nvme'")
         if device.type not in ("cpu", "cuda"):
-            raise ValueError(f"infinity: activation offload needs a CPU or CUDA device, got "
-                             f"{device}")
+            raise ValueError(
+                f"infinity: activation offload needs a CPU or CUDA device, got {device}"
+            )
         # the originals are freed as soon as they are copied out: their memory must go back
         # to the OS, not stay in glibc's heap (runtime/process/host_memory.py), for as long as the
         # offloader lives (runtime/process/host_memory.py: released at close, or when it is collected)
-        self._host_memory = HOST_MEMORY.acquire(RELEASE, owner=self,
-                                                name="activation offload")
+        self._host_memory = HOST_MEMORY.acquire(RELEASE, owner=self, name="activation offload")
         self.tier = tier
         # CUDA: copies on two side streams from/to pinned host buffers (not run in this
         # project's CI: no GPU there; tests/gpu/test_activation_offload_gpu.py covers it)
@@ -196,7 +231,7 @@ class ActivationOffloader:
         self.prefetched = 0
         self.prefetch_hits = 0
         self._fetched_now = 0  # NVMe bytes fetched and not yet freed (the prefetch window)
-        self._storing = 0      # bytes whose original is held until its copy is done
+        self._storing = 0  # bytes whose original is held until its copy is done
         self._pending: Deque[cf.Future] = collections.deque()  # stores, oldest first
         self.store: Optional[SwapStore] = None
         self.files: Optional[ScratchFiles] = None
@@ -207,23 +242,34 @@ class ActivationOffloader:
             self.host_pool = BufferPool(host_budget, "host activation", pin=self._cuda)
         else:
             if nvme_path is None:
-                raise ValueError("infinity: activation_tier='nvme' needs nvme_path=<a directory "
-                                 "on a fast disk>")
-            self.store = SwapStore(nvme_path, require_direct=require_direct_io,
-                                   verify=verify_checksums)
-            self.files = ScratchFiles(self.store, verify=verify_checksums,
-                                      require_direct=require_direct_io)
-            self.staging = BufferPool(host_budget, "activation write staging",
-                                      keep_bytes=_STAGING_KEEP_BYTES, pin=self._cuda)
+                raise ValueError(
+                    "infinity: activation_tier='nvme' needs nvme_path=<a directory on a fast disk>"
+                )
+            self.store = SwapStore(
+                nvme_path, require_direct=require_direct_io, verify=verify_checksums
+            )
+            self.files = ScratchFiles(
+                self.store, verify=verify_checksums, require_direct=require_direct_io
+            )
+            self.staging = BufferPool(
+                host_budget,
+                "activation write staging",
+                keep_bytes=_STAGING_KEEP_BYTES,
+                pin=self._cuda,
+            )
             # on the CPU device tier, fetched activations live in these ("device" memory); on
             # CUDA they are the pinned buffers the reads land in before the upload
             self.fetch_pool = BufferPool(
                 host_budget if self._cuda else ByteBudget("activation fetch", None),
-                "activation fetch", keep_bytes=prefetch_bytes, pin=self._cuda)
+                "activation fetch",
+                keep_bytes=prefetch_bytes,
+                pin=self._cuda,
+            )
         # FIFO: an entry's read is queued after its store, so with two workers a read starts
         # once its store has started and may wait for it (never the other way round)
-        self._worker = cf.ThreadPoolExecutor(max_workers=1 if tier == "host" else 2,
-                                             thread_name_prefix="infinity-activations")
+        self._worker = cf.ThreadPoolExecutor(
+            max_workers=1 if tier == "host" else 2, thread_name_prefix="infinity-activations"
+        )
         self._closed = False
 
     # =====================================================================================
@@ -256,14 +302,14 @@ class ActivationOffloader:
                 raise RuntimeError(
                     "infinity: saved_tensors_hooks pushed inside a module's forward were not "
                     "popped by the end of it; use `with torch.autograd.graph."
-                    "saved_tensors_hooks(...)` so they are popped")
+                    "saved_tensors_hooks(...)` so they are popped"
+                )
             torch._C._autograd._pop_saved_tensors_default_hooks()
         self._new_segment()
 
     def _begin_step(self) -> None:
         with self._lock:
-            if self._step is not None and (self._step.offloaded_tensors
-                                           or self._step.kept_tensors):
+            if self._step is not None and (self._step.offloaded_tensors or self._step.kept_tensors):
                 self._last = self._step
             self._steps += 1
             self._step = _Step(self._steps) if torch.is_grad_enabled() else None
@@ -306,8 +352,13 @@ class ActivationOffloader:
         nbytes = t.numel() * t.element_size()
         if step is None or self._is_parameter(t):
             return _Kept(t.detach(), t._version)
-        if (nbytes < self.min_bytes or nbytes == 0 or t.layout is not torch.strided
-                or t.device != self.device or t.is_quantized):
+        if (
+            nbytes < self.min_bytes
+            or nbytes == 0
+            or t.layout is not torch.strided
+            or t.device != self.device
+            or t.is_quantized
+        ):
             step.kept_bytes += nbytes
             step.kept_tensors += 1
             return _Kept(t.detach(), t._version)
@@ -334,12 +385,15 @@ class ActivationOffloader:
             raise BudgetExceededError(
                 f"infinity: offloading a saved activation of {nbytes:,} bytes ({where}) does "
                 f"not fit host_budget: {exc}. Raise host_budget, use activation_tier='nvme', or "
-                "raise activation_min_bytes") from None
+                "raise activation_min_bytes"
+            ) from None
         except OSError as exc:
             raise ActivationOffloadError(
                 f"infinity: could not create a scratch swap file for a saved activation of "
                 f"{nbytes:,} bytes ({where}): {exc}. Free space under nvme_path or use "
-                "activation_tier='host'", getattr(exc, "errno", None)) from exc
+                "activation_tier='host'",
+                getattr(exc, "errno", None),
+            ) from exc
         self._throttle(step)
         self.resident.acquire(nbytes, what="a saved activation")
         with self._lock:
@@ -394,7 +448,8 @@ class ActivationOffloader:
                     "one of the variables needed for gradient computation has been modified by "
                     f"an inplace operation: a saved tensor of shape {list(entry.size)} is at "
                     f"version {src._version}; expected version {entry.version} instead "
-                    "(infinity's activation offload saw the change)")
+                    "(infinity's activation offload saw the change)"
+                )
             self._drop_source(entry)
             if staging is not None:
                 self.files.write(entry.slot, staging.buf)  # scratch: no fsync
@@ -427,7 +482,8 @@ class ActivationOffloader:
                 raise RuntimeError(
                     "one of the variables needed for gradient computation has been modified by "
                     f"an inplace operation: a saved tensor of shape {list(t.shape)} is at "
-                    f"version {t._version}; expected version {packed.version} instead")
+                    f"version {t._version}; expected version {packed.version} instead"
+                )
             return t
         entry: _Entry = packed
         entry.used = True
@@ -443,8 +499,14 @@ class ActivationOffloader:
         if self.tier == "host" and not self._cuda:
             self._account_wait(step, t0, waited)
             self.resident.acquire(entry.nbytes, what="a saved activation")
-            return owned_view(entry.host, entry.dtype, entry.size, entry.stride, entry.nbytes,
-                              lambda n=entry.nbytes: self.resident.release(n))
+            return owned_view(
+                entry.host,
+                entry.dtype,
+                entry.size,
+                entry.stride,
+                entry.nbytes,
+                lambda n=entry.nbytes: self.resident.release(n),
+            )
         future, entry.fetch = entry.fetch, None
         if future is None:
             future = self._start_fetch(entry)
@@ -493,8 +555,10 @@ class ActivationOffloader:
             on_trace, newly, upcoming = self.schedule.visit(_PHASE, entry.segment)
             if newly:
                 self.deviations += 1
-                logger.debug("infinity: activation schedule deviation at segment %d; fetching "
-                             "on demand", entry.segment)
+                logger.debug(
+                    "infinity: activation schedule deviation at segment %d; fetching on demand",
+                    entry.segment,
+                )
             self._plan = [entry.segment] + upcoming if on_trace else []
         self._prefetch(step, self._plan)
 
@@ -506,11 +570,14 @@ class ActivationOffloader:
                 continue
             for ref in reversed(step.segments[seg]):  # backward uses them last-saved first
                 entry = ref()
-                if (entry is None or entry.used or entry.fetch is not None
-                        or entry.error is not None):
+                if (
+                    entry is None
+                    or entry.used
+                    or entry.fetch is not None
+                    or entry.error is not None
+                ):
                     continue
-                if (self._fetched_now and
-                        self._fetched_now + entry.nbytes > self.prefetch_bytes):
+                if self._fetched_now and self._fetched_now + entry.nbytes > self.prefetch_bytes:
                     return  # (one entry larger than the window still goes alone)
                 entry.fetch = self._start_fetch(entry)
                 self.prefetched += 1
@@ -526,6 +593,7 @@ class ActivationOffloader:
         if self._cuda:  # a device tensor: counted until handed over (or the entry dies)
             done = entry.uncount = weakref.finalize(entry, self._fetched_done, nbytes)
         else:
+
             def done() -> None:
                 self._fetched_done(nbytes)
 
@@ -557,10 +625,13 @@ class ActivationOffloader:
     def _upload(self, entry: _Entry, host: torch.Tensor) -> torch.Tensor:
         """CUDA, on the worker: a device tensor holding ``host``'s copy, complete on return."""
         with torch.cuda.stream(self._h2d):
-            dev = torch.empty_strided(entry.size, entry.stride, dtype=entry.dtype,
-                                      device=self.device)
-            dev.copy_(strided_view(host, entry.dtype, entry.size, entry.stride, entry.nbytes),
-                      non_blocking=True)
+            dev = torch.empty_strided(
+                entry.size, entry.stride, dtype=entry.dtype, device=self.device
+            )
+            dev.copy_(
+                strided_view(host, entry.dtype, entry.size, entry.stride, entry.nbytes),
+                non_blocking=True,
+            )
             self._h2d.synchronize()
         return dev
 
@@ -571,8 +642,11 @@ class ActivationOffloader:
 
     def _error(self, entry: _Entry, doing: str) -> ActivationOffloadError:
         cause = entry.error
-        where = (f"to the scratch file {entry.slot.where}"
-                 if self.tier == "nvme" and entry.slot is not None else "to host memory")
+        where = (
+            f"to the scratch file {entry.slot.where}"
+            if self.tier == "nvme" and entry.slot is not None
+            else "to host memory"
+        )
         if doing == "reading back":
             where = where.replace("to the", "from the")
         err = ActivationOffloadError(
@@ -580,9 +654,13 @@ class ActivationOffloader:
             f"(shape {list(entry.size)}, {entry.where}) {where} failed: {cause}. This "
             "forward/backward cannot complete; the engine is unchanged, so the next step runs "
             "normally (call zero_grad first if this backward had accumulated gradients). "
-            + ("Free space under nvme_path, or use activation_tier='host'."
-               if self.tier == "nvme" else ""),
-            getattr(cause, "errno", None))
+            + (
+                "Free space under nvme_path, or use activation_tier='host'."
+                if self.tier == "nvme"
+                else ""
+            ),
+            getattr(cause, "errno", None),
+        )
         err.__cause__ = cause
         return err
 
@@ -590,16 +668,16 @@ class ActivationOffloader:
     # reporting and closing
     # =====================================================================================
     def report(self, reset: bool = False) -> Dict[str, Any]:
-        last = self._last if self._step is None or not self._step.offloaded_tensors \
-            else self._step
+        last = self._last if self._step is None or not self._step.offloaded_tensors else self._step
         out = {
             "tier": self.tier,
             "min_bytes": self.min_bytes,
             "last_step": last.summary() if last is not None else _Step(0).summary(),
             "device": {"now": self.resident.used, "peak": self.resident.peak},
             # host buffers of this offloader (copies, or NVMe write staging), in host_budget
-            "host": {"now": sum(p.held_bytes for p in (self.host_pool, self.staging)
-                                if p is not None)},
+            "host": {
+                "now": sum(p.held_bytes for p in (self.host_pool, self.staging) if p is not None)
+            },
             "prefetched": self.prefetched,
             "prefetch_hits": self.prefetch_hits,
             "schedule_deviations": self.deviations,
@@ -630,9 +708,15 @@ class ActivationOffloader:
         self._host_memory.release()  # last: its buffers were freed under the low threshold
 
 
-def make_activation_offloader(policy, device: torch.device, host_budget: ByteBudget,
-                              stats: Stats, owned_storages, block_names: Sequence[str] = (),
-                              owned_ranges=lambda: ()) -> Optional[ActivationOffloader]:
+def make_activation_offloader(
+    policy,
+    device: torch.device,
+    host_budget: ByteBudget,
+    stats: Stats,
+    owned_storages,
+    block_names: Sequence[str] = (),
+    owned_ranges=lambda: (),
+) -> Optional[ActivationOffloader]:
     """The policy's activation offloader, or None when ``activation_tier`` is None."""
     if policy.activation_tier is None:
         return None
@@ -640,10 +724,19 @@ def make_activation_offloader(policy, device: torch.device, host_budget: ByteBud
     return ActivationOffloader(
         tier=policy.activation_tier,
         min_bytes=DEFAULT_MIN_BYTES if min_bytes is None else int(min_bytes),
-        device=device, window=max(1, policy.prefetch_window),
-        prefetch_bytes=(DEFAULT_WINDOW_BYTES if policy.activation_prefetch_bytes is None
-                        else int(policy.activation_prefetch_bytes)),
-        host_budget=host_budget, stats=stats,
-        nvme_path=policy.nvme_path, require_direct_io=policy.require_direct_io,
-        verify_checksums=policy.verify_checksums, owned_storages=owned_storages,
-        block_names=block_names, owned_ranges=owned_ranges)
+        device=device,
+        window=max(1, policy.prefetch_window),
+        prefetch_bytes=(
+            DEFAULT_WINDOW_BYTES
+            if policy.activation_prefetch_bytes is None
+            else int(policy.activation_prefetch_bytes)
+        ),
+        host_budget=host_budget,
+        stats=stats,
+        nvme_path=policy.nvme_path,
+        require_direct_io=policy.require_direct_io,
+        verify_checksums=policy.verify_checksums,
+        owned_storages=owned_storages,
+        block_names=block_names,
+        owned_ranges=owned_ranges,
+    )

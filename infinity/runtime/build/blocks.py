@@ -1,5 +1,6 @@
 """Wrap-time planning of the blocks: the parameters checked, grouped into flat buffers per
 block and dtype, the blocks read by rows marked, and the first step's schedule guessed."""
+
 from __future__ import annotations
 
 import logging
@@ -11,14 +12,14 @@ from torch import nn
 
 from ...policy import OffloadPolicy
 from ...tiers import Tier
-from ..vocab import rows as rows_mod
 from ..core.block import Block
 from ..core.flat import FlatParam
-from ..step.hooks import reads_params_in_backward
-from .split import LAYER
 from ..homes.quant_format import frozen_format
 from ..homes.quantized import QuantFlat
 from ..homes.sources import ParamSource
+from ..step.hooks import reads_params_in_backward
+from ..vocab import rows as rows_mod
+from .split import LAYER
 
 logger = logging.getLogger(__name__)
 
@@ -30,19 +31,24 @@ def check_params(specs, source: Optional[ParamSource], device: torch.device) -> 
     for spec in specs:
         for qual, _, _, p in spec.params:
             if p.dtype not in _SUPPORTED_DTYPES:
-                raise TypeError(f"parameter {qual!r} has dtype {p.dtype}; infinity offloads "
-                                "float32, bfloat16 and float16 parameters")
+                raise TypeError(
+                    f"parameter {qual!r} has dtype {p.dtype}; infinity offloads "
+                    "float32, bfloat16 and float16 parameters"
+                )
             if p.is_meta:
                 if source is None:
                     raise ValueError(
                         f"parameter {qual!r} is on the meta device; pass where its values "
                         "come from: infinity.wrap(model, source='<.safetensors file, index "
                         "or Hugging Face folder>') or init='reset_parameters' (or an "
-                        "init(module) function)")
+                        "init(module) function)"
+                    )
                 continue
             if p.device.type not in ("cpu", device.type):
-                raise ValueError(f"parameter {qual!r} is on {p.device}; build the model on "
-                                 f"the CPU (or on {device}) before infinity.wrap")
+                raise ValueError(
+                    f"parameter {qual!r} is on {p.device}; build the model on "
+                    f"the CPU (or on {device}) before infinity.wrap"
+                )
 
 
 def home_bytes(specs) -> int:
@@ -50,8 +56,9 @@ def home_bytes(specs) -> int:
     return sum(p.numel() * p.element_size() for s in specs for _, _, _, p in s.params)
 
 
-def _flats_of(index: int, spec, policy: OffloadPolicy, device: torch.device,
-              partitioner) -> List[FlatParam]:
+def _flats_of(
+    index: int, spec, policy: OffloadPolicy, device: torch.device, partitioner
+) -> List[FlatParam]:
     fmt = frozen_format(policy.frozen_format) if policy.frozen_format else None
     by_dtype: Dict[torch.dtype, list] = defaultdict(list)
     frozen: Dict[torch.dtype, list] = defaultdict(list)
@@ -66,48 +73,77 @@ def _flats_of(index: int, spec, policy: OffloadPolicy, device: torch.device,
         key = f"block{index:04d}.{str(dtype).replace('torch.', '')}"
         pad = partitioner.pad_multiple(dtype) if partitioner else 0
         align = partitioner.slot_align() if partitioner else 0
-        flats.append(FlatParam(key, entries, dtype, policy.compute_dtype or dtype, device, pad,
-                               elem_align=align))
+        flats.append(
+            FlatParam(
+                key, entries, dtype, policy.compute_dtype or dtype, device, pad, elem_align=align
+            )
+        )
     for dtype, entries in frozen.items():
-        name = str(dtype).replace('torch.', '')
-        flats.append(QuantFlat(f"block{index:04d}.{fmt.name}.{name}", entries, dtype,
-                               policy.compute_dtype or dtype, device, fmt))
+        name = str(dtype).replace("torch.", "")
+        flats.append(
+            QuantFlat(
+                f"block{index:04d}.{fmt.name}.{name}",
+                entries,
+                dtype,
+                policy.compute_dtype or dtype,
+                device,
+                fmt,
+            )
+        )
     for flat in flats:
         trainable = [s.trainable for s in flat.slots]
         use = "trainable" if all(trainable) else "frozen" if not any(trainable) else "mixed"
-        stored = flat.fmt.name if isinstance(flat, QuantFlat) \
+        stored = (
+            flat.fmt.name
+            if isinstance(flat, QuantFlat)
             else str(flat.home_dtype).replace("torch.", "")
+        )
         flat.category = f"{use}.{spec.kind}.{stored}"
     return flats
 
 
-def plan_blocks(specs, tiers: Sequence[Tier], policy: OffloadPolicy, device: torch.device,
-                partitioner) -> List[Block]:
+def plan_blocks(
+    specs, tiers: Sequence[Tier], policy: OffloadPolicy, device: torch.device, partitioner
+) -> List[Block]:
     """One block per partition spec, its parameters in flat buffers (one per dtype, and with
     ``frozen_format`` one quantized per dtype for a layer's frozen matrices)."""
     blocks: List[Block] = []
     for index, (spec, tier) in enumerate(zip(specs, tiers)):
         flats = _flats_of(index, spec, policy, device, partitioner)
         resident = tier is Tier.DEVICE or (
-            tier is Tier.HOST and device.type == "cpu"
-            and all(f.compute_dtype == f.home_dtype and not isinstance(f, QuantFlat)
-                    for f in flats))
+            tier is Tier.HOST
+            and device.type == "cpu"
+            and all(f.compute_dtype == f.home_dtype and not isinstance(f, QuantFlat) for f in flats)
+        )
         if partitioner is not None and partitioner.shards_params:
             resident = False  # a rank's home holds only its part: always all-gathered
-        blocks.append(Block(index, spec.name, spec.module, spec.is_root, flats, tier,
-                            resident, spec.kind, spec.modules))
-    if policy.frozen_format and not any(isinstance(f, QuantFlat) for b in blocks
-                                        for f in b.flats):
-        logger.warning("infinity: frozen_format=%r, but no layer block has frozen matrices "
-                       "(requires_grad=False at wrap, 2 or more dimensions): nothing was "
-                       "quantized. Freeze the base before wrap (e.g. apply PEFT's "
-                       "get_peft_model first) or drop frozen_format",
-                       frozen_format(policy.frozen_format).name)
+        blocks.append(
+            Block(
+                index,
+                spec.name,
+                spec.module,
+                spec.is_root,
+                flats,
+                tier,
+                resident,
+                spec.kind,
+                spec.modules,
+            )
+        )
+    if policy.frozen_format and not any(isinstance(f, QuantFlat) for b in blocks for f in b.flats):
+        logger.warning(
+            "infinity: frozen_format=%r, but no layer block has frozen matrices "
+            "(requires_grad=False at wrap, 2 or more dimensions): nothing was "
+            "quantized. Freeze the base before wrap (e.g. apply PEFT's "
+            "get_peft_model first) or drop frozen_format",
+            frozen_format(policy.frozen_format).name,
+        )
     return blocks
 
 
-def mark_row_blocks(blocks: List[Block], tiled_head: Optional[nn.Linear], sharded: bool,
-                    embedding_rows: bool) -> None:
+def mark_row_blocks(
+    blocks: List[Block], tiled_head: Optional[nn.Linear], sharded: bool, embedding_rows: bool
+) -> None:
     """The blocks read by rows, never fetched whole: plain embeddings (embedding_rows,
     runtime/vocab/rows.py) and the LM head (tiled_head, runtime/vocab/tiled_head.py)."""
     for block in blocks:
@@ -123,11 +159,14 @@ def mark_row_blocks(blocks: List[Block], tiled_head: Optional[nn.Linear], sharde
     elif owner.home is Tier.DEVICE:
         why = "its block lives on the device tier (nothing to stream)"
     else:
-        why = (f"its block {owner.name!r} is shared with a module that is not a plain "
-               "nn.Embedding, or holds more than its weight"
-               + ("" if embedding_rows else " (or embedding_rows=False)"))
-    raise ValueError(f"infinity: tiled_head=True, but the LM head cannot be tiled: "
-                     f"{why}. Pass tiled_head=False")
+        why = (
+            f"its block {owner.name!r} is shared with a module that is not a plain "
+            "nn.Embedding, or holds more than its weight"
+            + ("" if embedding_rows else " (or embedding_rows=False)")
+        )
+    raise ValueError(
+        f"infinity: tiled_head=True, but the LM head cannot be tiled: {why}. Pass tiled_head=False"
+    )
 
 
 def guess_order(blocks: List[Block], model: nn.Module) -> Dict[str, List[int]]:

@@ -1,6 +1,7 @@
 """Wrap-time refusals: the host budget, the device budget and the disk must hold what the
 planned blocks need, checked before anything is written; each refusal names the minimum and
 a remedy. On a CPU device the host-budget check also reserves the compute buffers' RAM."""
+
 from __future__ import annotations
 
 from typing import List, Optional, Tuple
@@ -10,10 +11,10 @@ from torch import nn
 from ... import io as inf_io
 from ...tiers import BudgetExceededError, ByteBudget, Tier
 from ...tiers.chunk_size import resolve_chunk_bytes
+from ...tiers.compute_pool import ComputeBuffers
 from ...tiers.disk_space import check_free_space
 from ...tiers.pool_plan import MAX_PIECE_BYTES
 from ..core.block import Block
-from ...tiers.compute_pool import ComputeBuffers
 from .sizes import Sizing
 
 
@@ -24,16 +25,22 @@ def outer_remedy(model: nn.Module, block: Block) -> str:
     if callable(get):
         head = get()
     if head is not None and any(m is head for m in block.modules):
-        return (f"wrap with tiled_head=True: module {block.name!r} (the LM head) is then "
-                "read in tiles of vocabulary rows, never whole, or compute in a narrower "
-                "dtype (compute_dtype=torch.bfloat16)")
+        return (
+            f"wrap with tiled_head=True: module {block.name!r} (the LM head) is then "
+            "read in tiles of vocabulary rows, never whole, or compute in a narrower "
+            "dtype (compute_dtype=torch.bfloat16)"
+        )
     if any(isinstance(m, nn.Embedding) for m in block.modules):
-        return (f"compute in a narrower dtype (compute_dtype=torch.bfloat16); module "
-                f"{block.name!r} is fetched whole (an embedding is read row by row when "
-                "it is a plain nn.Embedding with a block of its own and "
-                "embedding_rows=True)")
-    return (f"compute in a narrower dtype (compute_dtype=torch.bfloat16); module "
-            f"{block.name!r} is fetched whole")
+        return (
+            f"compute in a narrower dtype (compute_dtype=torch.bfloat16); module "
+            f"{block.name!r} is fetched whole (an embedding is read row by row when "
+            "it is a plain nn.Embedding with a block of its own and "
+            "embedding_rows=True)"
+        )
+    return (
+        f"compute in a narrower dtype (compute_dtype=torch.bfloat16); module "
+        f"{block.name!r} is fetched whole"
+    )
 
 
 def _smallest_budget(sizing: Sizing, fixed: int, minimal: int) -> Tuple[int, dict]:
@@ -48,8 +55,12 @@ def _smallest_budget(sizing: Sizing, fixed: int, minimal: int) -> Tuple[int, dic
     return need, sizing.host_needs(need)
 
 
-def check_host_budget(sizing: Sizing, model: nn.Module, device_budget: ByteBudget,
-                      compute_buffers: Optional[ComputeBuffers]) -> Tuple[int, ByteBudget]:
+def check_host_budget(
+    sizing: Sizing,
+    model: nn.Module,
+    device_budget: ByteBudget,
+    compute_buffers: Optional[ComputeBuffers],
+) -> Tuple[int, ByteBudget]:
     """With a host budget: checks that what the engine holds in host RAM fits, naming the
     minimum if not; on a CPU device also reserves the compute buffers of the streamed
     blocks there (they are RAM too): root + the largest block + window x the largest
@@ -70,8 +81,10 @@ def check_host_budget(sizing: Sizing, model: nn.Module, device_budget: ByteBudge
         root, largest_block, largest, layer = sizing.working_set()
         streamed = [b for b in blocks if not b.resident and not b.is_root]
         minimal = root + largest
-        comfortable = min(root + largest + policy.prefetch_window * layer,
-                          root + sum(b.compute_nbytes for b in streamed))
+        comfortable = min(
+            root + largest + policy.prefetch_window * layer,
+            root + sum(b.compute_nbytes for b in streamed),
+        )
         comfortable = max(minimal, comfortable)
         if device_budget.limit is not None:
             comfortable = max(minimal, min(comfortable, device_budget.limit))
@@ -82,16 +95,21 @@ def check_host_budget(sizing: Sizing, model: nn.Module, device_budget: ByteBudge
         parts = dict(needs)
         if minimal:
             who = f" {largest_block.name!r}" if largest_block is not None else ""
-            parts[f"compute buffers (CPU device: the root block + the largest "
-                  f"block{who})"] = minimal
+            parts[f"compute buffers (CPU device: the root block + the largest block{who})"] = (
+                minimal
+            )
         listed = " + ".join(f"{k} {v:,}" for k, v in parts.items())
         raise BudgetExceededError(
             f"infinity: host_budget={limit:,} bytes is smaller than what the engine holds in "
             f"host RAM: {listed} = {fixed + minimal:,} bytes (with the pools of that budget). "
             f"Raise host_budget to at least {need:,} bytes (an optimizer needs more on top: its states on host, "
             "or with states on NVMe its buffer sets), or "
-            + (outer_remedy(model, largest_block) if largest_block is not None
-               and largest_block.kind == "outer" else "use smaller blocks (block_rule)"))
+            + (
+                outer_remedy(model, largest_block)
+                if largest_block is not None and largest_block.kind == "outer"
+                else "use smaller blocks (block_rule)"
+            )
+        )
     if not minimal:
         return 0, device_budget
     # the compute buffers beyond their minimum leave room for what an optimizer with its
@@ -117,11 +135,15 @@ def check_disk(sizing: Sizing, nvme_path) -> None:
     if not on_nvme and sizing.grad_tier is not Tier.NVME:
         return
     align = inf_io.ALIGNMENT
-    needs = {"parameters": sum(-(-sizing.home_flat(f).home_nbytes // align) * align
-                               for b in on_nvme for f in b.flats)}
+    needs = {
+        "parameters": sum(
+            -(-sizing.home_flat(f).home_nbytes // align) * align for b in on_nvme for f in b.flats
+        )
+    }
     if sizing.grad_tier is Tier.NVME:
-        needs["gradients"] = sum(-(-f.numel * 4 // align) * align
-                                 for f in sizing.sink_flats() if f.trainable)
+        needs["gradients"] = sum(
+            -(-f.numel * 4 // align) * align for f in sizing.sink_flats() if f.trainable
+        )
     check_free_space(nvme_path, needs, "the model's parameters and gradients")
 
 
@@ -131,8 +153,9 @@ def check_device_budget(sizing: Sizing, model: nn.Module, device_budget: ByteBud
     if device_budget.limit is None:
         return
     root_bytes, largest, largest_bytes, _ = sizing.working_set()
-    resident_dev = sum(b.compute_nbytes for b in sizing.blocks
-                       if b.resident and b.home is Tier.DEVICE)
+    resident_dev = sum(
+        b.compute_nbytes for b in sizing.blocks if b.resident and b.home is Tier.DEVICE
+    )
     need = resident_dev + root_bytes + largest_bytes
     if need <= device_budget.limit:
         return
@@ -143,14 +166,21 @@ def check_device_budget(sizing: Sizing, model: nn.Module, device_budget: ByteBud
     elif who.kind == "outer":
         remedy = outer_remedy(model, who)
     else:
-        remedy = ("lower param_persistence_threshold so that more modules outside the "
-                  "layers become blocks of their own")
+        remedy = (
+            "lower param_persistence_threshold so that more modules outside the "
+            "layers become blocks of their own"
+        )
     raise BudgetExceededError(
         f"infinity: device_budget={device_budget.limit:,} bytes is smaller than "
         f"what must be materialized at once: block {who.name!r} needs "
         f"{who.compute_nbytes:,} bytes"
-        + (f", plus {root_bytes:,} for the root block (the parameters outside the "
-           "layers under param_persistence_threshold), which stays materialized "
-           "during a step" if root_bytes and who is not root else "")
+        + (
+            f", plus {root_bytes:,} for the root block (the parameters outside the "
+            "layers under param_persistence_threshold), which stays materialized "
+            "during a step"
+            if root_bytes and who is not root
+            else ""
+        )
         + (f", plus {resident_dev:,} resident" if resident_dev else "")
-        + f" = {need:,} bytes. Raise device_budget to at least {need:,} or {remedy}")
+        + f" = {need:,} bytes. Raise device_budget to at least {need:,} or {remedy}"
+    )

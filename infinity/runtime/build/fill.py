@@ -2,6 +2,7 @@
 them streaming (one block's values in RAM at a time; a model on meta made real just before),
 the gradient sink, and the model's buffers moved to the device. Transactional: on any error
 the model is put back exactly as it was."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,21 +15,27 @@ from tqdm.auto import tqdm
 from ...policy import OffloadPolicy
 from ...tiers import ByteBudget, HostPool, SwapStore, Tier
 from ..core.block import Block
-from .sizes import Sizing
 from ..core.flat import FlatParam
+from ..core.stats import Stats
 from ..grads.sink import GradientSink
 from ..homes.home import DeviceHome, Home, HostHome, NvmeHome, TieredHome
-from ..step.outside import bind_outside
 from ..homes.quantized import QuantFlat, QuantizedHome
-from ..homes.sources import (InitSource, ParamSource, materialize_meta_buffers, param_owners,
-                             replace_param)
-from ..core.stats import Stats
+from ..homes.sources import (
+    InitSource,
+    ParamSource,
+    materialize_meta_buffers,
+    param_owners,
+    replace_param,
+)
+from ..step.outside import bind_outside
+from .sizes import Sizing
 
 
 @dataclass
 class Filled:
     """What filling made: the homes (one per tier; ``home`` routes each flat to its tier's),
     the swap store and staging pool when some tier is NVMe, and the gradient sink."""
+
     homes: Dict[Tier, Home]
     home: Home
     store: Optional[SwapStore]
@@ -39,9 +46,17 @@ class Filled:
 class HomeFiller:
     """Builds the homes of planned blocks and fills them from the model (or its source)."""
 
-    def __init__(self, model: nn.Module, policy: OffloadPolicy, source: Optional[ParamSource],
-                 device: torch.device, sizing: Sizing, device_budget: ByteBudget,
-                 stats: Stats, swap_tag: str) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        policy: OffloadPolicy,
+        source: Optional[ParamSource],
+        device: torch.device,
+        sizing: Sizing,
+        device_budget: ByteBudget,
+        stats: Stats,
+        swap_tag: str,
+    ) -> None:
         self.model = model
         self.policy = policy
         self.source = source
@@ -75,10 +90,12 @@ class HomeFiller:
                 self.homes[tier] = self._make_home(tier)
         routed = dict(self.homes)
         for tier, home in self.homes.items():  # frozen_format: quantized flats of this tier
-            if any(isinstance(f, QuantFlat) for b in self.blocks if b.home is tier
-                   for f in b.flats):
-                routed[tier] = QuantizedHome(home, tier, self.host_budget, self.store,
-                                             self.pool, self.stats)
+            if any(
+                isinstance(f, QuantFlat) for b in self.blocks if b.home is tier for f in b.flats
+            ):
+                routed[tier] = QuantizedHome(
+                    home, tier, self.host_budget, self.store, self.pool, self.stats
+                )
         if len(routed) == 1:
             return next(iter(routed.values()))
         return TieredHome(routed, {f.key: b.home for b in self.blocks for f in b.flats})
@@ -86,15 +103,21 @@ class HomeFiller:
     def fill(self) -> Filled:
         """Moves every block's parameters to their home tier. On any error, the model is put
         back exactly as it was (nothing half-wrapped)."""
-        originals = [(s, s.param, s.param.data if s.param.is_meta else None)
-                     for b in self.blocks for f in b.flats for s in f.slots]
+        originals = [
+            (s, s.param, s.param.data if s.param.is_meta else None)
+            for b in self.blocks
+            for f in b.flats
+            for s in f.slots
+        ]
         filled: List[FlatParam] = []
         try:
-            if (any(b.home is Tier.NVME for b in self.blocks)
-                    or self.sizing.grad_tier is Tier.NVME):
-                self.store = SwapStore(self.policy.nvme_path,
-                                       require_direct=self.policy.require_direct_io,
-                                       verify=self.policy.verify_checksums, tag=self.swap_tag)
+            if any(b.home is Tier.NVME for b in self.blocks) or self.sizing.grad_tier is Tier.NVME:
+                self.store = SwapStore(
+                    self.policy.nvme_path,
+                    require_direct=self.policy.require_direct_io,
+                    verify=self.policy.verify_checksums,
+                    tag=self.swap_tag,
+                )
             plan = self.sizing.pool_plan()
             if plan.staging_bytes:
                 # chunk-sized buffers: every flat streams through them chunk by chunk. CPU
@@ -103,8 +126,15 @@ class HomeFiller:
                 self.pool = HostPool(plan.staging_count, plan.staging_bytes, self.host_budget)
             self.home = self._make_homes()
             total = sum(b.home_nbytes for b in self.blocks)
-            with tqdm(total=total, unit="B", unit_scale=True, desc="infinity: offloading",
-                      disable=total < (1 << 30), leave=False) as bar:
+            with tqdm(
+                total=total,
+                unit="B",
+                unit_scale=True,
+                desc="infinity: offloading",
+                disable=total < (1 << 30),
+                leave=False,
+            ) as bar:
+
                 def fill(block: Block) -> None:
                     for flat in block.flats:
                         self.home.fill(flat)
@@ -113,10 +143,18 @@ class HomeFiller:
                         filled.append(flat)
                         self._bind_initial(block, flat)
                         bar.update(flat.home_nbytes)
+
                 self._fill_blocks(fill)
-            grads = GradientSink(self.sizing.grad_tier, self.device, self.stats,
-                                 self.host_budget, self.store, self.sizing.sink_flats(),
-                                 plan.grad_count, chunk_bytes=plan.chunk_bytes)
+            grads = GradientSink(
+                self.sizing.grad_tier,
+                self.device,
+                self.stats,
+                self.host_budget,
+                self.store,
+                self.sizing.sink_flats(),
+                plan.grad_count,
+                chunk_bytes=plan.chunk_bytes,
+            )
         except BaseException as failure:
             self._unfill(originals, filled, failure)
             for home in self.homes.values():
@@ -143,8 +181,10 @@ class HomeFiller:
         owners, names = param_owners(self.model)
         slot_of = {id(s.param): s for b in self.blocks for f in b.flats for s in f.slots}
         block_of = {id(s.param): b for b in self.blocks for f in b.flats for s in f.slots}
-        remaining = {b.index: sum(1 for f in b.flats for s in f.slots if s.param.is_meta)
-                     for b in self.blocks}
+        remaining = {
+            b.index: sum(1 for f in b.flats for s in f.slots if s.param.is_meta)
+            for b in self.blocks
+        }
         done: set = set()
         # Each flat's meta parameters become views of one arena of the flat's size: a single
         # large allocation (mmap'ed, so really returned to the OS once the block is filled and
@@ -158,7 +198,7 @@ class HomeFiller:
             arena = arenas.get(id(flat))
             if arena is None:
                 arena = arenas[id(flat)] = torch.empty(flat.numel, dtype=flat.home_dtype)
-            return arena[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            return arena[slot.offset : slot.offset + slot.numel].view(slot.shape)
 
         def real(param: nn.Parameter, value: torch.Tensor) -> None:
             slot = slot_of.pop(id(param))
@@ -213,8 +253,10 @@ class HomeFiller:
                     try:
                         values = self.home.snapshot(flat)
                     except BaseException as exc:  # noqa: BLE001
-                        failure.add_note(f"infinity.wrap: could not read back {flat.key} to "
-                                         f"undo the wrap ({exc}); its parameters are lost")
+                        failure.add_note(
+                            f"infinity.wrap: could not read back {flat.key} to "
+                            f"undo the wrap ({exc}); its parameters are lost"
+                        )
                 for s in flat.slots:
                     original = by_slot[id(s)]
                     if original[2] is not None:  # was on meta: the original Parameter returns
@@ -223,8 +265,7 @@ class HomeFiller:
                                 module._parameters[attr] = original[1]
                             s.param = original[1]
                     elif values is not None:
-                        s.param.data = values[s.offset:s.offset + s.numel].view(
-                            s.shape).clone()
+                        s.param.data = values[s.offset : s.offset + s.numel].view(s.shape).clone()
 
     def _bind_initial(self, block: Block, flat: FlatParam) -> None:
         """After fill: resident blocks compute on their home; the others get an (unallocated)

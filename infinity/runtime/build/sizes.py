@@ -1,6 +1,7 @@
 """What a wrapped model holds where, computed from its planned blocks: the host RAM the engine
 itself needs by purpose, the staging and gradient pools, the working set of the streamed
 compute buffers. Read at wrap (the budget checks, the pools) and after (``tier_bytes``)."""
+
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
@@ -16,8 +17,15 @@ from ..core.flat import FlatParam
 class Sizing:
     """Sizes of one wrapped model's parts (ZeRO: this rank's parts)."""
 
-    def __init__(self, policy: OffloadPolicy, blocks: List[Block], partitioner,
-                 grad_tier: Tier, host_budget: ByteBudget, pooled_compute: bool) -> None:
+    def __init__(
+        self,
+        policy: OffloadPolicy,
+        blocks: List[Block],
+        partitioner,
+        grad_tier: Tier,
+        host_budget: ByteBudget,
+        pooled_compute: bool,
+    ) -> None:
         self.policy = policy
         self.blocks = blocks
         self.partitioner = partitioner
@@ -70,16 +78,22 @@ class Sizing:
         buffers to leave room for the rest (parameter homes, host gradients, and on a CPU
         device the compute buffers' minimum: the root block + the largest block)."""
         from_nvme = [b for b in self.blocks if not b.resident and b.home is Tier.NVME]
-        largest_home = max((self.home_flat(f).home_nbytes for b in from_nvme for f in b.flats),
-                           default=0)
+        largest_home = max(
+            (self.home_flat(f).home_nbytes for b in from_nvme for f in b.flats), default=0
+        )
         trainable = [f for f in self.sink_flats() if f.trainable]
-        largest_grad = (max((f.numel * 4 for f in trainable), default=0)
-                        if self.grad_tier is Tier.NVME else 0)
+        largest_grad = (
+            max((f.numel * 4 for f in trainable), default=0) if self.grad_tier is Tier.NVME else 0
+        )
         limit = self.host_budget.limit if limit is None else limit
         room: Optional[int] = None
         if limit is not None:
-            fixed = sum(self.home_flat(f).home_nbytes for b in self.blocks
-                        if b.home is Tier.HOST for f in b.flats)
+            fixed = sum(
+                self.home_flat(f).home_nbytes
+                for b in self.blocks
+                if b.home is Tier.HOST
+                for f in b.flats
+            )
             if self.grad_tier is Tier.HOST:
                 fixed += sum(f.numel * 4 for f in trainable)
             if self.pooled_compute:
@@ -87,12 +101,14 @@ class Sizing:
                 fixed += sum(b.compute_nbytes for b in streamed if b.is_root)
                 fixed += max((b.compute_nbytes for b in streamed if not b.is_root), default=0)
             room = limit - fixed
-        return plan_pools(resolve_chunk_bytes(self.policy.chunk_bytes, limit),
-                          largest_home=largest_home,
-                          staging_default=(1 if self.pooled_compute
-                                           else self.transfer_workers()),
-                          largest_grad=largest_grad,
-                          grad_default=self.policy.prefetch_window + 2, room=room)
+        return plan_pools(
+            resolve_chunk_bytes(self.policy.chunk_bytes, limit),
+            largest_home=largest_home,
+            staging_default=(1 if self.pooled_compute else self.transfer_workers()),
+            largest_grad=largest_grad,
+            grad_default=self.policy.prefetch_window + 2,
+            room=room,
+        )
 
     def working_set(self) -> Tuple[int, Optional[Block], int, int]:
         """What streamed compute buffers must hold at once: (root bytes, the largest streamed

@@ -14,6 +14,7 @@ The parameters the model's top-level module owns directly always stay in the roo
 
 A parameter used by more than one layer block, or by a layer block and a module outside the
 layers, goes to the root block (it is needed by several blocks' forwards)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -80,8 +81,9 @@ class _Groups:
             self.parent[rb] = ra
 
 
-def partition(model: nn.Module, rule: BlockRule = None,
-              persistence_threshold: Optional[int] = None) -> List[BlockSpec]:
+def partition(
+    model: nn.Module, rule: BlockRule = None, persistence_threshold: Optional[int] = None
+) -> List[BlockSpec]:
     """Returns the block specs: layer blocks in model order, outer blocks in the order their
     first module is registered, the root block last (each only when it holds parameters).
     ``persistence_threshold``: the element count from which a module outside the layers is an
@@ -109,7 +111,7 @@ def partition(model: nn.Module, rule: BlockRule = None,
     entries: List[Tuple[str, nn.Module, str, nn.Parameter]] = []
     layer_users: Dict[int, List[BlockSpec]] = {}
     outer_users: Dict[int, List[int]] = {}
-    first_name: Dict[int, str] = {}   # id(module) -> its first qualified name
+    first_name: Dict[int, str] = {}  # id(module) -> its first qualified name
     modules_by_id: Dict[int, nn.Module] = {}
     for mod_name, mod in model.named_modules(remove_duplicate=False):
         first_name.setdefault(id(mod), mod_name)

@@ -4,6 +4,7 @@ Kinds (``kind``): a *layer* block (a child of the layer list: one module subtree
 block (parameters of modules outside the layers, such as the input embedding or the LM head:
 used by ``modules``, several when they share a parameter, as a tied embedding and head), or
 the *root* block (the small parameters left, materialized for the whole step)."""
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -17,9 +18,18 @@ from .residency import Residency, check_transition
 
 
 class Block:
-    def __init__(self, index: int, name: str, module: nn.Module, is_root: bool,
-                 flats: List[FlatParam], home: Tier, resident: bool, kind: str = "",
-                 modules: Sequence[nn.Module] = ()) -> None:
+    def __init__(
+        self,
+        index: int,
+        name: str,
+        module: nn.Module,
+        is_root: bool,
+        flats: List[FlatParam],
+        home: Tier,
+        resident: bool,
+        kind: str = "",
+        modules: Sequence[nn.Module] = (),
+    ) -> None:
         self.index = index
         self.name = name
         self.module = module
@@ -31,10 +41,10 @@ class Block:
         self.home = home
         self.state = Residency.RESIDENT if resident else self._home_state()
         self.future: Optional[cf.Future] = None
-        self.prefetched = False        # fetch was issued ahead of need (for hit/miss counting)
-        self.active_forward = 0        # >0 while its forward runs (or it is pinned)
-        self.pins = 0                  # held by infinity.materialized()
-        self.backward_task: int = -1   # graph task whose pre-backward fetched it
+        self.prefetched = False  # fetch was issued ahead of need (for hit/miss counting)
+        self.active_forward = 0  # >0 while its forward runs (or it is pinned)
+        self.pins = 0  # held by infinity.materialized()
+        self.backward_task: int = -1  # graph task whose pre-backward fetched it
         self.grads_seen: Set[Tuple[int, int]] = set()
         self.n_trainable = sum(1 for f in flats for s in f.slots if s.trainable)
         # With frozen parameters, "all trainable gradients arrived" does not mean the block's
@@ -74,8 +84,11 @@ class Block:
         return self.state in (Residency.ON_DEVICE, Residency.FETCHING, Residency.RESIDENT)
 
     def backward_done(self) -> bool:
-        return (self.active_forward == 0 and len(self.grads_seen) == self.n_trainable
-                and (self.inputs_done or not self.needs_input_signal))
+        return (
+            self.active_forward == 0
+            and len(self.grads_seen) == self.n_trainable
+            and (self.inputs_done or not self.needs_input_signal)
+        )
 
     def reset_backward(self) -> None:
         self.grads_seen.clear()

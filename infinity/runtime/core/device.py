@@ -1,5 +1,6 @@
 """The compute device: the policy's ``device``, the INFINITY_DEVICE variable, or CUDA when
 available."""
+
 from __future__ import annotations
 
 import os
@@ -31,8 +32,9 @@ def resolve_device(device: Any) -> torch.device:
             raise ValueError(f"{origin} but CUDA is not available; use 'cpu'")
         index = dev.index if dev.index is not None else torch.cuda.current_device()
         if index >= torch.cuda.device_count():
-            raise ValueError(f"{origin} but only {torch.cuda.device_count()} CUDA device(s) "
-                             "are visible")
+            raise ValueError(
+                f"{origin} but only {torch.cuda.device_count()} CUDA device(s) are visible"
+            )
         return torch.device("cuda", index)
     if dev.type != "cpu":
         raise ValueError(f"{origin} is not supported; use 'cuda', 'cuda:N' or 'cpu'")

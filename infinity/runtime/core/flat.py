@@ -6,6 +6,7 @@ resizes it back and copies into it, so every view -- including those autograd sa
 valid (FSDP's technique). The home copy (host RAM or a swap file) is padded to 4 KiB so each
 move is one aligned sequential transfer.
 """
+
 from __future__ import annotations
 
 import enum
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from ... import io as inf_io
+
 
 class Binding(enum.Enum):
     """What the parameters' ``.data`` views: the compute buffer (inside forward/backward, or a
@@ -47,8 +49,7 @@ class ParamSlot:
     trainable: bool
 
 
-def _slot_offset(offset: int, numel: int, block: int, page: int,
-                 align: int = _ELEM_ALIGN) -> int:
+def _slot_offset(offset: int, numel: int, block: int, page: int, align: int = _ELEM_ALIGN) -> int:
     """Where a parameter of ``numel`` elements starts after ``offset``: on an ``align``-element
     boundary (16: SIMD-friendly; a quantized home's block size); with ``block`` (ZeRO: the 8-bit quantization block, a divisor of ``page``) a
     parameter of at least ``block`` elements starts on a multiple of it, and a smaller one
@@ -65,27 +66,47 @@ def _slot_offset(offset: int, numel: int, block: int, page: int,
 
 
 class FlatParam:
-    def __init__(self, key: str, params: List[tuple], home_dtype: torch.dtype,
-                 compute_dtype: torch.dtype, device: torch.device, pad_multiple: int = 0,
-                 align: int = _ELEM_ALIGN, elem_align: int = 0) -> None:
+    def __init__(
+        self,
+        key: str,
+        params: List[tuple],
+        home_dtype: torch.dtype,
+        compute_dtype: torch.dtype,
+        device: torch.device,
+        pad_multiple: int = 0,
+        align: int = _ELEM_ALIGN,
+        elem_align: int = 0,
+    ) -> None:
         self.key = key
         self.home_dtype = home_dtype
         self.compute_dtype = compute_dtype
         self.device = device
         self.slots: List[ParamSlot] = []
-        elems_per_page = max(1, inf_io.ALIGNMENT // torch.empty((), dtype=home_dtype).element_size())
+        elems_per_page = max(
+            1, inf_io.ALIGNMENT // torch.empty((), dtype=home_dtype).element_size()
+        )
         offset = 0
         for qualname, module, attr, param in params:
             offset = _slot_offset(offset, param.numel(), elem_align, elems_per_page, align)
-            self.slots.append(ParamSlot(qualname, module, attr, param, offset, param.numel(),
-                                        param.shape, param.requires_grad))
+            self.slots.append(
+                ParamSlot(
+                    qualname,
+                    module,
+                    attr,
+                    param,
+                    offset,
+                    param.numel(),
+                    param.shape,
+                    param.requires_grad,
+                )
+            )
             offset += param.numel()
         multiple = pad_multiple or elems_per_page  # ZeRO: world * page (a Partitioner's)
         self.numel = max(_round_up(offset, multiple), multiple)
         self.used_numel = offset
-        self.home: Optional[torch.Tensor] = None     # host home copy (HOST tier)
+        self.home: Optional[torch.Tensor] = None  # host home copy (HOST tier)
         self.compute: Optional[torch.Tensor] = None  # the buffer parameters view into
-        self.grad: Optional[torch.Tensor] = None     # fp32 host gradient accumulator
+        self.grad: Optional[torch.Tensor] = None  # fp32 host gradient accumulator
         self.category = ""  # what stats() counts its fetched bytes under ("frozen.layer.nf4")
         self.buffers = None  # ComputeBuffers lending the compute memory (CPU device), or None
         self.grad_ready: List[bool] = [False] * len(self.slots)
@@ -121,16 +142,17 @@ class FlatParam:
         out.zero_()
         with torch.no_grad():
             for s in self.slots:
-                out[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
+                out[s.offset : s.offset + s.numel].copy_(s.param.detach().reshape(-1))
 
     def bind_views(self, compute: torch.Tensor) -> None:
         """Points every parameter's .data at its slice of ``compute`` (same Parameter objects)."""
         if compute.numel() != self.numel:
-            raise ValueError(f"{self.key}: compute buffer has {compute.numel()} elements, "
-                             f"expected {self.numel}")
+            raise ValueError(
+                f"{self.key}: compute buffer has {compute.numel()} elements, expected {self.numel}"
+            )
         self.compute = compute
         for s in self.slots:
-            s.param.data = compute[s.offset:s.offset + s.numel].view(s.shape)
+            s.param.data = compute[s.offset : s.offset + s.numel].view(s.shape)
         self.binding = Binding.COMPUTE
         self.record_versions()
 
@@ -140,7 +162,7 @@ class FlatParam:
         groups tensors by storage (safetensors, save_pretrained) sees separate tensors."""
         size = self.home_itemsize
         for s in self.slots:
-            part = home_bytes[s.offset * size:(s.offset + s.numel) * size]
+            part = home_bytes[s.offset * size : (s.offset + s.numel) * size]
             s.param.data = torch.from_numpy(part).view(self.home_dtype).view(s.shape)
         self.binding = Binding.OUTSIDE
         self.record_versions()
@@ -154,9 +176,13 @@ class FlatParam:
     def written_slots(self) -> List[int]:
         """Slots whose parameter was changed in place since the versions were recorded (or
         marked by an optimizer step), or whose ``.data`` was replaced."""
-        return [i for i, s in enumerate(self.slots)
-                if s.param._version != self._versions[i] or i in self.forced_written
-                or s.param.data_ptr() != self._ptrs[i]]
+        return [
+            i
+            for i, s in enumerate(self.slots)
+            if s.param._version != self._versions[i]
+            or i in self.forced_written
+            or s.param.data_ptr() != self._ptrs[i]
+        ]
 
     def rebound_slots(self) -> List[int]:
         """Slots whose parameter's ``.data`` was replaced by another tensor (``p.data = t``)."""
@@ -171,8 +197,9 @@ class FlatParam:
         want = self.compute_nbytes
         if storage.size() != want:
             if storage.size() != 0:
-                raise RuntimeError(f"{self.key}: compute storage has {storage.size()} bytes, "
-                                   f"expected 0 or {want}")
+                raise RuntimeError(
+                    f"{self.key}: compute storage has {storage.size()} bytes, expected 0 or {want}"
+                )
             if self.buffers is not None:
                 self.buffers.attach(self.compute)  # pooled memory, swapped in
             else:
@@ -194,8 +221,8 @@ class FlatParam:
 
     def grad_view(self, index: int) -> torch.Tensor:
         s = self.slots[index]
-        return self.grad[s.offset:s.offset + s.numel].view(s.shape)
+        return self.grad[s.offset : s.offset + s.numel].view(s.shape)
 
     def home_view(self, index: int) -> torch.Tensor:
         s = self.slots[index]
-        return self.home[s.offset:s.offset + s.numel].view(s.shape)
+        return self.home[s.offset : s.offset + s.numel].view(s.shape)

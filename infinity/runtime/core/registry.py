@@ -1,5 +1,6 @@
 """Which engine owns a model or a parameter. The engines register here at wrap (with where
 each of their parameters lives) and unregister at close; the registry holds them weakly."""
+
 from __future__ import annotations
 
 import weakref
@@ -29,13 +30,13 @@ class ParamLocation(NamedTuple):
 # every live engine, with where its parameters live: (block index, flat index, slot) by id
 # of the parameter -- indices, not objects: a value reaching the model (a Block does) would
 # keep its engine, the key, alive
-_LOCATIONS: "weakref.WeakKeyDictionary[Any, Dict[int, Tuple[int, int, int]]]" = \
+_LOCATIONS: weakref.WeakKeyDictionary[Any, Dict[int, Tuple[int, int, int]]] = (
     weakref.WeakKeyDictionary()
+)
 _ENGINES = _LOCATIONS  # iterating gives the live engines
 
 
-def register(engine: Any, model: nn.Module,
-             locations: Dict[int, Tuple[int, int, int]]) -> None:
+def register(engine: Any, model: nn.Module, locations: Dict[int, Tuple[int, int, int]]) -> None:
     """``engine`` wraps ``model``; ``locations``: its parameters by id."""
     _LOCATIONS[engine] = locations
     setattr(model, _ENGINE_ATTR, engine)

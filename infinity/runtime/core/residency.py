@@ -1,15 +1,16 @@
 """The residency state machine of a block's parameters. Every transition is checked."""
+
 from __future__ import annotations
 
 import enum
 
 
 class Residency(enum.Enum):
-    ON_NVME = "on_nvme"        # home copy on NVMe only, nothing materialized
-    ON_HOST = "on_host"        # home copy in host RAM, nothing materialized on the device
-    FETCHING = "fetching"      # a transfer into the device buffer is in flight
-    ON_DEVICE = "on_device"    # the device buffer holds the parameters; safe to compute
-    RESIDENT = "resident"      # home buffer used in place (CPU-only host tier, device tier)
+    ON_NVME = "on_nvme"  # home copy on NVMe only, nothing materialized
+    ON_HOST = "on_host"  # home copy in host RAM, nothing materialized on the device
+    FETCHING = "fetching"  # a transfer into the device buffer is in flight
+    ON_DEVICE = "on_device"  # the device buffer holds the parameters; safe to compute
+    RESIDENT = "resident"  # home buffer used in place (CPU-only host tier, device tier)
 
 
 _ALLOWED = {
@@ -27,5 +28,6 @@ class ResidencyError(RuntimeError):
 
 def check_transition(name: str, current: Residency, target: Residency) -> None:
     if target not in _ALLOWED[current]:
-        raise ResidencyError(f"block {name!r}: illegal residency transition "
-                             f"{current.value} -> {target.value}")
+        raise ResidencyError(
+            f"block {name!r}: illegal residency transition {current.value} -> {target.value}"
+        )

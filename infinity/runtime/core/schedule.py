@@ -10,6 +10,7 @@ the order the model registered them for forward, the reverse for backward), so e
 step prefetches. A pass that leaves the guess falls back to on-demand fetches like any
 deviation, but is not counted as one: nothing had been recorded yet.
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
@@ -55,7 +56,7 @@ class Schedule:
         if rec is None:
             return False, False, []
         if not self._deviated[phase] and pos < len(rec) and rec[pos] == block:
-            return True, False, rec[pos + 1:pos + 1 + self.window]
+            return True, False, rec[pos + 1 : pos + 1 + self.window]
         newly = not self._deviated[phase] and not self._guessed[phase]
         self._deviated[phase] = True
         return False, newly, []
@@ -65,7 +66,7 @@ class Schedule:
         rec = self.recorded[phase]
         if rec is None:
             return []
-        return rec[:self.window if count is None else count]
+        return rec[: self.window if count is None else count]
 
     def next_on_trace(self, phase: str) -> Optional[int]:
         """The block the recorded ``phase`` runs after the last visit, while the open pass

@@ -3,6 +3,7 @@ and where the time of a training step went (forward+backward wall time, gradient
 the optimizer's StepStats) with the bytes written to NVMe per optimizer step (SSD wear), and
 the NVMe bytes per step by what they were (parameters, gradients, optimizer states,
 activations; read and written)."""
+
 from __future__ import annotations
 
 import threading
@@ -36,10 +37,10 @@ class Stats:
     rows_lookups: int = 0
     rows_read_bytes: int = 0
     # time attribution (seconds since the last reset)
-    forward_backward_seconds: float = 0.0   # wall time, model pre-forward -> end of backward
-    grad_offload_seconds: float = 0.0       # inside GradientSink.add/close/finish_backward
-    hook_seconds: float = 0.0               # inside the engine's forward/backward hooks
-    transfer_cpu_seconds: float = 0.0       # CPU time of the transfer threads (background)
+    forward_backward_seconds: float = 0.0  # wall time, model pre-forward -> end of backward
+    grad_offload_seconds: float = 0.0  # inside GradientSink.add/close/finish_backward
+    hook_seconds: float = 0.0  # inside the engine's forward/backward hooks
+    transfer_cpu_seconds: float = 0.0  # CPU time of the transfer threads (background)
     optimizer_cpu_adam_seconds: float = 0.0
     optimizer_nvme_wait_seconds: float = 0.0
     optimizer_nvme_busy_seconds: float = 0.0
@@ -134,8 +135,9 @@ class Stats:
             self.nvme_written_total += self.nvme_written_last_step
             self._nvme_written_mark = written
             now = dict(self.nvme_by_category)
-            self.nvme_by_category_last_step = {k: max(0, v - self._nvme_category_mark[k])
-                                               for k, v in now.items()}
+            self.nvme_by_category_last_step = {
+                k: max(0, v - self._nvme_category_mark[k]) for k, v in now.items()
+            }
             self._nvme_category_mark = now
 
     def time_breakdown(self) -> Dict[str, object]:
@@ -147,8 +149,11 @@ class Stats:
         (the rest of the hooks: bookkeeping, releases, locks, Python).
         ``transfer_cpu``: CPU time the transfer threads used in the background (on a machine
         without a GPU, taken from the compute's cores; not part of the wall-time sum)."""
-        fb, fetch, grad = (self.forward_backward_seconds, self.stall_seconds,
-                           self.grad_offload_seconds)
+        fb, fetch, grad = (
+            self.forward_backward_seconds,
+            self.stall_seconds,
+            self.grad_offload_seconds,
+        )
         act = self.activation_wait_seconds
         hooks = max(min(self.hook_seconds, fb), fetch + grad)
         out: Dict[str, object] = {
@@ -166,8 +171,10 @@ class Stats:
         }
         if self.activations_offloaded:  # activation_tier is on
             out["activation_wait"] = float(act)
-            out["activation_bytes"] = {"offloaded": self.activation_bytes_offloaded,
-                                       "fetched": self.activation_bytes_fetched}
+            out["activation_bytes"] = {
+                "offloaded": self.activation_bytes_offloaded,
+                "fetched": self.activation_bytes_fetched,
+            }
         return out
 
     def add_transfer_cpu(self, seconds: float) -> None:

@@ -1,4 +1,5 @@
 """Unwrap: the parameters given back as plain tensors, the flats' buffers let go."""
+
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
@@ -8,8 +9,11 @@ import torch
 from .flat import FlatParam
 
 
-def restore_params(flats: List[FlatParam], values: Dict[str, torch.Tensor],
-                   original_devices: Dict[int, torch.device]) -> None:
+def restore_params(
+    flats: List[FlatParam],
+    values: Dict[str, torch.Tensor],
+    original_devices: Dict[int, torch.device],
+) -> None:
     """Each parameter (and its gradient) becomes a plain tensor holding ``values`` (by flat
     key, home dtype), on the device it had before wrap."""
     for flat in flats:
@@ -18,7 +22,7 @@ def restore_params(flats: List[FlatParam], values: Dict[str, torch.Tensor],
             device = original_devices.get(id(s.param), torch.device("cpu"))
             grad = s.param.grad
             s.param.grad = None
-            s.param.data = full[s.offset:s.offset + s.numel].view(s.shape).to(device, copy=True)
+            s.param.data = full[s.offset : s.offset + s.numel].view(s.shape).to(device, copy=True)
             if grad is not None:
                 s.param.grad = grad.detach().to(device, copy=True)
 
@@ -31,8 +35,9 @@ def let_go(flats: List[FlatParam]) -> None:
         flat.grad = None
 
 
-def close_all(compute_buffers: Optional[Any], home: Any, pool: Optional[Any],
-              store: Optional[Any]) -> None:
+def close_all(
+    compute_buffers: Optional[Any], home: Any, pool: Optional[Any], store: Optional[Any]
+) -> None:
     """Closes the compute buffers' pool, the homes, the staging pool and the swap store."""
     if compute_buffers is not None:
         compute_buffers.trim()

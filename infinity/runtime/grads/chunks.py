@@ -10,6 +10,7 @@ first backward, or the chunk / a slot-sized temporary of at most one chunk acros
 micro-batches); a slot larger than a chunk that accumulates across micro-batches gets no norm
 (the optimizer reads the gradients).
 """
+
 from __future__ import annotations
 
 import bisect
@@ -20,18 +21,25 @@ import torch
 
 from ...tiers import HostPool, SwapStore
 from ..core.flat import FlatParam
+from ..core.stats import Stats
 from .held import HeldGrads
 from .norms import SlotNorms
+from .rows import scatter_rows
 from .store import GradBuffers, grad_key
 from .writes import GradWriter
-from .rows import scatter_rows
-from ..core.stats import Stats
-
 
 
 class ChunkedGrads:
-    def __init__(self, owner: GradBuffers, store: SwapStore, stats: Stats, pool: HostPool,
-                 writer: GradWriter, norms: SlotNorms, held: HeldGrads) -> None:
+    def __init__(
+        self,
+        owner: GradBuffers,
+        store: SwapStore,
+        stats: Stats,
+        pool: HostPool,
+        writer: GradWriter,
+        norms: SlotNorms,
+        held: HeldGrads,
+    ) -> None:
         self._owner = owner  # gives buffers (acquire), counts free ones, reaps, drains copies
         self._store = store
         self._stats = stats
@@ -42,8 +50,9 @@ class ChunkedGrads:
         # flats accumulating in this backward, and their open chunks ((id(flat), chunk) ->
         # (flat, buffer), least recently used first)
         self._chunked: Dict[int, FlatParam] = {}
-        self._open: "OrderedDict[Tuple[int, int], Tuple[FlatParam, torch.Tensor]]" = \
+        self._open: OrderedDict[Tuple[int, int], Tuple[FlatParam, torch.Tensor]] = (
             collections.OrderedDict()
+        )
         # chunks whose file holds this accumulation's sums (zeros elsewhere), and chunks to
         # write again at the flat's next close (a slot's p.grad set to None)
         self._valid: Dict[int, Set[int]] = {}
@@ -71,8 +80,9 @@ class ChunkedGrads:
         start = k * self.elems
         return start, min(flat.numel, start + self.elems)
 
-    def parts(self, flat: FlatParam, start: int, end: int, kept: Dict[int, torch.Tensor]
-              ) -> List[Tuple[int, int, Optional[torch.Tensor]]]:
+    def parts(
+        self, flat: FlatParam, start: int, end: int, kept: Dict[int, torch.Tensor]
+    ) -> List[Tuple[int, int, Optional[torch.Tensor]]]:
         """[start, end) cut at chunk edges: (a, b, the kept chunk's buffer or None), runs of
         chunks on NVMe merged."""
         per = self.elems
@@ -113,7 +123,8 @@ class ChunkedGrads:
         s = flat.slots[index]
         per = self.elems
         self._stale.setdefault(id(flat), set()).update(
-            range(s.offset // per, (s.offset + s.numel - 1) // per + 1))
+            range(s.offset // per, (s.offset + s.numel - 1) // per + 1)
+        )
 
     def invalidate(self, flat: FlatParam) -> None:
         """The flat's file no longer holds its sums (a write failed)."""
@@ -137,7 +148,7 @@ class ChunkedGrads:
         ahead = self._ahead.pop(key, None)
         if ahead is not None:  # read ahead: wait for it and check it
             _flat, buf, future = ahead
-            view = buf[:(end - start) * 4].view(torch.float32)
+            view = buf[: (end - start) * 4].view(torch.float32)
             try:
                 future.wait()
                 self._store.verify_read_at(grad_key(flat), start * 4, view)
@@ -150,8 +161,9 @@ class ChunkedGrads:
                 try:
                     if self._writer.wait_chunk(flat, k):
                         self._owner.reap(block=False)
-                    self._store.read_at_sync(grad_key(flat), start * 4,
-                                             buf[:(end - start) * 4].view(torch.float32))
+                    self._store.read_at_sync(
+                        grad_key(flat), start * 4, buf[: (end - start) * 4].view(torch.float32)
+                    )
                 except BaseException:
                     self._pool.release(buf)
                     raise
@@ -178,8 +190,9 @@ class ChunkedGrads:
             start, end = self.span(flat, j)
             buf = self._pool.acquire()
             try:
-                future = self._store.read_at(grad_key(flat), start * 4,
-                                             buf[:(end - start) * 4].view(torch.float32))
+                future = self._store.read_at(
+                    grad_key(flat), start * 4, buf[: (end - start) * 4].view(torch.float32)
+                )
             except BaseException:
                 self._pool.release(buf)
                 raise
@@ -200,7 +213,7 @@ class ChunkedGrads:
     def part(self, flat: FlatParam, k: int, a: int, b: int) -> torch.Tensor:
         """Elements [a, b) of the flat (within chunk ``k``) in its open chunk buffer."""
         start = k * self.elems
-        return self.chunk(flat, k)[(a - start) * 4:(b - start) * 4].view(torch.float32)
+        return self.chunk(flat, k)[(a - start) * 4 : (b - start) * 4].view(torch.float32)
 
     # ---- accumulation --------------------------------------------------------------------
     def put(self, flat: FlatParam, index: int, grad: torch.Tensor, *, add: bool) -> None:
@@ -233,27 +246,29 @@ class ChunkedGrads:
             norm = torch.linalg.vector_norm(view, 2.0, dtype=torch.float32)
         elif not add:
             for k, a, b in parts():
-                self.part(flat, k, a, b).copy_(g[a - lo:b - lo])
+                self.part(flat, k, a, b).copy_(g[a - lo : b - lo])
             if g.dtype == torch.float32 and g.is_contiguous():
                 norm = torch.linalg.vector_norm(g, 2.0, dtype=torch.float32)
             elif s.numel * 4 <= self._pool.nbytes:
-                norm = torch.linalg.vector_norm(g.to(torch.float32).contiguous(), 2.0,
-                                                dtype=torch.float32)
+                norm = torch.linalg.vector_norm(
+                    g.to(torch.float32).contiguous(), 2.0, dtype=torch.float32
+                )
         elif s.numel * 4 <= self._pool.nbytes:
             total = torch.empty(s.numel, dtype=torch.float32)  # at most one chunk
             for k, a, b in parts():
-                total[a - lo:b - lo].copy_(self.part(flat, k, a, b))
+                total[a - lo : b - lo].copy_(self.part(flat, k, a, b))
             total.add_(g)
             norm = torch.linalg.vector_norm(total, 2.0, dtype=torch.float32)
             for k, a, b in parts():
-                self.part(flat, k, a, b).copy_(total[a - lo:b - lo])
+                self.part(flat, k, a, b).copy_(total[a - lo : b - lo])
         else:  # larger than a chunk, accumulating: no norm (the optimizer reads it)
             for k, a, b in parts():
-                self.part(flat, k, a, b).add_(g[a - lo:b - lo])
+                self.part(flat, k, a, b).add_(g[a - lo : b - lo])
         self._norms.pending(flat)[index] = norm
 
-    def add_rows(self, flat: FlatParam, index: int, rows: torch.Tensor, values: torch.Tensor,
-                 *, add: bool) -> bool:
+    def add_rows(
+        self, flat: FlatParam, index: int, rows: torch.Tensor, values: torch.Tensor, *, add: bool
+    ) -> bool:
         """A row-sparse gradient into the chunks of slot ``index``: a first accumulation
         writes the whole slot (zeros elsewhere), a later one only the chunks holding the rows.
         The slot gets no norm (the optimizer reads it)."""
@@ -307,13 +322,13 @@ class ChunkedGrads:
 
     def _submit(self, flat: FlatParam, k: int, buf: torch.Tensor) -> None:
         start, end = self.span(flat, k)
-        self._writer.write_chunk(flat, k, buf, start, buf[:(end - start) * 4].view(torch.float32))
+        self._writer.write_chunk(flat, k, buf, start, buf[: (end - start) * 4].view(torch.float32))
         self._valid.setdefault(id(flat), set()).add(k)
 
     def _zero_gaps(self, flat: FlatParam, k: int, buf: torch.Tensor) -> None:
         """Zeroes what no gradient reached in chunk ``k`` (gaps, padding, slots without one)."""
         start, end = self.span(flat, k)
-        view = buf[:(end - start) * 4].view(torch.float32)
+        view = buf[: (end - start) * 4].view(torch.float32)
         pos = start
         offsets = _slot_offsets(self._offsets, flat)
         first = max(0, bisect.bisect_right(offsets, start) - 1)  # slots in offset order
@@ -325,10 +340,10 @@ class ChunkedGrads:
             if a >= b or not flat.grad_ready[i]:
                 continue
             if a > pos:
-                view[pos - start:a - start].zero_()
+                view[pos - start : a - start].zero_()
             pos = max(pos, b)
         if pos < end:
-            view[pos - start:].zero_()
+            view[pos - start :].zero_()
 
     def close(self, flat: FlatParam, keep_in_ram: bool = False, write: bool = True) -> None:
         """Writes the flat's open chunks, and every chunk whose file does not hold this
@@ -371,8 +386,10 @@ class ChunkedGrads:
                 self._submit(flat, k, buf)
             self._held.clear_unwritten(flat)
         else:
-            self._held.set_unwritten(flat, "taken from RAM by the optimizer step overlapping "
-                                           "backward and not written to NVMe")
+            self._held.set_unwritten(
+                flat,
+                "taken from RAM by the optimizer step overlapping backward and not written to NVMe",
+            )
 
 
 def _slot_offsets(cache: Dict[int, List[int]], flat: FlatParam) -> List[int]:

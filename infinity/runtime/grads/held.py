@@ -9,6 +9,7 @@ read them later gets a clear error (:meth:`HeldGrads.not_kept`). Gradients whose
 or that were stepped from RAM without being written and whose update was undone, are lost
 (:meth:`HeldGrads.lost`) until ``zero_grad``.
 """
+
 from __future__ import annotations
 
 import threading
@@ -20,8 +21,11 @@ from ..core.flat import FlatParam
 
 
 class HeldGrads:
-    def __init__(self, release: Optional[Callable[[torch.Tensor], None]] = None,
-                 writing: Optional[Callable[[torch.Tensor], bool]] = None) -> None:
+    def __init__(
+        self,
+        release: Optional[Callable[[torch.Tensor], None]] = None,
+        writing: Optional[Callable[[torch.Tensor], bool]] = None,
+    ) -> None:
         self._release = release  # gives a buffer back to its pool
         self._writing = writing or (lambda buf: False)  # a write of the buffer is in flight
         # kept in RAM for an optimizer's worker (id(flat) -> flat, buffers), the ones it
@@ -78,8 +82,7 @@ class HeldGrads:
 
     def buffers_out(self) -> int:
         """Held buffers not being written (those are counted with the writes)."""
-        return sum(1 for _f, bufs in self._held.values() for buf in bufs
-                   if not self._writing(buf))
+        return sum(1 for _f, bufs in self._held.values() for buf in bufs if not self._writing(buf))
 
     def kept_chunks(self, flat: FlatParam) -> Optional[Dict[int, torch.Tensor]]:
         """A chunked flat's chunks kept in RAM (chunk index -> buffer), or None."""
@@ -114,11 +117,14 @@ class HeldGrads:
             f"{self._unwritten[id(flat)]}. Call zero_grad() and run the backward again; to "
             "keep gradients readable after backward (p.grad, clipping that changes them, "
             "accumulation decided late), use keep_grads=True (the default) or overlap=False "
-            "for the infinity optimizer")
+            "for the infinity optimizer"
+        )
 
     def lose_unwritten(self, flat: FlatParam, why: str) -> None:
-        self._lost[id(flat)] = (f"they were {self._unwritten.pop(id(flat))}, and {why} "
-                                "(keep_grads=True, the default, keeps them on NVMe)")
+        self._lost[id(flat)] = (
+            f"they were {self._unwritten.pop(id(flat))}, and {why} "
+            "(keep_grads=True, the default, keeps them on NVMe)"
+        )
         flat.grad_ready = [False] * len(flat.slots)
 
     def mark_lost(self, flat: FlatParam, why: str) -> bool:

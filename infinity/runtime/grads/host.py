@@ -5,6 +5,7 @@ Outside backward each trainable parameter's ``.grad`` is its slot of the accumul
 parameters: a view, so in-place changes such as ``clip_grad_norm_`` reach it; other dtypes: a
 copy in the parameter's dtype, taken back by the sink's reconcile if changed).
 """
+
 from __future__ import annotations
 
 from typing import Callable, List, Optional, Tuple
@@ -13,9 +14,9 @@ import torch
 
 from ...tiers import ByteBudget, SwapStore, Tier
 from ..core.flat import FlatParam
-from .store import GradReads, GradStore, GradViews, accumulate_into
-from .rows import scatter_rows
 from ..core.stats import Stats
+from .rows import scatter_rows
+from .store import GradReads, GradStore, GradViews, accumulate_into
 
 
 class HostGradViews(GradViews):
@@ -43,9 +44,17 @@ class HostGradViews(GradViews):
 class HostGradStore(GradStore):
     tier = Tier.HOST
 
-    def __init__(self, *, stats: Stats, host_budget: ByteBudget, store: Optional[SwapStore],
-                 flats: List[FlatParam], pool_count: int, chunk_bytes: Optional[int],
-                 drain: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        *,
+        stats: Stats,
+        host_budget: ByteBudget,
+        store: Optional[SwapStore],
+        flats: List[FlatParam],
+        pool_count: int,
+        chunk_bytes: Optional[int],
+        drain: Callable[[], None],
+    ) -> None:
         super().__init__(chunk_bytes)
         self.host_budget = host_budget
         self.reads = GradReads()  # no gradient files: flat.grad is the gradient
@@ -59,11 +68,19 @@ class HostGradStore(GradStore):
     def accumulate(self, flat: FlatParam, index: int, grad: torch.Tensor) -> None:
         accumulate_into(flat, index, grad)
 
-    def add_rows(self, flat: FlatParam, index: int, rows: torch.Tensor, values: torch.Tensor,
-                 *, add: bool) -> bool:
+    def add_rows(
+        self, flat: FlatParam, index: int, rows: torch.Tensor, values: torch.Tensor, *, add: bool
+    ) -> bool:
         s = flat.slots[index]
-        scatter_rows(flat.grad[s.offset:s.offset + s.numel], s.offset, s.offset, s.shape[1],
-                     rows, values, add=add)
+        scatter_rows(
+            flat.grad[s.offset : s.offset + s.numel],
+            s.offset,
+            s.offset,
+            s.shape[1],
+            rows,
+            values,
+            add=add,
+        )
         return True
 
     def ready(self, flat: FlatParam, index: int) -> bool:

@@ -7,6 +7,7 @@ in RAM for the optimizer and never written have nothing on NVMe to map: their ``
 placeholder of the right shape that raises, naming infinity and the remedy, when used (so
 ``clip_grad_norm_`` over ``model.parameters()`` fails loudly instead of leaving it out).
 """
+
 from __future__ import annotations
 
 from typing import Dict, Iterator, List, Tuple
@@ -20,10 +21,20 @@ from .held import HeldGrads
 from .norms import SlotNorms
 from .store import GradBuffers, GradViews, grad_key
 
-
-
-_PLACEHOLDER_OK = frozenset({"__get__", "size", "dim", "numel", "stride", "is_contiguous",
-                             "element_size", "is_floating_point", "is_complex", "__hash__"})
+_PLACEHOLDER_OK = frozenset(
+    {
+        "__get__",
+        "size",
+        "dim",
+        "numel",
+        "stride",
+        "is_contiguous",
+        "element_size",
+        "is_floating_point",
+        "is_complex",
+        "__hash__",
+    }
+)
 
 
 class _GoneGradient(torch.Tensor):
@@ -38,13 +49,13 @@ class _GoneGradient(torch.Tensor):
         if name in _PLACEHOLDER_OK:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
-        why = next((a._infinity_why for a in _tensors_in(args) if isinstance(a, _GoneGradient)),
-                   "")
+        why = next((a._infinity_why for a in _tensors_in(args) if isinstance(a, _GoneGradient)), "")
         raise RuntimeError(
             f"infinity: {why} ({name} on it). Use the infinity optimizer's "
             "clip_grad_norm_ (it uses norms measured in RAM), or, to keep gradients readable "
             "after backward, keep_grads=True (the default) or overlap=False for the infinity "
-            "optimizer")
+            "optimizer"
+        )
 
 
 def _tensors_in(args) -> Iterator[object]:
@@ -65,28 +76,42 @@ def gone_gradient(shape: torch.Size, why: str) -> torch.Tensor:
 def _mappable(flat: FlatParam, i: int) -> bool:
     slot = flat.slots[i]
     p = slot.param
-    return (flat.grad_ready[i] and slot.trainable and p.dtype == torch.float32
-            and p.device.type == "cpu")
+    return (
+        flat.grad_ready[i]
+        and slot.trainable
+        and p.dtype == torch.float32
+        and p.device.type == "cpu"
+    )
 
 
 class MappedGradViews(GradViews):
-    def __init__(self, owner: GradBuffers, store: SwapStore, held: HeldGrads,
-                 norms: SlotNorms) -> None:
+    def __init__(
+        self, owner: GradBuffers, store: SwapStore, held: HeldGrads, norms: SlotNorms
+    ) -> None:
         self._owner = owner  # gives pool buffers (acquire)
         self._store = store
         self._held = held
         self._norms = norms
-        self._maps: Dict[int, "np.memmap"] = {}
+        self._maps: Dict[int, np.memmap] = {}
 
     def expose(self, flat: FlatParam) -> List[Tuple[int, torch.Tensor, bool]]:
         if not flat.trainable or self._held.lost(flat) is not None or not any(flat.grad_ready):
             return []
         if not self._held.written(flat):  # nothing on NVMe to map: a placeholder says so
-            return [(i, gone_gradient(flat.slots[i].shape,
-                                      f"p.grad of {flat.slots[i].qualname!r} was read, but the "
-                                      f"gradients of {flat.key} were "
-                                      f"{self._held.why_unwritten(flat)}"), True)
-                    for i in range(len(flat.slots)) if _mappable(flat, i)]
+            return [
+                (
+                    i,
+                    gone_gradient(
+                        flat.slots[i].shape,
+                        f"p.grad of {flat.slots[i].qualname!r} was read, but the "
+                        f"gradients of {flat.key} were "
+                        f"{self._held.why_unwritten(flat)}",
+                    ),
+                    True,
+                )
+                for i in range(len(flat.slots))
+                if _mappable(flat, i)
+            ]
         out: List[Tuple[int, torch.Tensor, bool]] = []
         mapped = None
         for i, slot in enumerate(flat.slots):
@@ -94,15 +119,16 @@ class MappedGradViews(GradViews):
                 continue
             if mapped is None:
                 mapped = self._map(flat)
-            part = mapped[slot.offset * 4:(slot.offset + slot.numel) * 4]
+            part = mapped[slot.offset * 4 : (slot.offset + slot.numel) * 4]
             out.append((i, torch.from_numpy(part).view(torch.float32).view(slot.shape), True))
         return out
 
-    def _map(self, flat: FlatParam) -> "np.memmap":
+    def _map(self, flat: FlatParam) -> np.memmap:
         mapped = self._maps.get(id(flat))
         if mapped is None:
-            mapped = np.memmap(self._store.path(grad_key(flat)), dtype=np.uint8, mode="r+",
-                               shape=(flat.numel * 4,))
+            mapped = np.memmap(
+                self._store.path(grad_key(flat)), dtype=np.uint8, mode="r+", shape=(flat.numel * 4,)
+            )
             self._maps[id(flat)] = mapped
         return mapped
 

@@ -5,6 +5,7 @@ at the flat's close), so the optimizer needs no read-back for the inf/nan check 
 clipping; the norms are computed exactly as ``torch.nn.utils.clip_grad_norm_`` does, and a
 finite norm means finite elements. A store that keeps gradients in RAM records none.
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Optional
@@ -37,8 +38,9 @@ class SlotNorms:
     @staticmethod
     def norm_of(flat: FlatParam, index: int) -> torch.Tensor:
         s = flat.slots[index]
-        return torch.linalg.vector_norm(flat.grad[s.offset:s.offset + s.numel], 2.0,
-                                        dtype=torch.float32)
+        return torch.linalg.vector_norm(
+            flat.grad[s.offset : s.offset + s.numel], 2.0, dtype=torch.float32
+        )
 
     def record_whole(self, flat: FlatParam) -> None:
         """A flat in one buffer (``flat.grad``) is closing: its slots' norms (measured as they
@@ -46,11 +48,14 @@ class SlotNorms:
         measured = self._pending.pop(id(flat), None) or [None] * len(flat.slots)
         norms: List[Optional[torch.Tensor]] = [
             (measured[i] if measured[i] is not None else self.norm_of(flat, i))
-            if flat.grad_ready[i] else None
-            for i in range(len(flat.slots))]
+            if flat.grad_ready[i]
+            else None
+            for i in range(len(flat.slots))
+        ]
         self._norms[id(flat)] = norms
-        self._finite[id(flat)] = (all(n is None or bool(torch.isfinite(n)) for n in norms)
-                                  or all_finite(flat.grad))
+        self._finite[id(flat)] = all(
+            n is None or bool(torch.isfinite(n)) for n in norms
+        ) or all_finite(flat.grad)
 
     def record_chunked(self, flat: FlatParam) -> Optional[List[Optional[torch.Tensor]]]:
         """A flat accumulated chunk by chunk is closing: its slots' norms (a slot untouched in

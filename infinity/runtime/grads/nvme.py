@@ -18,6 +18,7 @@ buffers of the pool to the rest of backward; the others are on NVMe already) and
 (grad_reads.py) copy those from RAM. Backward waits for the optimizer to hand buffers back when
 the pool runs out.
 """
+
 from __future__ import annotations
 
 import time
@@ -29,23 +30,31 @@ from ... import trace_events
 from ...tiers import ByteBudget, HostPool, SwapStore, Tier
 from ...tiers.pool_plan import buffer_bytes, piece_bytes
 from ..core.flat import FlatParam
+from ..core.stats import Stats
 from .chunks import ChunkedGrads
 from .held import HeldGrads
 from .mapped import MappedGradViews
 from .reads import NvmeGradReads
+from .rows import scatter_rows
 from .store import GradStore, accumulate_into, grad_key
 from .writes import GradWriter
-from .rows import scatter_rows
-from ..core.stats import Stats
 
 
 class NvmeGradStore(GradStore):
     tier = Tier.NVME
     on_nvme = True
 
-    def __init__(self, *, stats: Stats, host_budget: ByteBudget, store: Optional[SwapStore],
-                 flats: List[FlatParam], pool_count: int, chunk_bytes: Optional[int],
-                 drain: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        *,
+        stats: Stats,
+        host_budget: ByteBudget,
+        store: Optional[SwapStore],
+        flats: List[FlatParam],
+        pool_count: int,
+        chunk_bytes: Optional[int],
+        drain: Callable[[], None],
+    ) -> None:
         super().__init__(chunk_bytes)
         self.stats = stats
         self.drain = drain  # accumulates the device->host copies in flight
@@ -65,10 +74,12 @@ class NvmeGradStore(GradStore):
         # one writer thread: the RAM in flight is bounded by the pool (pool_count buffers,
         # counted in the host budget)
         self._writer = GradWriter(store, stats, self.pool, start=bool(trainable))
-        self.held = HeldGrads(self.pool.release if self.pool is not None else None,
-                              self._writer.writing)
-        self._chunks = ChunkedGrads(self, store, stats, self.pool, self._writer, self.norms,
-                                    self.held)
+        self.held = HeldGrads(
+            self.pool.release if self.pool is not None else None, self._writer.writing
+        )
+        self._chunks = ChunkedGrads(
+            self, store, stats, self.pool, self._writer, self.norms, self.held
+        )
         self.reads = NvmeGradReads(self, store, stats, self._writer, self.held, self._chunks)
         self.views = MappedGradViews(self, store, self.held, self.norms)
 
@@ -86,14 +97,17 @@ class NvmeGradStore(GradStore):
         if any(flat.grad_ready) and not self.held.written(flat):
             # the sum so far was taken from RAM by the step overlapping backward and never
             # written: it cannot be accumulated onto (the step refuses, naming it)
-            self.held.lose_unwritten(flat, "a backward accumulated onto them after the step "
-                                           "overlapping the previous backward took them from "
-                                           "RAM without writing them to NVMe")
+            self.held.lose_unwritten(
+                flat,
+                "a backward accumulated onto them after the step "
+                "overlapping the previous backward took them from "
+                "RAM without writing them to NVMe",
+            )
         if self._chunks.larger(flat):
             self._chunks.open(flat)
             return
         buf = self.acquire()
-        view = buf[:flat.numel * 4].view(torch.float32)
+        view = buf[: flat.numel * 4].view(torch.float32)
         if any(flat.grad_ready):  # accumulating across micro-batches: bring back the sum so far
             self.accumulations += 1
             self._writer.wait_written(flat)  # a write of it may still be queued
@@ -114,13 +128,21 @@ class NvmeGradStore(GradStore):
         # close would, on the same view, so it is the same number
         self.norms.pending(flat)[index] = self.norms.norm_of(flat, index)
 
-    def add_rows(self, flat: FlatParam, index: int, rows: torch.Tensor, values: torch.Tensor,
-                 *, add: bool) -> bool:
+    def add_rows(
+        self, flat: FlatParam, index: int, rows: torch.Tensor, values: torch.Tensor, *, add: bool
+    ) -> bool:
         if self._chunks.accumulating(flat):
             return self._chunks.add_rows(flat, index, rows, values, add=add)
         s = flat.slots[index]
-        scatter_rows(flat.grad[s.offset:s.offset + s.numel], s.offset, s.offset, s.shape[1],
-                     rows, values, add=add)
+        scatter_rows(
+            flat.grad[s.offset : s.offset + s.numel],
+            s.offset,
+            s.offset,
+            s.shape[1],
+            rows,
+            values,
+            add=add,
+        )
         self.norms.pending(flat)[index] = self.norms.norm_of(flat, index)
         return True
 
@@ -131,8 +153,11 @@ class NvmeGradStore(GradStore):
         self.held.reclaim()
         chunks = self._chunks
         while self.free_count() <= 0:
-            if chunks.open_count() and len(self._writer) < max(1, self.pool.count - 2) \
-                    and chunks.evict(complete_only=True):
+            if (
+                chunks.open_count()
+                and len(self._writer) < max(1, self.pool.count - 2)
+                and chunks.evict(complete_only=True)
+            ):
                 # a complete chunk goes to disk (all but two buffers may be writing while
                 # accumulation goes on in the rest); it is never read back for this backward
                 continue
@@ -157,20 +182,29 @@ class NvmeGradStore(GradStore):
                 oldest, _ = next(iter(self._open.values()))
                 self.close(oldest)
             else:
-                raise RuntimeError("infinity: the gradient buffer pool has no buffer to give "
-                                   "and nothing to write out (accounting bug)")
+                raise RuntimeError(
+                    "infinity: the gradient buffer pool has no buffer to give "
+                    "and nothing to write out (accounting bug)"
+                )
         return self.pool.acquire()
 
     def free_count(self) -> int:
-        return (self.pool.count - len(self._open) - self._chunks.open_count()
-                - len(self._writer) - self._chunks.ahead_count() - self.held.buffers_out()
-                - self._chunks.holding_now)
+        return (
+            self.pool.count
+            - len(self._open)
+            - self._chunks.open_count()
+            - len(self._writer)
+            - self._chunks.ahead_count()
+            - self.held.buffers_out()
+            - self._chunks.holding_now
+        )
 
     def reap(self, *, block: bool, count: Optional[int] = None) -> None:
         """Collects finished gradient writes. A failed write gives its buffer back, marks the
         flat's gradients as lost and raises once (GradientWriteError); later calls go on."""
-        self._writer.reap(block=block, count=count, failed=self._write_failed,
-                          held=self.held.holds_buffer)
+        self._writer.reap(
+            block=block, count=count, failed=self._write_failed, held=self.held.holds_buffer
+        )
 
     def _write_failed(self, flat: FlatParam, exc: BaseException) -> None:
         self.held.fail(flat, f"writing them to NVMe failed ({exc})")
@@ -200,7 +234,7 @@ class NvmeGradStore(GradStore):
         for i, s in enumerate(flat.slots):
             if flat.grad_ready[i]:
                 if s.offset > pos:
-                    flat.grad[pos:s.offset].zero_()
+                    flat.grad[pos : s.offset].zero_()
                 pos = s.offset + s.numel
         if pos < flat.numel:
             flat.grad[pos:].zero_()
@@ -214,8 +248,11 @@ class NvmeGradStore(GradStore):
         if keep_in_ram:  # flat.grad stays the buffer until the optimizer hands it back
             self.held.hold(flat, [buf])
             if not write:
-                self.held.set_unwritten(flat, "taken from RAM by the optimizer step "
-                                              "overlapping backward and not written to NVMe")
+                self.held.set_unwritten(
+                    flat,
+                    "taken from RAM by the optimizer step "
+                    "overlapping backward and not written to NVMe",
+                )
                 return
         self.held.clear_unwritten(flat)
         self._writer.write(flat, buf, flat.grad)

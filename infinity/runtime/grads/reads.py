@@ -3,6 +3,7 @@
 Chunks of a flat kept in RAM for a step overlapping backward are copied from RAM; the rest is
 read from the gradient swap file and checked against its checksums.
 """
+
 from __future__ import annotations
 
 from typing import List
@@ -13,12 +14,11 @@ from ... import io as inf_io
 from ...tiers import SwapStore
 from ...tiers.swap_store import IOResult
 from ..core.flat import FlatParam
+from ..core.stats import Stats
 from .chunks import ChunkedGrads
 from .held import HeldGrads
 from .store import GradBuffers, GradReads, grad_key
 from .writes import GradWriter
-from ..core.stats import Stats
-
 
 
 class _Gathered:
@@ -36,8 +36,15 @@ class _Gathered:
 
 
 class NvmeGradReads(GradReads):
-    def __init__(self, owner: GradBuffers, store: SwapStore, stats: Stats,
-                 writer: GradWriter, held: HeldGrads, chunks: ChunkedGrads) -> None:
+    def __init__(
+        self,
+        owner: GradBuffers,
+        store: SwapStore,
+        stats: Stats,
+        writer: GradWriter,
+        held: HeldGrads,
+        chunks: ChunkedGrads,
+    ) -> None:
         self._owner = owner  # gives pool buffers (acquire)
         self._store = store
         self._stats = stats
@@ -48,7 +55,7 @@ class NvmeGradReads(GradReads):
     def read(self, flat: FlatParam, dst: torch.Tensor) -> IOResult:
         """Starts reading the flat's accumulated gradients into ``dst``."""
         if self._held.kept_chunks(flat) is not None:
-            return self.read_range(flat, 0, flat.numel, dst[:flat.numel])
+            return self.read_range(flat, 0, flat.numel, dst[: flat.numel])
         if not self._held.written(flat):
             raise self._held.not_kept(flat, "the optimizer needed to read")
         future = self._store.read(grad_key(flat), dst)
@@ -61,23 +68,24 @@ class NvmeGradReads(GradReads):
         multiple of it and end at one or at the end of the flat."""
         return self._store.piece_bytes(grad_key(flat)) // 4
 
-    def read_range(self, flat: FlatParam, start: int, end: int,
-                   dst: torch.Tensor) -> IOResult:
+    def read_range(self, flat: FlatParam, start: int, end: int, dst: torch.Tensor) -> IOResult:
         """Starts reading elements [start, end) of the flat's accumulated gradients into
         ``dst`` (aligned, fp32, ``end - start`` elements); check them with
         :meth:`verify_range` once read."""
         if dst.dtype != torch.float32 or dst.numel() != end - start:
-            raise ValueError(f"infinity: read_range of {flat.key} [{start}, {end}) needs an fp32 "
-                             f"buffer of {end - start} elements, got {dst.dtype} x {dst.numel()}")
+            raise ValueError(
+                f"infinity: read_range of {flat.key} [{start}, {end}) needs an fp32 "
+                f"buffer of {end - start} elements, got {dst.dtype} x {dst.numel()}"
+            )
         kept = self._held.kept_chunks(flat)
         if kept is not None:  # chunks kept in RAM are copied, the others read
             futures = []
             per = self._chunks.elems
             for a, b, buf in self._chunks.parts(flat, start, end, kept):
-                part = dst[a - start:b - start]
+                part = dst[a - start : b - start]
                 if buf is not None:
                     k0 = a // per * per
-                    part.copy_(buf[(a - k0) * 4:(b - k0) * 4].view(torch.float32))
+                    part.copy_(buf[(a - k0) * 4 : (b - k0) * 4].view(torch.float32))
                 else:  # written (evicted during backward, or at close)
                     futures.append(self._store.read_at(grad_key(flat), a * 4, part))
                     self._stats.add_moved("nvme_to_host", (b - a) * 4, "grads")
@@ -98,12 +106,12 @@ class NvmeGradReads(GradReads):
             return
         for a, b, buf in self._chunks.parts(flat, start, start + dst.numel(), kept):
             if buf is None:
-                self._store.verify_read_at(grad_key(flat), a * 4, dst[a - start:b - start])
+                self._store.verify_read_at(grad_key(flat), a * 4, dst[a - start : b - start])
 
     def verify(self, flat: FlatParam, dst: torch.Tensor) -> None:
         """Checks a completed :meth:`read` into ``dst`` against the file's checksums."""
         if self._held.kept_chunks(flat) is not None:
-            self.verify_range(flat, 0, dst[:flat.numel])
+            self.verify_range(flat, 0, dst[: flat.numel])
             return
         self._store.verify_read(grad_key(flat), dst)
 
@@ -121,7 +129,7 @@ class NvmeGradReads(GradReads):
         self.read(flat, full).wait()
         self.verify(flat, full)
         s = flat.slots[index]
-        return full[s.offset:s.offset + s.numel].view(s.shape).clone()
+        return full[s.offset : s.offset + s.numel].view(s.shape).clone()
 
     def _read_slot(self, flat: FlatParam, index: int) -> torch.Tensor:
         s = flat.slots[index]
@@ -132,11 +140,11 @@ class NvmeGradReads(GradReads):
         try:
             for k in range(lo // per, (hi - 1) // per + 1):
                 start, end = self._chunks.span(flat, k)
-                view = buf[:(end - start) * 4].view(torch.float32)
+                view = buf[: (end - start) * 4].view(torch.float32)
                 self.read_range(flat, start, end, view).wait()
                 self.verify_range(flat, start, view)
                 a, b = max(lo, start), min(hi, end)
-                out[a - lo:b - lo].copy_(view[a - start:b - start])
+                out[a - lo : b - lo].copy_(view[a - start : b - start])
         finally:
             self._owner.pool.release(buf)
         return out.view(s.shape)

@@ -27,6 +27,7 @@ Anything that would read it later (a step that has to be redone, ``p.grad``, a s
 micro-batch accumulating onto it) gets a clear error instead of the stale file: ``p.grad`` of
 fp32 parameters is a placeholder that raises when used.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -39,14 +40,14 @@ import torch
 from ... import trace_events
 from ...tiers import ByteBudget, SwapStore, Tier
 from ..core.flat import FlatParam
+from ..core.stats import Stats
 from .d2h import DeviceGradCopies
 from .held import HeldGrads
 from .host import HostGradStore
 from .nvme import NvmeGradStore
+from .rows import sparse_rows
 from .store import GradReads, GradStore, grad_key
 from .writes import GradientWriteError
-from .rows import sparse_rows
-from ..core.stats import Stats
 
 __all__ = ["GradientSink", "GradientWriteError", "grad_key"]
 
@@ -56,9 +57,18 @@ _STORES = {kind.tier: kind for kind in (HostGradStore, NvmeGradStore)}
 
 
 class GradientSink:
-    def __init__(self, tier: Tier, device: torch.device, stats: Stats, host_budget: ByteBudget,
-                 store: Optional[SwapStore], flats: List[FlatParam], pool_count: int,
-                 *, chunk_bytes: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        tier: Tier,
+        device: torch.device,
+        stats: Stats,
+        host_budget: ByteBudget,
+        store: Optional[SwapStore],
+        flats: List[FlatParam],
+        pool_count: int,
+        *,
+        chunk_bytes: Optional[int] = None,
+    ) -> None:
         kind = _STORES.get(tier)
         if kind is None:
             raise ValueError(f"infinity: gradients live on host or nvme, not {tier}")
@@ -75,9 +85,15 @@ class GradientSink:
         # p.grad changes taken in by reconcile (an optimizer reads it to learn the loop's
         # habits, with accumulations)
         self.user_grad_changes = 0
-        self._store: GradStore = kind(stats=stats, host_budget=host_budget, store=store,
-                                      flats=flats, pool_count=pool_count,
-                                      chunk_bytes=chunk_bytes, drain=lambda: self.copies.drain())
+        self._store: GradStore = kind(
+            stats=stats,
+            host_budget=host_budget,
+            store=store,
+            flats=flats,
+            pool_count=pool_count,
+            chunk_bytes=chunk_bytes,
+            drain=lambda: self.copies.drain(),
+        )
         self.pool = self._store.pool
         self.on_nvme = self._store.on_nvme
         # the optimizer reaches two parts of the store directly: ``reads`` (gradients written
@@ -89,15 +105,24 @@ class GradientSink:
         # ... also under the sink's own names, which the optimizer's call sites use
         reads, held = self.reads, self.held
         self.read, self.read_range, self.verify, self.verify_range = (
-            reads.read, reads.read_range, reads.verify, reads.verify_range)
+            reads.read,
+            reads.read_range,
+            reads.verify,
+            reads.verify_range,
+        )
         self.range_elems, self.wait_written = reads.range_elems, reads.wait_written
         self.release_held, self.holds, self.written, self.lost = (
-            held.release_held, held.holds, held.written, held.lost)
+            held.release_held,
+            held.holds,
+            held.written,
+            held.lost,
+        )
         self._norms = self._store.norms
         self._views = self._store.views
         try:
-            self.copies = DeviceGradCopies(device, host_budget, flats, chunk_bytes,
-                                           self._store.accumulate)
+            self.copies = DeviceGradCopies(
+                device, host_budget, flats, chunk_bytes, self._store.accumulate
+            )
         except BaseException:
             self._store.shutdown()
             raise
@@ -130,8 +155,9 @@ class GradientSink:
                 else:
                     self._store.accumulate(flat, index, grad)
                 self.stats.add_moved("device_to_host", grad.numel() * grad.element_size())
-        trace_events.span("grad_offload", flat.slots[index].qualname,
-                          grad.numel() * grad.element_size(), t0)
+        trace_events.span(
+            "grad_offload", flat.slots[index].qualname, grad.numel() * grad.element_size(), t0
+        )
 
     def _add_rows(self, flat: FlatParam, index: int, grad: torch.Tensor) -> None:
         """A row-sparse gradient (an embedding looked up row by row, runtime/vocab/rows.py, or a
@@ -194,9 +220,12 @@ class GradientSink:
             elif current is not given:
                 self.user_grad_changes += 1
                 if not self.held.written(flat):
-                    raise self.held.not_kept(flat, f"p.grad of {flat.slots[i].qualname!r} "
-                                                    "was replaced after backward, which would "
-                                                    "change")
+                    raise self.held.not_kept(
+                        flat,
+                        f"p.grad of {flat.slots[i].qualname!r} "
+                        "was replaced after backward, which would "
+                        "change",
+                    )
                 if self._store.replace(flat, i, current.detach().reshape(flat.slots[i].shape)):
                     rewrite[id(flat)] = flat
             elif given._version != version:

@@ -27,6 +27,7 @@ ask the store for pool buffers through :class:`GradBuffers`.
     HostGradStore   grad_host.py   one persistent fp32 buffer per flat (``flat.grad``)
     NvmeGradStore   grad_nvme.py   gradient swap files, a pool of chunk buffers, write-behind
 """
+
 from __future__ import annotations
 
 from typing import Callable, List, Optional, Protocol, Tuple
@@ -102,8 +103,10 @@ class GradReads:
 
     def gradient(self, flat: FlatParam, index: int) -> torch.Tensor:
         """Slot ``index``'s gradient when it is not in ``flat.grad``."""
-        raise RuntimeError(f"infinity: {flat.slots[index].qualname}: a gradient marked ready "
-                           "has no accumulator (accounting bug)")
+        raise RuntimeError(
+            f"infinity: {flat.slots[index].qualname}: a gradient marked ready "
+            "has no accumulator (accounting bug)"
+        )
 
 
 class GradViews:
@@ -147,8 +150,9 @@ class GradStore:
     def accumulate(self, flat: FlatParam, index: int, grad: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def add_rows(self, flat: FlatParam, index: int, rows: torch.Tensor, values: torch.Tensor,
-                 *, add: bool) -> bool:
+    def add_rows(
+        self, flat: FlatParam, index: int, rows: torch.Tensor, values: torch.Tensor, *, add: bool
+    ) -> bool:
         """Scatters a row-sparse gradient into slot ``index`` (``add``: onto its sum); False
         when there was nothing to scatter."""
         raise NotImplementedError

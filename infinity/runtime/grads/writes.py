@@ -5,6 +5,7 @@ thread does not wait for the submission, which wakes the I/O workers); writes ar
 the order their blocks' backward ended. A write's buffer stays out of the pool until the write
 is reaped, so the RAM in flight is bounded by the pool.
 """
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -14,8 +15,8 @@ import torch
 
 from ...tiers import HostPool, SwapStore
 from ..core.flat import FlatParam
-from .store import grad_key
 from ..core.stats import Stats
+from .store import grad_key
 
 
 class GradientWriteError(OSError):
@@ -28,7 +29,7 @@ class _PendingWrite:
 
     __slots__ = ("_submitted",)
 
-    def __init__(self, submitted: "cf.Future") -> None:
+    def __init__(self, submitted: cf.Future) -> None:
         self._submitted = submitted
 
     def done(self) -> bool:
@@ -43,8 +44,9 @@ class _PendingWrite:
 
 
 class GradWriter:
-    def __init__(self, store: SwapStore, stats: Stats, pool: Optional[HostPool], *,
-                 start: bool) -> None:
+    def __init__(
+        self, store: SwapStore, stats: Stats, pool: Optional[HostPool], *, start: bool
+    ) -> None:
         self._store = store
         self._stats = stats
         self._pool = pool
@@ -52,8 +54,9 @@ class GradWriter:
         self._writes: List[Tuple[_PendingWrite, torch.Tensor, FlatParam, Optional[int]]] = []
         self._executor: Optional[cf.ThreadPoolExecutor] = None
         if start:
-            self._executor = cf.ThreadPoolExecutor(max_workers=1,
-                                                   thread_name_prefix="infinity-grad-write")
+            self._executor = cf.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="infinity-grad-write"
+            )
 
     def write(self, flat: FlatParam, buf: torch.Tensor, data: torch.Tensor) -> None:
         """Starts writing a whole flat's gradients ``data`` (in ``buf``)."""
@@ -61,11 +64,13 @@ class GradWriter:
         self._stats.add_moved("host_to_nvme", flat.numel * 4, "grads")
         self._writes.append((future, buf, flat, None))
 
-    def write_chunk(self, flat: FlatParam, k: int, buf: torch.Tensor, start: int,
-                    view: torch.Tensor) -> None:
+    def write_chunk(
+        self, flat: FlatParam, k: int, buf: torch.Tensor, start: int, view: torch.Tensor
+    ) -> None:
         """Starts writing chunk ``k`` (``view``, in ``buf``) at element ``start``."""
-        future = _PendingWrite(self._executor.submit(self._store.write_at, grad_key(flat),
-                                                     start * 4, view))
+        future = _PendingWrite(
+            self._executor.submit(self._store.write_at, grad_key(flat), start * 4, view)
+        )
         self._stats.add_moved("host_to_nvme", view.numel() * 4, "grads")
         self._writes.append((future, buf, flat, k))
 
@@ -97,9 +102,14 @@ class GradWriter:
                 pass
         return bool(pending)
 
-    def reap(self, *, block: bool, count: Optional[int],
-             failed: Callable[[FlatParam, BaseException], None],
-             held: Callable[[torch.Tensor], bool]) -> None:
+    def reap(
+        self,
+        *,
+        block: bool,
+        count: Optional[int],
+        failed: Callable[[FlatParam, BaseException], None],
+        held: Callable[[torch.Tensor], bool],
+    ) -> None:
         """Collects finished writes (``block``: waits for them, or for the first ``count``).
         A failed write gives its buffer back, is reported to ``failed`` and raises once
         (GradientWriteError); later calls go on. Buffers ``held`` for the optimizer are given
@@ -117,7 +127,8 @@ class GradWriter:
                         getattr(exc, "errno", None) or 5,
                         f"infinity: writing the gradients of {flat.key} to NVMe failed ({exc}). "
                         "These gradients are lost: once the disk is fixed, call zero_grad() and "
-                        "run this micro-batch's backward again")
+                        "run this micro-batch's backward again",
+                    )
                 finally:
                     if not held(buf):
                         self._pool.release(buf)

@@ -24,6 +24,7 @@ live here, not in ``if param_tier is ...`` branches across the engine and the op
 An engine whose blocks live in different tiers ("the first blocks on host, the rest on NVMe")
 keeps one home per tier and routes each flat to its own through a :class:`TieredHome`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -57,11 +58,10 @@ class Home:
     def write_slots(self, flat: FlatParam, src: torch.Tensor, slots: Sequence[int]) -> None:
         raise NotImplementedError
 
-    def write_range_async(self, flat: FlatParam, start: int, src: torch.Tensor) -> "IOResult":
+    def write_range_async(self, flat: FlatParam, start: int, src: torch.Tensor) -> IOResult:
         """Starts writing elements [start, start + len(src)) of an updated working copy to a
         home on NVMe (see :meth:`NvmeHome.write_range_async`)."""
-        raise RuntimeError(f"{flat.key}: ranged home writes are only for parameters homed on "
-                           "NVMe")
+        raise RuntimeError(f"{flat.key}: ranged home writes are only for parameters homed on NVMe")
 
     def working_buffer(self, flat: FlatParam) -> Optional[torch.Tensor]:
         return None
@@ -90,11 +90,12 @@ class Home:
         pass
 
 
-def _copy_slots(dst: torch.Tensor, src: torch.Tensor, flat: FlatParam,
-                slots: Sequence[int]) -> None:
+def _copy_slots(
+    dst: torch.Tensor, src: torch.Tensor, flat: FlatParam, slots: Sequence[int]
+) -> None:
     for i in slots:
         s = flat.slots[i]
-        dst[s.offset:s.offset + s.numel].copy_(src[s.offset:s.offset + s.numel])
+        dst[s.offset : s.offset + s.numel].copy_(src[s.offset : s.offset + s.numel])
 
 
 class HostHome(Home):
@@ -131,7 +132,10 @@ class HostHome(Home):
         return flat.home.view(torch.uint8).numpy()
 
     def fetch_into(self, flat: FlatParam, dst: torch.Tensor, non_blocking: bool) -> None:
-        from ...tiers.pinned import upload  # on CUDA: a DMA from the pinned home, any cast on the GPU
+        from ...tiers.pinned import (
+            upload,  # on CUDA: a DMA from the pinned home, any cast on the GPU
+        )
+
         upload(dst, flat.home, non_blocking)
 
     def snapshot(self, flat: FlatParam) -> torch.Tensor:
@@ -156,8 +160,9 @@ def _gather_range(flat: FlatParam, out: torch.Tensor, start: int, end: int) -> N
             if a < b:
                 # a slot of a ZeRO shard's flat is the part of its parameter from param_start
                 first = getattr(s, "param_start", 0) + a - s.offset
-                out[a - start:b - start].copy_(
-                    s.param.detach().reshape(-1)[first:first + b - a])
+                out[a - start : b - start].copy_(
+                    s.param.detach().reshape(-1)[first : first + b - a]
+                )
 
 
 class NvmeHome(Home):
@@ -198,7 +203,7 @@ class NvmeHome(Home):
 
     @staticmethod
     def _staging(buf: torch.Tensor, flat: FlatParam, numel: int) -> torch.Tensor:
-        return buf[:numel * flat.home_itemsize].view(flat.home_dtype)
+        return buf[: numel * flat.home_itemsize].view(flat.home_dtype)
 
     def _read_chunk(self, flat: FlatParam, start: int, staging: torch.Tensor) -> None:
         # a fetch (forward, backward or a prefetch for them) or a read for one: ahead of bulk
@@ -228,9 +233,13 @@ class NvmeHome(Home):
     def _direct(flat: FlatParam, dst: torch.Tensor) -> bool:
         """Whether the swap file can be read straight into ``dst`` (O_DIRECT needs an
         aligned CPU buffer of the home's dtype and size)."""
-        return (dst.device.type == "cpu" and dst.dtype == flat.home_dtype
-                and dst.is_contiguous() and dst.numel() == flat.numel
-                and inf_io.is_aligned(dst))
+        return (
+            dst.device.type == "cpu"
+            and dst.dtype == flat.home_dtype
+            and dst.is_contiguous()
+            and dst.numel() == flat.numel
+            and inf_io.is_aligned(dst)
+        )
 
     def read_into(self, flat: FlatParam, dst: torch.Tensor) -> None:
         if self._direct(flat, dst):
@@ -247,26 +256,32 @@ class NvmeHome(Home):
         finally:
             self.pool.release(buf)
 
-    def write_async(self, flat: FlatParam, src: torch.Tensor) -> "IOResult":
+    def write_async(self, flat: FlatParam, src: torch.Tensor) -> IOResult:
         """Starts writing a full working copy (home dtype, aligned) to the swap file."""
         future = self.store.write(flat.key, src)
         self.stats.add_moved("host_to_nvme", flat.home_nbytes)
         return future
 
-    def write_range_async(self, flat: FlatParam, start: int, src: torch.Tensor) -> "IOResult":
+    def write_range_async(self, flat: FlatParam, start: int, src: torch.Tensor) -> IOResult:
         """Starts writing ``src`` (home dtype, aligned, contiguous) over elements
         [start, start + len(src)) of the home. ``start`` is a multiple of
         :meth:`range_elems`, and the range ends at one or at the end of the flat."""
         if src.dtype != flat.home_dtype:
-            raise TypeError(f"infinity: {flat.key}: a ranged home write takes the home dtype "
-                            f"{flat.home_dtype}, got {src.dtype}")
+            raise TypeError(
+                f"infinity: {flat.key}: a ranged home write takes the home dtype "
+                f"{flat.home_dtype}, got {src.dtype}"
+            )
         future = self.store.write_at(flat.key, start * flat.home_itemsize, src)
         self.stats.add_moved("host_to_nvme", src.numel() * flat.home_itemsize)
         return future
 
     def write_from(self, flat: FlatParam, src: torch.Tensor) -> None:
-        if inf_io.is_aligned(src) and src.dtype == flat.home_dtype and src.numel() == flat.numel \
-                and src.is_contiguous():
+        if (
+            inf_io.is_aligned(src)
+            and src.dtype == flat.home_dtype
+            and src.numel() == flat.numel
+            and src.is_contiguous()
+        ):
             self.write_async(flat, src).wait()
             return
         values = src.view(-1)
@@ -283,20 +298,20 @@ class NvmeHome(Home):
     def write_slots(self, flat: FlatParam, src: torch.Tensor, slots: Sequence[int]) -> None:
         """Only the chunks holding the slots are read, changed and written back."""
         values = src.view(-1)
-        ranges = [(flat.slots[i].offset, flat.slots[i].offset + flat.slots[i].numel)
-                  for i in slots]
+        ranges = [(flat.slots[i].offset, flat.slots[i].offset + flat.slots[i].numel) for i in slots]
         buf = self.pool.acquire()
         try:
             for start, end in self._chunks(flat):
-                parts = [(max(a, start), min(b, end)) for a, b in ranges
-                         if max(a, start) < min(b, end)]
+                parts = [
+                    (max(a, start), min(b, end)) for a, b in ranges if max(a, start) < min(b, end)
+                ]
                 if not parts:
                     continue
                 staging = self._staging(buf, flat, end - start)
                 self._read_chunk(flat, start, staging)
                 self.stats.add_moved("nvme_to_host", staging.numel() * flat.home_itemsize)
                 for a, b in parts:
-                    staging[a - start:b - start].copy_(values[a:b])
+                    staging[a - start : b - start].copy_(values[a:b])
                 self.store.write_at(flat.key, start * flat.home_itemsize, staging).wait()
                 self.stats.add_moved("host_to_nvme", staging.numel() * flat.home_itemsize)
         finally:
@@ -305,8 +320,9 @@ class NvmeHome(Home):
     def outside_bytes(self, flat: FlatParam) -> Optional[np.ndarray]:
         mapped = self._maps.get(flat.key)
         if mapped is None:
-            mapped = np.memmap(self.store.path(flat.key), dtype=np.uint8, mode="r+",
-                               shape=(flat.home_nbytes,))
+            mapped = np.memmap(
+                self.store.path(flat.key), dtype=np.uint8, mode="r+", shape=(flat.home_nbytes,)
+            )
             self._maps[flat.key] = mapped
         return mapped
 
@@ -323,6 +339,7 @@ class NvmeHome(Home):
         after its upload has completed: nothing here waits on the GPU, and the next chunk's
         read overlaps the previous chunk's upload when the pool has a second buffer free."""
         from ...tiers.pinned import upload
+
         if self._direct(flat, dst):  # CPU device: straight from the file into the buffer
             self._read(flat, dst)
             self.stats.add_moved("host_to_device", flat.home_nbytes)
@@ -432,13 +449,13 @@ class TieredHome(Home):
     def write_from(self, flat: FlatParam, src: torch.Tensor) -> None:
         self._home(flat).write_from(flat, src)
 
-    def write_async(self, flat: FlatParam, src: torch.Tensor) -> "inf_io.IOFuture":
+    def write_async(self, flat: FlatParam, src: torch.Tensor) -> inf_io.IOFuture:
         home = self._home(flat)
         if self._tier_of[flat.key] is not Tier.NVME:
             raise RuntimeError(f"{flat.key}: write_async is only for parameters homed on NVMe")
         return home.write_async(flat, src)  # type: ignore[attr-defined]
 
-    def write_range_async(self, flat: FlatParam, start: int, src: torch.Tensor) -> "IOResult":
+    def write_range_async(self, flat: FlatParam, start: int, src: torch.Tensor) -> IOResult:
         return self._home(flat).write_range_async(flat, start, src)
 
     def write_slots(self, flat: FlatParam, src: torch.Tensor, slots: Sequence[int]) -> None:
@@ -466,8 +483,11 @@ class TieredHome(Home):
 
 def master_is_home(home: Home, flat: FlatParam) -> bool:
     """fp32 parameters homed in host RAM are their own fp32 master weights."""
-    return (home.tier_of(flat) is Tier.HOST and flat.home is not None
-            and flat.home_dtype == torch.float32)
+    return (
+        home.tier_of(flat) is Tier.HOST
+        and flat.home is not None
+        and flat.home_dtype == torch.float32
+    )
 
 
 __all__ = ["Home", "HostHome", "NvmeHome", "DeviceHome", "TieredHome", "master_is_home"]

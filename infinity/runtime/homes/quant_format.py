@@ -21,6 +21,7 @@ Dequantization (:meth:`FrozenFormat.dequantize_segment`) writes fp32 or bf16 dir
 native kernel: AVX-512 / AVX2 / scalar, threaded); other compute dtypes go through fp32.
 On CUDA the segment's bytes are uploaded and decoded by PyTorch ops on the device.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -48,7 +49,7 @@ class FrozenFormat:
     name: str
     blocksize: int
     code_bits: int
-    nested: bool = False              # absmax double-quantized (nf4-dq)
+    nested: bool = False  # absmax double-quantized (nf4-dq)
     segment_elems: int = SEGMENT_ELEMS
 
     @property
@@ -63,8 +64,7 @@ class FrozenFormat:
         return (numel + self.blocksize - 1) // self.blocksize
 
     def _nested_count(self, numel: int) -> int:
-        return (self.absmax_count(numel) + nf4_dq.NESTED_BLOCKSIZE - 1) // \
-            nf4_dq.NESTED_BLOCKSIZE
+        return (self.absmax_count(numel) + nf4_dq.NESTED_BLOCKSIZE - 1) // nf4_dq.NESTED_BLOCKSIZE
 
     def _stats_at(self, numel: int) -> int:
         """Byte offset of a segment's absmax (nf4-dq: of its fp32 scales, after the absmax
@@ -81,8 +81,11 @@ class FrozenFormat:
     @property
     def bytes_per_param(self) -> float:
         if self.nested:
-            return self.code_bits / 8 + 1 / self.blocksize + \
-                4 / (self.blocksize * nf4_dq.NESTED_BLOCKSIZE)
+            return (
+                self.code_bits / 8
+                + 1 / self.blocksize
+                + 4 / (self.blocksize * nf4_dq.NESTED_BLOCKSIZE)
+            )
         return self.code_bits / 8 + 4 / self.blocksize
 
     @property
@@ -109,9 +112,13 @@ class FrozenFormat:
         at = self._stats_at(count)
         if self.nested:
             n2 = self._nested_count(count)
-            return (codes, seg[c:c + nb], seg[at:at + 4 * n2].view(torch.float32),
-                    seg[at + 4 * n2:at + 4 * n2 + 4].view(torch.float32))
-        absmax = seg[c:c + 4 * nb].view(torch.float32)
+            return (
+                codes,
+                seg[c : c + nb],
+                seg[at : at + 4 * n2].view(torch.float32),
+                seg[at + 4 * n2 : at + 4 * n2 + 4].view(torch.float32),
+            )
+        absmax = seg[c : c + 4 * nb].view(torch.float32)
         if not self.is_nf4:
             codes = codes.view(torch.int8)
         return codes, absmax
@@ -162,8 +169,7 @@ class FrozenFormat:
             else:
                 out.copy_(int8_block.dequantize_int8(codes, absmax, count, self.blocksize))
 
-    def _torch_decode(self, codes: torch.Tensor, absmax: torch.Tensor,
-                      count: int) -> torch.Tensor:
+    def _torch_decode(self, codes: torch.Tensor, absmax: torch.Tensor, count: int) -> torch.Tensor:
         """PyTorch decode on any device (CUDA): the same products as the CPU kernels."""
         if not self.is_nf4:
             scale = (absmax * (1.0 / 127.0)).repeat_interleave(self.blocksize)[:count]
@@ -173,29 +179,40 @@ class FrozenFormat:
         idx = torch.stack([c >> 4, c & 0x0F], dim=1).view(-1)[:count]
         return levels[idx] * absmax.repeat_interleave(self.blocksize)[:count]
 
-    def decode(self, stored: torch.Tensor, numel: int,
-               out: Optional[torch.Tensor] = None,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def decode(
+        self,
+        stored: torch.Tensor,
+        numel: int,
+        out: Optional[torch.Tensor] = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor:
         """The whole flat from its stored bytes (uint8, stored_nbytes(numel)): for tests,
         snapshots and state dicts."""
         if out is None:
             out = torch.empty(numel, dtype=dtype)
         flat_out = out.view(-1)
         for _, start, count, offset in self.segments(numel):
-            self.dequantize_segment(stored[offset:offset + self.raw_nbytes(count)], count,
-                                    flat_out[start:start + count])
+            self.dequantize_segment(
+                stored[offset : offset + self.raw_nbytes(count)],
+                count,
+                flat_out[start : start + count],
+            )
         return out
 
 
-_FORMATS = {"nf4": FrozenFormat("nf4", nf4.DEFAULT_BLOCKSIZE, 4),
-            "nf4-dq": FrozenFormat("nf4-dq", nf4.DEFAULT_BLOCKSIZE, 4, nested=True,
-                                   segment_elems=DQ_SEGMENT_ELEMS),
-            "int8": FrozenFormat("int8", int8_block.DEFAULT_BLOCKSIZE, 8)}
+_FORMATS = {
+    "nf4": FrozenFormat("nf4", nf4.DEFAULT_BLOCKSIZE, 4),
+    "nf4-dq": FrozenFormat(
+        "nf4-dq", nf4.DEFAULT_BLOCKSIZE, 4, nested=True, segment_elems=DQ_SEGMENT_ELEMS
+    ),
+    "int8": FrozenFormat("int8", int8_block.DEFAULT_BLOCKSIZE, 8),
+}
 if tuple(_FORMATS) != FORMATS:
     raise AssertionError(f"frozen formats laid out {tuple(_FORMATS)} != the policy's {FORMATS}")
 for _f in _FORMATS.values():  # import-time checks of the layouts above
     if _f.segment_elems % _f.blocksize or (
-            _f.nested and _f.segment_elems % (_f.blocksize * nf4_dq.NESTED_BLOCKSIZE)):
+        _f.nested and _f.segment_elems % (_f.blocksize * nf4_dq.NESTED_BLOCKSIZE)
+    ):
         raise AssertionError(f"a segment of {_f.name} splits a quantization block")
     if _f.raw_nbytes(_f.segment_elems) != _f.segment_nbytes and not _f.nested:
         raise AssertionError(f"segment of {_f.name} is not page-aligned")
@@ -204,8 +221,10 @@ for _f in _FORMATS.values():  # import-time checks of the layouts above
 def frozen_format(name: str) -> FrozenFormat:
     fmt = _FORMATS.get(name)
     if fmt is None:
-        raise ValueError(f"infinity: frozen_format={name!r} is not supported; use 'nf4', "
-                         "'nf4-dq', 'int8' or None")
+        raise ValueError(
+            f"infinity: frozen_format={name!r} is not supported; use 'nf4', "
+            "'nf4-dq', 'int8' or None"
+        )
     return fmt
 
 

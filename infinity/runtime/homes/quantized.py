@@ -19,6 +19,7 @@ their shape: no memory, the right dtype and device, any in-place write refused b
 Their values are read by ``model.state_dict()`` (the engine decodes them there), inside
 ``infinity.materialized()`` or in forward. Rebinding ``p.data = t`` re-quantizes the slot.
 """
+
 from __future__ import annotations
 
 import logging
@@ -30,9 +31,9 @@ import torch
 from ... import io as inf_io
 from ...tiers import ByteBudget, HostPool, SwapStore, Tier
 from ..core.flat import Binding, FlatParam
+from ..core.stats import Stats
 from .home import Home
 from .quant_format import FrozenFormat
-from ..core.stats import Stats
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +42,15 @@ class QuantFlat(FlatParam):
     """Frozen parameters of one block and dtype, stored in ``fmt``. Each parameter starts on a
     quantization block boundary (its blocks are those bitsandbytes makes of it alone)."""
 
-    def __init__(self, key: str, params: List[tuple], home_dtype: torch.dtype,
-                 compute_dtype: torch.dtype, device: torch.device, fmt: FrozenFormat) -> None:
+    def __init__(
+        self,
+        key: str,
+        params: List[tuple],
+        home_dtype: torch.dtype,
+        compute_dtype: torch.dtype,
+        device: torch.device,
+        fmt: FrozenFormat,
+    ) -> None:
         super().__init__(key, params, home_dtype, compute_dtype, device, align=fmt.blocksize)
         self.fmt = fmt
 
@@ -63,18 +71,28 @@ class QuantFlat(FlatParam):
                     f"infinity: parameter {s.qualname!r} is stored in {self.fmt.name} (it was "
                     f"frozen at wrap, frozen_format={self.fmt.name!r}) but now requires grad; a "
                     "quantized parameter cannot be trained. Set requires_grad=False on it, or "
-                    "unwrap and wrap again with it trainable (or frozen_format=None)")
+                    "unwrap and wrap again with it trainable (or frozen_format=None)"
+                )
 
 
 class QuantizedHome(Home):
     """The home of one tier for a model with quantized frozen parameters (see module doc)."""
 
-    def __init__(self, inner: Home, tier: Tier, budget: ByteBudget,
-                 store: Optional[SwapStore], pool: Optional[HostPool], stats: Stats) -> None:
+    def __init__(
+        self,
+        inner: Home,
+        tier: Tier,
+        budget: ByteBudget,
+        store: Optional[SwapStore],
+        pool: Optional[HostPool],
+        stats: Stats,
+    ) -> None:
         if tier not in (Tier.HOST, Tier.NVME):
-            raise ValueError(f"infinity: frozen_format keeps frozen parameters quantized on host "
-                             f"or NVMe, not on {tier.value!r}; pass param_tier='host' or "
-                             "'nvme' (or frozen_format=None)")
+            raise ValueError(
+                f"infinity: frozen_format keeps frozen parameters quantized on host "
+                f"or NVMe, not on {tier.value!r}; pass param_tier='host' or "
+                "'nvme' (or frozen_format=None)"
+            )
         self.inner = inner
         self.tier = tier
         self.budget = budget
@@ -97,7 +115,7 @@ class QuantizedHome(Home):
             if a < b:
                 # a slot of a ZeRO shard's flat is the part of its parameter from param_start
                 first = getattr(s, "param_start", 0) + a - s.offset
-                parts.append((a, s.param.detach().reshape(-1)[first:first + b - a]))
+                parts.append((a, s.param.detach().reshape(-1)[first : first + b - a]))
         parts.sort(key=lambda part: part[0])
         pieces: List[Tuple[torch.Tensor, int]] = []
         if not parts or parts[0][0] > start:  # zeros before the first parameter
@@ -127,12 +145,13 @@ class QuantizedHome(Home):
         return first, min(end, flat.home_nbytes)
 
     @staticmethod
-    def _raw(flat: QuantFlat, seg: Tuple[int, int, int, int], buf: torch.Tensor,
-             first: int) -> torch.Tensor:
+    def _raw(
+        flat: QuantFlat, seg: Tuple[int, int, int, int], buf: torch.Tensor, first: int
+    ) -> torch.Tensor:
         """The stored bytes of segment ``seg`` in ``buf``, which holds the home's bytes from
         byte ``first`` on."""
         _, _, count, offset = seg
-        return buf[offset - first:offset - first + flat.fmt.raw_nbytes(count)]
+        return buf[offset - first : offset - first + flat.fmt.raw_nbytes(count)]
 
     def _write_segments(self, flat: QuantFlat, produce) -> None:
         """Writes every segment's stored bytes, ``produce(seg, out)`` filling ``out`` (uint8,
@@ -145,7 +164,7 @@ class QuantizedHome(Home):
         try:
             for run in self._runs(flat):
                 first, end = self._run_span(flat, run)
-                staging = buf[:end - first]
+                staging = buf[: end - first]
                 staging.zero_()
                 for seg in run:
                     produce(seg, self._raw(flat, seg, staging, first))
@@ -165,7 +184,7 @@ class QuantizedHome(Home):
         try:
             for run in self._runs(flat):
                 first, end = self._run_span(flat, run)
-                staging = buf[:end - first]
+                staging = buf[: end - first]
                 self.store.read_at_sync(flat.key, first, staging, urgent=True)
                 self.stats.add_moved("nvme_to_host", end - first)
                 for seg in run:
@@ -180,8 +199,10 @@ class QuantizedHome(Home):
             return
         for s in flat.slots:
             if s.trainable:
-                raise ValueError(f"infinity: parameter {s.qualname!r} requires grad; only "
-                                 "frozen parameters are stored quantized (engine bug)")
+                raise ValueError(
+                    f"infinity: parameter {s.qualname!r} requires grad; only "
+                    "frozen parameters are stored quantized (engine bug)"
+                )
         nbytes = flat.home_nbytes
         if self.tier is Tier.HOST:
             self.budget.acquire(nbytes, what=f"host copy of {flat.key} ({flat.fmt.name})")
@@ -196,6 +217,7 @@ class QuantizedHome(Home):
         def produce(seg, out: torch.Tensor) -> None:
             _, start, count, _ = seg
             flat.fmt.quantize_pieces(self._pieces(flat, start, count), out)
+
         self._write_segments(flat, produce)
 
     def read_into(self, flat: FlatParam, dst: torch.Tensor) -> None:
@@ -206,17 +228,21 @@ class QuantizedHome(Home):
 
         def consume(seg, raw: torch.Tensor) -> None:
             _, start, count, _ = seg
-            flat.fmt.dequantize_segment(raw, count, out[start:start + count])
+            flat.fmt.dequantize_segment(raw, count, out[start : start + count])
+
         self._read_segments(flat, consume)
 
-    def _requantize(self, flat: QuantFlat, src: torch.Tensor,
-                    ranges: Optional[List[Tuple[int, int]]]) -> None:
+    def _requantize(
+        self, flat: QuantFlat, src: torch.Tensor, ranges: Optional[List[Tuple[int, int]]]
+    ) -> None:
         """Elements of ``src`` (all, or only ``ranges``) become the stored values again."""
         values = src.reshape(-1)
         if ranges is None:
+
             def produce(seg, out):
                 _, start, count, _ = seg
-                flat.fmt.quantize_segment(values[start:start + count], out)
+                flat.fmt.quantize_segment(values[start : start + count], out)
+
             self._write_segments(flat, produce)
             return
         current = torch.empty(flat.numel, dtype=torch.float32)
@@ -235,20 +261,26 @@ class QuantizedHome(Home):
         if not isinstance(flat, QuantFlat):
             self.inner.write_slots(flat, src, slots)
             return
-        self._requantize(flat, src, [(flat.slots[i].offset,
-                                      flat.slots[i].offset + flat.slots[i].numel)
-                                     for i in slots])
+        self._requantize(
+            flat,
+            src,
+            [(flat.slots[i].offset, flat.slots[i].offset + flat.slots[i].numel) for i in slots],
+        )
 
     def write_range_async(self, flat: FlatParam, start: int, src: torch.Tensor):
         if isinstance(flat, QuantFlat):
-            raise RuntimeError(f"infinity: {flat.key} holds frozen parameters stored in "
-                               f"{flat.fmt.name}; an optimizer never writes it")
+            raise RuntimeError(
+                f"infinity: {flat.key} holds frozen parameters stored in "
+                f"{flat.fmt.name}; an optimizer never writes it"
+            )
         return self.inner.write_range_async(flat, start, src)
 
     def write_async(self, flat: FlatParam, src: torch.Tensor):
         if isinstance(flat, QuantFlat):
-            raise RuntimeError(f"infinity: {flat.key} holds frozen parameters stored in "
-                               f"{flat.fmt.name}; an optimizer never writes it")
+            raise RuntimeError(
+                f"infinity: {flat.key} holds frozen parameters stored in "
+                f"{flat.fmt.name}; an optimizer never writes it"
+            )
         return self.inner.write_async(flat, src)  # type: ignore[attr-defined]
 
     def working_buffer(self, flat: FlatParam) -> Optional[torch.Tensor]:
@@ -274,7 +306,8 @@ class QuantizedHome(Home):
             _, start, count, _ = seg
             if out.device.type != "cpu":  # uploaded, decoded on the device
                 raw = raw.to(out.device, non_blocking=False)
-            flat.fmt.dequantize_segment(raw, count, out[start:start + count])
+            flat.fmt.dequantize_segment(raw, count, out[start : start + count])
+
         self._read_segments(flat, consume)
         if self.tier is Tier.NVME:
             self.stats.add_moved("host_to_device", flat.home_nbytes)

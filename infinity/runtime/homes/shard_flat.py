@@ -9,6 +9,7 @@ parts inside that range -- a parameter straddling two shards has a clipped slot 
 the range has no slot here. Homes, the gradient sink and the optimizer treat a ShardFlat as
 any FlatParam (same attributes), so the single-process code paths serve a shard unchanged.
 """
+
 from __future__ import annotations
 
 from typing import List, Optional
@@ -23,11 +24,22 @@ class ShardSlot:
     """The part ``[param_start, param_start + numel)`` of one parameter (flattened) that lies
     in this rank's shard, at ``offset`` in the shard."""
 
-    __slots__ = ("full", "full_index", "offset", "numel", "shape", "param_start",
-                 "qualname", "module", "attr", "trainable")
+    __slots__ = (
+        "full",
+        "full_index",
+        "offset",
+        "numel",
+        "shape",
+        "param_start",
+        "qualname",
+        "module",
+        "attr",
+        "trainable",
+    )
 
-    def __init__(self, full: FlatParam, full_index: int, offset: int, numel: int,
-                 param_start: int) -> None:
+    def __init__(
+        self, full: FlatParam, full_index: int, offset: int, numel: int, param_start: int
+    ) -> None:
         s = full.slots[full_index]
         self.full = full
         self.full_index = full_index
@@ -93,8 +105,8 @@ class ShardFlat(FlatParam):
         out.zero_()
         with torch.no_grad():
             for s in self.slots:
-                src = s.param.detach().reshape(-1)[s.param_start:s.param_start + s.numel]
-                out[s.offset:s.offset + s.numel].copy_(src)
+                src = s.param.detach().reshape(-1)[s.param_start : s.param_start + s.numel]
+                out[s.offset : s.offset + s.numel].copy_(src)
 
     def bind_views(self, compute: torch.Tensor) -> None:  # pragma: no cover - engine bug
         raise RuntimeError(f"{self.key}: a rank's shard is never bound to parameters")
@@ -103,5 +115,7 @@ class ShardFlat(FlatParam):
         raise RuntimeError(f"{self.key}: a rank's shard is never bound to parameters")
 
     def __repr__(self) -> str:
-        return (f"ShardFlat({self.key!r}, rank {self.rank}/{self.world}, "
-                f"[{self.start}, {self.end}), {len(self.slots)} slots)")
+        return (
+            f"ShardFlat({self.key!r}, rank {self.rank}/{self.world}, "
+            f"[{self.start}, {self.end}), {len(self.slots)} slots)"
+        )

@@ -5,6 +5,7 @@ It wraps the single-process home of the same tier and translates: calls naming a
 rank's :class:`~.shard_flat.ShardFlat`; calls naming a ShardFlat (the optimizer) go straight
 through. Reading a whole flat (unwrap, full state dicts) all-gathers the parts.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Protocol, Sequence
@@ -15,6 +16,7 @@ import torch
 from ..core.flat import FlatParam
 from .home import Home
 from .shard_flat import ShardFlat
+
 
 class FlatParts(Protocol):
     """What a ShardedHome asks of the partitioner: this rank's part of a flat, and a whole
@@ -48,7 +50,7 @@ class ShardedHome(Home):
     def write_from(self, flat: FlatParam, src: torch.Tensor) -> None:
         local = self._local(flat)
         if not isinstance(flat, ShardFlat):
-            src = src[local.start:local.end]
+            src = src[local.start : local.end]
         self.inner.write_from(local, src)
 
     def write_slots(self, flat: FlatParam, src: torch.Tensor, slots: Sequence[int]) -> None:
@@ -58,7 +60,7 @@ class ShardedHome(Home):
         local = self.part.local(flat)
         mine = [j for j in (local.local_index(i) for i in slots) if j is not None]
         if mine:
-            self.inner.write_slots(local, src[local.start:local.end], mine)
+            self.inner.write_slots(local, src[local.start : local.end], mine)
 
     def working_buffer(self, flat: FlatParam) -> Optional[torch.Tensor]:
         return self.inner.working_buffer(self._local(flat))
@@ -73,7 +75,7 @@ class ShardedHome(Home):
         """This rank's part only (no collective: safe on a transfer thread, in any order);
         the engine all-gathers the rest on its own thread when the block is needed."""
         local = self.part.local(flat)
-        self.inner.fetch_into(local, dst[local.start:local.end], non_blocking)
+        self.inner.fetch_into(local, dst[local.start : local.end], non_blocking)
 
     def write_async(self, flat: FlatParam, src: torch.Tensor):
         return self.inner.write_async(self._local(flat), src)

@@ -10,6 +10,7 @@ decoded to full precision into the parameter's place (bitsandbytes' products, bi
 Refused with a clear error: bitsandbytes FP4, LLM.int8 (``SCB``), GPTQ / AWQ (``qweight``),
 FP8 (``weight_scale`` / ``weight_scale_inv``).
 """
+
 from __future__ import annotations
 
 import json
@@ -40,12 +41,18 @@ class Bnb4Weight:
 
 
 def _suffix_keys(key: str) -> Tuple[str, ...]:
-    return (key + ".absmax", key + ".quant_map", key + ".nested_absmax",
-            key + ".nested_quant_map", key + _NF4_STATE)
+    return (
+        key + ".absmax",
+        key + ".quant_map",
+        key + ".nested_absmax",
+        key + ".nested_quant_map",
+        key + _NF4_STATE,
+    )
 
 
-def scan(path: str, keys: Iterable[str], read: Callable[[str], torch.Tensor],
-         error: type) -> Dict[str, Bnb4Weight]:
+def scan(
+    path: str, keys: Iterable[str], read: Callable[[str], torch.Tensor], error: type
+) -> Dict[str, Bnb4Weight]:
     """The checkpoint's bitsandbytes NF4 weights by key; raises ``error`` for a quantization
     format infinity does not read."""
     keys = set(keys)
@@ -57,29 +64,39 @@ def scan(path: str, keys: Iterable[str], read: Callable[[str], torch.Tensor],
                     f"(tensor {key!r}); infinity reads full-precision checkpoints and "
                     "bitsandbytes NF4 ones only. Pass the model's original (bf16/fp32) "
                     "checkpoint, and frozen_format='nf4' or 'int8' to quantize the frozen base "
-                    "at wrap")
+                    "at wrap"
+                )
     found: Dict[str, Bnb4Weight] = {}
     for key in keys:
         if not key.endswith(_NF4_STATE):
             continue
-        weight = key[:-len(_NF4_STATE)]
+        weight = key[: -len(_NF4_STATE)]
         try:
             state = json.loads(bytes(read(key).tolist()).decode("utf-8"))
         except (ValueError, UnicodeDecodeError) as exc:
-            raise error(f"infinity.wrap(source={path!r}): unreadable bitsandbytes quant state "
-                        f"{key!r}: {exc}") from None
+            raise error(
+                f"infinity.wrap(source={path!r}): unreadable bitsandbytes quant state "
+                f"{key!r}: {exc}"
+            ) from None
         if state.get("quant_type") != "nf4":
-            raise error(f"infinity.wrap(source={path!r}): {weight!r} is quantized as "
-                        f"{state.get('quant_type')!r}; only NF4 is read")
+            raise error(
+                f"infinity.wrap(source={path!r}): {weight!r} is quantized as "
+                f"{state.get('quant_type')!r}; only NF4 is read"
+            )
         missing = [k for k in (weight, weight + ".absmax") if k not in keys]
         if missing:
-            raise error(f"infinity.wrap(source={path!r}): bitsandbytes NF4 weight {weight!r} "
-                        f"lacks {missing}; the checkpoint is incomplete")
+            raise error(
+                f"infinity.wrap(source={path!r}): bitsandbytes NF4 weight {weight!r} "
+                f"lacks {missing}; the checkpoint is incomplete"
+            )
         nested = weight + ".nested_absmax" in keys
-        found[weight] = Bnb4Weight(weight, tuple(int(d) for d in state["shape"]),
-                                   int(state["blocksize"]),
-                                   float(state["nested_offset"]) if nested else None,
-                                   int(state.get("nested_blocksize", 256)))
+        found[weight] = Bnb4Weight(
+            weight,
+            tuple(int(d) for d in state["shape"]),
+            int(state["blocksize"]),
+            float(state["nested_offset"]) if nested else None,
+            int(state.get("nested_blocksize", 256)),
+        )
     return found
 
 
@@ -88,8 +105,9 @@ def companions(weight: Bnb4Weight) -> Tuple[str, ...]:
     return _suffix_keys(weight.key)
 
 
-def decode(weight: Bnb4Weight, read: Callable[[str], torch.Tensor],
-           has: Callable[[str], bool]) -> torch.Tensor:
+def decode(
+    weight: Bnb4Weight, read: Callable[[str], torch.Tensor], has: Callable[[str], bool]
+) -> torch.Tensor:
     """The weight's fp32 values (its logical shape)."""
     numel = 1
     for d in weight.shape:
@@ -97,9 +115,13 @@ def decode(weight: Bnb4Weight, read: Callable[[str], torch.Tensor],
     codes = read(weight.key).reshape(-1).contiguous()
     absmax = read(weight.key + ".absmax")
     if weight.nested_offset is not None:
-        absmax = nf4.absmax_from_nested(absmax, read(weight.key + ".nested_quant_map"),
-                                        read(weight.key + ".nested_absmax"),
-                                        weight.nested_offset, weight.nested_blocksize)
+        absmax = nf4.absmax_from_nested(
+            absmax,
+            read(weight.key + ".nested_quant_map"),
+            read(weight.key + ".nested_absmax"),
+            weight.nested_offset,
+            weight.nested_blocksize,
+        )
     absmax = absmax.float().reshape(-1).contiguous()
     if has(weight.key + ".quant_map"):
         qmap = read(weight.key + ".quant_map").float()

@@ -13,6 +13,7 @@ them, and they are freed again when the parameters are pointed at their homes.
   run module by module in ``model.named_modules()`` order, so with the same seed the values
   equal a CPU construction that initializes its modules in that order.
 """
+
 from __future__ import annotations
 
 import json
@@ -93,10 +94,12 @@ def _checkpoint_files(path: str) -> List[str]:
                 return _checkpoint_files(candidate)
         found = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
         if not found:
-            raise SourceError(f"infinity.wrap(source={path!r}): the folder holds no "
-                              "model.safetensors, model.safetensors.index.json or *.safetensors "
-                              "file; save the model with save_pretrained(safe_serialization="
-                              "True) or safetensors.torch.save_file")
+            raise SourceError(
+                f"infinity.wrap(source={path!r}): the folder holds no "
+                "model.safetensors, model.safetensors.index.json or *.safetensors "
+                "file; save the model with save_pretrained(safe_serialization="
+                "True) or safetensors.torch.save_file"
+            )
         return [os.path.join(path, f) for f in found]
     if path.endswith(".json"):
         try:
@@ -104,20 +107,31 @@ def _checkpoint_files(path: str) -> List[str]:
                 index = json.load(fh)
             files = sorted(set(index["weight_map"].values()))
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise SourceError(f"infinity.wrap(source={path!r}): not a safetensors index "
-                              f"(needs a 'weight_map'): {exc}") from None
+            raise SourceError(
+                f"infinity.wrap(source={path!r}): not a safetensors index "
+                f"(needs a 'weight_map'): {exc}"
+            ) from None
         base = os.path.dirname(path)
         return [os.path.join(base, f) for f in files]
     if path.endswith(".safetensors"):
         return [path]
-    raise SourceError(f"infinity.wrap(source={path!r}): expected a .safetensors file, a "
-                      "*.safetensors.index.json or a Hugging Face model folder")
+    raise SourceError(
+        f"infinity.wrap(source={path!r}): expected a .safetensors file, a "
+        "*.safetensors.index.json or a Hugging Face model folder"
+    )
 
 
 _ST_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
 }
 
 
@@ -137,8 +151,10 @@ class SafetensorsFile:
                 raise SourceError(f"{path!r} is not a safetensors file (shorter than 8 bytes)")
             n = int.from_bytes(raw, "little")
             if n <= 0 or 8 + n > size:
-                raise SourceError(f"{path!r} is not a safetensors file (header size {n} does "
-                                  f"not fit in {size} bytes)")
+                raise SourceError(
+                    f"{path!r} is not a safetensors file (header size {n} does "
+                    f"not fit in {size} bytes)"
+                )
             try:
                 header = json.loads(os.pread(self._fd, n, 8))
             except ValueError as exc:
@@ -161,8 +177,10 @@ class SafetensorsFile:
         entry = self.entries[key]
         dtype = _ST_DTYPES.get(entry["dtype"])
         if dtype is None:
-            raise SourceError(f"{self.path!r}: tensor {key!r} has dtype {entry['dtype']}, "
-                              "which infinity does not load")
+            raise SourceError(
+                f"{self.path!r}: tensor {key!r} has dtype {entry['dtype']}, "
+                "which infinity does not load"
+            )
         return dtype
 
     def get_tensor(self, key: str) -> torch.Tensor:
@@ -181,8 +199,10 @@ class SafetensorsFile:
         begin, end = entry["data_offsets"]
         nbytes = out.numel() * out.element_size()
         if end - begin != nbytes or self._base + end > self._size:
-            raise SourceError(f"{self.path!r}: tensor {key!r} is truncated or its offsets do "
-                              "not match its shape; the checkpoint is damaged")
+            raise SourceError(
+                f"{self.path!r}: tensor {key!r} is truncated or its offsets do "
+                "not match its shape; the checkpoint is damaged"
+            )
         view = memoryview(out.view(-1).view(torch.uint8).numpy()) if nbytes else None
         done = 0
         while done < nbytes:
@@ -208,8 +228,9 @@ class CheckpointSource(ParamSource):
                 self._handles.append(handle)
                 for key in handle.keys():
                     self._where[key] = handle
-            self._bnb4 = source_quant.scan(self.path, self._where,
-                                           lambda k: self._where[k].get_tensor(k), SourceError)
+            self._bnb4 = source_quant.scan(
+                self.path, self._where, lambda k: self._where[k].get_tensor(k), SourceError
+            )
         except BaseException:
             self.close()
             raise
@@ -237,24 +258,29 @@ class CheckpointSource(ParamSource):
         weight = self._bnb4[key]
         self._used.update(k for k in source_quant.companions(weight) if k in self._where)
         try:
-            return source_quant.decode(weight, lambda k: self._where[k].get_tensor(k),
-                                       lambda k: k in self._where)
+            return source_quant.decode(
+                weight, lambda k: self._where[k].get_tensor(k), lambda k: k in self._where
+            )
         except ValueError as exc:
             raise SourceError(f"infinity.wrap(source={self.path!r}): {exc}") from None
 
     def _key(self, names: List[str], shape: torch.Size) -> str:
         key = self._find(names)
         if key is None:
-            raise SourceError(f"infinity.wrap: parameter {names[0]!r} is not in the checkpoint "
-                              f"{self.path!r}" + (f" (also looked for {names[1:]})"
-                                                  if len(names) > 1 else "")
-                              + "; check that the checkpoint belongs to this model")
+            raise SourceError(
+                f"infinity.wrap: parameter {names[0]!r} is not in the checkpoint "
+                f"{self.path!r}"
+                + (f" (also looked for {names[1:]})" if len(names) > 1 else "")
+                + "; check that the checkpoint belongs to this model"
+            )
         handle = self._where[key]
         stored = self._bnb4[key].shape if key in self._bnb4 else handle.shape(key)
         if stored != tuple(shape):
-            raise SourceError(f"infinity.wrap: checkpoint {self.path!r} holds {key!r} with shape "
-                              f"{stored} but the model's parameter has shape "
-                              f"{tuple(shape)}")
+            raise SourceError(
+                f"infinity.wrap: checkpoint {self.path!r} holds {key!r} with shape "
+                f"{stored} but the model's parameter has shape "
+                f"{tuple(shape)}"
+            )
         self._used.update(n for n in names if n in self._where)
         return key
 
@@ -273,8 +299,12 @@ class CheckpointSource(ParamSource):
     def finish(self) -> None:
         unused = sorted(set(self._where) - self._used)
         if unused:
-            logger.warning("infinity.wrap: %d tensors of %s were not used by the model: %s",
-                           len(unused), self.path, unused[:10])
+            logger.warning(
+                "infinity.wrap: %d tensors of %s were not used by the model: %s",
+                len(unused),
+                self.path,
+                unused[:10],
+            )
 
     def close(self) -> None:
         for handle in self._handles:
@@ -318,16 +348,19 @@ def materialize_meta_buffers(model: nn.Module, source: Optional[ParamSource]) ->
                 missing.append(qual)
                 continue
             if tuple(value.shape) != tuple(buf.shape):
-                raise SourceError(f"infinity.wrap: buffer {qual!r} has shape "
-                                  f"{tuple(buf.shape)} but the checkpoint holds "
-                                  f"{tuple(value.shape)}")
+                raise SourceError(
+                    f"infinity.wrap: buffer {qual!r} has shape "
+                    f"{tuple(buf.shape)} but the checkpoint holds "
+                    f"{tuple(value.shape)}"
+                )
             mod._buffers[name] = value.to(buf.dtype)
     if missing:
         raise SourceError(
             f"infinity.wrap: buffers {missing[:5]} are on the meta device and the source has no "
             "values for them (non-persistent buffers such as rotary frequencies are computed "
             "in __init__). Build the model under `with infinity.empty_init():` (parameters on "
-            "meta, buffers real) instead of `with torch.device('meta'):`")
+            "meta, buffers real) instead of `with torch.device('meta'):`"
+        )
 
 
 def meta_params(blocks_params: Iterable[nn.Parameter]) -> bool:

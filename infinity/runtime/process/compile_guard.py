@@ -16,6 +16,7 @@ traced hook breaks the graph there without dynamo tracing the wrapper. :func:`ea
 it only while dynamo is loaded: the hooks never import it (torch.optim's optimizers do, when
 they are built, which is after the model).
 """
+
 from __future__ import annotations
 
 import functools

@@ -1,5 +1,6 @@
 """Global optimizer-step hooks for torch optimizers stepping a wrapped model's parameters:
 fail loudly where they cannot see the gradients, note the parameters they wrote."""
+
 from __future__ import annotations
 
 import threading
@@ -26,7 +27,8 @@ def _check_foreign_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs
                 raise RuntimeError(
                     f"infinity: {type(optimizer).__name__} cannot step a model sharded with "
                     f"shard={part.stage!r}: each rank holds only its part of every gradient "
-                    "(p.grad is None). Use infinity.optim.AdamW/Adam, or shard='zero1'")
+                    "(p.grad is None). Use infinity.optim.AdamW/Adam, or shard='zero1'"
+                )
             if loc is None or loc.engine.grad_tier is not Tier.NVME or p.grad is not None:
                 continue
             loc.engine.sync_gradients()
@@ -36,7 +38,8 @@ def _check_foreign_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs
                     f"parameter {loc.flat.slots[loc.slot].qualname!r}: the wrapped model keeps "
                     f"its gradients on NVMe (grad_tier='nvme') and a {p.dtype} parameter's "
                     "p.grad cannot view the fp32 gradient file, so p.grad is None. Use "
-                    "infinity.optim.AdamW/Adam, or wrap with grad_tier='host' to get p.grad")
+                    "infinity.optim.AdamW/Adam, or wrap with grad_tier='host' to get p.grad"
+                )
 
 
 def _note_foreign_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -86,10 +89,15 @@ class _GuardUsers:
 def _install() -> None:
     global _GUARD_HANDLE
     if _GUARD_HANDLE is None:
-        from torch.optim.optimizer import (register_optimizer_step_post_hook,
-                                           register_optimizer_step_pre_hook)
-        _GUARD_HANDLE = (register_optimizer_step_pre_hook(_check_foreign_optimizer),
-                         register_optimizer_step_post_hook(_note_foreign_step))
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
+
+        _GUARD_HANDLE = (
+            register_optimizer_step_pre_hook(_check_foreign_optimizer),
+            register_optimizer_step_post_hook(_note_foreign_step),
+        )
 
 
 def _remove() -> None:

@@ -49,6 +49,7 @@ When the last user releases, glibc's defaults are put back as far as glibc allow
 Without glibc (no ``mallopt``) leases are still counted and :meth:`state` still reports the mode
 wanted; nothing is set.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -62,12 +63,12 @@ logger = logging.getLogger(__name__)
 
 RELEASE = "release"
 REUSE = "reuse"
-_MODES = (RELEASE, REUSE)          # most RAM-saving first: the first one wanted wins
+_MODES = (RELEASE, REUSE)  # most RAM-saving first: the first one wanted wins
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
-_DEFAULT_MMAP_BYTES = 128 << 10    # glibc's DEFAULT_MMAP_THRESHOLD_MIN (its starting value)
-_DEFAULT_TRIM_BYTES = 128 << 10    # glibc's DEFAULT_TRIM_THRESHOLD
+_DEFAULT_MMAP_BYTES = 128 << 10  # glibc's DEFAULT_MMAP_THRESHOLD_MIN (its starting value)
+_DEFAULT_TRIM_BYTES = 128 << 10  # glibc's DEFAULT_TRIM_THRESHOLD
 _SETTINGS: Dict[Optional[str], Tuple[Tuple[int, int], ...]] = {
     RELEASE: ((_M_MMAP_THRESHOLD, 128 << 10), (_M_TRIM_THRESHOLD, 128 << 10)),
     # 32 MiB: glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit; trim at twice it, as glibc's
@@ -90,7 +91,7 @@ class HostMemoryLease:
 
     __slots__ = ("_owner", "_mode", "_released", "name", "__weakref__")
 
-    def __init__(self, owner: "HostMemory", mode: str, name: str) -> None:
+    def __init__(self, owner: HostMemory, mode: str, name: str) -> None:
         self._owner = owner
         self._mode = mode
         self._released = False
@@ -121,9 +122,9 @@ class HostMemory:
 
     def __init__(self) -> None:
         self._lock = threading.RLock()  # RLock: a lease may be released by a GC finalizer
-        self._leases: "Dict[int, HostMemoryLease]" = {}
-        self._state: Optional[str] = None   # what is in effect (None: glibc's defaults)
-        self._touched = False               # mallopt was called: the dynamic threshold is off
+        self._leases: Dict[int, HostMemoryLease] = {}
+        self._state: Optional[str] = None  # what is in effect (None: glibc's defaults)
+        self._touched = False  # mallopt was called: the dynamic threshold is off
         self._libc = None
         self._mallopt: Optional[Callable[[int, int], int]] = None
 

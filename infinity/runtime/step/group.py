@@ -2,6 +2,7 @@
 compute buffer under the device budget (fetch, complete, release, write-back, discard, make
 room, prefetch), checking the residency state machine (runtime/core/residency.py) at every step.
 It works through a small context: the budget, the transfers, the home, the stats."""
+
 from __future__ import annotations
 
 import logging
@@ -15,16 +16,16 @@ from torch import nn
 
 from ... import trace_events
 from ...tiers import ByteBudget
-from ..core.block import Block
 from ...tiers.compute_pool import ComputeBuffers
+from ..core.block import Block
 from ..core.flat import Binding
-from ..homes.home import Home
-from .hooks import in_backward
-from .outside import bind_outside
 from ..core.residency import Residency, ResidencyError
 from ..core.schedule import Schedule
 from ..core.stats import Stats
+from ..homes.home import Home
 from ..process.host_memory import HOST_MEMORY
+from .hooks import in_backward
+from .outside import bind_outside
 from .transfer import Transfers
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class GroupContext:
     """What moving blocks needs, owned elsewhere (the engine built them at wrap)."""
+
     lock: threading.RLock
     device: torch.device
     device_budget: ByteBudget
@@ -40,7 +42,7 @@ class GroupContext:
     home: Home
     stats: Stats
     schedule: Schedule
-    partitioner: object                       # ZeRO, or None (one process)
+    partitioner: object  # ZeRO, or None (one process)
     compute_buffers: Optional[ComputeBuffers]
     prefetch_window: int
 
@@ -137,8 +139,9 @@ class BlockGroup:
         nxt = self.blocks[index]
         if not part.wants_early_gather(nxt):
             return
-        if nxt.state in (Residency.ON_HOST, Residency.ON_NVME) and \
-                not self.ctx.device_budget.fits(nxt.compute_nbytes):
+        if nxt.state in (Residency.ON_HOST, Residency.ON_NVME) and not self.ctx.device_budget.fits(
+            nxt.compute_nbytes
+        ):
             return  # fetching it would release others: it is gathered when needed
         self._ensure_fetched(nxt)
         part.start_gather(nxt)
@@ -157,8 +160,9 @@ class BlockGroup:
             try:
                 completed = self.complete(block)
             except Exception as exc:  # noqa: BLE001 - a prefetch failed: fetch on demand
-                logger.warning("infinity: prefetch of block %s failed (%s); fetching it "
-                               "again", block.name, exc)
+                logger.warning(
+                    "infinity: prefetch of block %s failed (%s); fetching it again", block.name, exc
+                )
                 completed = False
             stats.stall_seconds += time.perf_counter() - t0
             if completed:
@@ -198,15 +202,19 @@ class BlockGroup:
         if block.state in (Residency.RESIDENT, Residency.ON_HOST, Residency.ON_NVME):
             return
         if block.active_forward > 0:
-            raise ResidencyError(f"block {block.name!r} is being released while its forward "
-                                 "runs (engine bug)")
+            raise ResidencyError(
+                f"block {block.name!r} is being released while its forward runs (engine bug)"
+            )
         if block.state is Residency.FETCHING:
             try:
                 if not self.complete(block):
                     return  # stale: already dropped
             except Exception as exc:  # noqa: BLE001 - a failed prefetch: nothing to release
-                logger.warning("infinity: prefetch of block %s failed (%s); it is fetched "
-                               "again when needed", block.name, exc)
+                logger.warning(
+                    "infinity: prefetch of block %s failed (%s); it is fetched again when needed",
+                    block.name,
+                    exc,
+                )
                 return
         t0 = time.perf_counter()
         self.write_back(block)
@@ -231,8 +239,14 @@ class BlockGroup:
         for other in self.blocks:
             if self.ctx.device_budget.fits(nbytes):
                 return
-            if (other is keep or other.is_root or not other.materialized or other.resident
-                    or other.active_forward > 0 or other is self.backward_block):
+            if (
+                other is keep
+                or other.is_root
+                or not other.materialized
+                or other.resident
+                or other.active_forward > 0
+                or other is self.backward_block
+            ):
                 continue
             self.release(other)
 
@@ -256,8 +270,13 @@ class BlockGroup:
 
     def pin(self, module: Optional[nn.Module], step_running: bool) -> List[Block]:
         """Materializes and pins the blocks inside ``module`` (all when None)."""
-        chosen = [b for b in self.blocks if module is None or b.contains(module)
-                  or any(m is own for own in b.modules for m in module.modules())]
+        chosen = [
+            b
+            for b in self.blocks
+            if module is None
+            or b.contains(module)
+            or any(m is own for own in b.modules for m in module.modules())
+        ]
         pinned: List[Block] = []
         try:
             for b in chosen:

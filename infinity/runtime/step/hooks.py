@@ -1,6 +1,7 @@
 """Registers the engine's module and tensor hooks (bound methods of the step machine,
 runtime/step/machine.py, reached through weak references), and keeps every handle so they can be
 removed."""
+
 from __future__ import annotations
 
 import functools
@@ -12,10 +13,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from ..vocab import rows as rows_mod
-from ..vocab import tiled_head as tiled_head_mod
 from ..core.block import Block
 from ..process.compile_guard import eager_only
+from ..vocab import rows as rows_mod
+from ..vocab import tiled_head as tiled_head_mod
 
 
 def output_tensors(output: Any) -> List[torch.Tensor]:
@@ -76,8 +77,7 @@ class WeakHook:
         if not self._bound:
             return method(*args)
         blocks = method.__self__.blocks
-        bound = tuple(blocks[b.index] if isinstance(b, _BlockIndex) else b
-                      for b in self._bound)
+        bound = tuple(blocks[b.index] if isinstance(b, _BlockIndex) else b for b in self._bound)
         return method(*bound, *args)
 
     def __deepcopy__(self, memo: dict) -> Callable[..., None]:
@@ -93,6 +93,7 @@ def _restore_no_op() -> Callable[..., None]:
 
 class StepHandlers(Protocol):
     """The handlers the hooks call (runtime/step/machine.py)."""
+
     blocks: List[Block]
 
     def on_model_pre_forward(self, module: nn.Module, args: Any) -> None: ...
@@ -101,34 +102,42 @@ class StepHandlers(Protocol):
 
     def on_block_pre_forward(self, block: Block, module: nn.Module, args: Any) -> None: ...
 
-    def on_block_post_forward(self, block: Block, module: nn.Module, args: Any,
-                              output: Any) -> None: ...
+    def on_block_post_forward(
+        self, block: Block, module: nn.Module, args: Any, output: Any
+    ) -> None: ...
 
     def on_model_labels(self, module: nn.Module, args: Any, kwargs: Any) -> None: ...
 
     def on_model_output(self, module: nn.Module, args: Any, output: Any) -> None: ...
 
-    def on_grad_ready(self, block: Block, flat_index: int, slot_index: int,
-                      param: torch.Tensor) -> None: ...
+    def on_grad_ready(
+        self, block: Block, flat_index: int, slot_index: int, param: torch.Tensor
+    ) -> None: ...
 
 
-def register(model: nn.Module, blocks: List[Block], head: Optional[nn.Linear],
-             step: StepHandlers, state_dict: Sequence[Callable[..., None]] = ()) -> HookSet:
+def register(
+    model: nn.Module,
+    blocks: List[Block],
+    head: Optional[nn.Linear],
+    step: StepHandlers,
+    state_dict: Sequence[Callable[..., None]] = (),
+) -> HookSet:
     """The hooks of one wrapped model: its forward, each block's forward, the rows read
     (embedding lookups, the tiled head), each trainable parameter's gradient, and
     ``state_dict`` (bound methods filling ``model.state_dict()``)."""
     hooks = HookSet()
     hooks.add(model.register_forward_pre_hook(WeakHook(step.on_model_pre_forward)))
-    hooks.add(model.register_forward_hook(WeakHook(step.on_model_post_forward),
-                                          always_call=True))
+    hooks.add(model.register_forward_hook(WeakHook(step.on_model_post_forward), always_call=True))
     for block in blocks:
         if block.is_root:
             continue  # the root block is driven by the model hooks above
         for module in block.modules:  # several for a shared (tied) block: fetched at each use
-            hooks.add(module.register_forward_pre_hook(
-                WeakHook(step.on_block_pre_forward, block)))
-            hooks.add(module.register_forward_hook(
-                WeakHook(step.on_block_post_forward, block), always_call=True))
+            hooks.add(module.register_forward_pre_hook(WeakHook(step.on_block_pre_forward, block)))
+            hooks.add(
+                module.register_forward_hook(
+                    WeakHook(step.on_block_post_forward, block), always_call=True
+                )
+            )
     for block in blocks:
         if block.row_lookup:  # its forwards read only the rows they need (rows.py)
             for module in block.modules:
@@ -136,10 +145,12 @@ def register(model: nn.Module, blocks: List[Block], head: Optional[nn.Linear],
                     hooks.add(rows_mod.RowForward(module))
     if head is not None:  # the LM head in tiles (tiled_head.py)
         hooks.add(tiled_head_mod.Installed(model, head))
-        hooks.add(model.register_forward_pre_hook(WeakHook(step.on_model_labels),
-                                                  with_kwargs=True, prepend=True))
-        hooks.add(model.register_forward_hook(WeakHook(step.on_model_output),
-                                              always_call=True))
+        hooks.add(
+            model.register_forward_pre_hook(
+                WeakHook(step.on_model_labels), with_kwargs=True, prepend=True
+            )
+        )
+        hooks.add(model.register_forward_hook(WeakHook(step.on_model_output), always_call=True))
     for block in blocks:
         for fi, flat in enumerate(block.flats):
             for si, slot in enumerate(flat.slots):
@@ -168,6 +179,7 @@ def queue_callback(fn: Callable[[], None]) -> None:
 def timed_hook(handler: Callable) -> Callable:
     """Counts the wall time of a hook handler (lock wait included) in ``stats.hook_seconds``:
     the engine's share of a forward+backward (see Stats.time_breakdown)."""
+
     @functools.wraps(handler)
     def timed(self, *args: Any) -> Any:
         t0 = time.perf_counter()
@@ -175,6 +187,7 @@ def timed_hook(handler: Callable) -> Callable:
             return handler(self, *args)
         finally:
             self.stats.hook_seconds += time.perf_counter() - t0
+
     return timed
 
 

@@ -2,6 +2,7 @@
 forward and backward, driven by the module and tensor hooks (hooks.py registers its bound
 methods through weak references), and recovery when a forward or backward raised. The blocks'
 movement itself is the BlockGroup's (blockgroup.py)."""
+
 from __future__ import annotations
 
 import logging
@@ -13,15 +14,15 @@ from typing import Any, List
 import torch
 from torch import nn
 
-from . import hooks as hooks_mod
-from ..vocab import tiled_head as tiled_head_mod
 from ..core.block import Block
-from .group import BlockGroup
-from .hooks import graph_task_id, in_backward, queue_callback, timed_hook
-from .outside import OutsideWrites, fill_sharded_state_dict
 from ..core.residency import Residency
 from ..core.schedule import Schedule
 from ..core.stats import Stats
+from ..vocab import tiled_head as tiled_head_mod
+from . import hooks as hooks_mod
+from .group import BlockGroup
+from .hooks import graph_task_id, in_backward, queue_callback, timed_hook
+from .outside import OutsideWrites, fill_sharded_state_dict
 
 logger = logging.getLogger(__name__)
 
@@ -35,9 +36,20 @@ class StepHooks:
     """The forward/backward handlers of one wrapped model and the state of the step running
     now (forward depth, backward task, whether a loss over labels follows)."""
 
-    def __init__(self, owner: Any, lock: threading.RLock, stats: Stats, blocks: List[Block],
-                 schedule: Schedule, group: BlockGroup, outside: OutsideWrites, grads: Any,
-                 partitioner: Any, activations: Any, listeners: List[Any]) -> None:
+    def __init__(
+        self,
+        owner: Any,
+        lock: threading.RLock,
+        stats: Stats,
+        blocks: List[Block],
+        schedule: Schedule,
+        group: BlockGroup,
+        outside: OutsideWrites,
+        grads: Any,
+        partitioner: Any,
+        activations: Any,
+        listeners: List[Any],
+    ) -> None:
         self.owner = owner  # the engine: what listeners and row reads are handed
         self.lock = lock
         self.stats = stats
@@ -51,9 +63,9 @@ class StepHooks:
         # optimizers overlapping their step with backward (the engine's backward_listeners)
         self.listeners = listeners
         self.closed = False
-        self.callback_task = -1          # the backward running now (-1: none)
-        self.forward_depth = 0           # model forwards running (nested calls)
-        self.loss_follows = False        # a model forward with labels runs (tiled head)
+        self.callback_task = -1  # the backward running now (-1: none)
+        self.forward_depth = 0  # model forwards running (nested calls)
+        self.loss_follows = False  # a model forward with labels runs (tiled head)
         # Set by an optimizer over this engine: it changes the home copies in step(), so the
         # next forward's blocks are prefetched after the step (resume), not after backward.
         self.optimizer_attached = False
@@ -80,8 +92,10 @@ class StepHooks:
         retrying) and free what it had materialized."""
         if self.callback_task == -1:
             return
-        logger.warning("infinity: the previous backward did not finish (it raised); resetting "
-                       "the engine's backward state")
+        logger.warning(
+            "infinity: the previous backward did not finish (it raised); resetting "
+            "the engine's backward state"
+        )
         self.callback_task = -1
         self.group.backward_block = None
         self.stats.forward_backward_aborted()
@@ -94,8 +108,9 @@ class StepHooks:
             for block in self.blocks:
                 block.reset_backward()
                 if block.active_forward == 0:
-                    self.group.discard(block) if block.state is Residency.FETCHING \
-                        else self.group.release(block)
+                    self.group.discard(
+                        block
+                    ) if block.state is Residency.FETCHING else self.group.release(block)
 
     def recover_failed_forward(self) -> None:
         """A forward that raised left blocks counted as running: release them."""
@@ -108,8 +123,9 @@ class StepHooks:
         _, newly_deviated, upcoming = self.schedule.visit(phase, block.index)
         if newly_deviated:
             self.stats.schedule_deviations += 1
-            logger.debug("schedule deviation at block %s in %s; fetching on demand",
-                         block.name, phase)
+            logger.debug(
+                "schedule deviation at block %s in %s; fetching on demand", block.name, phase
+            )
         self.group.prefetch(upcoming)
 
     @timed_hook
@@ -153,8 +169,7 @@ class StepHooks:
             root = next((b for b in self.blocks if b.is_root), None)
             if torch.is_grad_enabled() and hooks_mod.output_tensors(output):
                 if root is not None:
-                    hooks_mod.register_pre_backward(
-                        output, lambda: self.on_pre_backward(root))
+                    hooks_mod.register_pre_backward(output, lambda: self.on_pre_backward(root))
                 # the first blocks of backward are the last of forward: start fetching them
                 self.group.prefetch(self.schedule.upcoming("backward"))
                 if self.activations is not None:
@@ -198,8 +213,9 @@ class StepHooks:
     def on_model_labels(self, module: nn.Module, args, kwargs) -> None:
         """Model forward pre-hook (tiled head): whether a loss over labels follows."""
         if self.forward_depth == 0 and not in_backward():
-            self.loss_follows = (tiled_head_mod.labels_given(kwargs) and isinstance(
-                getattr(module, "loss_function", None), tiled_head_mod.LossFunction))
+            self.loss_follows = tiled_head_mod.labels_given(kwargs) and isinstance(
+                getattr(module, "loss_function", None), tiled_head_mod.LossFunction
+            )
 
     def on_model_output(self, module: nn.Module, args, output) -> None:
         """Model forward hook (tiled head): the placeholder logits become None."""
@@ -239,8 +255,7 @@ class StepHooks:
         ahead = self.schedule.next_visit("forward", block.index)
         if ahead is not None:
             return ahead <= window + 1
-        return backward_reads and block.index in self.schedule.upcoming("backward",
-                                                                         max(1, window))
+        return backward_reads and block.index in self.schedule.upcoming("backward", max(1, window))
 
     def _release_if_backward_done(self, block: Block) -> None:
         if block.is_root or not block.backward_done():
@@ -255,10 +270,19 @@ class StepHooks:
             else:
                 # an optimizer stepping this block now may take its gradients from RAM: then
                 # they are not written to NVMe (see GradientSink.close)
-                taker = next((listener for listener in self.listeners
-                              if listener.takes_in_ram(self.owner, flat)), None)
-                self.grads.close(flat, keep_in_ram=taker is not None,
-                                 write=taker is None or taker.writes(self.owner))
+                taker = next(
+                    (
+                        listener
+                        for listener in self.listeners
+                        if listener.takes_in_ram(self.owner, flat)
+                    ),
+                    None,
+                )
+                self.grads.close(
+                    flat,
+                    keep_in_ram=taker is not None,
+                    write=taker is None or taker.writes(self.owner),
+                )
         self.group.release(block)
         for listener in self.listeners:
             for flat in block.flats:
@@ -287,8 +311,7 @@ class StepHooks:
             # the last blocks of forward are the first of backward (as many as the prefetch
             # window), and a block used again soon in forward: keep them rather than read them
             # again; under a device budget a required fetch still releases them (_make_room)
-            if block.active_forward == 0 and not self._keep_after_forward(block,
-                                                                          backward_reads):
+            if block.active_forward == 0 and not self._keep_after_forward(block, backward_reads):
                 self.group.release(block)
 
     def start_backward_if_needed(self) -> None:
@@ -317,8 +340,9 @@ class StepHooks:
                 self.group.ensure_on_device(block)
 
     @timed_hook
-    def on_grad_ready(self, block: Block, flat_index: int, slot_index: int,
-                      param: torch.Tensor) -> None:
+    def on_grad_ready(
+        self, block: Block, flat_index: int, slot_index: int, param: torch.Tensor
+    ) -> None:
         with self.lock:
             self.start_backward_if_needed()
             grad = param.grad

@@ -1,6 +1,7 @@
 """Parameters outside forward: they view their home, and writes made through them (in place,
 by a torch optimizer, or by rebinding ``p.data``) are found and taken in; ``model.state_dict()``
 of quantized or sharded parameters is filled from the homes."""
+
 from __future__ import annotations
 
 import logging
@@ -11,9 +12,9 @@ import torch
 
 from ..core.block import Block
 from ..core.flat import Binding, FlatParam
+from ..core.residency import Residency
 from ..homes.home import Home
 from ..homes.quantized import QuantFlat
-from ..core.residency import Residency
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +42,9 @@ class WritesBack(Protocol):
 class OutsideWrites:
     """Finds and takes in writes made to parameters outside forward."""
 
-    def __init__(self, lock: threading.RLock, blocks: List[Block], home: Home,
-                 partitioner, group: WritesBack) -> None:
+    def __init__(
+        self, lock: threading.RLock, blocks: List[Block], home: Home, partitioner, group: WritesBack
+    ) -> None:
         self.lock = lock
         self.blocks = blocks
         self.home = home
@@ -85,10 +87,12 @@ class OutsideWrites:
             s = flat.slots[i]
             value = s.param.detach()
             if value.shape != s.shape:
-                raise RuntimeError(f"infinity: parameter {s.qualname!r} was given a tensor of "
-                                   f"shape {tuple(value.shape)} (p.data = ...); a wrapped "
-                                   f"parameter keeps its shape {tuple(s.shape)}")
-            src[s.offset:s.offset + s.numel].copy_(value.reshape(-1))
+                raise RuntimeError(
+                    f"infinity: parameter {s.qualname!r} was given a tensor of "
+                    f"shape {tuple(value.shape)} (p.data = ...); a wrapped "
+                    f"parameter keeps its shape {tuple(s.shape)}"
+                )
+            src[s.offset : s.offset + s.numel].copy_(value.reshape(-1))
         self.home.write_slots(flat, src, slots)
         bind_outside(flat, self.home, self.partitioner)
 
@@ -126,17 +130,21 @@ class OutsideWrites:
             for flat in (f for b in self.blocks for f in b.flats):
                 if not isinstance(flat, QuantFlat):
                     continue
-                keys = [(s, prefix + s.qualname) for s in flat.slots
-                        if prefix + s.qualname in state_dict]
+                keys = [
+                    (s, prefix + s.qualname)
+                    for s in flat.slots
+                    if prefix + s.qualname in state_dict
+                ]
                 if not keys:
                     continue
                 values = self.home.snapshot(flat)
                 for s, key in keys:
-                    state_dict[key] = values[s.offset:s.offset + s.numel].view(s.shape).clone()
+                    state_dict[key] = values[s.offset : s.offset + s.numel].view(s.shape).clone()
 
 
 def fill_sharded_state_dict(engine: Any, state_dict, prefix: str) -> None:
     """ZeRO-3: ``model.state_dict()`` holds the whole parameters, all-gathered from every
     rank's part (as FSDP's full state dict: every rank must call it)."""
     from ..zero.state import fill_state_dict
+
     fill_state_dict(engine, state_dict, prefix)

@@ -1,6 +1,7 @@
 """RowHooks: the forwards of the blocks read by rows (an embedding looked up row by row,
 runtime/vocab/rows.py; the LM head in tiles, runtime/vocab/tiled_head.py), their reads from the homes and
 their gradient rows, under the engine's lock."""
+
 from __future__ import annotations
 
 import threading
@@ -10,23 +11,32 @@ import torch
 from torch import nn
 
 from ...tiers import SwapStore, Tier
-from ..vocab import rows as rows_mod
-from ..vocab import tiled_head as tiled_head_mod
 from ..core.block import Block
 from ..core.flat import Binding
-from ..homes.home import Home
-from .hooks import timed_hook
-from .outside import OutsideWrites
 from ..core.stats import Stats
+from ..homes.home import Home
+from ..vocab import rows as rows_mod
+from ..vocab import tiled_head as tiled_head_mod
+from .hooks import timed_hook
 from .machine import StepHooks
+from .outside import OutsideWrites
 
 
 class RowHooks:
     """What rows.py and tiled_head.py read through (their ``RowReader``)."""
 
-    def __init__(self, lock: threading.RLock, stats: Stats, step: StepHooks,
-                 outside: OutsideWrites, grads: Any, homes: Dict[Tier, Home],
-                 store: Optional[SwapStore], device: torch.device, chunk_bytes: int) -> None:
+    def __init__(
+        self,
+        lock: threading.RLock,
+        stats: Stats,
+        step: StepHooks,
+        outside: OutsideWrites,
+        grads: Any,
+        homes: Dict[Tier, Home],
+        store: Optional[SwapStore],
+        device: torch.device,
+        chunk_bytes: int,
+    ) -> None:
         self.lock = lock
         self.stats = stats
         self.step = step
@@ -54,11 +64,9 @@ class RowHooks:
             flat = block.flats[0]
             if flat.binding is Binding.OUTSIDE and flat.written_slots():
                 self.outside.sync()
-            return tiled_head_mod.head_forward(self, block, module, hidden,
-                                               self.step.loss_follows)
+            return tiled_head_mod.head_forward(self, block, module, hidden, self.step.loss_follows)
 
-    def read_head_tile(self, block: Block, weight: torch.Tensor, r0: int,
-                       r1: int) -> torch.Tensor:
+    def read_head_tile(self, block: Block, weight: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
         with self.lock:
             return rows_mod.read_row_span(self, block, weight, r0, r1)
 
@@ -67,8 +75,11 @@ class RowHooks:
         head): ``rows`` distinct and sorted, ``values`` their gradients."""
         with self.lock:
             self.step.start_backward_if_needed()
-            grad = torch.sparse_coo_tensor(rows.to("cpu").unsqueeze(0),
-                                           values.detach().to("cpu", torch.float32),
-                                           block.flats[0].slots[0].shape, is_coalesced=True,
-                                           check_invariants=False)
+            grad = torch.sparse_coo_tensor(
+                rows.to("cpu").unsqueeze(0),
+                values.detach().to("cpu", torch.float32),
+                block.flats[0].slots[0].shape,
+                is_coalesced=True,
+                check_invariants=False,
+            )
             self.grads.add(block.flats[0], 0, grad)

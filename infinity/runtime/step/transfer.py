@@ -10,6 +10,7 @@ Pinned memory on CUDA: the staging pool and, with parameters homed in host RAM, 
 (the sources of the uploads) are registered here, up front (RLIMIT_MEMLOCK checked for the
 total first), and unregistered at close after every copy has finished.
 """
+
 from __future__ import annotations
 
 import collections
@@ -22,11 +23,10 @@ import torch
 
 from ... import trace_events
 from ...io.buffers import PinnedRegions, check_memlock, pin_tensors
-from ...tiers import HostPool, Tier
-from ...tiers import pinned
+from ...tiers import HostPool, Tier, pinned
 from ..core.flat import FlatParam
-from ..homes.home import Home
 from ..core.stats import Stats
+from ..homes.home import Home
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +49,7 @@ class Fetch:
 
     __slots__ = ("_future", "_on_wait", "_counted_hit")
 
-    def __init__(self, future: "cf.Future",
-                 on_wait: Optional[Callable[[Any], None]] = None) -> None:
+    def __init__(self, future: cf.Future, on_wait: Optional[Callable[[Any], None]] = None) -> None:
         self._future = future
         self._on_wait = on_wait
         self._counted_hit = False
@@ -69,9 +68,15 @@ class Fetch:
 
 
 class Transfers:
-    def __init__(self, device: torch.device, stats: Stats, home: Home,
-                 pool: Optional[HostPool], flats: Sequence[FlatParam] = (),
-                 workers: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        stats: Stats,
+        home: Home,
+        pool: Optional[HostPool],
+        flats: Sequence[FlatParam] = (),
+        workers: Optional[int] = None,
+    ) -> None:
         self.device = device
         self.stats = stats
         self.home = home
@@ -85,21 +90,23 @@ class Transfers:
             self._pin(flats)
         if workers is None:
             workers = pool.count if pool is not None else 1
-        self._executor = cf.ThreadPoolExecutor(max_workers=workers,
-                                               thread_name_prefix="infinity-transfer")
+        self._executor = cf.ThreadPoolExecutor(
+            max_workers=workers, thread_name_prefix="infinity-transfer"
+        )
         self._closed = False
 
     # ---- pinned sources ------------------------------------------------------------------
     def _pin(self, flats: Sequence[FlatParam]) -> None:
         """Registers what the uploads read: the staging pool and the host homes. Checks the
         total against RLIMIT_MEMLOCK before pinning anything; all or nothing."""
-        homes = [f.home for f in flats
-                 if f.home is not None and self.home.tier_of(f) is Tier.HOST]
+        homes = [f.home for f in flats if f.home is not None and self.home.tier_of(f) is Tier.HOST]
         pool_bytes = 0
         if self.pool is not None and not self.pool.pinned_nbytes:
             pool_bytes = self.pool.count * self.pool.nbytes
-        check_memlock(pool_bytes + sum(h.numel() * h.element_size() for h in homes),
-                      "the host homes and staging buffers that uploads read")
+        check_memlock(
+            pool_bytes + sum(h.numel() * h.element_size() for h in homes),
+            "the host homes and staging buffers that uploads read",
+        )
         if homes:
             self._homes_pinned = pin_tensors(homes, what="host homes of the parameters")
         if self.pool is not None:

@@ -24,27 +24,28 @@ are plain embeddings (class forward ``nn.Embedding.forward``, no ``max_norm``, w
 rows in place) -- or, with ``tiled_head``, the LM head, which reads its table in tiles of rows
 (tiled_head.py) -- holding one 2-D parameter not sharded across ranks.
 ``OffloadPolicy.embedding_rows=False`` turns it off."""
+
 from __future__ import annotations
 
 import logging
 import types
-from typing import Callable, Dict, List, Optional, Protocol, Tuple
+from typing import Callable, Dict, Optional, Protocol, Tuple
 
 import torch
 from torch import nn
 
 from ...tiers import Tier
 from ..core.block import Block
-from ..process.compile_guard import eager_only
 from ..core.flat import FlatParam
 from ..core.registry import locate
 from ..core.residency import Residency
-
+from ..process.compile_guard import eager_only
 
 
 class RowReader(Protocol):
     """What the row reads need (runtime/step/row_hooks.py): the homes, the swap store, the stats,
     the device, the chunk, and where gradient rows and tile reads go."""
+
     homes: Dict[Tier, object]
     store: object
     stats: object
@@ -53,19 +54,25 @@ class RowReader(Protocol):
 
     def add_row_grads(self, block: Block, rows: torch.Tensor, values: torch.Tensor) -> None: ...
 
-    def read_head_tile(self, block: Block, weight: torch.Tensor, r0: int,
-                       r1: int) -> torch.Tensor: ...
+    def read_head_tile(
+        self, block: Block, weight: torch.Tensor, r0: int, r1: int
+    ) -> torch.Tensor: ...
+
 
 logger = logging.getLogger(__name__)
 
 
 def _plain_embedding(module: nn.Module) -> bool:
-    return (isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward
-            and module.max_norm is None)
+    return (
+        isinstance(module, nn.Embedding)
+        and type(module).forward is nn.Embedding.forward
+        and module.max_norm is None
+    )
 
 
-def eligible(block: Block, sharded: bool, head: Optional[nn.Module] = None,
-             embeddings: bool = True) -> bool:
+def eligible(
+    block: Block, sharded: bool, head: Optional[nn.Module] = None, embeddings: bool = True
+) -> bool:
     """Whether ``block`` is read by rows (see the module docstring): each of its modules is a
     plain embedding, or ``head`` (the LM head tiled over its vocabulary, tiled_head.py)."""
     if block.is_root or block.kind != "outer" or block.home is Tier.DEVICE or sharded:
@@ -76,13 +83,16 @@ def eligible(block: Block, sharded: bool, head: Optional[nn.Module] = None,
         return False
     if block.flats[0].slots[0].attr != "weight" or block.flats[0].slots[0].param.dim() != 2:
         return False
-    return all((embeddings and _plain_embedding(m)) or (head is not None and m is head)
-               for m in block.modules)
+    return all(
+        (embeddings and _plain_embedding(m)) or (head is not None and m is head)
+        for m in block.modules
+    )
 
 
 # ---- reading rows ----------------------------------------------------------------------------
-def _read_rows_nvme(engine: RowReader, flat: FlatParam, rows: torch.Tensor,
-                    width: int) -> torch.Tensor:
+def _read_rows_nvme(
+    engine: RowReader, flat: FlatParam, rows: torch.Tensor, width: int
+) -> torch.Tensor:
     """Rows ``rows`` (sorted, distinct) of the flat's only slot, read from its swap file piece
     by piece: only the pieces that hold a part of one of them."""
     home = engine.homes[Tier.NVME]
@@ -101,7 +111,7 @@ def _read_rows_nvme(engine: RowReader, flat: FlatParam, rows: torch.Tensor,
         j0 = 0  # first row that may still overlap the current piece (rows are sorted)
         for k in pieces:
             ps, pe = k * piece, min(flat.numel, (k + 1) * piece)
-            staging = buf[:(pe - ps) * itemsize].view(flat.home_dtype)
+            staging = buf[: (pe - ps) * itemsize].view(flat.home_dtype)
             engine.store.read_at_sync(flat.key, ps * itemsize, staging, urgent=True)
             nread += (pe - ps) * itemsize
             while j0 < len(starts_l) and starts_l[j0] + width <= ps:
@@ -110,7 +120,7 @@ def _read_rows_nvme(engine: RowReader, flat: FlatParam, rows: torch.Tensor,
             while j < len(starts_l) and starts_l[j] < pe:
                 s = starts_l[j]
                 a, b = max(ps, s), min(pe, s + width)
-                out[j, a - s:b - s].copy_(staging[a - ps:b - ps])
+                out[j, a - s : b - s].copy_(staging[a - ps : b - ps])
                 j += 1
     finally:
         home.pool.release(buf)
@@ -130,11 +140,11 @@ def _read_span_nvme(engine: RowReader, flat: FlatParam, start: int, end: int) ->
     try:
         for k in range(start // piece, (end - 1) // piece + 1):
             ps, pe = k * piece, min(flat.numel, (k + 1) * piece)
-            staging = buf[:(pe - ps) * itemsize].view(flat.home_dtype)
+            staging = buf[: (pe - ps) * itemsize].view(flat.home_dtype)
             engine.store.read_at_sync(flat.key, ps * itemsize, staging, urgent=True)
             nread += (pe - ps) * itemsize
             a, b = max(ps, start), min(pe, end)
-            out[a - start:b - start].copy_(staging[a - ps:b - ps])
+            out[a - start : b - start].copy_(staging[a - ps : b - ps])
     finally:
         home.pool.release(buf)
     engine.stats.add_moved("nvme_to_host", nread)
@@ -142,8 +152,9 @@ def _read_span_nvme(engine: RowReader, flat: FlatParam, start: int, end: int) ->
     return out
 
 
-def read_row_span(engine: RowReader, block: Block, weight: torch.Tensor, r0: int,
-                  r1: int) -> torch.Tensor:
+def read_row_span(
+    engine: RowReader, block: Block, weight: torch.Tensor, r0: int, r1: int
+) -> torch.Tensor:
     """Rows [r0, r1) of the block's table (a tile of an LM head), in the compute dtype on the
     engine's device."""
     flat = block.flats[0]
@@ -155,13 +166,15 @@ def read_row_span(engine: RowReader, block: Block, weight: torch.Tensor, r0: int
         engine.stats.rows_read_bytes += values.numel() * values.element_size()
     else:
         base = flat.slots[0].offset
-        values = _read_span_nvme(engine, flat, base + r0 * width,
-                                 base + r1 * width).view(r1 - r0, width)
+        values = _read_span_nvme(engine, flat, base + r0 * width, base + r1 * width).view(
+            r1 - r0, width
+        )
     return values.to(engine.device, flat.compute_dtype)
 
 
-def read_rows(engine: RowReader, block: Block, weight: torch.Tensor,
-              rows: torch.Tensor) -> torch.Tensor:
+def read_rows(
+    engine: RowReader, block: Block, weight: torch.Tensor, rows: torch.Tensor
+) -> torch.Tensor:
     """Rows ``rows`` (sorted, distinct, on the CPU) of the block's table, in the compute dtype
     on the engine's device."""
     flat = block.flats[0]
@@ -182,10 +195,16 @@ class RowLookup(torch.autograd.Function):
     for ``weight`` (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, weight: torch.Tensor, rows: torch.Tensor, values: torch.Tensor,
-                inverse: torch.Tensor, padding_idx: Optional[int],
-                scale_grad_by_freq: bool,
-                deliver: Callable[[torch.Tensor, torch.Tensor], None]) -> torch.Tensor:
+    def forward(
+        ctx,
+        weight: torch.Tensor,
+        rows: torch.Tensor,
+        values: torch.Tensor,
+        inverse: torch.Tensor,
+        padding_idx: Optional[int],
+        scale_grad_by_freq: bool,
+        deliver: Callable[[torch.Tensor, torch.Tensor], None],
+    ) -> torch.Tensor:
         ctx.save_for_backward(rows, inverse)
         ctx.weight_meta = (weight.shape, weight.dtype)
         ctx.deliver = deliver
@@ -202,7 +221,8 @@ class RowLookup(torch.autograd.Function):
             hit = (rows == ctx.padding_idx).nonzero()
             padding = int(hit[0, 0]) if hit.numel() else -1
         values = torch.ops.aten.embedding_dense_backward(
-            grad_out, inverse, rows.numel(), padding, ctx.scale_grad_by_freq)
+            grad_out, inverse, rows.numel(), padding, ctx.scale_grad_by_freq
+        )
         # straight to the gradient tier, in the dtype computed (a bf16 home computing in fp32
         # keeps fp32 gradients, as when the table is fetched whole); autograd gets no rows
         if ctx.needs_input_grad[0]:
@@ -214,9 +234,13 @@ def empty_grad(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     """A parameter's gradient as autograd sees it when its rows went to the gradient tier
     directly (runtime/vocab/rows.py, tiled_head.py): no rows. Its arrival (summed with the other
     uses' of a tied parameter) tells the engine that the parameter's backward is over."""
-    return torch.sparse_coo_tensor(torch.zeros(1, 0, dtype=torch.int64),
-                                   torch.zeros(0, shape[1], dtype=dtype), shape,
-                                   is_coalesced=True, check_invariants=False)
+    return torch.sparse_coo_tensor(
+        torch.zeros(1, 0, dtype=torch.int64),
+        torch.zeros(0, shape[1], dtype=dtype),
+        shape,
+        is_coalesced=True,
+        check_invariants=False,
+    )
 
 
 @eager_only  # a compiled model runs it eagerly between its graphs (compile_guard.py)
@@ -229,26 +253,36 @@ def forward(self: nn.Embedding, input: torch.Tensor) -> torch.Tensor:
     return loc.engine.rows.lookup_rows(loc.block, self, input)
 
 
-def lookup(engine: RowReader, block: Block, module: nn.Embedding,
-           input: torch.Tensor) -> torch.Tensor:
+def lookup(
+    engine: RowReader, block: Block, module: nn.Embedding, input: torch.Tensor
+) -> torch.Tensor:
     """The lookup itself (the engine holds its lock around it)."""
     if input.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"infinity: embedding {block.name!r} takes integer indices, got "
-                        f"{input.dtype}")
+        raise TypeError(
+            f"infinity: embedding {block.name!r} takes integer indices, got {input.dtype}"
+        )
     flat = block.flats[0]
     weight = flat.slots[0].param
     num = weight.shape[0]
     indices = input.detach().reshape(-1).to("cpu", torch.int64)
     if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= num):
-        raise IndexError(f"infinity: embedding {block.name!r}: index out of range "
-                         f"[0, {num}) (min {int(indices.min())}, max {int(indices.max())})")
+        raise IndexError(
+            f"infinity: embedding {block.name!r}: index out of range "
+            f"[0, {num}) (min {int(indices.min())}, max {int(indices.max())})"
+        )
     rows, inverse = torch.unique(indices, sorted=True, return_inverse=True)
     values = read_rows(engine, block, weight, rows)
     engine.stats.rows_lookups += 1
     inverse = inverse.to(values.device).view(input.shape)
-    return RowLookup.apply(weight, rows, values, inverse, module.padding_idx,
-                           module.scale_grad_by_freq,
-                           lambda r, v: engine.add_row_grads(block, r, v))
+    return RowLookup.apply(
+        weight,
+        rows,
+        values,
+        inverse,
+        module.padding_idx,
+        module.scale_grad_by_freq,
+        lambda r, v: engine.add_row_grads(block, r, v),
+    )
 
 
 class RowForward:

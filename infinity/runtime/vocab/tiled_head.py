@@ -22,20 +22,20 @@ loss and gradients agree with plain PyTorch within 1e-6 relative
 (tests/feature/engine/test_tiled_head.py).
 Models whose forward changes the logits between the head and the loss (Gemma-2's
 ``final_logit_softcapping``) are refused."""
+
 from __future__ import annotations
 
 import logging
 import types
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
 from ..core.block import Block
-from ..process.compile_guard import eager_only
 from ..core.registry import locate
+from ..process.compile_guard import eager_only
 from . import rows as rows_mod
-
 
 logger = logging.getLogger(__name__)
 
@@ -45,17 +45,23 @@ def head_module(model: nn.Module) -> nn.Linear:
     get = getattr(model, "get_output_embeddings", None)
     head = get() if callable(get) else None
     if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward:
-        raise ValueError(f"infinity: tiled_head=True needs a model whose get_output_embeddings() "
-                         f"is an nn.Linear (a Hugging Face *ForCausalLM); "
-                         f"{type(model).__name__} gives {type(head).__name__}. Pass "
-                         "tiled_head=False")
+        raise ValueError(
+            f"infinity: tiled_head=True needs a model whose get_output_embeddings() "
+            f"is an nn.Linear (a Hugging Face *ForCausalLM); "
+            f"{type(model).__name__} gives {type(head).__name__}. Pass "
+            "tiled_head=False"
+        )
     if head.bias is not None:
-        raise ValueError("infinity: tiled_head=True: the LM head has a bias, which the tiled "
-                         "head does not handle; pass tiled_head=False")
+        raise ValueError(
+            "infinity: tiled_head=True: the LM head has a bias, which the tiled "
+            "head does not handle; pass tiled_head=False"
+        )
     config = getattr(model, "config", None)
     if getattr(config, "final_logit_softcapping", None) is not None:
-        raise ValueError("infinity: tiled_head=True: this model changes the logits between the "
-                         "head and the loss (final_logit_softcapping); pass tiled_head=False")
+        raise ValueError(
+            "infinity: tiled_head=True: this model changes the logits between the "
+            "head and the loss (final_logit_softcapping); pass tiled_head=False"
+        )
     return head
 
 
@@ -82,8 +88,7 @@ class _Source:
 
     def grad(self, r0: int, values: torch.Tensor) -> None:
         if self.weight.requires_grad:
-            self.engine.add_row_grads(self.block, torch.arange(r0, r0 + values.shape[0]),
-                                      values)
+            self.engine.add_row_grads(self.block, torch.arange(r0, r0 + values.shape[0]), values)
 
 
 def _empty_grad(weight: torch.Tensor) -> torch.Tensor:
@@ -121,8 +126,9 @@ class TiledCrossEntropy(torch.autograd.Function):
     tile by tile; ``hidden`` (N, H) holds only the tokens that have a target."""
 
     @staticmethod
-    def forward(ctx, weight: torch.Tensor, hidden: torch.Tensor, target: torch.Tensor,
-                source: _Source) -> torch.Tensor:
+    def forward(
+        ctx, weight: torch.Tensor, hidden: torch.Tensor, target: torch.Tensor, source: _Source
+    ) -> torch.Tensor:
         n = hidden.shape[0]
         m = torch.full((n,), float("-inf"), device=hidden.device)
         s = torch.zeros(n, device=hidden.device)
@@ -172,15 +178,22 @@ class TiledLogits:
         raise AttributeError(
             f"infinity: the logits of a tiled LM head (tiled_head=True) are not materialized in "
             f"a forward with labels: only the loss is computed (no .{name}). Run the forward "
-            "without labels to get logits, or wrap with tiled_head=False")
+            "without labels to get logits, or wrap with tiled_head=False"
+        )
 
     def __repr__(self) -> str:
         return f"TiledLogits(hidden={tuple(self.hidden.shape)})"
 
 
-def causal_lm_loss(logits: TiledLogits, labels: Optional[torch.Tensor], vocab_size: int,
-                   num_items_in_batch: Optional[Any] = None, ignore_index: int = -100,
-                   shift_labels: Optional[torch.Tensor] = None, **kwargs: Any) -> torch.Tensor:
+def causal_lm_loss(
+    logits: TiledLogits,
+    labels: Optional[torch.Tensor],
+    vocab_size: int,
+    num_items_in_batch: Optional[Any] = None,
+    ignore_index: int = -100,
+    shift_labels: Optional[torch.Tensor] = None,
+    **kwargs: Any,
+) -> torch.Tensor:
     """transformers' ``ForCausalLMLoss`` on a tiled head's hidden states."""
     if shift_labels is None:
         labels = nn.functional.pad(labels, (0, 1), value=ignore_index)
@@ -189,11 +202,13 @@ def causal_lm_loss(logits: TiledLogits, labels: Optional[torch.Tensor], vocab_si
     h2 = hidden.reshape(-1, hidden.shape[-1])
     target = shift_labels.reshape(-1).to(h2.device)
     if target.numel() != h2.shape[0]:
-        raise ValueError(f"infinity: tiled LM head: {target.numel()} labels for "
-                         f"{h2.shape[0]} positions")
+        raise ValueError(
+            f"infinity: tiled LM head: {target.numel()} labels for {h2.shape[0]} positions"
+        )
     keep = (target != ignore_index).nonzero().squeeze(1)
-    total = TiledCrossEntropy.apply(logits.source.weight, h2.index_select(0, keep),
-                                    target.index_select(0, keep), logits.source)
+    total = TiledCrossEntropy.apply(
+        logits.source.weight, h2.index_select(0, keep), target.index_select(0, keep), logits.source
+    )
     if num_items_in_batch is None:
         return total / keep.numel()
     if torch.is_tensor(num_items_in_batch):
@@ -209,8 +224,9 @@ class LossFunction:
         self.original = original
 
     @eager_only
-    def __call__(self, logits: Any = None, labels: Any = None, *args: Any,
-                 **kwargs: Any) -> torch.Tensor:
+    def __call__(
+        self, logits: Any = None, labels: Any = None, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
         if isinstance(logits, TiledLogits):
             return causal_lm_loss(logits, labels, *args, **kwargs)
         return self.original(logits, labels, *args, **kwargs)
@@ -226,8 +242,13 @@ def forward(self: nn.Linear, input: torch.Tensor) -> Any:
     return loc.engine.rows.tiled_head_forward(loc.block, self, input)
 
 
-def head_forward(engine: rows_mod.RowReader, block: Block, module: nn.Linear, hidden: torch.Tensor,
-                 loss_follows: bool) -> Any:
+def head_forward(
+    engine: rows_mod.RowReader,
+    block: Block,
+    module: nn.Linear,
+    hidden: torch.Tensor,
+    loss_follows: bool,
+) -> Any:
     weight = block.flats[0].slots[0].param
     source = _Source(engine, block, weight)
     if loss_follows:

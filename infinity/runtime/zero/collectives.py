@@ -12,6 +12,7 @@ engine refuses further collectives: the ranks no longer agree on what comes next
 gloo lacks some collectives on some builds; each is tried once and replaced by a correct
 equivalent (all_gather into a list, all_reduce then slice) if it is missing.
 """
+
 from __future__ import annotations
 
 import logging
@@ -25,9 +26,14 @@ from .group import DistGroups
 
 logger = logging.getLogger(__name__)
 
-KINDS = {1: "all-gather of parameters", 2: "reduce-scatter of gradients",
-         3: "all-reduce of gradients", 4: "all-reduce of a scalar",
-         5: "all-gather of a home copy", 6: "all-gather of updated parameters"}
+KINDS = {
+    1: "all-gather of parameters",
+    2: "reduce-scatter of gradients",
+    3: "all-reduce of gradients",
+    4: "all-reduce of a scalar",
+    5: "all-gather of a home copy",
+    6: "all-gather of updated parameters",
+}
 
 
 class RanksDivergedError(RuntimeError):
@@ -39,8 +45,9 @@ class CollectiveTimeoutError(RuntimeError):
 
 
 class Collectives:
-    def __init__(self, groups: DistGroups, device: torch.device,
-                 block_name: Callable[[int], str]) -> None:
+    def __init__(
+        self, groups: DistGroups, device: torch.device, block_name: Callable[[int], str]
+    ) -> None:
         self.g = groups
         self.device = device
         self._block_name = block_name
@@ -66,8 +73,10 @@ class Collectives:
         """Exchanges (kind, block, sequence number) with every rank of ``group``; raises
         RanksDivergedError on all of them when they differ."""
         if self._broken is not None:
-            raise RanksDivergedError(f"infinity: collectives are disabled after an earlier "
-                                     f"failure ({self._broken}); restart the job")
+            raise RanksDivergedError(
+                f"infinity: collectives are disabled after an earlier "
+                f"failure ({self._broken}); restart the job"
+            )
         group = self.g.shard if group is None else group
         self._seq += 1
         phase = self._phase()
@@ -82,13 +91,18 @@ class Collectives:
         me = dist.get_rank(group)
         parts = []
         for r, (k, b, s) in enumerate(rows):
-            parts.append(f"rank {dist.get_global_rank(group, r) if group is not None else r}: "
-                         f"{self._describe(int(k), int(b))} (collective #{s})")
-        msg = (f"infinity: ranks diverged at rank {self.g.global_rank}'s collective "
-               f"#{self._seq} ({phase}): " + "; ".join(parts)
-               + ". Every rank must run the same blocks in the same order (same code path, "
-               "same number of forward/backward passes and optimizer steps); a rank that "
-               f"skips or adds a block breaks ZeRO-3. (this is local shard rank {me})")
+            parts.append(
+                f"rank {dist.get_global_rank(group, r) if group is not None else r}: "
+                f"{self._describe(int(k), int(b))} (collective #{s})"
+            )
+        msg = (
+            f"infinity: ranks diverged at rank {self.g.global_rank}'s collective "
+            f"#{self._seq} ({phase}): "
+            + "; ".join(parts)
+            + ". Every rank must run the same blocks in the same order (same code path, "
+            "same number of forward/backward passes and optimizer steps); a rank that "
+            f"skips or adds a block breaks ZeRO-3. (this is local shard rank {me})"
+        )
         self._broken = "ranks diverged"
         raise RanksDivergedError(msg)
 
@@ -114,10 +128,14 @@ class Collectives:
                 return
             except (NotImplementedError, RuntimeError) as exc:
                 if "not supported" not in str(exc).lower() and not isinstance(
-                        exc, NotImplementedError):
+                    exc, NotImplementedError
+                ):
                     raise
-                logger.info("infinity: all_gather_into_tensor unavailable (%s); using "
-                            "all_gather into a list", exc)
+                logger.info(
+                    "infinity: all_gather_into_tensor unavailable (%s); using "
+                    "all_gather into a list",
+                    exc,
+                )
                 self._have_gather_base = False
         world = dist.get_world_size(group)
         parts = list(out.chunk(world))
@@ -132,23 +150,28 @@ class Collectives:
                 return
             except (NotImplementedError, RuntimeError) as exc:
                 if "not supported" not in str(exc).lower() and not isinstance(
-                        exc, NotImplementedError):
+                    exc, NotImplementedError
+                ):
                     raise
-                logger.info("infinity: reduce_scatter_tensor unavailable (%s); using "
-                            "all_reduce and keeping this rank's part", exc)
+                logger.info(
+                    "infinity: reduce_scatter_tensor unavailable (%s); using "
+                    "all_reduce and keeping this rank's part",
+                    exc,
+                )
                 self._have_reduce_scatter = False
         dist.all_reduce(inp, op=dist.ReduceOp.SUM, group=group)
         rank = dist.get_rank(group)
         out.copy_(inp.chunk(dist.get_world_size(group))[rank])
 
     # ---- the engine's collectives ---------------------------------------------------------
-    def all_gather(self, out: torch.Tensor, local: torch.Tensor, block: int,
-                   kind: int = 1) -> None:
+    def all_gather(self, out: torch.Tensor, local: torch.Tensor, block: int, kind: int = 1) -> None:
         """Every rank's ``local`` (its part) into ``out`` (the whole, rank order)."""
         self.check(kind, block)
         t0 = time.perf_counter()
-        self._run(lambda: self._gather(out, local, self.g.shard),
-                  f"{self._describe(kind, block)} ({self._phase()})")
+        self._run(
+            lambda: self._gather(out, local, self.g.shard),
+            f"{self._describe(kind, block)} ({self._phase()})",
+        )
         self._count("all_gather", t0, out)
 
     def all_gather_async(self, out: torch.Tensor, local: torch.Tensor, block: int):
@@ -160,11 +183,14 @@ class Collectives:
 
         def start() -> None:
             if self._have_gather_base:
-                holder["work"] = dist.all_gather_into_tensor(out, local, group=self.g.shard,
-                                                             async_op=True)
+                holder["work"] = dist.all_gather_into_tensor(
+                    out, local, group=self.g.shard, async_op=True
+                )
             else:
-                holder["work"] = dist.all_gather(list(out.chunk(self.g.world)), local,
-                                                 group=self.g.shard, async_op=True)
+                holder["work"] = dist.all_gather(
+                    list(out.chunk(self.g.world)), local, group=self.g.shard, async_op=True
+                )
+
         self._run(start, f"{self._describe(1, block)} ({self._phase()}, started early)")
         self._count("all_gather", t0, out)
         return holder["work"], local, out
@@ -180,15 +206,18 @@ class Collectives:
         ``out``. ``full`` is clobbered."""
         self.check(2, block)
         t0 = time.perf_counter()
-        self._run(lambda: self._reduce_scatter(out, full, self.g.shard),
-                  f"{self._describe(2, block)} ({self._phase()})")
+        self._run(
+            lambda: self._reduce_scatter(out, full, self.g.shard),
+            f"{self._describe(2, block)} ({self._phase()})",
+        )
         self._count("reduce_scatter", t0, full)
         if self.g.replicate is not None:
             self.check(3, block, self.g.replicate)
             t0 = time.perf_counter()
-            self._run(lambda: dist.all_reduce(out, op=dist.ReduceOp.SUM,
-                                              group=self.g.replicate),
-                      f"{self._describe(3, block)} across replicas")
+            self._run(
+                lambda: dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.g.replicate),
+                f"{self._describe(3, block)} across replicas",
+            )
             self._count("all_reduce", t0, out)
         out.div_(self.g.total)
 
@@ -196,12 +225,15 @@ class Collectives:
         """ZeRO-1/2 path for replicated gradients: the average over all ranks, in place."""
         self.check(3, block)
         t0 = time.perf_counter()
-        self._run(lambda: dist.all_reduce(full, op=dist.ReduceOp.SUM, group=self.g.shard),
-                  f"{self._describe(3, block)} ({self._phase()})")
+        self._run(
+            lambda: dist.all_reduce(full, op=dist.ReduceOp.SUM, group=self.g.shard),
+            f"{self._describe(3, block)} ({self._phase()})",
+        )
         if self.g.replicate is not None:
-            self._run(lambda: dist.all_reduce(full, op=dist.ReduceOp.SUM,
-                                              group=self.g.replicate),
-                      f"{self._describe(3, block)} across replicas")
+            self._run(
+                lambda: dist.all_reduce(full, op=dist.ReduceOp.SUM, group=self.g.replicate),
+                f"{self._describe(3, block)} across replicas",
+            )
         self._count("all_reduce", t0, full)
         full.div_(self.g.total)
 
@@ -210,14 +242,17 @@ class Collectives:
         with ``replicas``)."""
         self.check(4, -1)
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
-        rop = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
-               "min": dist.ReduceOp.MIN}[op]
+        rop = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
         t0 = time.perf_counter()
-        self._run(lambda: dist.all_reduce(t, op=rop, group=self.g.shard),
-                  "an all-reduce of a gradient statistic")
+        self._run(
+            lambda: dist.all_reduce(t, op=rop, group=self.g.shard),
+            "an all-reduce of a gradient statistic",
+        )
         if replicas and self.g.replicate is not None:
-            self._run(lambda: dist.all_reduce(t, op=rop, group=self.g.replicate),
-                      "an all-reduce of a gradient statistic across replicas")
+            self._run(
+                lambda: dist.all_reduce(t, op=rop, group=self.g.replicate),
+                "an all-reduce of a gradient statistic across replicas",
+            )
         self._count("all_reduce", t0, t)
         return float(t.item())
 
@@ -226,8 +261,10 @@ class Collectives:
         self.check(4, block)
         rop = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
         t0 = time.perf_counter()
-        self._run(lambda: dist.all_reduce(t, op=rop, group=self.g.shard),
-                  f"an all-reduce for block {self._block_name(block)!r}")
+        self._run(
+            lambda: dist.all_reduce(t, op=rop, group=self.g.shard),
+            f"an all-reduce for block {self._block_name(block)!r}",
+        )
         self._count("all_reduce", t0, t)
 
     def _count(self, name: str, t0: float, t: torch.Tensor) -> None:

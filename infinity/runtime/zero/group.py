@@ -1,6 +1,7 @@
 """Which ranks shard a model and which replicate it: resolved once at wrap from the
 ``process_group`` argument (a ProcessGroup, a 1-D or 2-D DeviceMesh, or None: the default
 group when torch.distributed is initialised)."""
+
 from __future__ import annotations
 
 import datetime
@@ -56,10 +57,12 @@ def resolve(process_group: Any, shard: str, timeout_s: float) -> Optional[DistGr
     """The groups to shard over, or None for the single-process path (torch.distributed not
     initialised and no group given, world size 1, or ``shard='none'``)."""
     if shard not in SHARD_STAGES:
-        raise ValueError(f"infinity: shard={shard!r}; use 'zero3' (parameters, gradients and "
-                         "optimizer states sharded), 'zero2' (gradients and states), 'zero1' "
-                         "(optimizer states), 'none' or 'auto' (zero3 when torch.distributed "
-                         "is initialised with more than one rank)")
+        raise ValueError(
+            f"infinity: shard={shard!r}; use 'zero3' (parameters, gradients and "
+            "optimizer states sharded), 'zero2' (gradients and states), 'zero1' "
+            "(optimizer states), 'none' or 'auto' (zero3 when torch.distributed "
+            "is initialised with more than one rank)"
+        )
     if shard == "none":
         return None
     if not (dist.is_available() and dist.is_initialized()):
@@ -67,7 +70,8 @@ def resolve(process_group: Any, shard: str, timeout_s: float) -> Optional[DistGr
             raise RuntimeError(
                 f"infinity: shard={shard!r} / process_group need torch.distributed: call "
                 "torch.distributed.init_process_group(...) first (torchrun sets up the "
-                "environment), or pass shard='none'")
+                "environment), or pass shard='none'"
+            )
         return None
     replicate = None
     if process_group is None:
@@ -75,8 +79,7 @@ def resolve(process_group: Any, shard: str, timeout_s: float) -> Optional[DistGr
         if len(ranks) == 1:
             return None
         # a group of our own: its timeout bounds every collective (divergent ranks fail)
-        group = dist.new_group(ranks=ranks,
-                               timeout=datetime.timedelta(seconds=float(timeout_s)))
+        group = dist.new_group(ranks=ranks, timeout=datetime.timedelta(seconds=float(timeout_s)))
     elif _is_mesh(process_group):
         mesh = process_group
         if mesh.ndim == 1:
@@ -84,8 +87,10 @@ def resolve(process_group: Any, shard: str, timeout_s: float) -> Optional[DistGr
         elif mesh.ndim == 2:
             replicate, group = mesh.get_group(0), mesh.get_group(1)
         else:
-            raise ValueError(f"infinity: a DeviceMesh of {mesh.ndim} dimensions; pass a 1-D "
-                             "mesh (shard) or a 2-D mesh (replicate, shard)")
+            raise ValueError(
+                f"infinity: a DeviceMesh of {mesh.ndim} dimensions; pass a 1-D "
+                "mesh (shard) or a 2-D mesh (replicate, shard)"
+            )
     else:
         group = process_group
     world = dist.get_world_size(group)
@@ -93,10 +98,23 @@ def resolve(process_group: Any, shard: str, timeout_s: float) -> Optional[DistGr
     if world * replicas == 1:
         return None
     backend = str(dist.get_backend(group)).lower()
-    groups = DistGroups(group, replicate, dist.get_rank(group), world, replicas,
-                        dist.get_rank(), backend, float(timeout_s))
-    logger.info("infinity: sharding over %d rank(s) (this is part %d)%s, backend %s",
-                world, groups.rank, f", {replicas} replicas" if replicas > 1 else "", backend)
+    groups = DistGroups(
+        group,
+        replicate,
+        dist.get_rank(group),
+        world,
+        replicas,
+        dist.get_rank(),
+        backend,
+        float(timeout_s),
+    )
+    logger.info(
+        "infinity: sharding over %d rank(s) (this is part %d)%s, backend %s",
+        world,
+        groups.rank,
+        f", {replicas} replicas" if replicas > 1 else "",
+        backend,
+    )
     return groups
 
 

@@ -18,6 +18,7 @@ page-aligned for O_DIRECT). Parameters start on 8-bit quantization block boundar
 unchanged without a partitioner); collectives run on the engine's thread, in the order the
 model runs its blocks, through :class:`~.collectives.Collectives`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -27,13 +28,13 @@ import torch
 
 from ... import io as inf_io
 from ...ops.adam_compact import BLOCK_SIZE
+from ...tiers import Tier
 from ..core.flat import Binding, FlatParam
 from ..homes.home import Home
-from ...tiers import Tier
-from .collectives import Collectives
-from .group import DistGroups
 from ..homes.shard_flat import ShardFlat
 from ..homes.sharded import ShardedHome
+from .collectives import Collectives
+from .group import DistGroups
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +48,10 @@ class Partitioner:
         self.device = device
         coll_device = device if groups.backend == "nccl" else torch.device("cpu")
         if device.type == "cuda" and groups.backend != "nccl":
-            raise ValueError(f"infinity: computing on {device} needs an NCCL process group "
-                             f"for sharding; got backend {groups.backend!r}")
+            raise ValueError(
+                f"infinity: computing on {device} needs an NCCL process group "
+                f"for sharding; got backend {groups.backend!r}"
+            )
         self.coll_device = coll_device
         self.blocks: List = []
         self._local: Dict[int, ShardFlat] = {}
@@ -93,14 +96,20 @@ class Partitioner:
 
     def check_tiers(self, param_tier: Tier, grad_tier: Tier) -> None:
         if param_tier is Tier.DEVICE:
-            raise ValueError("infinity: shard=... with param_tier='device' is not built; "
-                             "use param_tier='host' or 'nvme' (each rank keeps its part there)")
+            raise ValueError(
+                "infinity: shard=... with param_tier='device' is not built; "
+                "use param_tier='host' or 'nvme' (each rank keeps its part there)"
+            )
         if not self.shards_params and param_tier is Tier.NVME:
-            raise ValueError(f"infinity: shard={self.stage!r} with parameters on NVMe is not "
-                             "built; use shard='zero3' (the default) or param_tier='host'")
+            raise ValueError(
+                f"infinity: shard={self.stage!r} with parameters on NVMe is not "
+                "built; use shard='zero3' (the default) or param_tier='host'"
+            )
         if self.stage == "zero1" and grad_tier is Tier.NVME:
-            raise ValueError("infinity: shard='zero1' keeps every rank's whole gradient in "
-                             "host RAM; use grad_tier='host', or shard='zero2'/'zero3'")
+            raise ValueError(
+                "infinity: shard='zero1' keeps every rank's whole gradient in "
+                "host RAM; use grad_tier='host', or shard='zero2'/'zero3'"
+            )
 
     # ---- structure ---------------------------------------------------------------------
     def attach(self, blocks: List) -> None:
@@ -109,11 +118,12 @@ class Partitioner:
         for block in blocks:
             for flat in block.flats:
                 if flat.numel % self.world:
-                    raise AssertionError(f"{flat.key}: {flat.numel} elements not padded to "
-                                         f"{self.world} ranks (engine bug)")
+                    raise AssertionError(
+                        f"{flat.key}: {flat.numel} elements not padded to "
+                        f"{self.world} ranks (engine bug)"
+                    )
                 n = flat.numel // self.world
-                local = ShardFlat(flat, self.rank * n, (self.rank + 1) * n, self.rank,
-                                  self.world)
+                local = ShardFlat(flat, self.rank * n, (self.rank + 1) * n, self.rank, self.world)
                 self._local[id(flat)] = local
                 self._block_of[id(flat)] = block.index
 
@@ -130,7 +140,7 @@ class Partitioner:
         """zero1/zero2: the rank's part is a view of the (whole, replicated) home copy."""
         if not self.shards_params:
             local = self.local(flat)
-            local.home = flat.home[local.start:local.end]
+            local.home = flat.home[local.start : local.end]
 
     def location(self, loc):
         """The optimizer's view of a parameter: its part in this rank's shard (None when no
@@ -147,8 +157,9 @@ class Partitioner:
             flat.user_written.clear()
             return written
         full = flat.full
-        written = sorted(j for j in (flat.local_index(i) for i in full.user_written)
-                         if j is not None)
+        written = sorted(
+            j for j in (flat.local_index(i) for i in full.user_written) if j is not None
+        )
         full.user_written.clear()
         return written
 
@@ -165,8 +176,9 @@ class Partitioner:
         flat.binding = Binding.OUTSIDE
         flat.record_versions()
 
-    def refuse_inplace_outside(self, flat: FlatParam, written: List[int],
-                               rebound: List[int]) -> None:
+    def refuse_inplace_outside(
+        self, flat: FlatParam, written: List[int], rebound: List[int]
+    ) -> None:
         silent = [i for i in written if i not in rebound]
         if silent:
             names = ", ".join(repr(flat.slots[i].qualname) for i in silent[:3])
@@ -175,7 +187,8 @@ class Partitioner:
                 "with shard='zero3' a parameter outside forward is not materialized (it reads "
                 "as NaN); the change is lost. Change it inside `with infinity.materialized("
                 "model):` (on every rank), assign `p.data = new_tensor`, or load with "
-                "infinity.sharding.load_full_state_dict")
+                "infinity.sharding.load_full_state_dict"
+            )
 
     # ---- fetch: all-gather (zero3) ----------------------------------------------------
     def gather_if_needed(self, block) -> None:
@@ -189,7 +202,7 @@ class Partitioner:
         for flat in block.flats:
             local = self.local(flat)
             compute = flat.compute
-            part = compute[local.start:local.end]
+            part = compute[local.start : local.end]
             if compute.device != self.coll_device:  # pragma: no cover - gloo with CUDA
                 raise RuntimeError("infinity: collectives device mismatch (engine bug)")
             self.coll.all_gather(compute, part.clone(), block.index)
@@ -204,9 +217,11 @@ class Partitioner:
         works = []
         for flat in block.flats:
             local = self.local(flat)
-            works.append(self.coll.all_gather_async(flat.compute,
-                                                    flat.compute[local.start:local.end].clone(),
-                                                    block.index))
+            works.append(
+                self.coll.all_gather_async(
+                    flat.compute, flat.compute[local.start : local.end].clone(), block.index
+                )
+            )
         self._early[block.index] = works
         self.early_gathers += 1
 
@@ -229,8 +244,9 @@ class Partitioner:
     def gather_home(self, flat: FlatParam, local_values: torch.Tensor) -> torch.Tensor:
         """The whole flat buffer (home dtype, CPU) from every rank's home part."""
         out = torch.empty(flat.numel, dtype=flat.home_dtype, device=self.coll_device)
-        self.coll.all_gather(out, local_values.to(self.coll_device),
-                             self._block_of[id(flat)], kind=5)
+        self.coll.all_gather(
+            out, local_values.to(self.coll_device), self._block_of[id(flat)], kind=5
+        )
         return out.cpu()
 
     def after_step(self) -> None:
@@ -240,8 +256,9 @@ class Partitioner:
         for block in self.blocks:
             for flat in block.flats:
                 local = self.local(flat)
-                self.coll.all_gather(flat.home, flat.home[local.start:local.end].clone(),
-                                     block.index, kind=6)
+                self.coll.all_gather(
+                    flat.home, flat.home[local.start : local.end].clone(), block.index, kind=6
+                )
 
     # ---- gradients ---------------------------------------------------------------------
     def add_grad(self, flat: FlatParam, index: int, grad: torch.Tensor) -> None:
@@ -255,7 +272,7 @@ class Partitioner:
             self._grad_seen[id(flat)] = set()
         if grad.is_sparse:
             raise TypeError(f"{s.qualname}: sparse gradients are not supported")
-        buf[s.offset:s.offset + s.numel].add_(grad.detach().reshape(-1).to(buf.dtype))
+        buf[s.offset : s.offset + s.numel].add_(grad.detach().reshape(-1).to(buf.dtype))
         self._grad_seen[id(flat)].add(index)
 
     def has_pending(self, flat: FlatParam) -> bool:
@@ -275,13 +292,13 @@ class Partitioner:
             self.coll.reduce_scatter_avg(out, buf, index)
             for li, s in enumerate(local.slots):
                 if s.full_index in seen:
-                    sink.add(local, li, out[s.offset:s.offset + s.numel])
+                    sink.add(local, li, out[s.offset : s.offset + s.numel])
             sink.close(local)
         else:
             self.coll.all_reduce_avg(buf, index)
             for i in sorted(seen):
                 s = flat.slots[i]
-                sink.add(flat, i, buf[s.offset:s.offset + s.numel].view(s.shape))
+                sink.add(flat, i, buf[s.offset : s.offset + s.numel].view(s.shape))
             sink.close(flat)
 
     def flush_grads(self, sink) -> None:
@@ -303,8 +320,7 @@ class Partitioner:
         for block in self.blocks:
             for flat in block.flats:
                 local = self.local(flat)
-                local.grad = (flat.grad[local.start:local.end] if flat.grad is not None
-                              else None)
+                local.grad = flat.grad[local.start : local.end] if flat.grad is not None else None
                 local.grad_ready = [flat.grad_ready[s.full_index] for s in local.slots]
 
     # ---- optimizer: global values ------------------------------------------------------
@@ -312,16 +328,23 @@ class Partitioner:
         return self.coll.all_reduce_scalar(value, op, replicas=False)
 
     def stats(self) -> Dict[str, object]:
-        return {"stage": self.stage, "rank": self.rank, "world": self.world,
-                "early_gathers": self.early_gathers,
-                "replicas": self.groups.replicas,
-                "seconds": dict(self.coll.seconds), "bytes": dict(self.coll.bytes),
-                "calls": dict(self.coll.calls)}
+        return {
+            "stage": self.stage,
+            "rank": self.rank,
+            "world": self.world,
+            "early_gathers": self.early_gathers,
+            "replicas": self.groups.replicas,
+            "seconds": dict(self.coll.seconds),
+            "bytes": dict(self.coll.bytes),
+            "calls": dict(self.coll.calls),
+        }
 
 
-def make_partitioner(process_group, shard: str, timeout_s: float,
-                     device: torch.device) -> Optional[Partitioner]:
+def make_partitioner(
+    process_group, shard: str, timeout_s: float, device: torch.device
+) -> Optional[Partitioner]:
     from .group import resolve, stage_of
+
     groups = resolve(process_group, shard, timeout_s)
     if groups is None:
         return None

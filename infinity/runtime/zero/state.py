@@ -2,6 +2,7 @@
 by each rank into its part (so a state saved by N ranks loads on M ranks, or on one).
 
 Every rank of the shard group must call these (they all-gather in block order)."""
+
 from __future__ import annotations
 
 from typing import Dict
@@ -31,7 +32,7 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> Dict[str, t
         for flat in engine.flats:
             full = engine.home.snapshot(flat)
             for s in flat.slots:
-                values[s.qualname] = full[s.offset:s.offset + s.numel].view(s.shape).clone()
+                values[s.qualname] = full[s.offset : s.offset + s.numel].view(s.shape).clone()
     keep = part is None or not rank0_only or part.groups.global_rank == 0
     if not keep:
         return {}
@@ -63,9 +64,11 @@ def load_full_state_dict(model: nn.Module, state: Dict[str, torch.Tensor]) -> No
             for s in flat.slots:
                 value = state[names[id(s.param)]]
                 if tuple(value.shape) != tuple(s.shape):
-                    raise ValueError(f"infinity.sharding.load_full_state_dict: {s.qualname!r} has "
-                                     f"shape {tuple(value.shape)}, the model {tuple(s.shape)}")
-                full[s.offset:s.offset + s.numel].copy_(value.reshape(-1))
+                    raise ValueError(
+                        f"infinity.sharding.load_full_state_dict: {s.qualname!r} has "
+                        f"shape {tuple(value.shape)}, the model {tuple(s.shape)}"
+                    )
+                full[s.offset : s.offset + s.numel].copy_(value.reshape(-1))
             engine.home.write_from(flat, full)
             engine.note_home_written(flat, range(len(flat.slots)))
     for name, b in model.named_buffers():
@@ -84,7 +87,7 @@ def fill_state_dict(engine, state_dict: Dict, prefix: str) -> None:
         for flat in engine.flats:
             full = engine.home.snapshot(flat)
             for s in flat.slots:
-                value = full[s.offset:s.offset + s.numel].view(s.shape)
+                value = full[s.offset : s.offset + s.numel].view(s.shape)
                 for key in names.get(id(s.param), []):
                     if key in state_dict:
                         state_dict[key] = value.clone()

@@ -31,8 +31,7 @@ import pytest
 import torch
 
 import infinity
-from infinity.checkpoint import (CheckpointError, CheckpointMismatchError,
-                                 CorruptCheckpointError)
+from infinity.checkpoint import CheckpointError, CheckpointMismatchError, CorruptCheckpointError
 from infinity.checkpoint.disk import files as ckpt_files
 from infinity.checkpoint.disk.atomic import aside_path
 from infinity.models import GPTConfig, TinyGPT, lm_loss, synthetic_batch

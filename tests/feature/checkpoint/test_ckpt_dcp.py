@@ -9,9 +9,9 @@ import warnings
 
 import pytest
 import torch
+from dist_helpers import _model, run_ranks
 
 import infinity
-from dist_helpers import _model, run_ranks
 
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 
@@ -125,9 +125,10 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 
 from engine_helpers import SMALL, batches, loss_of  # noqa: E402
+from rss_helpers import run_rss_child  # noqa: E402
+
 from infinity.checkpoint import CheckpointError  # noqa: E402
 from infinity.models import GPTConfig, TinyGPT  # noqa: E402
-from rss_helpers import run_rss_child  # noqa: E402
 
 
 def _llama(seed):

@@ -13,7 +13,6 @@ import os
 
 import pytest
 import torch
-
 from dist_helpers import run_ranks
 
 STEPS, BATCH, SAVE_AT, TOL = 8, 12, 5, 1e-5
@@ -85,8 +84,9 @@ def test_resume_matrix(reference, saved, tmp_path, world):
 
 
 def _wrapped(layers=3):
-    import infinity
     from dist_helpers import _model
+
+    import infinity
     torch.manual_seed(7)
     return infinity.wrap(_model(layers=layers), param_tier="host")
 

@@ -114,6 +114,7 @@ def test_unsupported_quantize_is_refused_before_anything_is_read_or_written(tmp_
 
 def test_cli_quantize_writes_the_same_files_as_the_function(tmp_path, capsys):
     from safetensors.torch import load_file
+
     from infinity.cli import main
     _trained_checkpoint(tmp_path)
     infinity.consolidate(tmp_path / "ckpt", tmp_path / "api", quantize="nf4-dq")

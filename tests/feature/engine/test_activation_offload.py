@@ -6,7 +6,6 @@ from typing import Dict, List, Optional
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 

@@ -20,13 +20,13 @@ from typing import Dict, List, Tuple
 
 import pytest
 import torch
+from engine_helpers import batches, loss_of
 
 import infinity
-from engine_helpers import batches, loss_of
 from infinity.io import clear_faults, inject_fault
 from infinity.models import GPTConfig, TinyGPT
-from infinity.runtime.grads.sink import GradientWriteError, grad_key
 from infinity.runtime.core.registry import engine_of
+from infinity.runtime.grads.sink import GradientWriteError, grad_key
 from infinity.tiers import BudgetExceededError, SwapCorruptionError
 
 # a layer's flat is ~50k fp32 elements (200 KB): 25 chunks of 8 KiB; its 64x64 weights (16 KiB)

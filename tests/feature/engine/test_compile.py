@@ -30,10 +30,16 @@ from typing import List
 
 import pytest
 import torch
+from engine_helpers import (
+    SMALL,
+    assert_params_bitwise,
+    batches,
+    check_grads_then_step,
+    loss_of,
+    pair,
+)
 
 import infinity
-from engine_helpers import (SMALL, assert_params_bitwise, batches, check_grads_then_step, loss_of,
-                            pair)
 
 _RUNTIME_DIR = os.path.dirname(infinity.runtime.__file__)
 _TIERS = {"host": dict(param_tier="host", optimizer_tier="host"),

@@ -9,13 +9,13 @@ import copy
 
 import pytest
 import torch
+from engine_helpers import assert_params_bitwise, check_grads_then_step
+from rss_helpers import run_rss_child
 from torch import nn
 
 import infinity
 from infinity.runtime.engine import engine_of
 from infinity.runtime.grads.rows import scatter_rows, sparse_rows
-from engine_helpers import assert_params_bitwise, check_grads_then_step
-from rss_helpers import run_rss_child
 
 transformers = pytest.importorskip("transformers")
 

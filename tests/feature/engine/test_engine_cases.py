@@ -4,11 +4,11 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from engine_helpers import SMALL, assert_grads_equal, batches, loss_of, pair
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import infinity
-from engine_helpers import SMALL, assert_grads_equal, batches, loss_of, pair
 from infinity.models import TinyGPT, lm_loss
 
 TIERS = ["host", "nvme"]

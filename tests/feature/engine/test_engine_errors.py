@@ -4,10 +4,10 @@ import os
 
 import pytest
 import torch
+from engine_helpers import SMALL, batches, loss_of
 from torch import nn
 
 import infinity
-from engine_helpers import SMALL, batches, loss_of
 from infinity.models import TinyGPT
 from infinity.tiers import BudgetExceededError, SwapCorruptionError
 
@@ -212,6 +212,7 @@ def test_disk_too_small_for_the_swap_files_is_refused_before_anything_is_written
     import errno
     import os
     import re
+
     from infinity.models import GPTConfig, TinyGPT
     from infinity.tiers import disk_space
     usage = collections.namedtuple("usage", "total used free")

@@ -1,9 +1,9 @@
 """Forward/backward parity with plain PyTorch, parameters on host and on NVMe (fp32: exact)."""
 import pytest
 import torch
+from engine_helpers import SMALL, assert_grads_equal, batches, loss_of, pair
 
 import infinity
-from engine_helpers import SMALL, assert_grads_equal, batches, loss_of, pair
 
 
 @pytest.mark.parametrize("tier", ["host", "nvme"])

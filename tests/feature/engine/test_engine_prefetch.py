@@ -4,9 +4,9 @@ import random
 
 import pytest
 import torch
+from engine_helpers import assert_grads_equal, batches, loss_of
 
 import infinity
-from engine_helpers import assert_grads_equal, batches, loss_of
 from infinity.models import GPTConfig, TinyGPT
 
 # Per step, the root block and the first layer are needed right after the previous backward

@@ -1,9 +1,9 @@
 """NVMe gradients: the per-slot L2 norms the sink hands the optimizer (measured while each
 gradient is accumulated, before the block is written) equal the norms of what was written."""
 import torch
+from engine_helpers import batches, loss_of
 
 import infinity
-from engine_helpers import batches, loss_of
 from infinity.models import GPTConfig, TinyGPT
 
 # tied embeddings: the embedding slot receives two gradients in one backward

@@ -8,10 +8,10 @@ import textwrap
 
 import pytest
 import torch
+from engine_helpers import SMALL, batches, loss_of
 from torch import nn
 
 import infinity
-from engine_helpers import SMALL, batches, loss_of
 from infinity.models import GPTConfig, TinyGPT
 from infinity.runtime.homes.sources import SourceError
 

@@ -12,14 +12,14 @@ import re
 
 import pytest
 import torch
+from engine_helpers import assert_params_bitwise, check_grads_then_step
 from torch import nn
 
 import infinity
 from infinity.models import GPTConfig, TinyGPT, lm_loss, synthetic_batch
-from infinity.runtime.engine import engine_of
 from infinity.runtime.build.split import partition
+from infinity.runtime.engine import engine_of
 from infinity.tiers import BudgetExceededError
-from engine_helpers import assert_params_bitwise, check_grads_then_step
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")

@@ -19,13 +19,12 @@ bf16 gradients accumulated in fp32, fused AdamW on the fp32 weights.
 """
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Dict, Tuple
-
-import copy
 
 import pytest
 import torch
@@ -324,7 +323,7 @@ def _run_case(tier: str, op: str, tmp_dir: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def cases(request, tmp_path_factory) -> Dict[Tuple[str, str], "Future"]:
+def cases(request, tmp_path_factory) -> Dict[Tuple[str, str], Future]:
     """Starts every selected (tier, op) case at once, each in its own subprocess, a few at a
     time: most of a case's time is importing torch, so running them side by side keeps the
     file within a minute on two cores."""

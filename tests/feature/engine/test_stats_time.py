@@ -3,9 +3,9 @@ and how many bytes it wrote to NVMe."""
 import time
 
 import torch
+from engine_helpers import SMALL, batches, loss_of
 
 import infinity
-from engine_helpers import SMALL, batches, loss_of
 from infinity.models import TinyGPT
 
 STEPS = 3

@@ -12,10 +12,10 @@ import copy
 
 import pytest
 import torch
+from rss_helpers import run_rss_child
 
 import infinity
 from infinity.runtime.engine import engine_of
-from rss_helpers import run_rss_child
 
 transformers = pytest.importorskip("transformers")
 

@@ -17,12 +17,21 @@ import torch
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
 
-import infinity  # noqa: E402
-from integrations_helpers import (TIERS, TokenDataset, assert_changed, assert_losses,  # noqa: E402
-                                  assert_weights, llama, reset_accelerate, run_example, weights,
-                                  wrapped_copy)
-
 from accelerate import Accelerator  # noqa: E402
+from integrations_helpers import (  # noqa: E402
+    TIERS,
+    TokenDataset,
+    assert_changed,
+    assert_losses,
+    assert_weights,
+    llama,
+    reset_accelerate,
+    run_example,
+    weights,
+    wrapped_copy,
+)
+
+import infinity  # noqa: E402
 
 ACCUM = 2
 STEPS = 6

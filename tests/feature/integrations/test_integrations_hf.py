@@ -18,13 +18,28 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-import infinity  # noqa: E402
-from integrations_helpers import (TIERS, WRAP_HOST, TokenDataset, assert_changed,  # noqa: E402
-                                  assert_losses, assert_weights, gpt2_config, llama, weights,
-                                  run_example, wrapped_copy)
+from integrations_helpers import (  # noqa: E402
+    TIERS,
+    WRAP_HOST,
+    TokenDataset,
+    assert_changed,
+    assert_losses,
+    assert_weights,
+    gpt2_config,
+    llama,
+    run_example,
+    weights,
+    wrapped_copy,
+)
+from transformers import (  # noqa: E402
+    GPT2LMHeadModel,
+    LlamaForCausalLM,
+    Trainer,
+    TrainingArguments,
+    get_linear_schedule_with_warmup,
+)
 
-from transformers import (GPT2LMHeadModel, LlamaForCausalLM, Trainer,  # noqa: E402
-                          TrainingArguments, get_linear_schedule_with_warmup)
+import infinity  # noqa: E402
 
 STEPS = 6            # optimizer steps of a full run
 SAVE_AT = 3          # the checkpoint a resumed run starts from

@@ -18,12 +18,20 @@ import torch
 pytest.importorskip("lightning")
 pytest.importorskip("transformers")
 
-import infinity  # noqa: E402
-from integrations_helpers import (TIERS, TokenDataset, assert_changed, assert_losses,  # noqa: E402
-                                  assert_weights, llama, run_example, weights,
-                                  wrap_settings)
-
 import lightning.pytorch as pl  # noqa: E402
+from integrations_helpers import (  # noqa: E402
+    TIERS,
+    TokenDataset,
+    assert_changed,
+    assert_losses,
+    assert_weights,
+    llama,
+    run_example,
+    weights,
+    wrap_settings,
+)
+
+import infinity  # noqa: E402
 
 # lightning 2.6 on torch 2.13: a deprecation inside lightning's own pytree helper
 pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*")

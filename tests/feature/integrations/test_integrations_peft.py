@@ -21,12 +21,21 @@ import torch
 pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
-import infinity  # noqa: E402
-from integrations_helpers import (TIERS, WRAP_HOST, TokenDataset, assert_changed,  # noqa: E402
-                                  assert_losses, assert_weights, llama, run_example, weights,
-                                  wrap_settings)
-
+from integrations_helpers import (  # noqa: E402
+    TIERS,
+    WRAP_HOST,
+    TokenDataset,
+    assert_changed,
+    assert_losses,
+    assert_weights,
+    llama,
+    run_example,
+    weights,
+    wrap_settings,
+)
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
+
+import infinity  # noqa: E402
 
 # peft 0.21 asks transformers 5 for the deprecated is_gradient_checkpointing
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")

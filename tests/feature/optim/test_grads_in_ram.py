@@ -7,10 +7,10 @@ import copy
 
 import pytest
 import torch
-
-import infinity
 from test_optim import CFG, _model, _train
 from test_optim_overlap import _assert_same, _snapshot, _wrap
+
+import infinity
 from infinity.models import lm_loss, synthetic_batch
 
 STEPS = 6

@@ -5,12 +5,12 @@ import time
 
 import pytest
 import torch
+from test_optim import _model, _train
 
 import infinity
 import infinity.io as inf_io
 from infinity import _native
 from infinity.optim.states import swapper
-from test_optim import _model, _train
 
 
 def test_request_timing_is_ordered_and_counts_crc(tmp_path):
@@ -125,6 +125,7 @@ def test_failed_chunk_with_crc_threads_raises_and_does_not_hang(tmp_path, crc_th
     """A chunk that fails while other chunks' checksums are queued: the request completes with
     the error (no checksum), and the engine keeps working."""
     import errno
+
     from infinity.io import faults
     inf_io.configure(crc_threads=2, chunk_bytes=1 << 20)
     buf = inf_io.aligned_empty(8 << 20)

@@ -19,12 +19,12 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import pytest
 import torch
+from engine_helpers import assert_optimizer_states_equal, assert_tensors_equal
 from torch import nn
 
 import infinity
 from infinity.models import GPTConfig, TinyGPT, lm_loss, synthetic_batch
 from infinity.optim import LossScaler, OptimizerStateIOError
-from engine_helpers import assert_optimizer_states_equal, assert_tensors_equal
 
 CFG = GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq=16)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))

@@ -13,11 +13,13 @@ from typing import Dict, List, Optional, Tuple
 
 import pytest
 import torch
+from optim_helpers import assert_equal as _equal
+from optim_helpers import states as _states
+from optim_helpers import weights as _weights
 
 import infinity
-from infinity.runtime.port import OptimizerPort
 from infinity.models import GPTConfig, TinyGPT, lm_loss, synthetic_batch
-from optim_helpers import assert_equal as _equal, states as _states, weights as _weights
+from infinity.runtime.port import OptimizerPort
 
 CFG = GPTConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=2, max_seq=16)
 HUGE = 1 << 30

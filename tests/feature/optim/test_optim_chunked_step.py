@@ -14,6 +14,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 import torch
+from optim_helpers import assert_equal as _equal
+from optim_helpers import states as _states
+from optim_helpers import weights as _weights
 
 import infinity
 from infinity import io as inf_io
@@ -21,7 +24,6 @@ from infinity.models import GPTConfig, TinyGPT, lm_loss, synthetic_batch
 from infinity.optim.step import chunks
 from infinity.tiers.budget import BudgetExceededError
 from infinity.tiers.swap_store import SwapCorruptionError
-from optim_helpers import assert_equal as _equal, states as _states, weights as _weights
 
 CFG = GPTConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=2, max_seq=16)
 TINY = 16 << 10          # many units per shard

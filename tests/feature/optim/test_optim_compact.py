@@ -20,6 +20,7 @@ from typing import Dict, List, Optional
 
 import pytest
 import torch
+from engine_helpers import assert_tensors_equal
 
 import infinity
 from infinity import ops
@@ -27,7 +28,6 @@ from infinity.models import GPTConfig, TinyGPT, lm_loss, synthetic_batch
 from infinity.ops import adam_compact, q8_format
 from infinity.ops.adam import bias_corrections
 from infinity.optim.states.store import STATE_FORMATS, layout_for, quantize_exact, state_views
-from engine_helpers import assert_tensors_equal
 
 CFG = GPTConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=2, max_seq=16)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -119,8 +119,9 @@ def _every_param(fmt: str, model: torch.nn.Module) -> Dict:
 
 
 def _materialized(model):
-    from infinity.runtime import engine_of
     import contextlib
+
+    from infinity.runtime import engine_of
     return infinity.materialized(model) if engine_of(model) is not None \
         else contextlib.nullcontext()
 

@@ -4,13 +4,13 @@ chunk_bytes= until it does): ranges never split an 8-bit block and map to the ex
 region's views cover."""
 import pytest
 import torch
+from test_optim import _model
 
 import infinity
 from infinity import io as inf_io
-from infinity.optim.step import chunks
 from infinity.optim.states.store import layout_for, state_views
+from infinity.optim.step import chunks
 from infinity.runtime.engine import locate
-from test_optim import _model
 
 
 def test_chunk_bytes_not_a_multiple_of_4096_is_refused():

@@ -8,10 +8,10 @@ import sys
 
 import pytest
 import torch
+from test_optim import _model, _train
 
 import infinity
 from infinity.optim.states import swapper
-from test_optim import _model, _train
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 

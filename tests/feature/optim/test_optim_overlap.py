@@ -10,9 +10,9 @@ import sys
 
 import pytest
 import torch
+from test_optim import CFG, _model, _train
 
 import infinity
-from test_optim import CFG, _model, _train
 from infinity.models import lm_loss, synthetic_batch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))

@@ -9,11 +9,11 @@ from typing import Dict
 import pytest
 import torch
 import torch.nn.functional as F
+from engine_helpers import assert_optimizer_states_equal
 from torch import nn
 
 import infinity
 from infinity.runtime import engine_of
-from engine_helpers import assert_optimizer_states_equal
 
 VOCAB, DIM = 64, 32
 

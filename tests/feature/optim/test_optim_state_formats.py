@@ -20,15 +20,15 @@ from typing import Dict, List, Optional
 import pytest
 import torch
 import torch.nn.functional as F
+from engine_helpers import assert_optimizer_states_equal, assert_tensors_equal
 from torch import nn
 
 import infinity
 from infinity import ops
-from infinity.runtime.port import OptimizerPort
 from infinity.optim import format_summary, formats_for, moment_nbytes
 from infinity.optim.states.store import layout_for, state_views
 from infinity.runtime import engine_of
-from engine_helpers import assert_optimizer_states_equal, assert_tensors_equal
+from infinity.runtime.port import OptimizerPort
 
 VOCAB, DIM, HIDDEN = 300, 64, 128
 LR = 1e-2

@@ -11,13 +11,14 @@ import os
 
 import pytest
 import torch
+from optim_helpers import assert_equal, weights
+from optim_helpers import states as opt_states
 
 import infinity
 from infinity.models import GPTConfig, TinyGPT, lm_loss, synthetic_batch
 from infinity.optim.states.extents import STATE_FILE
 from infinity.optim.states.store import state_nbytes
 from infinity.tiers.swap_store import KEEP_FREED_EXTENTS
-from optim_helpers import assert_equal, states as opt_states, weights
 
 CFG = GPTConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=2, max_seq=16)
 

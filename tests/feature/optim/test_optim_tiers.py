@@ -5,9 +5,9 @@ import itertools
 
 import pytest
 import torch
+from test_optim import _model, _train
 
 import infinity
-from test_optim import _model, _train
 
 STEPS = 4
 

@@ -4,16 +4,16 @@ states only the trainable parameters; checked against what the engine really hol
 from __future__ import annotations
 
 import pytest
-import torch
 
 pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
+from test_frozen_nf4 import _lora_model  # noqa: E402
+
 import infinity  # noqa: E402
 from infinity.plan import estimate, plan  # noqa: E402
-from infinity.runtime.engine import engine_of  # noqa: E402
 from infinity.plan.probe import probe  # noqa: E402
-from test_frozen_nf4 import _lora_model  # noqa: E402
+from infinity.runtime.engine import engine_of  # noqa: E402
 
 
 @pytest.fixture(scope="module")

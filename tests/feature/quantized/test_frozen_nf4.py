@@ -19,12 +19,12 @@ import torch
 pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
+from integrations_helpers import TokenDataset, llama, wrap_settings  # noqa: E402
+from peft import LoraConfig, get_peft_model  # noqa: E402
+
 import infinity  # noqa: E402
 from infinity.ops import int8_block, nf4  # noqa: E402
 from infinity.runtime.homes.quant_format import frozen_format  # noqa: E402
-from integrations_helpers import TokenDataset, llama, wrap_settings  # noqa: E402
-
-from peft import LoraConfig, get_peft_model  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
 

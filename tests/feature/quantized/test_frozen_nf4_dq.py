@@ -83,8 +83,8 @@ def test_stored_size_and_segmented_decode_within_rounding():
 
 def _lora_model():
     pytest.importorskip("peft")
-    from peft import LoraConfig, get_peft_model
     from integrations_helpers import llama
+    from peft import LoraConfig, get_peft_model
     base = llama(seed=0, hidden_size=64, intermediate_size=128, vocab_size=128)
     torch.manual_seed(1)
     cfg = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, init_lora_weights=False,

@@ -10,13 +10,13 @@ import torch
 pytest.importorskip("transformers")
 bnb_f = pytest.importorskip("bitsandbytes.functional")
 
+from integrations_helpers import llama, llama_config  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
 import infinity  # noqa: E402
 from infinity.runtime.engine import engine_of  # noqa: E402
 from infinity.runtime.homes.quantized import QuantFlat  # noqa: E402
 from infinity.runtime.homes.sources import SourceError  # noqa: E402
-from integrations_helpers import llama, llama_config  # noqa: E402
-
-from safetensors.torch import save_file  # noqa: E402
 
 
 def _bnb_checkpoint(path, compress: bool):

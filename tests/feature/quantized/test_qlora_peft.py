@@ -20,11 +20,11 @@ import torch
 pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
-import infinity  # noqa: E402
 from integrations_helpers import TokenDataset, llama  # noqa: E402
+from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 from test_frozen_nf4 import LINEARS, _reference_weights, _train  # noqa: E402
 
-from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
+import infinity  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
 

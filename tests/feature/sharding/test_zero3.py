@@ -16,7 +16,6 @@ import time
 
 import pytest
 import torch
-
 from dist_helpers import run_ranks
 
 STEPS = 10
@@ -277,8 +276,8 @@ def test_shard_flat_parts_cover_the_flat_buffer(world):
     each rank, with param_start saying where its piece begins."""
     from torch import nn
 
-    from infinity.runtime.homes.shard_flat import ShardFlat
     from infinity.runtime.core.flat import FlatParam
+    from infinity.runtime.homes.shard_flat import ShardFlat
     torch.manual_seed(0)
     mods = [nn.Linear(37, 29), nn.Linear(29, 3)]
     entries = [(f"m{i}.{n}", m, n, p) for i, m in enumerate(mods)

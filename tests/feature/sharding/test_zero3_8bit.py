@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from dist_helpers import run_ranks
 
 STEPS, BATCH, TOL = 10, 12, 1e-5

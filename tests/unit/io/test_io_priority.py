@@ -2,11 +2,9 @@
 queued requests that are not, on both native backends; the bytes are right either way."""
 import pytest
 import torch
-
-from infinity import io
-from infinity import _native
-
 from test_io import _uring_usable
+
+from infinity import _native, io
 
 MIB = 1 << 20
 

@@ -11,9 +11,9 @@ import threading
 
 import pytest
 import torch
+from test_io import _uring_usable
 
 import infinity.io as io
-from test_io import _uring_usable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 BACKENDS = ("threads", "io_uring")

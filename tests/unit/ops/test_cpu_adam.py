@@ -25,8 +25,7 @@ from typing import Dict, List, Optional
 import pytest
 import torch
 
-from infinity import _native
-from infinity import ops
+from infinity import _native, ops
 from infinity.ops import _adam_native
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -25,11 +25,8 @@ from typing import Dict, List, Optional
 import pytest
 import torch
 
-from infinity import _native
-from infinity import ops
-from infinity.ops import _adam_native
-from infinity.ops import adam_compact
-from infinity.ops import q8_format
+from infinity import _native, ops
+from infinity.ops import _adam_native, adam_compact, q8_format
 from infinity.ops.adam import bias_corrections
 
 NATIVE_CAPS: List[str] = ops.available_cpu_capabilities()

@@ -175,6 +175,7 @@ def test_step_is_the_sum_of_its_terms_and_the_engine_cost_is_per_block(pr):
 
 def test_disk_bound_optimizer_and_fetch_follow_the_probed_bandwidths(pr):
     import dataclasses
+
     from infinity.plan.estimate import estimate_one
     from infinity.plan.placements import placement
     from infinity.plan.shape import shape_of

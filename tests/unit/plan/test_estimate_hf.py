@@ -148,6 +148,7 @@ def test_8bit_states_count_the_safeguards_fp32_moments():
     model alike; the table names that cost."""
     import torch
     import transformers
+
     from infinity.optim.step.formats import formats_for
     from infinity.plan.estimate import _state_bpp
     from infinity.plan.placements import placement, state_bytes_per_param

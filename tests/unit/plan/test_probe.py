@@ -140,6 +140,7 @@ def test_compute_overlap_is_measured_by_a_full_disk_probe_and_read_back(tmp_path
     hidden is a fraction; a quick probe leaves it out; an old cache without it reads as None,
     and the estimates then take none on a CPU, all on a GPU."""
     import dataclasses
+
     from infinity.plan.estimate import compute_overlap, side_by_side
     from infinity.plan.probe import measure_disk
     d = measure_disk(str(tmp_path), 8 << 20, reps=1)

@@ -14,9 +14,9 @@ from torch import nn
 
 import infinity
 from infinity.policy import OffloadPolicy
-from infinity.runtime.step.hooks import WeakHook
-from infinity.runtime.core.registry import engine_of
 from infinity.runtime.build.placement import resolve_optimizer_tier, resolve_placement
+from infinity.runtime.core.registry import engine_of
+from infinity.runtime.step.hooks import WeakHook
 from infinity.tiers import Tier
 
 RUNTIME = pathlib.Path(infinity.__file__).parent / "runtime"

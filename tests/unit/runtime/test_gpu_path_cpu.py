@@ -10,18 +10,17 @@ import types
 
 import pytest
 import torch
+from engine_helpers import SMALL, batches, loss_of
 
 import infinity
-from engine_helpers import SMALL, batches, loss_of
 from infinity.io import buffers
 from infinity.models import TinyGPT
 from infinity.policy import OffloadPolicy
 from infinity.runtime import engine as engine_mod
-from infinity.tiers import pinned
-from infinity.runtime.engine import resolve_device
 from infinity.runtime.core.stats import Stats
+from infinity.runtime.engine import resolve_device
 from infinity.runtime.step.transfer import Fetch, Transfers
-from infinity.tiers import BudgetExceededError, ByteBudget, HostPool, Tier
+from infinity.tiers import BudgetExceededError, ByteBudget, HostPool, Tier, pinned
 
 
 # ---- fakes ---------------------------------------------------------------------------------

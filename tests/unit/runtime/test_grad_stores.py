@@ -7,10 +7,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from infinity.runtime.core.stats import Stats
 from infinity.runtime.grads.held import HeldGrads
 from infinity.runtime.grads.norms import SlotNorms
 from infinity.runtime.grads.sink import GradientSink
-from infinity.runtime.core.stats import Stats
 from infinity.tiers import ByteBudget, Tier
 
 
