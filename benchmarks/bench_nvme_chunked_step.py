@@ -25,7 +25,7 @@ import torch
 import infinity
 from infinity.models import GPTConfig, TinyGPT, lm_loss, synthetic_batch
 from infinity.ops.adam_compact import num_blocks
-from infinity.optim.states.store import StateLayout
+from infinity.optim.step.layout import StateLayout
 from infinity.optim.step import chunks
 from infinity.tiers.chunk_size import resolve_chunk_bytes
 

@@ -23,7 +23,7 @@ import torch
 import infinity
 from infinity.models import GPTConfig, TinyGPT, lm_loss, synthetic_batch
 from infinity.ops import bf16_master as bm
-from infinity.optim.states.store import layout_for, state_views
+from infinity.optim.step.layout import layout_for, state_views
 
 CFG = GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq=16)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))

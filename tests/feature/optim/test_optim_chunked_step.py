@@ -473,7 +473,7 @@ def test_unit_geometry_tiles_the_layout(tmp_path, fmt, chunk):
     (4096-aligned size); over all units the spans of each region tile it in order, so the
     units together hold every byte of the shard's layout once; extents stay within the chunk
     once the chunk is above the per-region slack."""
-    from infinity.optim.states.store import layout_for
+    from infinity.optim.step.layout import layout_for
     model = _model()
     infinity.wrap(model, nvme_path=str(tmp_path), optimizer_tier="nvme")
     engine = infinity.runtime.engine_of(model)

@@ -27,7 +27,7 @@ from infinity import ops
 from infinity.models import GPTConfig, TinyGPT, lm_loss, synthetic_batch
 from infinity.ops import adam_compact, q8_format
 from infinity.ops.adam import bias_corrections
-from infinity.optim.states.store import STATE_FORMATS, layout_for, quantize_exact, state_views
+from infinity.optim.step.layout import STATE_FORMATS, layout_for, quantize_exact, state_views
 
 CFG = GPTConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=2, max_seq=16)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))

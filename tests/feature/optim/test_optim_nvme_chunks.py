@@ -8,25 +8,26 @@ from test_optim import _model
 
 import infinity
 from infinity import io as inf_io
-from infinity.optim.states.store import layout_for, state_views
+from infinity.optim.step.layout import layout_for, state_views
 from infinity.optim.step import chunks
+from infinity.tiers import chunk_size
 from infinity.runtime.engine import locate
 
 
 def test_chunk_bytes_not_a_multiple_of_4096_is_refused():
     for bad in (4095, 65536 + 1, 0, -4096, 1.5, True):
         with pytest.raises(ValueError, match=r"infinity.*chunk_bytes.*4096"):
-            chunks.check_chunk_bytes(bad)
-    assert chunks.check_chunk_bytes(64 << 10) == 64 << 10
+            chunk_size.check_chunk_bytes(bad)
+    assert chunk_size.check_chunk_bytes(64 << 10) == 64 << 10
 
 
 def test_chunk_bytes_default_follows_the_host_budget():
-    assert chunks.resolve_chunk_bytes(None, None) == chunks.DEFAULT_CHUNK_BYTES
-    assert chunks.resolve_chunk_bytes(None, 1 << 40) == chunks.DEFAULT_CHUNK_BYTES
-    got = chunks.resolve_chunk_bytes(None, 3 << 30)
+    assert chunk_size.resolve_chunk_bytes(None, None) == chunk_size.DEFAULT_CHUNK_BYTES
+    assert chunk_size.resolve_chunk_bytes(None, 1 << 40) == chunk_size.DEFAULT_CHUNK_BYTES
+    got = chunk_size.resolve_chunk_bytes(None, 3 << 30)
     assert got == (3 << 30) // 32 and got % 4096 == 0
-    assert chunks.resolve_chunk_bytes(None, 1 << 20) == chunks.MIN_DEFAULT_CHUNK_BYTES
-    assert chunks.resolve_chunk_bytes(8192, 1 << 40) == 8192
+    assert chunk_size.resolve_chunk_bytes(None, 1 << 20) == chunk_size.MIN_DEFAULT_CHUNK_BYTES
+    assert chunk_size.resolve_chunk_bytes(8192, 1 << 40) == 8192
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "8bit"])

@@ -26,7 +26,7 @@ from torch import nn
 import infinity
 from infinity import ops
 from infinity.optim import format_summary, formats_for, moment_nbytes
-from infinity.optim.states.store import layout_for, state_views
+from infinity.optim.step.layout import layout_for, state_views
 from infinity.runtime import engine_of
 from infinity.runtime.port import OptimizerPort
 

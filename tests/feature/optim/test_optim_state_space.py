@@ -17,7 +17,7 @@ from optim_helpers import states as opt_states
 import infinity
 from infinity.models import GPTConfig, TinyGPT, lm_loss, synthetic_batch
 from infinity.optim.states.extents import STATE_FILE
-from infinity.optim.states.store import state_nbytes
+from infinity.optim.step.layout import state_nbytes
 from infinity.tiers.swap_store import KEEP_FREED_EXTENTS
 
 CFG = GPTConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=2, max_seq=16)
