@@ -66,7 +66,7 @@ class _Graphs:
 
 
 _TRACING = re.compile(r"torchdynamo start tracing \S+ (\S+):\d+")
-_GUARD = os.path.join(_RUNTIME_DIR, "compile_guard.py")
+_GUARD = os.path.join(_RUNTIME_DIR, "process", "compile_guard.py")
 
 
 def _suspect(message: str) -> bool:
