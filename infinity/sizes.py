@@ -1,9 +1,7 @@
 """Byte sizes written the way people write them: ``6GiB``, ``24GB``, ``512MiB``, ``"1.5 GiB"``
 or a plain number of bytes. The one parser behind every budget (``wrap(host_budget=...)``,
-``OffloadPolicy``, ``infinity.plan``) and every size flag of the command line
-(``--ram-budget``). Units as in accelerate's ``max_memory``: KB/MB/GB/TB are powers of 1000,
-KiB/MiB/GiB/TiB powers of 1024; a bare K/M/G/T is binary (``8G`` = 8 GiB); case does not matter.
-No imports from the rest of infinity, so the policies and the planner can both use it."""
+
+Design notes: docs/modules.md, sizes.py."""
 
 from __future__ import annotations
 

@@ -5,10 +5,7 @@ such as a prefetch, starts at a negative time), bytes, block or shard, the
 thread and the optimizer step it belongs to, and writes them as a Parquet (or, for a path
 ending in ``.arrow``/``.feather``, an Arrow IPC) table when the block ends.
 
-The engine and the optimizer call :func:`span` at the few places these events happen; with no
-trace active that is one global read. This module imports nothing of infinity (any layer may
-call it) and pyarrow only when writing.
-"""
+Design notes: docs/modules.md, trace_events.py."""
 
 from __future__ import annotations
 

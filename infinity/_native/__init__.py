@@ -1,11 +1,6 @@
 """Loads the native core (csrc/ built into ``_C*.so``) through ctypes.
 
-ctypes releases the GIL for the whole duration of every foreign call, so the kernels and the I/O
-waits never hold it. When the library is missing (a build failure, an unusual platform) or when
-``INFINITY_DISABLE_NATIVE=1`` is set, :func:`lib` returns None and every caller uses its
-pure-PyTorch fallback; that is announced once with a warning. Tests switch paths with
-:func:`force_fallback`.
-"""
+Design notes: docs/modules.md, _native/__init__.py."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@ with a placement (or the planner's, or none: plain PyTorch), trains a few steps 
 data and prints one JSON line with tokens/s, step time and its attribution, peak memory and the
 NVMe bytes written per step.
 
-    python -m infinity.bench.worker '{"size": "small", "placement": "nvme", ...}'
-"""
+Design notes: docs/modules.md, bench/worker.py."""
 
 from __future__ import annotations
 

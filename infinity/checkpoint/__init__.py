@@ -1,16 +1,6 @@
 """Durable checkpoints of wrapped (and plain) models, and consolidation to safetensors.
 
-    infinity.save_checkpoint("ckpt/step-1000", model, opt, scheduler=sched, rng=True, step=1000)
-    extra = infinity.load_checkpoint("ckpt/step-1000", model, opt, scheduler=sched, rng=True)
-    infinity.consolidate("ckpt/step-1000", "export/", dtype="bf16")   # or: infinity consolidate
-
-PyTorch's DCP reads infinity checkpoints through ``dcp_reader(path)``, ``load_dcp`` loads
-DCP checkpoints into wrapped models (see dcp.py) and ``save_dcp`` writes a wrapped model as a
-DCP checkpoint that plain ``torch.distributed.checkpoint.load`` reads (see dcp_write.py).
-
-Files: manifest (format, codec, checksum), files (safetensors streaming), atomic (temporary
-directory + renames), names (a model's tensors by name), save, load, consolidate.
-"""
+Design notes: docs/modules.md, checkpoint/__init__.py."""
 
 from .consolidate import consolidate
 from .disk.manifest import CheckpointError, CheckpointMismatchError, CorruptCheckpointError

@@ -1,17 +1,6 @@
 """bitsandbytes' serialized 4-bit format, written by ``consolidate(quantize="nf4" | "nf4-dq")``.
 
-A weight ``W`` of ``n`` elements becomes, as transformers saves a ``load_in_4bit`` model:
-``W`` (uint8 ``[ceil(n/2), 1]``, two NF4 codes a byte, the even element in the high nibble),
-``W.absmax`` (fp32, one per block of 64; with double quantization uint8 codes),
-``W.quant_map`` (the 16 NF4 levels), with double quantization ``W.nested_absmax`` (fp32, one
-per 256 absmax) and ``W.nested_quant_map`` (the 8-bit dynamic map), and
-``W.quant_state.bitsandbytes__nf4`` (uint8: the JSON of quant_type, blocksize, dtype, shape
-and, nested, nested_blocksize, nested_dtype, nested_offset). The codes and absmax are those
-of ``infinity.ops.nf4`` (bitsandbytes' NF4 bitwise); the nested offset is the mean of the
-tensor's absmax, as bitsandbytes takes it. Which weights: the 2-D ``.weight`` tensors of the
-layer blocks (``.layers.`` in the name), not LoRA adapters; embeddings, head and vectors stay
-full width (transformers' bitsandbytes quantizer keeps the head too).
-"""
+Design notes: docs/modules.md, checkpoint/bnb4.py."""
 
 from __future__ import annotations
 

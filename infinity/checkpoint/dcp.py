@@ -1,28 +1,6 @@
 """PyTorch Distributed Checkpoint (DCP) interop, both ways.
 
-An infinity checkpoint read by ``torch.distributed.checkpoint.load`` into a plain (or FSDP2)
-model's state dict, on any number of ranks::
-
-    import torch.distributed.checkpoint as dcp
-    sd = model.state_dict()
-    dcp.load(sd, storage_reader=infinity.checkpoint.dcp_reader("ckpt/step-1000"))
-
-The reader offers every model tensor under its ``state_dict`` name (and ``model.<name>``)
-and each parameter's optimizer moments and step as ``optim.state.<name>.exp_avg`` /
-``.exp_avg_sq`` / ``.step`` (fp32 whatever the optimizer's state format: 8-bit and bf16
-moments are saved dequantized). Each request reads only the element range it asks for (rows
-of a 2-D tensor, as a sharded FSDP2 state dict asks) from the files holding it.
-
-A DCP checkpoint (e.g. written by ``dcp.save`` from an FSDP2 or plain model) loads into a
-wrapped model, sharded or not, one tensor at a time::
-
-    infinity.checkpoint.load_dcp("dcp/step-1000", model)
-
-Only model tensors travel this way; optimizer states from a DCP checkpoint are not read.
-
-The other way, a wrapped model written as a DCP checkpoint that plain ``dcp.load`` reads into
-the unwrapped model, is :func:`~.dcp_write.save_dcp`.
-"""
+Design notes: docs/modules.md, checkpoint/dcp.py."""
 
 from __future__ import annotations
 

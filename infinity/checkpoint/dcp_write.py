@@ -2,30 +2,7 @@
 (DCP) directory, which plain ``torch.distributed.checkpoint.load`` reads into the unwrapped
 model with no infinity installed::
 
-    infinity.checkpoint.save_dcp("dcp/step-1000", model)
-    # elsewhere, plain PyTorch:
-    sd = model.state_dict()
-    torch.distributed.checkpoint.load(sd, checkpoint_id="dcp/step-1000")
-    model.load_state_dict(sd)
-
-How it streams, through DCP's public API only: ``dcp.save`` is given a state dict of *meta*
-tensors (names, shapes and dtypes: all its planner needs to plan and to write ``.metadata``)
-and a :class:`~torch.distributed.checkpoint.DefaultSavePlanner` whose ``resolve_data`` (the
-planner's documented extension point) produces each tensor only when the writer asks for it:
-a wrapped model's parameters are read from their block's home (host RAM in place, or one block
-at a time from NVMe) in block order. The public ``FileSystemWriter`` writes one file per
-tensor (``single_file_per_rank=False``): with one file per rank it keeps every tensor of the
-file referenced until the file is closed, i.e. the whole model. Peak memory: one block plus
-one parameter (each is copied out of its block into a tensor of its own for ``torch.save``).
-
-Atomic like :func:`~.save.save_checkpoint`: written into a temporary sibling directory,
-fsynced, renamed into place (:mod:`.atomic`, with ``.metadata`` as the file that marks a
-complete checkpoint). A crash leaves the previous checkpoint at ``path``; in the instant
-between its two renames only ``.<name>.old`` exists, which :func:`~.dcp.load_dcp` falls back
-to (plain ``dcp.load`` does not).
-
-One process only (world size 1); a model sharded over ranks is refused.
-"""
+Design notes: docs/modules.md, checkpoint/dcp_write.py."""
 
 from __future__ import annotations
 

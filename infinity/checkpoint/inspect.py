@@ -1,10 +1,6 @@
 """``infinity ckpt inspect PATH``: what a checkpoint holds and whether it verifies.
 
-Reads the manifest (its own CRC32C is checked), then every file it lists: size and CRC32C (a
-reused-extent optimizer file: its header and data sections apart), the way loading checks them,
-without building a model. For a sharded checkpoint (``infinity.sharding.save_sharded``) it reports
-the world size and each rank file's presence and size (those files carry no recorded checksum).
-"""
+Design notes: docs/modules.md, checkpoint/inspect.py."""
 
 from __future__ import annotations
 

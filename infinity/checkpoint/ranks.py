@@ -1,16 +1,6 @@
 """Checkpoints written by the ranks of a sharded model, in the one checkpoint format.
 
-Every rank writes, for each flat buffer, the pieces of the parameters that lie in its part
-(and their optimizer states) as ``model/<flat key>.rank<k>-of-<N>.safetensors``, and a small
-``rank<k>.json`` listing them; rank 0 merges those into the ``manifest.json`` that a
-single-process save writes too (tensors in pieces keyed by element ranges: see
-:mod:`.pieces`). The atomic protocol (temporary directory, every rank's success agreed,
-rename) is :func:`.sharded.save_sharded`'s.
-
-Loading (:func:`load_into_sharded`) works on any number of ranks from a checkpoint saved by any
-number (one process included): each rank reads the ranges of the parameters in its part,
-flat by flat, from the files that hold them.
-"""
+Design notes: docs/modules.md, checkpoint/ranks.py."""
 
 from __future__ import annotations
 

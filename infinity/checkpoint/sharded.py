@@ -1,22 +1,7 @@
 """Saving a sharded model (ZeRO over torch.distributed) in the one checkpoint format, and
 loading into one a checkpoint of any format saved by any number of ranks.
 
-Every rank writes the pieces of the parameters (and their optimizer states: fp32 master,
-moments, step counts) that lie in its part of every flat buffer, keyed by element ranges of
-each parameter (:mod:`.ranks`); rank 0 merges the ranks' indexes into the manifest. Such a
-checkpoint loads on any number of ranks or in one process, and a single-process checkpoint
-loads on any number of ranks: each rank reads the ranges it owns.
-
-The save is atomic, as a single-process one is: rank 0 creates a temporary sibling directory
-of ``path`` (its name agreed by an all-reduce), every rank writes and fsyncs its files there,
-rank 0 writes the manifest once every rank reported success and renames the directory into
-place (the previous checkpoint at ``path`` is kept aside until the rename is durable). A rank
-that fails or is killed mid-save leaves ``path`` as it was: the other ranks raise (or time
-out) and the temporary directory is removed, at the latest by the next save. With hybrid
-sharding only the first replica writes. One flat's part (1/N of a block, with its states) is
-in RAM at a time. Checkpoints in the earlier per-rank format still load (see
-:mod:`.per_rank`).
-"""
+Design notes: docs/modules.md, checkpoint/sharded.py."""
 
 from __future__ import annotations
 

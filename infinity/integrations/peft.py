@@ -1,10 +1,6 @@
 """PEFT: merging LoRA adapters into a wrapped base model.
 
-PEFT's merge writes the base weights in place through ``weight.data += delta``, which does not
-bump the parameters' version counters, so the engine cannot see it (with parameters on NVMe
-the next forward could use a prefetched copy of the old weights). This merge tells the engine
-afterwards that every parameter changed.
-"""
+Design notes: docs/modules.md, integrations/peft.py."""
 
 from __future__ import annotations
 

@@ -1,15 +1,6 @@
 """The two engines behind FileHandle, with one small interface:
 
-    submit(op, ptr, nbytes, offset, fsync, crc) -> token
-    poll(token) -> bool;  wait(token, timeout_s) -> bool
-    result(token) -> (bytes, errno, error_offset, message);  crc(token);  timing(token)
-    release(token)
-    size(), fsync(), truncate(n), allocate(n), close(), direct
-
-NativeBackend drives the native engine (csrc/aio*.cpp); FallbackBackend does os.pread/os.pwrite
-on a thread pool (buffered I/O, never O_DIRECT) when the native library is absent or
-force_fallback() is on.
-"""
+Design notes: docs/modules.md, io/_backends.py."""
 
 from __future__ import annotations
 

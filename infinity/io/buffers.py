@@ -1,26 +1,6 @@
 """Aligned host buffers as ordinary torch tensors, page-locked only where a DMA needs them.
 
-O_DIRECT needs 4 KiB-aligned memory; page-locked ("pinned") memory is only needed where a GPU
-copy engine reads or writes it: staging buffers, host homes that a fetch uploads from, gradient
-staging. Pinning costs real RAM that the OS can no longer page, so:
-
-- ``aligned_empty(numel, dtype)``: pageable aligned memory (the native allocator, else an
-  over-allocated numpy array); nothing is locked.
-- ``aligned_empty(..., pin=True)``: the same allocation registered with CUDA
-  (``cudaHostRegister``) where a CUDA runtime is available, unregistered when the last view
-  dies; without CUDA, best-effort ``mlock``.
-- ``pin_tensors(tensors, what=...)``: registers memory that already exists (all or nothing)
-  and returns a handle that unregisters it.
-
-We register our own allocations instead of ``torch.empty(pin_memory=True)``: torch's caching
-host allocator rounds each request up to a power of two and keeps freed blocks, so what it pins
-can reach twice what a budget counts. Here the registered bytes are exactly the requested ones
-(:func:`pinned_bytes`), and :func:`check_memlock` compares them with RLIMIT_MEMLOCK up front.
-
-The tensors wrap the memory without a copy: a small owner object exposes
-``__array_interface__``, numpy keeps it as the array's base, torch.from_numpy keeps the array,
-and the owner unregisters and frees the memory when the last tensor view dies.
-"""
+Design notes: docs/modules.md, io/buffers.py."""
 
 from __future__ import annotations
 

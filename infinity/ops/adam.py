@@ -1,10 +1,6 @@
 """One Adam/AdamW step on CPU tensors: fp32 master weights and moments updated in place.
 
-:func:`cpu_adam_step` validates its tensors and hyper-parameters, then runs the native SIMD
-kernel (csrc/cpu_adam.cpp; ctypes releases the GIL for the call) or, when the native library is
-unavailable, the pure-PyTorch fallback below with the same math and the same order of
-operations as ``torch.optim.AdamW(fused=True)``. Bias corrections are computed here in double.
-"""
+Design notes: docs/modules.md, ops/adam.py."""
 
 from __future__ import annotations
 

@@ -1,55 +1,6 @@
 """Adam/AdamW steps with compact optimizer states (opt-in): bf16 moments or 8-bit moments.
 
-The fp32 master weights stay fp32; only ``exp_avg`` and ``exp_avg_sq`` shrink. Each step widens
-the moments to fp32, updates them exactly as :func:`infinity.ops.cpu_adam_step` does (same fp32
-operations), updates the parameter with the unrounded fp32 moments, and then stores the moments
-compactly. The bf16 step's parameter update is the fp32 kernel's too; the 8-bit step's divides
-once (below).
-
-=====================  ===================================================  ==================
-variant                state per parameter                                  bytes / parameter
-=====================  ===================================================  ==================
-fp32 (cpu_adam_step)   master fp32 + exp_avg fp32 + exp_avg_sq fp32         4 + 8 = 12
-bf16 moments           master fp32 + exp_avg bf16 + exp_avg_sq bf16         4 + 4 = 8
-8-bit moments          master fp32 + 2 uint8 codes + 2 fp32 scales / 256    4 + 2.03125 = 6.03
-=====================  ===================================================  ==================
-
-**bf16 moments** (:func:`cpu_adam_step_bf16_moments`): rounded to nearest even, NaN to a quiet
-NaN, as ``tensor.to(torch.bfloat16)``. bf16 keeps 8 significant bits, so with beta2 = 0.999 a
-step changes ``exp_avg_sq`` by less than half a bf16 step unless ``g*g`` exceeds about 3-5 times
-it: the second moment can grow but never decays. Updates are then somewhat more conservative
-than with fp32 states once gradients shrink (the convergence test stays within 1% on its
-regression problem); stochastic rounding would remove that bias but is not deterministic.
-
-**8-bit moments** (:func:`cpu_adam_step_8bit`): per block of :data:`BLOCK_SIZE` = 256
-consecutive elements, one byte per element and one fp32 scale field per moment; a byte is a small
-float relative to the block's power-of-two unit (``exp_avg``: sign and e3m4, ``exp_avg_sq``: e4m4;
-:mod:`infinity.ops.q8_format` describes the format, :func:`code_table` lists the values). A step
-decodes a block, applies the moment guard, updates it in fp32, updates the parameter and encodes
-the new moments in the same pass (the block's unit from its previous largest value with two binades
-of headroom; the exact rule where that would clip). Its parameter update is Adam's with the bias
-corrections folded into two host-side scalars, ``p - (step * m) / (sqrt(v) + eps')`` with
-``step = lr / bc1 * sqrt(bc2)`` and ``eps' = eps * sqrt(bc2)`` (:func:`update_scalars_8bit`): one
-division and one square root per element. The moments are the fp32 kernel's; the parameter can
-differ from it by an ulp of the update. All-zero codes with all-zero scale fields are a zero state
-(:func:`new_8bit_state`). A non-finite gradient poisons its block (its scale field becomes NaN or
-inf): skip such steps, as the optimizer already does.
-
-*The moment guard.* Exact Adam keeps ``|exp_avg| <= K_t * sqrt(exp_avg_sq)`` after t steps
-(:func:`moment_bound`), which is what bounds its update by about ``lr * K_t``. A quantized pair
-need not: in a block that holds large and small second moments, a small ``exp_avg_sq`` rounds
-down (to 0, before the floor below) while its ``exp_avg`` keeps its size, and the update grows to
-``lr * m / eps`` -- quiet embedding rows beside busy ones moved by hundreds of ``lr`` per step. So
-each decoded ``exp_avg`` is clamped to ``+-K_{t-1} * sqrt(exp_avg_sq)`` before the update: a state
-exact Adam can reach is left as it is, any other is brought back inside that set, and no 8-bit
-update exceeds what fp32 Adam could do. A positive ``exp_avg_sq`` is never stored as 0 either (its
-smallest code is its floor), so a quiet element keeps a small step instead of none.
-
-Every function validates its tensors like :func:`infinity.ops.cpu_adam_step` and runs the native
-kernel (csrc/cpu_adam_compact.cpp: AVX-512 / AVX2+FMA / scalar chosen like ``cpu_adam_step``,
-threaded, GIL released), or the pure-PyTorch fallback with the same math when the library is
-missing or the capability is ``torch``.
-"""
+Design notes: docs/modules.md, ops/adam_compact.py."""
 
 from __future__ import annotations
 

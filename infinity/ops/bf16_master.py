@@ -1,37 +1,6 @@
 """bf16 master weights for Adam(W) (opt-in): stochastic rounding or a Kahan compensation term.
 
-The optimizer normally keeps an fp32 master copy of every parameter (4 bytes). Two compact
-alternatives (``infinity.optim.AdamW(..., master=...)``):
-
-==============  ==========================================================  ================
-master          stored                                                      bytes / param
-==============  ==========================================================  ================
-"fp32"          fp32                                                        4
-"bf16_sr"       bf16; each step's fp32 result rounded *stochastically*      2
-"bf16_kahan"    bf16 pair (hi, comp), value hi + comp: hi = RNE(p),         4 (2 + 2)
-                comp = RNE(p - hi) (~16 significant bits, deterministic)
-==============  ==========================================================  ================
-
-A step (:func:`cpu_adam_step_bf16_master`) widens the stored master to fp32
-(:func:`widen_bf16_master`), runs the unchanged Adam kernel of the moment format (fp32 / bf16 /
-8-bit moments) on it, then stores it back (:func:`round_bf16_master`), which also writes the
-working copy from the *stored* value, so the model always runs on exactly the master's value.
-It goes chunk by chunk (:data:`CHUNK` elements, a 4 MiB fp32 scratch that stays mostly in
-cache). Not fused: on 8M elements (2 cores) the step takes ~2.3x the bf16-moment kernel alone
-(a fused kernel would remove the scratch passes; not built).
-
-**Stochastic rounding** (unbiased): 16 pseudo-random bits are added below bit 16 of the fp32
-pattern and the low half is dropped; a value between two bf16 neighbours rounds up with
-probability proportional to its distance from the lower one, so E[round(x)] = x. The bits are a
-counter-based hash of (seed, step, global element index) (:func:`sr_hash`; the optimizer uses
-the parameter's position among its parameters and the element's offset in it), so results are
-reproducible and independent of thread count, ISA path and how parameters are grouped into
-shards. Plain round-to-nearest bf16 masters would stall: with lr * update below half a bf16 ulp
-(|w| * 2**-9) every update is rounded away; stochastic rounding keeps them in expectation.
-
-Native kernels: csrc/cpu_bf16_master.cpp (AVX-512 / AVX2 / scalar, bitwise equal, chosen like
-the Adam kernels); the pure-PyTorch fallback here computes the same bits.
-"""
+Design notes: docs/modules.md, ops/bf16_master.py."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
 """CPU capability (which SIMD path the native CPU Adam runs) and its thread count.
 
-The native library picks the best path this CPU supports at load time; the environment variable
-``INFINITY_CPU_CAPABILITY=avx512|avx2|scalar|torch`` overrides it (``torch`` selects the
-pure-PyTorch fallback). Tests force each path in one process with :func:`set_cpu_capability`
-or the :func:`cpu_capability_override` context manager.
-"""
+Design notes: docs/modules.md, ops/cpu.py."""
 
 from __future__ import annotations
 

@@ -1,19 +1,6 @@
 """Block-wise symmetric int8 quantization of frozen weights.
 
-A tensor of ``n`` elements is stored as ``n`` int8 codes and ``ceil(n / blocksize)`` fp32
-absmax scales (blocksize 256 by default: 1 + 4/256 = 1.0156 bytes per parameter). A code is
-``round(x * ((1 / absmax) * 127))`` (ties to even, clamped to +-127; NaN products
-give 0); dequantization is ``code * (absmax / 127)`` (one fp32 product per
-element, the scale computed once per block). An all-zero block has absmax 0 and decodes to 0.
-
-Quantization runs in the native kernel (csrc/int8_block.cpp: AVX-512, AVX2 or scalar, chosen at
-run time, threaded; fp32, bf16 and fp16 read as they are; :func:`quantize_int8_pieces` takes a
-run as pieces, see :mod:`infinity.ops.quant_pieces`), which gives the bits of the PyTorch
-definition here (:func:`_torch_quantize`, the fallback without the native library).
-
-Dequantization into fp32 or bf16 on the CPU runs in the native kernel too (the same fp32
-products as the PyTorch path kept here for other devices and dtypes, and without the library:
-a widening copy, then an in-place product per block)."""
+Design notes: docs/modules.md, ops/int8_block.py."""
 
 from __future__ import annotations
 

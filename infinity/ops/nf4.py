@@ -1,22 +1,6 @@
 """NF4 block-wise 4-bit quantization of frozen weights, in bitsandbytes' layout.
 
-A tensor of ``n`` elements is stored as ``ceil(n / 2)`` bytes of codes (two per byte, the even
-element in the high nibble) and ``ceil(n / blocksize)`` fp32 absmax scales (blocksize 64 by
-default, as bitsandbytes' ``quantize_4bit(quant_type="nf4")``): 0.5 + 4/64 = 0.5625 bytes per
-parameter. A code is the index of the nearest of the 16 NF4 levels (:func:`nf4_levels`, the
-float constants of bitsandbytes' kernels) to ``x / absmax``; dequantization is
-``level[code] * absmax`` (one fp32 product), so a bitsandbytes-quantized weight dequantizes to
-the same bits here. bitsandbytes' double quantization (``compress_statistics=True``: the absmax
-themselves 8-bit quantized in blocks of 256 around their mean) is decoded by
-:func:`absmax_from_nested`.
-
-Native kernels (csrc/nf4.cpp): quantization and dequantization by AVX-512, AVX2 or scalar code,
-chosen like the Adam kernels (:func:`infinity.ops.cpu_capability_override` forces one),
-threaded, GIL released; every path gives the same bits, and the pure-PyTorch fallback here
-computes the same comparisons and products. Quantization reads fp32, bf16 or fp16 directly, and
-:func:`quantize_nf4_pieces` quantizes a run given as pieces (a flat's segment straight from its
-parameters, see :mod:`infinity.ops.quant_pieces`).
-"""
+Design notes: docs/modules.md, ops/nf4.py."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
 """Double quantization of NF4 absmax, as bitsandbytes' ``compress_statistics=True``.
 
-The fp32 absmax of a run of NF4 blocks are stored as 8-bit codes: ``offset`` is their mean,
-``absmax - offset`` is quantized block-wise (blocks of 256 absmax) to the nearest value of
-bitsandbytes' signed 8-bit dynamic map (:func:`dynamic_map`, bitsandbytes'
-``create_dynamic_map(signed=True)``) times the block's fp32 absmax (``absmax2``). Decoding is
-:func:`infinity.ops.nf4.absmax_from_nested`: ``code[q] * absmax2[block] + offset`` in fp32.
-NF4 then costs 0.5 + 1/64 + 4/(64*256) bytes per parameter (0.5159) instead of 0.5625.
-"""
+Design notes: docs/modules.md, ops/nf4_dq.py."""
 
 from __future__ import annotations
 

@@ -1,36 +1,7 @@
 """The 8-bit optimizer-state format, in PyTorch operations (the reference of the native kernels in
 csrc/cpu_adam_compact.cpp, and the fallback without them).
 
-A moment is stored per block of :data:`BLOCK_SIZE` = 256 elements as 256 one-byte codes and one
-fp32 *scale field*. A code is a small float relative to the block's unit ``2**k``:
-
-- ``exp_avg`` (signed): the byte is a two's-complement ``t`` in -127..127; its magnitude ``a`` has
-  3 exponent and 4 mantissa bits (e3m4);
-- ``exp_avg_sq`` (unsigned): the byte ``a`` in 0..255 has 4 exponent and 4 mantissa bits (e4m4).
-
-``decode(a) = (z - 1) * 2**k`` with ``z = float32 bits((a << 19) + bits(1.0))``, computed as the
-fma ``z * unit - unit``: z runs over 1.0 .. 248.0 (signed) or 1.0 .. 63488.0 (unsigned) with 16
-steps per binade, so a code keeps its value to 1/32 relative (half a step) over 7 or 15 binades,
-and the lowest binade is linear down to 0 (code 0 is exactly 0). The largest magnitudes are
-:data:`TOP` = 247 and 63487 units.
-
-The scale field's bits are ``bits(2**k) | c_max``: the power of two (normal fp32, k in
--126..126) with, in its mantissa's low byte, the block's largest code magnitude ``c_max`` (so a
-step knows its block's largest value without reading the codes). :func:`unit` masks it off.
-A field of +0 is a zero block; inf or NaN a poisoned block (every value decodes to NaN).
-
-Encoding ``x`` at exponent k: ``z = fma(|x|, 2**-k, 1.0)``, ``q = (bits(z) + 2**18 - bits(1.0))
->> 19``, the nearest code (ties up), clipped to the top; the signed code takes x's sign; a
-positive ``exp_avg_sq`` never gets code 0 (its floor is code 1).
-
-Which k: the *exact rule* (:func:`quantize_blocks`) takes the block's largest magnitude into the top
-binade (:func:`block_exponent` with headroom 0). The step (*delayed rule*, :func:`step_codes`)
-does not need the new moments' maximum before encoding them: it takes k from the block's previous
-largest value with two binades of headroom (its largest moment may grow 4x in a step), and
-falls back to the exact rule for a block whose new values would clip, for a first step
-(``c_max`` 0) and for Adam with L2 weight decay. Which k a block has does not change its values'
-precision (a float code), only its range at the bottom.
-"""
+Design notes: docs/modules.md, ops/q8_format.py."""
 
 from __future__ import annotations
 

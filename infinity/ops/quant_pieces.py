@@ -2,9 +2,8 @@
 quantized range, each ``(values, total)`` where ``values`` is a 1-D tensor read in its own
 dtype (fp32, bf16 or fp16 natively; others widened to fp32 first) and ``total >= values.numel()``
 its length in the range, the rest zeros. Every piece but the last holds a whole number of
-quantization blocks, so no block spans two pieces. The quantized bytes are those of the
-concatenation (zeros included) quantized as one fp32 tensor: a frozen flat's segment is
-quantized straight from its parameters, with no gathering copy (csrc/quant_pieces.h)."""
+
+Design notes: docs/modules.md, ops/quant_pieces.py."""
 
 from __future__ import annotations
 

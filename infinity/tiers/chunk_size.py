@@ -1,10 +1,6 @@
 """The chunk: the size of every host buffer that I/O or the optimizer passes through.
 
-A flat of any size streams through buffers of this size, so host RAM is bounded by the chunk
-(and the number of buffers in flight), never by the largest block -- a Llama-3 embedding is
-4-16x a transformer layer. :func:`resolve_chunk_bytes` is the one place its value is checked
-and its default derived; the engine's pools and the optimizer's NVMe pipeline both use it.
-"""
+Design notes: docs/modules.md, tiers/chunk_size.py."""
 
 from __future__ import annotations
 

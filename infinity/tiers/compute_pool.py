@@ -1,21 +1,6 @@
 """ComputeBuffers: reusable compute buffers for blocks streamed on a CPU-only machine.
 
-There the device tier is ordinary RAM. Allocating a block's compute buffer at each fetch and
-freeing it at each release costs, per block and per pass, an mmap, a page fault and a zeroed
-page for every 4 KiB, and a munmap (measured: ~0.25 s of CPU per GB fetched on this 2-core VM),
-and without care the freed memory stays in glibc's heap. Instead each flat's storage borrows
-a buffer from this pool while it is materialized: :meth:`attach` swaps the pool buffer's memory
-into the flat's compute storage (``UntypedStorage._swap_data_ptr_``, the same StorageImpl, so
-every parameter view and every tensor autograd saved stays valid), :meth:`detach` swaps it
-back; the released storage has 0 bytes again, so a use of a released block still raises
-instead of computing on garbage.
-
-The buffers are 4 KiB-aligned (``infinity.io.aligned_empty``), so a swap file is read straight
-into them with O_DIRECT: no staging copy. A buffer given back is kept for the next block of
-the same size; with a device budget, buffers in use plus kept ones never exceed it (kept ones
-are dropped first). Without ``_swap_data_ptr_`` (older torch), :func:`supported` is False and
-the engine allocates and frees as before.
-"""
+Design notes: docs/modules.md, tiers/compute_pool.py."""
 
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
 """A free-extent allocator over one swap file: first fit, 4096-aligned, with coalescing.
 
-Pure bookkeeping (no I/O): the caller owns the file. Space is handed out as ``[offset,
-offset + nbytes)`` ranges of the file's byte space, every offset and size a multiple of
-``align``. When no free range fits, :meth:`ExtentAllocator.alloc` extends the space at its
-end (reusing a free tail), up to ``limit`` bytes (None: unbounded); beyond that it raises
-:class:`ExtentsExhaustedError`. Freed ranges merge with free neighbours, so the space a
-workload needs stays bounded by its peak of live bytes plus the fragmentation of its sizes.
-:class:`RangeSet` (sorted, coalesced ranges) holds the free space; the swap store uses it too,
-for the freed ranges it keeps allocated on disk.
-"""
+Design notes: docs/modules.md, tiers/extents.py."""
 
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
 """Pinned host memory and the copies that use it, for the CUDA path.
 
-- :func:`pin_for_dma`: whether host buffers that a copy engine reads or writes must be pinned
-  (the engine's device is CUDA). On the CPU nothing is pinned.
-- :func:`upload`: host -> device copy of a flat buffer; a dtype change is made on the device
-  after an upload in the home dtype, never by a CPU cast into a pageable temporary.
-- :class:`StagingRing`: a fixed set of pinned buffers that device -> host gradient copies land
-  in, packed; when all are taken, the oldest buffer's copies are waited for (its event) and
-  handed to a consumer (the accumulation), so pinned memory for gradients in flight is bounded
-  whatever the model size.
-"""
+Design notes: docs/modules.md, tiers/pinned.py."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
 """How many chunk-sized host buffers the engine's pools hold, within the host budget.
 
-The staging pool (swap-file reads and writes of parameter homes) and the NVMe gradient pool
-hold buffers of one chunk each (smaller when the largest flat is smaller), never the largest
-flat: a flat of any size streams through them. Their counts default to what keeps transfers
-overlapped; with a host budget they shrink towards a minimum (1 staging buffer, 2 gradient
-buffers: one filling while the other is written) before anything is refused, and only a
-budget below that minimum is an error (raised by the engine's budget check, which names it).
-"""
+Design notes: docs/modules.md, tiers/pool_plan.py."""
 
 from __future__ import annotations
 

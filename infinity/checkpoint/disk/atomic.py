@@ -1,17 +1,7 @@
 """Atomic checkpoint directories: everything is written into a temporary sibling directory and
 renamed into place only once complete and fsynced.
 
-Replacing an existing checkpoint ``P``:
-
-    1. write and fsync every file in ``.P.tmp-<pid>-<random>``, fsync that directory
-    2. rename ``P`` -> ``.P.old``  (the previous checkpoint, kept aside)
-    3. rename the temporary directory -> ``P``, fsync the parent
-    4. delete ``.P.old``
-
-A crash before 2 leaves ``P`` untouched (the temporary directory of a dead process is removed by
-the next save); a crash between 2 and 3 leaves only ``.P.old``, which :func:`resolve` falls back
-to; a crash after 3 leaves a complete ``P`` and a stale ``.P.old`` that the next save removes.
-"""
+Design notes: docs/modules.md, checkpoint/disk/atomic.py."""
 
 from __future__ import annotations
 

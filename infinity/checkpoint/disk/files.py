@@ -1,11 +1,6 @@
 """Checkpoint data files in the safetensors format, written tensor by tensor and read verified.
 
-:class:`TensorFileWriter` writes the header first (every name, dtype and shape is known up
-front) and then streams each tensor's bytes, computing the file's CRC32C on the way; ``close``
-fsyncs. :func:`read_tensor_file` reads a whole file into one buffer, checks its size and CRC32C
-against the manifest before anything is parsed, and returns views into that buffer.
-The files are ordinary safetensors: ``safetensors.torch.load_file`` and transformers read them.
-"""
+Design notes: docs/modules.md, checkpoint/disk/files.py."""
 
 from __future__ import annotations
 

@@ -1,29 +1,6 @@
 """The checkpoint manifest: format, errors, the JSON codec for trainer state, and its checksum.
 
-A checkpoint is a directory:
-
-    manifest.json                       this file's content (see :func:`write_manifest`)
-    model/<flat key>.safetensors        per block (wrapped model): its parameters in their home
-                                        dtype under their qualified names and, with an
-                                        optimizer, ``<name>::exp_avg`` / ``::exp_avg_sq`` /
-                                        ``::master`` (fp32; the master is left out where it
-                                        equals an fp32 parameter bit for bit)
-    model/<flat key>.rank<k>-of-<N>.safetensors
-                                        (saved by N sharded ranks) rank k's pieces of the
-                                        parameters in its part of the flat, named
-                                        ``<name>[a:b]`` (elements a..b of the flattened
-                                        parameter; the plain name when whole), with their
-                                        states as above; the manifest lists each parameter's
-                                        pieces (see pieces.py)
-    model/model-00001.safetensors       (unwrapped model) its state_dict, ~1 GiB per file
-    model/buffers.safetensors           persistent buffers of a wrapped model
-    optimizer.safetensors               states of parameters outside any wrapped block
-
-The manifest lists every file with its size and CRC32C (files written through Python also with
-a CRC32C per 64 MiB chunk, so a rank verifies only the chunks it reads) and carries its own CRC32C
-(``manifest_crc32c``, over the JSON of everything before it), so a flipped byte anywhere is
-caught before it is used.
-"""
+Design notes: docs/modules.md, checkpoint/disk/manifest.py."""
 
 from __future__ import annotations
 

@@ -1,24 +1,6 @@
 """Tensors stored whole or in pieces keyed by global element ranges, and reading any range back.
 
-A checkpoint's manifest records each tensor of the model either whole in one file
-
-    "tensors": {"layers.0.up.weight": {"file": "model/block0001.float32.safetensors", ...}}
-
-or, when ranks saved it (each rank the part of every flat buffer it owns), in pieces
-
-    "tensors": {"layers.0.up.weight": {"pieces": [["model/...rank0-of-2.safetensors", 0, 700],
-                                                  ["model/...rank1-of-2.safetensors", 700, 888]],
-                                       ...}}
-
-where a piece ``[file, a, b]`` holds elements ``[a, b)`` of the flattened tensor, stored in
-``file`` under :func:`piece_name` (the tensor's own name and shape when the piece is whole).
-Optimizer states follow their parameter: ``"<piece>::exp_avg"`` etc. in the same files, the
-record listing which keys each piece holds (``master`` is left out where it equals the fp32
-parameter bit for bit; the parameter's piece is then read instead).
-
-One process reads whole tensors, a rank only the element ranges it owns; either way from the
-files that hold them, through :class:`~.reader.Reader` (verified, at most a few files in RAM).
-"""
+Design notes: docs/modules.md, checkpoint/disk/pieces.py."""
 
 from __future__ import annotations
 

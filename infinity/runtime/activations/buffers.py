@@ -1,16 +1,7 @@
 """Buffers for activation offload: reusable aligned host buffers (by size), scratch swap-file
 slots on NVMe, and tensors that view a pooled buffer and give it back when autograd drops them.
 
-- :class:`BufferPool`: 4 KiB-aligned host buffers handed out as :class:`Lease` objects, counted
-  in a :class:`~infinity.tiers.ByteBudget`. A buffer whose lease dies goes back to a free list of
-  its size and is reused by the next step (steps repeat their shapes, so after the first step no
-  allocation happens); free buffers above ``keep_bytes`` are freed instead.
-- :class:`ScratchFiles`: extents of a few scratch files (one set per size) in the directory of
-  a :class:`~infinity.tiers.SwapStore`, reused step after step (never fsynced: scratch, not
-  durable state), CRC32C-checked like swap files.
-- :func:`owned_view`: a tensor over a lease's bytes whose storage keeps the lease alive; when
-  the last view dies (autograd freed the saved tensor) the lease ends and ``on_free`` runs.
-"""
+Design notes: docs/modules.md, runtime/activations/buffers.py."""
 
 from __future__ import annotations
 

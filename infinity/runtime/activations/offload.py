@@ -1,46 +1,7 @@
 """Activation offload: the tensors autograd saves for backward, streamed to host RAM or NVMe
 during forward and fetched back ahead of their use in backward.
 
-How it plugs in. The engine's hooks call :meth:`ActivationOffloader.enter` at the start of the
-model's forward (the root block) and of every block's forward, and :meth:`exit` at their end;
-``enter`` pushes ``torch.autograd.graph.saved_tensors_hooks`` (pack, unpack), ``exit`` pops it.
-So every tensor an op saves inside the model is seen by :meth:`_pack`, tagged with a *segment*:
-the span of forward between two of those hook calls (a block's body, or the root between two
-blocks). Where another pair of hooks is already on top (``torch.utils.checkpoint``'s, or the
-user's own), a block pushes nothing: those hooks own the saves inside it. Hence, with
-activation checkpointing, only the checkpoint boundaries (the inputs checkpoint saves in the
-caller's context) are offloaded; the recomputation runs in backward, where nothing is pushed.
-
-Pack. A saved tensor of at least ``min_bytes`` that is not a parameter (nor a view of an
-engine-owned parameter buffer) gets an :class:`_Entry`; a worker thread copies it into a host
-buffer from a pool inside ``host_budget`` (tier "host") or into a staging buffer and from there
-with O_DIRECT into an extent of a scratch file (tier "nvme", a few files per size, extents
-reused step after step, never fsynced), then drops the reference to the original, whose memory autograd no longer holds.
-Smaller tensors are kept as autograd would keep them.
-
-Unpack. Backward asks for entries segment by segment. The order of first use of segments is
-recorded (:class:`~infinity.runtime.core.schedule.Schedule`); in the next step each first use of
-a segment starts fetches of the next ``window`` segments of the record, within
-``prefetch_bytes``; at a deviation from the record, entries are fetched on demand (and the new
-order is recorded). On the CPU device tier the host copy is handed to autograd in place (no
-second copy); fetched NVMe data is handed over in its read buffer; either buffer returns to
-its pool when autograd frees the tensor.
-
-Accounting. ``resident`` counts activation bytes held on the device tier because of this
-offloader: a saved tensor from pack until its copy is done, and a fetched one from the fetch
-until autograd frees it. Its peak is what offload reduces, from "all saved activations" to
-about the prefetch window.
-
-Failures. A failed copy or write (ENOSPC...) is kept with its entry: the next pack in the same
-forward raises :class:`ActivationOffloadError`, else the unpack of that entry in backward does.
-Nothing else is changed, so the engine takes the next step normally.
-
-Device: on the CPU device tier (tested) host copies are used in place and NVMe reads land in
-pooled buffers handed to autograd. On CUDA, copies run on two side streams (device->host after
-an event recorded where the tensor was saved; host->device into a fresh tensor that is
-``record_stream``-ed on the compute stream) from/to pinned pooled buffers; that path has not
-run in this project's CI (no GPU there): tests/gpu/test_activation_offload_gpu.py covers it.
-"""
+Design notes: docs/modules.md, runtime/activations/offload.py."""
 
 from __future__ import annotations
 

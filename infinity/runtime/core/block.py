@@ -1,9 +1,6 @@
 """Block: the unit of offload, prefetch and I/O -- a module subtree and its flat buffers.
 
-Kinds (``kind``): a *layer* block (a child of the layer list: one module subtree), an *outer*
-block (parameters of modules outside the layers, such as the input embedding or the LM head:
-used by ``modules``, several when they share a parameter, as a tied embedding and head), or
-the *root* block (the small parameters left, materialized for the whole step)."""
+Design notes: docs/modules.md, runtime/core/block.py."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
 """FlatParam: one block's parameters of one dtype, flattened into one contiguous buffer.
 
-Parameters stay the same ``nn.Parameter`` objects; their ``.data`` becomes a view into the
-block's compute buffer. Releasing frees that buffer's storage (``resize_(0)``) and fetching
-resizes it back and copies into it, so every view -- including those autograd saved -- stays
-valid (FSDP's technique). The home copy (host RAM or a swap file) is padded to 4 KiB so each
-move is one aligned sequential transfer.
-"""
+Design notes: docs/modules.md, runtime/core/flat.py."""
 
 from __future__ import annotations
 

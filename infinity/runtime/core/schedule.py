@@ -1,15 +1,6 @@
 """Schedule: the recorded order in which blocks run, used to prefetch the next ones.
 
-The first pass of each phase (forward, backward) records the order of blocks. Later passes
-compare each visit with the record: while they agree, the blocks after the current one are
-prefetched within the window; at the first disagreement (a skipped layer, a layer used twice,
-control flow) the pass falls back to on-demand fetches, and its order becomes the new record.
-
-Before the first pass a *guess* can stand in for the record (the engine guesses the blocks in
-the order the model registered them for forward, the reverse for backward), so even the first
-step prefetches. A pass that leaves the guess falls back to on-demand fetches like any
-deviation, but is not counted as one: nothing had been recorded yet.
-"""
+Design notes: docs/modules.md, runtime/core/schedule.py."""
 
 from __future__ import annotations
 

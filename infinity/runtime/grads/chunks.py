@@ -1,15 +1,6 @@
 """NVMe gradients of flats larger than one pool buffer, accumulated chunk by chunk.
 
-Each arriving slot's gradient is copied (or, across micro-batches, added) into the chunk
-buffers it overlaps, which are opened on demand (read back from the swap file when it already
-holds this accumulation's sums), written out when the pool needs room (least recently used
-first) and at the end of the flat's backward; each chunk's bytes are exactly those a
-whole-flat buffer would have written (zeros where no gradient landed). Each slot's L2 norm is
-measured once, while its accumulated values are in RAM (the incoming gradient itself on the
-first backward, or the chunk / a slot-sized temporary of at most one chunk across
-micro-batches); a slot larger than a chunk that accumulates across micro-batches gets no norm
-(the optimizer reads the gradients).
-"""
+Design notes: docs/modules.md, runtime/grads/chunks.py."""
 
 from __future__ import annotations
 

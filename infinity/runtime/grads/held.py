@@ -1,14 +1,6 @@
 """Gradients kept in RAM for an optimizer step overlapping backward, and lost gradients.
 
-A store may close a flat with ``keep_in_ram=True`` when an optimizer step overlapping backward
-takes its gradients from RAM (see :mod:`infinity.optim.overlap`): the buffers stay out of the
-pool until the optimizer's worker thread hands them back (:meth:`HeldGrads.release_held`);
-the engine's thread returns them to the pool at its next :meth:`HeldGrads.reclaim`. Gradients
-kept without being written (``write=False``) are gone once handed back: anything that would
-read them later gets a clear error (:meth:`HeldGrads.not_kept`). Gradients whose write failed,
-or that were stepped from RAM without being written and whose update was undone, are lost
-(:meth:`HeldGrads.lost`) until ``zero_grad``.
-"""
+Design notes: docs/modules.md, runtime/grads/held.py."""
 
 from __future__ import annotations
 

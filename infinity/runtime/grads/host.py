@@ -1,10 +1,7 @@
 """Host gradient store: one persistent fp32 accumulator per flat (``flat.grad``) in host RAM,
 counted in the host budget when first opened.
 
-Outside backward each trainable parameter's ``.grad`` is its slot of the accumulator (fp32 CPU
-parameters: a view, so in-place changes such as ``clip_grad_norm_`` reach it; other dtypes: a
-copy in the parameter's dtype, taken back by the sink's reconcile if changed).
-"""
+Design notes: docs/modules.md, runtime/grads/host.py."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
 """``p.grad`` of NVMe gradients: views of memory maps of the gradient swap files.
 
-fp32 CPU parameters get ``p.grad`` = a view of a shared memory map of the flat's gradient file
-(reads page in through the OS cache; in-place changes reach the file and are taken in by the
-sink's reconcile, which re-checksums it). Other dtypes keep ``p.grad = None``. Gradients kept
-in RAM for the optimizer and never written have nothing on NVMe to map: their ``p.grad`` is a
-placeholder of the right shape that raises, naming infinity and the remedy, when used (so
-``clip_grad_norm_`` over ``model.parameters()`` fails loudly instead of leaving it out).
-"""
+Design notes: docs/modules.md, runtime/grads/mapped.py."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
 """Per-slot L2 norms and finiteness of gradients, measured while they are in RAM.
 
-A store that writes gradients out (NVMe) measures each slot's norm as its gradient lands (or
-at the flat's close), so the optimizer needs no read-back for the inf/nan check or for
-clipping; the norms are computed exactly as ``torch.nn.utils.clip_grad_norm_`` does, and a
-finite norm means finite elements. A store that keeps gradients in RAM records none.
-"""
+Design notes: docs/modules.md, runtime/grads/norms.py."""
 
 from __future__ import annotations
 

@@ -1,23 +1,6 @@
 """NVMe gradient store: gradient swap files, a pool of chunk buffers, write-behind.
 
-A pooled host buffer is open only while the flat's block's backward runs, then written to the
-flat's gradient swap file, so host memory for gradients is bounded by a few blocks instead of
-the whole model. Each slot's L2 norm is measured right after its gradient lands (while still in
-the CPU's caches) and the block's write is submitted by a writer thread (grad_writes.py), so
-the compute thread neither re-reads the block nor waits for the submission; a write's buffer
-returns to the pool only once it is on disk.
-
-The pool's buffers are one chunk each (``chunk_bytes``), not the largest flat. A flat that fits
-one buffer is accumulated there whole (``flat.grad``); a larger flat is accumulated chunk by
-chunk (grad_chunks.py), and ``in_ram`` is None for it.
-
-Kept in RAM: a flat may be closed with ``keep_in_ram=True`` when an optimizer step overlapping
-backward takes its gradients from RAM (grad_held.py). A flat in one buffer keeps it as
-``flat.grad``; a larger flat keeps the chunks still in RAM at its close (as many as leave two
-buffers of the pool to the rest of backward; the others are on NVMe already) and the reads
-(grad_reads.py) copy those from RAM. Backward waits for the optimizer to hand buffers back when
-the pool runs out.
-"""
+Design notes: docs/modules.md, runtime/grads/nvme.py."""
 
 from __future__ import annotations
 

@@ -1,32 +1,6 @@
 """GradientSink: where a block's gradients go once autograd has produced them.
 
-Each gradient is accumulated (fp32, across micro-batches) into its flat buffer's gradient
-accumulator and freed on the device right away. Where the accumulator lives is a gradient
-store's business, one class per tier (grad_store.py): host RAM (``Tier.HOST``, grad_host.py:
-one persistent buffer per flat) or NVMe (``Tier.NVME``, grad_nvme.py: a pooled host buffer is
-open only while the block's backward runs, then written to the flat's gradient swap file, so
-host memory for gradients is bounded by a few blocks instead of the whole model; flats larger
-than one buffer go chunk by chunk, grad_chunks.py). On CUDA the device->host copy runs on a side
-stream into pinned memory (grad_d2h.py), with an event that the accumulation waits on.
-
-The sink keeps what every tier shares: timing, the device->host copies, row-sparse gradients,
-``p.grad`` outside backward, and the optimizer's view of the gradients.
-
-Outside backward each trainable parameter's ``.grad`` is its gradient as the store exposes it
-(grad_host.py: a view of the accumulator or a copy; grad_mapped.py: a view of a memory map of
-the gradient file). Before the next accumulation :meth:`GradientSink.reconcile` reads what the
-user did to them: ``None`` (``zero_grad``) forgets the slot, another tensor replaces it, an
-in-place change is taken in.
-
-Kept in RAM (NVMe tier): a flat may be closed with ``keep_in_ram=True`` when an optimizer
-step overlapping backward takes its gradients from RAM (see :mod:`infinity.optim.overlap` and
-grad_held.py); the optimizer's worker thread hands them back with
-``held.release_held``. With ``write=False`` what is kept is not written to the
-swap file, and it is then gone once handed back (``written`` is False until ``zero_grad``).
-Anything that would read it later (a step that has to be redone, ``p.grad``, a second
-micro-batch accumulating onto it) gets a clear error instead of the stale file: ``p.grad`` of
-fp32 parameters is a placeholder that raises when used.
-"""
+Design notes: docs/modules.md, runtime/grads/sink.py."""
 
 from __future__ import annotations
 

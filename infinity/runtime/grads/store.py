@@ -1,32 +1,6 @@
 """Gradient stores: where a flat's accumulated gradients live, one class per tier.
 
-The :class:`~infinity.runtime.grads.sink.GradientSink` keeps what every tier shares (timing, the
-device->host copies, row-sparse gradients, ``p.grad`` bookkeeping, the optimizer's view); a
-store keeps what differs between tiers, behind one interface:
-
-    open(flat)                    a flat's accumulator is ready for gradients
-    accumulating(flat)            it is open in this backward (closing it does work)
-    accumulate(flat, i, grad)     slot ``i``'s gradient copied (added) into the accumulator
-    add_rows(flat, i, rows, v, add)   a row-sparse gradient scattered into it
-    close(flat, keep_in_ram, write)   the flat's gradients of this backward are complete
-    finish_backward()             end of backward: every gradient accumulated (and written)
-    wait_writes()                 every write in flight has landed
-    ready(flat, i)                slot ``i`` has a gradient for the next step
-    forget(flat, i) / replace(flat, i, grad)   ``p.grad`` set to None / replaced by the user
-    zero_grad(), host_bytes(), shutdown()
-
-Each store also has four parts that the sink (and the optimizer, through ``sink.reads`` and
-``sink.held``) reaches directly: ``reads`` (a :class:`GradReads`: the optimizer's reads of
-gradients written to files), ``views`` (a :class:`GradViews`: ``p.grad`` outside backward),
-``held`` (:class:`~infinity.runtime.grads.held.HeldGrads`: gradients kept in RAM for an
-optimizer step overlapping backward, and lost ones) and ``norms``
-(:class:`~infinity.runtime.grads.norms.SlotNorms`: norms measured while in RAM). A tier without
-gradient files (host RAM) keeps the last two empty. The parts of a store with gradient files
-ask the store for pool buffers through :class:`GradBuffers`.
-
-    HostGradStore   grad_host.py   one persistent fp32 buffer per flat (``flat.grad``)
-    NvmeGradStore   grad_nvme.py   gradient swap files, a pool of chunk buffers, write-behind
-"""
+Design notes: docs/modules.md, runtime/grads/store.py."""
 
 from __future__ import annotations
 

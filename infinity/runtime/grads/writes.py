@@ -1,10 +1,6 @@
 """Write-behind of gradients to their swap files.
 
-Each write is handed to one writer thread, which submits it to the I/O engine (so the compute
-thread does not wait for the submission, which wakes the I/O workers); writes are submitted in
-the order their blocks' backward ended. A write's buffer stays out of the pool until the write
-is reaped, so the RAM in flight is bounded by the pool.
-"""
+Design notes: docs/modules.md, runtime/grads/writes.py."""
 
 from __future__ import annotations
 

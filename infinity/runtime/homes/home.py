@@ -1,29 +1,6 @@
 """Homes: where a flat buffer's parameters live between uses, one class per tier.
 
-A home fills itself at wrap, copies its content into a buffer, takes a new working copy, serves
-a fetch, exposes its bytes for the parameters' views outside forward, learns about writes made
-through those views, and gives its content back at unwrap. The differences between the tiers
-live here, not in ``if param_tier is ...`` branches across the engine and the optimizer.
-
-    fill(flat)                 at wrap: the parameters' current values become the home
-    read_into(flat, dst)       the home's values into ``dst`` (any dtype, same numel)
-    write_from(flat, src)      a full new working copy (home dtype) becomes the home
-    write_slots(flat, src, s)  only the slots ``s`` of ``src`` (home dtype) become the home
-    write_range_async(flat, start, src)   NVMe: elements [start, start + len(src)) of a new
-                               working copy become the home (whole chunks; an IOFuture)
-    working_buffer(flat)       where an optimizer may write the working copy in place (or None)
-    outside_bytes(flat)        uint8 numpy array over the home's bytes: the parameters' storage
-                               outside forward (None: they keep viewing the compute buffer)
-    after_outside_write(flat)  the bytes were changed through those views
-    fetch_into(flat, dst)      copy for a fetch (runs on a transfer thread)
-    snapshot(flat)             a CPU copy of the whole home, for unwrap
-    tier_of(flat)              the tier holding ``flat``'s home
-    staged(flat)               whether an optimizer's new working copy reaches the home through
-                               a staging buffer (a swap file) instead of in place
-
-An engine whose blocks live in different tiers ("the first blocks on host, the rest on NVMe")
-keeps one home per tier and routes each flat to its own through a :class:`TieredHome`.
-"""
+Design notes: docs/modules.md, runtime/homes/home.py."""
 
 from __future__ import annotations
 

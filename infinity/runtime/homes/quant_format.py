@@ -1,26 +1,6 @@
 """Frozen formats: how a quantized home stores a flat, segment by segment.
 
-``frozen_format="nf4"`` (bitsandbytes' NF4: blocks of 64, fp32 absmax, no double quantization:
-0.5625 bytes per parameter), ``"nf4-dq"`` (the same codes with the absmax double-quantized as
-bitsandbytes' ``compress_statistics=True``: 8-bit codes in blocks of 256 absmax, an fp32
-scale per block and an fp32 offset: 0.5161 bytes per parameter stored) or ``"int8"``
-(symmetric block-wise int8: blocks of 256, fp32 absmax: 1.0156 bytes per parameter).
-
-The stored bytes of a flat of ``numel`` elements are a sequence of *segments*, each of
-``segment_elems`` elements (the last one shorter): a segment is its codes followed by its
-absmax (for ``nf4-dq``: the absmax codes, then the fp32 scales of their blocks and the
-segment's offset), and every full segment is a whole number of 4 KiB pages, so a swap file's
-checksum piece is one segment and any run of segments is one aligned read. A quantization
-block never straddles two segments, and each parameter of a quantized flat starts on a block
-boundary, so its blocks are exactly those bitsandbytes makes of it alone (flattened). With
-``nf4-dq`` the offset is the mean of the segment's absmax (bitsandbytes takes the mean over
-one tensor), so the stored absmax codes are bitsandbytes' only for a parameter that is one
-segment by itself; the decoded values are within the 8-bit rounding of the absmax either way.
-
-Dequantization (:meth:`FrozenFormat.dequantize_segment`) writes fp32 or bf16 directly (the NF4
-native kernel: AVX-512 / AVX2 / scalar, threaded); other compute dtypes go through fp32.
-On CUDA the segment's bytes are uploaded and decoded by PyTorch ops on the device.
-"""
+Design notes: docs/modules.md, runtime/homes/quant_format.py."""
 
 from __future__ import annotations
 

@@ -1,24 +1,7 @@
 """Quantized homes: frozen parameters of layer blocks stored in a frozen format (NF4, int8)
 on their tier, dequantized into the compute buffer at each fetch.
 
-:class:`QuantFlat` is a flat of frozen parameters whose home holds the stored format (see
-``quant_format.py``): its ``home_nbytes`` are the stored bytes, so budgets, disk checks, pool
-sizes and the bytes counted as moved are those of the format. :class:`QuantizedHome` wraps the
-home of one tier: it serves the quantized flats itself and hands every other flat to the
-wrapped home unchanged.
-
-    host:  the stored bytes in one aligned host buffer (``flat.home``, uint8, in the host
-           budget; pinned on CUDA like any host home)
-    nvme:  a swap file of the engine's SwapStore, checksummed per segment; a fetch reads runs
-           of whole segments through the staging pool and decodes each
-    fetch: decoded by the CPU kernel straight into the compute buffer (CPU device), or the
-           segment uploaded and decoded by PyTorch ops on the GPU
-
-Outside forward the parameters of a quantized flat view a placeholder (a NaN scalar expanded to
-their shape: no memory, the right dtype and device, any in-place write refused by PyTorch).
-Their values are read by ``model.state_dict()`` (the engine decodes them there), inside
-``infinity.materialized()`` or in forward. Rebinding ``p.data = t`` re-quantizes the slot.
-"""
+Design notes: docs/modules.md, runtime/homes/quantized.py."""
 
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
 """ShardFlat: one rank's equal, page-aligned part of a block's (padded) flat buffer.
 
-The full :class:`~infinity.runtime.core.flat.FlatParam` keeps the layout every rank agrees on and
-the compute buffer the parameters view during forward/backward (all-gathered there). Its
-ShardFlat is what this rank keeps at home, accumulates gradients into and steps with the
-optimizer: the elements ``[start, end)`` of the full buffer. Its slots are the parameters'
-parts inside that range -- a parameter straddling two shards has a clipped slot on each rank
-(1-D, ``param_start`` says where in the parameter it begins); a parameter entirely outside
-the range has no slot here. Homes, the gradient sink and the optimizer treat a ShardFlat as
-any FlatParam (same attributes), so the single-process code paths serve a shard unchanged.
-"""
+Design notes: docs/modules.md, runtime/homes/shard_flat.py."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
 """ShardedHome: a home (host or NVMe) that keeps only this rank's part of each flat buffer.
 
-It wraps the single-process home of the same tier and translates: calls naming a full
-:class:`~infinity.runtime.core.flat.FlatParam` (the engine's fetch, write-back, unwrap) act on the
-rank's :class:`~.shard_flat.ShardFlat`; calls naming a ShardFlat (the optimizer) go straight
-through. Reading a whole flat (unwrap, full state dicts) all-gathers the parts.
-"""
+Design notes: docs/modules.md, runtime/homes/sharded.py."""
 
 from __future__ import annotations
 

@@ -1,15 +1,6 @@
 """Quantized checkpoints as ``source=``: what a CheckpointSource can decode, and what it refuses.
 
-Read: bitsandbytes 4-bit NF4 (``Linear4bit`` saved by ``save_pretrained``): per weight ``W``, the
-packed codes ``W`` (uint8), ``W.absmax`` (fp32, or uint8 with ``W.nested_absmax`` and
-``W.nested_quant_map`` when double-quantized), ``W.quant_map`` and
-``W.quant_state.bitsandbytes__nf4`` (JSON: blocksize, shape, nested offset). The weight is
-decoded to full precision into the parameter's place (bitsandbytes' products, bitwise); with
-``frozen_format="nf4"`` the home re-quantizes it to the same codes and absmax.
-
-Refused with a clear error: bitsandbytes FP4, LLM.int8 (``SCB``), GPTQ / AWQ (``qweight``),
-FP8 (``weight_scale`` / ``weight_scale_inv``).
-"""
+Design notes: docs/modules.md, runtime/homes/source_quant.py."""
 
 from __future__ import annotations
 

@@ -1,18 +1,6 @@
 """Where the values of a model built on the meta device come from, one block at a time.
 
-``infinity.wrap(meta_model, source=...)`` never materializes the whole model: before a block's
-flat buffers are filled, the source turns that block's meta parameters into real CPU tensors
-(new ``nn.Parameter`` objects, set on every module that shares them), the home is filled from
-them, and they are freed again when the parameters are pointed at their homes.
-
-- :class:`CheckpointSource`: a ``.safetensors`` file, a sharded set with its
-  ``*.safetensors.index.json``, or a Hugging Face model folder, read by memory map, converted
-  to the model's dtypes. A bitsandbytes NF4 checkpoint is decoded weight by weight; other
-  quantized formats are refused (runtime/homes/source_quant.py).
-- :class:`InitSource`: the modules' own ``reset_parameters`` (or the user's ``init(module)``),
-  run module by module in ``model.named_modules()`` order, so with the same seed the values
-  equal a CPU construction that initializes its modules in that order.
-"""
+Design notes: docs/modules.md, runtime/homes/sources.py."""
 
 from __future__ import annotations
 

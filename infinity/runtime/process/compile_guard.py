@@ -1,21 +1,6 @@
 """Keeps the engine's hooks out of torch.compile's tracing, as FSDP2 keeps its own.
 
-The hooks move buffers between tiers, time themselves and call native code (``perf_counter``,
-``ctypes``): dynamo cannot trace them and would warn, break its graphs inside them and compile
-their frames. :func:`eager_only` makes a compiled model run them eagerly between its graphs.
-
-Why not ``torch.compiler.disable`` directly: it imports ``torch._dynamo`` at once, so applied
-where the hooks are defined it imported dynamo with ``import infinity``. That import costs
-~70 MiB of RSS and, worse, raises glibc's dynamic mmap threshold (it frees a large buffer):
-a model built after it then gets its parameters from the heap instead of mmap (73 of 217 MiB
-instead of 19 for the 32-layer TinyGPT of tests/perf/test_engine_memory.py), and freeing them at
-wrap leaves holes that backward's temporaries fault in again, so the peak RSS growth of NVMe
-streaming went from 22% to 40-46% of the model. ``torch._disable_dynamo`` (what torch's own
-optimizers use) imports dynamo only at the first call, and lives in a module dynamo skips, so a
-traced hook breaks the graph there without dynamo tracing the wrapper. :func:`eager_only` calls
-it only while dynamo is loaded: the hooks never import it (torch.optim's optimizers do, when
-they are built, which is after the model).
-"""
+Design notes: docs/modules.md, runtime/process/compile_guard.py."""
 
 from __future__ import annotations
 

@@ -1,54 +1,6 @@
 """The one owner of glibc's malloc thresholds, which are process-wide: :data:`HOST_MEMORY`.
 
-Why infinity changes them (measured; see also ``runtime/process/host_memory.py``, the older functional
-interface that now goes through this object):
-
-* ``"release"``: ``M_MMAP_THRESHOLD`` and ``M_TRIM_THRESHOLD`` at 128 KiB. Every buffer of
-  128 KiB or more is mmap'ed, so freeing it really frees its memory, and the heap's top is
-  trimmed. Needed while a model is wrapped (its originals are freed then, and when they lay in
-  the heap they left holes that backward's gradient temporaries filled, touching fresh pages:
-  peak RSS varied by up to a third of the model's size), inside :func:`infinity.empty_init`
-  (the parameters allocated and dropped for meta), by the activation offloader (the saved
-  activations it copies out are freed all along), and for as long as an engine with a
-  ``host_budget`` lives (RAM is what the user constrains).
-* ``"reuse"``: ``M_MMAP_THRESHOLD`` at 32 MiB (the ceiling of glibc's own dynamic threshold,
-  what plain PyTorch ends up with) and ``M_TRIM_THRESHOLD`` at 64 MiB. After a wrap on a CPU
-  device whose streamed blocks borrow their compute memory from the engine's own pool, forward
-  and backward's temporaries reuse the heap as in plain PyTorch instead of being a fresh mmap
-  each (at 128 KiB: 300-500 thousand page faults and 10-25% slower steps, for the plain model
-  in the same process too).
-
-Users: each engine (a CPU device with streamed blocks), each activation offloader and each
-``empty_init`` block :meth:`HostMemory.acquire` a :class:`HostMemoryLease` with the mode they
-need, may change it (:meth:`HostMemoryLease.set`: an engine holds ``"release"`` while it wraps
-and ``"reuse"`` after), and release it (engine close / unwrap, offloader close, leaving
-``empty_init``; a lease whose owner object is garbage-collected is released with it).
-
-Precedence, explicit: the most RAM-saving mode wins while any user wants it. ``"release"`` if
-any lease wants it, else ``"reuse"`` if any lease wants it, else glibc's defaults.
-
-When the last user releases, glibc's defaults are put back as far as glibc allows:
-
-* restored: ``M_MMAP_THRESHOLD`` = 128 KiB and ``M_TRIM_THRESHOLD`` = 128 KiB, glibc's static
-  defaults (``DEFAULT_MMAP_THRESHOLD_MIN`` and ``DEFAULT_TRIM_THRESHOLD``). :meth:`state` is
-  then ``None`` again. Freed blocks of 128 KiB or more go back to the OS, as in a process that
-  never wrapped.
-* not undoable: any ``mallopt(M_MMAP_THRESHOLD)`` or ``mallopt(M_TRIM_THRESHOLD)`` call turns
-  glibc's dynamic threshold off for the rest of the process (it sets ``mp_.no_dyn_threshold``
-  and nothing clears it). A process that never called mallopt raises its mmap threshold to the
-  size of each mmap'ed block it frees (up to 32 MiB, the trim threshold to twice that);
-  after the last user here it stays at 128 KiB, so temporaries between 128 KiB and 32 MiB keep
-  being fresh mmaps (more page faults, never more RSS) instead of drifting into the heap.
-* not undoable: glibc cannot read its settings back (no mallopt getter, and ``mallinfo`` does
-  not report them), so thresholds that someone else set with mallopt (or ``MALLOC_*_``
-  environment variables) before infinity's first user are not known and not restored: the
-  static defaults are.
-* not undoable: memory already in the heap stays where it is; the first release after the last
-  user calls ``malloc_trim(0)`` to hand free pages back.
-
-Without glibc (no ``mallopt``) leases are still counted and :meth:`state` still reports the mode
-wanted; nothing is set.
-"""
+Design notes: docs/modules.md, runtime/process/host_memory.py."""
 
 from __future__ import annotations
 

@@ -1,15 +1,6 @@
 """Moves a block's parameters from their home (host RAM or a swap file) into its compute buffer.
 
-Background threads run the transfers (the CPU's "copy streams"): one per host staging buffer, so
-the reads of consecutive prefetches overlap on the disk. On CUDA they issue host->device copies
-on a dedicated stream, from pinned memory only, and hand back an event that the compute stream
-waits on; no transfer thread ever waits on the GPU (a staging buffer goes back to its pool once
-an event recorded after its copy has completed, see HostPool.release_after).
-
-Pinned memory on CUDA: the staging pool and, with parameters homed in host RAM, every home
-(the sources of the uploads) are registered here, up front (RLIMIT_MEMLOCK checked for the
-total first), and unregistered at close after every copy has finished.
-"""
+Design notes: docs/modules.md, runtime/step/transfer.py."""
 
 from __future__ import annotations
 

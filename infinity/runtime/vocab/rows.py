@@ -1,29 +1,7 @@
 """Embedding row fetch: an ``nn.Embedding`` whose block lives on the host or NVMe tier reads
 only the rows its batch looks up, and its lookup gradient is row-sparse.
 
-A plain lookup needs the whole table materialized for forward, and autograd then builds a
-full-size dense gradient (vocabulary x hidden) for it, though only the batch's rows are
-non-zero. Here the embedding's forward is replaced (an instance ``forward``, removed at
-unwrap) by :class:`RowLookup`:
-
-- forward: the batch's distinct rows are read from the home -- on NVMe only the swap file's
-  pieces (checksummed units of at most 4 MiB) that hold them, through one staging buffer; on
-  the host tier a gather from the home copy; from the parameter itself while its block is
-  materialized -- and the output is ``embedding(inverse, rows)``, the same values as the
-  plain lookup;
-- backward: ``embedding_dense_backward`` over the compressed indices, so each distinct row's
-  gradient is summed in the same order, with the same kernel, as the plain dense gradient's
-  row; the rows and their values go straight to the gradient sink, which scatters them into
-  the gradient tier with zeros elsewhere (row_grads.py), and autograd gets an empty sparse
-  gradient (its arrival ends the parameter's backward as usual). The optimizer then steps
-  every row, as torch's AdamW does on a dense gradient.
-
-The whole block is never fetched for forward (nor for backward: an embedding's backward reads
-no parameter), and the compute buffers are not sized for it. Used for a block whose modules
-are plain embeddings (class forward ``nn.Embedding.forward``, no ``max_norm``, which rewrites
-rows in place) -- or, with ``tiled_head``, the LM head, which reads its table in tiles of rows
-(tiled_head.py) -- holding one 2-D parameter not sharded across ranks.
-``OffloadPolicy.embedding_rows=False`` turns it off."""
+Design notes: docs/modules.md, runtime/vocab/rows.py."""
 
 from __future__ import annotations
 

@@ -2,26 +2,7 @@
 weight streams from its home in tiles of vocabulary rows (about a chunk each), and with labels
 the logits are never materialized whole.
 
-The head is the model's ``get_output_embeddings()`` (an ``nn.Linear`` without bias, tied to
-the input embedding or not). Its block is never fetched whole (runtime/vocab/rows.py reads it):
-
-- a model forward with ``labels`` (a Hugging Face ``*ForCausalLM``: it calls
-  ``self.lm_head(hidden)`` then ``self.loss_function(logits=..., labels=..., ...)``): the
-  head returns a placeholder holding the hidden states, and the loss function -- replaced
-  through transformers' documented ``loss_function`` setter, the original kept for any other
-  input -- computes ``ForCausalLMLoss`` (labels shifted, ``ignore_index``, mean or sum /
-  ``num_items_in_batch``) from them with :class:`TiledCrossEntropy`: forward keeps an online
-  logsumexp over the tiles and picks each target's logit in its tile; backward recomputes
-  each tile's logits, accumulates d(hidden) and hands the tile's weight gradient to the
-  gradient tier. The output's ``logits`` is None (as fused linear-cross-entropy kernels do).
-- without labels (eval, ``generate()``, which keeps the last position's logits only): the
-  logits are computed tile by tile (:class:`TiledLinear`; its backward is tiled the same way).
-
-Numbers: the same math as the plain head + ``cross_entropy``, summed in another order; in fp32
-loss and gradients agree with plain PyTorch within 1e-6 relative
-(tests/feature/engine/test_tiled_head.py).
-Models whose forward changes the logits between the head and the loss (Gemma-2's
-``final_logit_softcapping``) are refused."""
+Design notes: docs/modules.md, runtime/vocab/tiled_head.py."""
 
 from __future__ import annotations
 

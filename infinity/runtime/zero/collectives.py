@@ -2,16 +2,7 @@
 backward or the optimizer) in schedule order, each preceded by a small header exchange that
 checks all ranks are at the same collective for the same block.
 
-Ranks that diverge (one skips a block, runs another, or raised and went on) are told at the
-next header: every rank raises :class:`RanksDivergedError` naming the ranks and blocks. A rank
-that stops issuing collectives altogether (it raised out of the loop, or exited) makes the
-others' next collective fail after the group's timeout (or at once when its process is gone),
-raised as :class:`CollectiveTimeoutError` naming the collective and block. After either, the
-engine refuses further collectives: the ranks no longer agree on what comes next.
-
-gloo lacks some collectives on some builds; each is tried once and replaced by a correct
-equivalent (all_gather into a list, all_reduce then slice) if it is missing.
-"""
+Design notes: docs/modules.md, runtime/zero/collectives.py."""
 
 from __future__ import annotations
 

@@ -1,23 +1,6 @@
 """Partitioner: ZeRO sharding of an engine's flat buffers over torch.distributed ranks.
 
-Stages (``shard=``):
-    zero3  parameters, gradients and optimizer states sharded: each rank's home holds its
-           part of every flat buffer; a block's fetch reads that part and all-gathers the
-           rest into the compute buffer; after the block's backward its flat gradient is
-           reduce-scattered (averaged) and only this rank's part reaches the gradient sink.
-    zero2  gradients and optimizer states sharded, parameters replicated (every home holds
-           the whole buffer); after each optimizer step the updated parts are all-gathered
-           into every rank's home.
-    zero1  optimizer states sharded; gradients all-reduced (averaged) whole, so every rank
-           keeps the full gradient (``p.grad`` as without sharding); parameters as zero2.
-
-Every rank keeps part ``rank`` = elements ``[rank*n, (rank+1)*n)`` of each flat buffer, whose
-length is padded to a multiple of ``world * elements per 4 KiB page`` (every part is
-page-aligned for O_DIRECT). Parameters start on 8-bit quantization block boundaries
-(:meth:`Partitioner.slot_align`), so a cut never splits a block. The engine calls in here at a few points (its own code is
-unchanged without a partitioner); collectives run on the engine's thread, in the order the
-model runs its blocks, through :class:`~.collectives.Collectives`.
-"""
+Design notes: docs/modules.md, runtime/zero/partitioner.py."""
 
 from __future__ import annotations
 
