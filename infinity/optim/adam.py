@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union, overload
 
 import torch
 
@@ -325,8 +325,14 @@ class OffloadedAdam(torch.optim.Optimizer):
         return self._checks.clip(max_norm, norm_type)
 
     # ---- step ---------------------------------------------------------------------------------
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
     @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], Any]] = None) -> Optional[Any]:
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -343,7 +349,7 @@ class OffloadedAdam(torch.optim.Optimizer):
             for group in self.param_groups:
                 _check_hyper(group)
             for port in ports:
-                port.quiesce()
+                port.engine.quiesce()
             checks.check_lost()
             if finite is None and self.check_finite is True:
                 finite = checks.grads_finite()
@@ -396,11 +402,11 @@ class OffloadedAdam(torch.optim.Optimizer):
         core.done.clear()
         overlap.step_finished()
         for port in ports:
-            port.resume()
+            port.engine.resume()
         stats.step_s = time.perf_counter() - t0
         trace_events.span("optimizer_step", "step", stats.bytes_written, t0)
         for port in ports:
-            port.record_step(stats)
+            port.engine.record_optimizer_step(stats)
         return loss
 
     def restore_parameters(self) -> None:
@@ -425,7 +431,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         for port in core.wrapped.ports():
             store = core.wrapped.side(port).store
             partial = store.partial if store is not None else []
-            if partial:
+            if store is not None and partial:
                 logger.warning(
                     "infinity.optim: zero_grad() after a failed step that shard(s) %s "
                     "had taken part way: their units that took it keep it (their "
@@ -436,7 +442,7 @@ class OffloadedAdam(torch.optim.Optimizer):
                     if shard.key in partial:
                         store.finish(shard)
         for port in core.wrapped.ports():
-            port.zero_grad()
+            port.engine.zero_grad()
         super().zero_grad(set_to_none=set_to_none)
 
     # ---- state dicts (torch's format) and streamed per-shard access ---------------------------

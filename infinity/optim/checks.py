@@ -62,9 +62,12 @@ class GradientChecks:
             if not ready:
                 continue
             known = shard.port.grads.slot_norms(shard.flat) if norm_type == 2.0 else None
-            if known is not None and all(known[i] is not None for i in ready):
+            measured = (
+                {i: n for i in ready if (n := known[i]) is not None} if known is not None else {}
+            )
+            if len(measured) == len(ready):
                 for i in ready:  # measured by the engine before the gradients went to NVMe
-                    wrapped[id(shard.flat.slots[i].param)] = known[i]
+                    wrapped[id(shard.flat.slots[i].param)] = measured[i]
                 continue
             grad = shard.port.grads.in_ram(shard.flat)
             grad = grad if grad is not None else _read_grads(shard)
@@ -143,7 +146,7 @@ class GradientChecks:
         self.scaled()  # a loop that clips may need its gradients after backward
         core = self.core
         for port in core.wrapped.ports():
-            port.sync_gradients()
+            port.engine.sync_gradients()
         raw = self._global_norm(
             clip_mod.norm_of_norms(self._grad_norms(norm_type), norm_type), norm_type
         )
@@ -156,7 +159,7 @@ class GradientChecks:
 
     def check_lost(self) -> None:
         for shard in self.core.wrapped.shards.values():
-            why = shard.port.grads.lost(shard.flat)
+            why = shard.port.grads.held.lost(shard.flat)
             if why is not None:
                 raise RuntimeError(
                     f"infinity.optim: the gradients of {shard.key} were lost: {why}; no step "

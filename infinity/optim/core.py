@@ -185,7 +185,7 @@ class AdamCore:
     def restore_dirty(self) -> None:
         """Rewrites the working copy of shards a failed step touched from committed masters."""
         for key, shard in list(self.dirty.items()):
-            shard.port.release_all()
+            shard.port.engine.release_all()
             self.wrapped.store_of(shard).restore_home(shard)
             del self.dirty[key]
 

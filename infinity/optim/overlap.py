@@ -63,13 +63,13 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union, cast
 
 import torch
 
 from ..runtime.port import OptimizerPort
 from .core import AdamCore
-from .states.store import StateStore
+from .states.nvme import NvmeStates
 from .states.swapper import ShardFeed, run_pipeline
 from .step.chunks import Unit
 from .step.kernels import Window
@@ -120,7 +120,7 @@ class _Worker:
     """One model's speculative pipeline: a thread running run_pipeline over a feed that
     backward fills."""
 
-    def __init__(self, core: AdamCore, port: OptimizerPort, store: StateStore) -> None:
+    def __init__(self, core: AdamCore, port: OptimizerPort, store: NvmeStates) -> None:
         self.port = port
         self.store = store
         self.feed = ShardFeed()
@@ -192,7 +192,7 @@ class _Worker:
 
     def _release(self, shard: Shard) -> None:
         if self.held.pop(shard.key, None) is not None:
-            self.port.grads.release_held(shard.flat)
+            self.port.grads.held.release_held(shard.flat)
 
     @property
     def alive(self) -> bool:
@@ -335,15 +335,16 @@ class BackwardOverlap:
             return
         runs = shard.runs()
         norms = port.grads.slot_norms(flat)
-        held = port.grads.holds(flat)
+        held = port.grads.held.holds(flat)
         if not runs or norms is None:
             if held:  # (not reached: takes_in_ram asked for the same runs)
-                port.grads.release_held(flat)
+                port.grads.held.release_held(flat)
             return
         if worker is None:
-            worker = _Worker(core, port, core.wrapped.store(port))
+            # a store that speculates (_may_arm) is the NVMe tier's
+            worker = _Worker(core, port, cast(NvmeStates, core.wrapped.store(port)))
             self._workers[port] = worker
-        if held and not port.grads.written(flat):
+        if held and not port.grads.held.written(flat):
             self.unwritten_total += 1
         worker.put(
             _Spec(shard, tuple(runs), tuple(_freeze(core.hyper(r, 1.0)) for r in runs), norms), held
@@ -402,7 +403,8 @@ class BackwardOverlap:
         kept: Dict[str, Shard] = {}
         stats = StepStats()
         core = self.core
-        decided = []  # (worker, kept updates, updates to redo, why they differ)
+        # (worker, kept updates, updates to redo, why they differ)
+        decided: List[Tuple[_Worker, List[Shard], List[Shard], str]] = []
         gone: List[Shard] = []  # updates to redo whose gradients are not on NVMe
         for key in list(self._workers):
             worker = self._workers.pop(key)
@@ -414,7 +416,8 @@ class BackwardOverlap:
                 redo = [spec.shard for spec in worker.specs.values()]
                 decided.append((worker, [], list(worker.computed), why))
             else:
-                good, bad = [], []
+                good: List[Shard] = []
+                bad: List[Shard] = []
                 for shard in worker.computed:
                     spec = worker.specs[shard.key]
                     runs = shard.runs()
@@ -437,7 +440,7 @@ class BackwardOverlap:
                     )
                 redo = bad
                 decided.append((worker, good, bad, why))
-            gone.extend(s for s in redo if not grads.written(s.flat) and s.runs())
+            gone.extend(s for s in redo if not grads.held.written(s.flat) and s.runs())
         if gone:
             reason = decided[0][3] if len(decided) == 1 else "the step differs from backward's"
             for worker, _good, _bad, why in decided:

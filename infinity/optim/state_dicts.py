@@ -31,7 +31,7 @@ class StateDicts:
 
     def _quiesce(self) -> None:
         for port in self.core.wrapped.ports():
-            port.quiesce()
+            port.engine.quiesce()
 
     def committed_extent(self, key: str) -> Optional[Tuple[str, int, int, int]]:
         """(path, nbytes, crc32c, offset): ``nbytes`` at ``offset`` of the NVMe file holding
@@ -270,7 +270,7 @@ class StateDicts:
             shard.initialized = False  # states are recreated from the home copy when needed
             return
         port = shard.port
-        port.quiesce()
+        port.engine.quiesce()
         port.working.take_user_writes(shard.flat)  # the loaded (or current) values are masters
         store = self.core.wrapped.store_of(shard)
         scratch = inf_io.aligned_empty(shard.flat.home_nbytes) if port.working.staged else None

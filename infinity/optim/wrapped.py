@@ -9,7 +9,7 @@ from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 
-from ..runtime.port import OptimizerPort, PortLocation
+from ..runtime.port import BackwardListener, OptimizerPort, PortLocation
 from ..tiers.chunk_size import resolve_chunk_bytes
 from .states.store import StateStore
 from .states.tier import choose_tier, new_store
@@ -57,7 +57,11 @@ class WrappedModels:
 
     # ---- registration ------------------------------------------------------------------------
     def add(
-        self, p: torch.Tensor, loc: Optional[PortLocation], group: int, listener: object
+        self,
+        p: torch.Tensor,
+        loc: Optional[PortLocation],
+        group: int,
+        listener: BackwardListener,
     ) -> None:
         """Records parameter ``p`` of param group ``group`` (``loc``: where it is wrapped, None
         for an unwrapped one); ``listener`` hears the backward of its model."""
@@ -67,7 +71,7 @@ class WrappedModels:
         side = self.side(loc.port)
         whole = loc.flat.slots[loc.slot].numel  # the whole parameter (full flat)
         self.formats.choose(p, whole, side.owners.get(id(p), []))
-        loc.port.attach()  # the engine prefetches after our step (sharded: even without part)
+        loc.port.engine.attach_optimizer()  # the engine prefetches after our step (sharded: even without part)
         if loc.part is None:  # another rank steps it: never an unwrapped parameter here
             self._elsewhere.add(id(p))
             return

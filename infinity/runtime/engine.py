@@ -3,10 +3,10 @@ build.py (wrap-time building), blockgroup.py (BlockGroup: fetch / release under 
 budget), step.py (StepHooks: the forward/backward state machine, recovery), outside.py
 (OutsideWrites: writes made through the parameters outside forward), row_hooks.py (blocks read
 by rows), homes.py (a home per tier), grads.py (GradientSink). The optimizer sees quiesce()/
-resume() around its step, grads, home, read_home/write_home and their ranged forms,
-take_user_writes(), attach_optimizer(), working_copy_staged and backward_listeners. Every state
-change happens on the thread running forward/backward (or the optimizer), under one lock;
-transfer threads only copy bytes and complete futures."""
+resume() around its step, grads, working (homes/ranges.py: the working copy's reads and
+writes, whole or ranged, and the user's writes outside forward), attach_optimizer() and
+backward_listeners. Every state change happens on the thread running forward/backward (or the
+optimizer), under one lock; transfer threads only copy bytes and complete futures."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 import torch
 from torch import nn
 
-from .. import io as inf_io
 from ..policy import OffloadPolicy
 from ..tiers import Tier
 from ..tiers.chunk_size import resolve_chunk_bytes
@@ -32,7 +31,7 @@ from .core.schedule import Schedule
 from .core.stats import Stats
 from .core.teardown import close_all, let_go, restore_params
 from .homes.quantized import QuantFlat
-from .homes.ranges import nvme_home_for, read_range
+from .homes.ranges import HomeWorkingCopy
 from .homes.sources import ParamSource
 from .process.guard import guard_foreign_optimizers
 from .process.host_memory import HOST_MEMORY, REUSE
@@ -89,9 +88,6 @@ class Engine:
         self.store, self.pool = built.store, built.pool
         self._original_devices = built.original_devices
         self.swap_tag = self.partitioner.swap_tag if self.partitioner is not None else ""
-        # True when an updated working copy reaches its home through a staging buffer (an
-        # NVMe swap file) for some flat (with host_blocks: the NVMe ones, stages_working_copy)
-        self.working_copy_staged = any(b.home is Tier.NVME for b in self.blocks)
         self.schedule = Schedule(policy.prefetch_window, guess=built.guess)
         self.transfers = Transfers(
             self.device,
@@ -123,6 +119,8 @@ class Engine:
             self._lock, self.blocks, self.home, self.partitioner, self.group
         )
         self.group.sync_outside = self.outside.sync
+        # the optimizer's reads and writes of the homes, whole or ranged (its port's working)
+        self.working = HomeWorkingCopy(self.home, self.homes, self.outside)
         self.step = StepHooks(
             self,
             self._lock,
@@ -251,10 +249,6 @@ class Engine:
         """An optimizer reports what its step did here (its StepStats), for ``infinity.stats``."""
         self.stats.record_optimizer_step(step)
 
-    def take_user_writes(self, flat: FlatParam) -> List[int]:
-        """Slots of ``flat`` written through their parameter since the last call."""
-        return self.outside.take_user_writes(flat)
-
     def note_home_written(self, flat: FlatParam, slots) -> None:
         """``slots`` of ``flat``'s home were written directly (a checkpoint load)."""
         self.outside.note_home_written(flat, slots)
@@ -274,34 +268,6 @@ class Engine:
             self.grads.zero_grad()
             if self.partitioner is not None:
                 self.partitioner.sync_zero1_views()
-
-    # ---- working copies: the optimizer's reads and writes of the homes --------------------
-    def stages_working_copy(self, flat: FlatParam) -> bool:
-        """Whether ``flat``'s working copy reaches its home through a staging buffer."""
-        return self.home.staged(flat)
-
-    def write_home(self, flat: FlatParam, src: torch.Tensor) -> inf_io.IOFuture:
-        """Starts writing an updated working copy (home dtype, aligned) to the NVMe home."""
-        if self.home.tier_of(flat) is not Tier.NVME:
-            raise RuntimeError(f"write_home is only for parameters homed on NVMe, not {flat.key!r}")
-        return self.home.write_async(flat, src)
-
-    def read_home(self, flat: FlatParam, dst: torch.Tensor) -> None:
-        self.home.read_into(flat, dst)  # a working copy from its home
-
-    def home_range_elems(self, flat: FlatParam) -> int:
-        """Elements per piece of an NVMe-homed flat's swap file (the unit of ranged I/O)."""
-        return nvme_home_for(self.homes, self.home, flat, "home_range_elems").range_elems(flat)
-
-    def write_home_range(self, flat: FlatParam, start: int, src: torch.Tensor) -> inf_io.IOFuture:
-        """Starts writing elements [start, start + len(src)) to the NVMe home (whole pieces)."""
-        home = nvme_home_for(self.homes, self.home, flat, "write_home_range")
-        return home.write_range_async(flat, start, src)
-
-    def read_home_range(self, flat: FlatParam, start: int, dst: torch.Tensor) -> None:
-        """Reads elements [start, start + len(dst)) of the NVMe home, checksums checked."""
-        nvme_home_for(self.homes, self.home, flat, "read_home_range")
-        read_range(self.store, self.stats, flat, start, dst)
 
     # ---- users ----------------------------------------------------------------------------
     @contextlib.contextmanager

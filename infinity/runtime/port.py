@@ -7,27 +7,33 @@ range), the parameters the user wrote outside forward, host memory (the engine's
 backward listeners, and the facts about tiers that the optimizer needs (where NVMe files go,
 the swap tag, the optimizer-state tier resolved at wrap).
 
+What the optimizer sees of the runtime's objects is written here as protocols, each with the
+members the optimizer uses and no more: :class:`GradSource` (``port.grads``, the engine's
+GradientSink, with :class:`GradFiles` and :class:`KeptGrads`), :class:`WorkingCopy`
+(``port.working``, the engine's HomeWorkingCopy in runtime/homes/ranges.py),
+:class:`HostBudget` (``port.host_budget``), :class:`PendingIO` (a read or write in flight),
+:class:`BackwardListener` (what an optimizer listening to backward implements) and
+:class:`StepReport` (what a step reports to the engine's statistics). The runtime's objects
+satisfy them structurally.
+
 There is one port per engine while anything holds it (:meth:`OptimizerPort.of`), so ports
-compare by identity like the engines behind them. The port calls only the engine's public
-methods; it owns no state of its own.
+compare by identity like the engines behind them. The port reads only the engine's public
+members; it owns no state of its own.
 """
 
 from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, List, NamedTuple, Optional
+from typing import TYPE_CHECKING, List, NamedTuple, Optional, Protocol, Tuple, cast
 
 import torch
 from torch import nn
 
-from ..tiers.budget import ByteBudget
 from .core.flat import FlatParam
 from .core.registry import locate as _locate
-from .homes.home import master_is_home
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .. import io as inf_io
     from .engine import Engine
 
 # id(engine) -> its port, while something holds the port (the port holds the engine, so the
@@ -35,6 +41,203 @@ if TYPE_CHECKING:  # pragma: no cover
 _PORTS: weakref.WeakValueDictionary[int, OptimizerPort] = weakref.WeakValueDictionary()
 
 
+# ---- what the optimizer sees of the runtime's objects ---------------------------------------
+class PendingIO(Protocol):
+    """A read or write in flight (an I/O future, or the pieces of one)."""
+
+    def done(self) -> bool: ...
+
+    def wait(self) -> object:
+        """Blocks until it completed; raises its I/O error."""
+
+
+class GradFiles(Protocol):
+    """``port.grads.reads``: gradients written to files (NVMe), read whole or by ranges of
+    whole pieces of the gradient file, then checked against its checksums."""
+
+    def read(self, flat: FlatParam, dst: torch.Tensor) -> PendingIO: ...
+
+    def read_range(self, flat: FlatParam, start: int, end: int, dst: torch.Tensor) -> PendingIO:
+        """Elements [start, end) into ``dst`` (aligned fp32; ``start`` a multiple of
+        :meth:`range_elems`)."""
+
+    def verify(self, flat: FlatParam, dst: torch.Tensor) -> None: ...
+
+    def verify_range(self, flat: FlatParam, start: int, dst: torch.Tensor) -> None: ...
+
+    def range_elems(self, flat: FlatParam) -> int:
+        """Elements per piece of the flat's gradient file."""
+
+    def wait_written(self, flat: FlatParam) -> None:
+        """Until the flat's gradients closed in this backward are written."""
+
+
+class KeptGrads(Protocol):
+    """``port.grads.held``: gradients kept in RAM for a step overlapping backward, and lost
+    ones."""
+
+    def release_held(self, flat: FlatParam) -> None:
+        """The optimizer is done with the flat's gradients kept in RAM."""
+
+    def holds(self, flat: FlatParam) -> bool: ...
+
+    def written(self, flat: FlatParam) -> bool:
+        """False when the flat's gradients were kept in RAM and never written to NVMe."""
+
+    def lost(self, flat: FlatParam) -> Optional[str]:
+        """Why the flat's gradients are gone, or None."""
+
+
+class GradSource(Protocol):
+    """``port.grads``: the gradients of a wrapped model as the optimizer reads them."""
+
+    @property
+    def on_nvme(self) -> bool: ...
+
+    @property
+    def accumulations(self) -> int:
+        """Backwards that added to a sum read back from NVMe."""
+
+    @property
+    def user_grad_changes(self) -> int:
+        """``p.grad`` changes taken in from the user."""
+
+    @property
+    def reads(self) -> GradFiles: ...
+
+    @property
+    def held(self) -> KeptGrads: ...
+
+    def ready(self, flat: FlatParam, index: int) -> bool:
+        """Whether slot ``index`` has a gradient for the next step."""
+
+    def in_ram(self, flat: FlatParam) -> Optional[torch.Tensor]:
+        """The flat's gradients when they are in RAM, else None (read them: ``reads``)."""
+
+    def finite(self, flat: FlatParam) -> Optional[bool]:
+        """Whether they are all finite, as checked when written (None: unknown)."""
+
+    def slot_norms(self, flat: FlatParam) -> Optional[List[Optional[torch.Tensor]]]:
+        """Each slot's L2 norm as last written (None: unknown)."""
+
+    def mark_lost(self, flat: FlatParam, why: str) -> None:
+        """The update of a flat stepped from RAM was undone: its gradients are gone."""
+
+
+class WorkingCopy(Protocol):
+    """``port.working``: the parameters' working copy (the home each flat lives in) as an
+    optimizer reads and writes it: whole, or by element ranges of whole pieces of an NVMe
+    home; and the slots the user wrote outside forward."""
+
+    @property
+    def staged(self) -> bool:
+        """Whether any flat's working copy is written through a staging buffer (NVMe)."""
+
+    def stages(self, flat: FlatParam) -> bool:
+        """Whether ``flat``'s working copy is written through a staging buffer."""
+
+    def buffer(self, flat: FlatParam) -> Optional[torch.Tensor]:
+        """The working copy in RAM that a step may update in place (None: none)."""
+
+    def master_is_home(self, flat: FlatParam) -> bool:
+        """fp32 parameters homed in host RAM are their own master weights."""
+
+    def read(self, flat: FlatParam, dst: torch.Tensor) -> None: ...
+
+    def write_all(self, flat: FlatParam, values: torch.Tensor) -> None:
+        """Replaces the whole working copy (converting from fp32)."""
+
+    def write(self, flat: FlatParam, src: torch.Tensor) -> PendingIO:
+        """Starts writing a whole working copy (home dtype, aligned) to its NVMe home."""
+
+    def range_elems(self, flat: FlatParam) -> int:
+        """Elements per piece of ``flat``'s NVMe home (ranged reads and writes are whole)."""
+
+    def read_range(self, flat: FlatParam, start: int, dst: torch.Tensor) -> None: ...
+
+    def write_range(self, flat: FlatParam, start: int, src: torch.Tensor) -> PendingIO: ...
+
+    def take_user_writes(self, flat: FlatParam) -> List[int]:
+        """The slots written outside forward since the last call (and forgets them)."""
+
+
+class HostBudget(Protocol):
+    """``port.host_budget``: the engine's host budget; what the optimizer holds in host RAM
+    is counted in it."""
+
+    @property
+    def limit(self) -> Optional[int]: ...
+
+    @property
+    def used(self) -> int: ...
+
+    def fits(self, nbytes: int) -> bool: ...
+
+    def acquire(self, nbytes: int, *, what: str) -> None: ...
+
+    def release(self, nbytes: int) -> None: ...
+
+
+class StepControl(Protocol):
+    """``port.engine``: what an optimizer asks of the engine around its step (the engine
+    itself; infinity.sharding, which speaks to the whole engine, receives it through
+    ``OffloadedAdam.engines()``)."""
+
+    def attach_optimizer(self) -> None:
+        """An optimizer steps this model (the engine prefetches after its step)."""
+
+    def quiesce(self) -> None:
+        """Before a step changes the homes: no block materialized, the user's changes to
+        parameters and gradients taken in."""
+
+    def resume(self) -> None:
+        """After a step: the next forward's blocks are fetched."""
+
+    def release_all(self) -> None:
+        """Releases every block (before the homes are rewritten)."""
+
+    def zero_grad(self) -> None: ...
+
+    def sync_gradients(self) -> None:
+        """Takes in the user's changes to ``p.grad``."""
+
+    def record_optimizer_step(self, step: StepReport) -> None:
+        """A step reports what it did, for ``infinity.stats``."""
+
+
+class StepReport(Protocol):
+    """What one optimizer step reports to the engine's statistics (its StepStats)."""
+
+    @property
+    def step_s(self) -> float: ...
+
+    @property
+    def compute_s(self) -> float: ...
+
+    @property
+    def io_wait_s(self) -> float: ...
+
+    @property
+    def io_busy_s(self) -> float: ...
+
+
+class BackwardListener(Protocol):
+    """An optimizer hearing a model's backward (through :meth:`OptimizerPort.add_listener`)."""
+
+    def forward_started(self, port: OptimizerPort) -> None: ...
+
+    def takes_in_ram(self, port: OptimizerPort, flat: FlatParam) -> bool: ...
+
+    def writes(self, port: OptimizerPort) -> bool: ...
+
+    def grads_complete(self, port: OptimizerPort, flat: FlatParam) -> None: ...
+
+    def homes_needed(self, port: OptimizerPort) -> None: ...
+
+    def engine_closing(self, port: OptimizerPort) -> None: ...
+
+
+# ---- the port -------------------------------------------------------------------------------
 class PortLocation(NamedTuple):
     """Where the optimizer finds a wrapped parameter: the port of its engine and its slot in
     a flat buffer. ``flat``/``slot`` are the whole flat's; ``part`` is this rank's part of a
@@ -44,7 +247,7 @@ class PortLocation(NamedTuple):
     port: OptimizerPort
     flat: FlatParam
     slot: int
-    part: Optional[tuple]
+    part: Optional[Tuple[FlatParam, int]]
 
 
 class _Relay:
@@ -53,7 +256,7 @@ class _Relay:
 
     __slots__ = ("listener",)
 
-    def __init__(self, listener: Any) -> None:
+    def __init__(self, listener: BackwardListener) -> None:
         self.listener = listener
 
     def forward_started(self, engine: Engine) -> None:
@@ -93,69 +296,34 @@ class TierFacts:
     host_budget_set: bool
 
 
-class WorkingCopy:
-    """The parameters' working copy (the home each flat lives in) as an optimizer reads and
-    writes it: whole, or by element ranges of whole pieces of an NVMe home."""
-
-    def __init__(self, engine: Engine) -> None:
-        self._engine = engine
-
-    @property
-    def staged(self) -> bool:
-        """Whether any flat's working copy is written through a staging buffer (NVMe home)."""
-        return self._engine.working_copy_staged
-
-    def stages(self, flat: FlatParam) -> bool:
-        """Whether ``flat``'s working copy is written through a staging buffer."""
-        return self._engine.stages_working_copy(flat)
-
-    def buffer(self, flat: FlatParam) -> Optional[torch.Tensor]:
-        """The working copy in RAM that a step may update in place (None: none)."""
-        return self._engine.home.working_buffer(flat)
-
-    def master_is_home(self, flat: FlatParam) -> bool:
-        """fp32 parameters homed in host RAM are their own master weights."""
-        return master_is_home(self._engine.home, flat)
-
-    def write_all(self, flat: FlatParam, values: torch.Tensor) -> None:
-        """Replaces the whole working copy of ``flat`` (converting from fp32)."""
-        self._engine.home.write_from(flat, values)
-
-    def read(self, flat: FlatParam, dst: torch.Tensor) -> None:
-        self._engine.read_home(flat, dst)
-
-    def write(self, flat: FlatParam, src: torch.Tensor) -> inf_io.IOFuture:
-        return self._engine.write_home(flat, src)
-
-    def range_elems(self, flat: FlatParam) -> int:
-        """Elements per piece of ``flat``'s NVMe home (ranged reads and writes are whole)."""
-        return self._engine.home_range_elems(flat)
-
-    def read_range(self, flat: FlatParam, start: int, dst: torch.Tensor) -> None:
-        self._engine.read_home_range(flat, start, dst)
-
-    def write_range(self, flat: FlatParam, start: int, src: torch.Tensor) -> inf_io.IOFuture:
-        return self._engine.write_home_range(flat, start, src)
-
-    def take_user_writes(self, flat: FlatParam) -> List[int]:
-        """The slots written outside forward since the last call (and forgets them)."""
-        return self._engine.take_user_writes(flat)
-
-
 class OptimizerPort:
-    """What an optimizer may do with one wrapped model's engine; see the module docstring."""
+    """What an optimizer may do with one wrapped model's engine; see the module docstring.
+
+    ``engine``: the engine, for what a step asks of it (quiesce, resume, ...); ``model``,
+    ``flats``: the wrapped model and its flat buffers; ``grads``: the gradient source;
+    ``working``: reads and writes of the parameters' working copy (their home);
+    ``host_budget``: the engine's host budget; ``facts``: what the optimizer needs to know
+    about tiers, read once; ``sharded``: whether the model is sharded across ranks (ZeRO)."""
 
     def __init__(self, engine: Engine) -> None:
-        self.engine = engine  # for ZeRO state code that speaks to the engine (infinity.sharding)
-        self._working = WorkingCopy(engine)
+        self.engine: StepControl = engine
+        self._listeners = engine.backward_listeners  # the engine calls them (with itself)
+        self._stats = engine.stats
+        self._partitioner = engine.partitioner
+        self.model: nn.Module = engine.model
+        self.flats: List[FlatParam] = engine.flats
+        self.grads: GradSource = engine.grads
+        self.working: WorkingCopy = engine.working
+        self.host_budget: HostBudget = engine.host_budget
+        self.sharded: bool = engine.partitioner is not None
         policy = engine.policy
         tier = policy.optimizer_tier
-        self._facts = TierFacts(
+        self.facts = TierFacts(
             policy.nvme_path,
             policy.require_direct_io,
             policy.verify_checksums,
             engine.swap_tag,
-            policy.chunk_bytes,
+            cast(Optional[int], policy.chunk_bytes),  # a size OffloadPolicy made an int
             tier if tier in ("host", "nvme") else None,
             policy.host_budget is not None,
         )
@@ -176,110 +344,60 @@ class OptimizerPort:
         loc = _locate(param)
         if loc is None:
             return None
-        part: Optional[tuple] = (loc.flat, loc.slot)
+        part: Optional[Tuple[FlatParam, int]] = (loc.flat, loc.slot)
         if loc.engine.partitioner is not None:
             local = loc.engine.partitioner.location(loc)
             part = None if local is None else (local.flat, local.slot)
         return PortLocation(OptimizerPort.of(loc.engine), loc.flat, loc.slot, part)
 
-    @property
-    def model(self) -> nn.Module:
-        return self.engine.model
-
-    @property
-    def flats(self) -> List[FlatParam]:
-        return self.engine.flats
-
-    # ---- the step ---------------------------------------------------------------------------
-    def attach(self) -> None:
-        """An optimizer steps this model (the engine prefetches after its step)."""
-        self.engine.attach_optimizer()
-
-    def quiesce(self) -> None:
-        self.engine.quiesce()
-
-    def resume(self) -> None:
-        self.engine.resume()
-
-    def record_step(self, stats: Any) -> None:
-        self.engine.record_optimizer_step(stats)
-
-    def release_all(self) -> None:
-        """Releases every block (before the homes are rewritten)."""
-        self.engine.release_all()
-
-    def zero_grad(self) -> None:
-        self.engine.zero_grad()
-
-    def sync_gradients(self) -> None:
-        self.engine.sync_gradients()
-
+    # ---- statistics ---------------------------------------------------------------------------
     def add_moved(self, direction: str, nbytes: int, category: str) -> None:
         """Counts bytes the optimizer moved in the engine's statistics."""
-        self.engine.stats.add_moved(direction, nbytes, category)
-
-    # ---- gradients ------------------------------------------------------------------------
-    @property
-    def grads(self) -> Any:
-        """The gradient source (ready, in_ram, read/read_range, verify, norms, finiteness)."""
-        return self.engine.grads
-
-    # ---- the working copy and the tier facts ------------------------------------------------
-    @property
-    def working(self) -> WorkingCopy:
-        """Reads and writes of the parameters' working copy (their home)."""
-        return self._working
-
-    @property
-    def facts(self) -> TierFacts:
-        """What the optimizer needs to know about tiers, read once."""
-        return self._facts
+        self._stats.add_moved(direction, nbytes, category)
 
     # ---- host memory ------------------------------------------------------------------------
-    @property
-    def host_budget(self) -> ByteBudget:
-        """The engine's host budget: what the optimizer holds in host RAM is counted in it."""
-        return self.engine.host_budget
-
     @property
     def host_bytes_later(self) -> int:
         """Host bytes the engine still takes from its budget after wrap: the host gradient
         accumulators of the flats that have none yet (allocated at their first backward;
         none where gradients live on NVMe, or for a sharded model's per-rank parts)."""
-        engine = self.engine
-        if (
-            engine.host_budget.limit is None
-            or engine.grads.on_nvme
-            or engine.partitioner is not None
-        ):
+        if self.host_budget.limit is None or self.grads.on_nvme or self.sharded:
             return 0
-        return sum(
-            f.numel * 4 for f in engine.flats if f.trainable and engine.grads.in_ram(f) is None
-        )
+        return sum(f.numel * 4 for f in self.flats if f.trainable and self.grads.in_ram(f) is None)
 
     # ---- backward listeners -----------------------------------------------------------------
-    def add_listener(self, listener: Any) -> None:
+    def add_listener(self, listener: BackwardListener) -> None:
         """``listener`` hears this model's backward: ``forward_started(port)``,
         ``takes_in_ram(port, flat)``, ``grads_complete(port, flat)``, ``homes_needed(port)``,
         ``engine_closing(port)``. Adding one twice has no effect."""
-        if not any(
-            isinstance(r, _Relay) and r.listener is listener for r in self.engine.backward_listeners
-        ):
-            self.engine.backward_listeners.append(_Relay(listener))
+        relays = self._listeners
+        if not any(isinstance(r, _Relay) and r.listener is listener for r in relays):
+            relays.append(_Relay(listener))
 
-    def remove_listener(self, listener: Any) -> None:
-        relays = self.engine.backward_listeners
+    def remove_listener(self, listener: object) -> None:
+        relays = self._listeners
         relays[:] = [r for r in relays if not (isinstance(r, _Relay) and r.listener is listener)]
 
     # ---- ZeRO ---------------------------------------------------------------------------------
-    @property
-    def sharded(self) -> bool:
-        """Whether the model is sharded across ranks (ZeRO)."""
-        return self.engine.partitioner is not None
-
     def all_reduce(self, value: float, op: str) -> float:
         """A scalar reduced over the ranks of a sharded model (``op``: "sum", "min", "max")."""
-        return self.engine.partitioner.all_reduce(value, op)
+        partitioner = self._partitioner
+        if partitioner is None:
+            raise RuntimeError("infinity: all_reduce is only for a model sharded across ranks")
+        return partitioner.all_reduce(value, op)
 
 
-__all__ = ["OptimizerPort", "PortLocation", "TierFacts", "WorkingCopy"]
+__all__ = [
+    "BackwardListener",
+    "GradFiles",
+    "GradSource",
+    "HostBudget",
+    "KeptGrads",
+    "OptimizerPort",
+    "PendingIO",
+    "PortLocation",
+    "StepControl",
+    "StepReport",
+    "TierFacts",
+    "WorkingCopy",
+]

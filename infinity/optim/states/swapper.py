@@ -18,20 +18,34 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tuple, Union
+from typing import (
+    TYPE_CHECKING,
+    Callable,
+    Dict,
+    List,
+    Optional,
+    Protocol,
+    Set,
+    Tuple,
+    Union,
+    cast,
+)
 
 import torch
 
 from ... import io as inf_io
 from ... import trace_events
+from ...runtime.core.flat import FlatParam
+from ...runtime.port import OptimizerPort, PendingIO
 from ...tiers.budget import BudgetExceededError
-from ..step.chunks import Unit, home_write_range, piece_window
+from ..step.chunks import ChunkPlan, Unit, home_write_range, piece_window
 from ..step.kernels import Window
+from ..step.layout import StateLayout
 from ..step.stats import StepStats  # noqa: F401 (re-exported)
+from .extents import StateExtents
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..step.shard import Shard
-    from .store import StateStore as NvmeStates  # the NVMe tier's store (.nvme_states)
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +54,39 @@ MAX_SETS = 16
 
 
 READ_AHEAD_SHARDS = 1  # default depth: shards read ahead of the one being computed
+
+
+class NvmeStates(Protocol):
+    """What the pipeline asks of the NVMe tier's store (:class:`.nvme.NvmeStates`)."""
+
+    @property
+    def port(self) -> OptimizerPort: ...
+
+    @property
+    def extents(self) -> StateExtents: ...
+
+    @property
+    def chunk_bytes(self) -> Optional[int]: ...
+
+    def plan(self, shard: Shard) -> ChunkPlan: ...
+
+    def layout(self, shard: Shard) -> StateLayout: ...
+
+    def write_units_and_commit(
+        self, shard: Shard, prepare: Callable[[Unit], torch.Tensor], doing: str
+    ) -> None: ...
+
+
+class _Timed(Protocol):
+    """A request that measured itself (an IOFuture, or the pieces of one)."""
+
+    @property
+    def op(self) -> str: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def timing(self) -> Optional[Tuple[float, float, float, float]]: ...
 
 
 def choose_sets(
@@ -73,27 +120,28 @@ class IOClock:
         self.requests: Optional[List[Tuple[str, int, float, float, float, float]]] = (
             [] if record else None
         )
-        self._open: Dict[int, Tuple[inf_io.IOFuture, float]] = {}
+        self._open: Dict[int, Tuple[PendingIO, float]] = {}
         self._labels: Dict[int, Tuple[str, str, int]] = {}  # for infinity.trace
         self._intervals: List[Tuple[float, float]] = []
 
     def submitted(
-        self, future: inf_io.IOFuture, kind: str = "", name: str = "", nbytes: int = 0
-    ) -> inf_io.IOFuture:
+        self, future: PendingIO, kind: str = "", name: str = "", nbytes: int = 0
+    ) -> PendingIO:
         self._open[id(future)] = (future, time.perf_counter())
         if kind and trace_events.active():
             self._labels[id(future)] = (kind, name, nbytes)
         return future
 
-    def _close(self, future: inf_io.IOFuture, now: float) -> None:
+    def _close(self, future: PendingIO, now: float) -> None:
         entry = self._open.pop(id(future), None)
         if entry is not None:
             self._intervals.append((entry[1], now))
-            timing = future.timing() if hasattr(future, "timing") else None
-            if timing is not None:
+            timed = cast(_Timed, future) if hasattr(future, "timing") else None
+            timing = timed.timing() if timed is not None else None
+            if timed is not None and timing is not None:
                 self.crc_s += timing[3]
                 if self.requests is not None:
-                    self.requests.append((future.op, future.nbytes) + tuple(timing))
+                    self.requests.append((timed.op, timed.nbytes, *timing))
             label = self._labels.pop(id(future), None)
             if label is not None:
                 trace_events.span(label[0], label[1], label[2], entry[1], now)
@@ -104,7 +152,7 @@ class IOClock:
             if future.done():
                 self._close(future, now)
 
-    def wait(self, future: inf_io.IOFuture) -> float:
+    def wait(self, future: PendingIO) -> float:
         """Waits for ``future``; returns the seconds blocked."""
         t0 = time.perf_counter()
         try:
@@ -143,7 +191,7 @@ def grad_piece(shard: Shard) -> Optional[int]:
     if not grads.on_nvme:
         return None
     try:
-        return grads.range_elems(shard.flat)
+        return grads.reads.range_elems(shard.flat)
     except KeyError:  # no gradient file: a flat without trainable parameters
         return None
 
@@ -155,6 +203,16 @@ def home_piece(shard: Shard) -> Optional[int]:
     if not working.stages(shard.flat):
         return None
     return working.range_elems(shard.flat)
+
+
+def _pieces(piece: Optional[int], shard: Shard, what: str) -> int:
+    """``piece`` (:func:`grad_piece`, :func:`home_piece`) where the step moves ``what``
+    through its set in pieces."""
+    if piece is None:
+        raise RuntimeError(
+            f"infinity.optim: {shard.key} has no {what} pieces to step by (a bug in the pipeline)"
+        )
+    return piece
 
 
 def unit_windows(states: NvmeStates, shard: Shard, un: Unit) -> Tuple[int, int]:
@@ -215,11 +273,12 @@ class BufferSets:
         budget = port.host_budget
         # later: bytes the engine still takes from the budget (its host gradient accumulators,
         # allocated at the first backward)
-        left = None if budget.limit is None else budget.limit - budget.used - later
+        limit = budget.limit
+        left = None if limit is None else limit - budget.used - later
         self.later = later
-        if left is not None and SETS * self.set_nbytes > left:
+        if limit is not None and left is not None and SETS * self.set_nbytes > left:
             raise BudgetExceededError(
-                self._refusal(states, budget.limit, budget.used, SETS * self.set_nbytes)
+                self._refusal(states, limit, budget.used, SETS * self.set_nbytes)
             )
         if count is None:
             count = choose_sets(self.set_nbytes, left)
@@ -295,9 +354,19 @@ class BufferSets:
         only for a shard stepped whole."""
         return self.states[k][: states.layout(shard).nbytes]
 
-    def home_view(self, k: int, flat: Any, numel: int) -> torch.Tensor:
+    def home_view(self, k: int, flat: FlatParam, numel: int) -> torch.Tensor:
         """Set k's working-copy buffer as ``numel`` elements of the home's dtype."""
-        return self.staging[k][: numel * flat.home_itemsize].view(flat.home_dtype)
+        staging = self.staging[k]
+        if staging is None:
+            raise RuntimeError("infinity.optim: these buffer sets hold no working copy")
+        return staging[: numel * flat.home_itemsize].view(flat.home_dtype)
+
+    def grad_view(self, k: int) -> torch.Tensor:
+        """Set k's gradient buffer (fp32)."""
+        grads = self.grads[k]
+        if grads is None:
+            raise RuntimeError("infinity.optim: these buffer sets hold no gradients")
+        return grads
 
     def close(self) -> None:
         if not self._closed:
@@ -310,7 +379,8 @@ class BufferSets:
 # first element) where the set holds it (None: written in place); ``grad`` = (fp32
 # gradients, their first element) where they were read from NVMe (None: in RAM)
 Compute = Callable[["Shard", Unit, torch.Tensor, Optional[Window], Optional[Window]], None]
-Pending = Tuple["inf_io.IOFuture", "Shard", str, Optional[Unit]]  # unit: a state write
+# a write in flight: (request, shard, what it writes, the unit of a state write or None)
+Pending = Tuple[PendingIO, "Shard", str, Optional[Unit]]
 
 
 class ShardFeed:
@@ -389,7 +459,7 @@ def run_pipeline(
     skipped: Dict[int, Set[int]] = {}  # shard index -> units committed already
     reads: Dict[int, inf_io.IOFuture] = {}
     # unit -> (gradient read or None, first element read, the buffer it reads into)
-    grad_reads: Dict[int, Tuple[Optional[inf_io.IOFuture], int, Optional[torch.Tensor]]] = {}
+    grad_reads: Dict[int, Tuple[Optional[PendingIO], int, Optional[torch.Tensor]]] = {}
     grad_base: Dict[int, int] = {}  # unit -> first element of its gradient window
     home_base: Dict[int, int] = {}  # unit -> first element of its working-copy window
     writes: List[List[Pending]] = [[] for _ in range(count)]
@@ -413,9 +483,9 @@ def run_pipeline(
             units.extend((j, shard, un) for un in states.plan(shard).units if un.index not in done)
         return units[u]
 
-    def finish_write(future: inf_io.IOFuture, shard: Shard, un: Optional[Unit]) -> None:
-        if un is not None:
-            extents.written(shard, un, future, commit)
+    def finish_write(future: PendingIO, shard: Shard, un: Optional[Unit]) -> None:
+        if un is not None:  # a state write: extents.write_unit's IOFuture
+            extents.written(shard, un, cast(inf_io.IOFuture, future), commit)
 
     def drain(k: int) -> None:
         pending, writes[k] = writes[k], []
@@ -462,11 +532,11 @@ def run_pipeline(
             return
         flat = shard.flat
         if u == 0 or units[u - 1][0] != units[u][0]:
-            port.grads.wait_written(flat)  # on NVMe (written by the engine's writer thread)
+            port.grads.reads.wait_written(flat)  # on NVMe (written by the engine's writer thread)
         if un.whole:
-            dst = sets.grads[k][: flat.numel]
+            dst = sets.grad_view(k)[: flat.numel]
             grad_base[u] = 0
-            grad_reads[u] = (clock.submitted(port.grads.read(flat, dst)), 0, dst)
+            grad_reads[u] = (clock.submitted(port.grads.reads.read(flat, dst)), 0, dst)
             stats.bytes_read += flat.numel * 4
             return
         base, end = piece_window(un.start, un.end, flat.numel, g)
@@ -476,8 +546,12 @@ def run_pipeline(
         if first >= end:
             grad_reads[u] = (None, first, None)
             return
-        dst = sets.grads[k][first - base : end - base]
-        grad_reads[u] = (clock.submitted(port.grads.read_range(flat, first, end, dst)), first, dst)
+        dst = sets.grad_view(k)[first - base : end - base]
+        grad_reads[u] = (
+            clock.submitted(port.grads.reads.read_range(flat, first, end, dst)),
+            first,
+            dst,
+        )
         stats.bytes_read += (end - first) * 4
 
     def issue(u: int) -> None:
@@ -507,29 +581,31 @@ def run_pipeline(
             return None
         flat = shard.flat
         future, first, dst = grad_reads.pop(u)
-        if future is not None:
+        if future is not None and dst is not None:  # (a read and its buffer go together)
             try:
                 stats.read_wait_s += clock.wait(future)
             except inf_io.InfinityIOError as exc:
                 raise extents.wrap_error(exc, shard, "reading the gradients for the") from exc
             t0 = time.perf_counter()
             if un.whole:
-                port.grads.verify(flat, dst)
+                port.grads.reads.verify(flat, dst)
             else:
-                port.grads.verify_range(flat, first, dst)
+                port.grads.reads.verify_range(flat, first, dst)
             stats.verify_s += time.perf_counter() - t0
+        grads = sets.grad_view(k)
         if un.whole:
-            return sets.grads[k][: flat.numel], 0
+            return grads[: flat.numel], 0
         base = grad_base[u]
         if first > base:  # the piece shared with the unit before: in its set
             pk = previous(u, "gradients")
             pb = grad_base[u - 1]
             size = min(first, flat.numel) - base
-            sets.grads[k][:size].copy_(sets.grads[pk][base - pb : base - pb + size])
-        end = piece_window(un.start, un.end, flat.numel, grad_piece(shard))[1]
-        return sets.grads[k][: end - base], base
+            grads[:size].copy_(sets.grad_view(pk)[base - pb : base - pb + size])
+        g = _pieces(grad_piece(shard), shard, "gradient")
+        end = piece_window(un.start, un.end, flat.numel, g)[1]
+        return grads[: end - base], base
 
-    def from_home(flat: Any, h: int, a: int, b: int, dst: torch.Tensor) -> None:
+    def from_home(flat: FlatParam, h: int, a: int, b: int, dst: torch.Tensor) -> None:
         """Elements [a, b) of the working copy on NVMe (inside one piece) into ``dst``."""
         base = a // h * h
         logger.debug(
@@ -551,7 +627,7 @@ def run_pipeline(
         if un.whole:
             home_base[u] = 0
             return sets.home_view(k, flat, flat.numel), 0
-        h = home_piece(shard)
+        h = _pieces(home_piece(shard), shard, "working-copy")
         base = un.start // h * h
         home_base[u] = base
         end = un.end
@@ -578,7 +654,7 @@ def run_pipeline(
             future = port.working.write(flat, out[0])
             nbytes = flat.home_nbytes
         else:
-            h = home_piece(shard)
+            h = _pieces(home_piece(shard), shard, "working-copy")
             a, b = home_write_range(un.start, un.end, flat.numel, h)
             if not un.last and un.index + 1 in skipped[units[u][0]]:
                 b = min(flat.numel, -(-un.end // h) * h)
@@ -658,16 +734,16 @@ def run_pipeline(
     except BaseException:
         _settle(list(reads.values()) + [r[0] for r in grad_reads.values()], writes)
         for pending in writes:  # what completed is kept (committed with ``commit``)
-            for future, shard, _what, un in pending:
-                if un is None:
+            for request, wrote, _what, unit in pending:
+                if unit is None:
                     continue
                 try:
-                    future.wait()
+                    request.wait()
                 except inf_io.InfinityIOError:
-                    extents.failed(shard, un)
+                    extents.failed(wrote, unit)
                     continue
-                if commit:
-                    extents.written(shard, un, future, True)
+                if commit:  # a state write: extents.write_unit's IOFuture
+                    extents.written(wrote, unit, cast(inf_io.IOFuture, request), True)
         if commit:
             extents.abort()
         raise
@@ -707,7 +783,7 @@ def write_units(
     states.write_units_and_commit(shard, prepare, doing)
 
 
-def _settle(reads: List[Optional[inf_io.IOFuture]], writes: List[List[Pending]]) -> None:
+def _settle(reads: List[Optional[PendingIO]], writes: List[List[Pending]]) -> None:
     """Waits for every request still in flight (their buffers must not be reused under them)."""
     futures = [f for f in reads if f is not None] + [p[0] for ws in writes for p in ws]
     for future in futures:

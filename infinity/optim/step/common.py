@@ -7,7 +7,7 @@ import logging
 import math
 import numbers
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, SupportsFloat, Tuple, cast
 
 import torch
 
@@ -46,7 +46,8 @@ def _number(name: str, value: object, *, low: float = 0.0, high: Optional[float]
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
-    if not math.isfinite(float(value)) or value < low or (high is not None and value >= high):
+    real = cast(float, value)  # a numbers.Real: compared as itself
+    if not math.isfinite(float(real)) or real < low or (high is not None and real >= high):
         bound = f"in [{low}, {high})" if high is not None else f">= {low}"
         raise ValueError(f"Invalid {name}: {value!r} (must be finite and {bound})")
 
@@ -69,8 +70,8 @@ def _read_grads(shard: Shard, dst: Optional[torch.Tensor] = None) -> torch.Tenso
     """The shard's accumulated gradients, read from the engine's gradient swap file."""
     if dst is None:
         dst = inf_io.aligned_empty(shard.numel, torch.float32)
-    shard.port.grads.read(shard.flat, dst).wait()
-    shard.port.grads.verify(shard.flat, dst)
+    shard.port.grads.reads.read(shard.flat, dst).wait()
+    shard.port.grads.reads.verify(shard.flat, dst)
     return dst
 
 
@@ -80,16 +81,18 @@ def _grad_ranges(shard: Shard, max_elems: int) -> Iterator[Tuple[int, torch.Tens
     piece at least), through one buffer that the next item reuses (consume each before
     asking for the next)."""
     grads, flat = shard.port.grads, shard.flat
-    piece = grads.range_elems(flat)
+    piece = grads.reads.range_elems(flat)
     per = max(piece, max_elems // piece * piece)
     buf = inf_io.aligned_empty(min(per, flat.numel), torch.float32)
     for start in range(0, flat.numel, per):
         end = min(flat.numel, start + per)
         view = buf[: end - start]
-        grads.read_range(flat, start, end, view).wait()
-        grads.verify_range(flat, start, view)
+        grads.reads.read_range(flat, start, end, view).wait()
+        grads.reads.verify_range(flat, start, view)
         yield start, view
 
 
 def _float(value: object) -> float:
-    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
+    if isinstance(value, torch.Tensor):
+        return float(value.item())
+    return float(cast(SupportsFloat, value))

@@ -76,21 +76,6 @@ class GradientSink:
         # holds, written, lost)
         self.reads: GradReads = self._store.reads
         self.held: HeldGrads = self._store.held
-        # ... also under the sink's own names, which the optimizer's call sites use
-        reads, held = self.reads, self.held
-        self.read, self.read_range, self.verify, self.verify_range = (
-            reads.read,
-            reads.read_range,
-            reads.verify,
-            reads.verify_range,
-        )
-        self.range_elems, self.wait_written = reads.range_elems, reads.wait_written
-        self.release_held, self.holds, self.written, self.lost = (
-            held.release_held,
-            held.holds,
-            held.written,
-            held.lost,
-        )
         self._norms = self._store.norms
         self._views = self._store.views
         try:

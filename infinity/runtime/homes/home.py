@@ -35,6 +35,11 @@ class Home:
     def write_slots(self, flat: FlatParam, src: torch.Tensor, slots: Sequence[int]) -> None:
         raise NotImplementedError
 
+    def write_async(self, flat: FlatParam, src: torch.Tensor) -> IOResult:
+        """Starts writing a whole updated working copy to a home on NVMe (see
+        :meth:`NvmeHome.write_async`)."""
+        raise RuntimeError(f"{flat.key}: write_async is only for parameters homed on NVMe")
+
     def write_range_async(self, flat: FlatParam, start: int, src: torch.Tensor) -> IOResult:
         """Starts writing elements [start, start + len(src)) of an updated working copy to a
         home on NVMe (see :meth:`NvmeHome.write_range_async`)."""
@@ -252,6 +257,18 @@ class NvmeHome(Home):
         self.stats.add_moved("host_to_nvme", src.numel() * flat.home_itemsize)
         return future
 
+    def read_range(self, flat: FlatParam, start: int, dst: torch.Tensor) -> None:
+        """Reads elements [start, start + len(dst)) of the home into ``dst`` (home dtype,
+        aligned; whole pieces, as :meth:`write_range_async` writes them), checked against
+        their checksums."""
+        if dst.dtype != flat.home_dtype:
+            raise TypeError(
+                f"infinity: {flat.key}: a ranged home read takes the home dtype "
+                f"{flat.home_dtype}, got {dst.dtype}"
+            )
+        self.store.read_at_sync(flat.key, start * flat.home_itemsize, dst)
+        self.stats.add_moved("nvme_to_host", dst.numel() * flat.home_itemsize)
+
     def write_from(self, flat: FlatParam, src: torch.Tensor) -> None:
         if (
             inf_io.is_aligned(src)
@@ -426,11 +443,11 @@ class TieredHome(Home):
     def write_from(self, flat: FlatParam, src: torch.Tensor) -> None:
         self._home(flat).write_from(flat, src)
 
-    def write_async(self, flat: FlatParam, src: torch.Tensor) -> inf_io.IOFuture:
+    def write_async(self, flat: FlatParam, src: torch.Tensor) -> IOResult:
         home = self._home(flat)
         if self._tier_of[flat.key] is not Tier.NVME:
             raise RuntimeError(f"{flat.key}: write_async is only for parameters homed on NVMe")
-        return home.write_async(flat, src)  # type: ignore[attr-defined]
+        return home.write_async(flat, src)
 
     def write_range_async(self, flat: FlatParam, start: int, src: torch.Tensor) -> IOResult:
         return self._home(flat).write_range_async(flat, start, src)

@@ -278,20 +278,20 @@ def test_corrupted_chunk_of_a_swap_file_is_found_and_named(tmp_path):
         byte = f.read(1)
         f.seek(k * chunk + 100)
         f.write(bytes([byte[0] ^ 0xFF]))
-    per = engine.grads.range_elems(flat)
+    per = engine.grads.reads.range_elems(flat)
     assert per == chunk // 4
     dst = infinity.io.aligned_empty(per, torch.float32)
-    engine.grads.read_range(flat, k * per, (k + 1) * per, dst).wait()
+    engine.grads.reads.read_range(flat, k * per, (k + 1) * per, dst).wait()
     with pytest.raises(SwapCorruptionError, match=rf"bytes {k * chunk:,}-{(k + 1) * chunk:,}"):
-        engine.grads.verify_range(flat, k * per, dst)
+        engine.grads.reads.verify_range(flat, k * per, dst)
     # its neighbours are intact
-    engine.grads.read_range(flat, (k + 1) * per, (k + 2) * per, dst).wait()
-    engine.grads.verify_range(flat, (k + 1) * per, dst)
+    engine.grads.reads.read_range(flat, (k + 1) * per, (k + 2) * per, dst).wait()
+    engine.grads.reads.verify_range(flat, (k + 1) * per, dst)
     # a whole read finds it too
     full = infinity.io.aligned_empty(flat.numel, torch.float32)
-    engine.grads.read(flat, full).wait()
+    engine.grads.reads.read(flat, full).wait()
     with pytest.raises(SwapCorruptionError, match="is corrupted"):
-        engine.grads.verify(flat, full)
+        engine.grads.reads.verify(flat, full)
     # a parameter home: the fetch refuses the corrupted chunk
     opt_path = engine.store.path(flat.key)
     with open(opt_path, "r+b") as f:
@@ -325,13 +325,13 @@ def test_ranged_home_write_and_gradient_reads(tmp_path):
     x, y = batches(CFG, 1, batch=2, seq=16)[0]
     loss_of(model, x, y).backward()
     full = infinity.io.aligned_empty(flat.numel, torch.float32)
-    engine.grads.read(flat, full).wait()
-    engine.grads.verify(flat, full)
-    gper = engine.grads.range_elems(flat)
+    engine.grads.reads.read(flat, full).wait()
+    engine.grads.reads.verify(flat, full)
+    gper = engine.grads.reads.range_elems(flat)
     last = (flat.numel - 1) // gper * gper  # the last range ends at the end of the flat
     part = infinity.io.aligned_empty(flat.numel - last, torch.float32)
-    engine.grads.read_range(flat, last, flat.numel, part).wait()
-    engine.grads.verify_range(flat, last, part)
+    engine.grads.reads.read_range(flat, last, flat.numel, part).wait()
+    engine.grads.reads.verify_range(flat, last, part)
     assert torch.equal(part, full[last:])
     assert engine.grads.in_ram(flat) is None  # larger than a buffer: the optimizer reads it
     infinity.unwrap(model)

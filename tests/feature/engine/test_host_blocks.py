@@ -72,8 +72,8 @@ def test_each_block_has_its_tier_home_and_residency(ref, tmp_path):
     # CPU device, same dtype: the host blocks compute on their home in place; NVMe ones stream
     assert [b.resident for b in eng.blocks] == [True, True, False, False, False]
     assert infinity.stats(model)["param_blocks"] == {"host": 2, "nvme": 3}
-    assert eng.stages_working_copy(eng.blocks[0].flats[0]) is False
-    assert eng.stages_working_copy(eng.blocks[2].flats[0]) is True
+    assert eng.working.stages(eng.blocks[0].flats[0]) is False
+    assert eng.working.stages(eng.blocks[2].flats[0]) is True
     infinity.unwrap(model)
 
 

@@ -66,8 +66,8 @@ def _no_whole_shard_io(engine, opt) -> List[str]:
         shard = opt.core.wrapped.shards.get(id(flat))
         return shard is not None and store().plan(shard).chunked
 
-    read, read_range = engine.grads.read, engine.grads.read_range
-    write_home, write_range = engine.write_home, engine.write_home_range
+    read, read_range = engine.grads.reads.read, engine.grads.reads.read_range
+    write_home, write_range = engine.working.write, engine.working.write_range
 
     def guarded_read(flat, dst):
         if inside[0] and cut(flat):
@@ -87,10 +87,10 @@ def _no_whole_shard_io(engine, opt) -> List[str]:
         calls.append("home")
         return write_range(flat, start, src)
 
-    engine.grads.read = guarded_read
-    engine.grads.read_range = logged_read_range
-    engine.write_home = guarded_write
-    engine.write_home_range = logged_write_range
+    engine.grads.reads.read = guarded_read
+    engine.grads.reads.read_range = logged_read_range
+    engine.working.write = guarded_write
+    engine.working.write_range = logged_write_range
     step = opt.step
 
     def guarded_step(*args, **kwargs):
@@ -278,7 +278,7 @@ def test_inf_in_a_large_accumulated_gradient_is_found_in_ranges(tmp_path):
         opt = infinity.optim.AdamW(model.parameters(), lr=1e-2, check_finite=True)
         before = _weights(model)
         calls: List[int] = []
-        read, read_range = engine.grads.read, engine.grads.read_range
+        read, read_range = engine.grads.reads.read, engine.grads.reads.read_range
 
         def no_whole(flat, dst):
             raise AssertionError(f"whole gradient read of {flat.key}")
@@ -287,7 +287,7 @@ def test_inf_in_a_large_accumulated_gradient_is_found_in_ranges(tmp_path):
             calls.append(end - start)
             return read_range(flat, start, end, dst)
 
-        engine.grads.read, engine.grads.read_range = no_whole, counted
+        engine.grads.reads.read, engine.grads.reads.read_range = no_whole, counted
         gen = torch.Generator().manual_seed(1)
         for micro in range(2):
             x, y = synthetic_batch(CFG, 2, 8, gen)
@@ -308,7 +308,7 @@ def test_inf_in_a_large_accumulated_gradient_is_found_in_ranges(tmp_path):
         opt.step()
         assert calls and max(calls) * 4 <= max(16 << 10, opt.core.wrapped.chunk_for(OptimizerPort.of(engine)))
         results.append((opt.skipped_steps, _weights(model), before))
-        engine.grads.read = read
+        engine.grads.reads.read = read
         opt.close()
         infinity.unwrap(model)
     (skipped, after, before), (skipped2, after2, before2) = results

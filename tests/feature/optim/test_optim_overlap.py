@@ -242,8 +242,8 @@ def test_materialized_right_after_backward_waits_for_the_updates_in_flight(base,
     import threading
     import time
 
-    from infinity.runtime.engine import Engine
-    real = Engine.write_home
+    from infinity.runtime.homes.ranges import HomeWorkingCopy
+    real = HomeWorkingCopy.write
 
     def slow(self, flat, src):
         if threading.current_thread().name == "infinity-optim-overlap":
@@ -258,7 +258,7 @@ def test_materialized_right_after_backward_waits_for_the_updates_in_flight(base,
 
     before = []  # without overlap: the weights before each step
     ref = _run(base, tmp_path / "ref", False, loop=lambda m, o, n: loop(m, o, n, before))
-    monkeypatch.setattr(Engine, "write_home", slow)
+    monkeypatch.setattr(HomeWorkingCopy, "write", slow)
     shown = []
     model = _wrap(base, tmp_path / "ov")
     opt = infinity.optim.AdamW(model.parameters(), lr=1e-3, overlap=True)

@@ -38,13 +38,13 @@ def test_host_tier_refuses_file_reads_with_a_clear_error():
     sink = _sink(Tier.HOST)
     flat = _flat()
     dst = torch.empty(4)
-    for call in (lambda: sink.read(flat, dst), lambda: sink.read_range(flat, 0, 4, dst),
-                 lambda: sink.verify(flat, dst), lambda: sink.range_elems(flat)):
+    for call in (lambda: sink.reads.read(flat, dst), lambda: sink.reads.read_range(flat, 0, 4, dst),
+                 lambda: sink.reads.verify(flat, dst), lambda: sink.reads.range_elems(flat)):
         with pytest.raises(RuntimeError, match="host RAM"):
             call()
-    sink.wait_written(flat)  # nothing is ever written: returns at once
+    sink.reads.wait_written(flat)  # nothing is ever written: returns at once
     assert sink.finite(flat) is None and sink.slot_norms(flat) is None
-    assert sink.written(flat) and not sink.holds(flat) and sink.lost(flat) is None
+    assert sink.held.written(flat) and not sink.held.holds(flat) and sink.held.lost(flat) is None
     sink.shutdown()
 
 
