@@ -233,7 +233,7 @@ def parameters_changed(model: nn.Module) -> None:
     forward (``p.data += delta``, as PEFT's merge does): such writes do not bump the
     parameter's version counter, so the engine cannot see them. Writes through the parameter
     itself under ``torch.no_grad()`` (``p.add_(delta)``, ``load_state_dict``) need no call."""
-    _engine(model).assume_all_written()
+    _engine(model).outside.assume_all_written()
 
 
 def gradient(param: torch.Tensor) -> Optional[torch.Tensor]:

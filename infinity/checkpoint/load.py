@@ -56,7 +56,7 @@ def load_wrapped(
                 buf[slot.offset : slot.offset + slot.numel].copy_(source.param(src))
         engine.home.write_from(flat, buf)
         # the optimizer's masters follow these values (unless its states are loaded below)
-        engine.note_home_written(flat, [i for i, _, src in sources if src is not None])
+        engine.outside.note_home_written(flat, [i for i, _, src in sources if src is not None])
         shard = shards.pop(id(flat), None)
         if shard is not None:
             opt.optimizer.load_shard_state(shard.key, opt.shard_entries(source, shard))

@@ -164,7 +164,7 @@ def load_per_rank(path: str, model: nn.Module, optimizer: Optional[Any] = None) 
             engine.home.inner.write_from(target, home)
         else:
             engine.home.write_from(flat, home)
-        engine.note_home_written(flat, range(len(flat.slots)))
+        engine.outside.note_home_written(flat, range(len(flat.slots)))
         shard = shards.get(id(flat))
         if shard is None:
             continue

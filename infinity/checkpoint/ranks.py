@@ -313,7 +313,7 @@ def fill_sharded(
             engine.home.write_from(flat, buf)
         else:
             engine.home.inner.write_from(local, buf)
-        engine.note_home_written(flat, range(len(flat.slots)))
+        engine.outside.note_home_written(flat, range(len(flat.slots)))
         shard = shards.get(id(flat))
         if shard is None:
             continue

@@ -1,12 +1,6 @@
-"""Engine: one per wrapped model, a facade over the objects that own each part of its state:
-build.py (wrap-time building), blockgroup.py (BlockGroup: fetch / release under the device
-budget), step.py (StepHooks: the forward/backward state machine, recovery), outside.py
-(OutsideWrites: writes made through the parameters outside forward), row_hooks.py (blocks read
-by rows), homes.py (a home per tier), grads.py (GradientSink). The optimizer sees quiesce()/
-resume() around its step, grads, working (homes/ranges.py: the working copy's reads and
-writes, whole or ranged, and the user's writes outside forward), attach_optimizer() and
-backward_listeners. Every state change happens on the thread running forward/backward (or the
-optimizer), under one lock; transfer threads only copy bytes and complete futures."""
+"""Engine: one per wrapped model, a facade over the objects that own each part of its state.
+
+Design notes: docs/modules.md, runtime/engine.py."""
 
 from __future__ import annotations
 
@@ -147,35 +141,16 @@ class Engine:
         )
         # model.state_dict(): quantized frozen parameters dequantized; ZeRO-3: whole
         # parameters, gathered (every rank must call it)
+        state_dict_hooks = []
+        if any(isinstance(f, QuantFlat) for f in self.flats):
+            state_dict_hooks.append(self.outside.on_state_dict_quantized)
+        if self.partitioner is not None and self.partitioner.shards_params:
+            state_dict_hooks.append(self.step.on_state_dict)
         self._hooks = hooks_mod.register(
-            model,
-            self.blocks,
-            self.tiled_head,
-            self.step,
-            [
-                *(
-                    [self.outside.on_state_dict_quantized]
-                    if any(isinstance(f, QuantFlat) for f in self.flats)
-                    else []
-                ),
-                *(
-                    [self.step.on_state_dict]
-                    if self.partitioner is not None and self.partitioner.shards_params
-                    else []
-                ),
-            ],
+            model, self.blocks, self.tiled_head, self.step, state_dict_hooks
         )
         self._release_guard = guard_foreign_optimizers(self)
-        registry.register(
-            self,
-            model,
-            {
-                id(s.param): (b.index, fi, si)
-                for b in self.blocks
-                for fi, f in enumerate(b.flats)
-                for si, s in enumerate(f.slots)
-            },
-        )
+        registry.register(self, model, self.blocks)
         logger.info(
             "infinity: wrapped %d blocks (%s bytes of parameters) with parameters on %s",
             len(self.blocks),
@@ -248,14 +223,6 @@ class Engine:
     def record_optimizer_step(self, step) -> None:
         """An optimizer reports what its step did here (its StepStats), for ``infinity.stats``."""
         self.stats.record_optimizer_step(step)
-
-    def note_home_written(self, flat: FlatParam, slots) -> None:
-        """``slots`` of ``flat``'s home were written directly (a checkpoint load)."""
-        self.outside.note_home_written(flat, slots)
-
-    def assume_all_written(self) -> None:
-        """After code wrote parameters in a way the engine cannot see (PEFT's merge)."""
-        self.outside.assume_all_written()
 
     def sync_gradients(self) -> None:
         """Takes in the user's changes to the exposed ``p.grad`` (zero_grad, reassignment)."""

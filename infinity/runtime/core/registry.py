@@ -4,7 +4,7 @@ each of their parameters lives) and unregister at close; the registry holds them
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, NamedTuple, Optional, Tuple
+from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -36,9 +36,14 @@ _LOCATIONS: weakref.WeakKeyDictionary[Any, Dict[int, Tuple[int, int, int]]] = (
 _ENGINES = _LOCATIONS  # iterating gives the live engines
 
 
-def register(engine: Any, model: nn.Module, locations: Dict[int, Tuple[int, int, int]]) -> None:
-    """``engine`` wraps ``model``; ``locations``: its parameters by id."""
-    _LOCATIONS[engine] = locations
+def register(engine: Any, model: nn.Module, blocks: Sequence[Block]) -> None:
+    """``engine`` wraps ``model``, whose parameters lie in the slots of ``blocks``' flats."""
+    _LOCATIONS[engine] = {
+        id(s.param): (b.index, fi, si)
+        for b in blocks
+        for fi, f in enumerate(b.flats)
+        for si, s in enumerate(f.slots)
+    }
     setattr(model, _ENGINE_ATTR, engine)
 
 

@@ -70,7 +70,7 @@ def load_full_state_dict(model: nn.Module, state: Dict[str, torch.Tensor]) -> No
                     )
                 full[s.offset : s.offset + s.numel].copy_(value.reshape(-1))
             engine.home.write_from(flat, full)
-            engine.note_home_written(flat, range(len(flat.slots)))
+            engine.outside.note_home_written(flat, range(len(flat.slots)))
     for name, b in model.named_buffers():
         if name in state:
             b.copy_(state[name])
