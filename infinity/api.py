@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import os
 from typing import Any, Dict, Iterator, Optional, Union
 
@@ -10,6 +12,7 @@ import torch
 from torch import nn
 
 from .policy import OffloadPolicy
+from .runtime.build.dtypes import CPU_RATES, Rates, describe, summary
 from .runtime.engine import Engine, engine_of, locate
 from .runtime.homes.sources import CheckpointSource, Init, InitSource
 from .runtime.process.host_memory import HOST_MEMORY, RELEASE
@@ -64,6 +67,10 @@ def wrap(
         values = InitSource(init)
     try:
         engine = Engine(model, policy, values, process_group)
+        if plan is not None:  # explain(model) tells the compute dtype too
+            plan = dataclasses.replace(
+                plan, reasons=plan.reasons + (describe(engine.compute_dtypes),)
+            )
         engine.plan, engine.unplanned = plan, unplanned
     finally:
         if values is not None:
@@ -103,6 +110,49 @@ def empty_init() -> Iterator[None]:
     finally:
         nn.Module.register_parameter = original
         lease.release()
+
+
+def probe_cache_rates(dtype: torch.dtype) -> Optional[Rates]:
+    """This CPU's fp32 and bf16 rates from the probe's cache (``infinity.probe``), for the
+    "auto" compute dtype (runtime/build/dtypes.py): the rates of its GPT layer at the widest
+    width measured in both, when the cache holds a full probe of this machine computed on
+    its CPU. None otherwise, and then wrap's quick check decides: a quick probe times two
+    small layers twice with every thread, which on a loaded machine can put fp32 below bf16
+    on a CPU that runs bf16 tens of times slower; the probe measures no fp16 rate."""
+    if dtype != torch.bfloat16:
+        return None
+    from .plan.machine import key_of, machine_identity
+    from .plan.probe import CACHE_VERSION, ProbeResult, cache_path
+
+    path = cache_path()
+    try:
+        with open(path) as fh:
+            data = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("version") != CACHE_VERSION:
+        return None
+    machine = data.get("machine")
+    if not isinstance(machine, dict) or machine.get("quick", True):
+        return None
+    if machine.get("device") != "cpu" or data.get("identity_key") != key_of(machine_identity()):
+        return None
+    try:
+        result = ProbeResult.from_json({**machine, "identity": data.get("identity", {})})
+        widths = sorted(set(result.flops) & set(result.flops_bf16), key=int)
+        if not widths:
+            return None
+        width = int(widths[-1])
+        return Rates(
+            result.flops_at(width),
+            result.flops_at(width, torch.bfloat16),
+            f"the probe cache {path}: a GPT layer of width {width}",
+        )
+    except (TypeError, ValueError, KeyError):
+        return None
+
+
+CPU_RATES.add_reader(probe_cache_rates)
 
 
 def _engine(model: nn.Module) -> Engine:
@@ -161,11 +211,14 @@ def stats(model: nn.Module, *, reset: bool = False) -> Dict[str, Any]:
     fetched into compute buffers in their stored format, by category
     ``"<frozen|trainable|mixed>.<layer|outer|root>.<nf4|int8|dtype>"`` (with frozen_format,
     ``frozen.layer.nf4`` is the quantized base). ``swap``: the swap bytes by category and per
-    parameter (parameters, gradients, master, moments, spare)."""
+    parameter (parameters, gradients, master, moments, spare). ``compute_dtype``: the
+    setting, each stored dtype's compute dtype (``chosen``: ``{"bfloat16": "float32"}``) and
+    why (``why``; "auto" says the rates it compared)."""
     engine = _engine(model)
     s = engine.stats
     out = {
         "param_tier": engine.param_tier.value,
+        "compute_dtype": summary(engine.policy.compute_dtype, engine.compute_dtypes),
         "param_blocks": {t.value: n for t, n in engine.param_blocks().items()},
         "tiers": engine.tier_bytes(),
         "moved": dict(s.moved),

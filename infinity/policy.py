@@ -84,8 +84,17 @@ class OffloadPolicy:
         classes, or a predicate ``(qualified_name, module) -> bool``.
     device: where forward and backward compute: "cuda", "cuda:N" or "cpu" (None: CUDA when
         available, else the CPU).
-    compute_dtype: the dtype parameters are materialized in for forward/backward (None: the
-        model's own, as FSDP2's MixedPrecisionPolicy).
+    compute_dtype: the dtype parameters are materialized in for forward/backward. "auto" (the
+        default): fp32 parameters compute in fp32; bf16 and fp16 parameters compute in their
+        own dtype on CUDA and on a CPU that runs that dtype fast (AMX, AVX512-BF16/FP16), and
+        in fp32 on a CPU that does not (AVX2: tens of times slower than fp32), decided from
+        the probe's cached rates or a quick check of a few milliseconds at the first wrap
+        (runtime/build/dtypes.py; ``infinity.stats(model)["compute_dtype"]`` and
+        ``infinity.explain`` say which and why). Computing bf16 parameters in fp32 doubles
+        their compute buffers (counted in the budgets). A dtype (torch.float32,
+        torch.bfloat16, torch.float16): every parameter computes in it. None: every parameter
+        computes in its own dtype, as FSDP2's MixedPrecisionPolicy without a param_dtype
+        (what the default was before "auto").
     require_direct_io: refuse a filesystem without O_DIRECT instead of warning and using the
         page cache.
     verify_checksums: CRC32C every swap file write and check it on every read.
@@ -155,7 +164,7 @@ class OffloadPolicy:
     host_budget: Optional[Size] = None
     prefetch_window: int = 2
     block_rule: BlockRule = None
-    compute_dtype: Optional[torch.dtype] = None
+    compute_dtype: Union[str, torch.dtype, None] = "auto"
     device: Optional[Union[str, torch.device]] = None
     require_direct_io: bool = False
     verify_checksums: bool = True
@@ -212,10 +221,16 @@ class OffloadPolicy:
             raise ValueError(
                 f"prefetch_window must be an integer >= 0, got {self.prefetch_window!r}"
             )
-        if self.compute_dtype is not None and self.compute_dtype not in _WORKING_DTYPES:
+        cd = self.compute_dtype
+        if (
+            cd is not None
+            and cd != "auto"
+            and not (isinstance(cd, torch.dtype) and cd in _WORKING_DTYPES)
+        ):
             raise ValueError(
-                f"compute_dtype={self.compute_dtype} is not supported; use "
-                "torch.float32, torch.bfloat16, torch.float16 or None"
+                f"infinity: compute_dtype={cd!r} is not supported; use 'auto' (the default: "
+                "chosen for the device), torch.float32, torch.bfloat16, torch.float16, or None "
+                "(each parameter computes in its own dtype)"
             )
         if self.device is not None:
             try:

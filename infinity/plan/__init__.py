@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+import dataclasses
+from typing import Any, Dict, Optional, Union
 
 from torch import nn
 
+from ..policy import OffloadPolicy
 from .estimate import Estimate, EstimateTable, estimate
 from .placements import PLACEMENTS, Placement
 from .planner import Plan, PlanError, plan
@@ -13,10 +15,33 @@ from .probe import ProbeError, ProbeResult, format_probe, probe
 from .shape import DecoderDims, ModelShape, decoder_dims, describe
 
 
+def _with_compute_dtype(result: Plan, model: nn.Module, settings: Dict[str, Any]) -> Plan:
+    """``result`` with the compute dtype wrap would choose for ``model``'s parameters, and
+    why, as its last reason (runtime/build/dtypes.py)."""
+    from ..runtime.build.blocks import SUPPORTED_DTYPES
+    from ..runtime.build.dtypes import choose
+    from ..runtime.build.dtypes import describe as describe_dtypes
+    from ..runtime.core.device import resolve_device
+
+    policy = settings.get("policy")
+    if policy is None:
+        policy = OffloadPolicy(
+            **{k: v for k, v in settings.items() if k in OffloadPolicy.field_names()}
+        )
+    stored = [
+        d for d in dict.fromkeys(p.dtype for p in model.parameters()) if d in SUPPORTED_DTYPES
+    ]
+    if not stored:
+        return result
+    choices = choose(policy.compute_dtype, resolve_device(policy.device), stored)
+    return dataclasses.replace(result, reasons=result.reasons + (describe_dtypes(choices),))
+
+
 def explain(model: Union[nn.Module, int, float], *, show: bool = True, **settings: Any) -> Plan:
     """The plan for ``model``, with its reasons: for a wrapped model the plan it got;
     otherwise the plan ``wrap(model, **settings)`` would choose (nothing is allocated or
-    written). ``show``: also print it (to stdout)."""
+    written). ``show``: also print it (to stdout). Its last reason says the compute dtype
+    each stored dtype gets and why (``compute_dtype="auto"``: the rates compared)."""
     result: Optional[Plan] = None
     if isinstance(model, nn.Module):
         from ..runtime.core.registry import engine_of
@@ -34,6 +59,8 @@ def explain(model: Union[nn.Module, int, float], *, show: bool = True, **setting
     if result is None:
         settings.pop("placement", None)
         result = plan(model, **settings)
+        if isinstance(model, nn.Module):
+            result = _with_compute_dtype(result, model, settings)
     if show:
         print(result, end="")  # noqa: T201 - explain's job is to show the plan
     return result

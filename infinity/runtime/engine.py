@@ -81,6 +81,7 @@ class Engine:
         self.homes, self.home, self.grads = built.homes, built.home, built.grads
         self.store, self.pool = built.store, built.pool
         self._original_devices = built.original_devices
+        self.compute_dtypes = built.compute_dtypes  # stored dtype -> its DtypeChoice (stats)
         self.swap_tag = self.partitioner.swap_tag if self.partitioner is not None else ""
         self.schedule = Schedule(policy.prefetch_window, guess=built.guess)
         self.transfers = Transfers(

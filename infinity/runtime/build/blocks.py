@@ -23,14 +23,14 @@ from .split import LAYER
 
 logger = logging.getLogger(__name__)
 
-_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def check_params(specs, source: Optional[ParamSource], device: torch.device) -> None:
     """Every parameter has a dtype infinity offloads and is where wrap can read it."""
     for spec in specs:
         for qual, _, _, p in spec.params:
-            if p.dtype not in _SUPPORTED_DTYPES:
+            if p.dtype not in SUPPORTED_DTYPES:
                 raise TypeError(
                     f"parameter {qual!r} has dtype {p.dtype}; infinity offloads "
                     "float32, bfloat16 and float16 parameters"
@@ -56,8 +56,18 @@ def home_bytes(specs) -> int:
     return sum(p.numel() * p.element_size() for s in specs for _, _, _, p in s.params)
 
 
+def stored_dtypes(specs) -> List[torch.dtype]:
+    """The parameters' dtypes, in the order first met."""
+    return list(dict.fromkeys(p.dtype for s in specs for _, _, _, p in s.params))
+
+
 def _flats_of(
-    index: int, spec, policy: OffloadPolicy, device: torch.device, partitioner
+    index: int,
+    spec,
+    policy: OffloadPolicy,
+    compute: Dict[torch.dtype, torch.dtype],
+    device: torch.device,
+    partitioner,
 ) -> List[FlatParam]:
     fmt = frozen_format(policy.frozen_format) if policy.frozen_format else None
     by_dtype: Dict[torch.dtype, list] = defaultdict(list)
@@ -73,11 +83,7 @@ def _flats_of(
         key = f"block{index:04d}.{str(dtype).replace('torch.', '')}"
         pad = partitioner.pad_multiple(dtype) if partitioner else 0
         align = partitioner.slot_align() if partitioner else 0
-        flats.append(
-            FlatParam(
-                key, entries, dtype, policy.compute_dtype or dtype, device, pad, elem_align=align
-            )
-        )
+        flats.append(FlatParam(key, entries, dtype, compute[dtype], device, pad, elem_align=align))
     for dtype, entries in frozen.items():
         name = str(dtype).replace("torch.", "")
         flats.append(
@@ -85,7 +91,7 @@ def _flats_of(
                 f"block{index:04d}.{fmt.name}.{name}",
                 entries,
                 dtype,
-                policy.compute_dtype or dtype,
+                compute[dtype],
                 device,
                 fmt,
             )
@@ -103,13 +109,20 @@ def _flats_of(
 
 
 def plan_blocks(
-    specs, tiers: Sequence[Tier], policy: OffloadPolicy, device: torch.device, partitioner
+    specs,
+    tiers: Sequence[Tier],
+    policy: OffloadPolicy,
+    compute: Dict[torch.dtype, torch.dtype],
+    device: torch.device,
+    partitioner,
 ) -> List[Block]:
     """One block per partition spec, its parameters in flat buffers (one per dtype, and with
-    ``frozen_format`` one quantized per dtype for a layer's frozen matrices)."""
+    ``frozen_format`` one quantized per dtype for a layer's frozen matrices), each computing
+    in ``compute[its stored dtype]`` (dtypes.py). A host block runs in place in its home on
+    a CPU only when it computes in its stored dtype."""
     blocks: List[Block] = []
     for index, (spec, tier) in enumerate(zip(specs, tiers)):
-        flats = _flats_of(index, spec, policy, device, partitioner)
+        flats = _flats_of(index, spec, policy, compute, device, partitioner)
         resident = tier is Tier.DEVICE or (
             tier is Tier.HOST
             and device.type == "cpu"

@@ -23,8 +23,16 @@ from ..homes.home import Home
 from ..homes.sources import ParamSource
 from ..process.host_memory import HOST_MEMORY, RELEASE, REUSE, HostMemoryLease
 from ..vocab import tiled_head as tiled_head_mod
-from .blocks import check_params, guess_order, home_bytes, mark_row_blocks, plan_blocks
+from .blocks import (
+    check_params,
+    guess_order,
+    home_bytes,
+    mark_row_blocks,
+    plan_blocks,
+    stored_dtypes,
+)
 from .checks import check_device_budget, check_disk, check_host_budget
+from .dtypes import DtypeChoice, agree, choose
 from .fill import HomeFiller
 from .placement import Placement, resolve_placement
 from .sizes import Sizing
@@ -55,6 +63,7 @@ class Built:
     grads: GradientSink
     original_devices: Dict[int, torch.device]
     home_bytes: int
+    compute_dtypes: Dict[torch.dtype, DtypeChoice]  # each stored dtype's compute dtype, why
 
 
 def _owned(blocks: List[Block]):
@@ -130,7 +139,18 @@ def build(
     placement = resolve_placement(policy, device, nbytes, len(specs), partitioner is not None)
     device_budget = ByteBudget("device", policy.device_budget)
     host_budget = ByteBudget("host", policy.host_budget)
-    blocks = plan_blocks(specs, placement.blocks, policy, device, partitioner)
+    dtypes = choose(policy.compute_dtype, device, stored_dtypes(specs))
+    if partitioner is not None:
+        dtypes = agree(
+            dtypes,
+            policy.compute_dtype,
+            device,
+            lambda v: partitioner.coll.all_reduce_scalar(v, "max", replicas=True),
+        )
+    for choice in dtypes.values():
+        logger.info("infinity: %s", choice.reason)
+    compute = {stored: c.compute for stored, c in dtypes.items()}
+    blocks = plan_blocks(specs, placement.blocks, policy, compute, device, partitioner)
     head = tiled_head_mod.head_module(model) if policy.tiled_head else None
     mark_row_blocks(blocks, head, partitioner is not None, policy.embedding_rows)
     if partitioner is not None:
@@ -188,4 +208,5 @@ def build(
         filled.grads,
         original_devices,
         nbytes,
+        dtypes,
     )

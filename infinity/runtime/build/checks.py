@@ -43,6 +43,28 @@ def outer_remedy(model: nn.Module, block: Block) -> str:
     )
 
 
+def widened_note(sizing: Sizing) -> str:
+    """A sentence for a refusal when some narrow homes compute in a wider dtype (bf16 homes
+    in fp32: "auto" on a CPU without fast bf16, runtime/build/dtypes.py): their compute
+    buffers take twice the homes' bytes, and computing as stored halves them."""
+    wide = sorted(
+        {
+            str(f.home_dtype).replace("torch.", "")
+            for f in sizing.flats
+            if f.compute_dtype.itemsize > f.home_dtype.itemsize
+        }
+    )
+    if not wide:
+        return ""
+    names = " and ".join(wide)
+    return (
+        f". The {names} parameters compute in float32 (compute_dtype="
+        f"{sizing.policy.compute_dtype!r}), so their compute buffers take twice their "
+        f"stored bytes; compute_dtype=torch.{wide[0]} halves them (slower where the CPU "
+        f"has no fast {wide[0]}: see infinity.stats(model)['compute_dtype'])"
+    )
+
+
 def _smallest_budget(sizing: Sizing, fixed: int, minimal: int) -> Tuple[int, dict]:
     """The chunk follows the budget (1/32 of it by default), and the pools with it: the
     smallest budget that holds what it implies, found by iterating up to it."""
@@ -109,6 +131,7 @@ def check_host_budget(
                 if largest_block is not None and largest_block.kind == "outer"
                 else "use smaller blocks (block_rule)"
             )
+            + widened_note(sizing)
         )
     if not minimal:
         return 0, device_budget
@@ -183,4 +206,5 @@ def check_device_budget(sizing: Sizing, model: nn.Module, device_budget: ByteBud
         )
         + (f", plus {resident_dev:,} resident" if resident_dev else "")
         + f" = {need:,} bytes. Raise device_budget to at least {need:,} or {remedy}"
+        + widened_note(sizing)
     )

@@ -49,7 +49,10 @@ DATA = _batches()
 
 TIERS = {
     "host": dict(param_tier="host", grad_tier="host", optimizer_tier="host"),
-    "host-bf16": dict(param_tier="host", grad_tier="host", optimizer_tier="host"),
+    # bf16 homes computing in bf16 (run in place on a CPU), pinned: "auto" computes them in
+    # fp32 on a CPU without fast bf16
+    "host-bf16": dict(param_tier="host", grad_tier="host", optimizer_tier="host",
+                      compute_dtype=torch.bfloat16),
     "nvme": dict(param_tier="nvme", grad_tier="nvme", optimizer_tier="nvme"),
 }
 

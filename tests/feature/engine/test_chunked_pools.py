@@ -40,9 +40,12 @@ def _wrap(path: Path, chunk: int, bf16: bool = False, **kw) -> torch.nn.Module:
     path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     model = TinyGPT(CFG)
+    settings = dict(param_tier="nvme", grad_tier="nvme", chunk_bytes=chunk)
     if bf16:
         model = model.to(torch.bfloat16)
-    settings = dict(param_tier="nvme", grad_tier="nvme", chunk_bytes=chunk)
+        # computing as stored (fetched without a cast) unless a test says otherwise: "auto"
+        # computes bf16 homes in fp32 on a CPU without fast bf16
+        settings["compute_dtype"] = torch.bfloat16
     settings.update(kw)
     return infinity.wrap(model, nvme_path=str(path), **settings)
 
@@ -169,9 +172,14 @@ def test_training_through_chunks_equals_one_buffer_per_flat(tmp_path, chunk, cas
 
 
 @pytest.mark.parametrize("chunk", [8 << 10])
-def test_bf16_homes_states_on_nvme_equal(tmp_path, chunk):
-    """bf16 parameter homes (2-byte elements per chunk) and optimizer states on NVMe."""
+@pytest.mark.parametrize("compute", ["bf16", "auto"])
+def test_bf16_homes_states_on_nvme_equal(tmp_path, chunk, compute):
+    """bf16 parameter homes (2-byte elements per chunk) and optimizer states on NVMe; computing
+    in bf16 (fetched as stored), and as "auto" chooses (in fp32 on a CPU without fast bf16:
+    each chunk staged and cast)."""
     kw = dict(optimizer_tier="nvme", bf16=True)
+    if compute == "auto":
+        kw["compute_dtype"] = "auto"
     ref = _run(tmp_path / "ref", LARGE, **kw)
     _assert_same(_run(tmp_path / "chunked", chunk, **kw), ref)
 

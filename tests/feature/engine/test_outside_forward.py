@@ -394,7 +394,7 @@ def test_torch_optimizer_refuses_nvme_gradients_it_cannot_see(tmp_path, param_ti
     cfg = GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq=16)
     torch.manual_seed(0)
     model = infinity.wrap(TinyGPT(cfg).to(torch.bfloat16), nvme_path=str(tmp_path),
-                          param_tier=param_tier, grad_tier="nvme")
+                          param_tier=param_tier, grad_tier="nvme", compute_dtype=torch.bfloat16)
     try:
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         x, y = synthetic_batch(cfg, 2, 8, torch.Generator().manual_seed(1))

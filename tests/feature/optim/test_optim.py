@@ -155,9 +155,11 @@ def test_parity_bf16_working_weights(tmp_path):
                 p.copy_(m)
         ref_losses.append(loss.item())
     ref = (ref_losses, _weights(ref_model))
+    # the reference computes in bf16: so does infinity (pinned; "auto" computes bf16 homes in
+    # fp32 on a CPU without fast bf16)
     for wrap_kw in ({}, dict(nvme_path=str(tmp_path), optimizer_tier="nvme",
                              param_tier="nvme")):
-        model = infinity.wrap(_model(torch.bfloat16), **wrap_kw)
+        model = infinity.wrap(_model(torch.bfloat16), compute_dtype=torch.bfloat16, **wrap_kw)
         opt = infinity.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=1e-2)
         losses = _train(model, opt, steps)
         sd = opt.state_dict()
@@ -508,7 +510,9 @@ def test_clip_grad_norm_with_gradients_on_nvme_needs_no_read_back(tmp_path):
 # fp16 loss scaling
 # =========================================================================================
 def test_loss_scaler_fp16_skips_overflow_and_trains():
-    model = infinity.wrap(_model(torch.float16))
+    # fp16 compute, pinned: its gradients overflow at a large scale ("auto" computes fp16
+    # homes in fp32 on a CPU without fast fp16, where they would not)
+    model = infinity.wrap(_model(torch.float16), compute_dtype=torch.float16)
     with infinity.materialized(model):
         init = _weights(model)
     opt = infinity.optim.AdamW(model.parameters(), lr=1e-2)

@@ -110,7 +110,10 @@ def _run(tmp_path, name: str, engine_chunk: int, opt_chunk: Optional[int], *,
     model = _model(dtype)
     d = tmp_path / name
     d.mkdir()
-    infinity.wrap(model, nvme_path=str(d), chunk_bytes=engine_chunk, **ALL_NVME)
+    # as stored (bf16 homes compute in bf16: pinned, "auto" would compute them in fp32 on
+    # a CPU without fast bf16)
+    infinity.wrap(model, nvme_path=str(d), chunk_bytes=engine_chunk, compute_dtype=dtype,
+                  **ALL_NVME)
     engine = infinity.runtime.engine_of(model)
     opt = infinity.optim.AdamW(model.parameters(), lr=1e-2, chunk_bytes=opt_chunk, **kw)
     calls = _no_whole_shard_io(engine, opt) if guard else []
@@ -202,7 +205,8 @@ def test_host_bytes_bounded_by_sets_times_chunk(tmp_path, fmt, dtype):
     chunk = 256 << 10
     torch.manual_seed(0)
     model = TinyGPT(BIG).to(dtype)
-    infinity.wrap(model, nvme_path=str(tmp_path), chunk_bytes=16 << 10, **ALL_NVME)
+    infinity.wrap(model, nvme_path=str(tmp_path), chunk_bytes=16 << 10, compute_dtype=dtype,
+                  **ALL_NVME)
     engine = infinity.runtime.engine_of(model)
     opt = infinity.optim.AdamW(model.parameters(), lr=1e-3, chunk_bytes=chunk, states=fmt,
                                min_8bit_size=0)

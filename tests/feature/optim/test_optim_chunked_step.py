@@ -65,7 +65,10 @@ def _run(tmp_path, name: str, chunk: int, *, tiers=None, steps: int = 3, inspect
     model = _model().to(dtype)
     d = tmp_path / name
     d.mkdir()
-    infinity.wrap(model, nvme_path=str(d), optimizer_tier="nvme", **(tiers or {}))
+    # as stored (bf16 homes compute in bf16: pinned, "auto" would compute them in fp32 on
+    # a CPU without fast bf16)
+    infinity.wrap(model, nvme_path=str(d), optimizer_tier="nvme", compute_dtype=dtype,
+                  **(tiers or {}))
     opt = infinity.optim.AdamW(model.parameters(), lr=1e-2, chunk_bytes=chunk, **opt_kwargs)
     try:
         losses = _train(model, opt, steps)

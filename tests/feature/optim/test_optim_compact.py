@@ -250,7 +250,7 @@ def test_step_8bit_with_bf16_parameters_and_nvme_everything(tmp_path):
     """bf16 parameters (fp32 masters in the states), everything on NVMe: trains."""
     model = _model().to(torch.bfloat16)
     infinity.wrap(model, nvme_path=str(tmp_path), param_tier="nvme", grad_tier="nvme",
-                  optimizer_tier="nvme")
+                  optimizer_tier="nvme", compute_dtype=torch.bfloat16)
     opt = infinity.optim.AdamW(model.parameters(), lr=1e-2, states="8bit")
     gen = torch.Generator().manual_seed(1)
     losses = []
