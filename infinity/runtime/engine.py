@@ -89,6 +89,7 @@ class Engine:
         self.store, self.pool = built.store, built.pool
         self._original_devices = built.original_devices
         self.compute_dtypes = built.compute_dtypes  # stored dtype -> its DtypeChoice (stats)
+        self.head_choice = built.head_choice  # the LM head tiled or not, and why (stats)
         self.swap_tag = self.partitioner.swap_tag if self.partitioner is not None else ""
         # True when an updated working copy reaches its home through a staging buffer (an
         # NVMe swap file) for some flat (with host_blocks: the NVMe ones, stages_working_copy)
