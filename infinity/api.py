@@ -213,12 +213,14 @@ def stats(model: nn.Module, *, reset: bool = False) -> Dict[str, Any]:
     ``frozen.layer.nf4`` is the quantized base). ``swap``: the swap bytes by category and per
     parameter (parameters, gradients, master, moments, spare). ``compute_dtype``: the
     setting, each stored dtype's compute dtype (``chosen``: ``{"bfloat16": "float32"}``) and
-    why (``why``; "auto" says the rates it compared)."""
+    why (``why``; "auto" says the rates it compared). ``tiled_head``: the setting, whether
+    the LM head is tiled (``on``) and why (``why``: with "auto", the bytes compared)."""
     engine = _engine(model)
     s = engine.stats
     out = {
         "param_tier": engine.param_tier.value,
         "compute_dtype": summary(engine.policy.compute_dtype, engine.compute_dtypes),
+        "tiled_head": engine.head_choice.summary(),
         "param_blocks": {t.value: n for t, n in engine.param_blocks().items()},
         "tiers": engine.tier_bytes(),
         "moved": dict(s.moved),

@@ -148,12 +148,18 @@ class OffloadPolicy:
         the gradient tier (zeros elsewhere): the table is never materialized whole and no
         full-size dense gradient exists. Numbers are those of the plain lookup.
         See infinity/runtime/vocab/rows.py. False: fetched whole when it runs.
-    tiled_head: the LM head (``get_output_embeddings()``, tied or not) streams its weight from
-        its home in tiles of vocabulary rows (about a chunk each) and is never materialized
-        whole; in a forward with labels (a Hugging Face ``*ForCausalLM``) the loss is computed
-        over the tiles with an online logsumexp, the logits are never materialized and the
-        output's ``logits`` is None; without labels the logits are computed tile by tile.
-        Within 1e-6 relative of plain PyTorch in fp32. See infinity/runtime/vocab/tiled_head.py.
+    tiled_head: True: the LM head (``get_output_embeddings()``, tied or not) streams its weight
+        from its home in tiles of vocabulary rows (about a chunk each) and is never
+        materialized whole; in a forward with labels (a Hugging Face ``*ForCausalLM``) the loss
+        is computed over the tiles with an online logsumexp, the logits are never materialized
+        and the output's ``logits`` is None; without labels the logits are computed tile by
+        tile. Within 1e-6 relative of plain PyTorch in fp32 (4e-6 over a large vocabulary).
+        See infinity/runtime/vocab/tiled_head.py. False: the head is fetched whole.
+        "auto" (the default): tiled where a budget is set that the head fetched whole would
+        break -- its weight with its gradient (and, tied, the embedding's dense gradient) next
+        to what the engine holds (the host budget on a CPU device, the device budget on
+        CUDA) -- and the head can be tiled; whole otherwise (runtime/build/head.py;
+        ``infinity.stats(model)["tiled_head"]`` says which and why).
     """
 
     param_tier: str = "auto"
@@ -179,7 +185,7 @@ class OffloadPolicy:
     param_persistence_threshold: int = 100_000
     frozen_format: Optional[str] = None
     embedding_rows: bool = True
-    tiled_head: bool = False
+    tiled_head: Union[bool, str] = "auto"
 
     def __post_init__(self) -> None:
         if self.param_tier != "auto":
@@ -202,11 +208,14 @@ class OffloadPolicy:
             if value is not None:  # frozen: normalised once, downstream code sees ints
                 object.__setattr__(self, name, parse_budget(value, name))
         check_chunk_bytes(self.chunk_bytes, "infinity.wrap")
-        for name in ("embedding_rows", "tiled_head"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(
-                    f"infinity: {name} must be True or False, got {getattr(self, name)!r}"
-                )
+        if not isinstance(self.embedding_rows, bool):
+            raise ValueError(
+                f"infinity: embedding_rows must be True or False, got {self.embedding_rows!r}"
+            )
+        if not isinstance(self.tiled_head, bool) and self.tiled_head != "auto":
+            raise ValueError(
+                f"infinity: tiled_head must be True, False or 'auto', got {self.tiled_head!r}"
+            )
         t = self.param_persistence_threshold
         if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0:
             raise ValueError(

@@ -82,6 +82,7 @@ class Engine:
         self.store, self.pool = built.store, built.pool
         self._original_devices = built.original_devices
         self.compute_dtypes = built.compute_dtypes  # stored dtype -> its DtypeChoice (stats)
+        self.head_choice = built.head_choice  # the LM head tiled or not, and why (stats)
         self.swap_tag = self.partitioner.swap_tag if self.partitioner is not None else ""
         self.schedule = Schedule(policy.prefetch_window, guess=built.guess)
         self.transfers = Transfers(

@@ -22,7 +22,6 @@ from ..grads.sink import GradientSink
 from ..homes.home import Home
 from ..homes.sources import ParamSource
 from ..process.host_memory import HOST_MEMORY, RELEASE, REUSE, HostMemoryLease
-from ..vocab import tiled_head as tiled_head_mod
 from .blocks import (
     check_params,
     guess_order,
@@ -34,6 +33,7 @@ from .blocks import (
 from .checks import check_device_budget, check_disk, check_host_budget
 from .dtypes import DtypeChoice, agree, choose
 from .fill import HomeFiller
+from .head import HeadChoice, choose_head
 from .placement import Placement, resolve_placement
 from .sizes import Sizing
 from .split import partition
@@ -64,6 +64,7 @@ class Built:
     original_devices: Dict[int, torch.device]
     home_bytes: int
     compute_dtypes: Dict[torch.dtype, DtypeChoice]  # each stored dtype's compute dtype, why
+    head_choice: HeadChoice  # the LM head tiled or not, and why
 
 
 def _owned(blocks: List[Block]):
@@ -151,7 +152,20 @@ def build(
         logger.info("infinity: %s", choice.reason)
     compute = {stored: c.compute for stored, c in dtypes.items()}
     blocks = plan_blocks(specs, placement.blocks, policy, compute, device, partitioner)
-    head = tiled_head_mod.head_module(model) if policy.tiled_head else None
+    head_choice = choose_head(
+        model,
+        policy,
+        blocks,
+        device,
+        partitioner is not None,
+        lambda: sum(
+            Sizing(policy, blocks, partitioner, placement.grad, host_budget, device.type == "cpu")
+            .host_needs()
+            .values()
+        ),
+    )
+    logger.info("infinity: %s", head_choice.reason)
+    head = head_choice.module
     mark_row_blocks(blocks, head, partitioner is not None, policy.embedding_rows)
     if partitioner is not None:
         partitioner.attach(blocks)
@@ -209,4 +223,5 @@ def build(
         original_devices,
         nbytes,
         dtypes,
+        head_choice,
     )

@@ -334,11 +334,13 @@ def test_host_budget_compute_buffers_count_root_and_largest_block(tmp_path):
     """On a CPU device the compute buffers come out of host_budget: their minimum is the
     root + the largest block (named), and a budget at exactly the engine's minimum wraps and
     runs forward and backward exactly, though the old root (embedding + head) alone would
-    not fit next to what the engine holds."""
+    not fit next to what the engine holds. The head fetched whole is pinned (tiled_head=False:
+    "auto" would tile it under these budgets)."""
     ref = _llama(tied=False)
     model = copy.deepcopy(ref)
     with pytest.raises(BudgetExceededError) as err:
-        infinity.wrap(model, nvme_path=str(tmp_path), host_budget=1 << 20, **NVME_ALL)
+        infinity.wrap(model, nvme_path=str(tmp_path), host_budget=1 << 20, tiled_head=False,
+                      **NVME_ALL)
     msg = str(err.value)
     # the untied embedding is looked up row by row (runtime/vocab/rows.py): the head is the largest
     m = re.search(r"the root block \+ the largest block '(lm_head)'\) ([\d,]+)", msg)
@@ -351,7 +353,8 @@ def test_host_budget_compute_buffers_count_root_and_largest_block(tmp_path):
     assert emb <= compute < emb + (64 << 10)  # root (the final norm) + one of embedding/head
     assert old_root >= 2 * emb  # before: both, plus a layer, in compute buffers
     # exactly the minimum: wraps, and forward + backward equal plain PyTorch
-    infinity.wrap(model, nvme_path=str(tmp_path), host_budget=need, **NVME_ALL)
+    infinity.wrap(model, nvme_path=str(tmp_path), host_budget=need, tiled_head=False,
+                  **NVME_ALL)
     assert infinity.stats(model)["tiers"]["host"]["compute"] == compute
     ids = torch.randint(0, LLAMA_VOCAB, (2, 8), generator=torch.Generator().manual_seed(2))
     l_ref, l = ref(input_ids=ids, labels=ids).loss, model(input_ids=ids, labels=ids).loss

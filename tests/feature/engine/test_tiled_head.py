@@ -133,7 +133,7 @@ def test_refusals(tmp_path):
     with pytest.raises(ValueError, match="embedding_rows=False"):
         infinity.wrap(tied, nvme_path=str(tmp_path), tiled_head=True, embedding_rows=False,
                       **TIERS["nvme"])
-    with pytest.raises(ValueError, match="tiled_head must be True or False"):
+    with pytest.raises(ValueError, match="tiled_head must be True, False or 'auto'"):
         infinity.wrap(tied, nvme_path=str(tmp_path), tiled_head=1)
 
 
@@ -171,18 +171,25 @@ def test_peak_rss_growth_smaller_than_whole_block_fetch(tmp_path):
     assert growth["0"] > table, growth
 
 
-def test_budget_refusal_names_tiled_head_and_tiled_fits(tmp_path):
-    """A host budget too small for the head fetched whole is refused naming the module and
-    tiled_head=True; with the tiled head the same budget wraps and trains."""
+@pytest.mark.parametrize("setting", [True, "auto"])
+def test_budget_refusal_names_tiled_head_and_tiled_fits(tmp_path, setting):
+    """A host budget too small for the head fetched whole (tiled_head=False) is refused naming
+    the module and tiled_head=True; with the tiled head (as set, or "auto": the default, which
+    tiles it because of that budget) the same budget wraps and trains."""
     ref = _llama(tied=False)
     model = copy.deepcopy(ref)
     budget = 24 << 20  # the head alone is 128256 x 64 x 4 = 32.8 MB
     with pytest.raises(infinity.tiers.BudgetExceededError,
                        match=r"wrap with tiled_head=True: module 'lm_head' \(the LM head\)"):
         infinity.wrap(model, nvme_path=str(tmp_path), host_budget=budget, chunk_bytes="1MiB",
-                      **TIERS["nvme"])
+                      tiled_head=False, **TIERS["nvme"])
+    kw = {} if setting == "auto" else {"tiled_head": True}
     infinity.wrap(model, nvme_path=str(tmp_path), host_budget=budget, chunk_bytes="1MiB",
-                  tiled_head=True, **TIERS["nvme"])
+                  **kw, **TIERS["nvme"])
+    head = infinity.stats(model)["tiled_head"]
+    assert head["on"] and head["setting"] == setting
+    if setting == "auto":
+        assert "of host_budget=25,165,824" in head["why"], head["why"]
     ids = torch.randint(0, LLAMA_VOCAB, (2, 8), generator=torch.Generator().manual_seed(2))
     l_ref, l = ref(input_ids=ids, labels=ids).loss, model(input_ids=ids, labels=ids).loss
     assert abs(l.item() - l_ref.item()) <= SAME * l_ref.item()
