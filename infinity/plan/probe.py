@@ -98,7 +98,7 @@ FULL = ProbeSettings(
     adam_numel=16 << 20,
     torch_adam_numel=16 << 20,
     transfer_bytes=512 << 20,
-    disk_bytes=512 << 20,
+    disk_bytes=1 << 30,
     disk_reps=3,
     overlap_bytes=256 << 20,
     overhead=True,
@@ -108,13 +108,12 @@ FULL = ProbeSettings(
     short_call_s=0.3,
     overhead_model_s=2.0,
 )
-# every width of every dtype, each timed ``compute_reps`` times after a warm-up, the disk with
-# 1 GiB transfers: the full probe before the budgets (8 minutes on a 2-core AVX2 CPU, most of
-# it bf16 layers at under 2 GFLOP/s)
+# every width of every dtype, each timed ``compute_reps`` times after a warm-up, the compute
+# overlap on the whole 1 GiB: the full probe before the budgets (8 to 10 minutes on a 2-core
+# AVX2 CPU, most of it bf16 layers at 0.3-2 GFLOP/s)
 THOROUGH = replace(
     FULL,
-    disk_bytes=1 << 30,
-    overlap_bytes=1 << 30,
+    overlap_bytes=FULL.disk_bytes,
     fp32_budget_s=None,
     bf16_budget_s=None,
     long_call_s=float("inf"),
@@ -498,12 +497,14 @@ def measure_compute_budgeted(
     reference: Optional[Dict[str, float]] = None,
     tick: Optional[Tick] = None,
     short_call_s: float = 0.0,
+    margin: float = 1.25,
 ) -> ComputeRates:
     """FLOP/s of one GPT layer's forward + backward at each (d_model, batch, seq), narrowest
     first, with its weights and activations in ``dtype``. ``budget_s``: a width whose projected
-    time (its FLOPs at the rate of the width before, for a warm-up and its timed calls) would
-    take this dtype past ``budget_s`` seconds is not timed, nor any after it (the first width
-    always is); the answer then says which were left out and why. ``reference``: the fp32
+    time (its FLOPs at the rate of the width before, for a warm-up and its timed calls, times
+    ``margin``: a wider layer can run at a lower rate, as bf16 does on AVX2) would take this
+    dtype past ``budget_s`` seconds is not timed, nor any after it (the first width always
+    is); the answer then says which were left out and why. ``reference``: the fp32
     rates, to say how far below them a slow dtype runs. ``tick``: called after each width."""
     ordered = sorted(shapes)
     out: Dict[str, float] = {}
@@ -515,7 +516,7 @@ def measure_compute_budgeted(
             one = flop / out[str(last_d)]
             calls = 2 if one >= long_call_s else 1 + reps
             spent = time.perf_counter() - start
-            if spent + calls * one > budget_s:
+            if spent + margin * calls * one > budget_s:
                 return ComputeRates(
                     out, _cut_note(dtype, ordered[i:], out, last_d, spent, budget_s, reference)
                 )
@@ -644,7 +645,7 @@ def measure_disk(
     free = shutil.disk_usage(path).free
     nbytes = max(inf_io.ALIGNMENT, min(nbytes, (free // 4) // inf_io.ALIGNMENT * inf_io.ALIGNMENT))
     buf = inf_io.aligned_empty(nbytes)
-    _fill_random(buf)
+    buf.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
     fd, name = tempfile.mkstemp(prefix=".infinity-probe-", dir=path)
     os.close(fd)
     try:
@@ -680,15 +681,6 @@ def measure_disk(
         latency_s=latency,
         compute_overlap=hidden,
     )
-
-
-def _fill_random(buf: torch.Tensor, piece: int = 1 << 20) -> None:
-    """Random bytes (not zeros, which a virtual disk may store as holes): 1 MiB of them,
-    repeated (a randint over a gigabyte takes seconds)."""
-    rnd = torch.randint(0, 256, (min(piece, buf.numel()),), dtype=torch.uint8)
-    for i in range(0, buf.numel(), rnd.numel()):
-        n = min(rnd.numel(), buf.numel() - i)
-        buf[i : i + n].copy_(rnd[:n])
 
 
 def measure_compute_overlap(fh: Any, buf: torch.Tensor, reps: int = 3) -> float:
@@ -785,7 +777,7 @@ def _duration(settings: ProbeSettings, disk: bool) -> str:
         return "a few seconds"
     if settings.fp32_budget_s is None or settings.bf16_budget_s is None:
         return "minutes: every layer width in fp32 and bf16, however slow"
-    return "about a minute" + (", and up to a minute more for the disk" if disk else "")
+    return "about half a minute" + (", and half a minute more for the disk" if disk else "")
 
 
 def _announce(who: Optional[str], what: str, settings: ProbeSettings, disk: bool) -> None:
