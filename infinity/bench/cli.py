@@ -11,16 +11,32 @@ import tempfile
 
 def add_probe(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nvme-path", default=None, help="the swap directory to measure")
-    p.add_argument("--quick", action="store_true", help="small buffers: seconds, rougher")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--quick", action="store_true", help="small buffers: seconds, rougher")
+    how.add_argument(
+        "--thorough",
+        action="store_true",
+        help="time every layer width in fp32 and bf16 however long it takes (minutes on a "
+        "CPU without fast bf16); by default each dtype stops at its time budget",
+    )
     p.add_argument("--refresh", action="store_true", help="measure again even if cached")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument(
+        "--no-progress", action="store_true", help="no progress bars (on stderr) while measuring"
+    )
 
 
 def run_probe(args: argparse.Namespace) -> int:
     from ..plan.probe import ProbeError, format_probe, probe
 
     try:
-        r = probe(args.nvme_path, quick=args.quick, refresh=args.refresh)
+        r = probe(
+            args.nvme_path,
+            quick=args.quick,
+            refresh=args.refresh,
+            thorough=args.thorough,
+            progress=not args.no_progress,
+        )
     except ProbeError as exc:
         sys.stderr.write(f"{exc}\n")
         return 1
@@ -148,7 +164,10 @@ def run_estimate(args: argparse.Namespace) -> int:
     try:
         budget = parse_budget(args.ram_budget, "--ram-budget") if args.ram_budget else None
         shape = estimate_shape(args)
-        pr = probe(args.nvme_path, quick=args.quick_probe)
+        # no cached probe: measured first, said so on stderr, with progress bars
+        pr = probe(
+            args.nvme_path, quick=args.quick_probe, progress=True, announce="infinity estimate"
+        )
         layout = dict(tiled_head=args.tiled_head, embedding_rows=not args.whole_embedding)
         table = estimate(
             shape,

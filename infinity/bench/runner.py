@@ -93,7 +93,7 @@ def run_bench(cfg: BenchConfig, probe: Optional[ProbeResult] = None, write=None)
             f"{cfg.steps}, {cfg.warmup}, {cfg.repeats}"
         )
     load_start = list(os.getloadavg())
-    pr = probe or run_probe(cfg.nvme_path, quick=cfg.quick_probe)
+    pr = probe or run_probe(cfg.nvme_path, quick=cfg.quick_probe, announce="infinity bench")
     policy = OffloadPolicy(nvme_path=cfg.nvme_path, host_budget=cfg.ram_budget)
     b = budgets(policy, pr)
     cuda = pr.device == "cuda"

@@ -652,12 +652,21 @@ def estimate(
         raise ValueError(
             f"infinity.estimate: batch and seq must be positive ints, got {batch!r}, {seq!r}"
         )
-    pr = probe if probe is not None else run_probe(nvme_path, quick=quick_probe)
+    pr = (
+        probe
+        if probe is not None
+        else run_probe(nvme_path, quick=quick_probe, announce="infinity.estimate")
+    )
     rank_list = list(range(1, ranks + 1)) if isinstance(ranks, int) else list(ranks)
     if not rank_list or any((not isinstance(r, int)) or r < 1 for r in rank_list):
         raise ValueError(f"infinity.estimate: ranks must be >= 1, got {ranks!r}")
     chosen = [get_placement(p) for p in placements] if placements else list(PLACEMENTS)
     notes = []
+    caveat = (
+        None if calibrate else pr.rate_caveat(shape.d_model, compute_dtype(shape.bytes_per_param))
+    )
+    if caveat:  # the probe cut this dtype's layer timing short
+        notes.append(caveat)
     if frozen_format is not None:
         chosen = [p for p in chosen if not p.plain and p.param_tier != "device"]
         notes.append(

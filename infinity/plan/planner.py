@@ -48,6 +48,9 @@ DEFAULT_BATCH = (4, 128)  # batch x seq of the speed prediction when plan() is n
 _DEFAULT_WINDOW = OffloadPolicy().prefetch_window
 
 
+WHO = "infinity planner"  # how the planner names itself when it has to probe
+
+
 class PlanError(ValueError):
     """No placement fits the budgets (the message names what is short, by how many bytes).
     ``disk``: True when what is short is the free space at nvme_path."""
@@ -203,9 +206,10 @@ def plan(
             policy.block_rule,
             policy.param_persistence_threshold,
         )
-    pr = probe if probe is not None else run_probe(policy.nvme_path, quick=True)
+    # no cached probe: a quick one, announced with its accuracy (a warning)
+    pr = probe if probe is not None else run_probe(policy.nvme_path, quick=True, announce=WHO)
     if policy.nvme_path is not None and pr.disk is None:
-        pr = run_probe(policy.nvme_path, quick=True)
+        pr = run_probe(policy.nvme_path, quick=True, announce=WHO)
     cuda = pr.device == "cuda"
     b = budgets(policy, pr, ram_share)
     explicit = {

@@ -13,7 +13,14 @@
   optimizer's per-shard bookkeeping and, on NVMe, the per-request latency): a tiny GPT of two
   depths trained a few steps plain and wrapped; the slope over blocks of (wrapped - plain) is
   the per-block cost, its intercept the per-step cost (:func:`measure_engine_overhead`; full
-  probe only, about a minute with a disk).
+  probe only).
+
+A full probe takes about a minute (:class:`ProbeSettings`): the compute rates are timed from the
+narrowest layer up, and a dtype stops once the next width would run past its time budget (bf16
+on a CPU without AVX512-BF16 or AMX runs ~50x slower than fp32): the widths it left out are
+named in :attr:`ProbeResult.cut_short`, and the rates it reports are all measured.
+``thorough=True`` (``infinity probe --thorough``) times every width however long it takes.
+Each stage shows a tqdm progress bar on stderr.
 
 Results are cached as JSON (``$INFINITY_CACHE_DIR`` or ``~/.cache/infinity``/probe.json) with
 the machine's identity (CPU model, RAM, GPU, torch) and, for the disk figures, the identity of
@@ -23,18 +30,21 @@ not used: the machine is measured again.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Callable, Dict, List, Optional
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+from tqdm.auto import tqdm
 
 from ..policy import nvme_path_problem
 from .machine import disk_identity, key_of, machine_identity
@@ -45,6 +55,85 @@ CACHE_VERSION = 2  # 2: engine overhead, torch AdamW rate
 # (d_model, batch, seq) of the GPT layers timed for the compute rate
 FULL_SHAPES = ((128, 4, 128), (256, 4, 128), (512, 4, 128), (1024, 4, 128), (2048, 2, 128))
 QUICK_SHAPES = ((64, 2, 64), (128, 2, 64))
+Tick = Callable[[], None]
+
+
+@dataclass(frozen=True)
+class ProbeSettings:
+    """What a probe measures, with how much data, and how long its compute timing may take.
+
+    ``fp32_budget_s``, ``bf16_budget_s``: seconds the GPT-layer timing in that dtype may take;
+    the widths are timed from the narrowest up, and a width whose projected time (its FLOPs at
+    the rate just measured, for its warm-up and timed calls) would run past the budget is left
+    out, with the wider ones (:attr:`ProbeResult.cut_short` says which, and why). None: every
+    width, however long. ``long_call_s``: a layer whose warm-up call took this long is timed
+    once more rather than ``compute_reps`` times. ``short_call_s``: a layer whose warm-up took
+    less than this is timed over about that many seconds (up to 8 calls; a median of two
+    20 ms calls on a loaded machine is mostly noise). ``overlap_bytes``: the disk transfer of
+    :func:`measure_compute_overlap` (None: not measured). ``overhead_model_s``: the seconds of
+    timed steps of each tiny GPT of :func:`measure_engine_overhead` (None: all ten)."""
+
+    quick: bool
+    shapes: Tuple[Tuple[int, int, int], ...]
+    mem_bytes: int
+    adam_numel: int
+    torch_adam_numel: int
+    transfer_bytes: int
+    disk_bytes: int
+    disk_reps: int
+    overlap_bytes: Optional[int]
+    overhead: bool  # measure_engine_overhead
+    fp32_budget_s: Optional[float]
+    bf16_budget_s: Optional[float]
+    compute_reps: int = 2
+    long_call_s: float = float("inf")
+    short_call_s: float = 0.0
+    overhead_model_s: Optional[float] = None  # measure_engine_overhead's budget_s
+
+
+FULL = ProbeSettings(
+    quick=False,
+    shapes=FULL_SHAPES,
+    mem_bytes=512 << 20,
+    adam_numel=16 << 20,
+    torch_adam_numel=16 << 20,
+    transfer_bytes=512 << 20,
+    disk_bytes=1 << 30,
+    disk_reps=3,
+    overlap_bytes=256 << 20,
+    overhead=True,
+    fp32_budget_s=20.0,
+    bf16_budget_s=15.0,
+    long_call_s=2.0,
+    short_call_s=0.3,
+    overhead_model_s=2.0,
+)
+# every width of every dtype, each timed ``compute_reps`` times after a warm-up, the compute
+# overlap on the whole 1 GiB: the full probe before the budgets (8 to 10 minutes on a 2-core
+# AVX2 CPU, most of it bf16 layers at 0.3-2 GFLOP/s)
+THOROUGH = replace(
+    FULL,
+    overlap_bytes=FULL.disk_bytes,
+    fp32_budget_s=None,
+    bf16_budget_s=None,
+    long_call_s=float("inf"),
+    short_call_s=0.0,
+    overhead_model_s=None,
+)
+QUICK = ProbeSettings(
+    quick=True,
+    shapes=QUICK_SHAPES,
+    mem_bytes=32 << 20,
+    adam_numel=1 << 20,
+    torch_adam_numel=1 << 18,
+    transfer_bytes=64 << 20,
+    disk_bytes=32 << 20,
+    disk_reps=2,
+    overlap_bytes=None,
+    overhead=False,
+    fp32_budget_s=None,  # two narrow layers: a second or two, even in a slow bf16
+    bf16_budget_s=None,
+)
 
 
 class ProbeError(RuntimeError):
@@ -95,6 +184,9 @@ class ProbeResult:
     overhead: Dict[str, Dict[str, float]] = field(default_factory=dict)
     # str(d_model) -> FLOP/s of the same layer computed in bf16 (empty: not measured)
     flops_bf16: Dict[str, float] = field(default_factory=dict)
+    # figure -> why it holds fewer widths than the probe times ("flops_bf16": the widths left
+    # out to stay in the time budget; :meth:`flops_at` takes the widest measured for them)
+    cut_short: Dict[str, str] = field(default_factory=dict)
 
     def engine_overhead(self, layout: str) -> Dict[str, float]:
         """``{"block_s", "step_s"}`` for a tier layout (``host``, ``optim_nvme``, ``nvme``):
@@ -125,6 +217,23 @@ class ProbeResult:
                 w = (math.log(d_model) - math.log(d0)) / (math.log(d1) - math.log(d0))
                 return r0 + w * (r1 - r0)
         return pts[-1][1]
+
+    def rate_caveat(self, d_model: int, dtype: torch.dtype = torch.float32) -> Optional[str]:
+        """A sentence when :meth:`flops_at` answers for this width from a narrower layer
+        because the probe cut that dtype's timing short (None otherwise)."""
+        bf16 = dtype in (torch.bfloat16, torch.float16) and bool(self.flops_bf16)
+        key = "flops_bf16" if bf16 else "flops"
+        table = self.flops_bf16 if bf16 else self.flops
+        widest = max((int(k) for k in table), default=0)
+        if key not in self.cut_short or d_model <= widest:
+            return None
+        name = "bf16" if bf16 else "fp32"
+        return (
+            f"compute at the probe's {name} rate for d_model {widest}, the widest it timed in "
+            f"its time budget ({_fmt_rate(table[str(widest)], 'FLOP/s')}); a layer of "
+            f"{d_model} may run at another rate: --calibrate times this shape, "
+            "`infinity probe --thorough` every width"
+        )
 
     def to_json(self) -> Dict[str, Any]:
         return asdict(self)
@@ -218,12 +327,18 @@ OVERHEAD_LAYOUTS = {
 
 
 def _tiny_step_s(
-    n_layers: int, layout: Optional[str], nvme_path: Optional[str], warmup: int, steps: int
+    n_layers: int,
+    layout: Optional[str],
+    nvme_path: Optional[str],
+    warmup: int,
+    steps: int,
+    budget_s: Optional[float] = None,
 ) -> float:
     """Seconds of the fastest training step (forward, backward, optimizer step, zero_grad) of a
     d_model=64 GPT, plain PyTorch (``layout`` None) or wrapped with a tier layout (an engine
     built from a policy with every tier given, as ``infinity.wrap`` builds it when nothing is
-    left to the planner)."""
+    left to the planner). ``budget_s``: the timed steps stop once they took this long (at
+    least two are timed; a busy disk makes each step slow, not the fastest one)."""
     from ..models import GPTConfig, TinyGPT, lm_loss
     from ..optim import AdamW
     from ..policy import OffloadPolicy
@@ -253,9 +368,11 @@ def _tiny_step_s(
         )
         opt = AdamW(model.parameters(), lr=1e-4)
     x = torch.randint(0, cfg.vocab_size, (1, 16), device=device)
-    times = []
+    times: List[float] = []
     try:
         for i in range(warmup + steps):
+            if budget_s is not None and len(times) >= 2 and sum(times) >= budget_s:
+                break
             t0 = time.perf_counter()
             lm_loss(model(x), x).backward()
             opt.step()
@@ -272,24 +389,36 @@ def _tiny_step_s(
 
 
 def measure_engine_overhead(
-    layouts, nvme_path: Optional[str] = None, quick: bool = False, depths=OVERHEAD_DEPTHS
+    layouts: Sequence[str],
+    nvme_path: Optional[str] = None,
+    quick: bool = False,
+    depths: Tuple[int, int] = OVERHEAD_DEPTHS,
+    tick: Optional[Tick] = None,
+    budget_s: Optional[float] = None,
 ) -> Dict[str, Dict[str, float]]:
     """For each tier layout: the seconds the engine adds to a plain PyTorch training step,
     per block (``block_s``) and per step (``step_s``), from two tiny GPTs (d_model 64, 2 and 10
     layers: 3 and 11 blocks) whose compute is negligible. ``nvme_path``: a directory on the
-    disk to measure (a scratch folder is made in it and removed)."""
+    disk to measure (a scratch folder is made in it and removed). ``tick``: called after each
+    of the ``2 * (1 + len(layouts))`` timed models. ``budget_s``: the seconds of timed steps
+    of each model (its warm-up aside), at least two steps (None: all of them)."""
     warmup, steps = (1, 3) if quick else (3, 10)
     d0, d1 = depths
-    plain = {d: _tiny_step_s(d, None, None, warmup, steps) for d in (d0, d1)}
+    tick = tick or (lambda: None)
+    plain: Dict[int, float] = {}
+    for d in (d0, d1):
+        plain[d] = _tiny_step_s(d, None, None, warmup, steps, budget_s)
+        tick()
     out: Dict[str, Dict[str, float]] = {}
     scratch = (
         tempfile.mkdtemp(prefix=".infinity-probe-engine-", dir=nvme_path) if nvme_path else None
     )
     try:
         for layout in layouts:
-            extra = {
-                d: _tiny_step_s(d, layout, scratch, warmup, steps) - plain[d] for d in (d0, d1)
-            }
+            extra: Dict[int, float] = {}
+            for d in (d0, d1):
+                extra[d] = _tiny_step_s(d, layout, scratch, warmup, steps, budget_s) - plain[d]
+                tick()
             block = max(0.0, (extra[d1] - extra[d0]) / (d1 - d0))
             out[layout] = {"block_s": block, "step_s": max(0.0, extra[d0] - (d0 + 1) * block)}
     finally:
@@ -305,28 +434,122 @@ def layer_flops(d_model: int, tokens: int, seq: int) -> float:
     return 6.0 * params * tokens + 12.0 * tokens * seq * d_model
 
 
+@dataclass(frozen=True)
+class ComputeRates:
+    """:func:`measure_compute_budgeted`'s answer: the rates it measured, str(d_model) ->
+    FLOP/s, and, when it left widths out, why (None: every width was timed)."""
+
+    rates: Dict[str, float]
+    cut_short: Optional[str] = None
+
+
 def measure_compute(
-    shapes, device: torch.device, reps: int = 2, dtype: torch.dtype = torch.float32
+    shapes: Sequence[Tuple[int, int, int]],
+    device: torch.device,
+    reps: int = 2,
+    dtype: torch.dtype = torch.float32,
 ) -> Dict[str, float]:
     """FLOP/s of one GPT layer's forward + backward at each (d_model, batch, seq), with its
-    weights and activations in ``dtype``."""
+    weights and activations in ``dtype``; every shape, however long it takes."""
+    return measure_compute_budgeted(shapes, device, reps=reps, dtype=dtype).rates
+
+
+def time_layer(
+    d_model: int,
+    batch: int,
+    seq: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    reps: int = 2,
+    long_call_s: float = float("inf"),
+    short_call_s: float = 0.0,
+) -> float:
+    """Seconds of one forward + backward of a GPT layer of width ``d_model`` on a
+    (batch, seq) input, its weights and activations in ``dtype``: the median of ``reps`` calls
+    after a warm-up; one call after the warm-up when the warm-up took ``long_call_s`` or more;
+    as many as fill ``short_call_s`` (at most 8) when that is more than ``reps``."""
     from ..models import Block, GPTConfig
 
+    cfg = GPTConfig(d_model=d_model, n_heads=max(1, d_model // 64), max_seq=seq)
+    layer = Block(cfg).to(device=device, dtype=dtype)
+    x = torch.randn(batch, seq, d_model, device=device, dtype=dtype, requires_grad=True)
+
+    def step() -> None:
+        layer(x).sum().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    t0 = time.perf_counter()
+    step()
+    warm = time.perf_counter() - t0
+    if warm >= long_call_s:
+        return _median_time(step, 1, warmup=0)
+    return _median_time(step, max(reps, min(8, int(short_call_s / max(warm, 1e-6)))), warmup=0)
+
+
+def measure_compute_budgeted(
+    shapes: Sequence[Tuple[int, int, int]],
+    device: torch.device,
+    reps: int = 2,
+    dtype: torch.dtype = torch.float32,
+    budget_s: Optional[float] = None,
+    long_call_s: float = float("inf"),
+    reference: Optional[Dict[str, float]] = None,
+    tick: Optional[Tick] = None,
+    short_call_s: float = 0.0,
+    margin: float = 1.25,
+) -> ComputeRates:
+    """FLOP/s of one GPT layer's forward + backward at each (d_model, batch, seq), narrowest
+    first, with its weights and activations in ``dtype``. ``budget_s``: a width whose projected
+    time (its FLOPs at the rate of the width before, for a warm-up and its timed calls, times
+    ``margin``: a wider layer can run at a lower rate, as bf16 does on AVX2) would take this
+    dtype past ``budget_s`` seconds is not timed, nor any after it (the first width always
+    is); the answer then says which were left out and why. ``reference``: the fp32
+    rates, to say how far below them a slow dtype runs. ``tick``: called after each width."""
+    ordered = sorted(shapes)
     out: Dict[str, float] = {}
-    for d, batch, seq in shapes:
-        cfg = GPTConfig(d_model=d, n_heads=max(1, d // 64), max_seq=seq)
-        layer = Block(cfg).to(device=device, dtype=dtype)
-        x = torch.randn(batch, seq, d, device=device, dtype=dtype, requires_grad=True)
+    start = time.perf_counter()
+    for i, (d, batch, seq) in enumerate(ordered):
+        flop = layer_flops(d, batch * seq, seq)
+        if budget_s is not None and out:
+            last_d = ordered[i - 1][0]
+            one = flop / out[str(last_d)]
+            calls = 2 if one >= long_call_s else 1 + reps
+            spent = time.perf_counter() - start
+            if spent + margin * calls * one > budget_s:
+                return ComputeRates(
+                    out, _cut_note(dtype, ordered[i:], out, last_d, spent, budget_s, reference)
+                )
+        out[str(d)] = flop / time_layer(
+            d, batch, seq, device, dtype, reps, long_call_s, short_call_s
+        )
+        if tick is not None:
+            tick()
+    return ComputeRates(out)
 
-        def step() -> None:
-            layer(x).sum().backward()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
 
-        t = _median_time(step, reps)
-        out[str(d)] = layer_flops(d, batch * seq, seq) / t
-
-    return out
+def _cut_note(
+    dtype: torch.dtype,
+    left: Sequence[Tuple[int, int, int]],
+    rates: Dict[str, float],
+    last_d: int,
+    spent: float,
+    budget_s: float,
+    reference: Optional[Dict[str, float]],
+) -> str:
+    rate = rates[str(last_d)]
+    rest = sum(layer_flops(d, b * s, s) for d, b, s in left) / rate
+    dt = str(dtype).replace("torch.", "")
+    note = (
+        f"{dt} layers of d_model {', '.join(str(d) for d, _, _ in left)} not timed: one "
+        f"forward+backward of each takes ~{rest:.0f} s in all at d={last_d}'s rate "
+        f"({_fmt_rate(rate, 'FLOP/s')}), past the {budget_s:.0f} s budget "
+        f"({spent:.0f} s spent)"
+    )
+    ref = (reference or {}).get(str(last_d))
+    if ref:
+        note += f"; {dt} runs at {rate / ref:.0%} of fp32's rate at d={last_d}"
+    return note + f"; wider layers take d={last_d}'s rate (`infinity probe --thorough` times all)"
 
 
 def measure_gpt_parts(
@@ -402,12 +625,22 @@ def _check_dir(path: str) -> None:
         )
 
 
-def measure_disk(path: str, nbytes: int, reps: int = 3, overlap: bool = True) -> DiskProbe:
+def measure_disk(
+    path: str,
+    nbytes: int,
+    reps: int = 3,
+    overlap: bool = True,
+    tick: Optional[Tick] = None,
+    overlap_bytes: Optional[int] = None,
+) -> DiskProbe:
     """O_DIRECT write (an overwrite of an allocated file, as the swap extents are rewritten)
     and read of ``nbytes`` in one request each (the I/O engine splits it across its workers);
-    ``overlap``: also :func:`measure_compute_overlap` (left out of a quick probe)."""
+    ``overlap``: also :func:`measure_compute_overlap` (left out of a quick probe), on the first
+    ``overlap_bytes`` (None: all ``nbytes``). ``tick``: called after the write, the read, the
+    latency and the overlap (when measured)."""
     from .. import io as inf_io
 
+    tick = tick or (lambda: None)
     _check_dir(path)
     free = shutil.disk_usage(path).free
     nbytes = max(inf_io.ALIGNMENT, min(nbytes, (free // 4) // inf_io.ALIGNMENT * inf_io.ALIGNMENT))
@@ -420,13 +653,21 @@ def measure_disk(path: str, nbytes: int, reps: int = 3, overlap: bool = True) ->
             direct = fh.direct
             fh.allocate(nbytes)
             write = _median_time(lambda: fh.pwrite(buf).wait(), reps)
+            tick()
             read = _median_time(lambda: fh.pread(buf).wait(), reps)
+            tick()
             small = buf[: inf_io.ALIGNMENT]
             latency = 0.5 * (
                 _median_time(lambda: fh.pwrite(small).wait(), 5)
                 + _median_time(lambda: fh.pread(small).wait(), 5)
             )
-            hidden = measure_compute_overlap(fh, buf, reps) if overlap else None
+            tick()
+            part = buf[
+                : min(nbytes, overlap_bytes or nbytes) // inf_io.ALIGNMENT * inf_io.ALIGNMENT
+            ]
+            hidden = measure_compute_overlap(fh, part, reps) if overlap else None
+            if overlap:
+                tick()
     finally:
         os.unlink(name)
     return DiskProbe(
@@ -507,17 +748,83 @@ def _save_cache(path: str, data: Dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+@contextlib.contextmanager
+def _stage(desc: str, total: int, progress: Optional[bool]) -> Iterator[Any]:
+    """A tqdm bar on stderr for one stage of the probe (``progress`` False: none); its time
+    is logged (INFO)."""
+    t0 = time.perf_counter()
+    with tqdm(
+        total=total,
+        desc=f"infinity probe: {desc}",
+        unit="step",
+        leave=False,
+        file=sys.stderr,
+        disable=not progress,
+        bar_format="{desc}: {n_fmt}/{total_fmt} [{elapsed}{postfix}]",
+    ) as bar:
+        yield bar
+    logger.info("infinity.probe: %s took %.1f s", desc, time.perf_counter() - t0)
+
+
+def _settings(quick: bool, thorough: bool) -> ProbeSettings:
+    if quick and thorough:
+        raise ValueError("infinity.probe: quick and thorough exclude each other; pass one")
+    return QUICK if quick else THOROUGH if thorough else FULL
+
+
+def _duration(settings: ProbeSettings, disk: bool) -> str:
+    if settings.quick:
+        return "a few seconds"
+    if settings.fp32_budget_s is None or settings.bf16_budget_s is None:
+        return "minutes: every layer width in fp32 and bf16, however slow"
+    return "about half a minute" + (", and half a minute more for the disk" if disk else "")
+
+
+def _announce(who: Optional[str], what: str, settings: ProbeSettings, disk: bool) -> None:
+    """Says that a probe starts: a warning when ``who`` (estimate, the planner) started it
+    without being asked to probe, a log line otherwise."""
+    kind = "a quick probe" if settings.quick else "a full probe"
+    msg = f"{who or 'infinity.probe'}: {what}; measuring it now with {kind} ({_duration(settings, disk)})"
+    if who is None:
+        logger.info("%s", msg)
+        return
+    if settings.quick:
+        msg += (
+            ": small buffers and layers (d_model <= 128), no engine overhead timing: its "
+            "compute rates are those of narrow layers (a wide model's compute predicted up to "
+            "a few times too slow on a CPU) and its disk rates from 32 MiB transfers"
+        )
+    logger.warning(
+        "%s; `infinity probe%s` measures it ahead, once per machine",
+        msg,
+        " --nvme-path DIR" if disk else "",
+    )
+
+
 def probe(
     nvme_path: Optional[str] = None,
     *,
     quick: bool = False,
     refresh: bool = False,
     cache: Optional[str] = None,
+    thorough: bool = False,
+    progress: Optional[bool] = None,
+    announce: Optional[str] = None,
 ) -> ProbeResult:
     """Measures this machine (or returns the cached figures for it) and, when ``nvme_path`` is
     given, the disk behind it. ``quick``: small buffers, a few seconds (a cached full probe is
-    also accepted). ``refresh``: measure again even when cached. ``cache``: the JSON file
-    (default :func:`cache_path`; ``""`` disables caching)."""
+    also accepted). A full probe takes about a minute: each dtype's layer timing stops at its
+    time budget (:class:`ProbeSettings`; :attr:`ProbeResult.cut_short` says what was left
+    out); ``thorough``: time every width however long (minutes on a CPU without fast bf16).
+    ``refresh``: measure again even when cached. ``cache``: the JSON file (default
+    :func:`cache_path`; ``""`` disables caching). ``progress``: a tqdm bar per stage on stderr
+    (None: for a full probe, not a quick one). ``announce``: who asks (e.g. ``"infinity
+    estimate"``) when the caller did not ask for a probe: a measurement then starts with a
+    warning saying so, how long it takes and, for a quick one, how rough it is."""
+    settings = _settings(quick, thorough)
+    if nvme_path is not None:
+        _check_dir(nvme_path)  # a wrong path is said before a minute of measuring, not after
+    show = (not quick) if progress is None else progress
     cache = cache_path() if cache is None else cache
     ident = machine_identity()
     data = _load_cache(cache) if cache else {}
@@ -534,10 +841,17 @@ def probe(
             data = {}
         else:
             cached = data.get("machine")
-            if cached and (quick or not cached.get("quick")):
+            if cached and (quick or not cached.get("quick")) and not thorough:
                 machine = cached
                 if "flops_bf16" not in machine:  # a cache from before bf16 was measured
-                    machine["flops_bf16"] = _measure_bf16(machine.get("quick", quick))
+                    old = QUICK if machine.get("quick", quick) else FULL
+                    bf16 = _measure_bf16(old, machine.get("flops", {}), show)
+                    machine["flops_bf16"] = bf16.rates
+                    if bf16.cut_short:
+                        machine["cut_short"] = {
+                            **machine.get("cut_short", {}),
+                            "flops_bf16": bf16.cut_short,
+                        }
                     data["machine"] = machine
     if not data:
         data = {
@@ -548,11 +862,17 @@ def probe(
         }
     from_cache = machine is not None
     if machine is None:
-        machine = _measure_machine(quick)
+        _announce(
+            announce,
+            "no probe of this machine is cached" + (f" in {cache}" if cache else ""),
+            settings,
+            nvme_path is not None,
+        )
+        machine = _measure_machine(settings, show)
         data["machine"] = machine
     disk = None
     if nvme_path is not None:
-        disk = _disk(nvme_path, quick, refresh, data, notes)
+        disk = _disk(nvme_path, settings, refresh, data, notes, show, announce, from_cache)
         from_cache = from_cache and disk.identity.get("cached", False)
     if cache:
         try:
@@ -574,14 +894,21 @@ def probe(
 
 
 def _disk(
-    path: str, quick: bool, refresh: bool, data: Dict[str, Any], notes: List[str]
+    path: str,
+    settings: ProbeSettings,
+    refresh: bool,
+    data: Dict[str, Any],
+    notes: List[str],
+    show: bool,
+    announce: Optional[str],
+    machine_cached: bool,
 ) -> DiskProbe:
     _check_dir(path)
     ident = disk_identity(path)
     key = key_of(ident)
     cached = data.get("disks", {}).get(key)
     free = shutil.disk_usage(path).free
-    if cached and not refresh and (quick or not cached.get("quick")):
+    if cached and not refresh and (settings.quick or not cached.get("quick")):
         return DiskProbe(
             path=os.path.abspath(path),
             identity={**ident, "cached": True},
@@ -594,14 +921,28 @@ def _disk(
             latency_s=cached.get("latency_s"),
             compute_overlap=cached.get("compute_overlap"),
         )
-    result = measure_disk(
-        path, (32 << 20) if quick else (1 << 30), reps=2 if quick else 3, overlap=not quick
-    )
-    overhead = {} if quick else measure_engine_overhead(["optim_nvme", "nvme"], nvme_path=path)
+    if machine_cached:  # else the machine's announcement said the disk comes next
+        _announce(announce, f"no probe of the disk behind {path} is cached", settings, True)
+    with _stage("swap disk", 3 if settings.overlap_bytes is None else 4, show) as bar:
+        result = measure_disk(
+            path,
+            settings.disk_bytes,
+            reps=settings.disk_reps,
+            overlap=settings.overlap_bytes is not None,
+            tick=bar.update,
+            overlap_bytes=settings.overlap_bytes,
+        )
+    overhead: Dict[str, Dict[str, float]] = {}
+    if settings.overhead:
+        layouts = ["optim_nvme", "nvme"]
+        with _stage("engine overhead with the disk", 2 * (1 + len(layouts)), show) as bar:
+            overhead = measure_engine_overhead(
+                layouts, nvme_path=path, tick=bar.update, budget_s=settings.overhead_model_s
+            )
     result = DiskProbe(**{**asdict(result), "overhead": overhead})
     data.setdefault("disks", {})[key] = {
         "identity": ident,
-        "quick": quick,
+        "quick": settings.quick,
         "direct": result.direct,
         "read_bps": result.read_bps,
         "write_bps": result.write_bps,
@@ -615,48 +956,88 @@ def _disk(
     return result
 
 
-def _measure_bf16(quick: bool) -> Dict[str, float]:
+def _measure_bf16(settings: ProbeSettings, fp32: Dict[str, float], show: bool) -> ComputeRates:
     """The layer's FLOP rate in bf16 (CPUs with AMX or AVX512-BF16 run it several times
-    faster than fp32, others several times slower)."""
+    faster than fp32, others many times slower: then the budget cuts it short)."""
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return measure_compute(QUICK_SHAPES if quick else FULL_SHAPES, dev, dtype=torch.bfloat16)
+    with _stage("GPT layer bf16", len(settings.shapes), show) as bar:
+        got = measure_compute_budgeted(
+            settings.shapes,
+            dev,
+            reps=settings.compute_reps,
+            dtype=torch.bfloat16,
+            budget_s=settings.bf16_budget_s,
+            long_call_s=settings.long_call_s,
+            reference=fp32,
+            tick=bar.update,
+            short_call_s=settings.short_call_s,
+        )
+        if got.cut_short:
+            bar.total = bar.n
+            bar.set_postfix_str("cut short: past its time budget")
+    return got
 
 
-def _measure_machine(quick: bool) -> Dict[str, Any]:
+def _measure_machine(settings: ProbeSettings, show: bool = False) -> Dict[str, Any]:
     t0 = time.perf_counter()
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
-    adam = measure_adam((1 << 20) if quick else (16 << 20))
-    out: Dict[str, Any] = {
-        "quick": quick,
-        "measured_at": time.time(),
-        "mem_bps": measure_memory((32 << 20) if quick else (512 << 20)),
-        "adam_params_per_s": adam["fp32"],
-        "adam8_params_per_s": adam["8bit"],
-        "device": dev.type,
-        "flops": measure_compute(QUICK_SHAPES if quick else FULL_SHAPES, dev),
-        "flops_bf16": _measure_bf16(quick),
-        "torch_adam_params_per_s": measure_torch_adam((1 << 18) if quick else (16 << 20)),
-        # a quick probe leaves the engine's fixed costs out (tens of seconds on a loaded
-        # 2-core machine); the estimates then assume BLOCK_OVERHEAD_S per block
-        "overhead": {} if quick else measure_engine_overhead(["host"]),
-    }
-    if cuda:
-        out.update(
-            {
-                f"{k}_bps": v
-                for k, v in measure_transfers((64 << 20) if quick else (512 << 20)).items()
-            }
+    out: Dict[str, Any] = {"quick": settings.quick, "measured_at": time.time()}
+    with _stage("memory and optimizers", 3, show) as bar:
+        out["mem_bps"] = measure_memory(settings.mem_bytes)
+        bar.update()
+        adam = measure_adam(settings.adam_numel)
+        out["adam_params_per_s"] = adam["fp32"]
+        out["adam8_params_per_s"] = adam["8bit"]
+        bar.update()
+        out["torch_adam_params_per_s"] = measure_torch_adam(settings.torch_adam_numel)
+        bar.update()
+    out["device"] = dev.type
+    cut: Dict[str, str] = {}
+    with _stage("GPT layer fp32", len(settings.shapes), show) as bar:
+        fp32 = measure_compute_budgeted(
+            settings.shapes,
+            dev,
+            reps=settings.compute_reps,
+            budget_s=settings.fp32_budget_s,
+            long_call_s=settings.long_call_s,
+            tick=bar.update,
+            short_call_s=settings.short_call_s,
         )
-        out["device_memory_bytes"] = int(torch.cuda.get_device_properties(0).total_memory)
-        x = torch.ones((256 << 20) // 4, device=dev)
+    out["flops"] = fp32.rates
+    if fp32.cut_short:
+        cut["flops"] = fp32.cut_short
+    bf16 = _measure_bf16(settings, fp32.rates, show)
+    out["flops_bf16"] = bf16.rates
+    if bf16.cut_short:
+        cut["flops_bf16"] = bf16.cut_short
+    out["cut_short"] = cut
+    # a quick probe leaves the engine's fixed costs out (tens of seconds on a loaded 2-core
+    # machine); the estimates then assume BLOCK_OVERHEAD_S per block
+    out["overhead"] = {}
+    if settings.overhead:
+        with _stage("engine overhead", 4, show) as bar:
+            out["overhead"] = measure_engine_overhead(
+                ["host"], tick=bar.update, budget_s=settings.overhead_model_s
+            )
+    if cuda:
+        with _stage("host<->device", 2, show) as bar:
+            out.update(
+                {f"{k}_bps": v for k, v in measure_transfers(settings.transfer_bytes).items()}
+            )
+            bar.update()
+            out["device_memory_bytes"] = int(torch.cuda.get_device_properties(0).total_memory)
+            x = torch.ones((256 << 20) // 4, device=dev)
 
-        def update() -> None:
-            x.mul_(1.0000001)
-            torch.cuda.synchronize()
+            def update() -> None:
+                x.mul_(1.0000001)
+                torch.cuda.synchronize()
 
-        out["device_mem_bps"] = 2 * x.numel() * 4 / _median_time(update, 5)
-        del x
+            out["device_mem_bps"] = 2 * x.numel() * 4 / _median_time(update, 5)
+            del x
+            bar.update()
+    for what, why in cut.items():
+        logger.info("infinity.probe: %s cut short: %s", what, why)
     logger.info("infinity.probe: measured the machine in %.1f s", time.perf_counter() - t0)
     return out
 
@@ -744,5 +1125,6 @@ def format_probe(r: ProbeResult) -> str:
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
     lines.append(f"({'cached' if r.from_cache else 'measured'}{', quick' if r.quick else ''})")
+    lines += [f"cut short: {why}" for why in r.cut_short.values()]
     lines += [f"note: {n}" for n in r.notes]
     return "\n".join(lines) + "\n"
