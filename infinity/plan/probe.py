@@ -70,8 +70,7 @@ class ProbeSettings:
     once more rather than ``compute_reps`` times. ``short_call_s``: a layer whose warm-up took
     less than this is timed over about that many seconds (up to 8 calls; a median of two
     20 ms calls on a loaded machine is mostly noise). ``overlap_bytes``: the disk transfer of
-    :func:`measure_compute_overlap` (None: not measured). ``overhead_model_s``: the seconds of
-    timed steps of each tiny GPT of :func:`measure_engine_overhead` (None: all ten).
+    :func:`measure_compute_overlap` (None: not measured).
     ``overlap_reps``: the timed calls of each phase of :func:`measure_compute_overlap`, the
     disk phase alone warmed up (None: ``disk_reps``, each phase warmed up)."""
 
@@ -90,7 +89,6 @@ class ProbeSettings:
     compute_reps: int = 2
     long_call_s: float = float("inf")
     short_call_s: float = 0.0
-    overhead_model_s: Optional[float] = None  # measure_engine_overhead's budget_s
     overlap_reps: Optional[int] = None  # measure_disk's
 
 
@@ -111,11 +109,10 @@ FULL = ProbeSettings(
     bf16_budget_s=15.0,
     long_call_s=2.0,
     short_call_s=0.3,
-    overhead_model_s=1.0,
     overlap_reps=2,
 )
-# every width of every dtype, each timed ``compute_reps`` times after a warm-up, every tiny GPT
-# step of the engine overhead: the full probe before the budgets (8 to 10 minutes on a 2-core
+# every width of every dtype, each timed ``compute_reps`` times after a warm-up, the compute
+# overlap's phases each warmed up and timed three times: the full probe before the budgets (8 to 10 minutes on a 2-core
 # AVX2 CPU, most of it bf16 layers at 0.3-2 GFLOP/s)
 THOROUGH = replace(
     FULL,
@@ -123,7 +120,6 @@ THOROUGH = replace(
     bf16_budget_s=None,
     long_call_s=float("inf"),
     short_call_s=0.0,
-    overhead_model_s=None,
     overlap_reps=None,
 )
 QUICK = ProbeSettings(
@@ -338,13 +334,11 @@ def _tiny_step_s(
     nvme_path: Optional[str],
     warmup: int,
     steps: int,
-    budget_s: Optional[float] = None,
 ) -> float:
     """Seconds of the fastest training step (forward, backward, optimizer step, zero_grad) of a
     d_model=64 GPT, plain PyTorch (``layout`` None) or wrapped with a tier layout (an engine
     built from a policy with every tier given, as ``infinity.wrap`` builds it when nothing is
-    left to the planner). ``budget_s``: the timed steps stop once they took this long (at
-    least two are timed; a busy disk makes each step slow, not the fastest one)."""
+    left to the planner)."""
     from ..models import GPTConfig, TinyGPT, lm_loss
     from ..optim import AdamW
     from ..policy import OffloadPolicy
@@ -377,8 +371,6 @@ def _tiny_step_s(
     times: List[float] = []
     try:
         for i in range(warmup + steps):
-            if budget_s is not None and len(times) >= 2 and sum(times) >= budget_s:
-                break
             t0 = time.perf_counter()
             lm_loss(model(x), x).backward()
             opt.step()
@@ -400,15 +392,13 @@ def measure_engine_overhead(
     quick: bool = False,
     depths: Tuple[int, int] = OVERHEAD_DEPTHS,
     tick: Optional[Tick] = None,
-    budget_s: Optional[float] = None,
     plain: Optional[Dict[int, float]] = None,
 ) -> Dict[str, Dict[str, float]]:
     """For each tier layout: the seconds the engine adds to a plain PyTorch training step,
     per block (``block_s``) and per step (``step_s``), from two tiny GPTs (d_model 64, 2 and 10
     layers: 3 and 11 blocks) whose compute is negligible. ``nvme_path``: a directory on the
     disk to measure (a scratch folder is made in it and removed). ``tick``: called after each
-    of the timed models. ``budget_s``: the seconds of timed steps of each model (its warm-up
-    aside), at least two steps (None: all of them). ``plain``: depth -> the plain model's step
+    of the timed models. ``plain``: depth -> the plain model's step
     seconds, timed by an earlier call of this probe: those depths are not timed again, the
     others are and are added to it."""
     warmup, steps = (1, 3) if quick else (3, 10)
@@ -417,7 +407,7 @@ def measure_engine_overhead(
     plain = {} if plain is None else plain
     for d in (d0, d1):
         if d not in plain:
-            plain[d] = _tiny_step_s(d, None, None, warmup, steps, budget_s)
+            plain[d] = _tiny_step_s(d, None, None, warmup, steps)
             tick()
     out: Dict[str, Dict[str, float]] = {}
     scratch = (
@@ -427,7 +417,7 @@ def measure_engine_overhead(
         for layout in layouts:
             extra: Dict[int, float] = {}
             for d in (d0, d1):
-                extra[d] = _tiny_step_s(d, layout, scratch, warmup, steps, budget_s) - plain[d]
+                extra[d] = _tiny_step_s(d, layout, scratch, warmup, steps) - plain[d]
                 tick()
             block = max(0.0, (extra[d1] - extra[d0]) / (d1 - d0))
             out[layout] = {"block_s": block, "step_s": max(0.0, extra[d0] - (d0 + 1) * block)}
@@ -965,7 +955,6 @@ def _disk(
                 layouts,
                 nvme_path=path,
                 tick=bar.update,
-                budget_s=settings.overhead_model_s,
                 plain=plain,
             )
     result = DiskProbe(**{**asdict(result), "overhead": overhead})
@@ -1050,9 +1039,7 @@ def _measure_machine(
     out["overhead"] = {}
     if settings.overhead:
         with _stage("engine overhead", 4, show) as bar:
-            out["overhead"] = measure_engine_overhead(
-                ["host"], tick=bar.update, budget_s=settings.overhead_model_s, plain=plain
-            )
+            out["overhead"] = measure_engine_overhead(["host"], tick=bar.update, plain=plain)
     if cuda:
         with _stage("host<->device", 2, show) as bar:
             out.update(

@@ -106,26 +106,10 @@ def test_long_calls_are_timed_once_short_ones_more_often(monkeypatch):
     assert calls == [3, 1, 8]
 
 
-def test_the_engine_overhead_models_stop_at_their_budget(monkeypatch):
-    steps = []
-    real = torch.optim.AdamW.step
-
-    def counted(self, *a, **k):
-        steps.append(1)
-        return real(self, *a, **k)
-
-    monkeypatch.setattr(torch.optim.AdamW, "step", counted)
-    probe_mod._tiny_step_s(1, None, None, warmup=1, steps=50, budget_s=0.0)
-    assert len(steps) == 3  # the warm-up and the two timed steps every model gets
-    steps.clear()
-    probe_mod._tiny_step_s(1, None, None, warmup=1, steps=5, budget_s=None)
-    assert len(steps) == 6
-
-
 def test_the_disk_layouts_reuse_the_plain_models_timed_for_the_machine(monkeypatch):
     timed = []
 
-    def step_s(n_layers, layout, nvme_path, warmup, steps, budget_s=None):
+    def step_s(n_layers, layout, nvme_path, warmup, steps):
         timed.append((n_layers, layout))
         return 0.01 * n_layers + (0.002 * (n_layers + 1) if layout else 0.0)
 
