@@ -61,7 +61,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     bench_cli.add_probe(
         sub.add_parser(
-            "probe", help="measure this machine: memory, host<->device, swap disk, CPU Adam"
+            "probe",
+            help="measure this machine (under a minute, then cached): memory, host<->device, "
+            "swap disk, CPU Adam, compute rates",
         )
     )
     bench_cli.add_estimate(

@@ -15,8 +15,8 @@
   the per-block cost, its intercept the per-step cost (:func:`measure_engine_overhead`; full
   probe only).
 
-A full probe takes about a minute (:class:`ProbeSettings`): the compute rates are timed from the
-narrowest layer up, and a dtype stops once the next width would run past its time budget (bf16
+A full probe takes under a minute with a disk, half that without (:class:`ProbeSettings`): the
+compute rates are timed from the narrowest layer up, and a dtype stops once the next width would run past its time budget (bf16
 on a CPU without AVX512-BF16 or AMX runs ~50x slower than fp32): the widths it left out are
 named in :attr:`ProbeResult.cut_short`, and the rates it reports are all measured.
 ``thorough=True`` (``infinity probe --thorough``) times every width however long it takes.
@@ -70,8 +70,9 @@ class ProbeSettings:
     once more rather than ``compute_reps`` times. ``short_call_s``: a layer whose warm-up took
     less than this is timed over about that many seconds (up to 8 calls; a median of two
     20 ms calls on a loaded machine is mostly noise). ``overlap_bytes``: the disk transfer of
-    :func:`measure_compute_overlap` (None: not measured). ``overhead_model_s``: the seconds of
-    timed steps of each tiny GPT of :func:`measure_engine_overhead` (None: all ten)."""
+    :func:`measure_compute_overlap` (None: not measured).
+    ``overlap_reps``: the timed calls of each phase of :func:`measure_compute_overlap`, the
+    disk phase alone warmed up (None: ``disk_reps``, each phase warmed up)."""
 
     quick: bool
     shapes: Tuple[Tuple[int, int, int], ...]
@@ -88,7 +89,7 @@ class ProbeSettings:
     compute_reps: int = 2
     long_call_s: float = float("inf")
     short_call_s: float = 0.0
-    overhead_model_s: Optional[float] = None  # measure_engine_overhead's budget_s
+    overlap_reps: Optional[int] = None  # measure_disk's
 
 
 FULL = ProbeSettings(
@@ -100,25 +101,26 @@ FULL = ProbeSettings(
     transfer_bytes=512 << 20,
     disk_bytes=1 << 30,
     disk_reps=3,
-    overlap_bytes=256 << 20,
+    # on all of the 1 GiB: with 256 MiB the share hidden came out 0.03-0.26 against 0.30-1.0
+    # with 1 GiB, in the same rounds
+    overlap_bytes=1 << 30,
     overhead=True,
     fp32_budget_s=20.0,
     bf16_budget_s=15.0,
     long_call_s=2.0,
     short_call_s=0.3,
-    overhead_model_s=2.0,
+    overlap_reps=2,
 )
 # every width of every dtype, each timed ``compute_reps`` times after a warm-up, the compute
-# overlap on the whole 1 GiB: the full probe before the budgets (8 to 10 minutes on a 2-core
+# overlap's phases each warmed up and timed three times: the full probe before the budgets (8 to 10 minutes on a 2-core
 # AVX2 CPU, most of it bf16 layers at 0.3-2 GFLOP/s)
 THOROUGH = replace(
     FULL,
-    overlap_bytes=FULL.disk_bytes,
     fp32_budget_s=None,
     bf16_budget_s=None,
     long_call_s=float("inf"),
     short_call_s=0.0,
-    overhead_model_s=None,
+    overlap_reps=None,
 )
 QUICK = ProbeSettings(
     quick=True,
@@ -332,13 +334,11 @@ def _tiny_step_s(
     nvme_path: Optional[str],
     warmup: int,
     steps: int,
-    budget_s: Optional[float] = None,
 ) -> float:
     """Seconds of the fastest training step (forward, backward, optimizer step, zero_grad) of a
     d_model=64 GPT, plain PyTorch (``layout`` None) or wrapped with a tier layout (an engine
     built from a policy with every tier given, as ``infinity.wrap`` builds it when nothing is
-    left to the planner). ``budget_s``: the timed steps stop once they took this long (at
-    least two are timed; a busy disk makes each step slow, not the fastest one)."""
+    left to the planner)."""
     from ..models import GPTConfig, TinyGPT, lm_loss
     from ..optim import AdamW
     from ..policy import OffloadPolicy
@@ -371,8 +371,6 @@ def _tiny_step_s(
     times: List[float] = []
     try:
         for i in range(warmup + steps):
-            if budget_s is not None and len(times) >= 2 and sum(times) >= budget_s:
-                break
             t0 = time.perf_counter()
             lm_loss(model(x), x).backward()
             opt.step()
@@ -394,21 +392,23 @@ def measure_engine_overhead(
     quick: bool = False,
     depths: Tuple[int, int] = OVERHEAD_DEPTHS,
     tick: Optional[Tick] = None,
-    budget_s: Optional[float] = None,
+    plain: Optional[Dict[int, float]] = None,
 ) -> Dict[str, Dict[str, float]]:
     """For each tier layout: the seconds the engine adds to a plain PyTorch training step,
     per block (``block_s``) and per step (``step_s``), from two tiny GPTs (d_model 64, 2 and 10
     layers: 3 and 11 blocks) whose compute is negligible. ``nvme_path``: a directory on the
     disk to measure (a scratch folder is made in it and removed). ``tick``: called after each
-    of the ``2 * (1 + len(layouts))`` timed models. ``budget_s``: the seconds of timed steps
-    of each model (its warm-up aside), at least two steps (None: all of them)."""
+    of the timed models. ``plain``: depth -> the plain model's step
+    seconds, timed by an earlier call of this probe: those depths are not timed again, the
+    others are and are added to it."""
     warmup, steps = (1, 3) if quick else (3, 10)
     d0, d1 = depths
     tick = tick or (lambda: None)
-    plain: Dict[int, float] = {}
+    plain = {} if plain is None else plain
     for d in (d0, d1):
-        plain[d] = _tiny_step_s(d, None, None, warmup, steps, budget_s)
-        tick()
+        if d not in plain:
+            plain[d] = _tiny_step_s(d, None, None, warmup, steps)
+            tick()
     out: Dict[str, Dict[str, float]] = {}
     scratch = (
         tempfile.mkdtemp(prefix=".infinity-probe-engine-", dir=nvme_path) if nvme_path else None
@@ -417,7 +417,7 @@ def measure_engine_overhead(
         for layout in layouts:
             extra: Dict[int, float] = {}
             for d in (d0, d1):
-                extra[d] = _tiny_step_s(d, layout, scratch, warmup, steps, budget_s) - plain[d]
+                extra[d] = _tiny_step_s(d, layout, scratch, warmup, steps) - plain[d]
                 tick()
             block = max(0.0, (extra[d1] - extra[d0]) / (d1 - d0))
             out[layout] = {"block_s": block, "step_s": max(0.0, extra[d0] - (d0 + 1) * block)}
@@ -632,12 +632,14 @@ def measure_disk(
     overlap: bool = True,
     tick: Optional[Tick] = None,
     overlap_bytes: Optional[int] = None,
+    overlap_reps: Optional[int] = None,
 ) -> DiskProbe:
     """O_DIRECT write (an overwrite of an allocated file, as the swap extents are rewritten)
     and read of ``nbytes`` in one request each (the I/O engine splits it across its workers);
     ``overlap``: also :func:`measure_compute_overlap` (left out of a quick probe), on the first
-    ``overlap_bytes`` (None: all ``nbytes``). ``tick``: called after the write, the read, the
-    latency and the overlap (when measured)."""
+    ``overlap_bytes`` (None: all ``nbytes``), its phases timed ``overlap_reps`` times after
+    warming up the disk only (None: ``reps`` times, each after a warm-up).
+    ``tick``: called after the write, the read, the latency and the overlap (when measured)."""
     from .. import io as inf_io
 
     tick = tick or (lambda: None)
@@ -665,7 +667,11 @@ def measure_disk(
             part = buf[
                 : min(nbytes, overlap_bytes or nbytes) // inf_io.ALIGNMENT * inf_io.ALIGNMENT
             ]
-            hidden = measure_compute_overlap(fh, part, reps) if overlap else None
+            hidden = (
+                measure_compute_overlap(fh, part, overlap_reps or reps, overlap_reps is None)
+                if overlap
+                else None
+            )
             if overlap:
                 tick()
     finally:
@@ -683,11 +689,15 @@ def measure_disk(
     )
 
 
-def measure_compute_overlap(fh: Any, buf: torch.Tensor, reps: int = 3) -> float:
+def measure_compute_overlap(
+    fh: Any, buf: torch.Tensor, reps: int = 3, rewarm: bool = True
+) -> float:
     """:attr:`DiskProbe.compute_overlap`: a write then a read of ``buf`` (checksummed, as the
     swap store's requests are) alone, a matrix-multiply loop on the device of about the same
     length alone, then both at once; the share of the shorter one hidden by the overlap,
-    ``(t_disk + t_compute - t_both) / min(t_disk, t_compute)``, clipped to [0, 1]."""
+    ``(t_disk + t_compute - t_both) / min(t_disk, t_compute)``, clipped to [0, 1]. Each phase
+    is the median of ``reps`` calls after a warm-up call; ``rewarm`` False: the loop alone and
+    both at once without one (the disk's and the loop's first calls are behind them)."""
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     a = torch.randn(1024, 1024, device=dev)
     out = torch.empty_like(a)
@@ -705,7 +715,8 @@ def measure_compute_overlap(fh: Any, buf: torch.Tensor, reps: int = 3) -> float:
     t_disk = _median_time(disk, reps)
     one = _median_time(lambda: mm(4), 3) / 4
     k = max(1, int(round(t_disk / max(one, 1e-9))))
-    t_compute = _median_time(lambda: mm(k), reps)
+    warmup = 1 if rewarm else 0
+    t_compute = _median_time(lambda: mm(k), reps, warmup)
 
     def both() -> None:
         worker = threading.Thread(target=disk)
@@ -713,7 +724,7 @@ def measure_compute_overlap(fh: Any, buf: torch.Tensor, reps: int = 3) -> float:
         mm(k)
         worker.join()
 
-    t_both = _median_time(both, reps)
+    t_both = _median_time(both, reps, warmup)
     hidden = (t_disk + t_compute - t_both) / max(min(t_disk, t_compute), 1e-9)
     return min(1.0, max(0.0, hidden))
 
@@ -861,6 +872,7 @@ def probe(
             "disks": {},
         }
     from_cache = machine is not None
+    plain: Dict[int, float] = {}  # the plain tiny GPTs' steps, timed once for every layout
     if machine is None:
         _announce(
             announce,
@@ -868,11 +880,11 @@ def probe(
             settings,
             nvme_path is not None,
         )
-        machine = _measure_machine(settings, show)
+        machine = _measure_machine(settings, show, plain)
         data["machine"] = machine
     disk = None
     if nvme_path is not None:
-        disk = _disk(nvme_path, settings, refresh, data, notes, show, announce, from_cache)
+        disk = _disk(nvme_path, settings, refresh, data, notes, show, announce, from_cache, plain)
         from_cache = from_cache and disk.identity.get("cached", False)
     if cache:
         try:
@@ -902,6 +914,7 @@ def _disk(
     show: bool,
     announce: Optional[str],
     machine_cached: bool,
+    plain: Optional[Dict[int, float]] = None,
 ) -> DiskProbe:
     _check_dir(path)
     ident = disk_identity(path)
@@ -931,13 +944,18 @@ def _disk(
             overlap=settings.overlap_bytes is not None,
             tick=bar.update,
             overlap_bytes=settings.overlap_bytes,
+            overlap_reps=settings.overlap_reps,
         )
     overhead: Dict[str, Dict[str, float]] = {}
     if settings.overhead:
         layouts = ["optim_nvme", "nvme"]
-        with _stage("engine overhead with the disk", 2 * (1 + len(layouts)), show) as bar:
+        models = 2 * len(layouts) + (0 if plain else 2)
+        with _stage("engine overhead with the disk", models, show) as bar:
             overhead = measure_engine_overhead(
-                layouts, nvme_path=path, tick=bar.update, budget_s=settings.overhead_model_s
+                layouts,
+                nvme_path=path,
+                tick=bar.update,
+                plain=plain,
             )
     result = DiskProbe(**{**asdict(result), "overhead": overhead})
     data.setdefault("disks", {})[key] = {
@@ -978,7 +996,11 @@ def _measure_bf16(settings: ProbeSettings, fp32: Dict[str, float], show: bool) -
     return got
 
 
-def _measure_machine(settings: ProbeSettings, show: bool = False) -> Dict[str, Any]:
+def _measure_machine(
+    settings: ProbeSettings, show: bool = False, plain: Optional[Dict[int, float]] = None
+) -> Dict[str, Any]:
+    """The machine's figures (the cache's "machine" entry). ``plain``: filled with the plain
+    tiny GPTs' step times of the engine overhead, for the disk's layouts to reuse."""
     t0 = time.perf_counter()
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
@@ -1017,9 +1039,7 @@ def _measure_machine(settings: ProbeSettings, show: bool = False) -> Dict[str, A
     out["overhead"] = {}
     if settings.overhead:
         with _stage("engine overhead", 4, show) as bar:
-            out["overhead"] = measure_engine_overhead(
-                ["host"], tick=bar.update, budget_s=settings.overhead_model_s
-            )
+            out["overhead"] = measure_engine_overhead(["host"], tick=bar.update, plain=plain)
     if cuda:
         with _stage("host<->device", 2, show) as bar:
             out.update(

@@ -106,20 +106,23 @@ def test_long_calls_are_timed_once_short_ones_more_often(monkeypatch):
     assert calls == [3, 1, 8]
 
 
-def test_the_engine_overhead_models_stop_at_their_budget(monkeypatch):
-    steps = []
-    real = torch.optim.AdamW.step
+def test_the_disk_layouts_reuse_the_plain_models_timed_for_the_machine(monkeypatch):
+    timed = []
 
-    def counted(self, *a, **k):
-        steps.append(1)
-        return real(self, *a, **k)
+    def step_s(n_layers, layout, nvme_path, warmup, steps):
+        timed.append((n_layers, layout))
+        return 0.01 * n_layers + (0.002 * (n_layers + 1) if layout else 0.0)
 
-    monkeypatch.setattr(torch.optim.AdamW, "step", counted)
-    probe_mod._tiny_step_s(1, None, None, warmup=1, steps=50, budget_s=0.0)
-    assert len(steps) == 3  # the warm-up and the two timed steps every model gets
-    steps.clear()
-    probe_mod._tiny_step_s(1, None, None, warmup=1, steps=5, budget_s=None)
-    assert len(steps) == 6
+    monkeypatch.setattr(probe_mod, "_tiny_step_s", step_s)
+    plain = {}
+    host = probe_mod.measure_engine_overhead(["host"], plain=plain)
+    assert timed == [(2, None), (10, None), (2, "host"), (10, "host")]
+    assert plain == {2: 0.02, 10: 0.1}
+    timed.clear()
+    disk = probe_mod.measure_engine_overhead(["nvme"], plain=plain)
+    assert timed == [(2, "nvme"), (10, "nvme")]  # the plain models are not timed again
+    for got in (host["host"], disk["nvme"]):
+        assert got["block_s"] == pytest.approx(0.002) and got["step_s"] == pytest.approx(0.0)
 
 
 def test_a_full_probe_marks_the_cut_figure(fake_layers, small_full, tmp_path):
@@ -180,7 +183,7 @@ def canned_machine(monkeypatch, caplog):
     announcement was logged before it started."""
     seen = []
 
-    def measured(settings, show=False):
+    def measured(settings, show=False, plain=None):
         seen.append((settings.quick, [r.getMessage() for r in caplog.records]))
         return {"quick": settings.quick, "measured_at": time.time(), "mem_bps": 1e10,
                 "adam_params_per_s": 1e9, "adam8_params_per_s": 2e8, "device": "cpu",
