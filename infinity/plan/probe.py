@@ -802,8 +802,9 @@ def _announce(who: Optional[str], what: str, settings: ProbeSettings, disk: bool
     if settings.quick:
         msg += (
             ": small buffers and layers (d_model <= 128), no engine overhead timing: its "
-            "compute rates are those of narrow layers (a wide model's compute predicted up to "
-            "a few times too slow on a CPU) and its disk rates from 32 MiB transfers"
+            "compute rates are those of narrow layers (a wide model's compute predicted "
+            "several times too slow on a CPU: 4-12x on a 2-core AVX2 VM) and its disk rates "
+            "from 32 MiB transfers"
         )
     logger.warning(
         "%s; `infinity probe%s` measures it ahead, once per machine",
