@@ -225,7 +225,7 @@ def test_the_planner_announces_its_quick_probe_and_how_rough_it_is(empty_cache,
     assert "narrow layers" in said[0] and "too slow" in said[0]  # its accuracy
 
 
-def test_estimate_cli_announces_the_probe_on_stderr(empty_cache, canned_machine, caplog,
+def test_estimate_cli_announces_the_probe_before_its_answer(empty_cache, canned_machine, caplog,
                                                     capsys):
     from infinity.cli import main
     with caplog.at_level(logging.WARNING, logger="infinity"):
