@@ -16,11 +16,11 @@
   probe only).
 
 A full probe takes under a minute with a disk, half that without (:class:`ProbeSettings`): the
-compute rates are timed from the narrowest layer up, and a dtype stops once the next width would run past its time budget (bf16
-on a CPU without AVX512-BF16 or AMX runs ~50x slower than fp32): the widths it left out are
-named in :attr:`ProbeResult.cut_short`, and the rates it reports are all measured.
-``thorough=True`` (``infinity probe --thorough``) times every width however long it takes.
-Each stage shows a tqdm progress bar on stderr.
+compute rates are timed from the narrowest layer up, and a dtype stops once the next width would
+run past its time budget (bf16 on a CPU without AVX512-BF16 or AMX runs tens of times slower
+than fp32): the widths it left out are named in :attr:`ProbeResult.cut_short`, and the rates it
+reports are all measured. ``thorough=True`` (``infinity probe --thorough``) times every width
+however long it takes. Each stage shows a tqdm progress bar on stderr.
 
 Results are cached as JSON (``$INFINITY_CACHE_DIR`` or ``~/.cache/infinity``/probe.json) with
 the machine's identity (CPU model, RAM, GPU, torch) and, for the disk figures, the identity of
@@ -64,8 +64,8 @@ class ProbeSettings:
 
     ``fp32_budget_s``, ``bf16_budget_s``: seconds the GPT-layer timing in that dtype may take;
     the widths are timed from the narrowest up, and a width whose projected time (its FLOPs at
-    the rate just measured, for its warm-up and timed calls) would run past the budget is left
-    out, with the wider ones (:attr:`ProbeResult.cut_short` says which, and why). None: every
+    the rate just measured, for its warm-up and timed calls, x 1.6) would run past the budget is
+    left out, with the wider ones (:attr:`ProbeResult.cut_short` says which, and why). None: every
     width, however long. ``long_call_s``: a layer whose warm-up call took this long is timed
     once more rather than ``compute_reps`` times. ``short_call_s``: a layer whose warm-up took
     less than this is timed over about that many seconds (up to 8 calls; a median of two
@@ -106,14 +106,14 @@ FULL = ProbeSettings(
     overlap_bytes=1 << 30,
     overhead=True,
     fp32_budget_s=20.0,
-    bf16_budget_s=15.0,
+    bf16_budget_s=20.0,
     long_call_s=2.0,
     short_call_s=0.3,
     overlap_reps=2,
 )
 # every width of every dtype, each timed ``compute_reps`` times after a warm-up, the compute
-# overlap's phases each warmed up and timed three times: the full probe before the budgets (8 to 10 minutes on a 2-core
-# AVX2 CPU, most of it bf16 layers at 0.3-2 GFLOP/s)
+# overlap's phases each warmed up and timed three times: the full probe before the budgets
+# (8 to 10 minutes on a 2-core AVX2 CPU, most of it bf16 layers at 0.6-3 GFLOP/s)
 THOROUGH = replace(
     FULL,
     fp32_budget_s=None,
@@ -329,11 +329,7 @@ OVERHEAD_LAYOUTS = {
 
 
 def _tiny_step_s(
-    n_layers: int,
-    layout: Optional[str],
-    nvme_path: Optional[str],
-    warmup: int,
-    steps: int,
+    n_layers: int, layout: Optional[str], nvme_path: Optional[str], warmup: int, steps: int
 ) -> float:
     """Seconds of the fastest training step (forward, backward, optimizer step, zero_grad) of a
     d_model=64 GPT, plain PyTorch (``layout`` None) or wrapped with a tier layout (an engine
@@ -398,9 +394,9 @@ def measure_engine_overhead(
     per block (``block_s``) and per step (``step_s``), from two tiny GPTs (d_model 64, 2 and 10
     layers: 3 and 11 blocks) whose compute is negligible. ``nvme_path``: a directory on the
     disk to measure (a scratch folder is made in it and removed). ``tick``: called after each
-    of the timed models. ``plain``: depth -> the plain model's step
-    seconds, timed by an earlier call of this probe: those depths are not timed again, the
-    others are and are added to it."""
+    of the timed models. ``plain``: depth -> the plain model's step seconds, timed by an
+    earlier call of this probe: those depths are not timed again, the others are and are added
+    to it."""
     warmup, steps = (1, 3) if quick else (3, 10)
     d0, d1 = depths
     tick = tick or (lambda: None)
@@ -497,15 +493,16 @@ def measure_compute_budgeted(
     reference: Optional[Dict[str, float]] = None,
     tick: Optional[Tick] = None,
     short_call_s: float = 0.0,
-    margin: float = 1.25,
+    margin: float = 1.6,
 ) -> ComputeRates:
     """FLOP/s of one GPT layer's forward + backward at each (d_model, batch, seq), narrowest
     first, with its weights and activations in ``dtype``. ``budget_s``: a width whose projected
     time (its FLOPs at the rate of the width before, for a warm-up and its timed calls, times
-    ``margin``: a wider layer can run at a lower rate, as bf16 does on AVX2) would take this
-    dtype past ``budget_s`` seconds is not timed, nor any after it (the first width always
-    is); the answer then says which were left out and why. ``reference``: the fp32
-    rates, to say how far below them a slow dtype runs. ``tick``: called after each width."""
+    ``margin``: a wider layer can run at a lower rate, as bf16 on AVX2 does, 0.6 times as fast
+    at d=512 as at d=256) would take this dtype past ``budget_s`` seconds is not timed, nor any
+    after it (the first width always is); the answer then says which were left out and why.
+    ``reference``: the fp32 rates, to say how far below them a slow dtype runs. ``tick``:
+    called after each width."""
     ordered = sorted(shapes)
     out: Dict[str, float] = {}
     start = time.perf_counter()
@@ -795,7 +792,8 @@ def _announce(who: Optional[str], what: str, settings: ProbeSettings, disk: bool
     """Says that a probe starts: a warning when ``who`` (estimate, the planner) started it
     without being asked to probe, a log line otherwise."""
     kind = "a quick probe" if settings.quick else "a full probe"
-    msg = f"{who or 'infinity.probe'}: {what}; measuring it now with {kind} ({_duration(settings, disk)})"
+    how_long = _duration(settings, disk)
+    msg = f"{who or 'infinity.probe'}: {what}; measuring it now with {kind} ({how_long})"
     if who is None:
         logger.info("%s", msg)
         return
@@ -825,9 +823,10 @@ def probe(
 ) -> ProbeResult:
     """Measures this machine (or returns the cached figures for it) and, when ``nvme_path`` is
     given, the disk behind it. ``quick``: small buffers, a few seconds (a cached full probe is
-    also accepted). A full probe takes about a minute: each dtype's layer timing stops at its
-    time budget (:class:`ProbeSettings`; :attr:`ProbeResult.cut_short` says what was left
-    out); ``thorough``: time every width however long (minutes on a CPU without fast bf16).
+    also accepted). A full probe takes about half a minute (as long again with a disk): each
+    dtype's layer timing stops at its time budget (:class:`ProbeSettings`;
+    :attr:`ProbeResult.cut_short` says what was left out); ``thorough``: time every width
+    however long (minutes on a CPU without fast bf16), the disk too when one is given.
     ``refresh``: measure again even when cached. ``cache``: the JSON file (default
     :func:`cache_path`; ``""`` disables caching). ``progress``: a tqdm bar per stage on stderr
     (None: for a full probe, not a quick one). ``announce``: who asks (e.g. ``"infinity
@@ -885,7 +884,8 @@ def probe(
         data["machine"] = machine
     disk = None
     if nvme_path is not None:
-        disk = _disk(nvme_path, settings, refresh, data, notes, show, announce, from_cache, plain)
+        again = refresh or thorough
+        disk = _disk(nvme_path, settings, again, data, notes, show, announce, from_cache, plain)
         from_cache = from_cache and disk.identity.get("cached", False)
     if cache:
         try:
