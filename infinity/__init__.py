@@ -4,6 +4,7 @@ model = infinity.wrap(model, nvme_path="/mnt/ssd")
 opt = infinity.optim.AdamW(model.parameters(), lr=1e-4)
 """
 
+from .accumulation import ChainError, accumulate
 from .api import empty_init, gradient, materialized, parameters_changed, stats, unwrap, wrap
 from .checkpoint import consolidate, load_checkpoint, save_checkpoint
 from .plan import PlanError, estimate, explain, probe
@@ -24,6 +25,7 @@ __all__ = [
     "Tier",
     "__version__",
 ]
+__all__ += ["accumulate", "ChainError"]
 __all__ += ["save_checkpoint", "load_checkpoint", "consolidate"]
 __all__ += ["probe", "estimate", "explain", "PlanError", "trace"]
 

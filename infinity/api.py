@@ -253,6 +253,12 @@ def stats(model: nn.Module, *, reset: bool = False) -> Dict[str, Any]:
             engine.partitioner.coll.reset_counters()
     if engine.activations is not None:
         out["activations"] = engine.activations.report(reset=reset)
+    if s.micro_batches:
+        out["accumulate"] = {
+            "micro_batches": s.micro_batches,
+            "tokens": s.tokens,
+            "boundary_bytes_peak": s.boundary_bytes_peak,
+        }
     if reset:
         s.reset()
         engine.device_budget.reset_peak()
@@ -267,12 +273,21 @@ def _nvme_per_step(engine) -> Dict[str, Any]:
     s = engine.stats
     params = sum(f.numel for f in engine.flats) or 1
     last = dict(s.nvme_by_category_last_step)
-    return {
+    out: Dict[str, Any] = {
         "bytes": last,
         "bytes_per_param": {k: v / params for k, v in last.items()},
         "written": s.nvme_written_last_step,
         "tb_written_per_1000_steps": s.nvme_written_last_step * 1000 / 1e12,
     }
+    if s.tokens_last_step:  # a layer-major step counted its tokens (infinity.accumulate)
+        tokens = s.tokens_last_step
+        moved = sum(v for k, v in last.items() if not k.startswith("activations"))
+        out["tokens"] = tokens
+        out["bytes_per_token"] = moved / tokens
+        out["activation_bytes_per_token"] = (
+            last["activations_read"] + last["activations_written"]
+        ) / tokens
+    return out
 
 
 @contextlib.contextmanager

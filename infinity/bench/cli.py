@@ -79,6 +79,18 @@ def add_estimate(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=128)
+    p.add_argument(
+        "--micro-batches",
+        type=int,
+        default=1,
+        help="micro-batches of --batch x --seq per optimizer step (default 1)",
+    )
+    p.add_argument(
+        "--layer-major",
+        action="store_true",
+        help="price the micro-batches as infinity.accumulate runs them (each block read "
+        "once for forward and once for backward) instead of the plain loop",
+    )
     p.add_argument("--ranks", type=int, default=1, help="rows for 1..N ranks")
     p.add_argument("--nvme-path", default=None)
     p.add_argument(
@@ -178,6 +190,8 @@ def run_estimate(args: argparse.Namespace) -> int:
             probe=pr,
             calibrate=args.calibrate,
             master=args.master,
+            micro_batches=args.micro_batches,
+            layer_major=args.layer_major,
             **layout,
         )
         sys.stdout.write(str(table))

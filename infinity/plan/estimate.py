@@ -264,6 +264,8 @@ def estimate_one(
     embedding_rows: bool = True,
     batch_known: bool = True,
     host_blocks: int = 0,
+    micro_batches: int = 1,
+    layer_major: bool = False,
 ) -> Estimate:
     """One placement's bytes per tier and predicted step. ``compute_s``: forward + backward
     seconds timed at this shape (else from the probe's FLOP rate); ``states`` / ``master``:
@@ -277,7 +279,16 @@ def estimate_one(
     ``batch_known`` False: ``batch``/``seq`` are a guess (``wrap(placement="auto")``), and the
     working set leaves out the terms that grow with the batch. ``host_blocks``: with parameters
     on NVMe, the first blocks (engine order) whose parameters stay on host (``wrap(host_blocks=)``):
-    neither read nor written back through the disk; gradients and states keep their tiers."""
+    neither read nor written back through the disk; gradients and states keep their tiers.
+    ``micro_batches``: k micro-batches of ``batch`` x ``seq`` per optimizer step, run as the
+    plain loop (every block read k times in forward and backward, NVMe gradients written k
+    times and read back k - 1 times) or, ``layer_major``, as ``infinity.accumulate`` (each block
+    read as for one micro-batch, gradients written once; the layers' forward computed again in
+    backward; the layer inputs of all k kept in host RAM)."""
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(
+            f"infinity.estimate: micro_batches must be an int >= 1, got {micro_batches!r}"
+        )
     if master is not None and master != pl.master:
         if pl.plain:
             raise ValueError(
@@ -308,6 +319,7 @@ def estimate_one(
     bpp = shape.bytes_per_param
     wbytes = n * bpp  # working copies the optimizer writes back
     cbpp = compute_bytes_per_param or bpp
+    k_mb = micro_batches
     tokens = batch * seq
     cuda = pr.device == "cuda"
     mem = pr.mem_bps
@@ -325,7 +337,13 @@ def estimate_one(
         compute_s
         if compute_s is not None
         else model_flops(shape, tokens, seq) / pr.flops_at(shape.d_model, compute_dtype(cbpp))
-    )
+    ) * k_mb
+    boundary = 0.0  # layer-major: the layer inputs of every micro-batch, in host RAM (fp32)
+    if layer_major and not pl.plain:
+        # recomputation: the layers' forward once more, a third of their forward + backward
+        layers = sum(b for b, kd in zip(shape.block_bytes, shape.kinds) if kd == "layer")
+        compute += compute * (layers / max(1, shape.param_bytes)) / 3.0
+        boundary = (shape.n_layers + 1) * tokens * k_mb * shape.d_model * 4.0
     blocks = len(shape.block_bytes)
     overhead = engine_overhead_s(pl, pr, blocks)
     adam_rate = pr.adam8_params_per_s if pl.states == "8bit" else pr.adam_params_per_s
@@ -356,9 +374,10 @@ def estimate_one(
         step = compute + opt
     else:
         if cuda:
-            grad = 4.0 * n / (pr.d2h_pinned_bps or mem)
+            grad = 4.0 * n / (pr.d2h_pinned_bps or mem) * k_mb
         else:
-            grad = 12.0 * n / mem
+            grad = 12.0 * n / mem * k_mb
+        passes = 1 if layer_major else k_mb  # times a step reads each block
         if pl.param_tier == "device":
             device = shape.param_bytes + 4.0 * largest
             host = 4.0 * n + s * n
@@ -367,9 +386,9 @@ def estimate_one(
         elif pl.param_tier == "host":
             master_in_home = bpp == 4 and pl.optimizer_tier == "host" and pl.master == "fp32"
             device = window_bytes if cuda else 0.0
-            host = pbytes + 4.0 * n
+            host = pbytes + 4.0 * n + boundary
             if cuda:
-                fetch = max(0.0, 2 * stored / pr.h2d_pinned_bps - compute)
+                fetch = max(0.0, 2 * stored * passes / pr.h2d_pinned_bps - compute)
             copy_back = 0.0 if master_in_home else 2 * wbytes / mem
             if pl.optimizer_tier == "host":
                 host += _state_bpp(shape, pl, not master_in_home) * n
@@ -404,7 +423,7 @@ def estimate_one(
             )
             grad_bufs = (prefetch_window + 2) * min(chunk, 4.0 * largest)
             unit, set_bytes = nvme_step_set(chunk, largest / ranks, s, bpp)
-            host = staging + grad_bufs + SETS * set_bytes + held
+            host = staging + grad_bufs + SETS * set_bytes + held + boundary
             categories = dict(
                 parameters=on_disk, gradients=4.0 * n, **_state_categories(pl, s, n, unit)
             )
@@ -413,8 +432,15 @@ def estimate_one(
             disk = pr.disk
             reads = param_reads(shape, k, prefetch_window, tiled_head, embedding_rows)
             moved = nvme_bytes_per_step(
-                pl, n, s, reads * scale / ranks, wbytes * on_disk / pbytes if pbytes else 0.0
+                pl,
+                n,
+                s,
+                reads * scale / ranks * passes,
+                wbytes * on_disk / pbytes if pbytes else 0.0,
             )
+            if pl.grad_tier == "nvme" and passes > 1:  # each micro-batch's round trip
+                moved["grads_written"] *= passes
+                moved["grads_read"] *= passes
             # forward + backward: the reads of the blocks on NVMe and the gradients' writes
             # against compute and the gradients' hand-off (the prefetch window pipelines
             # them); the first block's read comes before any compute
@@ -451,7 +477,7 @@ def estimate_one(
         grad,
         opt,
         int(written),
-        tokens,
+        tokens * k_mb,
         pl.what,
         overhead,
         {k: int(v) for k, v in categories.items()},
@@ -595,6 +621,8 @@ def estimate(
     dtype: Optional[torch.dtype] = None,
     frozen_format: Optional[str] = None,
     trainable_params: Optional[int] = None,
+    micro_batches: int = 1,
+    layer_major: bool = False,
 ) -> EstimateTable:
     """Predicts, before anything is allocated, what each placement needs and how fast a step
     runs. ``model_or_count``: an nn.Module (built on the meta device is fine); a Hugging Face
@@ -618,7 +646,9 @@ def estimate(
     frozen and its layer matrices stored in that format (``wrap(frozen_format=)``): homes and
     fetches count the stored bytes (0.5625 B/param for NF4), gradients and optimizer states
     only ``trainable_params`` (None: a module's ``requires_grad`` parameters; 0 for a config or
-    a count: give the adapters' count); the device placements are left out."""
+    a count: give the adapters' count); the device placements are left out.
+    ``micro_batches``, ``layer_major``: k micro-batches of ``batch`` x ``seq`` per optimizer step,
+    as the plain loop or as ``infinity.accumulate`` (see :func:`estimate_one`)."""
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise ValueError(f"infinity.estimate: dtype must be a torch.dtype, got {dtype!r}")
     if dtype is not None and isinstance(model_or_count, (nn.Module, ModelShape)):
@@ -704,6 +734,8 @@ def estimate(
             chunk_bytes=chunk_bytes,
             tiled_head=tiled_head,
             embedding_rows=embedding_rows,
+            micro_batches=micro_batches,
+            layer_major=layer_major,
         )
         for r in rank_list
         for p in chosen

@@ -298,9 +298,9 @@ MAX_MODULES_PER_FOLDER = 12  # __init__.py not counted
 LAYERS: Dict[str, List[str]] = {
     "infinity": ["_native", "version", "sizes", "trace_events", "models", "io", "ops", "tiers",
                  "policy", "runtime", "optim", "plan", "checkpoint", "sharding", "api",
-                 "__init__", "integrations", "demo", "bench", "cli", "__main__", "dist"],
+                 "accumulation", "__init__", "integrations", "demo", "bench", "cli", "__main__", "dist"],
     "infinity.runtime": ["core", "process", "homes", "zero", "grads", "vocab", "activations",
-                         "step", "build", "engine", "port", "__init__"],
+                         "step", "build", "engine", "port", "layered", "__init__"],
     "infinity.optim": ["step", "states", "loss_scale", "clip", "params", "update", "wrapped",
                        "core", "checks", "overlap", "state_dicts", "zero_states", "adam",
                        "__init__"],

@@ -61,6 +61,13 @@ class Stats:
     nvme_by_category_last_step: Dict[str, int] = field(default_factory=_nvme_zero)
     _nvme_category_mark: Dict[str, int] = field(default_factory=_nvme_zero, repr=False)
     _fb_t0: Optional[float] = field(default=None, repr=False)  # forward+backward in progress
+    # tokens trained on (layer-major steps count theirs: runtime/layered), cut at each optimizer
+    # step like the NVMe bytes, and the layer inputs those steps kept (peak bytes)
+    tokens: int = 0
+    tokens_last_step: int = 0
+    _tokens_mark: int = field(default=0, repr=False)
+    boundary_bytes_peak: int = 0
+    micro_batches: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add_moved(self, direction: str, nbytes: int, category: str = "params") -> None:
@@ -106,6 +113,16 @@ class Stats:
             self.nvme_by_category_last_step = _nvme_zero()
             self._nvme_category_mark = _nvme_zero()
             self._fb_t0 = None
+            self.tokens = self.tokens_last_step = self._tokens_mark = 0
+            self.boundary_bytes_peak = self.micro_batches = 0
+
+    def note_tokens(self, tokens: int, boundary_bytes: int, micro_batches: int) -> None:
+        """A layer-major step ran over ``tokens`` tokens in ``micro_batches`` micro-batches,
+        keeping at most ``boundary_bytes`` of layer inputs."""
+        with self._lock:
+            self.tokens += tokens
+            self.micro_batches += micro_batches
+            self.boundary_bytes_peak = max(self.boundary_bytes_peak, boundary_bytes)
 
     def forward_started(self, now: float) -> None:
         if self._fb_t0 is None:
@@ -139,6 +156,8 @@ class Stats:
                 k: max(0, v - self._nvme_category_mark[k]) for k, v in now.items()
             }
             self._nvme_category_mark = now
+            self.tokens_last_step = self.tokens - self._tokens_mark
+            self._tokens_mark = self.tokens
 
     def time_breakdown(self) -> Dict[str, object]:
         """Seconds since the last reset. Forward+backward wall time splits into ``compute``

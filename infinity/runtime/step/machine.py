@@ -9,7 +9,7 @@ import logging
 import sys
 import threading
 import time
-from typing import Any, List
+from typing import Any, List, Set
 
 import torch
 from torch import nn
@@ -69,10 +69,14 @@ class StepHooks:
         # Set by an optimizer over this engine: it changes the home copies in step(), so the
         # next forward's blocks are prefetched after the step (resume), not after backward.
         self.optimizer_attached = False
+        # a layer-major accumulation runs (runtime/layered): one window for the whole step's
+        # forwards and backwards, whose blocks the driver fetches, releases and closes
+        self.window = False
+        self.window_closed: Set[int] = set()  # blocks whose gradients the window closed
 
     def idle(self) -> bool:
         """No forward or backward runs."""
-        return self.forward_depth == 0 and self.callback_task == -1
+        return self.forward_depth == 0 and self.callback_task == -1 and not self.window
 
     def recover(self) -> None:
         """Before the homes change outside a step: recovers from a failed backward, and from
@@ -120,6 +124,8 @@ class StepHooks:
                 self.group.release(block)
 
     def _visit(self, block: Block, phase: str) -> None:
+        if self.window:
+            return  # the layer-major driver prefetches in its own order
         _, newly_deviated, upcoming = self.schedule.visit(phase, block.index)
         if newly_deviated:
             self.stats.schedule_deviations += 1
@@ -133,7 +139,7 @@ class StepHooks:
         with self.lock:
             if self.closed:
                 return
-            if not in_backward():
+            if not in_backward() and not self.window:
                 self.recover_failed_backward()
                 if self.forward_depth == 0:
                     self.stats.forward_started(time.perf_counter())
@@ -159,6 +165,11 @@ class StepHooks:
             if self.activations is not None and not in_backward():
                 self.activations.exit(None)
             if self.closed or in_backward():
+                return
+            if self.window:  # the driver keeps the root materialized for the whole window
+                if not _raised(output) and self.activations is not None:
+                    if torch.is_grad_enabled() and hooks_mod.output_tensors(output):
+                        self.activations.forward_done()
                 return
             if _raised(output):
                 self.schedule.abort("forward")
@@ -229,6 +240,8 @@ class StepHooks:
             if self.closed:
                 return
             block.inputs_done = True
+            if self.window:
+                return  # the layer-major driver closes the block when the step is done with it
             if block.backward_done():
                 self._release_if_backward_done(block)
             elif block.shared:
@@ -260,6 +273,11 @@ class StepHooks:
     def _release_if_backward_done(self, block: Block) -> None:
         if block.is_root or not block.backward_done():
             return
+        self._close_grads(block)
+
+    def _close_grads(self, block: Block) -> None:
+        """The block's gradients are complete: hand them to the sink (reduced first under
+        ZeRO), release the block, tell the listeners."""
         block.grads_seen.clear()
         block.inputs_done = False
         if block is self.group.backward_block:
@@ -306,8 +324,8 @@ class StepHooks:
             backward_reads = needs_backward and hooks_mod.reads_params_in_backward(module)
             if backward_reads:
                 hooks_mod.register_pre_backward(output, lambda: self.on_pre_backward(block))
-            if in_backward():
-                return  # recomputed for backward: its backward comes next
+            if in_backward() or self.window:
+                return  # recomputed for backward, or held by the layer-major driver
             # the last blocks of forward are the first of backward (as many as the prefetch
             # window), and a block used again soon in forward: keep them rather than read them
             # again; under a device budget a required fetch still releases them (_make_room)
@@ -316,7 +334,7 @@ class StepHooks:
 
     def start_backward_if_needed(self) -> None:
         task = graph_task_id()
-        if task == -1 or task == self.callback_task:
+        if self.window or task == -1 or task == self.callback_task:
             return
         self.callback_task = task
         self.schedule.begin("backward")
@@ -354,13 +372,72 @@ class StepHooks:
                 self.grads.add(block.flats[flat_index], slot_index, grad)
             param.grad = None
             block.grads_seen.add((flat_index, slot_index))
-            self._release_if_backward_done(block)
+            if not self.window:
+                self._release_if_backward_done(block)
+
+    # ---- the layer-major accumulation window (runtime/layered/driver.py) --------------------
+    def open_window(self) -> None:
+        """Starts one step's layer-major forwards and backwards: the start of a forward with
+        grad enabled (listeners told once), without per-backward start and end events."""
+        with self.lock:
+            if self.closed:
+                raise RuntimeError("infinity.accumulate: this model was unwrapped")
+            if self.window or in_backward() or self.forward_depth:
+                raise RuntimeError(
+                    "infinity.accumulate: called inside a forward, a backward or another "
+                    "accumulate; call it from the training loop, outside the model's forward"
+                )
+            self.recover_failed_backward()
+            self.recover_failed_forward()
+            self.outside.sync()
+            self.stats.forward_started(time.perf_counter())
+            for listener in self.listeners:
+                listener.forward_started(self.owner)
+            self.grads.reconcile(detach=True)
+            self.window = True
+            self.window_closed = set()
+
+    def close_block(self, block: Block) -> None:
+        """Layer-major: the step is done with ``block`` (its last micro-batch's backward ran):
+        its gradients are complete, so they are closed now (no later micro-batch reopens
+        them), and the block is released."""
+        with self.lock:
+            if not self.window:
+                raise RuntimeError("infinity: close_block outside a layer-major window (bug)")
+            if block.is_root or block.index in self.window_closed:
+                return
+            self.window_closed.add(block.index)
+            if block.grads_seen:
+                self._close_grads(block)
+            else:
+                block.reset_backward()
+                if block.active_forward == 0:
+                    self.group.release(block)
+
+    def close_window(self, *, failed: bool) -> None:
+        """Ends the window: the end of one backward (gradients finished and exposed), or,
+        ``failed``, the recovery of a backward that raised."""
+        with self.lock:
+            if not self.window:
+                return
+            self.window = False
+            self.window_closed = set()
+            if failed:
+                self.callback_task = 0  # recover_failed_backward's marker of a backward running
+                self.recover_failed_backward()
+                self.recover_failed_forward()
+                return
+            self._end_backward()
 
     @timed_hook
     def _on_backward_end(self) -> None:
         with self.lock:
-            self.callback_task = -1
             self.schedule.end("backward")
+            self._end_backward()
+
+    def _end_backward(self) -> None:
+        with self.lock:
+            self.callback_task = -1
             try:
                 if self.partitioner is not None:
                     self.partitioner.flush_grads(self.grads)

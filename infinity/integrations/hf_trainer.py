@@ -1,0 +1,106 @@
+"""``LayerMajorTrainer``: Hugging Face ``Trainer`` with ``gradient_accumulation_steps`` run as
+one layer-major step (``infinity.accumulate``).
+
+    from infinity.integrations.hf_trainer import LayerMajorTrainer
+    trainer = LayerMajorTrainer(model=wrapped, args=TrainingArguments(...,
+                                gradient_accumulation_steps=16), ...)
+
+The Trainer fetches an optimizer step's micro-batches together (``get_batch_samples``) and then
+calls ``training_step`` once per micro-batch. Here the first of those calls runs the whole
+step's forward and backward layer-major and every call returns its micro-batch's loss as the
+Trainer would have; clipping, the optimizer step, the scheduler, logging and checkpoints are
+the Trainer's own. Loss normalisation follows transformers 5.x: when the model takes
+``num_items_in_batch`` (causal LMs do) each micro-batch's loss is its token sum over the
+step's token count and the gradients are their plain sum; otherwise each loss is divided by
+the number of micro-batches. The gradients are those of the plain Trainer (bitwise where the
+kernels are deterministic).
+
+What differs from the plain Trainer: every micro-batch of a step is fetched before the first
+forward (the Trainer does that already), the per-micro-batch losses exist only once the whole
+step ran, and ``compute_loss`` is not called (a subclass overriding it, ``compute_loss_func``,
+label smoothing and context parallelism are refused, naming the plain Trainer as the remedy)."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterator, List, Optional
+
+import torch
+
+from ..accumulation import accumulate
+
+try:  # transformers is optional: the class exists only where it is installed
+    from transformers import Trainer
+except ImportError as exc:  # pragma: no cover - exercised where transformers is missing
+    raise ImportError(
+        "infinity.integrations.hf_trainer needs transformers (pip install transformers)"
+    ) from exc
+
+
+class LayerMajorTrainer(Trainer):
+    """A ``transformers.Trainer`` whose accumulated micro-batches run layer-major."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._step_batches: Optional[List[Dict[str, Any]]] = None
+        self._step_losses: Optional[Iterator[torch.Tensor]] = None
+        self._check_supported()
+
+    def _check_supported(self) -> None:
+        why = None
+        if type(self).compute_loss is not Trainer.compute_loss:
+            why = "a subclass overriding compute_loss"
+        elif self.compute_loss_func is not None:
+            why = "compute_loss_func"
+        elif self.label_smoother is not None:
+            why = "label smoothing (label_smoothing_factor)"
+        elif getattr(self.args, "n_gpu", 1) > 1:
+            why = "DataParallel over several GPUs (n_gpu > 1)"
+        if why is not None:
+            raise ValueError(
+                f"infinity LayerMajorTrainer: {why} is not supported by layer-major "
+                "accumulation; use transformers.Trainer (the plain micro-batch loop), which "
+                "infinity runs unchanged"
+            )
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):  # type: ignore[override]
+        batch_samples, num_items_in_batch = super().get_batch_samples(
+            epoch_iterator, num_batches, device
+        )
+        self._step_batches = list(batch_samples)
+        self._step_losses = None
+        return batch_samples, num_items_in_batch
+
+    def training_step(  # type: ignore[override]
+        self, model: torch.nn.Module, inputs: Dict[str, Any], num_items_in_batch: Any = None
+    ) -> torch.Tensor:
+        batches = self._step_batches
+        if batches is None or not any(inputs is b for b in batches):
+            raise RuntimeError(
+                "infinity LayerMajorTrainer: training_step was called with a batch that is not "
+                "one of the optimizer step's micro-batches (get_batch_samples); call the "
+                "Trainer's own training loop (trainer.train())"
+            )
+        if inputs is batches[0]:
+            self._step_losses = self._run_step(model, batches, num_items_in_batch)
+        if self._step_losses is None:
+            raise RuntimeError("infinity LayerMajorTrainer: micro-batches out of order")
+        return next(self._step_losses)
+
+    def _run_step(
+        self, model: torch.nn.Module, batches: List[Dict[str, Any]], num_items_in_batch: Any
+    ) -> Iterator[torch.Tensor]:
+        model.train()
+        train = getattr(self.optimizer, "train", None)
+        if callable(train):  # schedule-free optimizers
+            train()
+        prepared = [self._prepare_inputs(b) for b in batches]
+        scaled = self.model_accepts_loss_kwargs and num_items_in_batch is not None
+        if scaled:  # the model divides each micro-batch's token sum by the step's count
+            prepared = [dict(b, num_items_in_batch=num_items_in_batch) for b in prepared]
+        if self.loss_is_scaled_for_ga is not None:
+            scaled = self.loss_is_scaled_for_ga
+        divide_by = 1.0 if scaled else float(self.current_gradient_accumulation_steps)
+        with self.compute_loss_context_manager():
+            losses = accumulate(model, prepared, divide_by=divide_by)
+        # what Trainer.training_step returns: the loss it ran backward on
+        return iter([loss / divide_by for loss in losses])

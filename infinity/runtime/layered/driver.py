@@ -1,0 +1,379 @@
+"""Layer-major accumulation: k micro-batches as one optimizer step, each layer fetched once
+for forward and once for backward whatever k is.
+
+The phases (record and replay at layer boundaries):
+
+1. **record**: each micro-batch's own forward runs with the layers tapped (chain.py): the
+   taps record each layer's arguments (masks, position embeddings and ids, per layer) and pass
+   the hidden state through; the last one stops the forward. What ran before the first layer
+   (the embedding) keeps its autograd graph for phase 5.
+2. **forward**, layer by layer: every micro-batch through layer i (no grad) before layer i + 1;
+   each layer's input is kept (the boundaries, boundary.py) with the RNG state it saw.
+3. **tail**, per micro-batch: the model's forward again, its taps returning the last layer's
+   output as a leaf; the loss (divided by ``divide_by``) goes backward through the head, and
+   the leaf's gradient is the gradient of the last layer's output.
+4. **backward**, layer by layer from the last: every micro-batch's layer i forward again from
+   its kept input (the same RNG state: dropout replays its masks) and backward with the
+   gradient from above, in micro-batch order; layer i's gradient is then complete and is
+   closed at once (the engine's window: no later micro-batch reopens it).
+5. **embedding**: each micro-batch's phase-1 graph goes backward with layer 0's input gradient.
+
+Each parameter's gradient is the sum over micro-batches in micro-batch order, as in the plain
+loop, from the same operations: the result is the plain loop's, bitwise where the kernels
+are deterministic. With an engine, its step machine runs one window for the whole step
+(StepHooks.open_window/close_block/close_window) and this driver holds and prefetches the
+blocks. Without one (a plain model) the same order runs on the module as it is."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from ..core.block import Block
+from .boundary import Boundaries
+from .chain import ChainError, check_call, check_model, find_layers, run_layer, split_hidden, tapped
+
+logger = logging.getLogger(__name__)
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+Call = Tuple[Tuple[Any, ...], Dict[str, Any]]  # a layer's recorded arguments besides the hidden
+
+
+class _Stop(Exception):
+    """Raised by the last layer's tap in the record pass: the forward goes no further."""
+
+
+@dataclass
+class _Recorded:
+    """One micro-batch after the record pass."""
+
+    embedded: torch.Tensor  # the first layer's input, with its autograd graph
+    calls: List[Call]  # per layer
+    looked_up: List[torch.Tensor]  # the outputs of the embeddings read by rows, in call order
+
+
+def call_model(model: nn.Module, batch: Any) -> Any:
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+def default_loss(output: Any, batch: Any) -> torch.Tensor:
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if not isinstance(loss, torch.Tensor):
+        raise ChainError(
+            "infinity.accumulate: the model's output has no loss (pass labels in each "
+            "micro-batch, or loss_fn=lambda output, batch: ... returning a scalar)"
+        )
+    return loss
+
+
+class _Rng:
+    """The random state a layer's forward saw, replayed for its recomputation."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+
+    def save(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        gpu = torch.cuda.get_rng_state(self.device) if self.cuda else None
+        return torch.get_rng_state(), gpu
+
+    def load(self, state: Tuple[torch.Tensor, Optional[torch.Tensor]]) -> None:
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], self.device)
+
+
+class LayerMajor:
+    """One layer-major step over ``model`` (``engine``: its infinity engine, or None)."""
+
+    def __init__(self, model: nn.Module, engine: Any = None, *, allow_hooks: bool = False) -> None:
+        self.model = model
+        self.engine = engine
+        blocks: List[Block] = list(engine.blocks) if engine is not None else []
+        layer_blocks = [b for b in blocks if b.kind == "layer"]
+        self.layers = find_layers(model, [b.module for b in layer_blocks] if engine else None)
+        self.layer_blocks: List[Optional[Block]] = list(layer_blocks) or [None] * len(self.layers)
+        # blocks the tail (final norm, head, loss) reads whole: held for all micro-batches
+        self.tail_blocks = [
+            b for b in blocks if b.kind != "layer" and not b.is_root and not b.row_lookup
+        ]
+        # embeddings read by rows (from NVMe): the tail's forward takes their recorded outputs
+        # rather than reading the rows again
+        self.row_modules = [
+            m for b in blocks if b.row_lookup for m in b.modules if isinstance(m, nn.Embedding)
+        ]
+        check_model(model, self.layers, allow_hooks)
+        if engine is not None and engine.partitioner is not None:
+            raise ChainError(
+                "infinity.accumulate: layer-major accumulation under ZeRO (shard=...) is not "
+                "built yet; run the plain micro-batch loop"
+            )
+        device = engine.device if engine is not None else _device_of(model)
+        self.rng = _Rng(device)
+        self.boundaries = Boundaries(engine, device)
+        self.tokens = 0
+        # the last layers of forward are the first of backward: as many as the prefetch window
+        # (at least one) stay materialized from one to the other, as in the plain loop
+        window = engine.schedule.window if engine is not None else 1
+        self.kept = max(1, min(window, len(self.layers)))
+
+    # ---- residency (with an engine) --------------------------------------------------------
+    def _hold(self, block: Optional[Block]) -> None:
+        if block is None:
+            return
+        with self.engine.step.lock:
+            self.engine.group.ensure_on_device(block)
+            block.active_forward += 1
+
+    def _let_go(self, block: Optional[Block]) -> None:
+        if block is None:
+            return
+        with self.engine.step.lock:
+            block.active_forward = max(0, block.active_forward - 1)
+            if block.active_forward == 0:
+                self.engine.group.release(block)
+
+    def _prefetch(self, block: Optional[Block]) -> None:
+        if block is not None:
+            with self.engine.step.lock:
+                self.engine.group.prefetch([block.index])
+
+    def _close(self, block: Optional[Block]) -> None:
+        if block is not None:
+            self.engine.step.close_block(block)
+
+    def _whole_tables(self, k: int) -> List[Block]:
+        """Embeddings read by rows, fetched whole for the record pass instead when several
+        micro-batches look them up: k lookups would read up to k tables (a batch's rows touch
+        most pieces of the swap file), one fetch reads one. Only where the device budget has
+        room; else the rows are read per lookup, as in the plain loop."""
+        if self.engine is None or k < 2:
+            return []
+        held: List[Block] = []
+        for block in self.engine.blocks:
+            if not block.row_lookup or not any(isinstance(m, nn.Embedding) for m in block.modules):
+                continue
+            with self.engine.step.lock:
+                if not self.engine.device_budget.fits(block.compute_nbytes):
+                    continue
+            self._hold(block)
+            held.append(block)
+        return held
+
+    # ---- the step --------------------------------------------------------------------------
+    def run(self, batches: Sequence[Any], loss_fn: LossFn, divide_by: float) -> List[torch.Tensor]:
+        engine = self.engine
+        if engine is not None:
+            engine.step.open_window()
+        failed = True
+        try:
+            with torch.enable_grad():
+                losses = self._run(batches, loss_fn, divide_by)
+            failed = False
+            return losses
+        finally:
+            self.boundaries.clear()
+            if engine is not None:
+                engine.step.close_window(failed=failed)
+                if not failed:
+                    engine.stats.note_tokens(self.tokens, self.boundaries.peak, len(batches))
+
+    def _run(self, batches: Sequence[Any], loss_fn: LossFn, divide_by: float) -> List[torch.Tensor]:
+        n = len(self.layers)
+        t0 = time.perf_counter()
+        held = self._whole_tables(len(batches))
+        try:
+            recorded = [self._record(m, batch) for m, batch in enumerate(batches)]
+        finally:
+            for block in held:
+                self._let_go(block)
+        self.tokens = sum(r.embedded.shape[:-1].numel() for r in recorded)
+        self.boundaries.check_fits(recorded[0].embedded, n, len(batches), self.tokens)
+        for m, r in enumerate(recorded):
+            self.boundaries.put(0, m, r.embedded.detach())
+        self._forward(recorded)
+        t1 = time.perf_counter()
+        losses, grads = self._tail(batches, recorded, loss_fn, divide_by)
+        grads = self._backward(recorded, grads)
+        for r, g in zip(recorded, grads):  # phase 5: what ran before the first layer
+            if r.embedded.requires_grad and g is not None:
+                torch.autograd.backward(r.embedded, g)
+        if self.engine is not None:
+            for block in self.engine.blocks:
+                if not block.is_root:
+                    self._close(block)
+        logger.debug(
+            "infinity.accumulate: %d micro-batches, %d layers: forward %.3f s, backward %.3f s",
+            len(batches),
+            n,
+            t1 - t0,
+            time.perf_counter() - t1,
+        )
+        return losses
+
+    def _record(self, m: int, batch: Any) -> _Recorded:
+        n = len(self.layers)
+        calls: List[Call] = []
+        seen: Dict[str, Any] = {"embedded": None, "last": None}
+
+        def tap(i: int, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+            hidden, rest, kw = split_hidden(i, args, kwargs)
+            if i != len(calls):
+                raise _chain_broken(f"layer {i} ran where layer {len(calls)} was expected")
+            if i == 0:
+                seen["embedded"] = hidden
+            elif hidden is not seen["last"]:
+                raise _chain_broken(
+                    f"layer {i}'s input is not layer {i - 1}'s output (the model changes the "
+                    "hidden state between layers)"
+                )
+            check_call(i, rest, kw)
+            calls.append((rest, kw))
+            if i == n - 1:
+                raise _Stop
+            seen["last"] = hidden
+            return hidden
+
+        looked_up: List[torch.Tensor] = []
+        hooks = [
+            m.register_forward_hook(lambda mod, args, out: looked_up.append(out))
+            for m in self.row_modules
+        ]
+        try:
+            with tapped(self.layers, tap):
+                call_model(self.model, batch)
+        except _Stop:
+            return _Recorded(seen["embedded"], calls, looked_up)
+        except ChainError:
+            raise
+        except Exception as exc:
+            raise ChainError(
+                f"infinity.accumulate: micro-batch {m} failed in the model's forward "
+                f"({type(exc).__name__}: {exc}); nothing was changed. Check that every "
+                "micro-batch is a batch the model takes on its own"
+            ) from exc
+        finally:
+            for h in hooks:
+                h.remove()
+        raise _chain_broken(f"the model's forward ran {len(calls)} of its {n} layers")
+
+    def _forward(self, recorded: List[_Recorded]) -> None:
+        n, k = len(self.layers), len(recorded)
+        blocks = self.layer_blocks
+        for i in range(n):
+            self._hold(blocks[i])
+            if i + 1 < n:
+                self._prefetch(blocks[i + 1])
+            try:
+                with torch.no_grad():
+                    for m in range(k):
+                        rest, kw = recorded[m].calls[i]
+                        self.boundaries.put_rng(i, m, self.rng.save())
+                        out = run_layer(self.layers[i], self.boundaries.get(i, m), rest, kw)
+                        self.boundaries.put(i + 1, m, out)
+            finally:
+                if i < n - self.kept:  # the last ones' backward comes first: kept
+                    self._let_go(blocks[i])
+
+    def _tail(
+        self,
+        batches: Sequence[Any],
+        recorded: List[_Recorded],
+        loss_fn: LossFn,
+        divide_by: float,
+    ) -> Tuple[List[torch.Tensor], List[Optional[torch.Tensor]]]:
+        n = len(self.layers)
+        losses: List[torch.Tensor] = []
+        grads: List[Optional[torch.Tensor]] = []
+        for block in self.tail_blocks:
+            self._hold(block)
+        try:
+            for m, batch in enumerate(batches):
+                last = self.boundaries.take(n, m).requires_grad_(True)
+
+                looked_up = iter(recorded[m].looked_up)
+
+                def tap(i: int, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+                    hidden, _, _ = split_hidden(i, args, kwargs)
+                    return last if i == n - 1 else hidden
+
+                def lookup(i: int, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+                    out = next(looked_up, None)
+                    if out is None:
+                        raise _chain_broken("the model's forward looks up its embeddings twice")
+                    return out.detach()  # what the record pass read: not read again
+
+                with tapped(self.layers, tap), tapped(self.row_modules, lookup):
+                    output = call_model(self.model, batch)
+                loss = loss_fn(output, batch)
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                    raise ChainError(
+                        "infinity.accumulate: loss_fn must return a scalar tensor, got "
+                        f"{type(loss).__name__}"
+                    )
+                losses.append(loss.detach())
+                del output
+                torch.autograd.backward(loss / divide_by)
+                if last.grad is None:
+                    raise _chain_broken("the loss does not depend on the last layer's output")
+                grads.append(last.grad)
+        finally:
+            for block in self.tail_blocks:
+                self._let_go(block)
+        if self.engine is not None:
+            for block in self.tail_blocks:
+                if not block.shared:  # a tied head's gradient completes with the embedding's
+                    self._close(block)
+        return losses, grads
+
+    def _backward(
+        self, recorded: List[_Recorded], grads: List[Optional[torch.Tensor]]
+    ) -> List[Optional[torch.Tensor]]:
+        n, k = len(self.layers), len(recorded)
+        blocks = self.layer_blocks
+        needs_input = any(r.embedded.requires_grad for r in recorded)
+        for i in reversed(range(n)):
+            if i < n - self.kept:
+                self._hold(blocks[i])
+            if i > 0:
+                self._prefetch(blocks[i - 1])
+            now = self.rng.save()
+            try:
+                for m in range(k):
+                    rest, kw = recorded[m].calls[i]
+                    x = self.boundaries.take(i, m)
+                    if i > 0 or needs_input:
+                        x.requires_grad_(True)
+                    self.rng.load(self.boundaries.take_rng(i, m))
+                    y = run_layer(self.layers[i], x, rest, kw)
+                    if y.requires_grad and grads[m] is not None:
+                        torch.autograd.backward(y, grads[m])
+                    grads[m] = x.grad if x.requires_grad else None
+                    del y, x
+            finally:
+                self.rng.load(now)
+                self._let_go(blocks[i])
+            self._close(blocks[i])
+        return grads
+
+
+def _chain_broken(why: str) -> ChainError:
+    return ChainError(
+        f"infinity.accumulate: {why}. Layer-major accumulation needs a model whose layers form "
+        "a chain; run the plain micro-batch loop instead"
+    )
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")

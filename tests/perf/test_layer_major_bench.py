@@ -1,0 +1,39 @@
+"""The layer-major benchmark's --quick mode runs (so it never rots), and its figures show
+what layer-major accumulation promises: the parameters read and the gradients written per
+optimizer step do not grow with the micro-batches, while the plain loop's do, and the
+weights are the plain loop's bit for bit."""
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_bench_layer_major_quick(tmp_path):
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_layer_major.py"),
+                        "--quick", "--json", str(out), "--nvme-path", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads(out.read_text())
+    rows = {(row["variant"], row["k"]): row for row in data["results"]}
+    assert {k for _, k in rows} == {1, 4, 16}
+    assert all(data["same_weights_as_plain"].values())
+
+    def per(variant, k, what):
+        return rows[(variant, k)]["bytes_per_param"][what]
+
+    for variant in ("layer_major", "layer_major_keep_auto"):
+        base = per(variant, 1, "params_read")
+        for k in (4, 16):
+            assert abs(per(variant, k, "params_read") - base) <= 0.05 * base, (variant, k)
+            assert per(variant, k, "grads_written") == per(variant, 1, "grads_written")
+            assert per(variant, k, "grads_read") <= per(variant, 1, "grads_read")
+    # keep_grads="auto" with no clipping: only the root block's few gradients are written
+    assert per("layer_major_keep_auto", 16, "grads_written") < 0.05
+    # the plain loop's traffic grows with the micro-batches
+    assert per("plain", 16, "params_read") > 5 * per("plain", 1, "params_read")
+    assert per("plain", 16, "grads_written") >= 15 * per("plain", 1, "grads_written")
+    assert rows[("layer_major", 16)]["tokens"] == 16 * data["tokens_per_micro_batch"]
+    assert (tmp_path / "bench.png").exists()
