@@ -5,6 +5,7 @@ RSS against the budget, swap bytes per parameter by category, NVMe bytes per ste
     python benchmarks/bench_real_models.py --model llama-3.1-8b --layers 4 --budget 6GiB
     python benchmarks/bench_real_models.py --model llama-3.2-3b --layers 2 --vocab 32000
     python benchmarks/bench_real_models.py --quick        # full 128k vocabulary, tiny width (CI)
+    python benchmarks/bench_real_models.py --micro-batches 8 --layer-major --compute float32
     python benchmarks/bench_real_models.py --model llama-3.2-1b --overlap off --attribute
 
 The model is transformers' ``LlamaForCausalLM`` (or ``Qwen2ForCausalLM``) at its published
@@ -124,6 +125,27 @@ _CHILD = textwrap.dedent(r"""
     n_params = sum(p.numel() for p in model.parameters())
     ids = torch.randint(0, config.vocab_size, (args["batch"], args["seq"]),
                         generator=torch.Generator().manual_seed(1))
+    micro = args.get("micro_batches", 1)
+    batches = [dict(input_ids=m, labels=m) for m in
+               torch.randint(0, config.vocab_size, (micro, args["batch"], args["seq"]),
+                             generator=torch.Generator().manual_seed(2))]
+
+    def accumulated_step():
+        # micro-batches: the plain loop, or infinity.accumulate (layer-major)
+        t0 = time.perf_counter()
+        if args.get("layer_major"):
+            losses = infinity.accumulate(model, batches)
+        else:
+            losses = []
+            for b in batches:
+                loss = model(**b).loss
+                losses.append(loss.detach())
+                (loss / micro).backward()
+        t1 = time.perf_counter()
+        opt.step()
+        opt.zero_grad()
+        t2 = time.perf_counter()
+        return sum(losses) / micro, t1 - t0, t2 - t1, infinity.stats(model, reset=True)
 
     planned = None
     if args["tiers"] == "plan":  # the planner's placement for this budget and these states
@@ -165,8 +187,11 @@ _CHILD = textwrap.dedent(r"""
         from infinity.optim.states import swapper
         swapper.record_requests(True)
     for i in range(args["steps"]):
-        loss, fb_s, step_s, s = timed_step(model, opt,
-                                           lambda: model(input_ids=ids, labels=ids).loss)
+        if micro > 1 or args.get("layer_major"):
+            loss, fb_s, step_s, s = accumulated_step()
+        else:
+            loss, fb_s, step_s, s = timed_step(model, opt,
+                                               lambda: model(input_ids=ids, labels=ids).loss)
         if args.get("attribute"):
             st = opt.last_step_stats
             where = {"bytes_read": st.bytes_read, "bytes_written": st.bytes_written,
@@ -248,6 +273,10 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--attribute", action="store_true",
                    help="where each opt.step() went (per-request timeline) and the disk's "
                    "read / write / mixed rates measured in the same run")
+    p.add_argument("--micro-batches", type=int, default=1,
+                   help="micro-batches of --batch x --seq per optimizer step (the plain loop)")
+    p.add_argument("--layer-major", action="store_true",
+                   help="run the micro-batches with infinity.accumulate (layer-major)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     name = "quick" if args.quick else args.model
@@ -269,7 +298,8 @@ def main(argv: Optional[list] = None) -> int:
                "overlap": {"auto": "auto", "on": True, "off": False}[args.overlap],
                "keep_grads": True if args.keep_grads == "true" else "auto",
                "tiers": args.tiers, "tiled_head": args.tiled_head,
-               "whole_embedding": args.whole_embedding, "attribute": args.attribute}
+               "whole_embedding": args.whole_embedding, "attribute": args.attribute,
+               "micro_batches": args.micro_batches, "layer_major": args.layer_major}
     try:
         run = _common.run_child("bench_real_models", _CHILD, payload,
                                 timeout=900 if args.quick else 4 * 3600)
@@ -289,7 +319,8 @@ def main(argv: Optional[list] = None) -> int:
         "states": args.states, "weights": args.weights, "compute_dtype": args.compute,
         "host_budget": budget, "chunk_bytes": chunk, "overlap": args.overlap,
         "tiled_head": args.tiled_head, "embedding_rows": not args.whole_embedding,
-        "keep_grads": args.keep_grads,
+        "keep_grads": args.keep_grads, "micro_batches": args.micro_batches,
+        "layer_major": args.layer_major,
         "rss_before_wrap": run["base"], "peak_rss": run["peak"], "bound": bound,
         "within_bound": run["peak"] <= bound, "peak_over_base": run["peak"] - run["base"],
         "swap_bytes": run["swap"], "swap_bytes_total": swap_total,

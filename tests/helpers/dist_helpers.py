@@ -175,11 +175,20 @@ def _scenario_train(rank: int, world: int, out: Path, opts: Dict[str, Any]) -> D
         if rank in opts.get("raise_ranks", []) and step == opts.get("raise_step", 0):
             raise RuntimeError(f"boom on rank {rank}")
         micro = opts.get("micro", 1)  # gradient accumulation over micro-batches
+        if rank in opts.get("extra_micro_ranks", []):
+            micro += 1  # this rank was given one micro-batch more (a refused layer-major step)
         loss = 0.0
-        for xm, ym in zip(x.chunk(micro), y.chunk(micro)):
-            part = torch.nn.functional.mse_loss(model(xm), ym) / micro
-            part.backward()
-            loss = loss + part.detach()
+        if opts.get("layer_major"):  # infinity.accumulate over the same micro-batches
+            xms, yms = list(x.chunk(micro)), list(y.chunk(micro))
+            target = {id(xm): ym for xm, ym in zip(xms, yms)}
+            parts = infinity.accumulate(
+                model, xms, lambda out, xm: torch.nn.functional.mse_loss(out, target[id(xm)]))
+            loss = sum(p / len(xms) for p in parts)
+        else:
+            for xm, ym in zip(x.chunk(micro), y.chunk(micro)):
+                part = torch.nn.functional.mse_loss(model(xm), ym) / micro
+                part.backward()
+                loss = loss + part.detach()
         if opts.get("clip"):
             opt.clip_grad_norm_(opts["clip"])
         opt.step()

@@ -1,28 +1,7 @@
 """Layer-major accumulation: k micro-batches as one optimizer step, each layer fetched once
-for forward and once for backward whatever k is.
+for forward and once for backward whatever k is (record and replay at layer boundaries).
 
-The phases (record and replay at layer boundaries):
-
-1. **record**: each micro-batch's own forward runs with the layers tapped (chain.py): the
-   taps record each layer's arguments (masks, position embeddings and ids, per layer) and pass
-   the hidden state through; the last one stops the forward. What ran before the first layer
-   (the embedding) keeps its autograd graph for phase 5.
-2. **forward**, layer by layer: every micro-batch through layer i (no grad) before layer i + 1;
-   each layer's input is kept (the boundaries, boundary.py) with the RNG state it saw.
-3. **tail**, per micro-batch: the model's forward again, its taps returning the last layer's
-   output as a leaf; the loss (divided by ``divide_by``) goes backward through the head, and
-   the leaf's gradient is the gradient of the last layer's output.
-4. **backward**, layer by layer from the last: every micro-batch's layer i forward again from
-   its kept input (the same RNG state: dropout replays its masks) and backward with the
-   gradient from above, in micro-batch order; layer i's gradient is then complete and is
-   closed at once (the engine's window: no later micro-batch reopens it).
-5. **embedding**: each micro-batch's phase-1 graph goes backward with layer 0's input gradient.
-
-Each parameter's gradient is the sum over micro-batches in micro-batch order, as in the plain
-loop, from the same operations: the result is the plain loop's, bitwise where the kernels
-are deterministic. With an engine, its step machine runs one window for the whole step
-(StepHooks.open_window/close_block/close_window) and this driver holds and prefetches the
-blocks. Without one (a plain model) the same order runs on the module as it is."""
+Design notes: docs/modules.md, runtime/layered/driver.py."""
 
 from __future__ import annotations
 
@@ -112,11 +91,6 @@ class LayerMajor:
             m for b in blocks if b.row_lookup for m in b.modules if isinstance(m, nn.Embedding)
         ]
         check_model(model, self.layers, allow_hooks)
-        if engine is not None and engine.partitioner is not None:
-            raise ChainError(
-                "infinity.accumulate: layer-major accumulation under ZeRO (shard=...) is not "
-                "built yet; run the plain micro-batch loop"
-            )
         device = engine.device if engine is not None else _device_of(model)
         self.rng = _Rng(device)
         self.boundaries = Boundaries(engine, device)
@@ -170,8 +144,25 @@ class LayerMajor:
         return held
 
     # ---- the step --------------------------------------------------------------------------
+    def _same_count_on_every_rank(self, k: int) -> None:
+        """ZeRO: every rank runs the same collectives in the same order, so every rank must
+        pass the same number of micro-batches (one all-reduce each way, before anything)."""
+        part = self.engine.partitioner if self.engine is not None else None
+        if part is None:
+            return
+        lo = part.coll.all_reduce_scalar(float(k), "min", replicas=True)
+        hi = part.coll.all_reduce_scalar(float(k), "max", replicas=True)
+        if lo != hi:
+            raise ChainError(
+                f"infinity.accumulate: the ranks were given different numbers of "
+                f"micro-batches ({int(lo)} to {int(hi)}; this rank {k}). Under ZeRO every rank "
+                "runs the same collectives, so every rank must pass the same number: split "
+                "the global batch evenly (drop_last=True) or pad the short rank's"
+            )
+
     def run(self, batches: Sequence[Any], loss_fn: LossFn, divide_by: float) -> List[torch.Tensor]:
         engine = self.engine
+        self._same_count_on_every_rank(len(batches))
         if engine is not None:
             engine.step.open_window()
         failed = True
