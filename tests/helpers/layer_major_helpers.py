@@ -62,3 +62,26 @@ def wrapped(model, tmp_path, **settings):
     twin = copy.deepcopy(model)
     tmp_path.mkdir(parents=True, exist_ok=True)
     return infinity.wrap(twin, nvme_path=str(tmp_path), **settings)
+
+
+def tiny_decoder(arch: str, seed: int = 0):
+    """A tiny config of another Hugging Face decoder family (vocab 500, width 64, 2 layers;
+    Gemma-3 with alternating sliding-window and full-attention layers, a window shorter than
+    the sequence so the masks differ)."""
+    import transformers as tf
+    common = dict(vocab_size=500, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+    configs = {
+        "gemma3": lambda: (tf.Gemma3ForCausalLM, tf.Gemma3TextConfig(
+            **common, head_dim=16, sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"])),
+        "mixtral": lambda: (tf.MixtralForCausalLM, tf.MixtralConfig(
+            **common, num_local_experts=4, num_experts_per_tok=2, output_router_logits=False)),
+        "olmoe": lambda: (tf.OlmoeForCausalLM, tf.OlmoeConfig(
+            **common, num_experts=4, num_experts_per_tok=2, output_router_logits=False)),
+        "qwen2": lambda: (tf.Qwen2ForCausalLM, tf.Qwen2Config(**common)),
+        "mistral": lambda: (tf.MistralForCausalLM, tf.MistralConfig(**common, head_dim=16)),
+    }
+    cls, cfg = configs[arch]()
+    torch.manual_seed(seed)
+    return cls(cfg)
