@@ -24,10 +24,17 @@ def test_bench_layer_major_quick(tmp_path):
     def per(variant, k, what):
         return rows[(variant, k)]["bytes_per_param"][what]
 
+    # a prefetch issued at the end of opt.step() lands in this step's count or the next's:
+    # one measured step may read up to one layer more or less than another
+    slack = data["layer_bytes_per_param"]
     for variant in ("layer_major", "layer_major_keep_auto"):
-        base = per(variant, 1, "params_read")
+        # k = 1 reads the embedding's rows, k > 1 the whole table once (here 41% of the
+        # parameters): no more than k = 1 reads, and the same at k = 4 and 16
+        base = per(variant, 4, "params_read")
+        assert base <= max(1.05 * per(variant, 1, "params_read"),
+                           per(variant, 1, "params_read") + slack), variant
+        assert abs(per(variant, 16, "params_read") - base) <= max(0.05 * base, slack), variant
         for k in (4, 16):
-            assert abs(per(variant, k, "params_read") - base) <= 0.05 * base, (variant, k)
             assert per(variant, k, "grads_written") == per(variant, 1, "grads_written")
             assert per(variant, k, "grads_read") <= per(variant, 1, "grads_read")
     # keep_grads="auto" with no clipping: only the root block's few gradients are written

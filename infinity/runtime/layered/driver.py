@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..core.block import Block
+from ..step.window import AccumulationWindow
 from .boundary import Boundaries
 from .chain import ChainError, check_call, check_model, find_layers, run_layer, split_hidden, tapped
 
@@ -95,6 +96,7 @@ class LayerMajor:
         self.rng = _Rng(device)
         self.boundaries = Boundaries(engine, device)
         self.tokens = 0
+        self.window = AccumulationWindow(engine.step) if engine is not None else None
         # the last layers of forward are the first of backward: as many as the prefetch window
         # (at least one) stay materialized from one to the other, as in the plain loop
         window = engine.schedule.window if engine is not None else 1
@@ -122,8 +124,8 @@ class LayerMajor:
                 self.engine.group.prefetch([block.index])
 
     def _close(self, block: Optional[Block]) -> None:
-        if block is not None:
-            self.engine.step.close_block(block)
+        if block is not None and self.window is not None:
+            self.window.close_block(block)
 
     def _whole_tables(self, k: int) -> List[Block]:
         """Embeddings read by rows, fetched whole for the record pass instead when several
@@ -163,8 +165,8 @@ class LayerMajor:
     def run(self, batches: Sequence[Any], loss_fn: LossFn, divide_by: float) -> List[torch.Tensor]:
         engine = self.engine
         self._same_count_on_every_rank(len(batches))
-        if engine is not None:
-            engine.step.open_window()
+        if self.window is not None:
+            self.window.open()
         failed = True
         try:
             with torch.enable_grad():
@@ -173,8 +175,8 @@ class LayerMajor:
             return losses
         finally:
             self.boundaries.clear()
-            if engine is not None:
-                engine.step.close_window(failed=failed)
+            if self.window is not None:
+                self.window.close(failed=failed)
                 if not failed:
                     engine.stats.note_tokens(self.tokens, self.boundaries.peak, len(batches))
 

@@ -273,9 +273,9 @@ class StepHooks:
     def _release_if_backward_done(self, block: Block) -> None:
         if block.is_root or not block.backward_done():
             return
-        self._close_grads(block)
+        self.close_grads(block)
 
-    def _close_grads(self, block: Block) -> None:
+    def close_grads(self, block: Block) -> None:
         """The block's gradients are complete: hand them to the sink (reduced first under
         ZeRO), release the block, tell the listeners."""
         block.grads_seen.clear()
@@ -375,67 +375,15 @@ class StepHooks:
             if not self.window:
                 self._release_if_backward_done(block)
 
-    # ---- the layer-major accumulation window (runtime/layered/driver.py) --------------------
-    def open_window(self) -> None:
-        """Starts one step's layer-major forwards and backwards: the start of a forward with
-        grad enabled (listeners told once), without per-backward start and end events."""
-        with self.lock:
-            if self.closed:
-                raise RuntimeError("infinity.accumulate: this model was unwrapped")
-            if self.window or in_backward() or self.forward_depth:
-                raise RuntimeError(
-                    "infinity.accumulate: called inside a forward, a backward or another "
-                    "accumulate; call it from the training loop, outside the model's forward"
-                )
-            self.recover_failed_backward()
-            self.recover_failed_forward()
-            self.outside.sync()
-            self.stats.forward_started(time.perf_counter())
-            for listener in self.listeners:
-                listener.forward_started(self.owner)
-            self.grads.reconcile(detach=True)
-            self.window = True
-            self.window_closed = set()
-
-    def close_block(self, block: Block) -> None:
-        """Layer-major: the step is done with ``block`` (its last micro-batch's backward ran):
-        its gradients are complete, so they are closed now (no later micro-batch reopens
-        them), and the block is released."""
-        with self.lock:
-            if not self.window:
-                raise RuntimeError("infinity: close_block outside a layer-major window (bug)")
-            if block.is_root or block.index in self.window_closed:
-                return
-            self.window_closed.add(block.index)
-            if block.grads_seen:
-                self._close_grads(block)
-            else:
-                block.reset_backward()
-                if block.active_forward == 0:
-                    self.group.release(block)
-
-    def close_window(self, *, failed: bool) -> None:
-        """Ends the window: the end of one backward (gradients finished and exposed), or,
-        ``failed``, the recovery of a backward that raised."""
-        with self.lock:
-            if not self.window:
-                return
-            self.window = False
-            self.window_closed = set()
-            if failed:
-                self.callback_task = 0  # recover_failed_backward's marker of a backward running
-                self.recover_failed_backward()
-                self.recover_failed_forward()
-                return
-            self._end_backward()
-
     @timed_hook
     def _on_backward_end(self) -> None:
         with self.lock:
             self.schedule.end("backward")
-            self._end_backward()
+            self.end_backward()
 
-    def _end_backward(self) -> None:
+    def end_backward(self) -> None:
+        """The end of a backward (or of a layer-major window): gradients finished and exposed,
+        blocks released."""
         with self.lock:
             self.callback_task = -1
             try:
@@ -455,7 +403,3 @@ class StepHooks:
                 self.partitioner.sync_zero1_views()
             if not self.optimizer_attached:
                 self.group.prefetch_for_forward()
-
-    def _prefetch_for_forward(self) -> None:
-        root = [b.index for b in self.blocks if b.is_root]
-        self.group.prefetch(root + self.schedule.upcoming("forward"))
