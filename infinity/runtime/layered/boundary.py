@@ -14,6 +14,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from ...tiers import BudgetExceededError
+from .chain import ChainError
 
 RngState = Tuple[torch.Tensor, Optional[torch.Tensor]]
 
@@ -42,7 +43,7 @@ class Boundaries:
             self.budget.acquire(need, what="layer-major boundaries")
         except BudgetExceededError as exc:
             fits = max(0, self.budget.limit - self.budget.used) // max(1, per_token)
-            raise ValueError(
+            raise ChainError(
                 f"infinity.accumulate: the layer inputs kept for {micro_batches} micro-batches "
                 f"({tokens} tokens, {layers + 1} boundaries of {per_token // (layers + 1)} bytes "
                 f"per token) need {need / 2**20:.1f} MiB of host memory, more than the host "

@@ -41,14 +41,35 @@ def test_plain_model_gradients_bitwise():
                 {n: p.grad for n, p in twin.named_parameters()})
 
 
-@pytest.mark.parametrize("k", [1, 4, 16])
-def test_wrapped_nvme_fp32_matches_torch_over_steps(tmp_path, k):
+def _three_runs(tmp_path):
+    """Plain PyTorch, a layer-major and a plain-loop wrapped model (all on NVMe), one
+    initialisation, each with its AdamW."""
     model = llama()
     ref, lm, plain = copy.deepcopy(model), wrapped(model, tmp_path / "a", **NVME), \
         wrapped(model, tmp_path / "b", **NVME)
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    opt_lm = infinity.optim.AdamW(lm.parameters(), lr=1e-3)
-    opt_plain = infinity.optim.AdamW(plain.parameters(), lr=1e-3)
+    opts = (torch.optim.AdamW(ref.parameters(), lr=1e-3),
+            infinity.optim.AdamW(lm.parameters(), lr=1e-3),
+            infinity.optim.AdamW(plain.parameters(), lr=1e-3))
+    return ref, lm, plain, opts
+
+
+def _step_all(opts):
+    for opt in opts:
+        opt.step()
+        opt.zero_grad()
+
+
+def _same_weights(ref, lm, plain):
+    """Layer-major against torch AdamW within 1e-6, against infinity's plain loop bitwise."""
+    want, got, own = ref.state_dict(), lm.state_dict(), plain.state_dict()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-6, msg=name)
+        assert torch.equal(got[name], own[name]), name
+
+
+@pytest.mark.parametrize("k", [1, 4, 16])
+def test_wrapped_nvme_fp32_matches_torch_over_steps(tmp_path, k):
+    ref, lm, plain, opts = _three_runs(tmp_path)
     for step in range(3):
         mbs = batches(k, 1000, seed=10 + step)
         ref_losses = plain_backward(ref, mbs)
@@ -57,22 +78,13 @@ def test_wrapped_nvme_fp32_matches_torch_over_steps(tmp_path, k):
         if step == 0:  # same weights as torch: losses and gradients bit for bit
             assert losses == ref_losses
             _same_grads({n: p.grad for n, p in ref.named_parameters()}, grads_of(lm))
-        for opt in (opt_ref, opt_lm, opt_plain):
-            opt.step()
-            opt.zero_grad()
-    want, got, own = ref.state_dict(), lm.state_dict(), plain.state_dict()
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-6, msg=name)
-        assert torch.equal(got[name], own[name]), name
+        _step_all(opts)
+    _same_weights(ref, lm, plain)
 
 
 def test_clipping_that_fires(tmp_path):
-    model = llama()
-    ref, lm, plain = copy.deepcopy(model), wrapped(model, tmp_path / "a", **NVME), \
-        wrapped(model, tmp_path / "b", **NVME)
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    opt_lm = infinity.optim.AdamW(lm.parameters(), lr=1e-3)
-    opt_plain = infinity.optim.AdamW(plain.parameters(), lr=1e-3)
+    ref, lm, plain, opts = _three_runs(tmp_path)
+    _, opt_lm, opt_plain = opts
     for step in range(4):
         mbs = batches(4, 1000, seed=20 + step)
         plain_backward(ref, mbs)
@@ -84,13 +96,8 @@ def test_clipping_that_fires(tmp_path):
         assert float(norm_ref) > 0.05  # the clip fires
         assert float(norm_lm) == float(norm_plain)
         torch.testing.assert_close(norm_lm, norm_ref, rtol=1e-6, atol=0)
-        for opt in (opt_ref, opt_lm, opt_plain):
-            opt.step()
-            opt.zero_grad()
-    want, got, own = ref.state_dict(), lm.state_dict(), plain.state_dict()
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-6, msg=name)
-        assert torch.equal(got[name], own[name]), name
+        _step_all(opts)
+    _same_weights(ref, lm, plain)
 
 
 def test_bf16_weights_8bit_states_match_own_plain_loop(tmp_path):
@@ -104,9 +111,7 @@ def test_bf16_weights_8bit_states_match_own_plain_loop(tmp_path):
         plain_backward(plain, mbs)
         if step == 0:
             _same_grads(grads_of(plain), grads_of(lm))
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
+        _step_all(opts)
     own, got = plain.state_dict(), lm.state_dict()
     for name in own:
         assert torch.equal(got[name], own[name]), name
@@ -166,9 +171,7 @@ def test_host_tier_and_train_on_with_plain_loop(tmp_path):
         else:
             plain_backward(lm, mbs)
         plain_backward(plain, mbs)
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
+        _step_all(opts)
     own, got = plain.state_dict(), lm.state_dict()
     for name in own:
         assert torch.equal(got[name], own[name]), name
