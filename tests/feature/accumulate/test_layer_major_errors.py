@@ -144,3 +144,31 @@ def test_empty_and_loss_less_calls():
         infinity.accumulate(model, batches(1, 1000, seed=9), divide_by=0)
     with pytest.raises(ChainError, match="no loss.*labels"):
         infinity.accumulate(model, [dict(input_ids=torch.randint(0, 1000, (1, 8)))])
+
+
+def test_fault_in_the_middle_of_the_step_then_train_on(tmp_path):
+    """A loss_fn that raises on the second micro-batch's tail (after the first one's backward
+    reached the head): the error reaches the caller, the engine recovers, and after zero_grad
+    the next step equals the plain loop's."""
+    model = llama()
+    lm, plain = wrapped(model, tmp_path / "a", **NVME), wrapped(model, tmp_path / "b", **NVME)
+    opts = [infinity.optim.AdamW(m.parameters(), lr=1e-3) for m in (lm, plain)]
+    mbs = batches(3, 1000, seed=11)
+    calls = []
+
+    def flaky(out, batch):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected fault")
+        return out.loss
+
+    with pytest.raises(RuntimeError, match="injected fault"):
+        infinity.accumulate(lm, mbs, flaky)
+    opts[0].zero_grad()
+    infinity.accumulate(lm, mbs)
+    plain_backward(plain, mbs)
+    for opt in opts:
+        opt.step()
+    own, got = plain.state_dict(), lm.state_dict()
+    assert all(torch.equal(own[k], got[k]) for k in own)
+    infinity.accumulate(lm, mbs)  # and on

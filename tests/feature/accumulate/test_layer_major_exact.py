@@ -194,3 +194,25 @@ def test_other_decoder_families(tmp_path, arch):
         # micro-batch first (the tail), then the lookups' (the plain loop alternates them)
         torch.testing.assert_close(got.pop(tied), want.pop(tied), rtol=1e-6, atol=1e-8)
     _same_grads(want, got)
+
+
+def test_checkpoint_right_after_step_then_resume_and_train_on(tmp_path):
+    """A checkpoint saved right after a layer-major step, loaded into a fresh wrapped model,
+    trains on exactly as the run that never stopped."""
+    model = llama()
+    run = wrapped(model, tmp_path / "a", **NVME)
+    opt = infinity.optim.AdamW(run.parameters(), lr=1e-3)
+    steps = [batches(4, 1000, seed=90 + s) for s in range(3)]
+    infinity.accumulate(run, steps[0])
+    _step_all([opt])
+    infinity.save_checkpoint(str(tmp_path / "ckpt"), run, opt)
+    resumed = wrapped(llama(seed=1), tmp_path / "b", **NVME)  # other weights: all overwritten
+    opt2 = infinity.optim.AdamW(resumed.parameters(), lr=1e-3)
+    infinity.load_checkpoint(str(tmp_path / "ckpt"), resumed, opt2)
+    for mbs in steps[1:]:
+        infinity.accumulate(run, mbs)
+        infinity.accumulate(resumed, mbs)
+        _step_all([opt, opt2])
+    want, got = run.state_dict(), resumed.state_dict()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
