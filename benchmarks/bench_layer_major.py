@@ -5,7 +5,9 @@
     python benchmarks/bench_layer_major.py --quick    # tiny, one measured step each (CI)
 
 Everything on NVMe (parameters, gradients, optimizer states), ``infinity.optim.AdamW`` with
-default settings (and, as a second layer-major run, ``keep_grads="auto"``), micro-batches of
+default settings (and, as a second layer-major run, ``keep_grads="auto"``; as a third, the step
+taken in backward: ``accumulate(..., optimizer=opt)``; ``--clip X`` clips every variant's
+step at X), micro-batches of
 1 x 128 tokens. For each k, one model per variant: the plain loop (``(loss / k).backward()``
 per micro-batch) and ``infinity.accumulate``. Each is warmed up (states created, the step's
 overlap armed), then their measured steps alternate (``--repeats`` each); per step the NVMe
@@ -81,8 +83,9 @@ def micro_batches(k: int, vocab: int, tokens: int, seed: int) -> List[Dict[str, 
 class Run:
     """One wrapped model and its optimizer, stepped with one variant."""
 
-    def __init__(self, base, variant: str, swap: str) -> None:
+    def __init__(self, base, variant: str, swap: str, clip: Optional[float] = None) -> None:
         self.variant = variant
+        self.clip = clip
         self.model = infinity.wrap(copy.deepcopy(base), nvme_path=swap, **NVME)
         keep = "auto" if variant == "layer_major_keep_auto" else True
         self.opt = infinity.optim.AdamW(self.model.parameters(), lr=1e-4, keep_grads=keep)
@@ -90,14 +93,20 @@ class Run:
     def step(self, mbs) -> Dict[str, Any]:
         k = len(mbs)
         t0 = time.perf_counter()
+        in_backward = self.variant == "step_in_backward"
         if self.variant == "plain":
             for mb in mbs:
                 (self.model(**mb).loss / k).backward()
+        elif in_backward:  # the whole step: each block stepped from RAM in backward
+            infinity.accumulate(self.model, mbs, optimizer=self.opt, max_grad_norm=self.clip)
         else:
             infinity.accumulate(self.model, mbs)
         t1 = time.perf_counter()
-        self.opt.step()
-        self.opt.zero_grad()
+        if not in_backward:
+            if self.clip is not None:
+                self.opt.clip_grad_norm_(self.clip)
+            self.opt.step()
+            self.opt.zero_grad()
         t2 = time.perf_counter()
         s = infinity.stats(self.model, reset=True)
         per = s["nvme_per_step"]
@@ -178,6 +187,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3, help="measured steps per variant")
     ap.add_argument("--nvme-path", default=None)
+    ap.add_argument("--clip", type=float, default=None, help="max_grad_norm for every variant")
     ap.add_argument("--json", default=os.path.join(HERE, "results", "bench_layer_major.json"))
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -191,7 +201,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     # block and the first prefetch-window layers): it may land in either step's count (stats
     # are cut at the step), so single steps differ by up to this
     prefetched_bpp = 0.0
-    variants = ["plain", "layer_major", "layer_major_keep_auto"]
+    variants = ["plain", "layer_major", "layer_major_keep_auto", "step_in_backward"]
     results: List[Dict[str, Any]] = []
     same_weights: Dict[int, bool] = {}
     with tempfile.TemporaryDirectory(dir=args.nvme_path) as swap:
@@ -199,7 +209,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             runs = {}
             for v in variants:
                 os.makedirs(os.path.join(swap, f"{v}{k}"))
-                runs[v] = Run(base, v, os.path.join(swap, f"{v}{k}"))
+                runs[v] = Run(base, v, os.path.join(swap, f"{v}{k}"), args.clip)
                 engine = engine_of(runs[v].model)
                 ahead = [b for b in engine.blocks if b.is_root]
                 ahead += [b for b in engine.blocks if b.kind == "layer"][: engine.schedule.window]
@@ -241,6 +251,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "machine": _common.machine_info(),
         "date": time.strftime("%Y-%m-%d"),
         "command": " ".join([os.path.basename(__file__)] + (argv or sys.argv[1:])),
+        "clip": args.clip,
         "params": params,
         "tokens_per_micro_batch": tokens,
         "results": results,

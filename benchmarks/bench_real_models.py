@@ -133,7 +133,10 @@ _CHILD = textwrap.dedent(r"""
     def accumulated_step():
         # micro-batches: the plain loop, or infinity.accumulate (layer-major)
         t0 = time.perf_counter()
-        if args.get("layer_major"):
+        if args.get("step_in_backward"):  # the step too, each block stepped in backward
+            losses = infinity.accumulate(model, batches, optimizer=opt,
+                                         max_grad_norm=args.get("clip"))
+        elif args.get("layer_major"):
             losses = infinity.accumulate(model, batches)
         else:
             losses = []
@@ -142,8 +145,11 @@ _CHILD = textwrap.dedent(r"""
                 losses.append(loss.detach())
                 (loss / micro).backward()
         t1 = time.perf_counter()
-        opt.step()
-        opt.zero_grad()
+        if not args.get("step_in_backward"):
+            if args.get("clip"):
+                opt.clip_grad_norm_(args["clip"])
+            opt.step()
+            opt.zero_grad()
         t2 = time.perf_counter()
         return sum(losses) / micro, t1 - t0, t2 - t1, infinity.stats(model, reset=True)
 
@@ -177,7 +183,8 @@ _CHILD = textwrap.dedent(r"""
         states = {"default": "8bit", model.get_input_embeddings(): "8bit",
                   model.get_output_embeddings(): "8bit"}
     opt = infinity.optim.AdamW(model.parameters(), lr=1e-5, states=states,
-                               overlap=args["overlap"], keep_grads=args["keep_grads"])
+                               overlap=args["overlap"], keep_grads=args["keep_grads"],
+                               master=args.get("master", "fp32"))
     opt_s = time.perf_counter() - t0
     steps = []
     infinity.stats(model, reset=True)
@@ -187,7 +194,7 @@ _CHILD = textwrap.dedent(r"""
         from infinity.optim.states import swapper
         swapper.record_requests(True)
     for i in range(args["steps"]):
-        if micro > 1 or args.get("layer_major"):
+        if micro > 1 or args.get("layer_major") or args.get("step_in_backward"):
             loss, fb_s, step_s, s = accumulated_step()
         else:
             loss, fb_s, step_s, s = timed_step(model, opt,
@@ -208,6 +215,7 @@ _CHILD = textwrap.dedent(r"""
                       "peak_rss_file_sampled": sampler.file,
                       "VmRSS": status("VmRSS"), "swap": swap_bytes(args["nvme"]),
                       "swap_categories": s.get("swap"),
+                      "accumulate": s.get("accumulate"),
                       **({"attribution": where} if args.get("attribute") else {})})
         print(json.dumps({"progress": i, "loss": loss.item(), "fwd_bwd_s": fb_s,
                           "step_s": step_s, "VmHWM": status("VmHWM"),
@@ -277,6 +285,12 @@ def main(argv: Optional[list] = None) -> int:
                    help="micro-batches of --batch x --seq per optimizer step (the plain loop)")
     p.add_argument("--layer-major", action="store_true",
                    help="run the micro-batches with infinity.accumulate (layer-major)")
+    p.add_argument("--step-in-backward", action="store_true",
+                   help="infinity.accumulate(..., optimizer=opt): layer-major, each block "
+                        "stepped from RAM in backward (no gradient written)")
+    p.add_argument("--clip", type=float, default=None, help="max_grad_norm (default: none)")
+    p.add_argument("--master", default="fp32", choices=("fp32", "bf16_sr", "bf16_kahan"),
+                   help="the optimizer's master weights")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     name = "quick" if args.quick else args.model
@@ -299,7 +313,9 @@ def main(argv: Optional[list] = None) -> int:
                "keep_grads": True if args.keep_grads == "true" else "auto",
                "tiers": args.tiers, "tiled_head": args.tiled_head,
                "whole_embedding": args.whole_embedding, "attribute": args.attribute,
-               "micro_batches": args.micro_batches, "layer_major": args.layer_major}
+               "micro_batches": args.micro_batches, "layer_major": args.layer_major,
+               "step_in_backward": args.step_in_backward, "clip": args.clip,
+               "master": args.master}
     try:
         run = _common.run_child("bench_real_models", _CHILD, payload,
                                 timeout=900 if args.quick else 4 * 3600)
@@ -320,7 +336,8 @@ def main(argv: Optional[list] = None) -> int:
         "host_budget": budget, "chunk_bytes": chunk, "overlap": args.overlap,
         "tiled_head": args.tiled_head, "embedding_rows": not args.whole_embedding,
         "keep_grads": args.keep_grads, "micro_batches": args.micro_batches,
-        "layer_major": args.layer_major,
+        "layer_major": args.layer_major, "step_in_backward": args.step_in_backward,
+        "clip": args.clip, "master": args.master,
         "rss_before_wrap": run["base"], "peak_rss": run["peak"], "bound": bound,
         "within_bound": run["peak"] <= bound, "peak_over_base": run["peak"] - run["base"],
         "swap_bytes": run["swap"], "swap_bytes_total": swap_total,

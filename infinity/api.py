@@ -16,6 +16,7 @@ from .runtime.build.dtypes import CPU_RATES, Rates, describe, summary
 from .runtime.engine import Engine, engine_of, locate
 from .runtime.homes.sources import CheckpointSource, Init, InitSource
 from .runtime.process.host_memory import HOST_MEMORY, RELEASE
+from .runtime.process.rss_bound import RssBound, read_memory
 
 
 def wrap(
@@ -43,7 +44,13 @@ def wrap(
 
     ``process_group``: shard over this ProcessGroup or DeviceMesh (2-D: replicate x shard)
     instead of the default group; see the ``shard`` setting and docs/zero3.md.
+
+    With a ``host_budget`` on a CPU device, peak RSS should stay within RSS at this call +
+    host_budget + 0.5 GiB; the engine bounds its own buffers, not the model's activations, so
+    after the first backward the peak is checked once: over the bound, a warning names the
+    figures and the remedies (``infinity.stats(model)["rss_check"]``).
     """
+    memory_at_wrap = read_memory()  # the base of the host budget's promise
     if source is not None and init is not None:
         raise TypeError("pass either source= (a checkpoint) or init=, not both")
     if policy is not None:
@@ -67,6 +74,10 @@ def wrap(
         values = InitSource(init)
     try:
         engine = Engine(model, policy, values, process_group)
+        # the promise checked after the first backward (None: no host_budget, or not a CPU)
+        engine.step.rss_bound = RssBound.watch(
+            engine.host_budget.limit, engine.device.type, memory_at_wrap
+        )
         if plan is not None:  # explain(model) tells the compute dtype too
             plan = dataclasses.replace(
                 plan, reasons=plan.reasons + (describe(engine.compute_dtypes),)
@@ -170,14 +181,15 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 def _swap_bytes(engine: Any) -> Dict[str, Any]:
     """Swap bytes by category: ``parameters`` (homes on NVMe), ``gradients`` (gradient files
-    on NVMe), and the NVMe optimizer states' ``master``, ``moments`` and ``spare`` (beyond the
-    committed states: extents in flight or kept for an update not yet confirmed); ``disk``
+    on NVMe that hold their disk: a file takes it at its first write), and the NVMe optimizer
+    states' ``master``, ``moments`` and ``spare`` (beyond the committed states: extents in
+    flight or kept for an update not yet confirmed); ``disk``
     the state files' blocks on the filesystem, ``peak`` their most live bytes so far;
     ``per_param`` each divided by the model's parameters."""
     from .optim.adam import swap_bytes_of
 
     homes = engine.tier_bytes()["nvme"]["params"]
-    grads = sum(f.numel * 4 for f in engine.flats if f.trainable) if engine.grads.on_nvme else 0
+    grads = engine.grads.file_bytes()  # files written at least once (they take disk then)
     states = swap_bytes_of(engine)
     out: Dict[str, Any] = {
         "parameters": homes,
@@ -214,7 +226,11 @@ def stats(model: nn.Module, *, reset: bool = False) -> Dict[str, Any]:
     parameter (parameters, gradients, master, moments, spare). ``compute_dtype``: the
     setting, each stored dtype's compute dtype (``chosen``: ``{"bfloat16": "float32"}``) and
     why (``why``; "auto" says the rates it compared). ``tiled_head``: the setting, whether
-    the LM head is tiled (``on``) and why (``why``: with "auto", the bytes compared)."""
+    the LM head is tiled (``on``) and why (``why``: with "auto", the bytes compared).
+    ``rss_check`` (with a host_budget on a CPU device, once the first backward ended): the
+    host budget's promise checked then: ``peak`` (VmHWM), ``bound`` (``rss_at_wrap`` +
+    ``host_budget`` + ``slack``, 0.5 GiB), ``over``, ``peak_before_wrap`` and
+    ``forward_growth`` (RSS growth across the forward before it: about the activations)."""
     engine = _engine(model)
     s = engine.stats
     out = {
@@ -253,11 +269,16 @@ def stats(model: nn.Module, *, reset: bool = False) -> Dict[str, Any]:
             engine.partitioner.coll.reset_counters()
     if engine.activations is not None:
         out["activations"] = engine.activations.report(reset=reset)
+    if engine.step.rss_bound is not None and engine.step.rss_bound.result is not None:
+        out["rss_check"] = dict(engine.step.rss_bound.result)  # the host budget's promise
     if s.micro_batches:
         out["accumulate"] = {
             "micro_batches": s.micro_batches,
             "tokens": s.tokens,
             "boundary_bytes_peak": s.boundary_bytes_peak,
+            "grad_norm": s.grad_norm,
+            "forward_s": s.forward_s,
+            "backward_s": s.backward_s,
         }
     if reset:
         s.reset()

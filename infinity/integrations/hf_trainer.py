@@ -8,8 +8,12 @@ one layer-major step (``infinity.accumulate``).
 The Trainer fetches an optimizer step's micro-batches together (``get_batch_samples``) and then
 calls ``training_step`` once per micro-batch. Here the first of those calls runs the whole
 step's forward and backward layer-major and every call returns its micro-batch's loss as the
-Trainer would have; clipping, the optimizer step, the scheduler, logging and checkpoints are
-the Trainer's own. Loss normalisation follows transformers 5.x: when the model takes
+Trainer would have; the scheduler, logging and checkpoints are the Trainer's own. With
+``infinity.optim.AdamW`` on a wrapped model and clipping on (``max_grad_norm`` > 0, the
+default), the optimizer step is taken in backward too (``accumulate(..., optimizer=,
+max_grad_norm=)``: each block stepped from RAM, no gradient written); the Trainer's clip then
+returns that step's norm and its ``optimizer.step()`` does nothing. Otherwise clipping and
+the step are the Trainer's. Loss normalisation follows transformers 5.x: when the model takes
 ``num_items_in_batch`` (causal LMs do) each micro-batch's loss is its token sum over the
 step's token count and the gradients are their plain sum; otherwise each loss is divided by
 the number of micro-batches. The gradients are those of the plain Trainer (bitwise where the
@@ -27,6 +31,9 @@ from typing import Any, Dict, Iterator, List, Optional
 import torch
 
 from ..accumulation import accumulate
+from ..api import stats
+from ..optim.adam import OffloadedAdam
+from ..runtime.core.registry import engine_of
 
 try:  # transformers is optional: the class exists only where it is installed
     from transformers import Trainer
@@ -43,6 +50,7 @@ class LayerMajorTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self._step_batches: Optional[List[Dict[str, Any]]] = None
         self._step_losses: Optional[Iterator[torch.Tensor]] = None
+        self._step_norm: Optional[float] = None  # the norm of a step taken in backward
         self._check_supported()
 
     def _check_supported(self) -> None:
@@ -100,7 +108,29 @@ class LayerMajorTrainer(Trainer):
         if self.loss_is_scaled_for_ga is not None:
             scaled = self.loss_is_scaled_for_ga
         divide_by = 1.0 if scaled else float(self.current_gradient_accumulation_steps)
+        # infinity's optimizer on a wrapped model that clips: the step is taken in backward,
+        # each block from RAM (no gradient written); the Trainer's clip returns its norm and
+        # its optimizer.step() does nothing then
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)
+        clip = self.args.max_grad_norm
+        taker = inner if isinstance(inner, OffloadedAdam) and clip > 0 else None
+        if engine_of(model) is None:
+            taker = None
+        self._step_norm = None
         with self.compute_loss_context_manager():
-            losses = accumulate(model, prepared, divide_by=divide_by)
+            if taker is not None:
+                losses = accumulate(
+                    model, prepared, divide_by=divide_by, optimizer=taker, max_grad_norm=clip
+                )
+                self._step_norm = stats(model)["accumulate"]["grad_norm"]
+                taker.skip_next_step()
+            else:
+                losses = accumulate(model, prepared, divide_by=divide_by)
         # what Trainer.training_step returns: the loss it ran backward on
         return iter([loss / divide_by for loss in losses])
+
+    def _clip_grad_norm(self, model: torch.nn.Module) -> Any:  # type: ignore[override]
+        if self._step_norm is not None:  # clipped in the step taken in backward
+            norm, self._step_norm = self._step_norm, None
+            return torch.tensor(norm)
+        return super()._clip_grad_norm(model)

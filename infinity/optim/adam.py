@@ -37,6 +37,7 @@ from ..sizes import Size, parse_size
 from ..tiers.chunk_size import check_chunk_bytes
 from .checks import GradientChecks
 from .core import AdamCore
+from .in_backward import StepInBackward, find_port
 from .overlap import BackwardOverlap
 from .state_dicts import StateDicts
 from .states.store import OptimizerStateIOError
@@ -213,6 +214,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         self._overlap = BackwardOverlap(self.core, overlap, keep_grads)
         self._checks = GradientChecks(self.core, self._overlap.grads_scaled)
         self._dicts = StateDicts(self.core, self._overlap.rollback_all)
+        self._skip_next = False  # skip_next_step()
         defaults = dict(
             lr=lr,
             betas=betas,
@@ -298,6 +300,27 @@ class OffloadedAdam(torch.optim.Optimizer):
         stored gradients are not changed). ``finite``: the caller already checked them."""
         self._checks.set_grad_multiplier(factor, finite=finite, source=source)
 
+    def step_in_backward(self, engine: Any) -> Optional[StepInBackward]:
+        """The step of ``engine``'s model taken inside its next backward, block by block from
+        RAM (:mod:`infinity.optim.in_backward`; ``infinity.accumulate`` with an optimizer
+        drives it), or None where it cannot be (logged: ``opt.step()`` then steps after
+        backward as usual)."""
+        port = find_port(self.core, engine)
+        if port is None:
+            return None
+        why = StepInBackward.why_not(self.core, port)
+        if why is not None:
+            logger.info("infinity.optim: the step is taken after backward: %s", why)
+            return None
+        return StepInBackward(self.core, self._overlap, port)
+
+    def skip_next_step(self) -> None:
+        """The next ``step()`` does nothing: the step it stands for was taken already (by
+        ``infinity.accumulate(..., optimizer=self)``, for a trainer whose loop calls
+        ``step()`` after the accumulation; ``integrations.hf_trainer``). It raises instead if
+        gradients are waiting then (they would be lost)."""
+        self._skip_next = True
+
     def discard_pending_step(self) -> None:
         """Forgets multipliers and checks meant for a step that will not happen."""
         self.core.discard_pending()
@@ -337,6 +360,10 @@ class OffloadedAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._skip_next:
+            self._skip_next = False
+            self._check_nothing_waiting()
+            return loss
         t0 = time.perf_counter()
         core, checks, overlap = self.core, self._checks, self._overlap
         multiplier, finite = core.multiplier, core.finite
@@ -408,6 +435,23 @@ class OffloadedAdam(torch.optim.Optimizer):
         for port in ports:
             port.engine.record_optimizer_step(stats)
         return loss
+
+    def _check_nothing_waiting(self) -> None:
+        waiting = any(
+            any(s.ready(i) for i in range(len(s.flat.slots)))
+            for s in self.core.wrapped.shards.values()
+        ) or any(
+            p.grad is not None and not self.core.wrapped.is_wrapped(p)
+            for group in self.param_groups
+            for p in group["params"]
+        )
+        if waiting:
+            raise RuntimeError(
+                "infinity.optim: step() was to be skipped (its step was taken already by "
+                "infinity.accumulate), but gradients are waiting: they come from a backward "
+                "after that step. Call zero_grad() before the next accumulate(), or step them "
+                "with another step() call"
+            )
 
     def restore_parameters(self) -> None:
         """After a failed step: rewrites the working copies it had already updated from the

@@ -114,14 +114,18 @@ class _Spec:
     runs: Tuple[_Run, ...]
     hypers: Tuple[Tuple[Tuple[str, Any], ...], ...]
     norms: Any  # the gradient sink's per-slot norm list the update saw (compared by identity)
+    multiplier: float = 1.0  # the grad multiplier it applied (a step in backward: the clip's)
 
 
 class _Worker:
     """One model's speculative pipeline: a thread running run_pipeline over a feed that
     backward fills."""
 
-    def __init__(self, core: AdamCore, port: OptimizerPort, store: NvmeStates) -> None:
+    def __init__(
+        self, core: AdamCore, port: OptimizerPort, store: NvmeStates, commit: bool = False
+    ) -> None:
         self.port = port
+        self.commit = commit  # a step in backward: each unit committed in place as written
         self.store = store
         self.feed = ShardFeed()
         self.specs: Dict[str, _Spec] = {}
@@ -149,7 +153,7 @@ class _Worker:
                 list(spec.runs),
                 unit,
                 buf,
-                1.0,
+                spec.multiplier,
                 out,
                 grad,
                 hypers=[dict(h) for h in spec.hypers],
@@ -167,7 +171,7 @@ class _Worker:
                     port.working.staged,
                     self.stats,
                     self.computed,
-                    commit=False,
+                    commit=commit,
                 )
             except BaseException as exc:  # noqa: BLE001 - reported at step(), then rolled back
                 self.error = exc
@@ -215,6 +219,7 @@ class _ModelState:
         "write",
         "quiet",
         "marks",
+        "phase",
     )
 
     def __init__(self) -> None:
@@ -228,6 +233,10 @@ class _ModelState:
         self.kept = False  # this step kept speculative updates (and rolled back none)
         self.backoff = 0  # "auto": steps to sit out after the next mismatch / 2
         self.wait = 0  # "auto": steps left to sit out
+        # a step in backward (infinity.accumulate with an optimizer, .in_backward): None, or
+        # "measure" (gradients measured in RAM, then dropped) or "step" (stepped from RAM,
+        # committed in place)
+        self.phase: Optional[str] = None
 
 
 class BackwardOverlap:
@@ -252,6 +261,16 @@ class BackwardOverlap:
     def _state(self, port: OptimizerPort) -> _ModelState:
         return self._models.setdefault(port, _ModelState())
 
+    def set_phase(self, port: OptimizerPort, phase: Optional[str]) -> None:
+        """A step in backward (:mod:`.in_backward`): the model's next backward "measure"s its
+        gradients or "step"s them in place; None: plain backwards again."""
+        if phase not in (None, "measure", "step"):
+            raise ValueError(f"infinity.optim: no step-in-backward phase {phase!r} (bug)")
+        self._state(port).phase = phase
+
+    def phase(self, port: OptimizerPort) -> Optional[str]:
+        return self._state(port).phase
+
     # ---- engine callbacks, through the port (under the engine's lock) ----------------------
     def forward_started(self, port: OptimizerPort) -> None:
         st = self._state(port)
@@ -261,6 +280,9 @@ class BackwardOverlap:
             self.rollback_model(port, "a forward ran before opt.step()")
             st.good_steps = 0
             st.quiet = 0
+        if st.phase is not None:  # armed by .in_backward, which checked the model can be
+            st.armed, st.write = True, False
+            return
         if not torch.is_grad_enabled():
             st.armed = False
             return
@@ -290,7 +312,7 @@ class BackwardOverlap:
             return False
         if not shard.runs():
             return False
-        if port.grads.accumulations != st.marks[0]:
+        if st.phase is None and port.grads.accumulations != st.marks[0]:
             # this backward adds to gradients kept from before (no zero_grad since the
             # last step): the loop accumulates, so its gradients are written from now on
             st.write, st.quiet = True, 0
@@ -336,19 +358,26 @@ class BackwardOverlap:
         runs = shard.runs()
         norms = port.grads.slot_norms(flat)
         held = port.grads.held.holds(flat)
+        if st.phase == "measure":  # measured when closed: the buffers go back, unwritten
+            if held:
+                port.grads.held.release_held(flat)
+            return
         if not runs or norms is None:
             if held:  # (not reached: takes_in_ram asked for the same runs)
                 port.grads.held.release_held(flat)
             return
+        in_place = st.phase == "step"
         if worker is None:
             # a store that speculates (_may_arm) is the NVMe tier's
-            worker = _Worker(core, port, cast(NvmeStates, core.wrapped.store(port)))
+            store = cast(NvmeStates, core.wrapped.store(port))
+            worker = _Worker(core, port, store, commit=in_place)
             self._workers[port] = worker
         if held and not port.grads.held.written(flat):
             self.unwritten_total += 1
-        worker.put(
-            _Spec(shard, tuple(runs), tuple(_freeze(core.hyper(r, 1.0)) for r in runs), norms), held
-        )
+        # in place: with the step's own multiplier (the clip measured before); else 1
+        m = core.multiplier if in_place else 1.0
+        hypers = tuple(_freeze(core.hyper(r, m)) for r in runs)
+        worker.put(_Spec(shard, tuple(runs), hypers, norms, m), held)
 
     # ---- step side ---------------------------------------------------------------------------
     @property
@@ -366,7 +395,12 @@ class BackwardOverlap:
         if worker is None:
             return
         worker.join()
-        self._rollback(worker, list(worker.computed), why)
+        if worker.commit:  # committed as written: nothing to roll back
+            error = self._settle_in_place(worker, self.core.multiplier, {}, failed=why)
+            if error is not None:
+                logger.warning("%s", error)
+        else:
+            self._rollback(worker, list(worker.computed), why)
         self._state(port).armed = False
 
     def rollback_all(self, why: str) -> None:
@@ -410,6 +444,9 @@ class BackwardOverlap:
             worker = self._workers.pop(key)
             worker.join()
             stats.merge(worker.stats)
+            if worker.commit:
+                self._settle_in_place(worker, multiplier, kept)
+                continue
             grads = worker.port.grads
             if worker.error is not None or worker.poisoned is not None:
                 why = worker.poisoned or f"the update failed ({worker.error})"
@@ -480,6 +517,74 @@ class BackwardOverlap:
                 kept[shard.key] = shard
             self.kept_total += len(good)
         return kept, stats
+
+    def _settle_in_place(
+        self,
+        worker: _Worker,
+        multiplier: float,
+        kept: Dict[str, Shard],
+        failed: Optional[str] = None,
+    ) -> Optional[RuntimeError]:
+        """A step in backward (its units committed as written): the shards every unit of which
+        took it are done (their steps counted). Nothing can be undone, so a worker that failed
+        or an update that differs from this step raises, naming what took the step;
+        ``failed``: the step is abandoned (why), and the error is returned instead."""
+        store = worker.store
+        took: List[Shard] = []
+        missed: List[Shard] = []
+        differ: List[Shard] = []
+        for spec in worker.specs.values():
+            shard = spec.shard
+            if not store.extents.fully_stepped(shard, len(store.plan(shard).units)):
+                missed.append(shard)
+                continue
+            runs = shard.runs()
+            same = (
+                multiplier == spec.multiplier
+                and tuple(runs) == spec.runs
+                and tuple(_freeze(self.core.hyper(r, multiplier)) for r in runs) == spec.hypers
+                and not shard.flat.user_written
+            )
+            if not same:
+                differ.append(shard)
+            store.finish(shard)
+            shard.commit_steps()
+            kept[shard.key] = shard
+            took.append(shard)
+        self.kept_total += len(took)
+        why = worker.poisoned or (f"{worker.error}" if worker.error is not None else None)
+        why = failed or why
+        if why is None and not missed and not differ:
+            return None
+        for shard in took:  # a failed step's record: a retry (or zero_grad) skips them
+            self.core.done[shard.key] = shard
+        for shard in missed:
+            worker.port.grads.mark_lost(shard.flat, "their step in backward failed part way")
+        names = ", ".join(s.key for s in (missed or differ)[:3])
+        error = RuntimeError(
+            f"infinity.optim: the step applied in backward (infinity.accumulate with an "
+            f"optimizer) {'failed: ' + why if why else 'differs from opt.step()'}; "
+            f"{len(took)} block(s) took it, {len(missed)} did not ({names}), and their "
+            "gradients, stepped from RAM, were not kept. Committed states cannot be undone: "
+            "load the last checkpoint (model and optimizer) and train on from there"
+        )
+        if failed is None:
+            raise error
+        return error
+
+    def abandon_in_place(self, port: OptimizerPort, why: str) -> Optional[str]:
+        """A step in backward that will not reach ``opt.step()`` (its backward raised): what
+        took it is counted; returns what happened (None when nothing had started)."""
+        worker = self._workers.pop(port, None)
+        if worker is None:
+            return None
+        worker.join()
+        self._state(port).armed = False
+        if not worker.commit:
+            self._rollback(worker, list(worker.computed), why)
+            return None
+        error = self._settle_in_place(worker, self.core.multiplier, {}, failed=why)
+        return None if error is None else str(error)
 
     def grads_scaled(self) -> None:
         """clip_grad_norm_ or a grad multiplier was applied for the next step: gradients may

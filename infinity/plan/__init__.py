@@ -41,7 +41,9 @@ def explain(model: Union[nn.Module, int, float], *, show: bool = True, **setting
     """The plan for ``model``, with its reasons: for a wrapped model the plan it got;
     otherwise the plan ``wrap(model, **settings)`` would choose (nothing is allocated or
     written). ``show``: also print it (to stdout). Its last reason says the compute dtype
-    each stored dtype gets and why (``compute_dtype="auto"``: the rates compared)."""
+    each stored dtype gets and why (``compute_dtype="auto"``: the rates compared). A wrapped
+    model with a host_budget on a CPU device whose first backward ended has one more: its
+    peak RSS against the host budget's bound (``infinity.stats(model)["rss_check"]``)."""
     result: Optional[Plan] = None
     if isinstance(model, nn.Module):
         from ..runtime.core.registry import engine_of
@@ -56,6 +58,10 @@ def explain(model: Union[nn.Module, int, float], *, show: bool = True, **setting
                     "and call infinity.explain(model, nvme_path=...) to see the "
                     "plan the planner would choose"
                 )
+            check = engine.step.rss_bound
+            measured = check.describe() if check is not None else None
+            if measured is not None:
+                result = dataclasses.replace(result, reasons=result.reasons + (measured,))
     if result is None:
         settings.pop("placement", None)
         result = plan(model, **settings)

@@ -15,7 +15,7 @@ import time
 import uuid
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
 import torch
 
@@ -232,6 +232,7 @@ class SwapStore:
         self.verify = verify
         self._require_direct = require_direct
         self._entries: Dict[str, _Entry] = {}
+        self._unallocated: Set[str] = set()  # keys created lazily, not written yet
         self._lock = threading.Lock()
         # per key of a file of extents: freed ranges whose blocks are kept, its largest extent
         self._kept: Dict[str, RangeSet] = {}
@@ -391,11 +392,16 @@ class SwapStore:
         safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in key)
         return os.path.join(self.directory, f"{safe}.swp")
 
-    def create(self, key: str, nbytes: int, piece_bytes: Optional[int] = None) -> None:
+    def create(
+        self, key: str, nbytes: int, piece_bytes: Optional[int] = None, *, lazy: bool = False
+    ) -> None:
         """Creates the key's file with ``nbytes`` preallocated (ENOSPC is raised here, up front).
 
         ``piece_bytes``: the unit of ranged I/O and of checksums (a multiple of the alignment;
-        None: the whole file is one piece, and only whole-file reads and writes are allowed)."""
+        None: the whole file is one piece, and only whole-file reads and writes are allowed).
+        ``lazy``: the file takes no disk until its first write, which preallocates it first
+        (ENOSPC is raised by that write): for files a run may never write (gradients stepped
+        from RAM)."""
         if self._closed:
             raise RuntimeError("SwapStore is closed")
         if key in self._entries:
@@ -408,11 +414,29 @@ class SwapStore:
         piece = self._piece_for(key, nbytes, piece_bytes)
         handle = inf_io.FileHandle(self._path(key), "w+", require_direct=self._require_direct)
         try:
-            handle.allocate(nbytes)
+            if not lazy:
+                handle.allocate(nbytes)
         except BaseException:
             handle.close()
             raise
         self._entries[key] = _Entry(handle=handle, nbytes=nbytes, piece=piece)
+        if lazy:
+            self._unallocated.add(key)
+
+    def _allocate_before_write(self, key: str, entry: _Entry) -> None:
+        """A lazily created file's first write: its disk is preallocated now."""
+        if key not in self._unallocated:
+            return
+        with self._lock:
+            if key not in self._unallocated:
+                return
+            entry.handle.allocate(entry.nbytes)
+            self._unallocated.discard(key)
+
+    def allocated(self, key: str) -> bool:
+        """Whether the key's file holds its disk (False: created lazily, never written)."""
+        self._entry(key)
+        return key not in self._unallocated
 
     @staticmethod
     def _piece_for(key: str, nbytes: int, piece_bytes: Optional[int]) -> int:
@@ -496,6 +520,8 @@ class SwapStore:
         raw = self._bytes_of(buf)
         nbytes = raw.numel()
         self._check_range(key, entry, offset, nbytes)
+        if op == "write":
+            self._allocate_before_write(key, entry)
         futures = []
         for i in self._pieces_in(entry, offset, nbytes):
             start, end = entry.span(i)
@@ -672,6 +698,7 @@ class SwapStore:
         :meth:`record_crc`, so a read that verifies it before then is refused."""
         entry = self._entry(key)
         self._check_span(key, entry, buf, offset)
+        self._allocate_before_write(key, entry)
         self._settle(entry, 0)
         with self._lock:
             entry.crcs[0] = None

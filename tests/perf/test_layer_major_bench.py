@@ -28,7 +28,7 @@ def test_bench_layer_major_quick(tmp_path):
     # lands in this step's count or the next's: one measured step may read that much more or
     # less than another
     slack = data["prefetched_bytes_per_param"]
-    for variant in ("layer_major", "layer_major_keep_auto"):
+    for variant in ("layer_major", "layer_major_keep_auto", "step_in_backward"):
         # k = 1 reads the embedding's rows, k > 1 the whole table once (here 41% of the
         # parameters): no more than k = 1 reads, and the same at k = 4 and 16
         base = per(variant, 4, "params_read")
@@ -38,8 +38,11 @@ def test_bench_layer_major_quick(tmp_path):
         for k in (4, 16):
             assert per(variant, k, "grads_written") == per(variant, 1, "grads_written")
             assert per(variant, k, "grads_read") <= per(variant, 1, "grads_read")
-    # keep_grads="auto" with no clipping: only the root block's few gradients are written
+    # keep_grads="auto" with no clipping, and the step in backward: only the root block's
+    # few gradients are written, and nothing is read back
     assert per("layer_major_keep_auto", 16, "grads_written") < 0.05
+    assert per("step_in_backward", 16, "grads_written") < 0.05
+    assert per("step_in_backward", 16, "grads_read") < 0.05
     # the plain loop's traffic grows with the micro-batches
     assert per("plain", 16, "params_read") > 5 * per("plain", 1, "params_read")
     assert per("plain", 16, "grads_written") >= 15 * per("plain", 1, "grads_written")

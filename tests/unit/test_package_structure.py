@@ -302,7 +302,7 @@ LAYERS: Dict[str, List[str]] = {
     "infinity.runtime": ["core", "process", "homes", "zero", "grads", "vocab", "activations",
                          "step", "build", "engine", "port", "layered", "__init__"],
     "infinity.optim": ["step", "states", "loss_scale", "clip", "params", "update", "wrapped",
-                       "core", "checks", "overlap", "state_dicts", "zero_states", "adam",
+                       "core", "checks", "overlap", "in_backward", "state_dicts", "zero_states", "adam",
                        "__init__"],
     "infinity.checkpoint": ["disk", "names", "matching", "bnb4", "per_rank", "ranks", "load",
                             "sharded", "save", "consolidate", "dcp_write", "dcp", "inspect",

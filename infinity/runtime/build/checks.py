@@ -4,6 +4,7 @@ a remedy. On a CPU device the host-budget check also reserves the compute buffer
 
 from __future__ import annotations
 
+import logging
 from typing import List, Optional, Tuple
 
 from torch import nn
@@ -12,10 +13,12 @@ from ... import io as inf_io
 from ...tiers import BudgetExceededError, ByteBudget, Tier
 from ...tiers.chunk_size import resolve_chunk_bytes
 from ...tiers.compute_pool import ComputeBuffers
-from ...tiers.disk_space import check_free_space
+from ...tiers.disk_space import check_free_space, free_bytes
 from ...tiers.pool_plan import MAX_PIECE_BYTES
 from ..core.block import Block
 from .sizes import Sizing
+
+logger = logging.getLogger(__name__)
 
 
 def outer_remedy(model: nn.Module, block: Block) -> str:
@@ -163,11 +166,24 @@ def check_disk(sizing: Sizing, nvme_path) -> None:
             -(-sizing.home_flat(f).home_nbytes // align) * align for b in on_nvme for f in b.flats
         )
     }
+    grads = 0
     if sizing.grad_tier is Tier.NVME:
-        needs["gradients"] = sum(
-            -(-f.numel * 4 // align) * align for f in sizing.sink_flats() if f.trainable
+        grads = sum(-(-f.numel * 4 // align) * align for f in sizing.sink_flats() if f.trainable)
+        needs["gradients"] = grads
+    free = free_bytes(nvme_path)
+    if needs["parameters"] > free or not grads:
+        check_free_space(nvme_path, needs, "the model's parameters and gradients")
+    elif needs["parameters"] + grads > free:
+        # gradient files take disk at their first write (runtime/grads/nvme.py): a step taken
+        # in backward (infinity.accumulate with an optimizer) never writes them
+        logger.warning(
+            "infinity: the gradients' swap files (%s bytes) do not fit beside the parameters "
+            "on the disk under nvme_path (%s bytes free): a backward that writes them (the "
+            "plain loop) will fail with ENOSPC. infinity.accumulate(..., optimizer=opt) steps "
+            "them from RAM and never writes them; else free space or use grad_tier='host'",
+            f"{grads:,}",
+            f"{free:,}",
         )
-    check_free_space(nvme_path, needs, "the model's parameters and gradients")
 
 
 def check_device_budget(sizing: Sizing, model: nn.Module, device_budget: ByteBudget) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 DIRECTIONS = ("nvme_to_host", "host_to_nvme", "host_to_device", "device_to_host")
 # what NVMe bytes were (reads: nvme_to_host, writes: host_to_nvme)
@@ -68,6 +68,11 @@ class Stats:
     _tokens_mark: int = field(default=0, repr=False)
     boundary_bytes_peak: int = 0
     micro_batches: int = 0
+    grad_norm: Optional[float] = None  # the last layer-major step's norm before clipping
+    # the last layer-major step's seconds: record pass and layer-major forward, then the
+    # backward passes (tail, layers, embeddings; with a step in backward, its updates overlap)
+    forward_s: float = 0.0
+    backward_s: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add_moved(self, direction: str, nbytes: int, category: str = "params") -> None:
@@ -115,14 +120,28 @@ class Stats:
             self._fb_t0 = None
             self.tokens = self.tokens_last_step = self._tokens_mark = 0
             self.boundary_bytes_peak = self.micro_batches = 0
+            self.grad_norm = None
 
-    def note_tokens(self, tokens: int, boundary_bytes: int, micro_batches: int) -> None:
+    def note_tokens(
+        self,
+        tokens: int,
+        boundary_bytes: int,
+        micro_batches: int,
+        seconds: Tuple[float, float] = (0.0, 0.0),
+    ) -> None:
         """A layer-major step ran over ``tokens`` tokens in ``micro_batches`` micro-batches,
-        keeping at most ``boundary_bytes`` of layer inputs."""
+        keeping at most ``boundary_bytes`` of layer inputs, in ``seconds`` (forward,
+        backward)."""
         with self._lock:
+            self.forward_s, self.backward_s = seconds
             self.tokens += tokens
             self.micro_batches += micro_batches
             self.boundary_bytes_peak = max(self.boundary_bytes_peak, boundary_bytes)
+
+    def note_grad_norm(self, norm: Optional[float]) -> None:
+        """A layer-major step with its optimizer step clipped at this norm (None: no clip)."""
+        with self._lock:
+            self.grad_norm = norm
 
     def forward_started(self, now: float) -> None:
         if self._fb_t0 is None:

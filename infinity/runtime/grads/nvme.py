@@ -43,6 +43,7 @@ class NvmeGradStore(GradStore):
         self.drain = drain  # accumulates the device->host copies in flight
         self._open: Dict[int, Tuple[FlatParam, torch.Tensor]] = {}  # whole flats: buffer
         trainable = [f for f in flats if f.trainable]
+        self._trainable = trainable
         if trainable:
             if store is None:
                 raise ValueError("infinity: gradients on NVMe need a swap store: pass nvme_path")
@@ -51,7 +52,7 @@ class NvmeGradStore(GradStore):
             self.pool = HostPool(pool_count, size, host_budget)
             # checksummed per piece (a chunk, at most 4 MiB): read, verified, written alone
             for f in trainable:
-                store.create(grad_key(f), f.numel * 4)
+                store.create(grad_key(f), f.numel * 4, lazy=True)
                 store.use_pieces(grad_key(f), piece_bytes(size))
         self._store = store
         # one writer thread: the RAM in flight is bounded by the pool (pool_count buffers,
@@ -274,6 +275,12 @@ class NvmeGradStore(GradStore):
     def zero_grad(self) -> None:
         self.norms.clear_pending()
         self._chunks.clear()
+
+    def file_bytes(self) -> int:
+        store = self._store
+        if store is None:
+            return 0
+        return sum(f.numel * 4 for f in self._trainable if store.allocated(grad_key(f)))
 
     def host_bytes(self) -> int:
         return self.pool.count * self.pool.nbytes if self.pool is not None else 0

@@ -264,6 +264,11 @@ class GradientSink:
                 entry = self._exposed.pop(key)
                 flat.slots[entry[1]].param.grad = None
 
+    def file_bytes(self) -> int:
+        """Bytes of the gradient files that hold their disk: a file is preallocated at its
+        first write, so gradients always stepped from RAM take none."""
+        return self._store.file_bytes()
+
     def host_bytes(self) -> int:
         """Host bytes of the gradient buffers (NVMe tier) and device->host staging."""
         return self.copies.nbytes() + self._store.host_bytes()

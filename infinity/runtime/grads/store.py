@@ -158,5 +158,9 @@ class GradStore:
         """Host bytes of gradient buffers not counted with the flats."""
         return 0
 
+    def file_bytes(self) -> int:
+        """Bytes of gradient files holding their disk (NVMe: those written at least once)."""
+        return 0
+
     def shutdown(self) -> None:
         pass

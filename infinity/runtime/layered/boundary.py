@@ -70,11 +70,17 @@ class Boundaries:
         self._now -= t.numel() * t.element_size()
         return t.to(self.device) if self.to_host else t
 
+    def use(self, i: int, m: int, keep: bool) -> torch.Tensor:
+        """The boundary as a new tensor of its own (its ``.grad`` is the caller's), kept here
+        for another backward pass (``keep``) or forgotten (:meth:`take`)."""
+        return self.get(i, m).detach() if keep else self.take(i, m)
+
     def put_rng(self, i: int, m: int, state: RngState) -> None:
         self._rng[(i, m)] = state
 
-    def take_rng(self, i: int, m: int) -> RngState:
-        return self._rng.pop((i, m))
+    def rng(self, i: int, m: int, keep: bool) -> RngState:
+        """The RNG state layer i's forward saw for micro-batch m (forgotten unless ``keep``)."""
+        return self._rng[(i, m)] if keep else self._rng.pop((i, m))
 
     def clear(self) -> None:
         self._kept.clear()

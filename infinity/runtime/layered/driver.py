@@ -37,6 +37,16 @@ class _Recorded:
     looked_up: List[torch.Tensor]  # the outputs of the embeddings read by rows, in call order
 
 
+@dataclass(frozen=True)
+class _Pass:
+    """What each backward pass of one step runs over."""
+
+    batches: Sequence[Any]
+    recorded: List[_Recorded]
+    loss_fn: LossFn
+    divide_by: float
+
+
 def call_model(model: nn.Module, batch: Any) -> Any:
     if isinstance(batch, Mapping):
         return model(**batch)
@@ -96,6 +106,7 @@ class LayerMajor:
         self.rng = _Rng(device)
         self.boundaries = Boundaries(engine, device)
         self.tokens = 0
+        self.seconds = (0.0, 0.0)  # the last step's forward and backward
         self.window = AccumulationWindow(engine.step) if engine is not None else None
         # the last layers of forward are the first of backward: as many as the prefetch window
         # (at least one) stay materialized from one to the other, as in the plain loop
@@ -162,7 +173,16 @@ class LayerMajor:
                 "the global batch evenly (drop_last=True) or pad the short rank's"
             )
 
-    def run(self, batches: Sequence[Any], loss_fn: LossFn, divide_by: float) -> List[torch.Tensor]:
+    def run(
+        self,
+        batches: Sequence[Any],
+        loss_fn: LossFn,
+        divide_by: float,
+        between: Optional[Callable[[], bool]] = None,
+    ) -> List[torch.Tensor]:
+        """The step's forward and backward. ``between``: the backward runs twice over the
+        same forward (layer inputs kept, dropout replayed): ``between()`` runs after the first
+        one ended (its gradients complete) and says whether the second runs."""
         engine = self.engine
         self._same_count_on_every_rank(len(batches))
         if self.window is not None:
@@ -170,7 +190,7 @@ class LayerMajor:
         failed = True
         try:
             with torch.enable_grad():
-                losses = self._run(batches, loss_fn, divide_by)
+                losses = self._run(batches, loss_fn, divide_by, between)
             failed = False
             return losses
         finally:
@@ -178,9 +198,17 @@ class LayerMajor:
             if self.window is not None:
                 self.window.close(failed=failed)
                 if not failed:
-                    engine.stats.note_tokens(self.tokens, self.boundaries.peak, len(batches))
+                    engine.stats.note_tokens(
+                        self.tokens, self.boundaries.peak, len(batches), self.seconds
+                    )
 
-    def _run(self, batches: Sequence[Any], loss_fn: LossFn, divide_by: float) -> List[torch.Tensor]:
+    def _run(
+        self,
+        batches: Sequence[Any],
+        loss_fn: LossFn,
+        divide_by: float,
+        between: Optional[Callable[[], bool]],
+    ) -> List[torch.Tensor]:
         n = len(self.layers)
         t0 = time.perf_counter()
         held = self._whole_tables(len(batches))
@@ -195,22 +223,39 @@ class LayerMajor:
             self.boundaries.put(0, m, r.embedded.detach())
         self._forward(recorded)
         t1 = time.perf_counter()
-        losses, grads = self._tail(batches, recorded, loss_fn, divide_by)
-        grads = self._backward(recorded, grads)
-        for r, g in zip(recorded, grads):  # phase 5: what ran before the first layer
-            if r.embedded.requires_grad and g is not None:
-                torch.autograd.backward(r.embedded, g)
-        if self.engine is not None:
-            for block in self.engine.blocks:
-                if not block.is_root:
-                    self._close(block)
+        again = between is not None
+        step = _Pass(batches, recorded, loss_fn, divide_by)
+        losses = self._backward_pass(step, keep=again)
+        if again and between is not None:
+            if self.window is not None:  # the first pass's gradients end like a backward's
+                self.window.close(failed=False)
+            go_on = between()
+            if self.window is not None:
+                self.window.open()
+            if go_on:
+                self._backward_pass(step, keep=False, cold=True)
+        self.seconds = (t1 - t0, time.perf_counter() - t1)
         logger.debug(
             "infinity.accumulate: %d micro-batches, %d layers: forward %.3f s, backward %.3f s",
             len(batches),
             n,
-            t1 - t0,
-            time.perf_counter() - t1,
+            *self.seconds,
         )
+        return losses
+
+    def _backward_pass(self, step: _Pass, *, keep: bool, cold: bool = False) -> List[torch.Tensor]:
+        """The tail per micro-batch, the layers' backward, then what ran before the first
+        layer; every block closed. ``keep``: the layer inputs, RNG states and the embedding
+        graph stay for another pass; ``cold``: no layer is held over from the forward."""
+        losses, grads = self._tail(step, keep)
+        grads = self._backward(step.recorded, grads, keep, cold)
+        for r, g in zip(step.recorded, grads):  # phase 5: what ran before the first layer
+            if r.embedded.requires_grad and g is not None:
+                torch.autograd.backward(r.embedded, g, retain_graph=keep)
+        if self.engine is not None:
+            for block in self.engine.blocks:
+                if not block.is_root:
+                    self._close(block)
         return losses
 
     def _record(self, m: int, batch: Any) -> _Recorded:
@@ -278,20 +323,17 @@ class LayerMajor:
                     self._let_go(blocks[i])
 
     def _tail(
-        self,
-        batches: Sequence[Any],
-        recorded: List[_Recorded],
-        loss_fn: LossFn,
-        divide_by: float,
+        self, step: _Pass, keep: bool
     ) -> Tuple[List[torch.Tensor], List[Optional[torch.Tensor]]]:
+        recorded, loss_fn, divide_by = step.recorded, step.loss_fn, step.divide_by
         n = len(self.layers)
         losses: List[torch.Tensor] = []
         grads: List[Optional[torch.Tensor]] = []
         for block in self.tail_blocks:
             self._hold(block)
         try:
-            for m, batch in enumerate(batches):
-                last = self.boundaries.take(n, m).requires_grad_(True)
+            for m, batch in enumerate(step.batches):
+                last = self.boundaries.use(n, m, keep).requires_grad_(True)
 
                 looked_up = iter(recorded[m].looked_up)
 
@@ -329,13 +371,19 @@ class LayerMajor:
         return losses, grads
 
     def _backward(
-        self, recorded: List[_Recorded], grads: List[Optional[torch.Tensor]]
+        self,
+        recorded: List[_Recorded],
+        grads: List[Optional[torch.Tensor]],
+        keep: bool,
+        cold: bool,
     ) -> List[Optional[torch.Tensor]]:
         n, k = len(self.layers), len(recorded)
         blocks = self.layer_blocks
         needs_input = any(r.embedded.requires_grad for r in recorded)
+        if cold:
+            self._prefetch(blocks[n - 1])
         for i in reversed(range(n)):
-            if i < n - self.kept:
+            if cold or i < n - self.kept:
                 self._hold(blocks[i])
             if i > 0:
                 self._prefetch(blocks[i - 1])
@@ -343,10 +391,10 @@ class LayerMajor:
             try:
                 for m in range(k):
                     rest, kw = recorded[m].calls[i]
-                    x = self.boundaries.take(i, m)
+                    x = self.boundaries.use(i, m, keep)
                     if i > 0 or needs_input:
                         x.requires_grad_(True)
-                    self.rng.load(self.boundaries.take_rng(i, m))
+                    self.rng.load(self.boundaries.rng(i, m, keep))
                     y = run_layer(self.layers[i], x, rest, kw)
                     if y.requires_grad and grads[m] is not None:
                         torch.autograd.backward(y, grads[m])

@@ -9,7 +9,7 @@ import logging
 import sys
 import threading
 import time
-from typing import Any, List, Set
+from typing import Any, List, Optional, Set
 
 import torch
 from torch import nn
@@ -18,6 +18,7 @@ from ..core.block import Block
 from ..core.residency import Residency
 from ..core.schedule import Schedule
 from ..core.stats import Stats
+from ..process.rss_bound import RssBound
 from ..vocab import tiled_head as tiled_head_mod
 from . import hooks as hooks_mod
 from .group import BlockGroup
@@ -73,6 +74,8 @@ class StepHooks:
         # forwards and backwards, whose blocks the driver fetches, releases and closes
         self.window = False
         self.window_closed: Set[int] = set()  # blocks whose gradients the window closed
+        # with a host_budget on a CPU device: the peak RSS checked after the first backward
+        self.rss_bound: Optional[RssBound] = None
 
     def idle(self) -> bool:
         """No forward or backward runs."""
@@ -143,6 +146,8 @@ class StepHooks:
                 self.recover_failed_backward()
                 if self.forward_depth == 0:
                     self.stats.forward_started(time.perf_counter())
+                    if self.rss_bound is not None:
+                        self.rss_bound.forward_started()
                     self.recover_failed_forward()
                     self.outside.sync()
                     for listener in self.listeners:
@@ -185,6 +190,8 @@ class StepHooks:
                 self.group.prefetch(self.schedule.upcoming("backward"))
                 if self.activations is not None:
                     self.activations.forward_done()
+                if self.rss_bound is not None and self.forward_depth == 0:
+                    self.rss_bound.forward_done()
             elif self.forward_depth == 0 and self.callback_task == -1:
                 # no backward follows (inference): outside forward again, so the parameters
                 # view their homes (the root block is not kept materialized)
@@ -403,3 +410,5 @@ class StepHooks:
                 self.partitioner.sync_zero1_views()
             if not self.optimizer_attached:
                 self.group.prefetch_for_forward()
+            if self.rss_bound is not None:
+                self.rss_bound.backward_done()
