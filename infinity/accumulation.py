@@ -8,7 +8,6 @@ together because layer-major order needs all of them before the first layer runs
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable, List, Optional, Sequence
 
 import torch
@@ -20,8 +19,6 @@ from .runtime.layered.chain import ChainError
 from .runtime.layered.driver import LayerMajor, default_loss
 
 __all__ = ["accumulate", "ChainError"]
-
-logger = logging.getLogger(__name__)
 
 
 def accumulate(
@@ -107,7 +104,7 @@ def accumulate(
     if in_backward is None:
         losses = driver.run(batches, loss, divide_by)
         if max_grad_norm is not None:
-            norm = _clip(model, optimizer, max_grad_norm)
+            norm = _clip(optimizer, max_grad_norm)
         optimizer.step()
         optimizer.zero_grad()
         _record_norm(engine, norm)
@@ -122,7 +119,7 @@ def accumulate(
 
             def between() -> bool:
                 nonlocal norm
-                norm = _clip(model, optimizer, max_grad_norm)
+                norm = _clip(optimizer, max_grad_norm)
                 in_backward.apply()
                 return bool(torch.isfinite(norm))  # else the step is skipped: no 2nd pass
 
@@ -139,7 +136,7 @@ def accumulate(
     return losses
 
 
-def _clip(model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+def _clip(optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
     clip = getattr(optimizer, "clip_grad_norm_", None)
     if callable(clip):  # infinity's: over the engine's gradients too
         return clip(max_norm)
