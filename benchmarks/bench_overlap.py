@@ -53,7 +53,7 @@ class MLP(nn.Module):
 
 def snapshot(opt, model) -> Dict[str, torch.Tensor]:
     out = {f"state/{s.key}": torch.cat([s.master, s.exp_avg, s.exp_avg_sq]).clone()
-           for s in opt.shard_states()}
+           for s in opt.state_dicts.shard_states()}
     out.update({f"weight/{k}": v.detach().clone() for k, v in model.state_dict().items()})
     return out
 

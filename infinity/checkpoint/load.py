@@ -40,7 +40,9 @@ def load_wrapped(
         opt.optimizer.load_state_dict(
             opt.torch_state_dict(source, skip=lambda p: locate(p) is not None)
         )
-        shards = {id(s.flat): s for s in opt.optimizer.shard_states()}  # none holds states now
+        shards = {
+            id(s.flat): s for s in opt.optimizer.state_dicts.shard_states()
+        }  # none holds states now
     for flat in engine.flats:
         sources = [
             (i, slot, plan.source.get(names.of(slot.param) or slot.qualname))
@@ -59,9 +61,9 @@ def load_wrapped(
         engine.outside.note_home_written(flat, [i for i, _, src in sources if src is not None])
         shard = shards.pop(id(flat), None)
         if shard is not None:
-            opt.optimizer.load_shard_state(shard.key, opt.shard_entries(source, shard))
+            opt.optimizer.state_dicts.load_shard_state(shard.key, opt.shard_entries(source, shard))
     for shard in shards.values():  # blocks of another wrapped model stepped by this optimizer
-        opt.optimizer.load_shard_state(shard.key, opt.shard_entries(source, shard))
+        opt.optimizer.state_dicts.load_shard_state(shard.key, opt.shard_entries(source, shard))
     with torch.no_grad():
         for name, t in names.buffers():
             src = plan.source.get(name)
@@ -202,9 +204,9 @@ def load_checkpoint(
                     names,
                     plan,
                     source,
-                    opt if opt is not None and hasattr(optimizer, "load_shard_state") else None,
+                    opt if opt is not None and hasattr(optimizer, "state_dicts") else None,
                 )
-                if opt is not None and not hasattr(optimizer, "load_shard_state"):
+                if opt is not None and not hasattr(optimizer, "state_dicts"):
                     optimizer.load_state_dict(opt.torch_state_dict(source))
             else:
                 _load_plain(model, names, plan, source)

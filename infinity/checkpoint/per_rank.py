@@ -183,7 +183,7 @@ def load_per_rank(path: str, model: nn.Module, optimizer: Optional[Any] = None) 
                     for n in ("master", "exp_avg", "exp_avg_sq")
                 }
                 by_param[id(s.param)] = {"step": steps[fi], **entry}
-        optimizer.load_shard(shard, by_param)
+        optimizer.state_dicts.load_shard(shard, by_param)
 
 
 __all__ = ["FORMAT", "VERSION", "is_sharded_checkpoint", "load_per_rank", "trainer_state"]

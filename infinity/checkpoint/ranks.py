@@ -111,8 +111,8 @@ def write_rank_part(
     out = Writer(tmp, None)
     index: Dict[str, Any] = {"tensors": {}, "states": {}}
     done = set()
-    if optimizer is not None and hasattr(optimizer, "shard_states"):
-        for shard in optimizer.shard_states():  # one shard's states in RAM at a time
+    if optimizer is not None and hasattr(optimizer, "state_dicts"):
+        for shard in optimizer.state_dicts.shard_states():  # one shard's states in RAM at a time
             full = getattr(shard.flat, "full", shard.flat)
             if full in engine.flats and id(full) not in done:
                 _write_flat(out, engine, names, full, shard, rank, world, index)
@@ -324,7 +324,7 @@ def fill_sharded(
                 continue
             a = getattr(s, "param_start", 0)
             by_param[id(s.param)] = src.state_entry(saved, a, a + s.numel)
-        optimizer.load_shard(shard, by_param)
+        optimizer.state_dicts.load_shard(shard, by_param)
     for name, t in names.buffers():
         saved = plan.source.get(name)
         if saved is not None:

@@ -104,7 +104,11 @@ def _save_extent(
     """The shard's committed fp32 states on NVMe, as ``optimizer/<key>.states.safetensors``
     whose data section is the extent file itself (copied by the kernel, not through RAM):
     [master | exp_avg | exp_avg_sq], each ``flat.numel`` fp32. False when not applicable."""
-    src = optimizer.committed_extent(shard.key) if hasattr(optimizer, "committed_extent") else None
+    src = (
+        optimizer.state_dicts.committed_extent(shard.key)
+        if hasattr(optimizer, "state_dicts")
+        else None
+    )
     if src is None:
         return False
     rel = f"optimizer/{shard.key}.states.safetensors"
@@ -139,12 +143,9 @@ def _save_wrapped(
     engine.quiesce()
     own = {id(f) for f in engine.flats}
     done = set()
-    if optimizer is not None and hasattr(optimizer, "shard_states"):
-        extents = hasattr(optimizer, "committed_extent")
+    if optimizer is not None and hasattr(optimizer, "state_dicts"):
         # one shard's states in RAM at a time; NVMe fp32 states are not read at all
-        for shard in (
-            optimizer.shard_states(skip_extents=True) if extents else optimizer.shard_states()
-        ):
+        for shard in optimizer.state_dicts.shard_states(skip_extents=True):
             reused = shard.master is None and _save_extent(
                 out, optimizer, shard, opt_names, opt_states
             )
@@ -203,7 +204,7 @@ def _save_optimizer(
     opt_names: Dict[int, str],
     opt_states: Dict[str, Any],
 ) -> Dict[str, Any]:
-    streamed = hasattr(optimizer, "shard_states") and names.engine is not None
+    streamed = hasattr(optimizer, "state_dicts") and names.engine is not None
     sd = optimizer.state_dict(wrapped=False) if streamed else optimizer.state_dict()
     params = [p for g in optimizer.param_groups for p in g["params"]]
     groups = []

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union, overload
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union, overload
 
 import torch
 
@@ -213,7 +213,9 @@ class OffloadedAdam(torch.optim.Optimizer):
         )
         self._overlap = BackwardOverlap(self.core, overlap, keep_grads)
         self._checks = GradientChecks(self.core, self._overlap.grads_scaled)
-        self._dicts = StateDicts(self.core, self._overlap.rollback_all)
+        # the state dicts and the streamed per-shard state access that ZeRO state dicts and
+        # checkpoints use (shard_states, load_shard, current_states, committed_extent, ...)
+        self.state_dicts = StateDicts(self.core, self._overlap.rollback_all)
         self._skip_next = False  # skip_next_step()
         defaults = dict(
             lr=lr,
@@ -362,7 +364,7 @@ class OffloadedAdam(torch.optim.Optimizer):
                 loss = closure()
         if self._skip_next:
             self._skip_next = False
-            self._check_nothing_waiting()
+            self._checks.check_nothing_waiting()
             return loss
         t0 = time.perf_counter()
         core, checks, overlap = self.core, self._checks, self._overlap
@@ -436,23 +438,6 @@ class OffloadedAdam(torch.optim.Optimizer):
             port.engine.record_optimizer_step(stats)
         return loss
 
-    def _check_nothing_waiting(self) -> None:
-        waiting = any(
-            any(s.ready(i) for i in range(len(s.flat.slots)))
-            for s in self.core.wrapped.shards.values()
-        ) or any(
-            p.grad is not None and not self.core.wrapped.is_wrapped(p)
-            for group in self.param_groups
-            for p in group["params"]
-        )
-        if waiting:
-            raise RuntimeError(
-                "infinity.optim: step() was to be skipped (its step was taken already by "
-                "infinity.accumulate), but gradients are waiting: they come from a backward "
-                "after that step. Call zero_grad() before the next accumulate(), or step them "
-                "with another step() call"
-            )
-
     def restore_parameters(self) -> None:
         """After a failed step: rewrites the working copies it had already updated from the
         committed masters (step() does this first anyway)."""
@@ -498,8 +483,8 @@ class OffloadedAdam(torch.optim.Optimizer):
         the parameter itself is the master and no entry is stored); the moments are fp32 in
         every state format (compact ones dequantized: exactly the values the next step starts
         from). ``wrapped=False`` leaves out the wrapped models' shards (see
-        :meth:`shard_states`)."""
-        return self._dicts.state_dict(wrapped=wrapped)
+        ``state_dicts.shard_states()``)."""
+        return self.state_dicts.state_dict(wrapped=wrapped)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Loads a state from :meth:`state_dict` (or torch.optim.Adam/AdamW's: without a
@@ -508,24 +493,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         ``"state_formats"`` were (bf16: rounded; 8bit: quantized; moments saved from the same
         format come back bitwise). A state of another model (other number of groups/parameters
         or shapes) raises ValueError and changes nothing."""
-        self._dicts.load_state_dict(state_dict)
-
-    def shard_states(self, skip_extents: bool = False) -> Iterator[ShardState]:
-        """Each wrapped shard's committed states, one shard in RAM at a time.
-        ``skip_extents``: shards for which :meth:`committed_extent` gives a file are yielded
-        without reading their states (master/exp_avg/exp_avg_sq None)."""
-        return self._dicts.shard_states(skip_extents)
-
-    def load_shard_state(self, key: str, per_slot: Dict[int, Dict[str, Any]]) -> None:
-        """Loads one shard's states: ``per_slot[slot index] = {"step", "exp_avg",
-        "exp_avg_sq", "master" (optional)}``; slots not given start without state."""
-        self._dicts.load_shard_state(key, per_slot)
-
-    def committed_extent(self, key: str) -> Optional[Tuple[str, int, int, int]]:
-        """(path, nbytes, crc32c, offset) of the NVMe file range holding shard ``key``'s
-        committed fp32 states, for a kernel-side copy (see
-        :meth:`.state_dicts.StateDicts.committed_extent`); None where there is none."""
-        return self._dicts.committed_extent(key)
+        self.state_dicts.load_state_dict(state_dict)
 
     # ---- lifetime -----------------------------------------------------------------------------
     def close(self) -> None:
@@ -555,33 +523,6 @@ class OffloadedAdam(torch.optim.Optimizer):
     def shards(self) -> List[Shard]:
         """This rank's wrapped shards (of a sharded model: its part of each flat)."""
         return list(self.core.wrapped.shards.values())
-
-    def load_shard(self, shard: Shard, by_param: Dict[int, Dict[str, Any]]) -> None:
-        """Loads ``shard``'s states: ``by_param[id(param)] = {"step", "exp_avg", "exp_avg_sq",
-        "master" (optional)}``, each the shard's piece of the parameter; the slots not given
-        start without state."""
-        self._dicts.load_shard(shard, by_param)
-
-    def current_states(self, shard: Shard) -> Optional[Tuple[torch.Tensor, ...]]:
-        """``shard``'s (master, exp_avg, exp_avg_sq) in fp32 as its next step starts from
-        them (masters following parameters written since), views where they are fp32 in RAM;
-        None before its first step."""
-        return self._dicts.current_states(shard)
-
-    def unwrapped_states(self) -> Dict[int, Dict[str, Any]]:
-        """The states of the parameters outside wrapped models in torch's format, by index in
-        the param groups' order (as in :meth:`state_dict`)."""
-        return self._dicts.unwrapped_states()
-
-    def checked_entries(self, state_dict: Dict[str, Any]) -> Dict[int, Dict[str, Any]]:
-        """``state_dict``'s entries by parameter index, checked against the param groups and
-        the whole parameters' shapes (ValueError naming the difference); changes nothing."""
-        return self._dicts.checked_entries(state_dict)
-
-    def load_unwrapped_states(self, entries: Dict[int, Dict[str, Any]]) -> None:
-        """The parameters outside wrapped models take their states from ``entries`` (from
-        :meth:`checked_entries`); every other state kept in ``self.state`` is dropped."""
-        self._dicts.load_unwrapped_states(entries)
 
 
 class AdamW(OffloadedAdam):

@@ -157,6 +157,25 @@ class GradientChecks:
         core.finite = finite if core.finite is None else (core.finite and finite)
         return norm
 
+    def check_nothing_waiting(self) -> None:
+        """Raises if gradients wait for a step that is to be skipped (its step was taken in
+        backward already): they would be lost."""
+        waiting = any(
+            any(s.ready(i) for i in range(len(s.flat.slots)))
+            for s in self.core.wrapped.shards.values()
+        ) or any(
+            p.grad is not None and not self.core.wrapped.is_wrapped(p)
+            for group in self.core.groups
+            for p in group["params"]
+        )
+        if waiting:
+            raise RuntimeError(
+                "infinity.optim: step() was to be skipped (its step was taken already by "
+                "infinity.accumulate), but gradients are waiting: they come from a backward "
+                "after that step. Call zero_grad() before the next accumulate(), or step them "
+                "with another step() call"
+            )
+
     def check_lost(self) -> None:
         for shard in self.core.wrapped.shards.values():
             why = shard.port.grads.held.lost(shard.flat)

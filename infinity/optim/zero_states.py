@@ -55,7 +55,7 @@ def full_optimizer_state_dict(opt, *, rank0_only: bool = True) -> Dict:
                 seg = torch.zeros(3 * n, dtype=torch.float32)
                 steps = torch.zeros(len(flat.slots), dtype=torch.float64)
                 shard = by_full.get(id(flat))
-                current = opt.current_states(shard) if shard is not None else None
+                current = opt.state_dicts.current_states(shard) if shard is not None else None
                 if current is not None:
                     for k, values in enumerate(current):  # master, exp_avg, exp_avg_sq
                         seg[k * n : (k + 1) * n].copy_(values[:n])
@@ -79,7 +79,7 @@ def full_optimizer_state_dict(opt, *, rank0_only: bool = True) -> Dict:
                     }
     if rank0_only and part.groups.global_rank != 0:
         return {}
-    state.update(opt.unwrapped_states())
+    state.update(opt.state_dicts.unwrapped_states())
     return {
         "state": state,
         "param_groups": _pack_groups(opt, index),
@@ -114,17 +114,17 @@ def load_full_optimizer_state_dict(opt, state_dict: Dict) -> None:
     if _partitioner(opt) is None:
         opt.load_state_dict(state_dict)
         return
-    entries = opt.checked_entries(state_dict)  # whole-parameter shapes
+    entries = opt.state_dicts.checked_entries(state_dict)  # whole-parameter shapes
     params = _params(opt)
     for g, saved in zip(opt.param_groups, state_dict["param_groups"]):
         for k, v in saved.items():
             if k != "params":
                 g[k] = v
     opt.discard_pending_step()
-    opt.load_unwrapped_states(entries)
+    opt.state_dicts.load_unwrapped_states(entries)
     whole = {id(params[i]): e for i, e in entries.items()}
     for shard in opt.shards():
-        opt.load_shard(shard, _shard_entries(shard, whole))
+        opt.state_dicts.load_shard(shard, _shard_entries(shard, whole))
 
 
 __all__ = ["full_optimizer_state_dict", "load_full_optimizer_state_dict"]

@@ -255,7 +255,7 @@ def _write_legacy(path: str, engine: Any, opt: Any) -> None:
     import torch
     os.makedirs(path)
     flats = {}
-    shards = {s.key: s for s in opt.shard_states()}
+    shards = {s.key: s for s in opt.state_dicts.shard_states()}
     for flat in engine.flats:
         entry = {"start": 0, "end": flat.numel, "home": engine.home.snapshot(flat).clone()}
         st = shards.get(flat.key)

@@ -47,7 +47,7 @@ def test_fallback_backend_has_no_timing(tmp_path):
 
 def _states(opt):
     return {s.key: torch.cat([s.master, s.exp_avg, s.exp_avg_sq]).clone()
-            for s in opt.shard_states()}
+            for s in opt.state_dicts.shard_states()}
 
 
 def test_recording_the_timeline_changes_no_bit_and_adds_up(tmp_path):
@@ -65,7 +65,7 @@ def test_recording_the_timeline_changes_no_bit_and_adds_up(tmp_path):
         finally:
             swapper.record_requests(False)
         st = opt.last_step_stats
-        n_shards = len(list(opt.shard_states()))
+        n_shards = len(list(opt.state_dicts.shard_states()))
         if record:
             reqs = st.requests
             kinds = [r[0] for r in reqs]

@@ -281,7 +281,7 @@ def test_unit_checksums_after_chunked_write(tmp_path):
     for shard in opt.shards():
         if not store.plan(shard).chunked:
             continue
-        assert opt.committed_extent(shard.key) is None  # not one contiguous layout
+        assert opt.state_dicts.committed_extent(shard.key) is None  # not one contiguous layout
         for un, ext in zip(store.plan(shard).units, store.extents.committed[shard.key]):
             assert ext.nbytes == un.nbytes and ext.offset % 4096 == 0
             raw = torch.frombuffer(bytearray(data[ext.offset:ext.end]), dtype=torch.uint8)

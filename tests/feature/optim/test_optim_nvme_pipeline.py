@@ -28,7 +28,7 @@ def test_choose_sets_depth_and_budget():
 
 def _states(opt):
     out = {}
-    for s in opt.shard_states():
+    for s in opt.state_dicts.shard_states():
         out[s.key] = torch.cat([s.master, s.exp_avg, s.exp_avg_sq]).clone()
     return out
 

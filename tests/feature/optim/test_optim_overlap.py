@@ -29,7 +29,7 @@ def _wrap(base, path, **kw):
 
 def _snapshot(opt, model):
     states = {s.key: (torch.cat([s.master, s.exp_avg, s.exp_avg_sq]).clone(), s.steps)
-              for s in opt.shard_states()}
+              for s in opt.state_dicts.shard_states()}
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return states, weights
 

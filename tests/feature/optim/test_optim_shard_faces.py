@@ -61,14 +61,14 @@ def _index(opt) -> Dict[int, int]:
 def test_shard_faces_agree_with_state_dict(tmp_path, tier):
     model, scale, opt = _setup(tmp_path, tier)
     assert opt.engines() == [engine_of(model)]
-    before = {id(s.flat): opt.current_states(s) for s in opt.shards()}
+    before = {id(s.flat): opt.state_dicts.current_states(s) for s in opt.shards()}
     assert all(v is None for v in before.values())  # no state before the first step
     _steps(model, scale, opt, 3, seed=1)
     saved = opt.state_dict()
     index = _index(opt)
     seen = set()
     for shard in opt.shards():
-        master, m, v = opt.current_states(shard)
+        master, m, v = opt.state_dicts.current_states(shard)
         assert master.dtype == m.dtype == v.dtype == torch.float32
         for i, s in enumerate(shard.flat.slots):
             want = saved["state"][index[id(s.param)]]
@@ -77,7 +77,7 @@ def test_shard_faces_agree_with_state_dict(tmp_path, tier):
             for name, got in (("master", master), ("exp_avg", m), ("exp_avg_sq", v)):
                 assert torch.equal(got[sl].view(s.shape), want[name]), (s.qualname, name)
             seen.add(index[id(s.param)])
-    unwrapped = opt.unwrapped_states()
+    unwrapped = opt.state_dicts.unwrapped_states()
     assert set(unwrapped) == set(saved["state"]) - seen == {index[id(scale)]}
     for i, e in unwrapped.items():
         for name, t in e.items():
@@ -85,10 +85,10 @@ def test_shard_faces_agree_with_state_dict(tmp_path, tier):
 
     # load the saved states back through the faces after more steps changed them
     _steps(model, scale, opt, 2, seed=2)
-    entries = opt.checked_entries(saved)
-    opt.load_unwrapped_states(entries)
+    entries = opt.state_dicts.checked_entries(saved)
+    opt.state_dicts.load_unwrapped_states(entries)
     for shard in opt.shards():
-        opt.load_shard(shard, {id(s.param): entries[index[id(s.param)]]
+        opt.state_dicts.load_shard(shard, {id(s.param): entries[index[id(s.param)]]
                                for s in shard.flat.slots})
     assert_optimizer_states_equal(saved, opt.state_dict())
     opt.close()
@@ -103,7 +103,7 @@ def test_checked_entries_names_a_wrong_shape_and_changes_nothing(tmp_path):
     i = _index(opt)[id(model.head.weight)]
     bad["state"][i] = {**saved["state"][i], "exp_avg": torch.zeros(3)}
     with pytest.raises(ValueError, match="different model"):
-        opt.checked_entries(bad)
+        opt.state_dicts.checked_entries(bad)
     assert_optimizer_states_equal(saved, opt.state_dict())
     opt.close()
     infinity.unwrap(model)
