@@ -19,6 +19,23 @@ from .runtime.process.host_memory import HOST_MEMORY, RELEASE
 from .runtime.process.rss_bound import RssBound, read_memory
 
 
+def _limit_activations(engine: Engine) -> None:
+    """activation_tier="auto": each forward keeps in RAM the saved activations that fit the
+    host budget's bound, and offloads the rest to NVMe. What the engine may still take of its
+    budget: all of it until the first backward has run, then as much as it ever held beyond
+    what it holds now."""
+    acts, bound, host = engine.activations, engine.step.rss_bound, engine.host_budget
+    if acts is None or not acts.auto or bound is None or host.limit is None:
+        return
+    limit = host.limit
+
+    def headroom() -> int:
+        growth = limit - host.used if bound.pending else host.high_water - host.used
+        return bound.headroom(max(0, growth), acts.prefetch_bytes)
+
+    acts.limit_by(headroom)
+
+
 def wrap(
     model: nn.Module,
     nvme_path: Optional[str] = None,
@@ -78,6 +95,7 @@ def wrap(
         engine.step.rss_bound = RssBound.watch(
             engine.host_budget.limit, engine.device.type, memory_at_wrap
         )
+        _limit_activations(engine)
         if plan is not None:  # explain(model) tells the compute dtype too
             plan = dataclasses.replace(
                 plan, reasons=plan.reasons + (describe(engine.compute_dtypes),)

@@ -114,8 +114,13 @@ class OffloadPolicy:
         over several ranks. None: always the rules.
     activation_tier: where the tensors autograd saves for backward go during forward: None
         (they stay on the device, as in plain PyTorch), "host" (a pool of host buffers inside
-        host_budget) or "nvme" (scratch swap files under nvme_path). See
-        docs/activation_offload.md.
+        host_budget), "nvme" (scratch swap files under nvme_path) or "auto": on a CPU device
+        with host_budget and nvme_path set, each forward keeps in RAM what fits the host
+        budget's bound (RSS at wrap + host_budget + 0.5 GiB, less RSS when the forward starts,
+        less what the engine may still take of its budget and the fetch window, halved for
+        backward's own allocations) and offloads the rest to NVMe; elsewhere (CUDA, no
+        budget, no nvme_path) as None. Not the default: its pack hook runs in every forward,
+        and under torch.compile dynamo traces it. See docs/activation_offload.md.
     activation_min_bytes: only saved tensors of at least this many bytes are offloaded
         (None: 1 MiB). Needs activation_tier.
     activation_prefetch_bytes: the activation window: at most this many bytes of offloaded
@@ -310,7 +315,7 @@ class OffloadPolicy:
 
     def _check_activations(self) -> None:
         tier = self.activation_tier
-        if tier is not None and tier not in ("host", "nvme"):
+        if tier is not None and tier not in ("host", "nvme", "auto"):
             hint = (
                 " (activations already live on the device without offload: use None)"
                 if tier == "device"
@@ -318,7 +323,7 @@ class OffloadPolicy:
             )
             raise ValueError(
                 f"infinity: activation_tier={tier!r} is not supported; use None "
-                f"(no activation offload), 'host' or 'nvme'{hint}"
+                f"(no activation offload), 'host', 'nvme' or 'auto'{hint}"
             )
         if tier == "nvme" and self.nvme_path is None:
             raise ValueError(

@@ -43,7 +43,8 @@ def explain(model: Union[nn.Module, int, float], *, show: bool = True, **setting
     written). ``show``: also print it (to stdout). Its last reason says the compute dtype
     each stored dtype gets and why (``compute_dtype="auto"``: the rates compared). A wrapped
     model with a host_budget on a CPU device whose first backward ended has one more: its
-    peak RSS against the host budget's bound (``infinity.stats(model)["rss_check"]``)."""
+    peak RSS against the host budget's bound (``infinity.stats(model)["rss_check"]``); one
+    with activation offload on says what its last forward kept and offloaded."""
     result: Optional[Plan] = None
     if isinstance(model, nn.Module):
         from ..runtime.core.registry import engine_of
@@ -60,8 +61,10 @@ def explain(model: Union[nn.Module, int, float], *, show: bool = True, **setting
                 )
             check = engine.step.rss_bound
             measured = check.describe() if check is not None else None
-            if measured is not None:
-                result = dataclasses.replace(result, reasons=result.reasons + (measured,))
+            acts = engine.activations.describe() if engine.activations is not None else None
+            extra = tuple(line for line in (acts, measured) if line is not None)
+            if extra:
+                result = dataclasses.replace(result, reasons=result.reasons + extra)
     if result is None:
         settings.pop("placement", None)
         result = plan(model, **settings)

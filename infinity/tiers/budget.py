@@ -22,6 +22,7 @@ class ByteBudget:
         self.limit = limit
         self._used = 0
         self._peak = 0
+        self._high = 0  # the peak since creation: reset_peak does not lower it
         self._lock = threading.Lock()
 
     @property
@@ -32,6 +33,11 @@ class ByteBudget:
     def peak(self) -> int:
         return self._peak
 
+    @property
+    def high_water(self) -> int:
+        """The most bytes ever held at once (``peak`` counts from the last ``reset_peak``)."""
+        return self._high
+
     def fits(self, nbytes: int) -> bool:
         return self.limit is None or self._used + nbytes <= self.limit
 
@@ -41,6 +47,7 @@ class ByteBudget:
                 return False
             self._used += nbytes
             self._peak = max(self._peak, self._used)
+            self._high = max(self._high, self._used)
             return True
 
     def acquire(self, nbytes: int, *, what: str) -> None:

@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 import weakref
-from typing import Any, Deque, Dict, List, Optional, Sequence, Set
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set
 
 import torch
 from torch import nn
@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MIN_BYTES = 1 << 20
 DEFAULT_WINDOW_BYTES = 256 << 20  # activation_prefetch_bytes=None: in flight each way
+AUTO_WINDOW_BYTES = 64 << 20  # the same for "auto": the window is paid out of the bound's slack
 _STAGING_KEEP_BYTES = 256 << 20  # NVMe write staging buffers kept for reuse
 _PHASE = "backward"
 
@@ -64,6 +65,7 @@ class _Entry:
         "src",
         "ready",
         "host",
+        "staged",
         "slot",
         "stored",
         "error",
@@ -87,6 +89,7 @@ class _Entry:
         self.src: Optional[torch.Tensor] = t.detach()
         self.ready: Any = None  # CUDA: event after the op that saved it
         self.host: Optional[Lease] = None  # tier host: the copy
+        self.staged: Optional[Lease] = None  # auto: the write staging, taken at pack
         self.slot: Optional[Slot] = None  # tier nvme: the scratch file
         self.stored: Optional[cf.Future] = None  # the copy/write (worker)
         self.error: Optional[BaseException] = None
@@ -107,6 +110,9 @@ class _Step:
         self.offloaded_tensors = 0
         self.kept_bytes = 0
         self.kept_tensors = 0
+        self.held_bytes = 0  # auto: large saved tensors kept in RAM within the allowance
+        self.no_room_bytes = 0  # auto: kept in RAM as no staging buffer or scratch file fit
+        self.allowance: Optional[int] = None  # auto: what this step could keep in RAM
         self.fetched_bytes = 0
         self.on_demand = 0
         self.wait_seconds = 0.0
@@ -117,6 +123,9 @@ class _Step:
             "offloaded_tensors": self.offloaded_tensors,
             "kept_bytes": self.kept_bytes,
             "kept_tensors": self.kept_tensors,
+            "held_in_ram_bytes": self.held_bytes,
+            "kept_no_room_bytes": self.no_room_bytes,
+            "allowance": self.allowance,
             "fetched_bytes": self.fetched_bytes,
             "on_demand_fetches": self.on_demand,
             "wait_seconds": self.wait_seconds,
@@ -150,6 +159,7 @@ class ActivationOffloader:
         owned_storages=lambda: (),
         block_names: Sequence[str] = (),
         owned_ranges=lambda: (),
+        auto: bool = False,
     ) -> None:
         if tier not in ("host", "nvme"):
             raise ValueError(f"infinity: activation_tier={tier!r}; use None, 'host' or 'nvme'")
@@ -160,8 +170,16 @@ class ActivationOffloader:
         # the originals are freed as soon as they are copied out: their memory must go back
         # to the OS, not stay in glibc's heap (runtime/process/host_memory.py), for as long as the
         # offloader lives (runtime/process/host_memory.py: released at close, or when it is collected)
-        self._host_memory = HOST_MEMORY.acquire(RELEASE, owner=self, name="activation offload")
+        # (auto applies only with a host_budget, whose engine holds that mode already)
+        self._host_memory = (
+            None if auto else HOST_MEMORY.acquire(RELEASE, owner=self, name="activation offload")
+        )
         self.tier = tier
+        # activation_tier="auto": saved tensors stay in RAM while they fit the allowance that
+        # limit_by's function gives at the start of each forward; the rest is offloaded
+        self.auto = auto
+        self._headroom: Optional[Callable[[], int]] = None
+        self._warned_no_room = False
         # CUDA: copies on two side streams from/to pinned host buffers (not run in this
         # project's CI: no GPU there; tests/gpu/test_activation_offload_gpu.py covers it)
         self._cuda = device.type == "cuda"
@@ -233,6 +251,12 @@ class ActivationOffloader:
         )
         self._closed = False
 
+    def limit_by(self, headroom: Callable[[], int]) -> None:
+        """auto: ``headroom()``, read as each forward starts, is how many bytes of saved
+        activations that forward may keep in RAM (runtime/process/rss_bound.py gives it from
+        the host budget's bound); without one, auto keeps them all."""
+        self._headroom = headroom
+
     # =====================================================================================
     # forward: the hooks' push and pop
     # =====================================================================================
@@ -274,6 +298,8 @@ class ActivationOffloader:
                 self._last = self._step
             self._steps += 1
             self._step = _Step(self._steps) if torch.is_grad_enabled() else None
+            if self._step is not None and self.auto and self._headroom is not None:
+                self._step.allowance = max(0, int(self._headroom()))
             self._owned = set(self._owned_storages())
             ranges = sorted(self._owned_ranges())
             self._range_starts = [a for a, _ in ranges]
@@ -323,6 +349,11 @@ class ActivationOffloader:
             step.kept_bytes += nbytes
             step.kept_tensors += 1
             return _Kept(t.detach(), t._version)
+        if self.auto and (step.allowance is None or step.held_bytes + nbytes <= step.allowance):
+            step.held_bytes += nbytes  # within what this forward may keep in RAM
+            step.kept_bytes += nbytes
+            step.kept_tensors += 1
+            return _Kept(t.detach(), t._version)
         failed = step.failure
         if failed is not None:
             step.failure = None
@@ -337,10 +368,19 @@ class ActivationOffloader:
             where = f"block {frame.block}"
         stride = torch.empty_like(t, device="meta").stride()
         entry = _Entry(step, segment, where, t, stride, nbytes)
+        if self.auto:  # never fails where no offload would not: no room means kept in RAM
+            try:
+                entry.staged = self._staging_for(step, nbytes)
+                entry.slot = self.files.acquire(nbytes)
+            except (BudgetExceededError, OSError) as exc:
+                if entry.staged is not None:
+                    entry.staged.release()
+                self._no_room(step, nbytes, exc)
+                return _Kept(t.detach(), t._version)
         try:
             if self.tier == "host":
                 entry.host = self.host_pool.acquire(nbytes)
-            else:
+            elif entry.slot is None:
                 entry.slot = self.files.acquire(nbytes)
         except BudgetExceededError as exc:
             raise BudgetExceededError(
@@ -369,6 +409,44 @@ class ActivationOffloader:
         self.stats.activation_bytes_offloaded += nbytes
         return entry
 
+    def _no_room(self, step: _Step, nbytes: int, exc: BaseException) -> None:
+        """auto: a saved tensor that found no staging buffer in host_budget or no scratch
+        file on disk stays in RAM (logged once)."""
+        if not self._warned_no_room:
+            self._warned_no_room = True
+            logger.warning(
+                "infinity: activation_tier='auto' kept a saved activation of %s bytes in RAM: "
+                "%s. Peak RSS may pass the host budget's bound; raise host_budget or free "
+                "space under nvme_path",
+                f"{nbytes:,}",
+                exc,
+            )
+        step.no_room_bytes += nbytes
+        step.kept_bytes += nbytes
+        step.kept_tensors += 1
+
+    def _staging_for(self, step: _Step, nbytes: int) -> Lease:
+        """auto: a write staging buffer, waiting for the stores in flight to give theirs back
+        while the budget has no room (BudgetExceededError once none is left to wait for)."""
+        pending = self._pending
+        t0 = time.perf_counter()
+        waited = False
+        while True:
+            try:
+                lease = self.staging.acquire(nbytes)
+            except BudgetExceededError:
+                if not pending:
+                    raise
+                waited = True
+                try:
+                    pending.popleft().result()
+                except BaseException:  # noqa: BLE001 - the entry keeps its error
+                    pass
+                continue
+            if waited:
+                self._account_wait(step, t0, True)
+            return lease
+
     def _throttle(self, step: _Step) -> None:
         """Forward waits while more than ``prefetch_bytes`` of originals are still being
         copied (backpressure: the device tier holds at most that much in flight)."""
@@ -394,7 +472,9 @@ class ActivationOffloader:
             if self.tier == "host":
                 dst = entry.host.buf
             else:
-                staging = self.staging.acquire(entry.nbytes)
+                staging, entry.staged = entry.staged, None
+                if staging is None:
+                    staging = self.staging.acquire(entry.nbytes)
                 dst = staging.buf
             view = strided_view(dst, entry.dtype, entry.size, entry.stride, entry.nbytes)
             if self._cuda:
@@ -629,9 +709,15 @@ class ActivationOffloader:
     # reporting and closing
     # =====================================================================================
     def report(self, reset: bool = False) -> Dict[str, Any]:
-        last = self._last if self._step is None or not self._step.offloaded_tensors else self._step
+        step = self._step
+        used = step is not None and (
+            step.offloaded_tensors or step.kept_tensors or step.allowance is not None
+        )
+        last = step if used else None
+        last = last or self._last
         out = {
             "tier": self.tier,
+            "auto": self.auto,
             "min_bytes": self.min_bytes,
             "last_step": last.summary() if last is not None else _Step(0).summary(),
             "device": {"now": self.resident.used, "peak": self.resident.peak},
@@ -650,6 +736,21 @@ class ActivationOffloader:
             self.prefetched = self.prefetch_hits = self.deviations = 0
         return out
 
+    def describe(self) -> str:
+        """One line for ``infinity.explain``: the tier, and for auto what the last forward
+        kept in RAM against its allowance and what it offloaded."""
+        mib = float(1 << 20)
+        if not self.auto:
+            return f"activations: offloaded to {self.tier} (saved tensors >= {self.min_bytes:,} B)"
+        last = self.report()["last_step"]
+        if last["allowance"] is None:
+            return "activations: auto (to NVMe past the host budget's bound); no forward yet"
+        return (
+            f"activations: auto; the last forward kept {last['held_in_ram_bytes'] / mib:.0f} "
+            f"MiB in RAM (allowance {last['allowance'] / mib:.0f} MiB within the host budget's "
+            f"bound) and offloaded {last['offloaded_bytes'] / mib:.0f} MiB to NVMe"
+        )
+
     def close(self) -> None:
         if self._closed:
             return
@@ -666,7 +767,8 @@ class ActivationOffloader:
             self.files.close()
         if self.store is not None:
             self.store.close()
-        self._host_memory.release()  # last: its buffers were freed under the low threshold
+        if self._host_memory is not None:
+            self._host_memory.release()  # last: its buffers were freed under the low threshold
 
 
 def make_activation_offloader(
@@ -678,17 +780,24 @@ def make_activation_offloader(
     block_names: Sequence[str] = (),
     owned_ranges=lambda: (),
 ) -> Optional[ActivationOffloader]:
-    """The policy's activation offloader, or None when ``activation_tier`` is None."""
-    if policy.activation_tier is None:
+    """The policy's activation offloader, or None when ``activation_tier`` is None, or is
+    "auto" where nothing asks for it (:func:`auto_applies`)."""
+    tier = policy.activation_tier
+    auto = tier == "auto"
+    if auto:
+        if not auto_applies(policy, device, host_budget):
+            return None
+        tier = "nvme"
+    if tier is None:
         return None
     min_bytes = policy.activation_min_bytes
     return ActivationOffloader(
-        tier=policy.activation_tier,
+        tier=tier,
         min_bytes=DEFAULT_MIN_BYTES if min_bytes is None else int(min_bytes),
         device=device,
         window=max(1, policy.prefetch_window),
         prefetch_bytes=(
-            DEFAULT_WINDOW_BYTES
+            (AUTO_WINDOW_BYTES if auto else DEFAULT_WINDOW_BYTES)
             if policy.activation_prefetch_bytes is None
             else int(policy.activation_prefetch_bytes)
         ),
@@ -700,4 +809,12 @@ def make_activation_offloader(
         owned_storages=owned_storages,
         block_names=block_names,
         owned_ranges=owned_ranges,
+        auto=auto,
     )
+
+
+def auto_applies(policy, device: torch.device, host_budget: ByteBudget) -> bool:
+    """activation_tier="auto" offloads to NVMe where a host budget bounds the process's RAM
+    and the activations live in that RAM: a CPU device, host_budget and nvme_path set. On
+    CUDA the activations live in device memory (auto leaves them there)."""
+    return device.type == "cpu" and host_budget.limit is not None and policy.nvme_path is not None

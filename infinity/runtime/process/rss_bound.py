@@ -73,6 +73,16 @@ class RssBound:
             return None
         return cls(host_budget, at_wrap)
 
+    def headroom(self, engine_growth: int, window: int) -> int:
+        """Bytes of saved activations that a forward starting now may keep in RAM within the
+        bound: the bound less RSS now, less what the engine may still take of its budget
+        (``engine_growth``) and the activations fetched back ahead of backward (``window``),
+        halved for what backward allocates beside them (activation_tier="auto")."""
+        now = read_memory()
+        if now is None:
+            return 0
+        return max(0, (self.bound - now.rss - engine_growth - window) // 2)
+
     # ---- called by the step machine (runtime/step/machine.py) -----------------------------
     def forward_started(self) -> None:
         """A model forward starts (outside backward): the first one's RSS is the base (the
@@ -130,8 +140,9 @@ class RssBound:
             f"{_gib(r.get('rss_at_wrap', 0))} + host_budget {_gib(r.get('host_budget', 0))} + "
             f"0.5 GiB). The engine keeps its own buffers within host_budget, not the model's "
             f"activations, which grow with batch x sequence x width x layers: {saved}. "
-            'Remedies: activation_tier="nvme" (saved activations go to disk) or "host" '
-            "(counted in host_budget), see docs/activation_offload.md; smaller micro-batches "
+            'Remedies: activation_tier="nvme" (saved activations go to disk), "auto" (only '
+            'what does not fit this bound goes to disk) or "host" (counted in host_budget), see '
+            "docs/activation_offload.md; smaller micro-batches "
             "or shorter sequences, keeping the batch per optimizer step by accumulating "
             "gradients: infinity.accumulate(model, micro_batches) runs many micro-batches "
             "layer by layer, keeping only each layer's inputs. Training goes on; this is "
