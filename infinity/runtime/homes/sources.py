@@ -316,8 +316,15 @@ class InitSource(ParamSource):
     def init_module(self, module: nn.Module) -> None:
         if self.init == "reset_parameters":
             reset = getattr(module, "reset_parameters", None)
-            if callable(reset):
-                reset()
+            if not callable(reset):
+                # its parameters would keep the uninitialized memory they were placed in
+                raise SourceError(
+                    f"infinity.wrap(init='reset_parameters'): a {type(module).__name__} holds "
+                    "parameters on the meta device but has no reset_parameters(), so nothing "
+                    "would give them values. Pass init=<a callable init(module)> (for a Hugging "
+                    "Face model: init=model._init_weights), or source=<a checkpoint>"
+                )
+            reset()
         else:
             self.init(module)
 

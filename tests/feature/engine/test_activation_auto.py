@@ -40,6 +40,13 @@ def _steps(model: nn.Module, opt, data, n: int = 3):
     return losses
 
 
+def _wrapped(ref: nn.Module, tmp_path, tier):
+    """A copy of ``ref`` wrapped with a 256 MiB host budget and ``tier``, and its optimizer."""
+    model = infinity.wrap(copy.deepcopy(ref), nvme_path=str(tmp_path), host_budget="256MiB",
+                          activation_tier=tier)
+    return model, infinity.optim.AdamW(model.parameters(), lr=1e-2)
+
+
 def _data(d: int, rows: int, n: int = 3):
     g = torch.Generator().manual_seed(1)
     return [(torch.randn(rows, d, generator=g), torch.randn(rows, d, generator=g)) for _ in range(n)]
@@ -86,11 +93,9 @@ def test_past_the_allowance_the_rest_goes_to_nvme_bitwise(tmp_path):
     data = _data(64, 1024)
     runs = {}
     for name in ("auto", None):
-        model = infinity.wrap(copy.deepcopy(ref), nvme_path=str(tmp_path), host_budget="256MiB",
-                              activation_tier=name)
+        model, opt = _wrapped(ref, tmp_path, name)
         if name == "auto":
             engine_of(model).activations.limit_by(lambda: 1 << 20)
-        opt = infinity.optim.AdamW(model.parameters(), lr=1e-2)
         losses = _steps(model, opt, data)
         if name == "auto":
             last = infinity.stats(model)["activations"]["last_step"]
@@ -121,10 +126,8 @@ def test_no_room_in_the_budget_keeps_the_activation_in_ram_and_warns(tmp_path, c
     data = _data(64, 2048)
     runs = {}
     for name in ("auto", None):
-        model = infinity.wrap(copy.deepcopy(ref), nvme_path=str(tmp_path), host_budget="256MiB",
-                              activation_tier=name)
+        model, opt = _wrapped(ref, tmp_path, name)
         engine = engine_of(model)
-        opt = infinity.optim.AdamW(model.parameters(), lr=1e-2)
         _steps(model, opt, data, n=1)  # the engine's own buffers first
         budget = engine.host_budget
         filler = budget.limit - budget.used

@@ -220,7 +220,7 @@ cfg = transformers.LlamaConfig(vocab_size=128256, hidden_size=256, intermediate_
 with infinity.empty_init():
     model = transformers.LlamaForCausalLM(cfg)
 infinity.wrap(model, nvme_path=sys.argv[1], host_budget="1GiB", chunk_bytes="4MiB",
-              init="reset_parameters", prefetch_window=0,
+              init=model._init_weights, prefetch_window=0,
               param_tier="nvme", grad_tier="nvme", optimizer_tier="nvme",
               embedding_rows=sys.argv[2] == "1")
 ids = torch.randint(0, 128256, (1, 16))

@@ -128,6 +128,28 @@ def test_meta_model_custom_init_function(tmp_path):
     assert torch.equal(model.layers[1][1].bias, torch.zeros(8))
 
 
+def test_reset_parameters_init_refuses_a_module_without_one_and_a_callable_trains(tmp_path):
+    """init="reset_parameters" on a module holding meta parameters but no reset_parameters()
+    (an RMSNorm of Hugging Face's Llama) raises at wrap, naming the module type and the
+    remedy, and leaves the model on meta; the remedy, init=model._init_weights, gives the
+    values of a model built on the CPU with the same seed and a finite loss."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2)
+    with infinity.empty_init():
+        model = transformers.LlamaForCausalLM(cfg)
+    with pytest.raises(SourceError, match="LlamaRMSNorm .* no reset_parameters.*_init_weights"):
+        infinity.wrap(model, nvme_path=str(tmp_path), param_tier="nvme", init="reset_parameters")
+    assert all(p.is_meta for p in model.parameters())
+    infinity.wrap(model, nvme_path=str(tmp_path), param_tier="nvme", init=model._init_weights)
+    norm = model.model.layers[0].input_layernorm.weight
+    assert torch.equal(norm, torch.ones(32))
+    ids = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(model(input_ids=ids, labels=ids).loss)
+    infinity.unwrap(model)
+
+
 def test_meta_errors_name_the_problem(tmp_path):
     ref = _reference()
     folder = _save(ref, str(tmp_path / "ckpt"))
