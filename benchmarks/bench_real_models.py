@@ -184,7 +184,9 @@ _CHILD = textwrap.dedent(r"""
                   model.get_output_embeddings(): "8bit"}
     opt = infinity.optim.AdamW(model.parameters(), lr=1e-5, states=states,
                                overlap=args["overlap"], keep_grads=args["keep_grads"],
-                               master=args.get("master", "fp32"))
+                               master=args.get("master", "fp32"),
+                               **({"chunk_bytes": args["opt_chunk"]} if args.get("opt_chunk")
+                                  else {}))
     opt_s = time.perf_counter() - t0
     steps = []
     infinity.stats(model, reset=True)
@@ -261,6 +263,8 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--budget", default="4GiB", help="host_budget (e.g. 4GiB)")
     p.add_argument("--chunk", default=None, help="chunk_bytes (default: from the budget)")
+    p.add_argument("--opt-chunk", default=None,
+                   help="the optimizer's chunk_bytes (default: the model's)")
     p.add_argument("--states", default="8bit", choices=("fp32", "bf16", "8bit", "8bit-all"),
                    help="optimizer states; 8bit keeps fp32 moments for embeddings (the "
                    "optimizer's safeguard), 8bit-all names them 8-bit too")
@@ -308,6 +312,7 @@ def main(argv: Optional[list] = None) -> int:
     os.makedirs(swap_dir, exist_ok=True)
     payload = {"config": config, "batch": args.batch, "seq": seq, "budget": budget,
                "chunk": chunk, "states": args.states, "steps": steps, "nvme": swap_dir,
+               "opt_chunk": parse_size(args.opt_chunk) if args.opt_chunk else None,
                "weights": args.weights, "compute": args.compute,
                "overlap": {"auto": "auto", "on": True, "off": False}[args.overlap],
                "keep_grads": True if args.keep_grads == "true" else "auto",
