@@ -3,6 +3,7 @@ in RAM the saved activations that fit the host budget's bound and offloads the r
 elsewhere it is off. Training is bitwise the same either way."""
 import copy
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -150,23 +151,12 @@ def test_no_room_in_the_budget_keeps_the_activation_in_ram_and_warns(tmp_path, c
 
 _SCRIPT = textwrap.dedent("""
     import json, re, sys, torch, infinity
-    import torch.nn.functional as F
-    from torch import nn
+    sys.path.insert(0, sys.argv[3])  # this test's folder: the model of the tests above
+    from test_activation_auto import _Mlp as Mlp, _steps
 
     def status(key):
         text = open("/proc/self/status").read()
         return int(re.search(key + r":\\s+(\\d+) kB", text).group(1)) * 1024
-
-    class Mlp(nn.Module):
-        def __init__(self, d, layers):
-            super().__init__()
-            self.layers = nn.ModuleList(
-                nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-                for _ in range(layers))
-        def forward(self, x):
-            for layer in self.layers:
-                x = x + layer(x)
-            return x
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -180,14 +170,7 @@ _SCRIPT = textwrap.dedent("""
     open("/proc/self/clear_refs", "w").write("5")  # the peak counts from here
     infinity.wrap(model, nvme_path=sys.argv[1], host_budget=budget, **kw)
     opt = infinity.optim.AdamW(model.parameters(), lr=1e-3)
-    losses = []
-    for _ in range(2):
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-        del loss
+    losses = _steps(model, opt, [(x, y), (x, y)], n=2)
     s = infinity.stats(model)
     act = s.get("activations", {}).get("last_step", {})
     print(json.dumps({"peak": status("VmHWM"), "bound": at_wrap + budget + (1 << 29),
@@ -199,7 +182,8 @@ _SCRIPT = textwrap.dedent("""
 
 
 def _run(tmp_path, mode: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", _SCRIPT, str(tmp_path), mode],
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run([sys.executable, "-c", _SCRIPT, str(tmp_path), mode, here],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
