@@ -6,7 +6,10 @@ last micro-batch leaves the block in backward. From there the block's update run
 overlap's worker (:mod:`.overlap`) while backward goes on below it: its states are read,
 stepped with the gradients still in RAM and written back, each unit committed as its write
 completes, as ``opt.step()`` commits them. So no gradient is written to disk (the gradient
-files take no disk, runtime/grads/nvme.py) and no old state is kept beside the new one.
+files take no disk, runtime/grads/nvme.py) and no old state is kept beside the new one. A
+block whose gradients outgrow the gradient pool even grown for the step (runtime/grads/nvme.py,
+``hold_whole``) has its remaining chunks written and is stepped from RAM and file together;
+its file gives its disk back once the block is committed.
 
 Nothing can be redone, so the step's multiplier must be known before the first block closes:
 

@@ -160,6 +160,8 @@ class _Worker:
             )
             if unit.last:
                 self._release(shard)
+                if commit:  # stepped and committed: its gradient file's disk can go back
+                    port.grads.held.consumed(shard.flat)
 
         def run() -> None:
             try:
@@ -323,6 +325,12 @@ class BackwardOverlap:
         st = self._models.get(port)
         return st is None or st.write
 
+    def in_place(self, port: OptimizerPort) -> bool:
+        """Whether this backward steps the blocks it takes in place (a step in backward):
+        their gradients, norms included, are not needed after."""
+        st = self._models.get(port)
+        return st is not None and st.phase == "step"
+
     def _may_arm(self, port: OptimizerPort, st: _ModelState) -> bool:
         core = self.core
         if self.mode is False or not core.clean:
@@ -362,11 +370,13 @@ class BackwardOverlap:
             if held:
                 port.grads.held.release_held(flat)
             return
-        if not runs or norms is None:
+        in_place = st.phase == "step"
+        # a speculative update is verified against the norms (unknown: the step reads them);
+        # one in place needs none (its multiplier was fixed before this backward)
+        if not runs or (norms is None and not in_place):
             if held:  # (not reached: takes_in_ram asked for the same runs)
                 port.grads.held.release_held(flat)
             return
-        in_place = st.phase == "step"
         if worker is None:
             # a store that speculates (_may_arm) is the NVMe tier's
             store = cast(NvmeStates, core.wrapped.store(port))

@@ -79,6 +79,10 @@ class KeptGrads(Protocol):
     def release_held(self, flat: FlatParam) -> None:
         """The optimizer is done with the flat's gradients kept in RAM."""
 
+    def consumed(self, flat: FlatParam) -> None:
+        """A step in backward stepped and committed the flat's gradients: its file's disk
+        can go back."""
+
     def holds(self, flat: FlatParam) -> bool: ...
 
     def written(self, flat: FlatParam) -> bool:
@@ -230,6 +234,8 @@ class BackwardListener(Protocol):
 
     def writes(self, port: OptimizerPort) -> bool: ...
 
+    def in_place(self, port: OptimizerPort) -> bool: ...
+
     def grads_complete(self, port: OptimizerPort, flat: FlatParam) -> None: ...
 
     def homes_needed(self, port: OptimizerPort) -> None: ...
@@ -267,6 +273,9 @@ class _Relay:
 
     def writes(self, engine: Engine) -> bool:
         return self.listener.writes(OptimizerPort.of(engine))
+
+    def in_place(self, engine: Engine) -> bool:
+        return self.listener.in_place(OptimizerPort.of(engine))
 
     def grads_complete(self, engine: Engine, flat: FlatParam) -> None:
         self.listener.grads_complete(OptimizerPort.of(engine), flat)

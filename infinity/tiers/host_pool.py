@@ -19,7 +19,9 @@ class HostPool:
     """A fixed set of reusable, 4 KiB-aligned host staging buffers within the host budget.
 
     Sized once (the engine's buffers are one chunk each, see infinity.tiers.pool_plan: a flat
-    of any size streams through them), so no allocation happens per step. ``acquire`` waits
+    of any size streams through them), so no allocation happens per step; :meth:`grow` adds
+    buffers for a while within the budget (a layer-major step holding a whole layer's
+    gradients) and :meth:`shrink` gives them back. ``acquire`` waits
     until a buffer is free, with a timeout that raises instead of hanging.
 
     Pinned (registered for DMA) with ``pin=True`` or later by :meth:`pin`: exactly
@@ -61,6 +63,7 @@ class HostPool:
         self._cond = threading.Condition()
         self._free: Deque[torch.Tensor] = collections.deque(self._buffers)
         self._deferred: Deque[Tuple[Any, torch.Tensor]] = collections.deque()
+        self._target = count  # buffers given back beyond it leave the pool (see shrink)
 
     @property
     def count(self) -> int:
@@ -75,6 +78,50 @@ class HostPool:
         """Registers every buffer for DMA (all or nothing, RLIMIT_MEMLOCK checked first)."""
         if self._pinned is None and self._buffers:
             self._pinned = pin_tensors(self._buffers, what=self._what)
+
+    # ---- growing for a while ---------------------------------------------------------------
+    def grow(self, count: int, *, spare: int = 0) -> int:
+        """Adds buffers up to ``count`` in all, as many as the budget has room for while
+        leaving ``spare`` bytes of it free (the rest of a step allocates too); returns the
+        count now. Not for pinned pools. :meth:`shrink` gives them back."""
+        if self._pinned is not None or not self._buffers:
+            return self.count
+        with self._cond:
+            while len(self._buffers) < count:
+                if not self._budget.fits(self.nbytes + spare):
+                    break
+                if not self._budget.try_acquire(self.nbytes):
+                    break
+                try:
+                    buf = inf_io.aligned_empty(self.nbytes).zero_()
+                except BaseException:
+                    self._budget.release(self.nbytes)
+                    raise
+                self._buffers.append(buf)
+                self._free.append(buf)
+            self._target = len(self._buffers)
+            self._cond.notify_all()
+            return len(self._buffers)
+
+    def shrink(self, count: int) -> None:
+        """Back to ``count`` buffers: free ones leave now (their bytes go back to the budget),
+        the others when they are given back. Pinned pools keep theirs."""
+        if self._pinned is not None:
+            return
+        with self._cond:
+            self._target = max(1, count)
+            while len(self._buffers) > self._target and self._free:
+                self._drop_locked(self._free.pop())
+
+    def _drop_locked(self, buf: torch.Tensor) -> None:
+        self._buffers = [b for b in self._buffers if b is not buf]
+        self._budget.release(self.nbytes)
+
+    def _give_back_locked(self, buf: torch.Tensor) -> None:
+        if len(self._buffers) > self._target:
+            self._drop_locked(buf)
+        else:
+            self._free.append(buf)
 
     # ---- handing buffers out and back -----------------------------------------------------
     def acquire(self) -> torch.Tensor:
@@ -99,7 +146,7 @@ class HostPool:
 
     def release(self, buf: torch.Tensor) -> None:
         with self._cond:
-            self._free.append(buf)
+            self._give_back_locked(buf)
             self._cond.notify()
 
     def release_after(self, buf: torch.Tensor, event: Any) -> None:
@@ -116,7 +163,7 @@ class HostPool:
         kept: Deque[Tuple[Any, torch.Tensor]] = collections.deque()
         for event, buf in self._deferred:
             if event.query():
-                self._free.append(buf)
+                self._give_back_locked(buf)
             else:
                 kept.append((event, buf))
         self._deferred = kept

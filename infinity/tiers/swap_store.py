@@ -433,6 +433,24 @@ class SwapStore:
             entry.handle.allocate(entry.nbytes)
             self._unallocated.discard(key)
 
+    def drop_blocks(self, key: str) -> bool:
+        """The key's file holds nothing anyone will read again (gradients a step in backward
+        consumed): its disk goes back to the filesystem (truncated to 0 bytes) and, as a file
+        created lazily, it takes disk again at its next write. A read before that write
+        raises (a short read: the file holds no bytes). False when it held no disk. Writes of it still in
+        flight are waited for first."""
+        entry = self._entry(key)
+        with self._lock:
+            if key in self._unallocated:
+                return False
+            for i in range(len(entry.pending)):
+                self._settle(entry, i)
+            os.truncate(self._path(key), 0)
+            entry.crcs = [None] * len(entry.crcs)
+            entry.last_read.clear()
+            self._unallocated.add(key)
+        return True
+
     def allocated(self, key: str) -> bool:
         """Whether the key's file holds its disk (False: created lazily, never written)."""
         self._entry(key)

@@ -336,12 +336,19 @@ class ChunkedGrads:
         if pos < end:
             view[pos - start :].zero_()
 
-    def close(self, flat: FlatParam, keep_in_ram: bool = False, write: bool = True) -> None:
+    def close(
+        self,
+        flat: FlatParam,
+        keep_in_ram: bool = False,
+        write: bool = True,
+        in_place: bool = False,
+    ) -> None:
         """Writes the flat's open chunks, and every chunk whose file does not hold this
         accumulation's sums yet (zeros where no gradient landed: the bytes a whole-flat
         buffer would have written), then records the slots' norms. ``keep_in_ram``: the
         chunks still in RAM are kept for the optimizer (as many as leave two buffers of the
-        pool to the others), and not written unless ``write`` (or their norms are unknown);
+        pool to the others), and not written unless ``write`` (or their norms are unknown and
+        the optimizer may read them to measure them: not ``in_place``, a step in backward);
         reads serve them from RAM."""
         self._owner.drain()
         self.drop_ahead(flat)
@@ -367,12 +374,14 @@ class ChunkedGrads:
             self.holding_now -= len(kept)
         del self._chunked[fid]
         self._arrived.pop(fid, None)
+        if kept:
+            self._measure_kept(flat, kept)
         norms = self._norms.record_chunked(flat)
         if not kept:
             self._held.clear_unwritten(flat)
             return
         self._held.keep_chunks(flat, kept)
-        if write or norms is None:  # unknown norms: the optimizer reads them back
+        if write or (norms is None and not in_place):  # unknown norms: read back to measure
             for k, buf in kept.items():
                 self._submit(flat, k, buf)
             self._held.clear_unwritten(flat)
@@ -381,6 +390,28 @@ class ChunkedGrads:
                 flat,
                 "taken from RAM by the optimizer step overlapping backward and not written to NVMe",
             )
+
+    def _measure_kept(self, flat: FlatParam, kept: Dict[int, torch.Tensor]) -> None:
+        """Slots left without a norm (larger than a chunk and accumulated across micro-batches,
+        or row-sparse) all of whose chunks are kept in RAM: measured now, from a slot-sized
+        temporary (at most the kept chunks' bytes), exactly as from a whole-flat buffer. So
+        the optimizer need not read them back, and a measuring pass need not write them."""
+        pending = self._norms.pending(flat)
+        per = self.elems
+        for i, s in enumerate(flat.slots):
+            if pending[i] is not None or not flat.grad_ready[i]:
+                continue
+            lo, hi = s.offset, s.offset + s.numel
+            ks = range(lo // per, (hi - 1) // per + 1)
+            if any(k not in kept for k in ks):
+                continue
+            total = torch.empty(s.numel, dtype=torch.float32)
+            for k in ks:
+                a, b = max(lo, k * per), min(hi, (k + 1) * per)
+                start = k * per
+                part = kept[k][(a - start) * 4 : (b - start) * 4].view(torch.float32)
+                total[a - lo : b - lo].copy_(part)
+            pending[i] = torch.linalg.vector_norm(total, 2.0, dtype=torch.float32)
 
 
 def _slot_offsets(cache: Dict[int, List[int]], flat: FlatParam) -> List[int]:

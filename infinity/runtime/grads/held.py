@@ -17,9 +17,12 @@ class HeldGrads:
         self,
         release: Optional[Callable[[torch.Tensor], None]] = None,
         writing: Optional[Callable[[torch.Tensor], bool]] = None,
+        discard: Optional[Callable[[FlatParam], None]] = None,
     ) -> None:
         self._release = release  # gives a buffer back to its pool
         self._writing = writing or (lambda buf: False)  # a write of the buffer is in flight
+        self._discard = discard  # a consumed flat's gradient file gives its disk back
+        self._consumed: List[FlatParam] = []  # handed over by the optimizer's thread
         # kept in RAM for an optimizer's worker (id(flat) -> flat, buffers), the ones it
         # handed back (taken by the engine's thread in reclaim)
         self._held: Dict[int, Tuple[FlatParam, List[torch.Tensor]]] = {}
@@ -39,6 +42,14 @@ class HeldGrads:
             self._returned.append(id(flat))
             self._returned_cond.notify_all()
 
+    def consumed(self, flat: FlatParam) -> None:
+        """A step in backward stepped the flat's gradients and committed the update (called
+        from the optimizer's thread): nothing reads them again, so the disk their file took
+        (chunks written while the pool had no room) goes back at the engine thread's next
+        :meth:`reclaim`."""
+        with self._returned_cond:
+            self._consumed.append(flat)
+
     def holds(self, flat: FlatParam) -> bool:
         """Whether some of the flat's gradients are kept in RAM for the optimizer."""
         return id(flat) in self._held
@@ -48,11 +59,13 @@ class HeldGrads:
 
     def reclaim(self, wait: bool = False) -> None:
         """Buffers of flats kept in RAM that the optimizer handed back return to the pool
-        (``wait``: blocks until at least one is handed back)."""
+        (``wait``: blocks until at least one is handed back), and the files of flats it
+        consumed give their disk back."""
         with self._returned_cond:
             while wait and not self._returned:
                 self._returned_cond.wait()
             returned, self._returned = self._returned, []
+            consumed, self._consumed = self._consumed, []
         for fid in returned:
             held = self._held.pop(fid, None)
             self._chunks.pop(fid, None)
@@ -64,6 +77,9 @@ class HeldGrads:
                     flat.grad = None
                 if not self._writing(buf):  # else given back when its write is reaped
                     self._release(buf)
+        if self._discard is not None:
+            for flat in consumed:
+                self._discard(flat)
 
     def hold(self, flat: FlatParam, bufs: List[torch.Tensor]) -> None:
         before = self._held.get(id(flat))

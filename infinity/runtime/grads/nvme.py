@@ -55,11 +55,15 @@ class NvmeGradStore(GradStore):
                 store.create(grad_key(f), f.numel * 4, lazy=True)
                 store.use_pieces(grad_key(f), piece_bytes(size))
         self._store = store
+        self._planned = pool_count
+        self._holding = False  # between hold_whole and end_hold
         # one writer thread: the RAM in flight is bounded by the pool (pool_count buffers,
         # counted in the host budget)
         self._writer = GradWriter(store, stats, self.pool, start=bool(trainable))
         self.held = HeldGrads(
-            self.pool.release if self.pool is not None else None, self._writer.writing
+            self.pool.release if self.pool is not None else None,
+            self._writer.writing,
+            self._drop_file,
         )
         self._chunks = ChunkedGrads(
             self, store, stats, self.pool, self._writer, self.norms, self.held
@@ -137,6 +141,12 @@ class NvmeGradStore(GradStore):
         self.held.reclaim()
         chunks = self._chunks
         while self.free_count() <= 0:
+            if self._holding and self.held.any_held():
+                # layer-major: the chunks accumulating now get the next micro-batches too
+                # (written out, each would be read back); the optimizer's worker frees
+                # the buffers of the block it is stepping first
+                self.held.reclaim(wait=True)
+                continue
             if (
                 chunks.open_count()
                 and len(self._writer) < max(1, self.pool.count - 2)
@@ -172,6 +182,24 @@ class NvmeGradStore(GradStore):
                 )
         return self.pool.acquire()
 
+    def hold_whole(self, flats: List[FlatParam], spare: int) -> int:
+        """Layer-major accumulation adds every micro-batch's gradients to a block before the
+        next block: a pool that holds all of a block's chunks (and two buffers for writes)
+        keeps them in RAM from the first micro-batch to the last instead of writing and
+        reading them back between micro-batches. Grows the pool to that, as far as the host
+        budget keeps ``spare`` bytes free; :meth:`end_hold` shrinks it back."""
+        if self.pool is None:
+            return 0
+        self._holding = True
+        per = self.pool.nbytes
+        need = sum(-(-f.numel * 4 // per) for f in flats if f.trainable) + 2
+        return self.pool.grow(need, spare=spare)
+
+    def end_hold(self) -> None:
+        self._holding = False
+        if self.pool is not None:
+            self.pool.shrink(self._planned)
+
     def free_count(self) -> int:
         return (
             self.pool.count
@@ -196,7 +224,14 @@ class NvmeGradStore(GradStore):
         self._chunks.invalidate(flat)
 
     # ---- closing -------------------------------------------------------------------------
-    def close(self, flat: FlatParam, *, keep_in_ram: bool = False, write: bool = True) -> None:
+    def close(
+        self,
+        flat: FlatParam,
+        *,
+        keep_in_ram: bool = False,
+        write: bool = True,
+        in_place: bool = False,
+    ) -> None:
         """The flat's gradients for this backward are complete: start writing them.
         ``keep_in_ram``: also keep them in their buffer(s) for the optimizer until it hands
         them back; with ``write=False`` they are not written at all. A flat larger than one
@@ -205,7 +240,7 @@ class NvmeGradStore(GradStore):
             return
         t0 = time.perf_counter()
         if self._chunks.accumulating(flat):
-            self._chunks.close(flat, keep_in_ram, write)
+            self._chunks.close(flat, keep_in_ram, write, in_place)
         else:
             self._close_whole(flat, keep_in_ram, write)
         trace_events.span("grad_write", flat.key, flat.numel * 4, t0)
@@ -242,6 +277,23 @@ class NvmeGradStore(GradStore):
         self._writer.write(flat, buf, flat.grad)
         if not keep_in_ram:
             flat.grad = None
+
+    def _drop_file(self, flat: FlatParam) -> None:
+        """A step in backward consumed the flat's gradients (held.consumed): the disk of its
+        file (chunks written while the pool had no room) goes back, and until the next
+        backward writes it again its gradients read as gone."""
+        store = self._store
+        if store is None or self.accumulating(flat) or not store.allocated(grad_key(flat)):
+            return  # nothing on disk, or a later backward accumulates into it already
+        self._writer.wait_written(flat)
+        self.reap(block=False)
+        self._chunks.invalidate(flat)
+        if store.drop_blocks(grad_key(flat)):
+            self.held.set_unwritten(
+                flat,
+                "stepped in backward by infinity.accumulate with an optimizer, and their "
+                "file gave its disk back",
+            )
 
     def finish_backward(self) -> None:
         for flat, _ in list(self._open.values()):

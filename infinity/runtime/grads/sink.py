@@ -130,15 +130,24 @@ class GradientSink:
         if self._store.add_rows(flat, index, rows, values, add=add):
             self.stats.add_moved("device_to_host", values.numel() * grad.element_size())
 
-    def close(self, flat: FlatParam, *, keep_in_ram: bool = False, write: bool = True) -> None:
+    def close(
+        self,
+        flat: FlatParam,
+        *,
+        keep_in_ram: bool = False,
+        write: bool = True,
+        in_place: bool = False,
+    ) -> None:
         """The flat's gradients for this backward are complete (NVMe: start writing them).
         ``keep_in_ram``: also keep them in their buffer(s) for the optimizer until it hands
         them back (``held.release_held``); with ``write=False`` they are not written at all
-        (see the module docstring)."""
+        (see the module docstring). ``in_place``: the optimizer steps them as they close and
+        commits at once (a step in backward): nothing reads them after, so a flat whose norms
+        are unknown is not written for them either."""
         if not self._store.accumulating(flat):
             return
         with self._timed():
-            self._store.close(flat, keep_in_ram=keep_in_ram, write=write)
+            self._store.close(flat, keep_in_ram=keep_in_ram, write=write, in_place=in_place)
 
     def finish_backward(self) -> None:
         """End of backward: every gradient accumulated and, on NVMe, durably written."""
@@ -263,6 +272,15 @@ class GradientSink:
             for key in [k for k in self._exposed if k[0] == id(flat)]:
                 entry = self._exposed.pop(key)
                 flat.slots[entry[1]].param.grad = None
+
+    def hold_whole(self, flats: List[FlatParam], spare: int) -> int:
+        """Layer-major accumulation: room in RAM for all of ``flats``' gradients at once, as
+        far as the host budget keeps ``spare`` bytes free (see NvmeGradStore.hold_whole);
+        the buffers the gradient pool has now (0: none)."""
+        return self._store.hold_whole(flats, spare)
+
+    def end_hold(self) -> None:
+        self._store.end_hold()
 
     def file_bytes(self) -> int:
         """Bytes of the gradient files that hold their disk: a file is preallocated at its

@@ -118,6 +118,14 @@ class GradStore:
     def open(self, flat: FlatParam) -> None:
         raise NotImplementedError
 
+    def hold_whole(self, flats: List[FlatParam], spare: int) -> int:
+        """Room for all of ``flats``' gradients in RAM at once, for a while (NVMe tier); the
+        buffers the pool has now (0: no pool)."""
+        return 0
+
+    def end_hold(self) -> None:
+        """The pool goes back to its planned size (buffers in use leave when given back)."""
+
     def accumulating(self, flat: FlatParam) -> bool:
         return False
 
@@ -131,7 +139,14 @@ class GradStore:
         when there was nothing to scatter."""
         raise NotImplementedError
 
-    def close(self, flat: FlatParam, *, keep_in_ram: bool = False, write: bool = True) -> None:
+    def close(
+        self,
+        flat: FlatParam,
+        *,
+        keep_in_ram: bool = False,
+        write: bool = True,
+        in_place: bool = False,
+    ) -> None:
         pass
 
     def finish_backward(self) -> None:

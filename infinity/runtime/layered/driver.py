@@ -19,6 +19,7 @@ from .boundary import Boundaries
 from .chain import ChainError, check_call, check_model, find_layers, run_layer, split_hidden, tapped
 
 logger = logging.getLogger(__name__)
+HOLD_SPARE_DIVISOR = 8  # the host budget's share kept free when the gradient pool grows
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 Call = Tuple[Tuple[Any, ...], Dict[str, Any]]  # a layer's recorded arguments besides the hidden
@@ -156,6 +157,22 @@ class LayerMajor:
             held.append(block)
         return held
 
+    def _hold_layer_grads(self) -> None:
+        """Gradients on NVMe: the gradient pool grows (for this step, within the host budget
+        left after the boundaries, keeping an eighth of it free) to hold a whole layer's
+        gradients, so that the micro-batches add to them in RAM. Where it cannot, the chunks
+        that do not fit are written and read back between micro-batches (counted as gradient
+        traffic in stats)."""
+        if self.engine is None:
+            return
+        layers = [b for b in self.layer_blocks if b is not None]
+        if not layers:
+            return
+        largest = max(layers, key=lambda b: sum(f.numel for f in b.flats if f.trainable))
+        limit = self.engine.host_budget.limit
+        spare = limit // HOLD_SPARE_DIVISOR if limit is not None else 0
+        self.engine.grads.hold_whole(list(largest.flats), spare)
+
     # ---- the step --------------------------------------------------------------------------
     def _same_count_on_every_rank(self, k: int) -> None:
         """ZeRO: every rank runs the same collectives in the same order, so every rank must
@@ -195,6 +212,8 @@ class LayerMajor:
             return losses
         finally:
             self.boundaries.clear()
+            if engine is not None:
+                engine.grads.end_hold()
             if self.window is not None:
                 self.window.close(failed=failed)
                 if not failed:
@@ -219,6 +238,7 @@ class LayerMajor:
                 self._let_go(block)
         self.tokens = sum(r.embedded.shape[:-1].numel() for r in recorded)
         self.boundaries.check_fits(recorded[0].embedded, n, len(batches), self.tokens)
+        self._hold_layer_grads()
         for m, r in enumerate(recorded):
             self.boundaries.put(0, m, r.embedded.detach())
         self._forward(recorded)

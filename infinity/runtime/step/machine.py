@@ -307,6 +307,7 @@ class StepHooks:
                     flat,
                     keep_in_ram=taker is not None,
                     write=taker is None or taker.writes(self.owner),
+                    in_place=taker is not None and taker.in_place(self.owner),
                 )
         self.group.release(block)
         for listener in self.listeners:
