@@ -7,6 +7,7 @@ from typing import Dict, List, Optional, Sequence, Union
 
 from ...runtime.core.flat import FlatParam
 from ...runtime.port import OptimizerPort
+from ...tiers.tier import resolve_optimizer_tier
 from ..step.layout import state_nbytes
 from ..step.shard import Shard
 from .host import HostStates
@@ -30,15 +31,16 @@ def choose_tier(
     format or one per slot) do not fit in what is left of it, ``later`` bytes that the engine
     still takes from it set aside), else "host". The states' size is known only here, once the
     optimizer has chosen their formats."""
-    if port.facts.optimizer_tier is not None:
-        return port.facts.optimizer_tier
-    if port.facts.nvme_path is None:
-        return "host"
-    per_flat = [fmt] * len(flats) if isinstance(fmt, str) else list(fmt)
-    need = sum(state_nbytes(f, ff, master) for f, ff in zip(flats, per_flat))
-    if not port.facts.host_budget_set or not port.host_budget.fits(need + later):
-        return "nvme"
-    return "host"
+    facts = port.facts
+    fits = False
+    if facts.optimizer_tier is None and facts.nvme_path is not None and facts.host_budget_set:
+        per_flat = [fmt] * len(flats) if isinstance(fmt, str) else list(fmt)
+        need = sum(state_nbytes(f, ff, master) for f, ff in zip(flats, per_flat))
+        fits = port.host_budget.fits(need + later)
+    tier = resolve_optimizer_tier(
+        facts.optimizer_tier, facts.nvme_path, facts.host_budget_set, fits
+    )
+    return tier.value
 
 
 def new_store(

@@ -1,6 +1,7 @@
 """The one place a policy's "auto" tiers become `Tier` values: where the parameters, each
-block's parameters and the gradients live (:func:`resolve_placement`), and where the optimizer
-states go (:func:`resolve_optimizer_tier`). Wrap-time building (runtime/build/builder.py) takes one
+block's parameters and the gradients live (:func:`resolve_placement`; the optimizer
+states' tier follows :func:`infinity.tiers.tier.resolve_optimizer_tier`, applied by the
+optimizer once it knows their size). Wrap-time building (runtime/build/builder.py) takes one
 resolved :class:`Placement` and never looks at the strings again.
 
 This sits in runtime, not in plan/: plan/ imports runtime (partition, quant formats), so a
@@ -86,16 +87,3 @@ def resolve_placement(
     return Placement(
         param, _block_tiers(policy, param, n_blocks, sharded), _grad_tier(policy, param)
     )
-
-
-def resolve_optimizer_tier(policy: OffloadPolicy, states_fit_on_host: bool) -> Tier:
-    """The optimizer states' tier: "host" or "nvme" as given; "auto" = NVMe when
-    ``nvme_path`` is set and (no host budget is set, or the states do not fit in what is left
-    of it: ``states_fit_on_host``), else host."""
-    if policy.optimizer_tier in ("host", "nvme"):
-        return Tier.parse(policy.optimizer_tier, what="optimizer_tier")
-    if policy.nvme_path is None:
-        return Tier.HOST
-    if policy.host_budget is None or not states_fit_on_host:
-        return Tier.NVME
-    return Tier.HOST

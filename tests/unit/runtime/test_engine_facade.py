@@ -14,7 +14,8 @@ from torch import nn
 
 import infinity
 from infinity.policy import OffloadPolicy
-from infinity.runtime.build.placement import resolve_optimizer_tier, resolve_placement
+from infinity.runtime.build.placement import resolve_placement
+from infinity.tiers.tier import resolve_optimizer_tier
 from infinity.runtime.core.registry import engine_of
 from infinity.runtime.step.hooks import WeakHook
 from infinity.tiers import Tier
@@ -49,12 +50,13 @@ def test_placement_refusals_name_the_remedy(tmp_path):
 
 
 def test_optimizer_tier_resolver(tmp_path):
-    assert resolve_optimizer_tier(OffloadPolicy(placement=None), False) is Tier.HOST
-    nvme = OffloadPolicy(nvme_path=str(tmp_path), host_budget=1 << 30, placement=None)
-    assert resolve_optimizer_tier(nvme, True) is Tier.HOST
-    assert resolve_optimizer_tier(nvme, False) is Tier.NVME
-    pinned = OffloadPolicy(nvme_path=str(tmp_path), optimizer_tier="host", placement=None)
-    assert resolve_optimizer_tier(pinned, False) is Tier.HOST
+    path = str(tmp_path)
+    assert resolve_optimizer_tier("auto", None, False, False) is Tier.HOST
+    assert resolve_optimizer_tier(None, path, True, True) is Tier.HOST
+    assert resolve_optimizer_tier(None, path, True, False) is Tier.NVME
+    assert resolve_optimizer_tier("auto", path, False, True) is Tier.NVME  # no budget set
+    assert resolve_optimizer_tier("host", path, False, False) is Tier.HOST
+    assert resolve_optimizer_tier("nvme", None, True, True) is Tier.NVME
 
 
 class _Handlers:
