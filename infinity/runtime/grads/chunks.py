@@ -16,7 +16,7 @@ from ..core.stats import Stats
 from .held import HeldGrads
 from .norms import SlotNorms
 from .rows import scatter_rows
-from .store import GradBuffers, grad_key
+from .store import WRITE, GradBuffers, Handover, grad_key
 from .writes import GradWriter
 
 
@@ -336,20 +336,15 @@ class ChunkedGrads:
         if pos < end:
             view[pos - start :].zero_()
 
-    def close(
-        self,
-        flat: FlatParam,
-        keep_in_ram: bool = False,
-        write: bool = True,
-        in_place: bool = False,
-    ) -> None:
+    def close(self, flat: FlatParam, how: Handover = WRITE) -> None:
         """Writes the flat's open chunks, and every chunk whose file does not hold this
         accumulation's sums yet (zeros where no gradient landed: the bytes a whole-flat
-        buffer would have written), then records the slots' norms. ``keep_in_ram``: the
+        buffer would have written), then records the slots' norms. ``how.keep_in_ram``: the
         chunks still in RAM are kept for the optimizer (as many as leave two buffers of the
-        pool to the others), and not written unless ``write`` (or their norms are unknown and
-        the optimizer may read them to measure them: not ``in_place``, a step in backward);
-        reads serve them from RAM."""
+        pool to the others), and not written unless ``how.write`` (or their norms are unknown
+        and the optimizer may read them to measure them: not ``how.in_place``, a step in
+        backward); reads serve them from RAM."""
+        keep_in_ram = how.keep_in_ram
         self._owner.drain()
         self.drop_ahead(flat)
         fid = id(flat)
@@ -381,7 +376,7 @@ class ChunkedGrads:
             self._held.clear_unwritten(flat)
             return
         self._held.keep_chunks(flat, kept)
-        if write or (norms is None and not in_place):  # unknown norms: read back to measure
+        if how.write or (norms is None and not how.in_place):  # unknown norms: read back to measure
             for k, buf in kept.items():
                 self._submit(flat, k, buf)
             self._held.clear_unwritten(flat)

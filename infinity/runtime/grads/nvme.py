@@ -19,7 +19,7 @@ from .held import HeldGrads
 from .mapped import MappedGradViews
 from .reads import NvmeGradReads
 from .rows import scatter_rows
-from .store import GradStore, accumulate_into, grad_key
+from .store import WRITE, GradStore, Handover, accumulate_into, grad_key
 from .writes import GradWriter
 
 
@@ -224,25 +224,17 @@ class NvmeGradStore(GradStore):
         self._chunks.invalidate(flat)
 
     # ---- closing -------------------------------------------------------------------------
-    def close(
-        self,
-        flat: FlatParam,
-        *,
-        keep_in_ram: bool = False,
-        write: bool = True,
-        in_place: bool = False,
-    ) -> None:
-        """The flat's gradients for this backward are complete: start writing them.
-        ``keep_in_ram``: also keep them in their buffer(s) for the optimizer until it hands
-        them back; with ``write=False`` they are not written at all. A flat larger than one
-        buffer keeps the chunks still in RAM (the others are on NVMe already)."""
+    def close(self, flat: FlatParam, how: Handover = WRITE) -> None:
+        """The flat's gradients for this backward are complete: start writing them, or keep
+        them for the optimizer as ``how`` says. A flat larger than one buffer keeps the
+        chunks still in RAM (the others are on NVMe already)."""
         if not self.accumulating(flat):
             return
         t0 = time.perf_counter()
         if self._chunks.accumulating(flat):
-            self._chunks.close(flat, keep_in_ram, write, in_place)
+            self._chunks.close(flat, how)
         else:
-            self._close_whole(flat, keep_in_ram, write)
+            self._close_whole(flat, how.keep_in_ram, how.write)
         trace_events.span("grad_write", flat.key, flat.numel * 4, t0)
 
     @staticmethod

@@ -20,7 +20,7 @@ from .held import HeldGrads
 from .host import HostGradStore
 from .nvme import NvmeGradStore
 from .rows import sparse_rows
-from .store import GradReads, GradStore, grad_key
+from .store import WRITE, GradReads, GradStore, Handover, grad_key
 from .writes import GradientWriteError
 
 __all__ = ["GradientSink", "GradientWriteError", "grad_key"]
@@ -130,24 +130,13 @@ class GradientSink:
         if self._store.add_rows(flat, index, rows, values, add=add):
             self.stats.add_moved("device_to_host", values.numel() * grad.element_size())
 
-    def close(
-        self,
-        flat: FlatParam,
-        *,
-        keep_in_ram: bool = False,
-        write: bool = True,
-        in_place: bool = False,
-    ) -> None:
-        """The flat's gradients for this backward are complete (NVMe: start writing them).
-        ``keep_in_ram``: also keep them in their buffer(s) for the optimizer until it hands
-        them back (``held.release_held``); with ``write=False`` they are not written at all
-        (see the module docstring). ``in_place``: the optimizer steps them as they close and
-        commits at once (a step in backward): nothing reads them after, so a flat whose norms
-        are unknown is not written for them either."""
+    def close(self, flat: FlatParam, how: Handover = WRITE) -> None:
+        """The flat's gradients for this backward are complete (NVMe: start writing them, or
+        keep them for an optimizer as ``how`` says; see the module docstring)."""
         if not self._store.accumulating(flat):
             return
         with self._timed():
-            self._store.close(flat, keep_in_ram=keep_in_ram, write=write, in_place=in_place)
+            self._store.close(flat, how)
 
     def finish_backward(self) -> None:
         """End of backward: every gradient accumulated and, on NVMe, durably written."""

@@ -4,6 +4,7 @@ Design notes: docs/modules.md, runtime/grads/store.py."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, List, Optional, Protocol, Tuple
 
 import torch
@@ -100,6 +101,23 @@ class GradViews:
         pass
 
 
+@dataclass(frozen=True)
+class Handover:
+    """How a flat's complete gradients leave backward (``GradientSink.close``).
+
+    ``keep_in_ram``: kept in their buffer(s) for an optimizer stepping during backward until
+    it hands them back (``held.release_held``); ``write``: written to NVMe too (False: only
+    kept); ``in_place``: that optimizer steps them and commits at once (a step in backward),
+    so nothing reads them after, not even to measure norms left unknown."""
+
+    keep_in_ram: bool = False
+    write: bool = True
+    in_place: bool = False
+
+
+WRITE = Handover()  # the plain close: written, nothing kept
+
+
 class GradStore:
     tier: Tier  # the tier this class serves
     on_nvme = False
@@ -139,14 +157,7 @@ class GradStore:
         when there was nothing to scatter."""
         raise NotImplementedError
 
-    def close(
-        self,
-        flat: FlatParam,
-        *,
-        keep_in_ram: bool = False,
-        write: bool = True,
-        in_place: bool = False,
-    ) -> None:
+    def close(self, flat: FlatParam, how: Handover = WRITE) -> None:
         pass
 
     def finish_backward(self) -> None:

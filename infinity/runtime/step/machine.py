@@ -18,6 +18,7 @@ from ..core.block import Block
 from ..core.residency import Residency
 from ..core.schedule import Schedule
 from ..core.stats import Stats
+from ..grads.store import WRITE, Handover
 from ..process.rss_bound import RssBound
 from ..vocab import tiled_head as tiled_head_mod
 from . import hooks as hooks_mod
@@ -303,12 +304,12 @@ class StepHooks:
                     ),
                     None,
                 )
-                self.grads.close(
-                    flat,
-                    keep_in_ram=taker is not None,
-                    write=taker is None or taker.writes(self.owner),
-                    in_place=taker is not None and taker.in_place(self.owner),
+                how = (
+                    WRITE
+                    if taker is None
+                    else Handover(True, taker.writes(self.owner), taker.in_place(self.owner))
                 )
+                self.grads.close(flat, how)
         self.group.release(block)
         for listener in self.listeners:
             for flat in block.flats:
