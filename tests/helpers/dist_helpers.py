@@ -437,10 +437,128 @@ def _scenario_dcp_into_wrapped(rank: int, world: int, out: Path, opts: Dict[str,
     return {"params": {k: v.clone() for k, v in model.state_dict().items()}}
 
 
+def _moe_model(kind: str):
+    """A custom MoE with per-expert modules (as in transformers 4.x's Mixtral: top-2, an
+    expert with no tokens is skipped), or a tiny Qwen3-MoE (fused 3-D experts)."""
+    import torch
+    from torch import nn
+    if kind == "qwen3_moe":
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+        torch.manual_seed(0)
+        return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+            vocab_size=200, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=8,
+            num_experts_per_tok=2, head_dim=8, use_cache=False, output_router_logits=False))
+
+    class Expert(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up = nn.Linear(32, 64)
+            self.down = nn.Linear(64, 32)
+
+        def forward(self, x):
+            return self.down(torch.nn.functional.silu(self.up(x)))
+
+    class MoE(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.router = nn.Linear(32, 8)
+            self.experts = nn.ModuleList(Expert() for _ in range(8))
+            self.used: set = set()  # experts that got tokens (reported)
+
+        def forward(self, h):
+            flat = h.reshape(-1, 32)
+            probs = torch.softmax(self.router(flat), dim=-1)
+            weights, chosen = probs.topk(2, dim=-1)
+            weights = weights / weights.sum(-1, keepdim=True)
+            out = torch.zeros_like(flat)
+            for e, expert in enumerate(self.experts):
+                rows, which = (chosen == e).nonzero(as_tuple=True)
+                if rows.numel() == 0:
+                    continue  # no tokens: the expert does not run (no gradient)
+                self.used.add(e)
+                out = out.index_add(0, rows, expert(flat[rows]) * weights[rows, which, None])
+            return h + out.reshape(h.shape)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(200, 32)
+            self.layers = nn.ModuleList(MoE() for _ in range(2))
+            self.head = nn.Linear(32, 200)
+            self.recompute = False  # activation checkpointing of each layer
+
+        def forward(self, input_ids, labels):
+            h = self.embed(input_ids)
+            for layer in self.layers:
+                if self.recompute:
+                    h = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=self.recompute == "reentrant")
+                else:
+                    h = layer(h)
+            logits = self.head(h)
+            return torch.nn.functional.cross_entropy(logits.reshape(-1, 200), labels.reshape(-1))
+
+    torch.manual_seed(0)
+    net = Net()
+    with torch.no_grad():  # expert 7 is never chosen by anyone: its gradient stays None
+        for layer in net.layers:
+            layer.router.bias[7] = -1e4 if layer is net.layers[0] else 0.0
+    return net
+
+
+def _scenario_moe(rank: int, world: int, out: Path, opts: Dict[str, Any]) -> Dict[str, Any]:
+    """An MoE trained ``steps`` steps under ZeRO-3, the global batch (``seqs`` sequences of 5
+    tokens, two batches alternating) split over the ranks, everything on NVMe; each rank's
+    tokens come from its own half of the vocabulary, so the ranks route to different
+    experts."""
+    import torch
+
+    import infinity
+    kind = opts.get("kind", "custom")
+    model = _moe_model(kind)
+    if opts.get("recompute"):
+        model.recompute = opts["recompute"]
+    steps, seqs = opts.get("steps", 20), opts.get("seqs", 4)
+    g = torch.Generator().manual_seed(5)
+    ranks_data = max(world, opts.get("data_ranks", 2))
+    per = seqs // ranks_data
+    # sequences of rank r draw from vocabulary [r * 200 / R, (r + 1) * 200 / R)
+    width = 200 // ranks_data
+    # two batches, alternating: a model that learns them lowers its loss
+    data = torch.stack([torch.randint(r * width, (r + 1) * width, (2, per, 5), generator=g)
+                        for r in range(ranks_data)], dim=1)  # 2 x ranks x per x 5
+    settings: Dict[str, Any] = dict(opts.get("settings", {}))
+    if world > 1:
+        settings.setdefault("shard", "zero3")
+    settings.update(nvme_path=str(out), param_tier="nvme", grad_tier="nvme",
+                    optimizer_tier="nvme")
+    infinity.wrap(model, **settings)
+    opt = infinity.optim.AdamW(model.parameters(), lr=opts.get("lr", 1e-3), weight_decay=0.01)
+    losses, used = [], []
+    for step in range(steps):
+        ids = data[step % 2].reshape(-1, 5) if world == 1 else data[step % 2, rank]
+        loss = model(input_ids=ids, labels=ids) if kind == "custom" else \
+            model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(_mean_loss(loss, world))
+        if kind == "custom":
+            used.append([sorted(layer.used) for layer in model.layers])
+            for layer in model.layers:
+                layer.used = set()
+    result: Dict[str, Any] = {"losses": losses, "used": used,
+                              "partition": infinity.stats(model).get("zero")}
+    infinity.unwrap(model)
+    result["params"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return result
+
+
 SCENARIOS = {"train": _scenario_train, "dcp_load": _scenario_dcp_load,
              "dcp_into_wrapped": _scenario_dcp_into_wrapped,
              "fsdp2_save": _scenario_fsdp2_save, "resume_many": _scenario_resume_many, "save_full": _scenario_save_full,
-             "load_full": _scenario_load_full}
+             "load_full": _scenario_load_full,
+             "moe": _scenario_moe}
 
 
 def _main() -> None:

@@ -141,6 +141,7 @@ def plan_blocks(
                 resident,
                 spec.kind,
                 spec.modules,
+                partitioned=partitioner is not None,
             )
         )
     if policy.frozen_format and not any(isinstance(f, QuantFlat) for b in blocks for f in b.flats):

@@ -26,6 +26,7 @@ class Block:
         resident: bool,
         kind: str = "",
         modules: Sequence[nn.Module] = (),
+        partitioned: bool = False,
     ) -> None:
         self.index = index
         self.name = name
@@ -48,6 +49,12 @@ class Block:
         # backward is over (frozen weights still compute input gradients): such blocks also
         # wait for the gradients of their inputs.
         self.needs_input_signal = self.n_trainable < sum(len(f.slots) for f in flats)
+        # Under ZeRO, every rank must reduce the blocks in one order, but which parameters
+        # get a gradient can differ per rank (an MoE's experts under data-dependent routing).
+        # Such a block's backward is over when its inputs' gradients are computed, the same
+        # moment on every rank, whichever of its parameters got one. Not for the root (reduced
+        # at the end of backward) nor a shared block (complete only after every use).
+        self.close_on_inputs = partitioned and not is_root and len(self.modules) == 1
         self.inputs_done = False
         # an embedding looked up row by row (runtime/vocab/rows.py): never fetched whole for forward
         self.row_lookup = False
@@ -81,6 +88,8 @@ class Block:
         return self.state in (Residency.ON_DEVICE, Residency.FETCHING, Residency.RESIDENT)
 
     def backward_done(self) -> bool:
+        if self.close_on_inputs:
+            return self.active_forward == 0 and self.inputs_done
         return (
             self.active_forward == 0
             and len(self.grads_seen) == self.n_trainable

@@ -223,7 +223,8 @@ class StepHooks:
                 block.active_forward += 1
                 if self.activations is not None:
                     self.activations.enter(block.index)
-            if (block.needs_input_signal or block.shared) and torch.is_grad_enabled():
+            signal = block.needs_input_signal or block.shared or block.close_on_inputs
+            if signal and torch.is_grad_enabled():
                 # a shared block: the end of this use's backward (its inputs' gradients) lets
                 # it go until its next use, though its gradient is complete only after the
                 # backward of every use
@@ -292,7 +293,8 @@ class StepHooks:
             self.group.backward_block = None
         for flat in block.flats:
             if self.partitioner is not None:  # reduce(-scatter) now, in backward order
-                self.partitioner.reduce_grads(flat, self.grads)
+                # closed on its inputs: every rank reduces it, with a gradient or none
+                self.partitioner.reduce_grads(flat, self.grads, every_rank=block.close_on_inputs)
             else:
                 # an optimizer stepping this block now may take its gradients from RAM: then
                 # they are not written to NVMe (see GradientSink.close)

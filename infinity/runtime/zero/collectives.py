@@ -60,9 +60,12 @@ class Collectives:
         name = self._block_name(block) if block >= 0 else "-"
         return f"the {KINDS.get(kind, kind)} of block {name!r}"
 
-    def check(self, kind: int, block: int, group=None) -> None:
+    def check(
+        self, kind: int, block: int, group=None, flags: Optional[torch.Tensor] = None
+    ) -> Optional[torch.Tensor]:
         """Exchanges (kind, block, sequence number) with every rank of ``group``; raises
-        RanksDivergedError on all of them when they differ."""
+        RanksDivergedError on all of them when they differ. ``flags`` (0/1 per item, the same
+        length on every rank) ride along: returns, per item, whether any rank set it."""
         if self._broken is not None:
             raise RanksDivergedError(
                 f"infinity: collectives are disabled after an earlier "
@@ -72,13 +75,17 @@ class Collectives:
         self._seq += 1
         phase = self._phase()
         mine = torch.tensor([kind, block, self._seq], dtype=torch.int64, device=self.device)
+        extra = 0 if flags is None else flags.numel()
+        if flags is not None:
+            mine = torch.cat([mine, flags.to(device=self.device, dtype=torch.int64).reshape(-1)])
         world = dist.get_world_size(group)
-        out = torch.empty(world * 3, dtype=torch.int64, device=self.device)
+        out = torch.empty(world * (3 + extra), dtype=torch.int64, device=self.device)
         what = self._describe(kind, block)
         self._run(lambda: self._gather(out, mine, group), f"{what} ({phase})")
-        rows = out.view(world, 3).tolist()
+        table = out.view(world, 3 + extra)
+        rows = table[:, :3].tolist()
         if all(r == rows[0] for r in rows):
-            return
+            return None if flags is None else table[:, 3:].amax(dim=0).cpu() > 0
         me = dist.get_rank(group)
         parts = []
         for r, (k, b, s) in enumerate(rows):
@@ -192,10 +199,13 @@ class Collectives:
         self._run(work.wait, f"{self._describe(1, block)} (started early)")
         self.seconds["all_gather"] += time.perf_counter() - t0
 
-    def reduce_scatter_avg(self, out: torch.Tensor, full: torch.Tensor, block: int) -> None:
+    def reduce_scatter_avg(
+        self, out: torch.Tensor, full: torch.Tensor, block: int, seen: torch.Tensor
+    ) -> torch.Tensor:
         """The average over all ranks (replicas included) of ``full``, this rank's part into
-        ``out``. ``full`` is clobbered."""
-        self.check(2, block)
+        ``out``. ``full`` is clobbered. ``seen`` (bool per slot: this rank has its gradient)
+        becomes whether any rank has it, returned."""
+        seen = self._agree(self.check(2, block, flags=seen), seen)
         t0 = time.perf_counter()
         self._run(
             lambda: self._reduce_scatter(out, full, self.g.shard),
@@ -203,7 +213,7 @@ class Collectives:
         )
         self._count("reduce_scatter", t0, full)
         if self.g.replicate is not None:
-            self.check(3, block, self.g.replicate)
+            seen = self._agree(self.check(3, block, self.g.replicate, flags=seen), seen)
             t0 = time.perf_counter()
             self._run(
                 lambda: dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.g.replicate),
@@ -211,22 +221,32 @@ class Collectives:
             )
             self._count("all_reduce", t0, out)
         out.div_(self.g.total)
+        return seen
 
-    def all_reduce_avg(self, full: torch.Tensor, block: int) -> None:
-        """ZeRO-1/2 path for replicated gradients: the average over all ranks, in place."""
-        self.check(3, block)
+    @staticmethod
+    def _agree(agreed: Optional[torch.Tensor], seen: torch.Tensor) -> torch.Tensor:
+        if agreed is None:  # unreachable: check() raises when the ranks differ
+            raise RuntimeError("infinity: the header exchange returned no flags")
+        return agreed
+
+    def all_reduce_avg(self, full: torch.Tensor, block: int, seen: torch.Tensor) -> torch.Tensor:
+        """ZeRO-1/2 path for replicated gradients: the average over all ranks, in place;
+        ``seen`` as in :meth:`reduce_scatter_avg`."""
+        seen = self._agree(self.check(3, block, flags=seen), seen)
         t0 = time.perf_counter()
         self._run(
             lambda: dist.all_reduce(full, op=dist.ReduceOp.SUM, group=self.g.shard),
             f"{self._describe(3, block)} ({self._phase()})",
         )
         if self.g.replicate is not None:
+            seen = self._agree(self.check(3, block, self.g.replicate, flags=seen), seen)
             self._run(
                 lambda: dist.all_reduce(full, op=dist.ReduceOp.SUM, group=self.g.replicate),
                 f"{self._describe(3, block)} across replicas",
             )
         self._count("all_reduce", t0, full)
         full.div_(self.g.total)
+        return seen
 
     def all_reduce_scalar(self, value: float, op: str, *, replicas: bool = False) -> float:
         """``op`` ('sum', 'max', 'min') of one float over the shard group (and the replicas

@@ -261,25 +261,33 @@ class Partitioner:
     def has_pending(self, flat: FlatParam) -> bool:
         return id(flat) in self._grad_bufs
 
-    def reduce_grads(self, flat: FlatParam, sink) -> None:
+    def reduce_grads(self, flat: FlatParam, sink, every_rank: bool = False) -> None:
         """Reduces the flat's gradient buffer over the ranks and hands this rank's part to
-        the gradient sink (zero2/3); zero1 hands the whole averaged gradient."""
+        the gradient sink (zero2/3); zero1 hands the whole averaged gradient. A slot gets a
+        gradient when any rank has one (as one process on the global batch would), so ranks
+        that route to different experts agree. ``every_rank``: the block closed at the same
+        moment on every rank, so this rank joins with zeros where it has no gradient."""
         buf = self._grad_bufs.pop(id(flat), None)
         seen = self._grad_seen.pop(id(flat), set())
         if buf is None:
-            return
+            if not every_rank or not any(s.trainable for s in flat.slots):
+                return
+            buf = torch.zeros(flat.numel, dtype=torch.float32, device=self.coll_device)
         index = self._block_of[id(flat)]
+        mine = torch.zeros(len(flat.slots), dtype=torch.bool)
+        if seen:
+            mine[sorted(seen)] = True
         if self.shards_grads:
             local = self.local(flat)
             out = torch.empty(local.numel, dtype=torch.float32, device=self.coll_device)
-            self.coll.reduce_scatter_avg(out, buf, index)
+            anyone = self.coll.reduce_scatter_avg(out, buf, index, mine)
             for li, s in enumerate(local.slots):
-                if s.full_index in seen:
+                if anyone[s.full_index]:
                     sink.add(local, li, out[s.offset : s.offset + s.numel])
             sink.close(local)
         else:
-            self.coll.all_reduce_avg(buf, index)
-            for i in sorted(seen):
+            anyone = self.coll.all_reduce_avg(buf, index, mine)
+            for i in anyone.nonzero().flatten().tolist():
                 s = flat.slots[i]
                 sink.add(flat, i, buf[s.offset : s.offset + s.numel].view(s.shape))
             sink.close(flat)
