@@ -8,7 +8,7 @@ from .accumulation import ChainError, accumulate
 from .api import empty_init, gradient, materialized, parameters_changed, stats, unwrap, wrap
 from .checkpoint import consolidate, load_checkpoint, save_checkpoint
 from .plan import PlanError, estimate, explain, probe
-from .policy import OffloadPolicy
+from .policy import CommPolicy, OffloadPolicy
 from .tiers import Tier
 from .trace_events import trace
 from .version import __version__
@@ -21,6 +21,7 @@ __all__ = [
     "gradient",
     "empty_init",
     "parameters_changed",
+    "CommPolicy",
     "OffloadPolicy",
     "Tier",
     "__version__",

@@ -57,6 +57,59 @@ def check_nvme_path(path: Optional[Union[str, os.PathLike[str]]], must_exist: bo
 
 
 @dataclass(frozen=True)
+class CommPolicy:
+    """Compressed collectives for ZeRO (``wrap(..., comm=...)``; docs/zero3.md).
+
+    weights: "int8": ZeRO-3's all-gathers of parameters for compute carry int8 codes with one
+        fp32 scale per ``block`` values (every rank computes with the same dequantized
+        weights; the master weights and the homes stay exact). "none": full width.
+    grads: "int8" or "int4": gradients are reduced through an all-to-all of block-quantized
+        parts, dequantized and summed in fp32 (ZeRO-2/3). "none": a full-width reduce-scatter.
+    error_feedback: each rank adds what its last quantization lost to its next gradient
+        (an fp32 buffer of the whole model's size per rank, in host RAM).
+    block: values per fp32 scale.
+
+    ``comm="int8"`` is weights and gradients in int8; ``comm="int4"`` is int8 weights and
+    int4 gradients with error feedback."""
+
+    weights: str = "none"
+    grads: str = "none"
+    error_feedback: bool = False
+    block: int = 256
+
+    def __post_init__(self) -> None:
+        if self.weights not in ("none", "int8"):
+            raise ValueError(f"infinity: comm weights={self.weights!r}; use 'int8' or 'none'")
+        if self.grads not in ("none", "int8", "int4"):
+            raise ValueError(f"infinity: comm grads={self.grads!r}; use 'int8', 'int4' or 'none'")
+        if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 32:
+            raise ValueError(
+                f"infinity: comm block={self.block!r}; use an even number of values >= 32"
+            )
+        if self.block % 2:
+            raise ValueError(f"infinity: comm block={self.block} must be even")
+
+    @property
+    def off(self) -> bool:
+        return self.weights == "none" and self.grads == "none"
+
+    @classmethod
+    def parse(cls, value: Union[None, str, CommPolicy]) -> CommPolicy:
+        if isinstance(value, CommPolicy):
+            return value
+        if value is None or value == "none":
+            return cls()
+        if value == "int8":
+            return cls("int8", "int8")
+        if value == "int4":
+            return cls("int8", "int4", error_feedback=True)
+        raise ValueError(
+            f"infinity: comm={value!r}; use None, 'int8', 'int4' or "
+            "infinity.CommPolicy(weights=..., grads=..., error_feedback=...)"
+        )
+
+
+@dataclass(frozen=True)
 class OffloadPolicy:
     """Where each kind of state lives and how much of each tier the engine may use.
 
@@ -105,6 +158,8 @@ class OffloadPolicy:
     collective_timeout: seconds a collective may wait for the other ranks before failing
         (ranks that diverged or died); applies to the group infinity makes from the default
         one (a group or mesh passed to wrap keeps its own timeout).
+    comm: compressed collectives under ZeRO: None (full width), "int8", "int4" or a
+        :class:`CommPolicy`; every rank must pass the same.
     placement: "auto" (the default): the planner (``infinity.plan``) picks the tiers left
         "auto" (per block where that helps: ``host_blocks``) and, when prefetch_window is left
         at its default, the window, from the budgets (device memory, a share of the available
@@ -181,6 +236,7 @@ class OffloadPolicy:
     verify_checksums: bool = True
     shard: str = "auto"
     collective_timeout: float = 600.0
+    comm: Union[None, str, CommPolicy] = None
     placement: Optional[str] = "auto"
     activation_tier: Optional[str] = None
     activation_min_bytes: Optional[int] = None
@@ -268,6 +324,7 @@ class OffloadPolicy:
                 f"collective_timeout must be a positive number of seconds, got "
                 f"{self.collective_timeout!r}"
             )
+        CommPolicy.parse(self.comm)
         self._check_activations()
         if self.frozen_format is not None and self.frozen_format not in FROZEN_FORMATS:
             raise ValueError(

@@ -77,8 +77,10 @@ import torch
 from torch import nn
 
 from ..optim.states.swapper import SETS  # the optimizer's buffer sets: its units in flight
+from ..policy import CommPolicy
 from ..tiers.chunk_size import DEFAULT_CHUNK_BYTES
 from ..tiers.pool_plan import MAX_PIECE_BYTES
+from .comm import comm_per_step
 from .placements import MASTER_BYTES, PLACEMENTS, Placement, state_bytes_per_param
 from .placements import placement as get_placement
 from .probe import ProbeResult
@@ -623,6 +625,8 @@ def estimate(
     trainable_params: Optional[int] = None,
     micro_batches: int = 1,
     layer_major: bool = False,
+    link_gbps: Optional[float] = None,
+    comm: Union[None, str, CommPolicy] = "int8",
 ) -> EstimateTable:
     """Predicts, before anything is allocated, what each placement needs and how fast a step
     runs. ``model_or_count``: an nn.Module (built on the meta device is fine); a Hugging Face
@@ -648,7 +652,10 @@ def estimate(
     only ``trainable_params`` (None: a module's ``requires_grad`` parameters; 0 for a config or
     a count: give the adapters' count); the device placements are left out.
     ``micro_batches``, ``layer_major``: k micro-batches of ``batch`` x ``seq`` per optimizer step,
-    as the plain loop or as ``infinity.accumulate`` (see :func:`estimate_one`)."""
+    as the plain loop or as ``infinity.accumulate`` (see :func:`estimate_one`).
+    ``link_gbps``: the link between ranks in Gb/s; with rank counts above 1, the table's
+    ``comm`` lists ZeRO-3's bytes on the wire per rank per step and their time, full width and
+    compressed as ``comm`` says (``wrap(comm=...)``; see :mod:`infinity.plan.comm`)."""
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise ValueError(f"infinity.estimate: dtype must be a torch.dtype, got {dtype!r}")
     if dtype is not None and isinstance(model_or_count, (nn.Module, ModelShape)):
@@ -709,7 +716,7 @@ def estimate(
     if max(rank_list) > 1:
         notes.append(
             "ranks > 1: ZeRO-3 partitioning of homes, gradients and states; "
-            "collectives not modelled"
+            "collectives not in the step time (pass link_gbps= for their bytes and time)"
         )
     if shape.full_moment_params and any(p.states == "8bit" for p in chosen):
         notes.append(
@@ -741,4 +748,14 @@ def estimate(
         for p in chosen
         if not (p.plain and r > 1)
     ]
-    return EstimateTable(shape, rows, batch, seq, pr.device, notes)
+    traffic = []
+    if link_gbps is not None and max(rank_list) > 1:
+        policy = CommPolicy.parse(comm)
+        width = 2 if shape.bytes_per_param <= 2 else 4
+        for r in rank_list:
+            if r > 1:
+                traffic.append(
+                    comm_per_step(shape, r, link_gbps, policy, width, micro_batches, layer_major)
+                )
+                notes.append(str(traffic[-1]))
+    return EstimateTable(shape, rows, batch, seq, pr.device, notes, traffic)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+from .comm import CommEstimate
 from .shape import ModelShape
 from .units import fmt_bytes, fmt_count, fmt_s
 
@@ -57,6 +58,7 @@ class EstimateTable:
     seq: int
     device: str
     notes: List[str] = field(default_factory=list)
+    comm: List[CommEstimate] = field(default_factory=list)  # with estimate(link_gbps=...)
 
     def row(self, placement: str, ranks: int = 1) -> Estimate:
         for r in self.rows:

@@ -65,7 +65,7 @@ class Engine:
         self._release_guard: Optional[Callable[[], None]] = None  # global optimizer hooks
         # ZeRO sharding over torch.distributed ranks (None: single process, code unchanged)
         self.partitioner = make_partitioner(
-            process_group, policy.shard, policy.collective_timeout, self.device
+            process_group, policy.shard, policy.collective_timeout, self.device, policy.comm
         )
         built = build(self, model, policy, source, self.device, self.partitioner, self.stats)
         self.placement = built.placement

@@ -136,6 +136,15 @@ def _scenario_train(rank: int, world: int, out: Path, opts: Dict[str, Any]) -> D
     nvme = settings.pop("nvme", False)
     if isinstance(settings.get("compute_dtype"), str):
         settings["compute_dtype"] = getattr(torch, settings["compute_dtype"])
+    settings.update(opts.get("rank_settings", {}).get(str(rank), {}))
+    if opts.get("no_all_to_all"):  # a backend without all-to-all
+        import torch.distributed as dist
+
+        def refuse(*args, **kwargs):
+            raise RuntimeError("all_to_all is not supported by this backend (injected)")
+        dist.all_to_all_single = refuse
+    if isinstance(settings.get("comm"), dict):
+        settings["comm"] = infinity.CommPolicy(**settings["comm"])
     if world == 1:
         settings.pop("shard", None)  # the single-process reference
     if nvme:

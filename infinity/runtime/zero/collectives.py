@@ -8,14 +8,33 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from ...policy import CommPolicy
+from .compress import Codec
 from .group import DistGroups
 
 logger = logging.getLogger(__name__)
+
+_CODES = {"none": 0, "int8": 1, "int4": 2}
+
+
+@dataclass(frozen=True)
+class Gather:
+    """An all-gather in flight: its inputs stay alive until it completed; a quantized one
+    is dequantized into ``out`` at :meth:`Collectives.wait`."""
+
+    work: Any
+    send: torch.Tensor
+    recv: torch.Tensor
+    out: torch.Tensor
+    codec: Optional[Codec]
+    kind: int
+
 
 KINDS = {
     1: "all-gather of parameters",
@@ -48,6 +67,8 @@ class Collectives:
         self._have_reduce_scatter = True
         self.seconds = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0}
         self.bytes = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+        # what crossed the wire: below ``bytes`` (the values' full width) when compressed
+        self.wire_bytes = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
         self.calls = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
 
     # ---- the header ------------------------------------------------------------------------
@@ -103,6 +124,42 @@ class Collectives:
         )
         self._broken = "ranks diverged"
         raise RanksDivergedError(msg)
+
+    def agree_comm(self, comm: CommPolicy) -> None:
+        """At wrap: every rank must pass the same compression settings (else each raises,
+        naming them), and the backend must do the all-to-all compressed gradients take."""
+        mine = torch.tensor(
+            [_CODES[comm.weights], _CODES[comm.grads], int(comm.error_feedback), comm.block],
+            dtype=torch.int64,
+            device=self.device,
+        )
+        world = dist.get_world_size(self.g.shard)
+        out = torch.empty(world * 4, dtype=torch.int64, device=self.device)
+        self._run(lambda: self._gather(out, mine, self.g.shard), "the exchange of comm settings")
+        rows = out.view(world, 4).tolist()
+        if any(r != rows[0] for r in rows):
+            names = {v: k for k, v in _CODES.items()}
+            said = "; ".join(
+                f"rank {r}: weights={names[w]!r}, grads={names[g]!r}, error_feedback="
+                f"{bool(e)}, block={b}"
+                for r, (w, g, e, b) in enumerate(rows)
+            )
+            raise ValueError(
+                f"infinity: the ranks passed different comm settings to wrap ({said}); "
+                "every rank must compress its collectives the same way"
+            )
+        if comm.grads == "none":
+            return
+        probe_in = torch.zeros(world, dtype=torch.uint8, device=self.device)
+        probe_out = torch.empty_like(probe_in)
+        try:
+            dist.all_to_all_single(probe_out, probe_in, group=self.g.shard)
+        except (NotImplementedError, RuntimeError, ValueError) as exc:
+            raise RuntimeError(
+                f"infinity: comm grads={comm.grads!r} reduces gradients through an "
+                f"all-to-all, which backend {self.g.backend!r} cannot do ({exc}). Use a "
+                "gloo or NCCL process group, or CommPolicy(grads='none')"
+            ) from exc
 
     def _run(self, fn: Callable[[], None], what: str) -> None:
         try:
@@ -162,8 +219,19 @@ class Collectives:
         out.copy_(inp.chunk(dist.get_world_size(group))[rank])
 
     # ---- the engine's collectives ---------------------------------------------------------
-    def all_gather(self, out: torch.Tensor, local: torch.Tensor, block: int, kind: int = 1) -> None:
-        """Every rank's ``local`` (its part) into ``out`` (the whole, rank order)."""
+    def all_gather(
+        self,
+        out: torch.Tensor,
+        local: torch.Tensor,
+        block: int,
+        kind: int = 1,
+        codec: Optional[Codec] = None,
+    ) -> None:
+        """Every rank's ``local`` (its part) into ``out`` (the whole, rank order); with
+        ``codec``, block-quantized on the wire and dequantized into ``out``."""
+        if codec is not None:
+            self.wait(self.all_gather_async(out, local, block, kind, codec, early=False), block)
+            return
         self.check(kind, block)
         t0 = time.perf_counter()
         self._run(
@@ -172,46 +240,80 @@ class Collectives:
         )
         self._count("all_gather", t0, out)
 
-    def all_gather_async(self, out: torch.Tensor, local: torch.Tensor, block: int):
+    def all_gather_async(
+        self,
+        out: torch.Tensor,
+        local: torch.Tensor,
+        block: int,
+        kind: int = 1,
+        codec: Optional[Codec] = None,
+        early: bool = True,
+    ) -> Gather:
         """As :meth:`all_gather`, started asynchronously (the header is checked first, in
         order); returns a handle for :meth:`wait`."""
-        self.check(1, block)
+        self.check(kind, block)
         t0 = time.perf_counter()
+        send, recv = local, out
+        if codec is not None:
+            send = torch.empty(codec.payload_bytes(local.numel()), dtype=torch.uint8)
+            codec.encode(local.reshape(-1), send)
+            send = send.to(self.device)
+            recv = torch.empty(self.g.world * send.numel(), dtype=torch.uint8, device=self.device)
         holder = {}
 
         def start() -> None:
             if self._have_gather_base:
                 holder["work"] = dist.all_gather_into_tensor(
-                    out, local, group=self.g.shard, async_op=True
+                    recv, send, group=self.g.shard, async_op=True
                 )
             else:
                 holder["work"] = dist.all_gather(
-                    list(out.chunk(self.g.world)), local, group=self.g.shard, async_op=True
+                    list(recv.chunk(self.g.world)), send, group=self.g.shard, async_op=True
                 )
 
-        self._run(start, f"{self._describe(1, block)} ({self._phase()}, started early)")
-        self._count("all_gather", t0, out)
-        return holder["work"], local, out
+        how = ", started early" if early else ""
+        self._run(start, f"{self._describe(kind, block)} ({self._phase()}{how})")
+        self._count("all_gather", t0, out, recv)
+        return Gather(holder["work"], send, recv, out, codec, kind)
 
-    def wait(self, handle, block: int) -> None:
-        work, _local, _out = handle  # the input stays alive until the gather completed
+    def wait(self, handle: Gather, block: int) -> None:
         t0 = time.perf_counter()
-        self._run(work.wait, f"{self._describe(1, block)} (started early)")
+        self._run(handle.work.wait, f"{self._describe(handle.kind, block)} (started early)")
+        if handle.codec is not None:  # every rank's part, dequantized, rank order
+            part = handle.out.numel() // self.g.world
+            size = handle.recv.numel() // self.g.world
+            flat = handle.out.view(-1)
+            for r in range(self.g.world):
+                handle.codec.decode(
+                    handle.recv[r * size : (r + 1) * size], part, flat[r * part : (r + 1) * part]
+                )
         self.seconds["all_gather"] += time.perf_counter() - t0
 
     def reduce_scatter_avg(
-        self, out: torch.Tensor, full: torch.Tensor, block: int, seen: torch.Tensor
+        self,
+        out: torch.Tensor,
+        full: torch.Tensor,
+        block: int,
+        seen: torch.Tensor,
+        codec: Optional[Codec] = None,
+        residual: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """The average over all ranks (replicas included) of ``full``, this rank's part into
         ``out``. ``full`` is clobbered. ``seen`` (bool per slot: this rank has its gradient)
-        becomes whether any rank has it, returned."""
+        becomes whether any rank has it, returned. With ``codec``: each part block-quantized
+        (after adding ``residual``, the error feedback, which keeps what was lost), sent
+        through an all-to-all, dequantized and summed in fp32 in rank order."""
         seen = self._agree(self.check(2, block, flags=seen), seen)
         t0 = time.perf_counter()
-        self._run(
-            lambda: self._reduce_scatter(out, full, self.g.shard),
-            f"{self._describe(2, block)} ({self._phase()})",
-        )
-        self._count("reduce_scatter", t0, full)
+        if codec is None:
+            self._run(
+                lambda: self._reduce_scatter(out, full, self.g.shard),
+                f"{self._describe(2, block)} ({self._phase()})",
+            )
+            self._count("reduce_scatter", t0, full)
+        else:
+            wire = self._reduce_quantized(out, full, codec, residual, block)
+            self._count("reduce_scatter", t0, full, wire)
         if self.g.replicate is not None:
             seen = self._agree(self.check(3, block, self.g.replicate, flags=seen), seen)
             t0 = time.perf_counter()
@@ -222,6 +324,42 @@ class Collectives:
             self._count("all_reduce", t0, out)
         out.div_(self.g.total)
         return seen
+
+    def _reduce_quantized(
+        self,
+        out: torch.Tensor,
+        full: torch.Tensor,
+        codec: Codec,
+        residual: Optional[torch.Tensor],
+        block: int,
+    ) -> torch.Tensor:
+        world = self.g.world
+        n = out.numel()
+        size = codec.payload_bytes(n)
+        if residual is not None:
+            full.add_(residual)
+        send = torch.empty(world * size, dtype=torch.uint8)
+        lost = torch.empty(n, dtype=torch.float32) if residual is not None else None
+        for r in range(world):
+            part = full[r * n : (r + 1) * n].cpu()
+            payload = send[r * size : (r + 1) * size]
+            codec.encode(part, payload)
+            if residual is not None and lost is not None:
+                codec.decode(payload, n, lost)
+                residual[r * n : (r + 1) * n].copy_(part.sub_(lost))
+        send = send.to(self.device)
+        recv = torch.empty_like(send)
+        self._run(
+            lambda: dist.all_to_all_single(recv, send, group=self.g.shard),
+            f"{self._describe(2, block)} ({self._phase()}, quantized)",
+        )
+        got = torch.empty(n, dtype=torch.float32)
+        total = torch.zeros(n, dtype=torch.float32)
+        for r in range(world):
+            codec.decode(recv[r * size : (r + 1) * size].cpu(), n, got)
+            total.add_(got)
+        out.copy_(total)
+        return recv
 
     @staticmethod
     def _agree(agreed: Optional[torch.Tensor], seen: torch.Tensor) -> torch.Tensor:
@@ -278,12 +416,16 @@ class Collectives:
         )
         self._count("all_reduce", t0, t)
 
-    def _count(self, name: str, t0: float, t: torch.Tensor) -> None:
+    def _count(
+        self, name: str, t0: float, t: torch.Tensor, wire: Optional[torch.Tensor] = None
+    ) -> None:
         self.seconds[name] += time.perf_counter() - t0
         self.bytes[name] += t.numel() * t.element_size()
+        w = t if wire is None else wire
+        self.wire_bytes[name] += w.numel() * w.element_size()
         self.calls[name] += 1
 
     def reset_counters(self) -> None:
-        for d in (self.seconds, self.bytes, self.calls):
+        for d in (self.seconds, self.bytes, self.wire_bytes, self.calls):
             for k in d:
                 d[k] = 0 if d is not self.seconds else 0.0

@@ -5,25 +5,35 @@ Design notes: docs/modules.md, runtime/zero/partitioner.py."""
 from __future__ import annotations
 
 import logging
-from typing import Dict, List, Optional, Set
+from typing import Dict, List, Optional, Set, Union
 
 import torch
 
 from ... import io as inf_io
 from ...ops.adam_compact import BLOCK_SIZE
+from ...policy import CommPolicy
 from ...tiers import Tier
 from ..core.flat import Binding, FlatParam
 from ..homes.home import Home
 from ..homes.shard_flat import ShardFlat
 from ..homes.sharded import ShardedHome
 from .collectives import Collectives
+from .compress import Codec, Compression
 from .group import DistGroups
 
 logger = logging.getLogger(__name__)
 
+NO_COMPRESSION = CommPolicy()
+
 
 class Partitioner:
-    def __init__(self, groups: DistGroups, stage: str, device: torch.device) -> None:
+    def __init__(
+        self,
+        groups: DistGroups,
+        stage: str,
+        device: torch.device,
+        comm: CommPolicy = NO_COMPRESSION,
+    ) -> None:
         self.groups = groups
         self.stage = stage
         self.rank = groups.rank
@@ -45,6 +55,9 @@ class Partitioner:
         self._grad_bufs: Dict[int, torch.Tensor] = {}
         self._grad_seen: Dict[int, Set[int]] = {}
         self.coll = Collectives(groups, coll_device, self._block_name)
+        self.coll.agree_comm(comm)  # every rank the same settings (else an error on each)
+        self._check_comm(comm)
+        self.compression: Optional[Compression] = None if comm.off else Compression(comm)
 
     # ---- settings ----------------------------------------------------------------------
     @property
@@ -92,6 +105,20 @@ class Partitioner:
             raise ValueError(
                 "infinity: shard='zero1' keeps every rank's whole gradient in "
                 "host RAM; use grad_tier='host', or shard='zero2'/'zero3'"
+            )
+
+    def _check_comm(self, comm: CommPolicy) -> None:
+        if comm.weights != "none" and not self.shards_params:
+            raise ValueError(
+                f"infinity: comm weights={comm.weights!r} compresses ZeRO-3's all-gathers of "
+                f"parameters; shard={self.stage!r} gathers none for compute. Use "
+                "shard='zero3', or CommPolicy(weights='none', grads=...)"
+            )
+        if comm.grads != "none" and not self.shards_grads:
+            raise ValueError(
+                f"infinity: comm grads={comm.grads!r} compresses the reduce-scatter of "
+                f"gradients; shard={self.stage!r} all-reduces whole gradients. Use "
+                "shard='zero2' or 'zero3', or CommPolicy(grads='none')"
             )
 
     # ---- structure ---------------------------------------------------------------------
@@ -188,8 +215,17 @@ class Partitioner:
             part = compute[local.start : local.end]
             if compute.device != self.coll_device:  # pragma: no cover - gloo with CUDA
                 raise RuntimeError("infinity: collectives device mismatch (engine bug)")
-            self.coll.all_gather(compute, part.clone(), block.index)
+            self.coll.all_gather(
+                compute, part.clone(), block.index, codec=self._weight_codec(compute)
+            )
         self._gathered.add(block.index)
+
+    def _weight_codec(self, compute: torch.Tensor) -> Optional[Codec]:
+        """The codec of a compute buffer's all-gather (float buffers only: a frozen base's
+        codes travel as they are)."""
+        if self.compression is None or not compute.dtype.is_floating_point:
+            return None
+        return self.compression.weights
 
     def wants_early_gather(self, block) -> bool:
         return block.index not in self._gathered and block.index not in self._early
@@ -202,7 +238,10 @@ class Partitioner:
             local = self.local(flat)
             works.append(
                 self.coll.all_gather_async(
-                    flat.compute, flat.compute[local.start : local.end].clone(), block.index
+                    flat.compute,
+                    flat.compute[local.start : local.end].clone(),
+                    block.index,
+                    codec=self._weight_codec(flat.compute),
                 )
             )
         self._early[block.index] = works
@@ -280,7 +319,13 @@ class Partitioner:
         if self.shards_grads:
             local = self.local(flat)
             out = torch.empty(local.numel, dtype=torch.float32, device=self.coll_device)
-            anyone = self.coll.reduce_scatter_avg(out, buf, index, mine)
+            codec = self.compression.grads if self.compression is not None else None
+            residual = (
+                self.compression.residual(id(flat), buf.numel(), buf.device)
+                if self.compression is not None
+                else None
+            )
+            anyone = self.coll.reduce_scatter_avg(out, buf, index, mine, codec, residual)
             for li, s in enumerate(local.slots):
                 if anyone[s.full_index]:
                     sink.add(local, li, out[s.offset : s.offset + s.numel])
@@ -327,19 +372,35 @@ class Partitioner:
             "replicas": self.groups.replicas,
             "seconds": dict(self.coll.seconds),
             "bytes": dict(self.coll.bytes),
+            "wire_bytes": dict(self.coll.wire_bytes),
+            "comm": None if self.compression is None else self.compression.policy,
+            "error_feedback_bytes": (
+                0 if self.compression is None else self.compression.residual_bytes
+            ),
             "calls": dict(self.coll.calls),
         }
 
 
 def make_partitioner(
-    process_group, shard: str, timeout_s: float, device: torch.device
+    process_group,
+    shard: str,
+    timeout_s: float,
+    device: torch.device,
+    comm_setting: Union[None, str, CommPolicy] = None,
 ) -> Optional[Partitioner]:
     from .group import resolve, stage_of
 
+    comm = CommPolicy.parse(comm_setting)
     groups = resolve(process_group, shard, timeout_s)
     if groups is None:
+        if not comm.off:
+            logger.warning(
+                "infinity: comm=%s asks for compressed collectives, but the model is not "
+                "sharded over several ranks: there is nothing to compress",
+                comm,
+            )
         return None
-    return Partitioner(groups, stage_of(shard), device)
+    return Partitioner(groups, stage_of(shard), device, comm)
 
 
 __all__ = ["Partitioner", "make_partitioner"]
