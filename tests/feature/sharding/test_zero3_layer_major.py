@@ -1,6 +1,7 @@
-"""infinity.accumulate under ZeRO-3 (2 gloo ranks): each rank's micro-batches run layer-major
+"""infinity.accumulate under ZeRO-1/2/3 (2 gloo ranks): each rank's micro-batches run layer-major
 and the result is the single-process plain loop's over the global batch; ranks given different
 numbers of micro-batches are refused on every rank, before any collective of the step."""
+import pytest
 import torch
 from dist_helpers import run_ranks
 
@@ -10,13 +11,21 @@ MICRO = 4  # per rank
 TOL = 1e-5
 
 
-def test_zero3_layer_major_matches_single_process_plain_loop(tmp_path):
+@pytest.fixture(scope="module")
+def plain_loop(tmp_path_factory):
+    """The single process's plain loop over the global batch."""
     ref = run_ranks("train", 1, {"steps": STEPS, "batch": BATCH, "micro": 2 * MICRO,
-                                 "clip": 1.0}, tmp_path, dist=False)[0]
+                                 "clip": 1.0}, tmp_path_factory.mktemp("ref"), dist=False)[0]
     assert "error" not in ref, ref.get("log")
+    return ref
+
+
+@pytest.mark.parametrize("shard", ["zero3", "zero2", "zero1"])
+def test_layer_major_on_ranks_matches_single_process_plain_loop(plain_loop, tmp_path, shard):
+    ref = plain_loop
     results = run_ranks("train", 2, {"steps": STEPS, "batch": BATCH, "micro": MICRO,
                                      "clip": 1.0, "layer_major": True,
-                                     "settings": {"shard": "zero3"}}, tmp_path)
+                                     "settings": {"shard": shard}}, tmp_path)
     for r, res in enumerate(results):
         assert "error" not in res, f"rank {r}: {res['error']}\n{res['log'][-3000:]}"
     # the ranks' mean loss: each rank's micro-batches are a quarter of its half of the batch
