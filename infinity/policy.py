@@ -68,6 +68,10 @@ class CommPolicy:
     error_feedback: each rank adds what its last quantization lost to its next gradient
         (an fp32 buffer of the whole model's size per rank, in host RAM).
     block: values per fp32 scale.
+    node_size: a hierarchical partition (ZeRO++'s hpZ; 0: none): ranks in groups of this
+        many consecutive ranks (a node). After a block's forward all-gather each rank keeps
+        its node's share of it (the block's bytes / node_size, until its backward), so the
+        backward's all-gathers stay inside the node.
 
     ``comm="int8"`` is weights and gradients in int8; ``comm="int4"`` is int8 weights and
     int4 gradients with error feedback."""
@@ -76,6 +80,7 @@ class CommPolicy:
     grads: str = "none"
     error_feedback: bool = False
     block: int = 256
+    node_size: int = 0
 
     def __post_init__(self) -> None:
         if self.weights not in ("none", "int8"):
@@ -88,10 +93,17 @@ class CommPolicy:
             )
         if self.block % 2:
             raise ValueError(f"infinity: comm block={self.block} must be even")
+        if isinstance(self.node_size, bool) or not isinstance(self.node_size, int):
+            raise ValueError(f"infinity: comm node_size={self.node_size!r}; use an int")
+        if self.node_size == 1 or self.node_size < 0:
+            raise ValueError(
+                f"infinity: comm node_size={self.node_size}; use 0 (no hierarchical "
+                "partition) or the ranks per node (2 or more)"
+            )
 
     @property
     def off(self) -> bool:
-        return self.weights == "none" and self.grads == "none"
+        return self.weights == "none" and self.grads == "none" and not self.node_size
 
     @classmethod
     def parse(cls, value: Union[None, str, CommPolicy]) -> CommPolicy:

@@ -8,7 +8,9 @@ each collective's bytes):
   compute dtype's width, or int8 codes plus one fp32 scale per block of values;
 - reduces of gradients: once per backward (per micro-batch; once per step layer-major), fp32,
   or int8 / int4 codes plus one fp32 scale per block;
-- error feedback: 4 bytes per parameter of the whole model in each rank's host RAM.
+- error feedback: 4 bytes per parameter of the whole model in each rank's host RAM;
+- a hierarchical partition (``node_size``): backward's all-gathers run inside the node (not on
+  the link between nodes), for the parameters' bytes / node_size kept per rank from forward.
 Not modelled: latency per collective, the small all-reduces (norms, finiteness), overlap with
 compute (see :meth:`CommEstimate.step_s`).
 
@@ -32,6 +34,8 @@ class CommEstimate:
     full_gather_bytes: float  # the same at full width
     full_reduce_bytes: float
     error_feedback_bytes: int  # host RAM per rank
+    node_gather_bytes: float = 0.0  # hpZ: backward's all-gathers inside the node, per rank
+    secondary_bytes: float = 0.0  # hpZ: the node's share of every block, held per rank
 
     @property
     def seconds(self) -> float:
@@ -57,6 +61,12 @@ class CommEstimate:
             + (
                 f"; error feedback {self.error_feedback_bytes / gib:.2f} GiB of RAM per rank"
                 if self.error_feedback_bytes
+                else ""
+            )
+            + (
+                f"; hierarchical partition: {self.node_gather_bytes / gib:.2f} GiB gathered "
+                f"inside the node, {self.secondary_bytes / gib:.2f} GiB kept per rank"
+                if self.comm.node_size
                 else ""
             )
         )
@@ -91,15 +101,20 @@ def comm_per_step(
     trained = shape.trainable_params if shape.trainable_params is not None else n
     gathered = 2 * passes * n * share  # values: forward and backward
     reduced = passes * trained * share
+    node = comm.node_size
+    node_gathered = passes * n * (node - 1) / node if node else 0.0
     return CommEstimate(
         ranks=ranks,
         link_gbps=link_gbps,
         comm=comm,
-        gather_bytes=gathered * _width(comm.weights, compute_bytes, comm.block),
+        gather_bytes=(gathered / 2 if node else gathered)
+        * _width(comm.weights, compute_bytes, comm.block),
         reduce_bytes=reduced * _width(comm.grads, 4, comm.block),
         full_gather_bytes=gathered * compute_bytes,
         full_reduce_bytes=reduced * 4,
         error_feedback_bytes=4 * trained if comm.error_feedback and comm.grads != "none" else 0,
+        node_gather_bytes=node_gathered * compute_bytes,
+        secondary_bytes=n * compute_bytes / node if node else 0.0,
     )
 
 

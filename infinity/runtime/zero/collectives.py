@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,8 @@ class Gather:
     out: torch.Tensor
     codec: Optional[Codec]
     kind: int
+    world: int
+    name: str  # its counters' key
 
 
 KINDS = {
@@ -65,11 +67,15 @@ class Collectives:
         self._broken: Optional[str] = None
         self._have_gather_base = True
         self._have_reduce_scatter = True
-        self.seconds = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0}
-        self.bytes = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+        kinds = ("all_gather", "reduce_scatter", "all_reduce", "all_gather_node")
+        self.seconds = {k: 0.0 for k in kinds}
+        self.bytes = {k: 0 for k in kinds}
         # what crossed the wire: below ``bytes`` (the values' full width) when compressed
-        self.wire_bytes = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
-        self.calls = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+        self.wire_bytes = {k: 0 for k in kinds}
+        self.calls = {k: 0 for k in kinds}
+        # wire bytes per "kind/phase" (phase: forward, backward, outside forward / no_grad)
+        self.phase_bytes: Dict[str, int] = {}
+        self.node_group: Any = None  # hpZ: the ranks of this rank's node (all_gather_node)
 
     # ---- the header ------------------------------------------------------------------------
     def _phase(self) -> str:
@@ -226,19 +232,29 @@ class Collectives:
         block: int,
         kind: int = 1,
         codec: Optional[Codec] = None,
+        node: bool = False,
     ) -> None:
         """Every rank's ``local`` (its part) into ``out`` (the whole, rank order); with
-        ``codec``, block-quantized on the wire and dequantized into ``out``."""
+        ``codec``, block-quantized on the wire and dequantized into ``out``; with ``node``,
+        over the ranks of this rank's node only (hpZ, full width)."""
         if codec is not None:
             self.wait(self.all_gather_async(out, local, block, kind, codec, early=False), block)
             return
-        self.check(kind, block)
+        group, name = self._gather_group(node)
+        self.check(kind, block, group)
         t0 = time.perf_counter()
         self._run(
-            lambda: self._gather(out, local, self.g.shard),
+            lambda: self._gather(out, local, group),
             f"{self._describe(kind, block)} ({self._phase()})",
         )
-        self._count("all_gather", t0, out)
+        self._count(name, t0, out)
+
+    def _gather_group(self, node: bool):
+        if not node:
+            return self.g.shard, "all_gather"
+        if self.node_group is None:
+            raise RuntimeError("infinity: a node all-gather without a node group (engine bug)")
+        return self.node_group, "all_gather_node"
 
     def all_gather_async(
         self,
@@ -248,46 +264,49 @@ class Collectives:
         kind: int = 1,
         codec: Optional[Codec] = None,
         early: bool = True,
+        node: bool = False,
     ) -> Gather:
         """As :meth:`all_gather`, started asynchronously (the header is checked first, in
         order); returns a handle for :meth:`wait`."""
-        self.check(kind, block)
+        group, name = self._gather_group(node)
+        if codec is not None and node:
+            raise RuntimeError("infinity: node all-gathers are full width (engine bug)")
+        world = dist.get_world_size(group)
+        self.check(kind, block, group)
         t0 = time.perf_counter()
         send, recv = local, out
         if codec is not None:
             send = torch.empty(codec.payload_bytes(local.numel()), dtype=torch.uint8)
             codec.encode(local.reshape(-1), send)
             send = send.to(self.device)
-            recv = torch.empty(self.g.world * send.numel(), dtype=torch.uint8, device=self.device)
+            recv = torch.empty(world * send.numel(), dtype=torch.uint8, device=self.device)
         holder = {}
 
         def start() -> None:
             if self._have_gather_base:
-                holder["work"] = dist.all_gather_into_tensor(
-                    recv, send, group=self.g.shard, async_op=True
-                )
+                holder["work"] = dist.all_gather_into_tensor(recv, send, group=group, async_op=True)
             else:
                 holder["work"] = dist.all_gather(
-                    list(recv.chunk(self.g.world)), send, group=self.g.shard, async_op=True
+                    list(recv.chunk(world)), send, group=group, async_op=True
                 )
 
         how = ", started early" if early else ""
         self._run(start, f"{self._describe(kind, block)} ({self._phase()}{how})")
-        self._count("all_gather", t0, out, recv)
-        return Gather(holder["work"], send, recv, out, codec, kind)
+        self._count(name, t0, out, recv)
+        return Gather(holder["work"], send, recv, out, codec, kind, world, name)
 
     def wait(self, handle: Gather, block: int) -> None:
         t0 = time.perf_counter()
         self._run(handle.work.wait, f"{self._describe(handle.kind, block)} (started early)")
         if handle.codec is not None:  # every rank's part, dequantized, rank order
-            part = handle.out.numel() // self.g.world
-            size = handle.recv.numel() // self.g.world
+            part = handle.out.numel() // handle.world
+            size = handle.recv.numel() // handle.world
             flat = handle.out.view(-1)
-            for r in range(self.g.world):
+            for r in range(handle.world):
                 handle.codec.decode(
                     handle.recv[r * size : (r + 1) * size], part, flat[r * part : (r + 1) * part]
                 )
-        self.seconds["all_gather"] += time.perf_counter() - t0
+        self.seconds[handle.name] += time.perf_counter() - t0
 
     def reduce_scatter_avg(
         self,
@@ -422,10 +441,14 @@ class Collectives:
         self.seconds[name] += time.perf_counter() - t0
         self.bytes[name] += t.numel() * t.element_size()
         w = t if wire is None else wire
-        self.wire_bytes[name] += w.numel() * w.element_size()
+        sent = w.numel() * w.element_size()
+        self.wire_bytes[name] += sent
+        key = f"{name}/{self._phase()}"
+        self.phase_bytes[key] = self.phase_bytes.get(key, 0) + sent
         self.calls[name] += 1
 
     def reset_counters(self) -> None:
         for d in (self.seconds, self.bytes, self.wire_bytes, self.calls):
             for k in d:
                 d[k] = 0 if d is not self.seconds else 0.0
+        self.phase_bytes.clear()

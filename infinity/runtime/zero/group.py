@@ -8,7 +8,7 @@ import datetime
 import logging
 import socket
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -118,8 +118,31 @@ def resolve(process_group: Any, shard: str, timeout_s: float) -> Optional[DistGr
     return groups
 
 
+def node_group(groups: DistGroups, node_size: int) -> Tuple[Any, int]:
+    """hpZ: the group of the ranks in this rank's node (``node_size`` consecutive ranks of the
+    shard group) and this rank's place in it. Every rank makes every node's group (collective
+    over the default group)."""
+    if groups.replicate is not None:
+        raise ValueError(
+            "infinity: a hierarchical partition (CommPolicy(node_size=...)) over a 2-D mesh is "
+            "not built; pass a 1-D group (the nodes are cut from its ranks)"
+        )
+    if node_size < 2 or node_size >= groups.world or groups.world % node_size:
+        raise ValueError(
+            f"infinity: CommPolicy(node_size={node_size}) must divide the {groups.world} "
+            f"ranks into nodes of 2 or more ranks (and fewer than all of them)"
+        )
+    ranks = dist.get_process_group_ranks(groups.shard)
+    mine = None
+    for start in range(0, groups.world, node_size):
+        group = dist.new_group(ranks=ranks[start : start + node_size])
+        if start <= groups.rank < start + node_size:
+            mine = group
+    return mine, groups.rank % node_size
+
+
 def stage_of(shard: str) -> str:
     return "zero3" if shard == "auto" else shard
 
 
-__all__ = ["DistGroups", "SHARD_STAGES", "resolve", "stage_of"]
+__all__ = ["DistGroups", "SHARD_STAGES", "node_group", "resolve", "stage_of"]

@@ -19,7 +19,8 @@ from ..homes.shard_flat import ShardFlat
 from ..homes.sharded import ShardedHome
 from .collectives import Collectives
 from .compress import Codec, Compression
-from .group import DistGroups
+from .group import DistGroups, node_group
+from .secondary import SecondaryPartition
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +58,19 @@ class Partitioner:
         self.coll = Collectives(groups, coll_device, self._block_name)
         self.coll.agree_comm(comm)  # every rank the same settings (else an error on each)
         self._check_comm(comm)
-        self.compression: Optional[Compression] = None if comm.off else Compression(comm)
+        self.compression: Optional[Compression] = (
+            None if comm.weights == comm.grads == "none" else Compression(comm)
+        )
+        self.secondary: Optional[SecondaryPartition] = None
+        if comm.node_size:
+            if not self.shards_params:
+                raise ValueError(
+                    f"infinity: a hierarchical partition (CommPolicy(node_size=...)) keeps "
+                    f"part of ZeRO-3's gathered parameters; shard={self.stage!r} gathers none"
+                )
+            group, node_rank = node_group(groups, comm.node_size)
+            self.coll.node_group = group
+            self.secondary = SecondaryPartition(group, comm.node_size, node_rank)
 
     # ---- settings ----------------------------------------------------------------------
     @property
@@ -210,15 +223,38 @@ class Partitioner:
             self._finish_early(block)
             return
         for flat in block.flats:
-            local = self.local(flat)
-            compute = flat.compute
-            part = compute[local.start : local.end]
-            if compute.device != self.coll_device:  # pragma: no cover - gloo with CUDA
+            if flat.compute.device != self.coll_device:  # pragma: no cover - gloo with CUDA
                 raise RuntimeError("infinity: collectives device mismatch (engine bug)")
-            self.coll.all_gather(
-                compute, part.clone(), block.index, codec=self._weight_codec(compute)
-            )
+            self._gather(block, flat, early=False)
         self._gathered.add(block.index)
+
+    def _gather(self, block, flat: FlatParam, early: bool):
+        """One flat's all-gather: in backward from the node's kept parts when there are
+        (hpZ), else over every rank (then, in a forward that backward follows, keeping this
+        rank's node part). Returns the in-flight gather (``early``) and whether to keep."""
+        compute = flat.compute
+        kept = None
+        if self.secondary is not None and torch._C._current_graph_task_id() != -1:
+            kept = self.secondary.take(flat)
+        if kept is not None:
+            if early:
+                return self.coll.all_gather_async(compute, kept, block.index, node=True), False
+            self.coll.all_gather(compute, kept, block.index, node=True)
+            return None, False
+        local = self.local(flat)
+        part = compute[local.start : local.end].clone()
+        codec = self._weight_codec(compute)
+        keep = (
+            self.secondary is not None
+            and torch.is_grad_enabled()
+            and torch._C._current_graph_task_id() == -1
+        )
+        if early:
+            return self.coll.all_gather_async(compute, part, block.index, codec=codec), keep
+        self.coll.all_gather(compute, part, block.index, codec=codec)
+        if keep and self.secondary is not None:
+            self.secondary.keep(flat, compute)
+        return None, False
 
     def _weight_codec(self, compute: torch.Tensor) -> Optional[Codec]:
         """The codec of a compute buffer's all-gather (float buffers only: a frozen base's
@@ -235,22 +271,17 @@ class Partitioner:
         overlaps the running block's compute; :meth:`gather_if_needed` waits for it."""
         works = []
         for flat in block.flats:
-            local = self.local(flat)
-            works.append(
-                self.coll.all_gather_async(
-                    flat.compute,
-                    flat.compute[local.start : local.end].clone(),
-                    block.index,
-                    codec=self._weight_codec(flat.compute),
-                )
-            )
+            work, keep = self._gather(block, flat, early=True)
+            works.append((flat, work, keep))
         self._early[block.index] = works
         self.early_gathers += 1
 
     def _finish_early(self, block) -> None:
         works = self._early.pop(block.index)
-        for work in works:
+        for flat, work, keep in works:
             self.coll.wait(work, block.index)
+            if keep and self.secondary is not None:
+                self.secondary.keep(flat, flat.compute)
         self._gathered.add(block.index)
 
     def dropped(self, block) -> None:
@@ -338,7 +369,10 @@ class Partitioner:
             sink.close(flat)
 
     def flush_grads(self, sink) -> None:
-        """End of backward: reduces every flat still holding gradients, in block order."""
+        """End of backward: reduces every flat still holding gradients, in block order (and
+        lets the node parts kept for it go)."""
+        if self.secondary is not None:
+            self.secondary.clear()
         for block in self.blocks:
             for flat in block.flats:
                 if id(flat) in self._grad_bufs:
@@ -373,6 +407,8 @@ class Partitioner:
             "seconds": dict(self.coll.seconds),
             "bytes": dict(self.coll.bytes),
             "wire_bytes": dict(self.coll.wire_bytes),
+            "phase_bytes": dict(self.coll.phase_bytes),
+            "secondary_peak_bytes": 0 if self.secondary is None else self.secondary.peak_bytes,
             "comm": None if self.compression is None else self.compression.policy,
             "error_feedback_bytes": (
                 0 if self.compression is None else self.compression.residual_bytes

@@ -99,3 +99,39 @@ def test_bad_comm_settings_are_named(bad):
             infinity.CommPolicy(**bad)
         else:
             infinity.OffloadPolicy(comm=bad)
+
+
+def test_hierarchical_partition_keeps_backward_gathers_inside_the_node(tmp_path):
+    """A simulated 2 x 2 mesh: 4 gloo ranks, "nodes" of 2. The backward's all-gathers run
+    inside the node from the parts kept at forward, which are exact copies: the result is
+    bitwise the plain ZeRO-3 run's."""
+    from dist_helpers import _model
+
+    from infinity.plan.comm import comm_per_step
+    from infinity.plan.shape import describe
+    opts = {"steps": 3, "batch": 12, "clip": 1.0, "big": 512}
+    base = _ok(run_ranks("train", 4, dict(opts, settings={}), tmp_path, timeout=240))
+    hpz = _ok(run_ranks("train", 4, dict(opts, settings={"comm": {"node_size": 2}}), tmp_path,
+                        timeout=240))
+    for name, want in base[0]["params"].items():
+        assert torch.equal(hpz[0]["params"][name], want), name
+    for res, ref in zip(hpz, base):
+        phases, before = res["partition"]["phase_bytes"], ref["partition"]["phase_bytes"]
+        assert before["all_gather/backward"] > 0  # without: backward gathers across nodes
+        assert phases.get("all_gather/backward", 0) == 0  # with: none crosses
+        assert phases["all_gather_node/backward"] == before["all_gather/backward"]
+        assert phases["all_gather/forward"] == before["all_gather/forward"]
+    # the memory it costs: the node's share of every gathered block, as estimate says
+    predicted = comm_per_step(describe(_model(big=512)), 4, 10.0,
+                              infinity.CommPolicy(node_size=2), compute_bytes=4)
+    kept = hpz[0]["partition"]["secondary_peak_bytes"]
+    assert abs(kept - predicted.secondary_bytes) <= 0.02 * predicted.secondary_bytes, (
+        kept, predicted.secondary_bytes)
+    assert predicted.node_gather_bytes > 0 and predicted.gather_bytes < comm_per_step(
+        describe(_model(big=512)), 4, 10.0, infinity.CommPolicy(), compute_bytes=4).gather_bytes
+
+
+def test_hierarchical_partition_that_does_not_cut_the_ranks_is_refused(tmp_path):
+    results = run_ranks("train", 2, _opts({"node_size": 2}), tmp_path, timeout=90)
+    for res in results:
+        assert "node_size=2" in res["error"] and "divide the 2 ranks" in res["error"], res
