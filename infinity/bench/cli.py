@@ -92,6 +92,18 @@ def add_estimate(p: argparse.ArgumentParser) -> None:
         "once for forward and once for backward) instead of the plain loop",
     )
     p.add_argument("--ranks", type=int, default=1, help="rows for 1..N ranks")
+    p.add_argument(
+        "--link-gbps",
+        type=float,
+        default=None,
+        help="the link between ranks (Gb/s): lists ZeRO-3's bytes and time on it per step",
+    )
+    p.add_argument(
+        "--comm",
+        choices=("none", "int8", "int4"),
+        default="int8",
+        help="the compressed collectives compared with full width (wrap(comm=...))",
+    )
     p.add_argument("--nvme-path", default=None)
     p.add_argument(
         "--placement", action="append", default=None, help="only this placement (repeatable)"
@@ -192,6 +204,8 @@ def run_estimate(args: argparse.Namespace) -> int:
             master=args.master,
             micro_batches=args.micro_batches,
             layer_major=args.layer_major,
+            link_gbps=args.link_gbps,
+            comm=args.comm,
             **layout,
         )
         sys.stdout.write(str(table))

@@ -52,6 +52,18 @@ def test_compressed_collectives_bytes_and_training(full_width, tmp_path, comm, g
         if bound < 1:
             assert ratio > 0.05, (kind, ratio)  # something was sent
     assert base["wire_bytes"] == base["bytes"]
+    # estimate's ratios are the measured ones (its volumes: plan/comm.py)
+    from dist_helpers import _model
+
+    from infinity.plan.comm import comm_per_step
+    from infinity.plan.shape import describe
+    policy = infinity.CommPolicy(**comm) if isinstance(comm, dict) else \
+        infinity.CommPolicy.parse(comm)
+    est = comm_per_step(describe(_model()), 2, 10.0, policy, compute_bytes=4)
+    measured = {k: zero["wire_bytes"][k] / zero["bytes"][k] for k in ("all_gather",
+                                                                       "reduce_scatter")}
+    assert abs(est.gather_bytes / est.full_gather_bytes - measured["all_gather"]) < 0.01
+    assert abs(est.reduce_bytes / est.full_reduce_bytes - measured["reduce_scatter"]) < 0.01
     ef = isinstance(comm, dict) and comm.get("error_feedback")
     assert (zero["error_feedback_bytes"] > 0) == bool(ef)
     diff = max(abs(a - b) for a, b in zip(results[0]["losses"], full_width[0]["losses"]))
