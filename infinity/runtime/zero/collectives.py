@@ -322,7 +322,7 @@ class Collectives:
         becomes whether any rank has it, returned. With ``codec``: each part block-quantized
         (after adding ``residual``, the error feedback, which keeps what was lost), sent
         through an all-to-all, dequantized and summed in fp32 in rank order."""
-        seen = self._agree(self.check(2, block, flags=seen), seen)
+        seen = self._agreed(self.check(2, block, flags=seen))
         t0 = time.perf_counter()
         if codec is None:
             self._run(
@@ -334,7 +334,7 @@ class Collectives:
             wire = self._reduce_quantized(out, full, codec, residual, block)
             self._count("reduce_scatter", t0, full, wire)
         if self.g.replicate is not None:
-            seen = self._agree(self.check(3, block, self.g.replicate, flags=seen), seen)
+            seen = self._agreed(self.check(3, block, self.g.replicate, flags=seen))
             t0 = time.perf_counter()
             self._run(
                 lambda: dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.g.replicate),
@@ -381,22 +381,23 @@ class Collectives:
         return recv
 
     @staticmethod
-    def _agree(agreed: Optional[torch.Tensor], seen: torch.Tensor) -> torch.Tensor:
-        if agreed is None:  # unreachable: check() raises when the ranks differ
-            raise RuntimeError("infinity: the header exchange returned no flags")
-        return agreed
+    def _agreed(flags: Optional[torch.Tensor]) -> torch.Tensor:
+        """The flags :meth:`check` returned (it raises instead when the ranks differ)."""
+        if flags is None:
+            raise RuntimeError("infinity: the header exchange returned no flags (engine bug)")
+        return flags
 
     def all_reduce_avg(self, full: torch.Tensor, block: int, seen: torch.Tensor) -> torch.Tensor:
         """ZeRO-1/2 path for replicated gradients: the average over all ranks, in place;
         ``seen`` as in :meth:`reduce_scatter_avg`."""
-        seen = self._agree(self.check(3, block, flags=seen), seen)
+        seen = self._agreed(self.check(3, block, flags=seen))
         t0 = time.perf_counter()
         self._run(
             lambda: dist.all_reduce(full, op=dist.ReduceOp.SUM, group=self.g.shard),
             f"{self._describe(3, block)} ({self._phase()})",
         )
         if self.g.replicate is not None:
-            seen = self._agree(self.check(3, block, self.g.replicate, flags=seen), seen)
+            seen = self._agreed(self.check(3, block, self.g.replicate, flags=seen))
             self._run(
                 lambda: dist.all_reduce(full, op=dist.ReduceOp.SUM, group=self.g.replicate),
                 f"{self._describe(3, block)} across replicas",
