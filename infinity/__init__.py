@@ -9,6 +9,7 @@ from .api import empty_init, gradient, materialized, parameters_changed, stats, 
 from .checkpoint import consolidate, load_checkpoint, save_checkpoint
 from .plan import PlanError, estimate, explain, probe
 from .policy import CommPolicy, OffloadPolicy
+from .runtime.experts import expert_block_rule, fuse_experts, slice_experts
 from .tiers import Tier
 from .trace_events import trace
 from .version import __version__
@@ -28,6 +29,7 @@ __all__ = [
 ]
 __all__ += ["accumulate", "ChainError"]
 __all__ += ["save_checkpoint", "load_checkpoint", "consolidate"]
+__all__ += ["slice_experts", "fuse_experts", "expert_block_rule"]
 __all__ += ["probe", "estimate", "explain", "PlanError", "trace"]
 
 

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import weakref
 from typing import Any, Dict, Iterator, Optional, Union
 
 import torch
@@ -14,6 +15,7 @@ from torch import nn
 from .policy import OffloadPolicy
 from .runtime.build.dtypes import CPU_RATES, Rates, describe, summary
 from .runtime.engine import Engine, engine_of, locate
+from .runtime.experts import attach_agreement
 from .runtime.homes.sources import CheckpointSource, Init, InitSource
 from .runtime.process.host_memory import HOST_MEMORY, RELEASE
 from .runtime.process.rss_bound import RssBound, read_memory
@@ -96,6 +98,7 @@ def wrap(
             engine.host_budget.limit, engine.device.type, memory_at_wrap
         )
         _limit_activations(engine)
+        _agree_on_experts(model, engine)
         if plan is not None:  # explain(model) tells the compute dtype too
             plan = dataclasses.replace(
                 plan, reasons=plan.reasons + (describe(engine.compute_dtypes),)
@@ -182,6 +185,24 @@ def probe_cache_rates(dtype: torch.dtype) -> Optional[Rates]:
 
 
 CPU_RATES.add_reader(probe_cache_rates)
+
+
+def _agree_on_experts(model: nn.Module, engine: Engine) -> None:
+    """Sliced MoE experts (infinity.slice_experts) under ZeRO with several ranks run the
+    experts any rank routes to, so every rank issues the same collectives."""
+    part = engine.partitioner
+    if part is None or part.world * part.groups.replicas <= 1:
+        attach_agreement(model, None)
+        return
+    ref = weakref.ref(engine)
+
+    def agree(flags: torch.Tensor) -> torch.Tensor:
+        live = ref()
+        if live is None or live.partitioner is None or engine_of(model) is not live:
+            return flags  # unwrapped: this process alone
+        return live.partitioner.any_rank(flags)
+
+    attach_agreement(model, agree)
 
 
 def _engine(model: nn.Module) -> Engine:

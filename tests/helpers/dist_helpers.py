@@ -446,7 +446,7 @@ def _scenario_dcp_into_wrapped(rank: int, world: int, out: Path, opts: Dict[str,
     return {"params": {k: v.clone() for k, v in model.state_dict().items()}}
 
 
-def _moe_model(kind: str):
+def _moe_model(kind: str, experts: int = 8):
     """A custom MoE with per-expert modules (as in transformers 4.x's Mixtral: top-2, an
     expert with no tokens is skipped), or a tiny Qwen3-MoE (fused 3-D experts)."""
     import torch
@@ -456,7 +456,7 @@ def _moe_model(kind: str):
         torch.manual_seed(0)
         return Qwen3MoeForCausalLM(Qwen3MoeConfig(
             vocab_size=200, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=8,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=experts,
             num_experts_per_tok=2, head_dim=8, use_cache=False, output_router_logits=False))
 
     class Expert(nn.Module):
@@ -524,9 +524,13 @@ def _scenario_moe(rank: int, world: int, out: Path, opts: Dict[str, Any]) -> Dic
 
     import infinity
     kind = opts.get("kind", "custom")
-    model = _moe_model(kind)
+    model = _moe_model(kind, opts.get("experts", 8))
     if opts.get("recompute"):
         model.recompute = opts["recompute"]
+    settings: Dict[str, Any] = dict(opts.get("settings", {}))
+    if opts.get("sliced"):  # fused experts sliced, each expert a block of its own
+        infinity.slice_experts(model)
+        settings["block_rule"] = infinity.expert_block_rule(model)
     steps, seqs = opts.get("steps", 20), opts.get("seqs", 4)
     g = torch.Generator().manual_seed(5)
     ranks_data = max(world, opts.get("data_ranks", 2))
@@ -536,12 +540,20 @@ def _scenario_moe(rank: int, world: int, out: Path, opts: Dict[str, Any]) -> Dic
     # two batches, alternating: a model that learns them lowers its loss
     data = torch.stack([torch.randint(r * width, (r + 1) * width, (2, per, 5), generator=g)
                         for r in range(ranks_data)], dim=1)  # 2 x ranks x per x 5
-    settings: Dict[str, Any] = dict(opts.get("settings", {}))
     if world > 1:
         settings.setdefault("shard", "zero3")
     settings.update(nvme_path=str(out), param_tier="nvme", grad_tier="nvme",
                     optimizer_tier="nvme")
     infinity.wrap(model, **settings)
+    ran: list = []  # sliced: (expert's qualified name, tokens) per expert call this step
+    if opts.get("sliced"):
+        from infinity.runtime.experts import ExpertSlice, attach_agreement
+        for qual, mod in model.named_modules():
+            if isinstance(mod, ExpertSlice):
+                mod.register_forward_hook(
+                    lambda m, args, out, q=qual: ran.append((q, int(args[0].shape[0]))))
+        if opts.get("no_agree"):
+            attach_agreement(model, None)  # each rank runs its own experts only
     opt = infinity.optim.AdamW(model.parameters(), lr=opts.get("lr", 1e-3), weight_decay=0.01)
     losses, used = [], []
     for step in range(steps):
@@ -552,13 +564,19 @@ def _scenario_moe(rank: int, world: int, out: Path, opts: Dict[str, Any]) -> Dic
         opt.step()
         opt.zero_grad()
         losses.append(_mean_loss(loss, world))
+        if opts.get("sliced"):
+            used.append(sorted(set(ran)))
+            ran.clear()
         if kind == "custom":
             used.append([sorted(layer.used) for layer in model.layers])
             for layer in model.layers:
                 layer.used = set()
     result: Dict[str, Any] = {"losses": losses, "used": used,
-                              "partition": infinity.stats(model).get("zero")}
+                              "partition": infinity.stats(model).get("zero"),
+                              "blocks": infinity.stats(model)["blocks"]}
     infinity.unwrap(model)
+    if opts.get("sliced"):
+        infinity.fuse_experts(model)  # the parameters under their fused names
     result["params"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return result
 

@@ -299,7 +299,7 @@ LAYERS: Dict[str, List[str]] = {
     "infinity": ["_native", "version", "sizes", "trace_events", "models", "io", "ops", "tiers",
                  "policy", "runtime", "optim", "plan", "checkpoint", "sharding", "api",
                  "accumulation", "__init__", "integrations", "demo", "bench", "cli", "__main__", "dist"],
-    "infinity.runtime": ["core", "process", "homes", "zero", "grads", "vocab", "activations",
+    "infinity.runtime": ["core", "experts", "process", "homes", "zero", "grads", "vocab", "activations",
                          "step", "build", "engine", "port", "layered", "__init__"],
     "infinity.optim": ["step", "states", "loss_scale", "clip", "params", "update", "wrapped",
                        "core", "checks", "overlap", "in_backward", "state_dicts", "zero_states", "adam",

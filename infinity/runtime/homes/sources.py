@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from . import source_quant
+from .expert_keys import aliases, expert_keys
 
 logger = logging.getLogger(__name__)
 
@@ -235,11 +236,21 @@ class CheckpointSource(ParamSource):
     def read_into(self, names: List[str], out: torch.Tensor) -> None:
         """Reads the parameter known by ``names`` into ``out`` (its place in a block's arena;
         converted to ``out``'s dtype)."""
-        key = self._key(names, out.shape)
-        if key in self._bnb4:
-            out.copy_(self._decode(key))
+        keys = self._keys(names, out.shape)
+        if len(keys) == 1 and keys[0] in self._bnb4:
+            out.copy_(self._decode(keys[0]))
             return
-        self._where[key].read_into(key, out)
+        flat, done = out.view(-1), 0
+        for key in keys:  # an MoE weight stored per expert: the pieces one after the other
+            n = self._numel(key)
+            self._where[key].read_into(key, flat[done : done + n])
+            done += n
+
+    def _numel(self, key: str) -> int:
+        n = 1
+        for d in self._where[key].shape(key):
+            n *= d
+        return n
 
     def _decode(self, key: str) -> torch.Tensor:
         """A bitsandbytes NF4 weight, decoded (runtime/homes/source_quant.py)."""
@@ -252,9 +263,12 @@ class CheckpointSource(ParamSource):
         except ValueError as exc:
             raise SourceError(f"infinity.wrap(source={self.path!r}): {exc}") from None
 
-    def _key(self, names: List[str], shape: torch.Size) -> str:
-        key = self._find(names)
+    def _keys(self, names: List[str], shape: torch.Size) -> List[str]:
+        key = self._find(names) or self._find([a for n in names for a in aliases(n)])
         if key is None:
+            pieces = self._expert_pieces(names, shape)
+            if pieces is not None:
+                return pieces
             raise SourceError(
                 f"infinity.wrap: parameter {names[0]!r} is not in the checkpoint "
                 f"{self.path!r}"
@@ -270,13 +284,46 @@ class CheckpointSource(ParamSource):
                 f"{tuple(shape)}"
             )
         self._used.update(n for n in names if n in self._where)
-        return key
+        self._used.add(key)
+        return [key]
+
+    def _expert_pieces(self, names: List[str], shape: torch.Size) -> Optional[List[str]]:
+        """An MoE experts weight the checkpoint holds per expert (runtime/homes/expert_keys.py):
+        its keys, checked to add up to the parameter's shape."""
+        for name in names:
+            keys = expert_keys(name, shape[0] if len(shape) == 3 else None, self._has_plain)
+            if keys is None:
+                continue
+            rows = sum(self._where[k].shape(k)[0] for k in keys)
+            cols = {self._where[k].shape(k)[1:] for k in keys}
+            want_rows = shape[0] * shape[1] if len(shape) == 3 else shape[0]
+            if rows != want_rows or cols != {tuple(shape[-1:])}:
+                raise SourceError(
+                    f"infinity.wrap: checkpoint {self.path!r} holds {name!r} as {len(keys)} "
+                    f"per-expert tensors ({keys[0]!r}, ...) that do not add up to the "
+                    f"parameter's shape {tuple(shape)}"
+                )
+            dtypes = {self._where[k].dtype(k) for k in keys}
+            if len(dtypes) != 1:
+                raise SourceError(
+                    f"infinity.wrap: {name!r}'s per-expert tensors have mixed dtypes {dtypes}"
+                )
+            self._used.update(keys)
+            return keys
+        return None
+
+    def _has_plain(self, key: str) -> bool:
+        return key in self._where and key not in self._bnb4
 
     def value(self, names: List[str], shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        key = self._key(names, shape)
-        if key in self._bnb4:
-            return self._decode(key).to(dtype)
-        return self._where[key].get_tensor(key).to(dtype)
+        keys = self._keys(names, shape)
+        if len(keys) == 1 and keys[0] in self._bnb4:
+            return self._decode(keys[0]).to(dtype)
+        if len(keys) == 1:
+            return self._where[keys[0]].get_tensor(keys[0]).to(dtype)
+        out = torch.empty(shape, dtype=self._where[keys[0]].dtype(keys[0]))
+        self.read_into(names, out)
+        return out.to(dtype)
 
     def buffer_value(self, name: str) -> Optional[torch.Tensor]:
         if name not in self._where:

@@ -45,6 +45,7 @@ KINDS = {
     4: "all-reduce of a scalar",
     5: "all-gather of a home copy",
     6: "all-gather of updated parameters",
+    7: "agreement on the routed experts",
 }
 
 
@@ -405,6 +406,16 @@ class Collectives:
         self._count("all_reduce", t0, full)
         full.div_(self.g.total)
         return seen
+
+    def any_rank(self, flags: torch.Tensor) -> torch.Tensor:
+        """Per item of ``flags`` (bool, the same length on every rank): whether any
+        data-parallel rank set it; rides on the header exchange (and the replicas')."""
+        seen = self.check(7, -1, flags=flags)
+        if self.g.replicate is not None:
+            seen = self.check(7, -1, group=self.g.replicate, flags=seen)
+        if seen is None:  # engine bug: check returns the flags it was given
+            raise RuntimeError("infinity: the agreement returned no flags (engine bug)")
+        return seen.to(flags.device)
 
     def all_reduce_scalar(self, value: float, op: str, *, replicas: bool = False) -> float:
         """``op`` ('sum', 'max', 'min') of one float over the shard group (and the replicas

@@ -397,6 +397,10 @@ class Partitioner:
     def all_reduce(self, value: float, op: str) -> float:
         return self.coll.all_reduce_scalar(value, op, replicas=False)
 
+    def any_rank(self, flags: torch.Tensor) -> torch.Tensor:
+        """Per item, whether any data-parallel rank set it (MoE routing agreement)."""
+        return self.coll.any_rank(flags)
+
     def stats(self) -> Dict[str, object]:
         return {
             "stage": self.stage,

@@ -51,3 +51,31 @@ def test_custom_moe_with_per_rank_routing_trains_as_one_process(tmp_path, recomp
 
 def test_qwen3_moe_fused_experts_train_as_one_process(tmp_path):
     _parity(tmp_path, kind="qwen3_moe")
+
+
+def test_qwen3_moe_sliced_experts_as_blocks_train_as_one_process(tmp_path):
+    """Each expert a block of its own (infinity.slice_experts + expert_block_rule): the ranks
+    agree on the experts any of them routes to and run those, with no tokens where they have
+    none, so each gathers and reduces the same blocks; an expert no rank routes to is not
+    fetched and its gradient stays None on every rank, as in the one process."""
+    ref, results = _parity(tmp_path, kind="qwen3_moe", sliced=True, seqs=2)
+    assert results[0]["blocks"] > 2 * 8, results[0]["blocks"]  # the 16 experts and the rest
+    # the same experts ran on both ranks in each step, some with no tokens on one rank only
+    for a, b in zip(results[0]["used"], results[1]["used"]):
+        assert [q for q, _ in a] == [q for q, _ in b]
+    empty_on_one = [
+        q for a, b in zip(results[0]["used"], results[1]["used"])
+        for (q, n), (_, m) in zip(a, b) if (n == 0) != (m == 0)
+    ]
+    assert empty_on_one, "no expert was routed on one rank only"
+    # some expert was routed by no rank in some step: it did not run anywhere
+    assert any(len(step) < 2 * 8 for step in results[0]["used"]), results[0]["used"]
+
+
+def test_sliced_experts_without_the_agreement_diverge_with_a_clear_error(tmp_path):
+    """The agreement is what keeps the ranks in step: without it, a rank that routes no token
+    to an expert skips its block, and the ranks' collectives differ."""
+    results = run_ranks("moe", 2, dict(kind="qwen3_moe", sliced=True, no_agree=True, steps=3),
+                        tmp_path, timeout=240)
+    errors = [r.get("error", "") for r in results]
+    assert all("ranks diverged" in e for e in errors), errors
