@@ -9,7 +9,7 @@ from torch import nn
 
 from ..policy import OffloadPolicy
 from .estimate import Estimate, EstimateTable, estimate
-from .placements import PLACEMENTS, Placement
+from .placements import PLACEMENTS, Candidate
 from .planner import Plan, PlanError, plan
 from .probe import ProbeError, ProbeResult, format_probe, probe
 from .shape import DecoderDims, ModelShape, decoder_dims, describe
@@ -81,7 +81,7 @@ __all__ = [
     "EstimateTable",
     "ModelShape",
     "PLACEMENTS",
-    "Placement",
+    "Candidate",
     "Plan",
     "PlanError",
     "ProbeError",

@@ -81,7 +81,7 @@ from ..policy import CommPolicy
 from ..tiers.chunk_size import DEFAULT_CHUNK_BYTES
 from ..tiers.pool_plan import MAX_PIECE_BYTES
 from .comm import comm_per_step
-from .placements import MASTER_BYTES, PLACEMENTS, Placement, state_bytes_per_param
+from .placements import MASTER_BYTES, PLACEMENTS, Candidate, state_bytes_per_param
 from .placements import placement as get_placement
 from .probe import ProbeResult
 from .probe import probe as run_probe
@@ -205,7 +205,7 @@ def autograd_working_set(
     return terms
 
 
-def _layout(pl: Placement) -> str:
+def _layout(pl: Candidate) -> str:
     if pl.param_tier == "nvme":
         return "nvme"
     return "optim_nvme" if pl.optimizer_tier == "nvme" else "host"
@@ -217,7 +217,7 @@ LAYOUT_ORDER = ("host", "optim_nvme", "nvme")  # each does the work of the one b
 REQUESTS_PER_BLOCK = {"host": 0, "optim_nvme": 2, "nvme": 6}
 
 
-def engine_overhead_s(pl: Placement, pr: ProbeResult, blocks: int) -> float:
+def engine_overhead_s(pl: Candidate, pr: ProbeResult, blocks: int) -> float:
     """The engine's fixed seconds per step for ``blocks`` blocks in this placement's tier
     layout, as the probe measured them (:data:`BLOCK_OVERHEAD_S` per block where it did not:
     a quick probe). A layout costs at least what a layout with less on NVMe measured (noise
@@ -237,7 +237,7 @@ def engine_overhead_s(pl: Placement, pr: ProbeResult, blocks: int) -> float:
     return best
 
 
-def _state_bpp(shape: ModelShape, pl: Placement, with_master: bool = True) -> float:
+def _state_bpp(shape: ModelShape, pl: Candidate, with_master: bool = True) -> float:
     """Optimizer-state bytes per parameter of this placement's format; with "8bit" states the
     safeguards' share (embeddings and tensors under min_8bit_size keep fp32 moments,
     ``shape.full_moment_params``) is counted at the fp32 size."""
@@ -250,7 +250,7 @@ def _state_bpp(shape: ModelShape, pl: Placement, with_master: bool = True) -> fl
 
 def estimate_one(
     shape: ModelShape,
-    pl: Placement,
+    pl: Candidate,
     pr: ProbeResult,
     *,
     batch: int,
@@ -526,7 +526,7 @@ def param_reads(
 
 
 def nvme_bytes_per_step(
-    pl: Placement, n: float, s: float, reads: float, copies: float
+    pl: Candidate, n: float, s: float, reads: float, copies: float
 ) -> Dict[str, float]:
     """The bytes a step moves through the swap disk, by category, as the engine moves them
     with parameters on NVMe (gradients and states where ``pl`` puts them): the parameter
@@ -588,7 +588,7 @@ def nvme_step_set(chunk: float, largest: float, s: float, bpp: float) -> Tuple[f
     )
 
 
-def _state_categories(pl: Placement, s: float, n: float, unit: float) -> Dict[str, float]:
+def _state_categories(pl: Candidate, s: float, n: float, unit: float) -> Dict[str, float]:
     """The optimizer's swap bytes by category: its master weights, its moments, and the spare:
     the extents of the units in flight (one per buffer set, ``unit`` elements each), written
     before the extents they replace are freed (each unit commits on its own)."""

@@ -1,4 +1,7 @@
-"""The named placements the estimates, the planner and ``infinity bench`` compare."""
+"""The named placements the estimates, the planner and ``infinity bench`` compare: each a
+:class:`Candidate` of tier settings (strings, as a user passes them to ``wrap``). What one
+wrapped model resolves them to (``Tier`` values, per block) is runtime/build/placement.py's
+``Placement``."""
 
 from __future__ import annotations
 
@@ -7,7 +10,10 @@ from typing import Dict, Optional, Tuple
 
 
 @dataclass(frozen=True)
-class Placement:
+class Candidate:
+    """A named placement the planner may choose: the settings it would pass to ``wrap`` and
+    ``AdamW``."""
+
     name: str
     param_tier: Optional[str]  # None: plain PyTorch (no infinity)
     grad_tier: Optional[str]
@@ -34,34 +40,34 @@ class Placement:
         }
 
 
-PLACEMENTS: Tuple[Placement, ...] = (
-    Placement("device", None, None, None, what="all on device: plain PyTorch, torch AdamW"),
-    Placement(
+PLACEMENTS: Tuple[Candidate, ...] = (
+    Candidate("device", None, None, None, what="all on device: plain PyTorch, torch AdamW"),
+    Candidate(
         "optim_host",
         "device",
         "host",
         "host",
         what="parameters on device; gradients and optimizer on host",
     ),
-    Placement("host", "host", "host", "host", what="parameters, gradients, optimizer on host"),
-    Placement(
+    Candidate("host", "host", "host", "host", what="parameters, gradients, optimizer on host"),
+    Candidate(
         "optim_nvme",
         "host",
         "host",
         "nvme",
         what="parameters and gradients on host; optimizer states on NVMe",
     ),
-    Placement("nvme", "nvme", "nvme", "nvme", what="everything on NVMe"),
-    Placement("nvme_bf16", "nvme", "nvme", "nvme", "bf16", what="everything on NVMe, bf16 moments"),
-    Placement(
+    Candidate("nvme", "nvme", "nvme", "nvme", what="everything on NVMe"),
+    Candidate("nvme_bf16", "nvme", "nvme", "nvme", "bf16", what="everything on NVMe, bf16 moments"),
+    Candidate(
         "nvme_8bit", "nvme", "nvme", "nvme", "8bit", what="everything on NVMe, 8-bit moments"
     ),
 )
 
-BY_NAME: Dict[str, Placement] = {p.name: p for p in PLACEMENTS}
+BY_NAME: Dict[str, Candidate] = {p.name: p for p in PLACEMENTS}
 
 
-def placement(name: str) -> Placement:
+def placement(name: str) -> Candidate:
     try:
         return BY_NAME[name]
     except KeyError:

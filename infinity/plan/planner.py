@@ -31,7 +31,7 @@ from torch import nn
 from ..policy import OffloadPolicy, check_nvme_path
 from ..tiers.chunk_size import resolve_chunk_bytes
 from .estimate import compute_dtype, compute_overlap, estimate_one, model_flops
-from .placements import PLACEMENTS, Placement
+from .placements import PLACEMENTS, Candidate
 from .probe import ProbeResult
 from .probe import probe as run_probe
 from .results import Estimate, Plan
@@ -74,7 +74,7 @@ def budgets(
     return {"device": device, "host": host, "disk": disk}
 
 
-def _window(shape: ModelShape, pr: ProbeResult, pl: Placement, batch: int, seq: int) -> int:
+def _window(shape: ModelShape, pr: ProbeResult, pl: Candidate, batch: int, seq: int) -> int:
     """Enough blocks in flight that a block's read from NVMe hides behind the compute of the
     blocks before it (at least 1, at most MAX_WINDOW)."""
     if pl.param_tier != "nvme" or pr.disk is None:
@@ -88,7 +88,7 @@ def _window(shape: ModelShape, pr: ProbeResult, pl: Placement, batch: int, seq: 
     return max(1, min(MAX_WINDOW, math.ceil(per_block_read / max(per_block_compute, 1e-9)) + 1))
 
 
-def _fits(e: Estimate, pl: Placement, b: Dict[str, Optional[int]], cuda: bool) -> str:
+def _fits(e: Estimate, pl: Candidate, b: Dict[str, Optional[int]], cuda: bool) -> str:
     """'' when it fits, else why not."""
     if cuda:
         if e.device_bytes > b["device"]:
@@ -118,7 +118,7 @@ def _host_part(e: Estimate, cuda: bool) -> int:
 def _split(
     shape: ModelShape,
     pr: ProbeResult,
-    nvme_pl: Placement,
+    nvme_pl: Candidate,
     e_nvme: Estimate,
     w: int,
     b: Dict[str, Optional[int]],
@@ -127,7 +127,7 @@ def _split(
     seq: int,
     k_given: Optional[int] = None,
     **layout: Any,
-) -> Optional[Tuple[Placement, Estimate, int]]:
+) -> Optional[Tuple[Candidate, Estimate, int]]:
     """ "The first K blocks' parameters on host, the rest on NVMe" (gradients and states as in
     ``nvme_pl``), K as large as the host budget holds after what the NVMe placement needs; None
     when not even one block fits (or all do: then a host placement is the one to compare).
@@ -220,7 +220,7 @@ def plan(
     given_k = policy.host_blocks or None
     if given_k:  # the user's split: parameters on NVMe but for the first blocks
         explicit.setdefault("param_tier", "nvme")
-    pool: List[Placement] = []
+    pool: List[Candidate] = []
     for pl in PLACEMENTS:
         if pl.plain or pl.states != "fp32":
             continue
@@ -235,7 +235,7 @@ def plan(
     if not pool:  # an explicit combination none of the named placements has: honour it
         t = {k: explicit.get(k, "host") for k in ("param_tier", "grad_tier", "optimizer_tier")}
         pool.append(
-            Placement(
+            Candidate(
                 "custom", t["param_tier"], t["grad_tier"], t["optimizer_tier"], states, "as set"
             )
         )

@@ -25,11 +25,11 @@ EXPERTS = 8
 
 
 def _qwen3_moe(impl: str = "eager", seed: int = 0, experts: int = EXPERTS, width: int = 32,
-               inter: int = 16):
+               inter: int = 16, layers: int = 2):
     torch.manual_seed(seed)
     return Qwen3MoeForCausalLM(Qwen3MoeConfig(
         vocab_size=200, hidden_size=width, intermediate_size=64, moe_intermediate_size=inter,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
         num_experts=experts, num_experts_per_tok=2, head_dim=8, use_cache=False,
         experts_implementation=impl))
 
@@ -153,24 +153,26 @@ def test_expert_blocks_train_as_plain_torch_on_the_sliced_model(tmp_path):
 
 
 def test_expert_blocks_read_and_step_only_the_routed_experts(tmp_path):
-    """Bytes per step with everything on NVMe, 16 experts of 96 KiB per layer and 3 tokens per
-    step (at most 6 of the 16 routed): the fused layer block is read, written and stepped
-    whole; with expert blocks an unrouted expert is not fetched, gets no gradient and is not
-    stepped. Observed here: the optimizer's bytes (gradients, states, updated parameters)
-    0.33-0.39x of the fused run's, parameter reads 0.79-0.91x (a routed expert is fetched for
-    forward and again for backward, where the fused layer stays resident between them)."""
-    def model(sliced: bool):
-        m = _qwen3_moe(experts=16, width=64, inter=128)
-        return (m, {}) if not sliced else (
-            m, {"block_rule": infinity.expert_block_rule(m)} if infinity.slice_experts(m) else {})
-    fused, opts = model(False)
-    _, fused_bytes = _train(fused, 5, tmp_path / "fused", **opts)
-    sliced, opts = model(True)
-    _, sliced_bytes = _train(sliced, 5, tmp_path / "sliced", **opts)
+    """Bytes per step with everything on NVMe: 6 layers of 16 experts of 96 KiB, 3 tokens per
+    step (at most 6 of a layer's 16 experts routed). The fused layer block is read (for forward
+    and again for backward), written and stepped whole; with expert blocks an unrouted expert
+    is not fetched, gets no gradient and is not stepped. Observed here, against the fused run:
+    parameter reads 0.42-0.49x; gradients written, states and updated parameters 0.27-0.33x;
+    all NVMe bytes of a step 0.30-0.39x (the expert blocks' gradients are written and read
+    back, where the fused layers' are mostly stepped from RAM in backward)."""
+    def run(sliced: bool, path):
+        m = _qwen3_moe(experts=16, width=64, inter=128, layers=6)
+        opts = {}
+        if sliced:
+            infinity.slice_experts(m)
+            opts["block_rule"] = infinity.expert_block_rule(m)
+        return _train(m, 4, path, **opts)[1]
+    fused_bytes, sliced_bytes = run(False, tmp_path / "fused"), run(True, tmp_path / "sliced")
     for f, s in zip(fused_bytes[1:], sliced_bytes[1:]):  # after the first step's fill
         for kind in ("grads_written", "states_read", "states_written", "params_written"):
-            assert s[kind] < 0.5 * f[kind], (kind, s[kind], f[kind])
-    assert sum(s["params_read"] for s in sliced_bytes[1:]) < sum(f["params_read"] for f in fused_bytes[1:])
+            assert s[kind] < 0.45 * f[kind], (kind, s[kind], f[kind])
+        assert s["params_read"] < 0.6 * f["params_read"], (s, f)
+        assert sum(s.values()) < 0.55 * sum(f.values()), (s, f)
 
 
 def test_bad_input_is_refused_with_the_remedy(tmp_path):
