@@ -337,13 +337,53 @@ class Collectives:
         if self.g.replicate is not None:
             seen = self._agreed(self.check(3, block, self.g.replicate, flags=seen))
             t0 = time.perf_counter()
-            self._run(
-                lambda: dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.g.replicate),
-                f"{self._describe(3, block)} across replicas",
-            )
-            self._count("all_reduce", t0, out)
+            if codec is None:
+                self._run(
+                    lambda: dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.g.replicate),
+                    f"{self._describe(3, block)} across replicas",
+                )
+                self._count("all_reduce", t0, out)
+            else:
+                wire = self._all_reduce_quantized(out, codec, block)
+                self._count("all_reduce", t0, out, wire)
         out.div_(self.g.total)
         return seen
+
+    def _all_reduce_quantized(self, out: torch.Tensor, codec: Codec, block: int) -> torch.Tensor:
+        """The sum of ``out`` over the replicas, in place, block-quantized both ways: each
+        replica's ``out`` cut into one piece per replica and sent through an all-to-all, each
+        piece summed in fp32 by its replica, requantized and all-gathered. Every replica
+        decodes the same gathered payloads, its own piece included, so all hold the same
+        values. Returns the payload one replica sends in each of the two phases (the wire
+        bytes beside ``out``'s full width, as for a ring all-reduce)."""
+        group = self.g.replicate
+        reps = dist.get_world_size(group)
+        n = out.numel()
+        per = -(-n // reps)
+        size = codec.payload_bytes(per)
+        values = torch.zeros(per * reps, dtype=torch.float32)
+        values[:n].copy_(out.reshape(-1))
+        send = torch.empty(reps * size, dtype=torch.uint8)
+        for r in range(reps):
+            codec.encode(values[r * per : (r + 1) * per], send[r * size : (r + 1) * size])
+        send = send.to(self.device)
+        recv = torch.empty_like(send)
+        what = f"{self._describe(3, block)} across replicas ({self._phase()}, quantized)"
+        self._run(lambda: dist.all_to_all_single(recv, send, group=group), what)
+        got = torch.empty(per, dtype=torch.float32)
+        total = torch.zeros(per, dtype=torch.float32)
+        for r in range(reps):
+            codec.decode(recv[r * size : (r + 1) * size].cpu(), per, got)
+            total.add_(got)
+        mine = torch.empty(size, dtype=torch.uint8)
+        codec.encode(total, mine)
+        gathered = torch.empty(reps * size, dtype=torch.uint8, device=self.device)
+        self._run(lambda: self._gather(gathered, mine.to(self.device), group), what)
+        for r in range(reps):
+            codec.decode(gathered[r * size : (r + 1) * size].cpu(), per, got)
+            values[r * per : (r + 1) * per].copy_(got)
+        out.copy_(values[:n].view_as(out))
+        return send
 
     def _reduce_quantized(
         self,
