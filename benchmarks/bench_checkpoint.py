@@ -2,7 +2,7 @@
 parameters, gradients and optimizer states in host RAM and on NVMe.
 
     python benchmarks/bench_checkpoint.py            # ~210M params fp32, 5 measured rounds
-    python benchmarks/bench_checkpoint.py --quick    # ~10M params, a few seconds
+    python benchmarks/bench_checkpoint.py --quick    # ~3.7M params, a few seconds
     python benchmarks/bench_checkpoint.py --ranks 2  # ZeRO-3 over 2 gloo ranks (one thread
                                                      # each): each rank saves / loads its part
 
@@ -47,8 +47,8 @@ CONFIGS = ("host", "nvme")
 
 
 def model_config(quick: bool) -> GPTConfig:
-    if quick:   # ~10M parameters
-        return GPTConfig(vocab_size=2048, d_model=256, n_layers=12, n_heads=4, max_seq=64)
+    if quick:   # ~3.7M parameters
+        return GPTConfig(vocab_size=2048, d_model=256, n_layers=4, n_heads=4, max_seq=64)
     return GPTConfig(vocab_size=8192, d_model=1024, n_layers=16, n_heads=16, max_seq=128)
 
 
@@ -186,7 +186,7 @@ def plot(rows: List[Dict], path: str) -> None:
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="~10M params, a few seconds")
+    ap.add_argument("--quick", action="store_true", help="~3.7M params, a few seconds")
     ap.add_argument("--rounds", type=int, default=None,
                     help="measured rounds (default 5, --quick 3), after one warm-up round")
     ap.add_argument("--batch", type=int, default=None)

@@ -191,7 +191,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--json", default=os.path.join(HERE, "results", "bench_layer_major.json"))
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    ks = [int(x) for x in (args.ks or ("1,4,16")).split(",")]
+    ks = [int(x) for x in (args.ks or ("1,4,8" if args.quick else "1,4,16")).split(",")]
     tokens = 16 if args.quick else args.tokens
     repeats = 1 if args.quick else args.repeats
     base = build(args.quick)
