@@ -5,7 +5,12 @@ Layer i's input for micro-batch m is kept from the forward of layer i - 1 until 
 backward has used it: (layers + 1) x micro-batches tensors of tokens x hidden at the end of
 the forward, (layers + 1) x hidden x element-size bytes per token. They live in host RAM,
 counted in the engine's host budget (on a GPU they are copied to host and back). A step whose
-boundaries do not fit is refused before anything runs, naming what would fit."""
+boundaries do not fit is refused before anything runs, naming what would fit.
+
+With the activation tier on NVMe (``activation_tier="nvme"``) they go to its scratch files:
+each is written as it is made, and kept in RAM only until the next layer's forward has read it
+(at most two layers' worth, for all micro-batches: the charge to the host budget); backward
+reads it back. Their bytes count as ``activations`` in ``stats()["nvme_per_step"]``."""
 
 from __future__ import annotations
 
@@ -14,9 +19,11 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from ...tiers import BudgetExceededError
+from ..activations.buffers import Slot
 from .chain import ChainError
 
 RngState = Tuple[torch.Tensor, Optional[torch.Tensor]]
+Key = Tuple[int, int]
 
 
 class Boundaries:
@@ -24,8 +31,14 @@ class Boundaries:
         self.budget = engine.host_budget if engine is not None else None
         self.device = device
         self.to_host = device.type != "cpu"
-        self._kept: Dict[Tuple[int, int], torch.Tensor] = {}
-        self._rng: Dict[Tuple[int, int], RngState] = {}
+        self._kept: Dict[Key, torch.Tensor] = {}
+        self._rng: Dict[Key, RngState] = {}
+        # the NVMe activation tier: its scratch files and write staging (None: host RAM)
+        acts = engine.activations if engine is not None else None
+        self.files = acts.files if acts is not None else None
+        self.staging = acts.staging if acts is not None else None
+        self.stats = engine.stats if engine is not None else None
+        self._slots: Dict[Key, Tuple[Slot, torch.Size, torch.dtype, int]] = {}
         self.charged = 0  # bytes acquired from the host budget for this step
         self.peak = 0  # the most bytes kept at once (this step)
         self._now = 0
@@ -37,6 +50,8 @@ class Boundaries:
         fit): ``tokens`` over all micro-batches, ``layers`` + 1 boundaries each."""
         per_token = sample.shape[-1] * sample.element_size() * (layers + 1)
         need = per_token * tokens
+        if self.files is not None:  # on NVMe: two layers' worth in RAM at once
+            need = need * 2 // (layers + 1)
         if self.budget is None:
             return
         try:
@@ -56,24 +71,77 @@ class Boundaries:
         t = t.detach()
         if self.to_host:
             t = t.to("cpu")
+        if self.files is not None:
+            t = t.contiguous()
+            self._write((i, m), t)
         self._kept[(i, m)] = t
         self._now += t.numel() * t.element_size()
         self.peak = max(self.peak, self._now)
 
     def get(self, i: int, m: int) -> torch.Tensor:
-        t = self._kept[(i, m)]
-        return t.to(self.device) if self.to_host else t
+        """Layer i's input for micro-batch m, for its forward: on NVMe the copy in RAM is let go
+        (backward reads the file)."""
+        if self.files is not None:
+            return self._out(self._pop_kept((i, m)) if (i, m) in self._kept else self._read((i, m)))
+        return self._out(self._kept[(i, m)])
 
     def take(self, i: int, m: int) -> torch.Tensor:
         """The boundary, forgotten here (the caller holds the last reference)."""
-        t = self._kept.pop((i, m))
-        self._now -= t.numel() * t.element_size()
-        return t.to(self.device) if self.to_host else t
+        key = (i, m)
+        t = self._pop_kept(key) if key in self._kept else self._read(key)
+        self._slots.pop(key, None)  # its scratch extent goes back to the free list
+        return self._out(t)
 
     def use(self, i: int, m: int, keep: bool) -> torch.Tensor:
         """The boundary as a new tensor of its own (its ``.grad`` is the caller's), kept here
         for another backward pass (``keep``) or forgotten (:meth:`take`)."""
-        return self.get(i, m).detach() if keep else self.take(i, m)
+        if not keep:
+            return self.take(i, m)
+        t = self._kept.get((i, m))
+        return self._out(t if t is not None else self._read((i, m))).detach()
+
+    def _out(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device) if self.to_host else t
+
+    def _pop_kept(self, key: Key) -> torch.Tensor:
+        t = self._kept.pop(key)
+        self._now -= t.numel() * t.element_size()
+        return t
+
+    def _write(self, key: Key, t: torch.Tensor) -> None:
+        files, staging = self.files, self.staging
+        if files is None or staging is None:
+            raise RuntimeError("infinity: boundaries on NVMe without scratch files (engine bug)")
+        nbytes = t.numel() * t.element_size()
+        slot = files.acquire(nbytes)
+        lease = staging.acquire(slot.nbytes)
+        try:
+            raw = lease.buf[: slot.nbytes]
+            raw[:nbytes].copy_(t.reshape(-1).view(torch.uint8))
+            files.write(slot, raw)
+        finally:
+            lease.release()
+        self._slots[key] = (slot, t.shape, t.dtype, nbytes)
+        if self.stats is not None:
+            self.stats.add_moved("host_to_nvme", slot.nbytes, "activations")
+
+    def _read(self, key: Key) -> torch.Tensor:
+        files, staging = self.files, self.staging
+        entry = self._slots.get(key)
+        if files is None or staging is None or entry is None:
+            raise RuntimeError(f"infinity: layer-major boundary {key} is not kept (engine bug)")
+        slot, shape, dtype, nbytes = entry
+        out = torch.empty(shape, dtype=dtype)
+        lease = staging.acquire(slot.nbytes)
+        try:
+            raw = lease.buf[: slot.nbytes]
+            files.read(slot, raw)
+            out.reshape(-1).view(torch.uint8).copy_(raw[:nbytes])
+        finally:
+            lease.release()
+        if self.stats is not None:
+            self.stats.add_moved("nvme_to_host", slot.nbytes, "activations")
+        return out
 
     def put_rng(self, i: int, m: int, state: RngState) -> None:
         self._rng[(i, m)] = state
@@ -84,6 +152,7 @@ class Boundaries:
 
     def clear(self) -> None:
         self._kept.clear()
+        self._slots.clear()
         self._rng.clear()
         self._now = 0
         if self.budget is not None and self.charged:
