@@ -124,8 +124,10 @@ def node_group(groups: DistGroups, node_size: int) -> Tuple[Any, int]:
     over the default group)."""
     if groups.replicate is not None:
         raise ValueError(
-            "infinity: a hierarchical partition (CommPolicy(node_size=...)) over a 2-D mesh is "
-            "not built; pass a 1-D group (the nodes are cut from its ranks)"
+            "infinity: CommPolicy(node_size=...) cuts nodes out of a 1-D group; a 2-D mesh "
+            "(replicate, shard) already keeps every all-gather inside its shard dimension: "
+            "make that dimension the node (init_device_mesh(..., (nodes, ranks_per_node))) "
+            "and drop node_size, or pass a 1-D group with node_size"
         )
     if node_size < 2 or node_size >= groups.world or groups.world % node_size:
         raise ValueError(

@@ -168,3 +168,10 @@ def test_replicas_of_a_2d_mesh_all_reduce_compressed_gradients(tmp_path):
     for r in range(1, 4):
         for name, got in results[0]["params"].items():
             assert torch.equal(results[r]["params"][name], got), (r, name)
+
+
+def test_node_size_on_a_2d_mesh_names_the_shard_dimension(tmp_path):
+    results = run_ranks("train", 4, _opts({"node_size": 2}, mesh=[2, 2]), tmp_path, timeout=120)
+    for res in results:
+        assert "ValueError" in res["error"] and "shard dimension" in res["error"], res["error"]
+        assert "drop node_size" in res["error"]
