@@ -497,7 +497,12 @@ def test_failed_gradient_write_then_redo_micro_batch(tmp_path, swap_io, tiers, s
             clear_faults()
             del loss
             assert info.value.errno == errno.ENOSPC
-            assert engine.blocks[1].flats[0].key in str(info.value)
+            # the error names the block whose write failed: block 1's, or, when another write
+            # (the gradient writer and CRC threads run beside backward) took bytes of the
+            # budget first, block 2's -- seen on a loaded machine
+            named = [i for i in (1, 2) if engine.blocks[i].flats[0].key in str(info.value)]
+            assert named, str(info.value)
+            assert f"{engine.blocks[named[0]].flats[0].key}.grad" in swap_io.failed("write")
             assert "zero_grad" in str(info.value)
             if step_first:
                 with pytest.raises(RuntimeError, match="zero_grad") as refused:
