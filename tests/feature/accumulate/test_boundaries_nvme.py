@@ -63,3 +63,27 @@ def test_boundaries_over_the_host_budget_fit_on_nvme(tmp_path):
     st = infinity.stats(on_nvme)
     assert st["tiers"]["host"]["peak"] <= 48 << 20
     assert st["nvme_per_step"]["bytes"]["activations_written"] >= 32768 * 7 * 256
+
+
+def test_a_full_disk_while_writing_boundaries_changes_nothing_and_training_goes_on(tmp_path):
+    """ENOSPC while a boundary is written: the call raises naming infinity, no gradient was
+    changed, and the next call trains as if the failed one had not happened."""
+    from infinity.io.faults import clear_faults, inject_fault
+    ref, _, _ = _train(tmp_path / "ref", None)
+    model = wrapped(llama(num_hidden_layers=LAYERS), tmp_path / "f", activation_tier="nvme",
+                    activation_min_bytes=1 << 40, **NVME)
+    opt = infinity.optim.AdamW(model.parameters(), lr=1e-3)
+    inject_fault("write", 28, after_bytes=0)
+    try:
+        with pytest.raises(Exception, match="infinity") as info:
+            infinity.accumulate(model, batches(K, 1000, seed=30, tokens=TOKENS), optimizer=opt)
+    finally:
+        clear_faults()
+    assert "28" in str(info.value) or "space" in str(info.value).lower(), str(info.value)
+    assert all(infinity.gradient(p) is None for p in model.parameters())
+    losses = []
+    for step in range(3):
+        out = infinity.accumulate(model, batches(K, 1000, seed=30 + step, tokens=TOKENS),
+                                  optimizer=opt)
+        losses.append([float(x) for x in out])
+    assert losses == ref

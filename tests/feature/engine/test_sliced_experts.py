@@ -222,3 +222,15 @@ def test_meta_moe_loads_from_a_checkpoint_stored_per_expert(tmp_path, arch, slic
     want = loaded.state_dict()
     for k, v in model.state_dict().items():
         assert torch.equal(v, want[k]), k
+
+
+def test_a_per_expert_checkpoint_of_another_shape_is_refused(tmp_path):
+    """A checkpoint whose per-expert tensors do not add up to the model's experts weight is
+    refused naming the parameter and the shape, before anything is trained."""
+    from infinity.runtime.homes.sources import SourceError
+    folder = str(tmp_path / "ckpt")
+    _qwen3_moe().save_pretrained(folder)
+    with infinity.empty_init():
+        model = _qwen3_moe(inter=24)  # wider experts than the checkpoint's 16
+    with pytest.raises(SourceError, match="per-expert tensors.*do not add up"):
+        infinity.wrap(model, nvme_path=str(tmp_path), param_tier="nvme", source=folder)
