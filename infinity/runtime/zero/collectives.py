@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -366,15 +366,9 @@ class Collectives:
         send = torch.empty(reps * size, dtype=torch.uint8)
         for r in range(reps):
             codec.encode(values[r * per : (r + 1) * per], send[r * size : (r + 1) * size])
-        send = send.to(self.device)
-        recv = torch.empty_like(send)
         what = f"{self._describe(3, block)} across replicas ({self._phase()}, quantized)"
-        self._run(lambda: dist.all_to_all_single(recv, send, group=group), what)
+        total, _ = self._exchange_sum(send, per, codec, group, what)
         got = torch.empty(per, dtype=torch.float32)
-        total = torch.zeros(per, dtype=torch.float32)
-        for r in range(reps):
-            codec.decode(recv[r * size : (r + 1) * size].cpu(), per, got)
-            total.add_(got)
         mine = torch.empty(size, dtype=torch.uint8)
         codec.encode(total, mine)
         gathered = torch.empty(reps * size, dtype=torch.uint8, device=self.device)
@@ -407,19 +401,28 @@ class Collectives:
             if residual is not None and lost is not None:
                 codec.decode(payload, n, lost)
                 residual[r * n : (r + 1) * n].copy_(part.sub_(lost))
-        send = send.to(self.device)
-        recv = torch.empty_like(send)
-        self._run(
-            lambda: dist.all_to_all_single(recv, send, group=self.g.shard),
-            f"{self._describe(2, block)} ({self._phase()}, quantized)",
-        )
-        got = torch.empty(n, dtype=torch.float32)
-        total = torch.zeros(n, dtype=torch.float32)
-        for r in range(world):
-            codec.decode(recv[r * size : (r + 1) * size].cpu(), n, got)
-            total.add_(got)
+        what = f"{self._describe(2, block)} ({self._phase()}, quantized)"
+        total, recv = self._exchange_sum(send, n, codec, self.g.shard, what)
         out.copy_(total)
         return recv
+
+    def _exchange_sum(
+        self, send: torch.Tensor, n: int, codec: Codec, group, what: str
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """One payload of ``n`` values per rank of ``group`` in ``send`` (CPU), through one
+        all-to-all; returns the fp32 sum of what this rank received, decoded in rank order,
+        and the received payloads."""
+        ranks = dist.get_world_size(group)
+        size = codec.payload_bytes(n)
+        send = send.to(self.device)
+        recv = torch.empty_like(send)
+        self._run(lambda: dist.all_to_all_single(recv, send, group=group), what)
+        got = torch.empty(n, dtype=torch.float32)
+        total = torch.zeros(n, dtype=torch.float32)
+        for r in range(ranks):
+            codec.decode(recv[r * size : (r + 1) * size].cpu(), n, got)
+            total.add_(got)
+        return total, recv
 
     @staticmethod
     def _agreed(flags: Optional[torch.Tensor]) -> torch.Tensor:
