@@ -10,14 +10,35 @@ explicitly, which the environment variable does not override.
 points that cache (``INFINITY_CACHE_DIR``, inherited by subprocesses) at a directory of its
 own and fills it once with a quick probe of this machine and of the temp directory's disk, so
 no wrap measures anything and the user's own cache is left alone.
+
+Each test process computes on its share of the cores: the cores divided by the pytest workers
+(``-n 2`` on a 2-core machine: one thread each), set before the tests run and inherited by the
+subprocesses they start through ``OMP_NUM_THREADS``. Two workers of two OpenMP threads each on
+two cores spend most of their CPU time spinning while they wait for each other's cores. A
+user's own ``OMP_NUM_THREADS`` is kept.
 """
 import os
 import tempfile
 
 import pytest
+import torch
 
 DEVICE_ENV = "INFINITY_DEVICE"
 CACHE_ENV = "INFINITY_CACHE_DIR"
+THREADS_ENV = "OMP_NUM_THREADS"
+
+
+def _share_the_cores() -> None:
+    """In a pytest-xdist worker: torch's threads, and the default for its subprocesses."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if not os.environ.get("PYTEST_XDIST_WORKER") or workers < 1:
+        return  # one process: torch's own default (every core)
+    cores = len(os.sched_getaffinity(0))
+    os.environ.setdefault(THREADS_ENV, str(max(1, cores // workers)))
+    torch.set_num_threads(int(os.environ[THREADS_ENV]))
+
+
+_share_the_cores()
 
 
 def _restore(name, before):
