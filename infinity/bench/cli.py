@@ -91,6 +91,13 @@ def add_estimate(p: argparse.ArgumentParser) -> None:
         help="price the micro-batches as infinity.accumulate runs them (each block read "
         "once for forward and once for backward) instead of the plain loop",
     )
+    p.add_argument(
+        "--activation-tier",
+        choices=("host", "nvme"),
+        default="host",
+        help="with --layer-major: the layer inputs kept for backward in host RAM or on the "
+        "swap disk (wrap(activation_tier=...))",
+    )
     p.add_argument("--ranks", type=int, default=1, help="rows for 1..N ranks")
     p.add_argument(
         "--link-gbps",
@@ -204,6 +211,7 @@ def run_estimate(args: argparse.Namespace) -> int:
             master=args.master,
             micro_batches=args.micro_batches,
             layer_major=args.layer_major,
+            activation_tier=args.activation_tier,
             link_gbps=args.link_gbps,
             comm=args.comm,
             **layout,

@@ -268,6 +268,7 @@ def estimate_one(
     host_blocks: int = 0,
     micro_batches: int = 1,
     layer_major: bool = False,
+    activation_tier: str = "host",
 ) -> Estimate:
     """One placement's bytes per tier and predicted step. ``compute_s``: forward + backward
     seconds timed at this shape (else from the probe's FLOP rate); ``states`` / ``master``:
@@ -286,7 +287,13 @@ def estimate_one(
     plain loop (every block read k times in forward and backward, NVMe gradients written k
     times and read back k - 1 times) or, ``layer_major``, as ``infinity.accumulate`` (each block
     read as for one micro-batch, gradients written once; the layers' forward computed again in
-    backward; the layer inputs of all k kept in host RAM)."""
+    backward; the layer inputs of all k kept in host RAM). ``activation_tier="nvme"`` (as
+    ``wrap()``'s): those layer inputs are written to the swap disk as they are made and read
+    back in backward; host RAM holds two layers' worth of them."""
+    if activation_tier not in ("host", "nvme"):
+        raise ValueError(
+            f"infinity.estimate: activation_tier must be 'host' or 'nvme', got {activation_tier!r}"
+        )
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(
             f"infinity.estimate: micro_batches must be an int >= 1, got {micro_batches!r}"
@@ -340,12 +347,29 @@ def estimate_one(
         if compute_s is not None
         else model_flops(shape, tokens, seq) / pr.flops_at(shape.d_model, compute_dtype(cbpp))
     ) * k_mb
-    boundary = 0.0  # layer-major: the layer inputs of every micro-batch, in host RAM (fp32)
+    # layer-major: the layer inputs of every micro-batch (hidden x the compute element size a
+    # token), in host RAM, or on the swap disk with two layers' worth in RAM
+    boundary = boundaries_on_disk = boundaries_read = 0.0
     if layer_major and not pl.plain:
         # recomputation: the layers' forward once more, a third of their forward + backward
         layers = sum(b for b, kd in zip(shape.block_bytes, shape.kinds) if kd == "layer")
         compute += compute * (layers / max(1, shape.param_bytes)) / 3.0
-        boundary = (shape.n_layers + 1) * tokens * k_mb * shape.d_model * 4.0
+        one_layer = tokens * k_mb * shape.d_model * float(cbpp)
+        boundary = (shape.n_layers + 1) * one_layer
+        if activation_tier == "nvme":  # the last one is read by the tail while in RAM
+            boundaries_on_disk, boundary = boundary, 2.0 * one_layer
+            boundaries_read = shape.n_layers * one_layer
+    # boundaries on the swap disk: written in forward, read once in backward
+    acts = (
+        dict(activations_written=boundaries_on_disk, activations_read=boundaries_read)
+        if boundaries_on_disk
+        else {}
+    )
+    if acts and pr.disk is None:
+        raise ValueError(
+            "infinity.estimate: activation_tier='nvme' needs the disk's figures: pass "
+            "nvme_path (probed) or a probe result with a disk"
+        )
     blocks = len(shape.block_bytes)
     overhead = engine_overhead_s(pl, pr, blocks)
     adam_rate = pr.adam8_params_per_s if pl.states == "8bit" else pr.adam_params_per_s
@@ -443,10 +467,11 @@ def estimate_one(
             if pl.grad_tier == "nvme" and passes > 1:  # each micro-batch's round trip
                 moved["grads_written"] *= passes
                 moved["grads_read"] *= passes
+            moved.update(acts)
             # forward + backward: the reads of the blocks on NVMe and the gradients' writes
             # against compute and the gradients' hand-off (the prefetch window pipelines
             # them); the first block's read comes before any compute
-            io_fb = disk_seconds({c: moved[c] for c in FB_CATEGORIES}, disk)
+            io_fb = disk_seconds({c: moved.get(c, 0.0) for c in FB_CATEGORIES}, disk)
             first = first_bytes / disk.read_bps if on_disk > 0 else 0.0
             fb = side_by_side(compute + grad, io_fb, overlap)
             fetch = fb - compute - grad + first
@@ -461,6 +486,13 @@ def estimate_one(
             edge = (s + 4.0) * unit / disk.read_bps + (s + bpp) * unit / disk.write_bps
             opt = side_by_side(adam, io_opt, overlap) + edge
             written = sum(v for c, v in moved.items() if c.endswith("_written"))
+        if acts and pl.param_tier != "nvme":  # against forward + backward's compute
+            moved.update(acts)
+            fetch += side_by_side(compute, disk_seconds(acts, pr.disk), overlap) - compute
+            written += boundaries_on_disk
+        if acts:
+            categories["activations"] = boundaries_on_disk
+            nvme += boundaries_on_disk
         step = compute + fetch + grad + opt + overhead
     # autograd's working set outside the engine (plain PyTorch: its gradients are counted)
     if pl.plain:
@@ -490,7 +522,7 @@ def estimate_one(
 
 
 # what each phase of a step moves through the disk (the categories of stats()["nvme_per_step"])
-FB_CATEGORIES = ("params_read", "grads_written")
+FB_CATEGORIES = ("params_read", "grads_written", "activations_read", "activations_written")
 OPT_CATEGORIES = ("grads_read", "states_read", "states_written", "params_written")
 
 
@@ -625,6 +657,7 @@ def estimate(
     trainable_params: Optional[int] = None,
     micro_batches: int = 1,
     layer_major: bool = False,
+    activation_tier: str = "host",
     link_gbps: Optional[float] = None,
     comm: Union[None, str, CommPolicy] = "int8",
 ) -> EstimateTable:
@@ -652,7 +685,8 @@ def estimate(
     only ``trainable_params`` (None: a module's ``requires_grad`` parameters; 0 for a config or
     a count: give the adapters' count); the device placements are left out.
     ``micro_batches``, ``layer_major``: k micro-batches of ``batch`` x ``seq`` per optimizer step,
-    as the plain loop or as ``infinity.accumulate`` (see :func:`estimate_one`).
+    as the plain loop or as ``infinity.accumulate`` (see :func:`estimate_one`), its layer
+    inputs kept on ``activation_tier`` ("host" or "nvme", as ``wrap()``'s).
     ``link_gbps``: the link between ranks in Gb/s; with rank counts above 1, the table's
     ``comm`` lists ZeRO-3's bytes on the wire per rank per step and their time, full width and
     compressed as ``comm`` says (``wrap(comm=...)``; see :mod:`infinity.plan.comm`)."""
@@ -743,6 +777,7 @@ def estimate(
             embedding_rows=embedding_rows,
             micro_batches=micro_batches,
             layer_major=layer_major,
+            activation_tier=activation_tier,
         )
         for r in rank_list
         for p in chosen

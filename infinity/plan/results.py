@@ -37,7 +37,8 @@ class Estimate:
     # (autograd_working_set); "peak" is what device_bytes counts
     working_set: Dict[str, int] = field(default_factory=dict)
     # the bytes a step moves through the swap disk, by category (params_read, params_written,
-    # grads_read, grads_written, states_read, states_written: stats()["nvme_per_step"]'s)
+    # grads_read, grads_written, states_read, states_written, and activations_read /
+    # activations_written with layer-major boundaries on NVMe: stats()["nvme_per_step"]'s)
     nvme_per_step: Dict[str, int] = field(default_factory=dict)
 
     @property

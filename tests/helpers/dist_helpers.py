@@ -609,7 +609,25 @@ def _main() -> None:
         result = {"error": f"{type(exc).__name__}: {exc}"}
     torch.save(result, out / f"rank{rank}.pt")
     sys.stdout.flush()
+    if use_dist and world > 1:
+        _leave_together(rank, world)
     os._exit(0)  # no teardown hang when a peer died
+
+
+def _leave_together(rank: int, world: int, wait_s: float = 30.0) -> None:
+    """Rank 0 hosts the store the others still use (creating a mesh's groups, for one): it
+    leaves when every rank has left, or after ``wait_s`` when a peer is stuck or dead."""
+    import time
+
+    import torch.distributed as dist
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.add("tests_left", 1)
+        deadline = time.monotonic() + wait_s
+        while rank == 0 and store.add("tests_left", 0) < world and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001 - a peer's store is gone: nothing to wait for
+        pass
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from torch import nn
 
 from ..core.block import Block
 from ..step.window import AccumulationWindow
+from ..vocab.tile_major import NotOneLoss, TailChanged, TileMajor
 from .boundary import Boundaries
 from .chain import ChainError, check_call, check_model, find_layers, run_layer, split_hidden, tapped
 
@@ -345,42 +346,21 @@ class LayerMajor:
     def _tail(
         self, step: _Pass, keep: bool
     ) -> Tuple[List[torch.Tensor], List[Optional[torch.Tensor]]]:
-        recorded, loss_fn, divide_by = step.recorded, step.loss_fn, step.divide_by
+        """Each micro-batch's tail (final norm, head, loss) and its backward to the last
+        layer's output: the losses, and the gradients of the last layer's outputs."""
         n = len(self.layers)
-        losses: List[torch.Tensor] = []
-        grads: List[Optional[torch.Tensor]] = []
         for block in self.tail_blocks:
             self._hold(block)
         try:
-            for m, batch in enumerate(step.batches):
-                last = self.boundaries.use(n, m, keep).requires_grad_(True)
-
-                looked_up = iter(recorded[m].looked_up)
-
-                def tap(i: int, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-                    hidden, _, _ = split_hidden(i, args, kwargs)
-                    return last if i == n - 1 else hidden
-
-                def lookup(i: int, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-                    out = next(looked_up, None)
-                    if out is None:
-                        raise _chain_broken("the model's forward looks up its embeddings twice")
-                    return out.detach()  # what the record pass read: not read again
-
-                with tapped(self.layers, tap), tapped(self.row_modules, lookup):
-                    output = call_model(self.model, batch)
-                loss = loss_fn(output, batch)
-                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                    raise ChainError(
-                        "infinity.accumulate: loss_fn must return a scalar tensor, got "
-                        f"{type(loss).__name__}"
-                    )
-                losses.append(loss.detach())
-                del output
-                torch.autograd.backward(loss / divide_by)
-                if last.grad is None:
-                    raise _chain_broken("the loss does not depend on the last layer's output")
-                grads.append(last.grad)
+            k = len(step.batches)
+            tiled = self.engine is not None and self.engine.tiled_head is not None and k > 1
+            # the last layer's outputs: all at once where the tails may run tile-major
+            lasts = [self.boundaries.use(n, m, keep) for m in range(k)] if tiled else None
+            tiles = self._tile_major(step, lasts) if lasts is not None else None
+            if tiles is None:
+                losses, grads = self._tails_one_by_one(step, keep, lasts)
+            else:
+                losses, grads = self._tails_tile_major(step, lasts or [], tiles)
         finally:
             for block in self.tail_blocks:
                 self._let_go(block)
@@ -389,6 +369,96 @@ class LayerMajor:
                 if not block.shared:  # a tied head's gradient completes with the embedding's
                     self._close(block)
         return losses, grads
+
+    def _tail_loss(self, step: _Pass, m: int, last: torch.Tensor) -> torch.Tensor:
+        """Micro-batch ``m``'s tail: the model's forward with the layers skipped (the last
+        one gives ``last``) and the embeddings' recorded lookups, then the loss."""
+        n = len(self.layers)
+        batch = step.batches[m]
+        looked_up = iter(step.recorded[m].looked_up)
+
+        def tap(i: int, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+            hidden, _, _ = split_hidden(i, args, kwargs)
+            return last if i == n - 1 else hidden
+
+        def lookup(i: int, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+            out = next(looked_up, None)
+            if out is None:
+                raise _chain_broken("the model's forward looks up its embeddings twice")
+            return out.detach()  # what the record pass read: not read again
+
+        with tapped(self.layers, tap), tapped(self.row_modules, lookup):
+            output = call_model(self.model, batch)
+        loss = step.loss_fn(output, batch)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ChainError(
+                "infinity.accumulate: loss_fn must return a scalar tensor, got "
+                f"{type(loss).__name__}"
+            )
+        return loss
+
+    @staticmethod
+    def _grad_of_last(last: torch.Tensor) -> torch.Tensor:
+        if last.grad is None:
+            raise _chain_broken("the loss does not depend on the last layer's output")
+        return last.grad
+
+    def _tails_one_by_one(
+        self, step: _Pass, keep: bool, lasts: Optional[List[torch.Tensor]]
+    ) -> Tuple[List[torch.Tensor], List[Optional[torch.Tensor]]]:
+        n = len(self.layers)
+        losses: List[torch.Tensor] = []
+        grads: List[Optional[torch.Tensor]] = []
+        for m in range(len(step.batches)):
+            last = lasts[m] if lasts is not None else self.boundaries.use(n, m, keep)
+            loss = self._tail_loss(step, m, last.requires_grad_(True))
+            losses.append(loss.detach())
+            torch.autograd.backward(loss / step.divide_by)
+            grads.append(self._grad_of_last(last))
+        return losses, grads
+
+    def _tile_major(self, step: _Pass, lasts: List[torch.Tensor]) -> Optional[TileMajor]:
+        """With the LM head tiled and several micro-batches: each tail's forward without
+        autograd, recording its tiled loss (tile_major.py), then the losses swept tile by
+        tile. None (nothing swept) where a tail's loss is not one tiled cross-entropy."""
+        tiles = TileMajor()
+        rng = self.rng.save()
+        try:
+            with tiles.collecting():
+                for m, last in enumerate(lasts):
+                    before = len(tiles.items)
+                    self._tail_loss(step, m, last)
+                    if len(tiles.items) != before + 1:
+                        raise NotOneLoss
+        except NotOneLoss:
+            return None
+        finally:
+            self.rng.load(rng)  # the next run of the tails draws what this one drew
+        tiles.losses()
+        return tiles
+
+    def _tails_tile_major(
+        self, step: _Pass, lasts: List[torch.Tensor], tiles: TileMajor
+    ) -> Tuple[List[torch.Tensor], List[Optional[torch.Tensor]]]:
+        losses: List[torch.Tensor] = []
+        scaled: List[torch.Tensor] = []
+        try:
+            with tiles.replaying_tails():
+                for m, last in enumerate(lasts):
+                    loss = self._tail_loss(step, m, last.requires_grad_(True))
+                    losses.append(loss.detach())
+                    scaled.append(loss / step.divide_by)
+                    tiles.gradient_of(scaled[-1])
+            tiles.gradients()
+            for s in scaled:
+                torch.autograd.backward(s)
+        except TailChanged as exc:
+            raise ChainError(
+                f"infinity.accumulate: the model's tail (final norm, LM head, loss) ran twice "
+                f"per micro-batch to sweep the tiled head once for all of them, and {exc}. "
+                "Use a deterministic tail, or the plain micro-batch loop"
+            ) from exc
+        return losses, [self._grad_of_last(last) for last in lasts]
 
     def _backward(
         self,

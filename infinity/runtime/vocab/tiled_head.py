@@ -17,6 +17,7 @@ from ..core.block import Block
 from ..core.registry import locate
 from ..process.compile_guard import eager_only
 from . import rows as rows_mod
+from . import tile_major
 
 logger = logging.getLogger(__name__)
 
@@ -187,9 +188,12 @@ def causal_lm_loss(
             f"infinity: tiled LM head: {target.numel()} labels for {h2.shape[0]} positions"
         )
     keep = (target != ignore_index).nonzero().squeeze(1)
-    total = TiledCrossEntropy.apply(
-        logits.source.weight, h2.index_select(0, keep), target.index_select(0, keep), logits.source
-    )
+    kept, targets = h2.index_select(0, keep), target.index_select(0, keep)
+    batch = tile_major.active()  # infinity.accumulate's tail: the tiles swept for all k
+    if batch is not None:
+        total = batch.loss(logits.source.weight, kept, targets, logits.source)
+    else:
+        total = TiledCrossEntropy.apply(logits.source.weight, kept, targets, logits.source)
     if num_items_in_batch is None:
         return total / keep.numel()
     if torch.is_tensor(num_items_in_batch):
@@ -234,6 +238,9 @@ def head_forward(
     source = _Source(engine, block, weight)
     if loss_follows:
         return TiledLogits(hidden, source)
+    batch = tile_major.active()
+    if batch is not None:
+        batch.check_logits()
     return TiledLinear.apply(weight, hidden, source)
 
 

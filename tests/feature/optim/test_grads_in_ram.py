@@ -119,10 +119,11 @@ def test_clipping_is_exact_and_keeps_writing(base, tmp_path, clip):
     got = _run(base, tmp_path / "auto", overlap=True, keep_grads="auto", clip=clip)
     assert got["losses"] == ref["losses"]
     _assert_same(got["snap"], ref["snap"])
-    # a clip that fires: torch's norm sums per-tensor norms in its own order and rewrites the
-    # gradients, infinity multiplies inside the kernel, so 1e-6 (FP32_TOL of test_optim);
+    # a clip that fires: torch's norm sums per-tensor norms in its own order (which depends
+    # on its thread count) and rewrites the gradients, infinity multiplies inside the kernel:
+    # 1e-6 relative, 2e-7 absolute for weights near zero (1.06e-7 seen on one thread);
     # against the step after backward (above) it is bitwise
-    tol = {} if clip > 1 else dict(rtol=1e-6, atol=1e-7)
+    tol = {} if clip > 1 else dict(rtol=1e-6, atol=2e-7)
     _assert_torch(got, _torch_reference(base, clip=clip), **tol)
     assert got["unwritten"] == 0  # a loop that clips may have to redo: always written
     last = got["steps"][-1]["bytes"]

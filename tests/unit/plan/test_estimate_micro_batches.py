@@ -20,11 +20,11 @@ def pr(tmp_path_factory):
     return probe(str(d), quick=True, cache=str(d / "probe.json"))
 
 
-def _moved(tmp_path, layer_major: bool):
+def _moved(tmp_path, layer_major: bool, activation_tier: str = "host"):
     torch.manual_seed(0)
     model = TinyGPT(CFG)
     infinity.wrap(model, nvme_path=str(tmp_path), param_tier="nvme", grad_tier="nvme",
-                  optimizer_tier="nvme", placement=None)
+                  optimizer_tier="nvme", placement=None, activation_tier=activation_tier)
     try:
         opt = infinity.optim.AdamW(model.parameters(), lr=1e-3, overlap=False)
         g = torch.Generator().manual_seed(1)
@@ -67,6 +67,34 @@ def test_disk_bytes_per_step_with_micro_batches(tmp_path, pr, layer_major):
         assert e.host_bytes == pytest.approx(one.host_bytes + boundaries, rel=1e-6)
     else:
         assert e.compute_s == pytest.approx(K * one.compute_s, rel=1e-9)
+
+
+def test_boundaries_on_the_nvme_tier(tmp_path, pr):
+    """activation_tier="nvme": the layer inputs go through the disk (written once, read back
+    once in backward, as the engine counts them), two layers' worth stays in host RAM, and the
+    other categories are those of the boundaries in RAM."""
+    shape = describe(TinyGPT(CFG))
+    moved = _moved(tmp_path, True, "nvme")["bytes"]
+    kw = dict(batch=2, seq=32, micro_batches=K, layer_major=True)
+    ram = estimate_one(shape, placement("nvme"), pr, **kw)
+    disk = estimate_one(shape, placement("nvme"), pr, activation_tier="nvme", **kw)
+    one_layer = K * 2 * 32 * CFG.d_model * 4
+    boundaries = (CFG.n_layers + 1) * one_layer
+    # written as made; read back in backward but the last, which the tail reads in RAM
+    assert disk.nvme_per_step["activations_written"] == boundaries == moved[
+        "activations_written"]
+    assert disk.nvme_per_step["activations_read"] == boundaries - one_layer == moved[
+        "activations_read"]
+    assert disk.host_bytes == pytest.approx(ram.host_bytes - boundaries + 2 * one_layer,
+                                            rel=1e-6)
+    assert disk.nvme_bytes == ram.nvme_bytes + boundaries
+    assert disk.nvme_by_category["activations"] == boundaries
+    # SSD wear counts them; the other categories are unchanged
+    assert disk.nvme_written_per_step == ram.nvme_written_per_step + boundaries
+    for cat, want in ram.nvme_per_step.items():
+        assert disk.nvme_per_step[cat] == want
+    with pytest.raises(ValueError, match="activation_tier must be"):
+        estimate_one(shape, placement("nvme"), pr, activation_tier="disk", **kw)
 
 
 def test_bad_micro_batches(pr):
