@@ -614,7 +614,7 @@ def _main() -> None:
     os._exit(0)  # no teardown hang when a peer died
 
 
-def _leave_together(rank: int, world: int, wait_s: float = 30.0) -> None:
+def _leave_together(rank: int, world: int, wait_s: float = 10.0) -> None:
     """Rank 0 hosts the store the others still use (creating a mesh's groups, for one): it
     leaves when every rank has left, or after ``wait_s`` when a peer is stuck or dead."""
     import time
