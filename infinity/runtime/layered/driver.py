@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -270,9 +271,14 @@ class LayerMajor:
         graph stay for another pass; ``cold``: no layer is held over from the forward."""
         losses, grads = self._tail(step, keep)
         grads = self._backward(step.recorded, grads, keep, cold)
-        for r, g in zip(step.recorded, grads):  # phase 5: what ran before the first layer
-            if r.embedded.requires_grad and g is not None:
-                torch.autograd.backward(r.embedded, g, retain_graph=keep)
+        # phase 5: what ran before the first layer; the rows the micro-batches looked up are
+        # added to the gradient tier once (the last micro-batch's lookup adds them all)
+        ends = [(r.embedded, g) for r, g in zip(step.recorded, grads)]
+        ends = [(e, g) for e, g in ends if e.requires_grad and g is not None]
+        rows = self.engine.rows.gathered(len(ends)) if self.engine is not None else nullcontext()
+        with rows:
+            for embedded, g in ends:
+                torch.autograd.backward(embedded, g, retain_graph=keep)
         if self.engine is not None:
             for block in self.engine.blocks:
                 if not block.is_root:
