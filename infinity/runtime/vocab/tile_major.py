@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from typing import Any, Iterator, List, Optional
 
 import torch
-from torch import nn
 
 from .rows import empty_grad
+from .tiled_loss import RunningLse, tile_grads
 
 _ACTIVE: ContextVar[Optional[TileMajor]] = ContextVar("infinity_tile_major", default=None)
 
@@ -115,30 +115,12 @@ class TileMajor:
     # ---- the sweeps ------------------------------------------------------------------------
     def losses(self) -> None:
         """Every micro-batch's log-sum-exp and target logits, each tile read once."""
-        states = []
-        for item in self.items:
-            n = item.hidden.shape[0]
-            dev = item.hidden.device
-            states.append(
-                [
-                    torch.full((n,), float("-inf"), device=dev),
-                    torch.zeros(n, device=dev),
-                    torch.zeros(n, device=dev),
-                    torch.arange(n, device=dev),
-                ]
-            )
+        running = [RunningLse(item.hidden, item.target) for item in self.items]
         for r0, r1, w in self._tiles():
-            for item, st in zip(self.items, states):
-                m, s, picked, rows = st
-                z = nn.functional.linear(item.hidden, w).float()
-                top = torch.maximum(m, z.max(dim=1).values)
-                st[1] = s * torch.exp(m - top) + torch.exp(z - top[:, None]).sum(dim=1)
-                st[0] = top
-                inside = (item.target >= r0) & (item.target < r1)
-                if bool(inside.any()):
-                    picked[inside] = z[rows[inside], item.target[inside] - r0]
-        for item, (m, s, picked, _) in zip(self.items, states):
-            item.lse, item.picked = m + torch.log(s), picked
+            for state in running:
+                state.add(r0, r1, w)
+        for item, state in zip(self.items, running):
+            item.lse, item.picked = state.result()
 
     def gradient_of(self, scaled_loss: torch.Tensor) -> None:
         """Records the gradient that ``scaled_loss``'s backward sends to this step's latest
@@ -157,23 +139,16 @@ class TileMajor:
             if item.grad is None or item.lse is None:
                 raise TailChanged("a tail's gradient was not recorded before the sweep")
             dh = torch.zeros(item.hidden.shape, dtype=torch.float32, device=item.hidden.device)
-            rows = torch.arange(item.hidden.shape[0], device=item.hidden.device)
-            swept.append((item, item.lse, item.grad, dh, rows))
+            swept.append((item, item.lse, item.grad, dh))
             item.dh = dh
         source = self.items[0].source
         for r0, r1, w in self._tiles():
             total: Optional[torch.Tensor] = None
-            for item, lse, grad, dh, rows in swept:
-                z = nn.functional.linear(item.hidden, w).float()
-                p = torch.exp(z - lse[:, None])
-                inside = (item.target >= r0) & (item.target < r1)
-                if bool(inside.any()):
-                    p[rows[inside], item.target[inside] - r0] -= 1.0
-                dz = (p * grad).to(item.hidden.dtype)
-                dh.add_(dz @ w)
-                part = dz.t() @ item.hidden
-                total = part if total is None else total.add_(part)
-                del part, z, p, dz
+            for item, lse, grad, dh in swept:
+                d_hidden, d_rows = tile_grads(item.hidden, item.target, lse, grad, r0, r1, w)
+                dh.add_(d_hidden)
+                total = d_rows if total is None else total.add_(d_rows)
+                del d_hidden, d_rows
             if total is not None:
                 source.grad(r0, total)
 

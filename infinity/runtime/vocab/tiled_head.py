@@ -18,6 +18,7 @@ from ..core.registry import locate
 from ..process.compile_guard import eager_only
 from . import rows as rows_mod
 from . import tile_major
+from .tiled_loss import RunningLse, tile_grads
 
 logger = logging.getLogger(__name__)
 
@@ -111,20 +112,10 @@ class TiledCrossEntropy(torch.autograd.Function):
     def forward(
         ctx, weight: torch.Tensor, hidden: torch.Tensor, target: torch.Tensor, source: _Source
     ) -> torch.Tensor:
-        n = hidden.shape[0]
-        m = torch.full((n,), float("-inf"), device=hidden.device)
-        s = torch.zeros(n, device=hidden.device)
-        picked = torch.zeros(n, device=hidden.device)
-        rows = torch.arange(n, device=hidden.device)
+        running = RunningLse(hidden, target)
         for r0, r1, w in source.tiles():
-            z = nn.functional.linear(hidden, w).float()
-            top = torch.maximum(m, z.max(dim=1).values)
-            s = s * torch.exp(m - top) + torch.exp(z - top[:, None]).sum(dim=1)
-            m = top
-            inside = (target >= r0) & (target < r1)
-            if bool(inside.any()):
-                picked[inside] = z[rows[inside], target[inside] - r0]
-        lse = m + torch.log(s)
+            running.add(r0, r1, w)
+        lse, picked = running.result()
         ctx.save_for_backward(hidden, target, lse)
         ctx.source = source
         return (lse - picked).sum()
@@ -133,18 +124,11 @@ class TiledCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         hidden, target, lse = ctx.saved_tensors
         source: _Source = ctx.source
-        n = hidden.shape[0]
-        rows = torch.arange(n, device=hidden.device)
         dh = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         for r0, r1, w in source.tiles():
-            z = nn.functional.linear(hidden, w).float()
-            p = torch.exp(z - lse[:, None])
-            inside = (target >= r0) & (target < r1)
-            if bool(inside.any()):
-                p[rows[inside], target[inside] - r0] -= 1.0
-            dz = (p * grad).to(hidden.dtype)
-            dh.add_(dz @ w)
-            source.grad(r0, dz.t() @ hidden)
+            d_hidden, d_rows = tile_grads(hidden, target, lse, grad, r0, r1, w)
+            dh.add_(d_hidden)
+            source.grad(r0, d_rows)
         return _empty_grad(source.weight), dh.to(hidden.dtype), None, None
 
 
