@@ -1,23 +1,7 @@
-"""The tiled cross-entropy of k micro-batches, tile-major (``infinity.accumulate``'s tail): each
-tile of the LM head is read once for all k losses and once for all k gradients, and its
-gradient is handed to the engine once, where the tail run micro-batch by micro-batch reads
-every tile twice per micro-batch and adds its gradient k times.
+"""The tiled cross-entropy of ``infinity.accumulate``'s k micro-batches, tile-major: each tile of
+the LM head read once for all k losses and once for all k gradients, its gradient added once.
 
-Three passes over the tail (runtime/layered/driver.py drives them):
-1. ``collecting``: each micro-batch's tail runs without autograd up to the loss, which records
-   its hidden states and targets (its value is not used); then :meth:`TileMajor.losses`
-   sweeps the tiles once for every micro-batch's log-sum-exp and target logits;
-2. ``replaying``: each tail runs again with autograd; the loss takes its value from the sweep
-   (:class:`Precomputed`), and the driver reads the gradient that reaches it
-   (:meth:`TileMajor.gradient_of`);
-3. :meth:`TileMajor.gradients` sweeps the tiles once for every micro-batch's hidden-state
-   gradient and the tiles' weight gradients (summed over the micro-batches, added once);
-   each tail's backward then returns its hidden-state gradient from that sweep.
-
-Per micro-batch the operations are those of ``TiledCrossEntropy`` in the same order, so the
-losses and hidden-state gradients are bitwise those of the tail run micro-batch by
-micro-batch; a tile's weight gradient is the same sum of the same terms, added to the
-gradient tier once."""
+Design notes: docs/modules.md, runtime/vocab/tile_major.py."""
 
 from __future__ import annotations
 
