@@ -101,3 +101,11 @@ def test_bad_micro_batches(pr):
     shape = describe(TinyGPT(CFG))
     with pytest.raises(ValueError, match="micro_batches"):
         estimate_one(shape, placement("nvme"), pr, batch=2, seq=32, micro_batches=0)
+
+
+def test_boundaries_on_nvme_need_the_disk():
+    """activation_tier="nvme" without an nvme_path: an error naming the remedy, not a
+    silent estimate with the boundaries left out."""
+    with pytest.raises(ValueError, match="activation_tier='nvme' needs the disk"):
+        infinity.estimate(TinyGPT(CFG), batch=2, seq=32, micro_batches=K, layer_major=True,
+                          activation_tier="nvme", quick_probe=True)
