@@ -53,6 +53,11 @@ class ChunkedGrads:
         # whose trainable slots did is complete (written out when room is needed, never
         # read back unless a later gradient reaches it, as a tied weight's rows do)
         self._arrived: Dict[int, Set[int]] = {}
+        # row-sparse slots in their first accumulation, and the chunks that hold their part of
+        # it: a chunk gets its part when rows first reach it, or zeros when it is written out
+        # before any do (so a first arrival writes only the chunks its rows are in, and one
+        # without rows, a lookup whose rows are gathered, RowHooks.gathered, writes nothing)
+        self._begun: Dict[int, Dict[int, Set[int]]] = {}
         # reads started ahead ((id(flat), chunk) -> flat, buffer, future), taken by chunk()
         self._ahead: Dict[Tuple[int, int], tuple] = {}
         self.holding_now = 0  # chunks of the flat being closed, kept (not yet handed over)
@@ -106,6 +111,7 @@ class ChunkedGrads:
     def open(self, flat: FlatParam) -> None:
         self._chunked[id(flat)] = flat
         self._arrived[id(flat)] = set()
+        self._begun[id(flat)] = {}
         self._norms.start_chunked(flat)
 
     def forget_slot(self, flat: FlatParam, index: int) -> None:
@@ -216,9 +222,18 @@ class ChunkedGrads:
         lo, hi = s.offset, s.offset + s.numel
         chunks = range(lo // per, (hi - 1) // per + 1)
         g = grad.detach().reshape(-1)
+        # row-sparse so far: the chunks no rows reached hold zeros under the sum
+        fresh = set(chunks) - self._begun[id(flat)].pop(index, set(chunks))
         flat.grad_ready[index] = True  # first: a chunk written out meanwhile keeps its part
         self._arrived[id(flat)].add(index)
         norm: Optional[torch.Tensor] = None
+
+        def part(k: int, a: int, b: int) -> torch.Tensor:
+            view = self.part(flat, k, a, b)
+            if k in fresh:
+                fresh.discard(k)
+                view.zero_()
+            return view
 
         def parts():
             # highest chunk first: backward reaches a flat's slots from the last to the first,
@@ -229,7 +244,7 @@ class ChunkedGrads:
                 yield k, a, b
 
         if len(chunks) == 1:
-            view = self.part(flat, chunks[0], lo, hi)
+            view = part(chunks[0], lo, hi)
             if add:
                 view.add_(g)
             else:
@@ -237,7 +252,7 @@ class ChunkedGrads:
             norm = torch.linalg.vector_norm(view, 2.0, dtype=torch.float32)
         elif not add:
             for k, a, b in parts():
-                self.part(flat, k, a, b).copy_(g[a - lo : b - lo])
+                part(k, a, b).copy_(g[a - lo : b - lo])
             if g.dtype == torch.float32 and g.is_contiguous():
                 norm = torch.linalg.vector_norm(g, 2.0, dtype=torch.float32)
             elif s.numel * 4 <= self._pool.nbytes:
@@ -247,36 +262,41 @@ class ChunkedGrads:
         elif s.numel * 4 <= self._pool.nbytes:
             total = torch.empty(s.numel, dtype=torch.float32)  # at most one chunk
             for k, a, b in parts():
-                total[a - lo : b - lo].copy_(self.part(flat, k, a, b))
+                total[a - lo : b - lo].copy_(part(k, a, b))
             total.add_(g)
             norm = torch.linalg.vector_norm(total, 2.0, dtype=torch.float32)
             for k, a, b in parts():
-                self.part(flat, k, a, b).copy_(total[a - lo : b - lo])
+                part(k, a, b).copy_(total[a - lo : b - lo])
         else:  # larger than a chunk, accumulating: no norm (the optimizer reads it)
             for k, a, b in parts():
-                self.part(flat, k, a, b).add_(g[a - lo : b - lo])
+                part(k, a, b).add_(g[a - lo : b - lo])
         self._norms.pending(flat)[index] = norm
 
     def add_rows(
         self, flat: FlatParam, index: int, rows: torch.Tensor, values: torch.Tensor, *, add: bool
     ) -> bool:
-        """A row-sparse gradient into the chunks of slot ``index``: a first accumulation
-        writes the whole slot (zeros elsewhere), a later one only the chunks holding the rows.
+        """A row-sparse gradient into the chunks of slot ``index`` that hold its rows. In a
+        first accumulation (``add`` false, and after it) a chunk that rows reach for the first
+        time gets them and zeros elsewhere; chunks no rows reach get zeros when written out.
         The slot gets no norm (the optimizer reads it)."""
+        self._arrived[id(flat)].add(index)
+        self._norms.pending(flat)[index] = None
+        begun = self._begun[id(flat)]
+        if not add:
+            begun[index] = set()
+        if not rows.numel():
+            return False
         s = flat.slots[index]
         width = s.shape[1]
-        per = self.elems
         lo, hi = s.offset, s.offset + s.numel
-        a0, b0 = lo, hi
-        self._arrived[id(flat)].add(index)
-        if add:
-            if not rows.numel():
-                return False
-            a0, b0 = lo + int(rows[0]) * width, lo + (int(rows[-1]) + 1) * width
-        for k in reversed(range(a0 // per, (b0 - 1) // per + 1)):
-            a, b = max(lo, k * per), min(hi, (k + 1) * per)
-            scatter_rows(self.part(flat, k, a, b), a, lo, width, rows, values, add=add)
-        self._norms.pending(flat)[index] = None
+        reached = _chunks_of_rows(lo + rows * width, width, self.elems)
+        started = begun.get(index)
+        for k in reversed(reached):
+            a, b = max(lo, k * self.elems), min(hi, (k + 1) * self.elems)
+            first = started is not None and k not in started
+            scatter_rows(self.part(flat, k, a, b), a, lo, width, rows, values, add=not first)
+            if started is not None:
+                started.add(k)
         return True
 
     # ---- writing out ---------------------------------------------------------------------
@@ -323,12 +343,19 @@ class ChunkedGrads:
         pos = start
         offsets = _slot_offsets(self._offsets, flat)
         first = max(0, bisect.bisect_right(offsets, start) - 1)  # slots in offset order
+        begun = self._begun.get(id(flat), {})
         for i in range(first, len(flat.slots)):
             s = flat.slots[i]
             if s.offset >= end:
                 break
             a, b = max(start, s.offset), min(end, s.offset + s.numel)
-            if a >= b or not flat.grad_ready[i]:
+            if a >= b:
+                continue
+            started = begun.get(i)
+            if started is not None and k not in started:  # no rows reached it: zeros
+                started.add(k)
+                continue
+            if not flat.grad_ready[i]:
                 continue
             if a > pos:
                 view[pos - start : a - start].zero_()
@@ -369,6 +396,7 @@ class ChunkedGrads:
             self.holding_now -= len(kept)
         del self._chunked[fid]
         self._arrived.pop(fid, None)
+        self._begun.pop(fid, None)
         if kept:
             self._measure_kept(flat, kept)
         norms = self._norms.record_chunked(flat)
@@ -407,6 +435,17 @@ class ChunkedGrads:
                 part = kept[k][(a - start) * 4 : (b - start) * 4].view(torch.float32)
                 total[a - lo : b - lo].copy_(part)
             pending[i] = torch.linalg.vector_norm(total, 2.0, dtype=torch.float32)
+
+
+def _chunks_of_rows(starts: torch.Tensor, width: int, per: int) -> List[int]:
+    """The chunks of ``per`` elements that rows of ``width`` elements starting at ``starts``
+    reach, in order."""
+    ends = starts + (width - 1)
+    if width <= per:  # a row reaches the chunks of its first and last elements only
+        return torch.unique(torch.cat([starts // per, ends // per]), sorted=True).tolist()
+    return sorted(
+        {k for x, y in zip(starts.tolist(), ends.tolist()) for k in range(x // per, y // per + 1)}
+    )
 
 
 def _slot_offsets(cache: Dict[int, List[int]], flat: FlatParam) -> List[int]:
