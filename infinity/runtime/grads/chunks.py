@@ -123,6 +123,17 @@ class ChunkedGrads:
             range(s.offset // per, (s.offset + s.numel - 1) // per + 1)
         )
 
+    def drop(self, flat: FlatParam) -> None:
+        """After a close that raised: the flat's chunks still in RAM go back to the pool and it
+        stops accumulating (its sums are lost with the failed write)."""
+        fid = id(flat)
+        for key in [key for key in self._open if key[0] == fid]:
+            self._pool.release(self._open.pop(key)[1])
+        self.drop_ahead(flat)
+        for state in (self._chunked, self._arrived, self._begun, self._stale):
+            state.pop(fid, None)
+        self.invalidate(flat)
+
     def invalidate(self, flat: FlatParam) -> None:
         """The flat's file no longer holds its sums (a write failed)."""
         self._valid.pop(id(flat), None)
@@ -337,7 +348,8 @@ class ChunkedGrads:
         self._valid.setdefault(id(flat), set()).add(k)
 
     def _zero_gaps(self, flat: FlatParam, k: int, buf: torch.Tensor) -> None:
-        """Zeroes what no gradient reached in chunk ``k`` (gaps, padding, slots without one)."""
+        """Zeroes what no gradient reached in chunk ``k`` (gaps, padding, slots without one, a
+        row-sparse slot's part that no rows reached yet: from here on it holds zeros)."""
         start, end = self.span(flat, k)
         view = buf[: (end - start) * 4].view(torch.float32)
         pos = start
@@ -392,6 +404,10 @@ class ChunkedGrads:
                     self.holding_now += 1
                 else:
                     self._write(flat, k, held[1])
+        except BaseException:
+            for buf in kept.values():  # not handed on: back to the pool (drop() does the rest)
+                self._pool.release(buf)
+            raise
         finally:
             self.holding_now -= len(kept)
         del self._chunked[fid]

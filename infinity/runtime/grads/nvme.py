@@ -20,7 +20,7 @@ from .mapped import MappedGradViews
 from .reads import NvmeGradReads
 from .rows import scatter_rows
 from .store import WRITE, GradStore, Handover, accumulate_into, grad_key
-from .writes import GradWriter
+from .writes import GradientWriteError, GradWriter
 
 
 class NvmeGradStore(GradStore):
@@ -288,12 +288,31 @@ class NvmeGradStore(GradStore):
             )
 
     def finish_backward(self) -> None:
-        for flat, _ in list(self._open.values()):
-            self.close(flat)
-        for flat in self._chunks.flats():
-            self.close(flat)
+        """Closes every flat still accumulating and waits for the writes. A failed write
+        (GradientWriteError) is raised once, after the other flats are closed; a flat whose
+        close it stopped gives its buffers back and its gradients are lost (zero_grad)."""
+        failure: Optional[GradientWriteError] = None
+        for flat in [f for f, _ in self._open.values()] + self._chunks.flats():
+            try:
+                self.close(flat)
+            except GradientWriteError as exc:
+                failure = failure or exc
+                self._drop_open(flat, exc)
         self._chunks.drop_ahead()
-        self.reap(block=True)
+        try:
+            self.reap(block=True)
+        except GradientWriteError as exc:
+            failure = failure or exc
+        if failure is not None:
+            raise failure
+
+    def _drop_open(self, flat: FlatParam, exc: BaseException) -> None:
+        held = self._open.pop(id(flat), None)
+        if held is not None:
+            flat.grad = None
+            self.pool.release(held[1])
+        self._chunks.drop(flat)
+        self._write_failed(flat, exc)
 
     def wait_writes(self) -> None:
         self.reap(block=True)
