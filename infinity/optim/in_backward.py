@@ -21,9 +21,10 @@ Nothing can be redone, so the step's multiplier must be known before the first b
   the step's micro-batches (recompute and backward of every layer) and one more fetch of
   each block; the forward and the layer inputs are shared.
 
-What remains after the pass (the root block's gradients, closed at the end of backward, and
-parameters outside the model) is stepped by ``opt.step()``, with the same multiplier, which
-also checks that what was committed is exactly what it would have computed.
+The root block's gradients (parameters outside every block, the final norm) are stepped the
+same way, once the step's last backward ran. What remains (parameters outside the model) is
+stepped by ``opt.step()``, with the same multiplier, which also checks that what was committed
+is exactly what it would have computed.
 
 Only where the model's gradients and states are both on NVMe (elsewhere the gradients are in
 RAM already and ``opt.step()`` reads no disk for them), not sharded (ZeRO reduces gradients

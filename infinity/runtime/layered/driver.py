@@ -279,10 +279,9 @@ class LayerMajor:
         with rows:
             for embedded, g in ends:
                 torch.autograd.backward(embedded, g, retain_graph=keep)
-        if self.engine is not None:
-            for block in self.engine.blocks:
-                if not block.is_root:
-                    self._close(block)
+        if self.engine is not None:  # the root last: whatever the step's backward ran
+            for block in sorted(self.engine.blocks, key=lambda b: b.is_root):
+                self._close(block)
         return losses
 
     def _record(self, m: int, batch: Any) -> _Recorded:

@@ -43,12 +43,13 @@ class AccumulationWindow:
     def close_block(self, block: Block) -> None:
         """The step is done with ``block`` (its last micro-batch's backward ran): its
         gradients are complete, so they are closed now (no later micro-batch reopens them),
-        and the block is released."""
+        and the block is released. The root block too, once every backward of the step ran
+        (an optimizer stepping in backward then takes its gradients from RAM as well)."""
         step = self.step
         with step.lock:
             if not step.window:
                 raise RuntimeError("infinity: close_block outside a layer-major window (bug)")
-            if block.is_root or block.index in step.window_closed:
+            if block.index in step.window_closed:
                 return
             step.window_closed.add(block.index)
             if block.grads_seen:
