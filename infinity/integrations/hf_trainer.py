@@ -12,8 +12,13 @@ Trainer would have; the scheduler, logging and checkpoints are the Trainer's own
 ``infinity.optim.AdamW`` on a wrapped model and clipping on (``max_grad_norm`` > 0, the
 default), the optimizer step is taken in backward too (``accumulate(..., optimizer=,
 max_grad_norm=)``: each block stepped from RAM, no gradient written); the Trainer's clip then
-returns that step's norm and its ``optimizer.step()`` does nothing. Otherwise clipping and
-the step are the Trainer's. Loss normalisation follows transformers 5.x: when the model takes
+returns that step's norm and its ``optimizer.step()`` does nothing. Otherwise, or with
+``LayerMajorTrainer(..., step_in_backward=False)``, clipping and the step are the Trainer's.
+The step in backward with a clip runs the backward twice (the first pass measures the norm):
+it saves writing and reading the fp32 gradients (8 bytes per parameter per step, and their
+disk space) for one more backward over the step's micro-batches. Where compute is the
+bottleneck (a CPU) that costs time: 1.8x the step of the gradients written, for a 60M Llama
+at 16 micro-batches on a 2-core AVX2 CPU (benchmarks/RESULTS.md). Loss normalisation follows transformers 5.x: when the model takes
 ``num_items_in_batch`` (causal LMs do) each micro-batch's loss is its token sum over the
 step's token count and the gradients are their plain sum; otherwise each loss is divided by
 the number of micro-batches. The gradients are those of the plain Trainer (bitwise where the
@@ -46,8 +51,18 @@ except ImportError as exc:  # pragma: no cover - exercised where transformers is
 class LayerMajorTrainer(Trainer):
     """A ``transformers.Trainer`` whose accumulated micro-batches run layer-major."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, step_in_backward: bool = True, **kwargs: Any) -> None:
+        """``step_in_backward``: with infinity's optimizer and a clip, take the step in
+        backward (two backward passes, no gradient written); False: the gradients are written
+        and the Trainer clips and steps after backward (one pass: faster where compute is the
+        bottleneck, a CPU; see the module docstring)."""
+        if not isinstance(step_in_backward, bool):
+            raise TypeError(
+                f"infinity LayerMajorTrainer: step_in_backward must be True or False, got "
+                f"{step_in_backward!r}"
+            )
         super().__init__(*args, **kwargs)
+        self.step_in_backward = step_in_backward
         self._step_batches: Optional[List[Dict[str, Any]]] = None
         self._step_losses: Optional[Iterator[torch.Tensor]] = None
         self._step_norm: Optional[float] = None  # the norm of a step taken in backward
@@ -114,7 +129,7 @@ class LayerMajorTrainer(Trainer):
         inner = getattr(self.optimizer, "optimizer", self.optimizer)
         clip = self.args.max_grad_norm
         taker = inner if isinstance(inner, OffloadedAdam) and clip > 0 else None
-        if engine_of(model) is None:
+        if engine_of(model) is None or not self.step_in_backward:
             taker = None
         self._step_norm = None
         with self.compute_loss_context_manager():

@@ -40,10 +40,10 @@ def _args(out, **kw) -> TrainingArguments:
     return TrainingArguments(**base)
 
 
-def _train(cls, model, out):
+def _train(cls, model, out, **kw):
     opt = infinity.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     sched = get_linear_schedule_with_warmup(opt, 1, STEPS)
-    trainer = cls(model=model, args=_args(out), train_dataset=DATA, optimizers=(opt, sched))
+    trainer = cls(model=model, args=_args(out), train_dataset=DATA, optimizers=(opt, sched), **kw)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     return {"loss": [h["loss"] for h in logs], "grad_norm": [float(h["grad_norm"]) for h in logs],
@@ -51,15 +51,17 @@ def _train(cls, model, out):
             "in_backward": opt.last_step_stats.overlapped_shards}
 
 
-@pytest.mark.parametrize("tiers", [WRAP_NVME, ALL_NVME], ids=["grads_host", "all_nvme"])
-def test_layer_major_trainer_matches_plain_trainer(tmp_path, tiers):
-    """All on NVMe: the step is taken in backward too (no gradient file is written);
-    gradients on host: the Trainer clips and steps."""
+@pytest.mark.parametrize("tiers, in_backward", [(WRAP_NVME, True), (ALL_NVME, True),
+                                                (ALL_NVME, False)],
+                         ids=["grads_host", "all_nvme", "all_nvme_written"])
+def test_layer_major_trainer_matches_plain_trainer(tmp_path, tiers, in_backward):
+    """All on NVMe: the step is taken in backward too (no gradient file is written), unless
+    step_in_backward=False; gradients on host: the Trainer clips and steps."""
     init = llama(seed=0)
     plain = wrapped_copy(init, tiers, tmp_path / "plain")
     lm = wrapped_copy(init, tiers, tmp_path / "lm")
     ref = _train(Trainer, plain, tmp_path / "out_plain")
-    got = _train(LayerMajorTrainer, lm, tmp_path / "out_lm")
+    got = _train(LayerMajorTrainer, lm, tmp_path / "out_lm", step_in_backward=in_backward)
     assert len(ref["loss"]) == STEPS
     assert min(ref["grad_norm"]) > MAX_GRAD_NORM  # the clip fires at every step
     assert_losses(got["grad_norm"], ref["grad_norm"], what="grad_norm")
@@ -67,13 +69,14 @@ def test_layer_major_trainer_matches_plain_trainer(tmp_path, tiers):
     final = weights(lm)
     assert_changed(weights(init), final)
     assert_weights(final, weights(plain), what="final weights")
-    if tiers is ALL_NVME:
+    if tiers is ALL_NVME and in_backward:
         # the step was taken in backward: blocks stepped from RAM, their gradient files never
         # written (the plain Trainer writes them all)
         assert got["in_backward"] > 0
         assert got["grad_file_bytes"] == 0 < ref["grad_file_bytes"]
-    else:
+    else:  # the Trainer clipped and stepped: the gradients were written
         assert got["in_backward"] == 0
+        assert got["grad_file_bytes"] == ref["grad_file_bytes"]
 
 
 def test_layer_major_trainer_refuses_what_it_cannot_honour(tmp_path):
@@ -88,3 +91,6 @@ def test_layer_major_trainer_refuses_what_it_cannot_honour(tmp_path):
     with pytest.raises(ValueError, match="label smoothing.*transformers.Trainer"):
         LayerMajorTrainer(model=model, args=_args(tmp_path / "b", label_smoothing_factor=0.1),
                           train_dataset=DATA)
+    with pytest.raises(TypeError, match="infinity LayerMajorTrainer: step_in_backward"):
+        LayerMajorTrainer(model=model, args=_args(tmp_path / "c"), train_dataset=DATA,
+                          step_in_backward="auto")
