@@ -11,13 +11,12 @@ a gradient counted twice).
 from __future__ import annotations
 
 import errno
-import threading
 from pathlib import Path
 from typing import Dict, List, Tuple
 
 import pytest
 import torch
-from engine_helpers import assert_tensors_equal
+from engine_helpers import all_buffers_free, assert_tensors_equal
 from torch import nn
 
 import infinity
@@ -28,7 +27,7 @@ from infinity.optim.states.extents import STATE_FILE
 from infinity.runtime.core.flat import FlatParam
 from infinity.runtime.engine import Engine, engine_of, locate
 from infinity.runtime.grads.sink import GradientWriteError
-from infinity.tiers import HostPool, SwapStore
+from infinity.tiers import SwapStore
 
 CFG = GPTConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=2, max_seq=16)
 STEPS = 5
@@ -227,23 +226,6 @@ def _raise_in_backward(module: nn.Module, trigger: _Armed) -> None:
             output.register_hook(hook)
 
     module.register_forward_hook(register)
-
-
-def _all_buffers_free(pool: HostPool) -> bool:
-    """Every buffer of ``pool`` can be acquired at once: none is kept by a failed write."""
-    got: List[torch.Tensor] = []
-    done = threading.Event()
-
-    def take() -> None:
-        for _ in range(pool.count):
-            got.append(pool.acquire())
-        done.set()
-
-    threading.Thread(target=take, daemon=True).start()
-    ok = done.wait(timeout=10.0)
-    for buf in got:
-        pool.release(buf)
-    return ok
 
 
 def _step_order(model: nn.Module) -> List[FlatParam]:
@@ -509,7 +491,7 @@ def test_failed_gradient_write_then_redo_micro_batch(tmp_path, swap_io, tiers, s
                     opt.step()
                 assert "the gradients of block" in str(refused.value)  # a lost one
                 # the failed backward is settled (by the step's quiesce): no buffer was kept
-                assert _all_buffers_free(pool)
+                assert all_buffers_free(pool)
                 assert not isinstance(refused.value, GradientWriteError)
                 with pytest.raises(RuntimeError, match="zero_grad"):  # still refused
                     opt.step()
@@ -519,11 +501,11 @@ def test_failed_gradient_write_then_redo_micro_batch(tmp_path, swap_io, tiers, s
         previous = swap_io.sizes("write")
         opt.step()
         opt.zero_grad()
-        assert _all_buffers_free(pool)
+        assert all_buffers_free(pool)
     # many more backwards still find every buffer of the pool
     for batch in _batches(6, seed=7):
         _backward(model, batch)
-        assert _all_buffers_free(pool)
+        assert all_buffers_free(pool)
     opt.zero_grad()
     _assert_same_run(tmp_path, losses, _finish(model, opt), **settings)
 
@@ -553,7 +535,7 @@ def test_failed_gradient_write_in_second_micro_batch(tmp_path):
             losses.append([_backward(model, b) for b in micro])
             opt.step()
             opt.zero_grad()
-            assert _all_buffers_free(engine.grads.pool)
+            assert all_buffers_free(engine.grads.pool)
         runs.append((losses, _finish(model, opt)))
     assert runs[0][0] == runs[1][0]
     assert_tensors_equal(runs[0][1], runs[1][1])

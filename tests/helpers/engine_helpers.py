@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import threading
 from typing import Dict, List, Tuple
 
 import torch
@@ -77,3 +78,21 @@ def assert_params_bitwise(ref, model) -> None:
     """Each parameter of the wrapped ``model`` bitwise the reference's (same order)."""
     for (name, p), q in zip(ref.named_parameters(), model.parameters()):
         assert torch.equal(p, q), name
+
+
+def all_buffers_free(pool) -> bool:
+    """Every buffer of ``pool`` (a HostPool) can be acquired at once, from another thread
+    within 10 s: none is kept by a failed write."""
+    got: List[torch.Tensor] = []
+    done = threading.Event()
+
+    def take() -> None:
+        for _ in range(pool.count):
+            got.append(pool.acquire())
+        done.set()
+
+    threading.Thread(target=take, daemon=True).start()
+    ok = done.wait(timeout=10.0)
+    for buf in got:
+        pool.release(buf)
+    return ok

@@ -3,10 +3,10 @@ a full disk while its gradient sweep hands the head's tiles to the gradient tier
 that does not replay what it recorded. Each raises a clear error; after ``zero_grad`` the step
 is redone and training ends where a run without the fault ends (bitwise)."""
 import errno
-import threading
 
 import pytest
 import torch
+from engine_helpers import all_buffers_free
 
 import infinity
 import infinity.optim
@@ -39,21 +39,6 @@ def _reference(path):
     state = {n: p.detach().clone() for n, p in lm.state_dict().items()}
     infinity.unwrap(lm)
     return losses, state
-
-
-def _all_free(pool) -> bool:
-    """Every buffer of the pool can be taken at once (from another thread, within 10 s)."""
-    got, done = [], threading.Event()
-
-    def take():
-        got.extend(pool.acquire() for _ in range(pool.count))
-        done.set()
-
-    threading.Thread(target=take, daemon=True).start()
-    ok = done.wait(timeout=10.0)
-    for buf in got:
-        pool.release(buf)
-    return ok
 
 
 def _train_on_and_compare(lm, opt, losses, reference):
@@ -91,7 +76,7 @@ def test_a_full_disk_inside_the_gradient_sweep_then_train_on(tmp_path, monkeypat
     assert info.value.errno == errno.ENOSPC
     assert "infinity" in str(info.value) and "zero_grad" in str(info.value)
     opt.zero_grad()
-    assert _all_free(engine_of(lm).grads.pool)  # no buffer kept by the failed writes
+    assert all_buffers_free(engine_of(lm).grads.pool)  # no buffer kept by the failed writes
     _train_on_and_compare(lm, opt, losses, reference)
     infinity.unwrap(lm)
 
