@@ -16,9 +16,9 @@ returns that step's norm and its ``optimizer.step()`` does nothing. Otherwise, o
 ``LayerMajorTrainer(..., step_in_backward=False)``, clipping and the step are the Trainer's.
 The step in backward with a clip runs the backward twice (the first pass measures the norm):
 it saves writing and reading the fp32 gradients (8 bytes per parameter per step, and their
-disk space) for one more backward over the step's micro-batches. Where compute is the
-bottleneck (a CPU) that costs time: 1.8x the step of the gradients written, for a 60M Llama
-at 16 micro-batches on a 2-core AVX2 CPU (benchmarks/RESULTS.md). Loss normalisation follows transformers 5.x: when the model takes
+disk space) for one more backward over the step's micro-batches, which costs time where
+compute is the bottleneck, a CPU (benchmarks/RESULTS.md, "The clipped step in backward").
+Loss normalisation follows transformers 5.x: when the model takes
 ``num_items_in_batch`` (causal LMs do) each micro-batch's loss is its token sum over the
 step's token count and the gradients are their plain sum; otherwise each loss is divided by
 the number of micro-batches. The gradients are those of the plain Trainer (bitwise where the
