@@ -311,6 +311,9 @@ class OffloadedAdam(torch.optim.Optimizer):
         if port is None:
             return None
         why = StepInBackward.why_not(self.core, port)
+        if port.sharded and port.all_reduce(0.0 if why is None else 1.0, "max") > 0.0:
+            # every rank steps in backward, or none: the ranks' steps must be the same
+            why = why or "another rank's step cannot be taken in backward"
         if why is not None:
             logger.info("infinity.optim: the step is taken after backward: %s", why)
             return None

@@ -26,10 +26,14 @@ same way, once the step's last backward ran. What remains (parameters outside th
 stepped by ``opt.step()``, with the same multiplier, which also checks that what was committed
 is exactly what it would have computed.
 
+Under ZeRO-2/3 each rank steps its part of a block when the block's reduce-scatter hands it
+to the gradient sink; the measuring pass's norm is all-reduced by ``clip_grad_norm_``, and the
+ranks agree before the step whether it is taken in backward (all of them, or none).
+
 Only where the model's gradients and states are both on NVMe (elsewhere the gradients are in
-RAM already and ``opt.step()`` reads no disk for them), not sharded (ZeRO reduces gradients
-as they close), with every shard's parameters unchanged by the user since the last step, and
-with no multiplier or failed step pending: :meth:`StepInBackward.why_not` says which.
+RAM already and ``opt.step()`` reads no disk for them; ZeRO-1 keeps them in RAM), with every
+shard's parameters unchanged by the user since the last step, and with no multiplier or failed
+step pending: :meth:`StepInBackward.why_not` says which.
 """
 
 from __future__ import annotations
@@ -62,8 +66,6 @@ class StepInBackward:
     @staticmethod
     def why_not(core: AdamCore, port: OptimizerPort) -> Optional[str]:
         """Why this model's step cannot be taken in backward (None: it can)."""
-        if port.sharded:
-            return "the model is sharded (ZeRO reduces gradients as they close)"
         if not port.grads.on_nvme:
             return "its gradients are not on NVMe (opt.step() reads no disk for them)"
         if not core.clean:

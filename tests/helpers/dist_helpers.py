@@ -145,6 +145,13 @@ def _scenario_train(rank: int, world: int, out: Path, opts: Dict[str, Any]) -> D
         dist.all_to_all_single = refuse
     if isinstance(settings.get("comm"), dict):
         settings["comm"] = infinity.CommPolicy(**settings["comm"])
+    if opts.get("in_backward"):  # why a step is not taken in backward is logged at INFO
+        import logging
+        logging.basicConfig(level=logging.WARNING)
+        logging.getLogger("infinity.optim").setLevel(logging.INFO)
+    if rank in opts.get("refuse_in_backward_ranks", []):  # this rank cannot step in backward
+        from infinity.optim.in_backward import StepInBackward
+        StepInBackward.why_not = staticmethod(lambda core, port: "a reason (injected)")
     if world == 1:
         settings.pop("shard", None)  # the single-process reference
     if nvme:
@@ -176,6 +183,7 @@ def _scenario_train(rank: int, world: int, out: Path, opts: Dict[str, Any]) -> D
             loaded_extra = dict(loaded_extra, draw=float(torch.rand(1)))
     per = batch // world
     losses = []
+    result_steps = []  # per step: the bytes moved, the blocks stepped in backward
     for step in range(opts.get("start", 0), opts.get("stop", steps)):
         x = xs[step, rank * per:(rank + 1) * per]
         y = ys[step, rank * per:(rank + 1) * per]
@@ -190,18 +198,28 @@ def _scenario_train(rank: int, world: int, out: Path, opts: Dict[str, Any]) -> D
         if opts.get("layer_major"):  # infinity.accumulate over the same micro-batches
             xms, yms = list(x.chunk(micro)), list(y.chunk(micro))
             target = {id(xm): ym for xm, ym in zip(xms, yms)}
+            # in_backward: the whole step, each block stepped as its gradients complete
+            whole = opts.get("in_backward", False)
             parts = infinity.accumulate(
-                model, xms, lambda out, xm: torch.nn.functional.mse_loss(out, target[id(xm)]))
+                model, xms, lambda out, xm: torch.nn.functional.mse_loss(out, target[id(xm)]),
+                optimizer=opt if whole else None,
+                max_grad_norm=opts.get("clip") if whole else None)
             loss = sum(p / len(xms) for p in parts)
         else:
             for xm, ym in zip(x.chunk(micro), y.chunk(micro)):
                 part = torch.nn.functional.mse_loss(model(xm), ym) / micro
                 part.backward()
                 loss = loss + part.detach()
-        if opts.get("clip"):
-            opt.clip_grad_norm_(opts["clip"])
-        opt.step()
-        opt.zero_grad()
+        norm = None  # the gradients' norm before clipping
+        if opts.get("layer_major") and opts.get("in_backward"):
+            norm = infinity.stats(model)["accumulate"]["grad_norm"]
+        else:
+            if opts.get("clip"):
+                norm = float(opt.clip_grad_norm_(opts["clip"]))
+            opt.step()
+            opt.zero_grad()
+        result_steps.append(dict(infinity.stats(model)["nvme_per_step"]["bytes"], norm=norm,
+                                 overlapped=getattr(opt.last_step_stats, "overlapped_shards", 0)))
         if sched is not None:
             sched.step()
         losses.append(_mean_loss(loss, world))
@@ -243,6 +261,7 @@ def _scenario_train(rank: int, world: int, out: Path, opts: Dict[str, Any]) -> D
         "loaded_extra": loaded_extra, "draw_after_save": draw_after_save,
         "sched_last_epoch": sched.last_epoch if sched is not None else None,
         "lr": opt.param_groups[0]["lr"],
+        "steps": result_steps,
     }
     if opts.get("legacy_to"):  # one process: the earlier per-rank format, as 1 rank wrote it
         _write_legacy(opts["legacy_to"], engine, opt)

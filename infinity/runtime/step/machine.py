@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..core.block import Block
+from ..core.flat import FlatParam
 from ..core.residency import Residency
 from ..core.schedule import Schedule
 from ..core.stats import Stats
@@ -294,28 +295,29 @@ class StepHooks:
         for flat in block.flats:
             if self.partitioner is not None:  # reduce(-scatter) now, in backward order
                 # closed on its inputs: every rank reduces it, with a gradient or none
-                self.partitioner.reduce_grads(flat, self.grads, every_rank=block.close_on_inputs)
+                self.partitioner.reduce_grads(
+                    flat, self.grads, every_rank=block.close_on_inputs, how=self._handover
+                )
             else:
-                # an optimizer stepping this block now may take its gradients from RAM: then
-                # they are not written to NVMe (see GradientSink.close)
-                taker = next(
-                    (
-                        listener
-                        for listener in self.listeners
-                        if listener.takes_in_ram(self.owner, flat)
-                    ),
-                    None,
-                )
-                how = (
-                    WRITE
-                    if taker is None
-                    else Handover(True, taker.writes(self.owner), taker.in_place(self.owner))
-                )
-                self.grads.close(flat, how)
+                self.grads.close(flat, self._handover(flat))
         self.group.release(block)
         for listener in self.listeners:
             for flat in block.flats:
-                listener.grads_complete(self.owner, flat)
+                # under ZeRO-2/3 the sink closed this rank's part: the optimizer steps that
+                part = self.partitioner.sink_flat(flat) if self.partitioner is not None else flat
+                listener.grads_complete(self.owner, part)
+
+    def _handover(self, flat: FlatParam) -> Handover:
+        """How the sink closes ``flat`` (this rank's part under ZeRO-2/3): an optimizer
+        stepping it now may take its gradients from RAM, and then they are not written to
+        NVMe (see GradientSink.close)."""
+        taker = next(
+            (listener for listener in self.listeners if listener.takes_in_ram(self.owner, flat)),
+            None,
+        )
+        if taker is None:
+            return WRITE
+        return Handover(True, taker.writes(self.owner), taker.in_place(self.owner))
 
     @timed_hook
     def on_block_post_forward(self, block: Block, module: nn.Module, args, output) -> None:

@@ -5,7 +5,7 @@ Design notes: docs/modules.md, runtime/zero/partitioner.py."""
 from __future__ import annotations
 
 import logging
-from typing import Dict, List, Optional, Set, Union
+from typing import Callable, Dict, List, Optional, Set, Union
 
 import torch
 
@@ -331,12 +331,24 @@ class Partitioner:
     def has_pending(self, flat: FlatParam) -> bool:
         return id(flat) in self._grad_bufs
 
-    def reduce_grads(self, flat: FlatParam, sink, every_rank: bool = False) -> None:
+    def sink_flat(self, flat: FlatParam) -> FlatParam:
+        """What the gradient sink holds of ``flat``: this rank's part (zero2/3) or all of it."""
+        return self.local(flat) if self.shards_grads else flat
+
+    def reduce_grads(
+        self,
+        flat: FlatParam,
+        sink,
+        every_rank: bool = False,
+        how: Optional[Callable[[FlatParam], object]] = None,
+    ) -> None:
         """Reduces the flat's gradient buffer over the ranks and hands this rank's part to
         the gradient sink (zero2/3); zero1 hands the whole averaged gradient. A slot gets a
         gradient when any rank has one (as one process on the global batch would), so ranks
         that route to different experts agree. ``every_rank``: the block closed at the same
-        moment on every rank, so this rank joins with zeros where it has no gradient."""
+        moment on every rank, so this rank joins with zeros where it has no gradient.
+        ``how``: how the sink closes what it got (an optimizer stepping it in backward may
+        keep it in RAM); None: written."""
         buf = self._grad_bufs.pop(id(flat), None)
         seen = self._grad_seen.pop(id(flat), set())
         if buf is None:
@@ -360,13 +372,19 @@ class Partitioner:
             for li, s in enumerate(local.slots):
                 if anyone[s.full_index]:
                     sink.add(local, li, out[s.offset : s.offset + s.numel])
-            sink.close(local)
+            if how is None:
+                sink.close(local)
+            else:
+                sink.close(local, how(local))
         else:
             anyone = self.coll.all_reduce_avg(buf, index, mine)
             for i in anyone.nonzero().flatten().tolist():
                 s = flat.slots[i]
                 sink.add(flat, i, buf[s.offset : s.offset + s.numel].view(s.shape))
-            sink.close(flat)
+            if how is None:
+                sink.close(flat)
+            else:
+                sink.close(flat, how(flat))
 
     def flush_grads(self, sink) -> None:
         """End of backward: reduces every flat still holding gradients, in block order (and

@@ -49,3 +49,60 @@ def test_zero3_layer_major_different_micro_batch_counts_refused(tmp_path):
                                      "settings": {"shard": "zero3"}}, tmp_path)
     for res in results:
         assert "different numbers of micro-batches (4 to 5" in res.get("error", ""), res
+
+
+NVME_TIERS = {"nvme": True, "param_tier": "nvme", "grad_tier": "nvme", "optimizer_tier": "nvme"}
+
+
+EIGHT_BIT = {"states": "8bit", "min_8bit_size": 0}
+
+
+@pytest.mark.parametrize("shard,clip,optim", [("zero3", 1.0, {}), ("zero3", None, {}),
+                                              ("zero2", 1.0, {}), ("zero3", 1.0, EIGHT_BIT)])
+def test_step_in_backward_on_ranks_matches_step_after(tmp_path, shard, clip, optim):
+    """accumulate(..., optimizer=) under ZeRO: each rank steps its part of every block from RAM
+    as the block's reduce-scatter hands it over, so no gradient is written on any rank. The
+    numbers are bitwise those of the same ranks' accumulate() followed by clip_grad_norm_ and
+    opt.step() (the clip measured on a first pass, its norm all-reduced, and it fires)."""
+    tiers = dict(NVME_TIERS, shard=shard)
+    if shard == "zero2":  # zero2 keeps whole parameters on every rank: they live on host
+        tiers["param_tier"] = "host"
+    common = {"steps": 3, "batch": BATCH, "micro": MICRO, "layer_major": True,
+              "clip": clip, "settings": tiers, "optim": optim}
+    after = run_ranks("train", 2, common, tmp_path / "after")
+    inside = run_ranks("train", 2, dict(common, in_backward=True), tmp_path / "inside")
+    for r, res in enumerate(after + inside):
+        assert "error" not in res, f"run {r}: {res['error']}\n{res['log'][-3000:]}"
+    for rank in range(2):
+        got, want = inside[rank], after[rank]
+        assert got["losses"] == want["losses"]
+        for name, value in want["params"].items():
+            assert torch.equal(got["params"][name], value), (rank, name)
+        for step, (s_got, s_want) in enumerate(zip(got["steps"], want["steps"])):
+            # every step was taken in backward and wrote no gradient; the step after
+            # backward writes this rank's part of every gradient
+            assert s_got["overlapped"] > 0, (rank, step, s_got)
+            assert s_got["grads_written"] == 0, (rank, step, s_got)
+            assert s_want["grads_written"] > 0, (rank, step, s_want)
+            assert s_got["norm"] == s_want["norm"], (rank, step)
+            if clip is not None:
+                assert s_got["norm"] > clip, (rank, step)  # the clip fires
+    for name, value in inside[0]["params"].items():  # the ranks agree
+        assert torch.equal(inside[1]["params"][name], value), name
+
+
+def test_step_in_backward_refused_on_one_rank_falls_back_on_every_rank(tmp_path):
+    """One rank cannot step in backward: every rank steps after backward (the same numbers as
+    the step after accumulate), with no hang and the reason logged on both."""
+    common = {"steps": 2, "batch": BATCH, "micro": MICRO, "layer_major": True, "clip": 1.0,
+              "settings": dict(NVME_TIERS, shard="zero3")}
+    after = run_ranks("train", 2, common, tmp_path / "after")
+    inside = run_ranks("train", 2, dict(common, in_backward=True, refuse_in_backward_ranks=[1]),
+                       tmp_path / "inside")
+    for rank, (got, want) in enumerate(zip(inside, after)):
+        assert "error" not in got, f"rank {rank}: {got['error']}\n{got['log'][-3000:]}"
+        for name, value in want["params"].items():
+            assert torch.equal(got["params"][name], value), (rank, name)
+        assert all(s["overlapped"] == 0 and s["grads_written"] > 0 for s in got["steps"])
+    assert "(injected)" in inside[1]["log"]
+    assert "another rank's step cannot be taken in backward" in inside[0]["log"]
