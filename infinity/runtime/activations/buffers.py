@@ -8,13 +8,14 @@ from __future__ import annotations
 import collections
 import os
 import threading
-from typing import Callable, Deque, Dict, List, Optional, Sequence
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from ... import io as inf_io
 from ...tiers import BudgetExceededError, ByteBudget, SwapCorruptionError, SwapStore
+from ...tiers.extents import ExtentAllocator, ExtentsExhaustedError
 
 
 def round_up(nbytes: int) -> int:
@@ -130,18 +131,24 @@ class BufferPool:
 
 
 class Slot:
-    """One extent of a scratch file on loan; back to the free list when it dies. ``crc`` is
-    the CRC32C of its last completed write (None: none completed, e.g. it failed)."""
+    """One extent of a scratch file on loan; back to its file's free space when it dies.
+    ``crc`` is the CRC32C of its last completed write (None: none completed, e.g. it failed)."""
 
-    __slots__ = ("handle", "offset", "nbytes", "crc", "_files", "__weakref__")
+    __slots__ = ("handle", "offset", "nbytes", "crc", "_space", "_files", "__weakref__")
 
     def __init__(
-        self, files: ScratchFiles, handle: inf_io.FileHandle, offset: int, nbytes: int
+        self,
+        files: ScratchFiles,
+        handle: inf_io.FileHandle,
+        space: ExtentAllocator,
+        offset: int,
+        nbytes: int,
     ) -> None:
         self.handle = handle
         self.offset = offset
         self.nbytes = nbytes
         self.crc: Optional[int] = None
+        self._space = space
         self._files: Optional[ScratchFiles] = files
 
     @property
@@ -152,16 +159,17 @@ class Slot:
         files, self._files = self._files, None
         if files is not None:
             try:
-                files._give_back(self.handle, self.offset, self.nbytes)
+                files._give_back(self._space, self.offset, self.nbytes)
             except Exception:  # noqa: BLE001 - interpreter shutdown
                 pass
 
 
 class ScratchFiles:
-    """Scratch extents in the swap directory of ``store``, reused by size: files of one size
-    class hold many extents (about ``file_bytes`` each), so a step with thousands of saved
-    tensors opens a few files, not thousands. Preallocated; written without fsync; closed (and
-    removed with the directory) at close."""
+    """Scratch extents in the swap directory of ``store``: files of ``file_bytes`` each (one
+    request's size when larger), carved by the swap's first-fit extent allocator
+    (:class:`infinity.tiers.extents.ExtentAllocator`), so a step with thousands of saved
+    tensors of any sizes opens a few files, and the ranges one step frees serve the next.
+    Preallocated; written without fsync; closed (and removed with the directory) at close."""
 
     def __init__(
         self,
@@ -170,21 +178,18 @@ class ScratchFiles:
         verify: bool,
         require_direct: bool,
         file_bytes: int = 64 << 20,
-        max_extents: int = 256,
     ) -> None:
         self.store = store
         self.verify = verify
         self._require_direct = require_direct
-        self._file_bytes = file_bytes
-        self._max_extents = max_extents
-        self._free: Dict[int, List[tuple]] = collections.defaultdict(list)
-        self._handles: List[inf_io.FileHandle] = []
+        self._file_bytes = round_up(file_bytes)
+        self._files: List[Tuple[inf_io.FileHandle, ExtentAllocator]] = []
         self._total = 0
         self._lock = threading.Lock()
 
     @property
     def files(self) -> int:
-        return len(self._handles)
+        return len(self._files)
 
     @property
     def total_bytes(self) -> int:
@@ -193,29 +198,30 @@ class ScratchFiles:
     def acquire(self, nbytes: int) -> Slot:
         size = round_up(nbytes)
         with self._lock:
-            free = self._free.get(size)
-            if free:
-                handle, offset = free.pop()
-                return Slot(self, handle, offset, size)
-            count = max(1, min(self._max_extents, self._file_bytes // size))
-            path = os.path.join(
-                self.store.directory, f"activations-{size}-{len(self._handles):04d}.swp"
-            )
+            for handle, space in self._files:
+                if space.free_bytes >= size:
+                    try:
+                        return Slot(self, handle, space, space.alloc(size), size)
+                    except ExtentsExhaustedError:  # free, but not in one range
+                        pass
+            file_bytes = max(self._file_bytes, size)
+            path = os.path.join(self.store.directory, f"activations-{len(self._files):04d}.swp")
             handle = inf_io.FileHandle(path, "w+", require_direct=self._require_direct)
             try:
-                handle.allocate(count * size)
+                handle.allocate(file_bytes)
             except BaseException:
                 handle.close()
                 os.unlink(path)
                 raise
-            self._handles.append(handle)
-            self._total += count * size
-            self._free[size].extend((handle, i * size) for i in range(count - 1, 0, -1))
-        return Slot(self, handle, 0, size)
+            # the file's size is its limit: a full file makes the next one
+            space = ExtentAllocator(file_bytes, limit=file_bytes, what="activation scratch file")
+            self._files.append((handle, space))
+            self._total += file_bytes
+            return Slot(self, handle, space, space.alloc(size), size)
 
-    def _give_back(self, handle: inf_io.FileHandle, offset: int, nbytes: int) -> None:
+    def _give_back(self, space: ExtentAllocator, offset: int, nbytes: int) -> None:
         with self._lock:
-            self._free[nbytes].append((handle, offset))
+            space.free(offset, nbytes)
 
     def write(self, slot: Slot, buf: torch.Tensor) -> None:
         """Writes ``buf`` (the slot's size) to the slot and waits; records its CRC."""
@@ -240,10 +246,9 @@ class ScratchFiles:
 
     def close(self) -> None:
         with self._lock:
-            handles, self._handles = self._handles, []
-            self._free.clear()
-        for h in handles:
-            h.close()
+            files, self._files = self._files, []
+        for handle, _space in files:
+            handle.close()
 
 
 class _Owner:
