@@ -7,6 +7,11 @@ Each configuration launches its ranks as subprocesses of this file (one CPU thre
 
     python benchmarks/bench_zero3.py            # 1, 2, 4 ranks, 24 MiB model, 6 steps
     python benchmarks/bench_zero3.py --quick    # 1, 2 ranks, tiny model (CI)
+
+With ``--micro K`` each step is ``infinity.accumulate`` over K micro-batches, run twice per
+rank count: "after" (then ``clip_grad_norm_`` and ``opt.step()``) and "inside" (the step in
+backward, ``accumulate(..., optimizer=opt, max_grad_norm=...)``), with the NVMe bytes each
+rank moves per step by category.
 """
 from __future__ import annotations
 
@@ -77,12 +82,26 @@ def worker(args) -> None:
     per = args.batch // world
     x = torch.randn(per, args.seq, args.width)
     times = []
+    moved = []  # NVMe bytes per step by category (this rank)
     for step in range(args.steps):
         t0 = time.perf_counter()
-        model(x).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
+        if args.micro:
+            loss = lambda out, xm: out.pow(2).mean()  # noqa: E731
+            inside = args.variant == "inside"
+            infinity.accumulate(model, list(x.chunk(args.micro)), loss,
+                                optimizer=opt if inside else None,
+                                max_grad_norm=(args.clip or None) if inside else None)
+            if not inside:
+                if args.clip:
+                    opt.clip_grad_norm_(args.clip)
+                opt.step()
+                opt.zero_grad()
+        else:
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
         times.append(time.perf_counter() - t0)
+        moved.append(infinity.stats(model)["nvme_per_step"]["bytes"])
         if step == 0 and engine.partitioner is not None:
             engine.partitioner.coll.reset_counters()  # the first step sets things up
     timed = times[1:]
@@ -94,6 +113,8 @@ def worker(args) -> None:
         "tiers": engine.tier_bytes(), "optimizer_states": opt.state_bytes,
         "collectives": part,
         "rss_growth_bytes": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) * 1024,
+        "nvme_per_step": moved[-1],
+        "params_here": sum(s.numel for f in engine.home_flats for s in f.slots),
     }
     Path(args.out_rank).write_text(json.dumps(result))
     if world > 1:
@@ -115,7 +136,8 @@ def run_config(args, world: int, tmp: str) -> dict:
         cmd = [sys.executable, __file__, "--worker", "--out-rank", out, "--width",
                str(args.width), "--layers", str(args.layers), "--seq", str(args.seq),
                "--batch", str(args.batch), "--steps", str(args.steps), "--tier", args.tier,
-               "--nvme-path", args.nvme_path or tmp]
+               "--nvme-path", args.nvme_path or tmp, "--micro", str(args.micro),
+               "--variant", args.variant, "--clip", str(args.clip)]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     logs = [p.communicate(timeout=args.timeout)[0] for p in procs]
@@ -129,6 +151,9 @@ def run_config(args, world: int, tmp: str) -> dict:
     steps_timed = args.steps - 1
     row = {
         "world": world,
+        "variant": args.variant if args.micro else "plain",
+        "nvme_per_step_per_rank": [r["nvme_per_step"] for r in ranks],
+        "params_per_rank": [r["params_here"] for r in ranks],
         "step_s_median": step,
         "tokens_per_s": args.batch * args.seq / step,
         "host_bytes_per_rank": [r["tiers"]["host"]["now"] for r in ranks],
@@ -150,13 +175,14 @@ def plot(data: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     rows = data["results"]
-    worlds = [r["world"] for r in rows]
+    labels = [str(r["world"]) + ("" if r["variant"] == "plain" else f"\n{r['variant']}")
+              for r in rows]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    axes[0].bar([str(w) for w in worlds], [r["tokens_per_s"] for r in rows])
+    axes[0].bar(labels, [r["tokens_per_s"] for r in rows])
     axes[0].set(title="tokens/s (all ranks)", xlabel="ranks")
-    axes[1].bar([str(w) for w in worlds],
+    axes[1].bar(labels,
                 [max(r["host_bytes_per_rank"]) / 2**20 for r in rows], label="host tier")
-    axes[1].bar([str(w) for w in worlds],
+    axes[1].bar(labels,
                 [max(sum(s.values()) for s in r["optimizer_state_bytes_per_rank"]) / 2**20
                  for r in rows], bottom=[max(r["host_bytes_per_rank"]) / 2**20 for r in rows],
                 label="optimizer states")
@@ -164,8 +190,8 @@ def plot(data: dict, path: str) -> None:
     axes[1].legend()
     ag = [r.get("all_gather_s_per_step", 0) * 1e3 for r in rows]
     rs = [r.get("reduce_scatter_s_per_step", 0) * 1e3 for r in rows]
-    axes[2].bar([str(w) for w in worlds], ag, label="all-gather")
-    axes[2].bar([str(w) for w in worlds], rs, bottom=ag, label="reduce-scatter")
+    axes[2].bar(labels, ag, label="all-gather")
+    axes[2].bar(labels, rs, bottom=ag, label="reduce-scatter")
     axes[2].set(title="collective ms per step (per rank)", xlabel="ranks")
     axes[2].legend()
     fig.tight_layout()
@@ -186,6 +212,10 @@ def main() -> None:
     ap.add_argument("--tier", choices=("host", "nvme"), default="host")
     ap.add_argument("--nvme-path", default=None)
     ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--micro", type=int, default=0,
+                    help="micro-batches per step through infinity.accumulate (0: one backward)")
+    ap.add_argument("--clip", type=float, default=1.0, help="max_grad_norm with --micro (0: no clip)")
+    ap.add_argument("--variant", default="after", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_zero3.json"))
     args = ap.parse_args()
     if args.worker:
@@ -197,9 +227,14 @@ def main() -> None:
     from _common import machine_info, write_json
     with tempfile.TemporaryDirectory(prefix="bench_zero3_", dir=args.nvme_path) as tmp:
         rows = []
-        for world in worlds:
+        variants = ("after", "inside") if args.micro else ("after",)
+        for world, variant in [(w, v) for w in worlds for v in variants]:
+            args.variant = variant
             row = run_config(args, world, tmp)
             rows.append(row)
+            written = max(b["grads_written"] for b in row["nvme_per_step_per_rank"])
+            print(f"{world} rank(s) {row['variant']}: gradients written/rank {written:,} B, "
+                  f"step {row['step_s_median'] * 1e3:.1f} ms")
             print(f"{world} rank(s): {row['tokens_per_s']:.0f} tokens/s, step "
                   f"{row['step_s_median'] * 1e3:.1f} ms, host/rank "
                   f"{max(row['host_bytes_per_rank']) / 2**20:.1f} MiB, all-gather "
@@ -209,7 +244,8 @@ def main() -> None:
     data = {"machine": machine_info(), "command": " ".join(sys.argv),
             "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
             "model": {"params": params, "width": args.width, "layers": args.layers,
-                      "seq": args.seq, "global_batch": args.batch, "tier": args.tier},
+                      "seq": args.seq, "global_batch": args.batch, "tier": args.tier,
+                      "micro_batches": args.micro, "clip": args.clip if args.micro else None},
             "results": rows}
     write_json(args.out, data)
     plot(data, os.path.splitext(args.out)[0] + ".png")
