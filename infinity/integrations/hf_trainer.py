@@ -1,33 +1,7 @@
 """``LayerMajorTrainer``: Hugging Face ``Trainer`` with ``gradient_accumulation_steps`` run as
 one layer-major step (``infinity.accumulate``).
 
-    from infinity.integrations.hf_trainer import LayerMajorTrainer
-    trainer = LayerMajorTrainer(model=wrapped, args=TrainingArguments(...,
-                                gradient_accumulation_steps=16), ...)
-
-The Trainer fetches an optimizer step's micro-batches together (``get_batch_samples``) and then
-calls ``training_step`` once per micro-batch. Here the first of those calls runs the whole
-step's forward and backward layer-major and every call returns its micro-batch's loss as the
-Trainer would have; the scheduler, logging and checkpoints are the Trainer's own. With
-``infinity.optim.AdamW`` on a wrapped model and clipping on (``max_grad_norm`` > 0, the
-default), the optimizer step is taken in backward too (``accumulate(..., optimizer=,
-max_grad_norm=)``: each block stepped from RAM, no gradient written); the Trainer's clip then
-returns that step's norm and its ``optimizer.step()`` does nothing. Otherwise, or with
-``LayerMajorTrainer(..., step_in_backward=False)``, clipping and the step are the Trainer's.
-The step in backward with a clip runs the backward twice (the first pass measures the norm):
-it saves writing and reading the fp32 gradients (8 bytes per parameter per step, and their
-disk space) for one more backward over the step's micro-batches, which costs time where
-compute is the bottleneck, a CPU (benchmarks/RESULTS.md, "The clipped step in backward").
-Loss normalisation follows transformers 5.x: when the model takes
-``num_items_in_batch`` (causal LMs do) each micro-batch's loss is its token sum over the
-step's token count and the gradients are their plain sum; otherwise each loss is divided by
-the number of micro-batches. The gradients are those of the plain Trainer (bitwise where the
-kernels are deterministic).
-
-What differs from the plain Trainer: every micro-batch of a step is fetched before the first
-forward (the Trainer does that already), the per-micro-batch losses exist only once the whole
-step ran, and ``compute_loss`` is not called (a subclass overriding it, ``compute_loss_func``,
-label smoothing and context parallelism are refused, naming the plain Trainer as the remedy)."""
+Design notes: docs/modules.md, integrations/hf_trainer.py."""
 
 from __future__ import annotations
 

@@ -1,25 +1,7 @@
 """OffloadedAdam: a torch.optim.Optimizer whose fp32 master weights and moments live in host RAM
 or on NVMe, stepped by the native CPU Adam (``infinity.ops.cpu_adam_step``).
 
-Parameters of a model wrapped by ``infinity.wrap`` are stepped shard by shard (one shard = one
-block's FlatParam): their gradients come from the engine's gradient source (in RAM, or read
-from its swap files; the optimizer reaches the engine only through its port,
-:class:`~infinity.runtime.port.OptimizerPort`; ``p.grad`` stays None), the states come from :mod:`.state_store`, and the updated working copy
-(the parameter's home dtype: fp32, bf16 or fp16) is written in the same kernel pass into the
-parameter's home (host), into a staging buffer written to the parameter swap file (NVMe), or
-into the resident buffer (device). Parameters that are not wrapped are stepped one by one with
-the same kernel and per-parameter state, like torch.
-
-Opt-in compact states (``states="bf16"`` or ``"8bit"``) shrink the two moments to 4 or ~2.03
-bytes per parameter; opt-in bf16 master weights (``master="bf16_sr"`` stochastic rounding,
-2 bytes, or ``"bf16_kahan"``, 2 + 2 bytes) shrink the fp32 master too; see
-:class:`OffloadedAdam`, :mod:`infinity.ops.bf16_master` and :class:`.state_store.StateLayout`.
-
-Semantics follow torch.optim.AdamW / Adam: per-parameter step counts (a parameter without a
-gradient in a step is left alone and its step does not advance), hyper-parameters read from each
-param group at every step (LR schedulers work), ``state_dict`` in torch's format plus an fp32
-``master`` entry per parameter.
-"""
+Design notes: docs/modules.md, optim/adam.py."""
 
 from __future__ import annotations
 

@@ -1,40 +1,7 @@
 """A step taken inside backward: each block's update applied from RAM, committed in place, as
 soon as its gradients are complete (``infinity.accumulate`` with an optimizer drives it).
 
-Layer-major accumulation completes each block's gradients once per optimizer step, when the
-last micro-batch leaves the block in backward. From there the block's update runs on the
-overlap's worker (:mod:`.overlap`) while backward goes on below it: its states are read,
-stepped with the gradients still in RAM and written back, each unit committed as its write
-completes, as ``opt.step()`` commits them. So no gradient is written to disk (the gradient
-files take no disk, runtime/grads/nvme.py) and no old state is kept beside the new one. A
-block whose gradients outgrow the gradient pool even grown for the step (runtime/grads/nvme.py,
-``hold_whole``) has its remaining chunks written and is stepped from RAM and file together;
-its file gives its disk back once the block is committed.
-
-Nothing can be redone, so the step's multiplier must be known before the first block closes:
-
-- without clipping it is 1;
-- with clipping (``max_grad_norm``) a first backward pass only *measures*: each block's
-  gradients are measured when they close (as every NVMe gradient is) and dropped, unwritten.
-  The clip coefficient follows from those norms exactly as ``clip_grad_norm_`` computes it,
-  then the gradients are cleared and the second pass steps. The cost: one more backward over
-  the step's micro-batches (recompute and backward of every layer) and one more fetch of
-  each block; the forward and the layer inputs are shared.
-
-The root block's gradients (parameters outside every block, the final norm) are stepped the
-same way, once the step's last backward ran. What remains (parameters outside the model) is
-stepped by ``opt.step()``, with the same multiplier, which also checks that what was committed
-is exactly what it would have computed.
-
-Under ZeRO-2/3 each rank steps its part of a block when the block's reduce-scatter hands it
-to the gradient sink; the measuring pass's norm is all-reduced by ``clip_grad_norm_``, and the
-ranks agree before the step whether it is taken in backward (all of them, or none).
-
-Only where the model's gradients and states are both on NVMe (elsewhere the gradients are in
-RAM already and ``opt.step()`` reads no disk for them; ZeRO-1 keeps them in RAM), with every
-shard's parameters unchanged by the user since the last step, and with no multiplier or failed
-step pending: :meth:`StepInBackward.why_not` says which.
-"""
+Design notes: docs/modules.md, optim/in_backward.py."""
 
 from __future__ import annotations
 

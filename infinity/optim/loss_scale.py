@@ -1,18 +1,6 @@
 """Dynamic loss scaling for fp16 training, with the interface of ``torch.amp.GradScaler``.
 
-    scaler = infinity.optim.LossScaler(init_scale=2.0**16)
-    for x, y in data:
-        loss = loss_fn(model(x), y)
-        scaler.scale(loss).backward()
-        scaler.unscale_(opt)              # optional: only needed before opt.clip_grad_norm_
-        opt.clip_grad_norm_(1.0)          # optional
-        scaler.step(opt)                  # skipped when a gradient is inf/nan
-        scaler.update()                   # lowers the scale after an overflow, grows it after
-        opt.zero_grad()                   # ``growth_interval`` clean steps
-
-Gradients are never rewritten in place: ``unscale_`` hands ``1/scale`` to the optimizer, whose
-CPU Adam kernel multiplies each gradient by it as it reads it (``grad_multiplier``).
-"""
+Design notes: docs/modules.md, optim/loss_scale.py."""
 
 from __future__ import annotations
 

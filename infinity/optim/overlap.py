@@ -1,62 +1,6 @@
 """The optimizer step hidden behind backward: speculate per block, verify at ``opt.step()``.
 
-When a block's gradients are complete during backward (the engine calls
-:meth:`BackwardOverlap.grads_complete` right after it wrote them to NVMe and released the
-block), its update starts at once on a worker thread: read its committed states, CPU Adam,
-write the states to free extents of the state file (pending: the committed ones stay) and
-the updated working copy to the parameter home, through the same pipeline as a step
-(:func:`.swapper.run_pipeline`, fed while backward goes on). Nothing is committed then. ``opt.step()`` waits for the worker and keeps a
-block's speculative update only when it is exactly the one the step would compute:
-
-- the same runs (slots with gradients, param groups, step counts) and hyper-parameters
-  (lr, betas, eps, weight decay: an LR scheduler or a manual change in between is seen);
-- grad multiplier 1 (no clipping that triggered, no loss-scale unscaling; clipping whose
-  coefficient is 1.0 keeps the update), gradients found finite where they are checked;
-- the gradients unchanged since (the engine's per-slot norm record is the same object: a
-  change through ``p.grad`` re-measures it) and no parameter written by the user since.
-
-Otherwise the block is **rolled back** (its pending extent is forgotten: the committed one
-still holds the previous states, and its parameters are rewritten from the committed master)
-and stepped normally. So the result is bitwise the step after backward in every case; what
-the mode decides is only how often the work done during backward is kept.
-
-Gradient accumulation: an update may start only during the last backward before the step. The
-optimizer cannot know that in advance, so a forward (or ``zero_grad``, ``state_dict``,
-``load_state_dict``) that comes before ``opt.step()`` while speculative updates exist rolls
-them back first: a micro-batch never sees updated parameters. ``overlap="auto"`` (the default)
-therefore arms only after it saw ``AUTO_AFTER`` consecutive steps with exactly one backward
-each (and disarms at the first accumulation), so accumulating loops pay at most one rollback;
-after a step whose updates had to be redone (clipping that triggers, a loss scaler) "auto"
-sits out 1, 2, 4 .. 64 steps before it speculates again. ``overlap=True`` arms for every
-backward (for loops that step after each backward);
-``overlap=False`` never. Only engines whose gradients *and* optimizer states are on NVMe are
-armed (gradients in RAM can be changed in place through ``p.grad`` without trace, and host
-states have no committed copy to fall back to), after the first step (states exist).
-
-Gradients from RAM. An armed block's gradients are handed to the worker in their RAM
-buffer (the sink keeps it until the worker has stepped the block), so the update never reads
-them back from NVMe. Whether they are *also* written to NVMe is ``keep_grads``'s choice: a
-written gradient is what a step that has to be redone (clipping that triggers, a loss scale,
-an lr changed after backward, a parameter or ``p.grad`` changed) steps from, and what ``p.grad``
-shows. ``keep_grads=True`` (the default) always writes it. ``keep_grads="auto"`` skips the
-write once the loop has shown, for
-``SKIP_AFTER`` armed steps in a row, that nothing needs gradients after backward: every
-speculative update kept, no ``clip_grad_norm_`` or grad multiplier, no ``p.grad`` changed, no
-backward accumulating onto an earlier one. A loop that clips (HF Trainer does, with
-``max_grad_norm=1.0``) keeps writing them: the coefficient is known only once the whole
-backward is done, and a redo needs every block's gradient. Where a gradient was not written and something needs it after all, nothing is guessed: the
-step is not applied and raises, naming the block and the remedy (``p.grad`` of fp32 parameters
-is then a placeholder that raises when used; a forward before ``opt.step()`` -- accumulation
-decided late -- makes the next step raise the same way).
-
-Limit: between the end of backward and ``opt.step()``, an armed model's parameters hold the
-speculatively updated values: reading them there (``state_dict()``, a logged weight) shows
-them, and a write there is taken in relative to them (the step then redoes the block from its
-committed states). The optimizer's own ``state_dict``/checkpoint calls roll back first. Use
-``overlap=False`` for loops that touch parameters between backward and step. Parameters
-written before the forward (``load_state_dict``, an EMA copied back) keep the step after that
-forward from speculating.
-"""
+Design notes: docs/modules.md, optim/overlap.py."""
 
 from __future__ import annotations
 

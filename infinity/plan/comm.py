@@ -1,20 +1,7 @@
 """ZeRO-3's communication per optimizer step, full width and compressed (``wrap(comm=...)``),
 and its time on a link of a given speed.
 
-Model (per rank, per optimizer step, ring collectives: a rank sends and receives (N-1)/N of
-each collective's bytes):
-- all-gathers of parameters: every block before its forward and again before its backward,
-  once per micro-batch (the plain loop) or once per step (``infinity.accumulate``), at the
-  compute dtype's width, or int8 codes plus one fp32 scale per block of values;
-- reduces of gradients: once per backward (per micro-batch; once per step layer-major), fp32,
-  or int8 / int4 codes plus one fp32 scale per block;
-- error feedback: 4 bytes per parameter of the whole model in each rank's host RAM;
-- a hierarchical partition (``node_size``): backward's all-gathers run inside the node (not on
-  the link between nodes), for the parameters' bytes / node_size kept per rank from forward.
-Not modelled: latency per collective, the small all-reduces (norms, finiteness), overlap with
-compute (see :meth:`CommEstimate.step_s`).
-
-Design notes: docs/zero3.md, "Compressed collectives"."""
+Design notes: docs/modules.md, plan/comm.py."""
 
 from __future__ import annotations
 

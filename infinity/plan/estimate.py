@@ -1,72 +1,7 @@
 """``infinity.estimate``: for each placement and rank count, the bytes per tier, the predicted
-step time (from the probe's measurements and the model's shape) and the NVMe bytes written per
-step. Every rate comes from the probe (or from timing one layer at the model's shape:
-``calibrate``), never from a run of the model itself. The cost model, term by term (n: the
-parameters this rank holds, s: optimizer state bytes per parameter, B: blocks):
+step time (from the probe's measurements and the model's shape) and the NVMe bytes per step.
 
-- compute: forward + backward, ``6·N·tokens + 12·layers·tokens·seq·d`` FLOPs at the probe's rate
-  for a GPT layer of the model's width (interpolated between the probed widths), or
-  ``layers·layer_s + head_s`` timed at this shape;
-- engine: the fixed cost per block and per step (hooks, fetch issue, gradient hand-off, the
-  optimizer's per-shard bookkeeping, per-request latency on NVMe), ``B·block_s + step_s``,
-  measured by the probe on tiny GPTs for the placement's tier layout (host / optim_nvme / nvme);
-- gradient offload: each gradient added into an fp32 host buffer (12 bytes/param of memory
-  traffic on the CPU; on a GPU the device->host copy at the pinned bandwidth);
-- the swap disk, per step, by category (``Estimate.nvme_per_step``, the categories of
-  ``stats()["nvme_per_step"]``), as the engine moves them: the blocks whose parameters live
-  on NVMe read in forward each time they run and again in backward, but the last
-  ``prefetch_window`` blocks of forward (kept for backward), an embedding read by rows and an
-  embedding's backward (it needs only the indices) (``param_reads``); their working copies
-  written back by the optimizer; the fp32 gradients of every trained block written in
-  backward and read by the optimizer (gradients on NVMe); the optimizer states read and
-  written. The first ``host_blocks`` blocks' parameters stay on host: no reads, no write-back;
-  their gradients and states move as the others'. Reads and writes share one disk and take
-  turns: a phase's disk time is its reads at the probed read rate plus its writes at the
-  write rate;
-- compute against the disk: forward + backward (compute and the gradients' hand-off) against
-  its reads and gradient writes, pipelined by the prefetch window, plus the first block's read
-  that nothing hides; the optimizer (CPU Adam and the working copies) against its reads and
-  writes, read(i+1) | compute(i) | write(i-1), plus the first unit's read and the last one's
-  write. Each phase takes the longer of its compute and its disk time plus the share of the
-  shorter that does not overlap (``side_by_side``): how much overlaps is the probe's
-  measurement (``DiskProbe.compute_overlap``: a disk transfer and a computation alone, then
-  both at once); when the probe did not measure it, nothing on a CPU device (the same two
-  cores run the model, the I/O's checksums and page pinning, and a virtual disk's
-  emulation), everything on a GPU;
-- the updates that start during backward when gradients and states are both on NVMe (the
-  optimizer's overlap) are not credited: on a CPU-only machine the same cores compute, and
-  the fetches use the same disk (Llama-3.2-3B under an 8 GiB budget: 79.4 s for a step without
-  them, 82.5 s with them, benchmarks/RESULTS.md). What the engine moves beyond the formats in
-  such a step (more gradient writes) is not counted either.
-
-Memory outside the engine's pools (``autograd_working_set``; in the device bytes: RAM on a CPU,
-the GPU's memory on a GPU). T = batch·seq tokens, c = the compute dtype's bytes, d, ffn, kv:
-the model's width, MLP width and key/value width, V the vocabulary, L the layers:
-
-- activations autograd saves for backward: ``L·T·(c·(6d + 2kv + 4ffn) + 8d) + T·d·(4 + 2c)``
-  (a Llama layer: the inputs of q/k/v, o, gate/up and down, q/k/v after RoPE, attention's
-  output, gate, up and SiLU(gate); both RMSNorms keep their input in fp32; then the final norm
-  and the head's input; counted with saved-tensor hooks on transformers' LlamaForCausalLM:
-  131,072 bytes per token and layer at d=3072, ffn=8192, kv=1024 in bf16);
-- the head not tiled (``tiled_head=False``): the logits, ``12·V·T`` (the fp32 log-softmax the
-  loss keeps, the loss's gradient and the log-softmax's gradient at once), and the head's
-  weight gradient ``V·d·c`` that autograd builds whole; tiled: one tile of the weight and of its
-  gradient (2 chunks) and the tile's fp32 logits, probabilities and gradient (``12·T·rows``);
-- an embedding not read by rows (tied to the head without a tiled head, or
-  ``embedding_rows=False``): its dense gradient ``E = V·d·c``. A tied one is held from the
-  head's backward to the end of backward, where the lookup's dense gradient is added to it:
-  ``3·E`` then (the head's, the lookup's and their sum; fitted on the measured vocabulary
-  table, peak RSS - engine accounting of 0.58 / 2.24 / 4.42 GiB at V = 32k / 128k / 256k,
-  d=3072, bf16: 18.4 KB per vocabulary entry, 3·6144 bytes), when the activations are gone.
-
-The peak is the larger of the start of backward (activations + logits + the head's gradient,
-or the tile) and the end of backward (the embedding's dense gradients). An embedding read by
-rows and a tiled head are not fetched whole: the compute buffers hold the layers and the other
-outer blocks only.
-
-With R ranks each holds 1/R of the homes, gradients and states (ZeRO-3 partitioning) and
-computes its own batch; collectives are not modelled (and multi-rank runs are not built yet).
-"""
+Design notes: docs/modules.md, plan/estimate.py."""
 
 from __future__ import annotations
 

@@ -1,21 +1,7 @@
 """The planner: ``infinity.wrap(model, placement="auto")`` picks where parameters, gradients and
-optimizer states live, the prefetch window and the buffer counts, from the budgets (device
-memory, a share of the available RAM, free disk at ``nvme_path``) and the probed bandwidths:
-the placement with the shortest predicted step among those that fit. Tiers the user set
-explicitly are kept as given; the planner decides only what was left "auto".
+optimizer states live, the prefetch window and the buffer counts, from the budgets and rates.
 
-Parameters may be split per block: when they do not all fit in the host budget but some do,
-the planner also considers "the first K blocks on host, the rest on NVMe" (``host_blocks=K``,
-K as large as fits after the other needs), its step estimated with those blocks' fetches and
-working copies off the disk (their gradients and states keep the placement's tiers), and takes
-it when that is the shortest predicted step. Gradients and optimizer states keep one tier for
-the model.
-
-What autograd allocates outside the engine (activations, the logits and the head's gradient
-without ``tiled_head``, a dense embedding gradient without rows: ``estimate.py``'s
-``autograd_working_set``) is counted in every placement's device bytes, so on a CPU the
-host-homed blocks leave room for it within the host budget.
-"""
+Design notes: docs/modules.md, plan/planner.py."""
 
 from __future__ import annotations
 

@@ -1,32 +1,6 @@
 """``infinity.probe()``: measures what the planner and the estimates need, once per machine.
 
-- memory bandwidth (an in-place update pass over a large fp32 buffer: read + write);
-- host<->device bandwidth (pinned and pageable) when there is a CUDA GPU;
-- O_DIRECT read and write bandwidth of the swap directory, with :mod:`infinity.io`;
-- free space there (read fresh every time, never cached);
-- how much of a disk transfer hides behind compute when both run at once
-  (:func:`measure_compute_overlap`: on a CPU-only machine the two share the cores);
-- CPU Adam parameters/s (fp32 states; 8-bit states too);
-- the compute device's rate on a GPT layer (forward + backward) of a few widths, in FLOP/s;
-- torch's own AdamW (the plain-PyTorch ``device`` placement) in parameters/s;
-- the engine's fixed cost per block and per step (hooks, fetch issue, gradient hand-off, the
-  optimizer's per-shard bookkeeping and, on NVMe, the per-request latency): a tiny GPT of two
-  depths trained a few steps plain and wrapped; the slope over blocks of (wrapped - plain) is
-  the per-block cost, its intercept the per-step cost (:func:`measure_engine_overhead`; full
-  probe only).
-
-A full probe takes under a minute with a disk, half that without (:class:`ProbeSettings`): the
-compute rates are timed from the narrowest layer up, and a dtype stops once the next width would
-run past its time budget (bf16 on a CPU without AVX512-BF16 or AMX runs tens of times slower
-than fp32): the widths it left out are named in :attr:`ProbeResult.cut_short`, and the rates it
-reports are all measured. ``thorough=True`` (``infinity probe --thorough``) times every width
-however long it takes. Each stage shows a tqdm progress bar on stderr.
-
-Results are cached as JSON (``$INFINITY_CACHE_DIR`` or ``~/.cache/infinity``/probe.json) with
-the machine's identity (CPU model, RAM, GPU, torch) and, for the disk figures, the identity of
-the block device behind the path. A cache written on another machine, or for another disk, is
-not used: the machine is measured again.
-"""
+Design notes: docs/modules.md, plan/probe.py."""
 
 from __future__ import annotations
 

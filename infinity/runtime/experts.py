@@ -1,24 +1,6 @@
 """Fused mixture-of-experts weights sliced per expert, and fused back.
 
-transformers 5.x keeps each MoE layer's experts as two 3-D parameters (``gate_up_proj``
-[experts, 2 * inter, hidden] and ``down_proj`` [experts, hidden, inter]), so the layer's
-experts are one unit for every fetch, gather, gradient and optimizer step. :func:`slice_experts`
-replaces each such module by :class:`SlicedExperts`, an ``nn.ModuleList`` of one
-:class:`ExpertSlice` (two 2-D parameters) per expert whose forward is the fused module's eager
-forward with each expert's matrices taken from its own slice. The numbers are the same: each
-expert computes the same ``linear`` calls on the same values, and the gradient of a slice is the
-row block of the fused gradient.
-
-What changes is the unit. An expert that gets no tokens does not run, so its parameters get no
-gradient (``None``, skipped by the optimizer, as for per-expert modules in transformers 4.x),
-where the fused parameter gives it a zero gradient that Adam still steps. And each slice can be
-a block of its own (:func:`expert_block_rule`), fetched, gathered and stepped only when the
-router chooses it. Under ZeRO the ranks first agree on the experts any of them routes to (one
-all-reduce of a flag per expert), and each runs those, with no tokens where it has none, so
-every rank issues the same collectives.
-
-:func:`fuse_experts` puts the fused modules back (for ``save_pretrained`` and Hugging Face
-checkpoints)."""
+Design notes: docs/modules.md, runtime/experts.py."""
 
 from __future__ import annotations
 

@@ -1,25 +1,6 @@
 """The one port between a wrapped model's engine and the optimizers that step it.
 
-infinity/optim reaches the runtime only through :class:`OptimizerPort` (and the flat-parameter
-type, :class:`~infinity.runtime.core.flat.FlatParam`): where a parameter lives, quiesce/resume
-around a step, the gradient source, reads and writes of the working copy (whole or by element
-range), the parameters the user wrote outside forward, host memory (the engine's budget),
-backward listeners, and the facts about tiers that the optimizer needs (where NVMe files go,
-the swap tag, the optimizer-state tier resolved at wrap).
-
-What the optimizer sees of the runtime's objects is written here as protocols, each with the
-members the optimizer uses and no more: :class:`GradSource` (``port.grads``, the engine's
-GradientSink, with :class:`GradFiles` and :class:`KeptGrads`), :class:`WorkingCopy`
-(``port.working``, the engine's HomeWorkingCopy in runtime/homes/ranges.py),
-:class:`HostBudget` (``port.host_budget``), :class:`PendingIO` (a read or write in flight),
-:class:`BackwardListener` (what an optimizer listening to backward implements) and
-:class:`StepReport` (what a step reports to the engine's statistics). The runtime's objects
-satisfy them structurally.
-
-There is one port per engine while anything holds it (:meth:`OptimizerPort.of`), so ports
-compare by identity like the engines behind them. The port reads only the engine's public
-members; it owns no state of its own.
-"""
+Design notes: docs/modules.md, runtime/port.py."""
 
 from __future__ import annotations
 

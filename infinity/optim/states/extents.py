@@ -1,17 +1,6 @@
 """Where each unit's optimizer states sit in the state file, and what is committed.
 
-:class:`StateExtents` owns the optimizer's state file of one engine (one
-:class:`~infinity.tiers.swap_store.SwapStore` under ``nvme_path``), the
-:class:`~infinity.tiers.extents.ExtentAllocator` that places extents in it, and per shard:
-the committed extent of each unit (with the CRC32C of its content), the pending extents of
-writes not yet committed, and the units that committed the step in progress. It knows shards
-by key and units by index and size; what a shard's units are (its
-:class:`~.chunks.ChunkPlan`) is the caller's (:class:`~.nvme_states.NvmeStates`).
-
-A unit is written into a free extent; once the write completed, :meth:`written` records its
-CRC and either commits it (its old extent is freed) or keeps it pending (a speculative
-update, see :mod:`.overlap`) until :meth:`commit_pending` or :meth:`abort_shard`.
-"""
+Design notes: docs/modules.md, optim/states/extents.py."""
 
 from __future__ import annotations
 

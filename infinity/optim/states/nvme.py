@@ -1,31 +1,6 @@
 """Optimizer states on NVMe: one swap file of extents, one extent per unit, committed per unit.
 
-Every shard is a sequence of units (element ranges, see :mod:`.chunks`; a shard not larger
-than the chunk is one unit whose extent is its whole layout). Each unit's states live in one
-extent of a single state file, placed by an :class:`~infinity.tiers.extents.ExtentAllocator`
-(first fit, 4096-aligned). The store's :class:`~.state_extents.StateExtents` keeps the state
-file and, per shard, the map unit -> committed extent (with the CRC32C of its content).
-
-A step writes a unit's new states into a *free* extent and, once that write completed,
-commits the unit: its map entry switches to the new extent and the old one is freed. A freed
-extent keeps its disk blocks for the next unit that lands there (up to three of the largest
-extents are kept; beyond that the file's blocks are punched out where the filesystem can, see
-:class:`~infinity.tiers.swap_store.SwapStore`), so a step does not pay for giving blocks back
-and taking them again. The disk holds the committed states plus the units whose writes are in
-flight and those kept blocks -- never a second copy of every shard. A
-unit is never committed before its write completed and its checksum was taken, and a unit
-is checked against its recorded CRC before it is stepped: states are never silently garbage.
-
-After a failed step each unit holds either its states from before the step or from after it;
-the store records which units of each shard took the step (:meth:`.StateExtents.stepped`), and
-the optimizer's retry steps only the others (same gradients, same step count), which gives
-bitwise the result of a step that never failed.
-
-An update that may still be rolled back (the step overlapping backward, :mod:`.overlap`)
-writes with ``commit=False``: its extents stay *pending* beside the committed ones until
-:meth:`~NvmeStates.commit_shards` (kept) or :meth:`~NvmeStates.abort_shard` (rolled back), so
-while it is armed the spare grows to the units it stepped.
-"""
+Design notes: docs/modules.md, optim/states/nvme.py."""
 
 from __future__ import annotations
 

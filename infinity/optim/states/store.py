@@ -1,19 +1,6 @@
 """The interface the optimizer steps through to reach one wrapped model's states.
 
-:class:`StateStore` is the one interface; each tier is one class behind it, holding the
-tier's differences (where the buffers are, how a step reads, computes and commits them, how a
-failed step is recorded):
-
-- :class:`~.host_states.HostStates`: the buffers stay in host RAM (counted in the engine's
-  host budget).
-- :class:`~.nvme_states.NvmeStates`: the buffers live in one state file of the optimizer's
-  own SwapStore (a private directory under ``nvme_path``), one extent per unit (element
-  range, see :mod:`.chunks`), committed unit by unit: a step writes a unit into a free extent
-  and switches the shard's map, so the disk holds the states once plus the units in flight.
-
-The layout of a shard's states is :mod:`.layout`'s; :mod:`.stores` chooses the tier and makes
-the store. The names of :mod:`.layout` and :mod:`.shard` are re-exported here.
-"""
+Design notes: docs/modules.md, optim/states/store.py."""
 
 from __future__ import annotations
 

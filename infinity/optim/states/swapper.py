@@ -1,17 +1,7 @@
-"""The NVMe state pipeline: read(i+1..i+D) | compute(i) | write(i-1) over *units* (a shard
-not larger than the chunk is one unit; a larger one is a sequence of element ranges of about
-``chunk_bytes`` of states, see :mod:`.chunks`), with S >= 3 sets of aligned host buffers of
-one unit each (D = S - 2 units read ahead; S = 3 by default, see :func:`choose_sets`), and
-the clock that measures how much of the I/O was hidden.
+"""The NVMe state pipeline, read(i+1..i+D) | compute(i) | write(i-1) over units with S >= 3
+sets of aligned host buffers, and the clock that measures how much of the I/O was hidden.
 
-Set ``k = u % S`` serves unit u. Before unit u's read goes into its set, the writes issued
-from that set (unit u - S, written at least two iterations earlier) must have finished, so at
-any moment up to D sets are being read into, one computed on and one written from. Where the
-engine keeps gradients and/or parameters on NVMe, each set also holds its unit's gradients and
-updated working copy, in whole pieces of the engine's swap files (no buffer of a whole shard).
-Nothing here decides *what* a step computes: the caller passes
-``compute(shard, unit, states_buf, out, grad)``.
-"""
+Design notes: docs/modules.md, optim/states/swapper.py."""
 
 from __future__ import annotations
 

@@ -1,26 +1,6 @@
 """The optimizer's sub-chunk setting and the geometry of stepping a shard in element ranges.
 
-``chunk_bytes`` is the size of the state bytes one NVMe step moves per piece: a shard whose
-states are larger is stepped as a sequence of element ranges (*units*), each unit's state
-bytes read into, stepped in and written from a buffer of about that size, so the pipeline's
-buffers are bounded by the chunk, not by the largest shard (a Llama-3 embedding).
-:func:`~infinity.tiers.chunk_size.resolve_chunk_bytes` is the one place its value is checked
-and its default derived.
-
-The geometry (pure functions, no I/O): :func:`element_ranges` cuts a shard into ranges whose
-boundaries are slot starts or 256-element 8-bit block boundaries inside a slot (each slot's
-blocks start at its first element, see :class:`.state_store.StateLayout`), and
-:func:`byte_spans` maps one range to the byte span it occupies in each region of a
-one-format state layout. :func:`plan_chunks` turns them into O_DIRECT requests.
-
-On disk each unit is an extent of its own (see :class:`.state_store.NvmeStates`): the byte
-spans of its element range in every region of the layout, packed one after the other (each
-at a 16-byte boundary) and padded to 4096 bytes. So a unit is read and written as one
-aligned request, shares no page with another unit, carries its own CRC32C and can be
-committed alone: a step writes it into a free extent and switches the shard's map. The
-layout of the whole shard (what :func:`byte_spans` describes) is what a unit's ``spans``
-scatter to and gather from when the whole shard is read or written at once.
-"""
+Design notes: docs/modules.md, optim/step/chunks.py."""
 
 from __future__ import annotations
 

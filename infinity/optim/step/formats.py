@@ -1,35 +1,6 @@
 """Which moment format each parameter gets: the optimizer's ``states=`` and ``min_8bit_size=``.
 
-``states=`` is one format for every parameter ("fp32", "bf16" or "8bit"), a dict, or a
-callable:
-
-- a dict whose keys are ``nn.Parameter`` objects, ``nn.Module`` objects (that module's
-  parameters, recursively) or the string ``"default"`` (the format of every parameter no other
-  key names; "fp32" when absent), values a format name. A parameter key beats a module key; of
-  several module keys holding a parameter, the innermost one (fewest parameters) wins, and
-  among equally small ones the later in the dict.
-- a callable ``f(param) -> format or None`` (None: the default, "fp32"). A callable sees only
-  the parameter: it decides formats but names nothing, so the embedding default below still
-  applies to the "8bit" it returns (use a dict key to opt an embedding in).
-
-The safeguards of bitsandbytes' 8-bit optimizers are the defaults, applied only where the
-format would be "8bit":
-
-- ``min_8bit_size`` (bitsandbytes' name and default, 4096 elements): a parameter with fewer
-  elements keeps fp32 moments (biases, norms: 8-bit blocks save nothing there and cost
-  precision). It applies to every parameter, named or not (``min_8bit_size=0`` turns it off).
-- a parameter owned by an ``nn.Embedding`` (including a weight tied between an embedding and a
-  head: the same Parameter object) keeps fp32 moments unless the user named it or one of its
-  modules explicitly (a dict key; ``"default"`` names nothing), as bitsandbytes'
-  ``StableEmbedding`` / ``GlobalOptimManager.override_config`` do. The optimizer learns a
-  parameter's modules from the wrapped model's engine (``engine.model``); parameters that are
-  not in a wrapped model carry no module information, so only ``min_8bit_size`` and explicit
-  keys apply to them (opt an unwrapped embedding out with ``{emb.weight: "fp32"}``).
-
-Everything here is pure (no state of the optimizer): :func:`formats_for` gives the formats of a
-model's parameters (meta models too), :func:`moment_nbytes` / :func:`format_summary` the bytes
-they take, for estimates and reports.
-"""
+Design notes: docs/modules.md, optim/step/formats.py."""
 
 from __future__ import annotations
 

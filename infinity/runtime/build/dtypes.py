@@ -1,25 +1,6 @@
 """The dtype each flat computes in, decided once at wrap.
 
-``compute_dtype`` as the user set it: a dtype (every flat computes in it), None (every flat in
-its stored dtype, as FSDP2's MixedPrecisionPolicy without a param_dtype), or "auto" (the
-default): fp32 homes compute in fp32; bf16 and fp16 homes compute in their own dtype where the
-device runs it fast, in fp32 where it does not:
-
-- on CUDA, in the stored dtype (tensor cores run bf16/fp16 at least as fast as fp32);
-- on a CPU, from the measured rates of the two dtypes: in fp32 when the stored dtype's rate
-  is below ``FP32_WHEN_BELOW`` x the fp32 rate (an AVX2 CPU runs bf16 matrix products tens of
-  times slower than fp32: it has no bf16 arithmetic), in the stored dtype otherwise (AMX,
-  AVX512-BF16/FP16: as fast or faster, and half the compute memory, no conversion at fetch).
-
-The CPU rates come from the probe's cached figures when a reader of them is registered (the
-probe lives above the runtime; ``infinity.api`` registers one: :meth:`CpuRates.add_reader`),
-else from a quick check at the first wrap that needs it (:func:`quick_rates`: a 128 x 128
-matrix product per dtype on one thread, a few milliseconds), kept for the process.
-
-Computing bf16 homes in fp32 doubles their compute buffers: the sizes and budget checks
-(sizes.py, checks.py) count ``flat.compute_nbytes``, which follows the dtype chosen here, and
-such blocks no longer run in place in their host homes on a CPU (blocks.py): they are
-streamed through compute buffers like any other."""
+Design notes: docs/modules.md, runtime/build/dtypes.py."""
 
 from __future__ import annotations
 

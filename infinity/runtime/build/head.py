@@ -1,19 +1,6 @@
 """Whether the LM head is tiled over its vocabulary (``tiled_head``), decided once at wrap.
 
-True: tiled (refused at wrap, naming why, when it cannot be: blocks.py). False: fetched whole.
-"auto" (the default): tiled when a budget is set that the head fetched whole would break and
-the head can be tiled (its count past ``WHOLE_SHARE`` of the budget); whole otherwise. Fetched whole, the head's backward holds at once its
-weight in a compute buffer, its dense weight gradient and, tied to the input embedding, the
-embedding's dense gradient and their sum: :func:`whole_head_bytes`. Next to it the
-engine holds what it always does: on a CPU device, its host RAM (homes, staging, gradient
-buffers: ``Sizing.host_needs``) and the compute buffers of the root block and of the blocks
-prefetched around the head (``prefetch_window`` layer blocks), all under ``host_budget``; on
-CUDA the device budget bounds the compute buffers. Tiled, the head reads its weight a tile of
-rows at a time and hands each tile's gradient to the gradient tier (runtime/vocab/
-tiled_head.py), and a tied embedding is read by rows (rows.py): neither is ever whole.
-
-A head that would break the budget but cannot be tiled is warned about at wrap, with the
-bytes and the remedies."""
+Design notes: docs/modules.md, runtime/build/head.py."""
 
 from __future__ import annotations
 

@@ -2,18 +2,7 @@
 then the outer blocks (modules outside the layers that own large parameters: the input
 embedding, the LM head, a vision tower's patch embedding), then the root block.
 
-Outer blocks. Each module outside the layer blocks is considered on its own, with the
-parameters it owns directly (``named_parameters(recurse=False)``): a module that owns
-parameters and also has children owning parameters gives its own parameters to its own
-candidate, and each child is a candidate of its own. Modules that share a parameter (a tied
-embedding and LM head: one ``nn.Parameter`` in two modules) are one candidate, used by all of
-them. A candidate holding at least ``persistence_threshold`` elements becomes an outer block,
-fetched when one of its modules runs and released after; a smaller one stays in the root
-block, materialized for the whole step (DeepSpeed's ``stage3_param_persistence_threshold``).
-The parameters the model's top-level module owns directly always stay in the root block.
-
-A parameter used by more than one layer block, or by a layer block and a module outside the
-layers, goes to the root block (it is needed by several blocks' forwards)."""
+Design notes: docs/modules.md, runtime/build/split.py."""
 
 from __future__ import annotations
 

@@ -1,16 +1,7 @@
 """Boundaries: the layer inputs a layer-major step keeps for every micro-batch, and the RNG
 state each layer's forward saw.
 
-Layer i's input for micro-batch m is kept from the forward of layer i - 1 until layer i's
-backward has used it: (layers + 1) x micro-batches tensors of tokens x hidden at the end of
-the forward, (layers + 1) x hidden x element-size bytes per token. They live in host RAM,
-counted in the engine's host budget (on a GPU they are copied to host and back). A step whose
-boundaries do not fit is refused before anything runs, naming what would fit.
-
-With the activation tier on NVMe (``activation_tier="nvme"``) they go to its scratch files:
-each is written as it is made, and kept in RAM only until the next layer's forward has read it
-(at most two layers' worth, for all micro-batches: the charge to the host budget); backward
-reads it back. Their bytes count as ``activations`` in ``stats()["nvme_per_step"]``."""
+Design notes: docs/modules.md, runtime/layered/boundary.py."""
 
 from __future__ import annotations
 
