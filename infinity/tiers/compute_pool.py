@@ -5,12 +5,11 @@ Design notes: docs/modules.md, tiers/compute_pool.py."""
 from __future__ import annotations
 
 import threading
-from collections import defaultdict
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 
-from .. import io as inf_io
+from .sized_pool import SizedPool
 
 
 def supported() -> bool:
@@ -19,27 +18,31 @@ def supported() -> bool:
 
 
 class ComputeBuffers:
-    """Aligned CPU buffers lent to compute storages, kept for reuse within ``limit`` bytes."""
+    """Aligned CPU buffers (a :class:`SizedPool`) lent to compute storages, kept for reuse
+    within ``limit`` bytes."""
 
     def __init__(self, limit: Optional[int]) -> None:
-        self.limit = limit
+        self.pool = SizedPool("compute", limit=limit)
         self._lock = threading.Lock()
-        self._free: Dict[int, List[torch.UntypedStorage]] = defaultdict(list)
-        self._lent: Dict[int, torch.UntypedStorage] = {}  # id(compute tensor) -> its buffer
-        self.held = 0  # bytes allocated by the pool (lent + kept)
-        self.cached = 0  # bytes kept, not lent
-        self.peak_held = 0
-        self.allocations = 0  # new buffers made (the rest of the attaches reused one)
+        self._lent: Dict[int, torch.Tensor] = {}  # id(compute tensor) -> its buffer
 
-    def _evict_locked(self, need: int, keep_size: int) -> None:
-        if self.limit is None:
-            return
-        for size in sorted(self._free, key=lambda s: s == keep_size):
-            bucket = self._free[size]
-            while bucket and self.held + need > self.limit:
-                bucket.pop()
-                self.held -= size
-                self.cached -= size
+    @property
+    def limit(self) -> Optional[int]:
+        return self.pool.limit
+
+    @limit.setter
+    def limit(self, value: Optional[int]) -> None:
+        self.pool.limit = value
+
+    @property
+    def held(self) -> int:
+        """Bytes allocated by the pool (lent + kept)."""
+        return self.pool.held
+
+    @property
+    def allocations(self) -> int:
+        """New buffers made (the rest of the attaches reused one)."""
+        return self.pool.allocations
 
     def attach(self, compute: torch.Tensor) -> None:
         """Gives ``compute``'s (0-byte) storage a buffer of ``nbytes(compute)`` bytes."""
@@ -47,21 +50,8 @@ class ComputeBuffers:
         nbytes = compute.numel() * compute.element_size()
         if storage.nbytes() != 0 or id(compute) in self._lent:
             raise RuntimeError("infinity: compute storage attached twice (engine bug)")
-        with self._lock:
-            bucket = self._free.get(nbytes)
-            if bucket:
-                buf = bucket.pop()
-                self.cached -= nbytes
-            else:
-                self._evict_locked(nbytes, nbytes)
-                buf = None
-        if buf is None:
-            buf = inf_io.aligned_empty(nbytes).untyped_storage()
-            with self._lock:
-                self.held += nbytes
-                self.allocations += 1
-                self.peak_held = max(self.peak_held, self.held)
-        storage._swap_data_ptr_(buf)
+        buf = self.pool.take(nbytes)
+        storage._swap_data_ptr_(buf.untyped_storage())
         with self._lock:
             self._lent[id(compute)] = buf
 
@@ -72,20 +62,13 @@ class ComputeBuffers:
             buf = self._lent.pop(id(compute), None)
         if buf is None:
             return False
-        compute.untyped_storage()._swap_data_ptr_(buf)
-        nbytes = buf.nbytes()
-        with self._lock:
-            self._free[nbytes].append(buf)
-            self.cached += nbytes
+        compute.untyped_storage()._swap_data_ptr_(buf.untyped_storage())
+        self.pool.give_back(buf)
         return True
 
     def trim(self) -> None:
         """Frees every kept buffer (their memory goes back to the OS)."""
-        with self._lock:
-            for size, bucket in self._free.items():
-                self.held -= size * len(bucket)
-                self.cached -= size * len(bucket)
-            self._free.clear()
+        self.pool.trim()
 
     @property
     def lent(self) -> int:

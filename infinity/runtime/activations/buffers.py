@@ -5,10 +5,9 @@ Design notes: docs/modules.md, runtime/activations/buffers.py."""
 
 from __future__ import annotations
 
-import collections
 import os
 import threading
-from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -16,6 +15,7 @@ import torch
 from ... import io as inf_io
 from ...tiers import BudgetExceededError, ByteBudget, SwapCorruptionError, SwapStore
 from ...tiers.extents import ExtentAllocator, ExtentsExhaustedError
+from ...tiers.sized_pool import SizedPool
 
 
 def round_up(nbytes: int) -> int:
@@ -28,10 +28,10 @@ class Lease:
 
     __slots__ = ("buf", "nbytes", "_pool", "_on_release", "__weakref__")
 
-    def __init__(self, pool: BufferPool, buf: torch.Tensor) -> None:
+    def __init__(self, pool: SizedPool, buf: torch.Tensor) -> None:
         self.buf = buf
         self.nbytes = buf.numel()
-        self._pool: Optional[BufferPool] = pool
+        self._pool: Optional[SizedPool] = pool
         self._on_release: List[Callable[[], None]] = []
 
     def on_release(self, fn: Callable[[], None]) -> None:
@@ -42,7 +42,7 @@ class Lease:
         if pool is None:
             return
         callbacks, self._on_release = self._on_release, []
-        pool._give_back(self.buf)
+        pool.give_back(self.buf)
         for fn in callbacks:
             fn()
 
@@ -53,81 +53,17 @@ class Lease:
             pass
 
 
-class BufferPool:
-    """Aligned host buffers by size, within ``budget``; see the module docstring."""
+class BufferPool(SizedPool):
+    """Host buffers for activations, lent as :class:`Lease` objects of 4 KiB-rounded sizes,
+    counted in ``budget``; ``keep_bytes``: at most this many kept for reuse."""
 
     def __init__(
         self, budget: ByteBudget, what: str, keep_bytes: Optional[int] = None, pin: bool = False
     ) -> None:
-        self._budget = budget
-        self._what = what
-        self._keep = keep_bytes
-        self._pin = pin
-        self._free: Dict[int, Deque[torch.Tensor]] = collections.defaultdict(collections.deque)
-        self._cached = 0
-        self._lock = threading.Lock()
-        self._closed = False
-        self.allocations = 0  # buffers allocated so far (stays flat once steps repeat)
-        self._held = 0  # bytes of this pool's buffers, on loan or cached
-
-    @property
-    def cached_bytes(self) -> int:
-        return self._cached
-
-    @property
-    def held_bytes(self) -> int:
-        """Bytes of this pool's buffers that exist now (on loan or kept for reuse)."""
-        return self._held
+        super().__init__(what, budget=budget, keep_bytes=keep_bytes, pin=pin)
 
     def acquire(self, nbytes: int) -> Lease:
-        size = round_up(nbytes)
-        with self._lock:
-            if self._closed:
-                raise RuntimeError(f"infinity: the {self._what} pool is closed")
-            free = self._free.get(size)
-            if free:
-                self._cached -= size
-                return Lease(self, free.popleft())
-            self._evict_locked(size)
-            self._budget.acquire(size, what=f"a {self._what} buffer")
-            self._held += size
-        try:
-            buf = inf_io.aligned_empty(size, pin=self._pin, what=f"a {self._what} buffer")
-        except BaseException:
-            with self._lock:
-                self._held -= size
-            self._budget.release(size)
-            raise
-        self.allocations += 1
-        return Lease(self, buf)
-
-    def _evict_locked(self, size: int) -> None:
-        """Frees cached buffers of other sizes until ``size`` more bytes fit the budget."""
-        for other in list(self._free):
-            while self._free[other] and not self._budget.fits(size):
-                self._free[other].popleft()
-                self._cached -= other
-                self._held -= other
-                self._budget.release(other)
-
-    def _give_back(self, buf: torch.Tensor) -> None:
-        size = buf.numel()
-        with self._lock:
-            if self._closed or (self._keep is not None and self._cached + size > self._keep):
-                self._held -= size
-                self._budget.release(size)
-                return
-            self._free[size].append(buf)
-            self._cached += size
-
-    def close(self) -> None:
-        """Frees the cached buffers; leases still out release their bytes when they end."""
-        with self._lock:
-            self._closed = True
-            self._budget.release(self._cached)
-            self._held -= self._cached
-            self._cached = 0
-            self._free.clear()
+        return Lease(self, self.take(round_up(nbytes)))
 
 
 class Slot:

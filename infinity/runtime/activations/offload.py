@@ -722,9 +722,7 @@ class ActivationOffloader:
             "last_step": last.summary() if last is not None else _Step(0).summary(),
             "device": {"now": self.resident.used, "peak": self.resident.peak},
             # host buffers of this offloader (copies, or NVMe write staging), in host_budget
-            "host": {
-                "now": sum(p.held_bytes for p in (self.host_pool, self.staging) if p is not None)
-            },
+            "host": {"now": sum(p.held for p in (self.host_pool, self.staging) if p is not None)},
             "prefetched": self.prefetched,
             "prefetch_hits": self.prefetch_hits,
             "schedule_deviations": self.deviations,
