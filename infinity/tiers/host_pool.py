@@ -40,13 +40,14 @@ class HostPool:
         *,
         pin: bool = False,
         timeout_s: float = 600.0,
+        what: str = "host staging",
     ):
         if count < 1 or nbytes < 1:
             raise ValueError(f"HostPool needs count >= 1 and nbytes >= 1, got {count}, {nbytes}")
         self.nbytes = nbytes
         self._budget = budget
         self._timeout_s = timeout_s
-        self._what = f"{count} host staging buffer(s) of {nbytes:,} bytes"
+        self._what = f"{count} {what} buffer(s) of {nbytes:,} bytes"
         budget.acquire(count * nbytes, what=self._what)
         self._buffers: List[torch.Tensor] = []
         self._pinned: Optional[PinnedRegions] = None

@@ -4,13 +4,12 @@ Design notes: docs/modules.md, tiers/pinned.py."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Tuple
 
 import torch
 
-from .. import io as inf_io
-from ..io.buffers import PinnedRegions, pin_tensors
-from . import ByteBudget
+from .budget import ByteBudget
+from .host_pool import HostPool
 
 CAST_CHUNK_BYTES = 64 << 20  # device staging for an upload that changes dtype, per transfer
 D2H_STAGING_BUFFERS = 2  # gradient staging: one filling while the other's copies land
@@ -88,19 +87,10 @@ class StagingRing:
             raise ValueError(f"StagingRing needs count >= 1 and nbytes >= 1, got {count}, {nbytes}")
         self.count = count
         self.nbytes = nbytes
-        self._budget = budget
         self._consume = consume
-        self._pinned: Optional[PinnedRegions] = None
-        desc = f"{count} {what} buffer(s) of {nbytes:,} bytes"
-        budget.acquire(count * nbytes, what=desc)
-        try:
-            bufs = [inf_io.aligned_empty(nbytes).zero_() for _ in range(count)]  # committed
-            if pin:
-                self._pinned = pin_tensors(bufs, what=desc)
-        except BaseException:
-            budget.release(count * nbytes)
-            raise
-        self._slabs = [_Slab(b) for b in bufs]
+        # the buffers, their budget and their pinning: a fixed HostPool, all taken at once
+        self._pool = HostPool(count, nbytes, budget, pin=pin, what=what)
+        self._slabs = [_Slab(self._pool.acquire()) for _ in range(count)]
         self._current = 0
 
     @property
@@ -109,7 +99,7 @@ class StagingRing:
 
     @property
     def pinned_nbytes(self) -> int:
-        return self._pinned.nbytes if self._pinned is not None else 0
+        return self._pool.pinned_nbytes
 
     @property
     def pending(self) -> int:
@@ -170,8 +160,7 @@ class StagingRing:
     def close(self) -> None:
         if self._slabs:
             self.discard()
-            if self._pinned is not None:
-                self._pinned.release()
-                self._pinned = None
-            self._budget.release(self.total_nbytes)
+            for slab in self._slabs:
+                self._pool.release(slab.buf)
+            self._pool.close()
             self._slabs = []
