@@ -1,11 +1,30 @@
 from __future__ import annotations
 
 import threading
-from typing import Optional
+from typing import Optional, Protocol
 
 
 class BudgetExceededError(RuntimeError):
     """Raised when bytes that must be resident at once do not fit in a tier's budget."""
+
+
+class Budget(Protocol):
+    """What a pool counts its bytes in: a :class:`ByteBudget`, or an optimizer port's view of
+    the engine's host budget."""
+
+    @property
+    def limit(self) -> Optional[int]: ...
+
+    @property
+    def used(self) -> int: ...
+
+    def fits(self, nbytes: int) -> bool: ...
+
+    def try_acquire(self, nbytes: int) -> bool: ...
+
+    def acquire(self, nbytes: int, *, what: str) -> None: ...
+
+    def release(self, nbytes: int) -> None: ...
 
 
 class ByteBudget:

@@ -9,7 +9,7 @@ import torch
 
 from .. import io as inf_io
 from ..io.buffers import PinnedRegions, pin_tensors
-from .budget import ByteBudget
+from .budget import Budget
 
 _POLL_FIRST_S = 50e-6  # waiting for a DMA to leave a buffer: first poll interval,
 _POLL_MAX_S = 2e-3  # doubled up to this
@@ -36,7 +36,7 @@ class HostPool:
         self,
         count: int,
         nbytes: int,
-        budget: ByteBudget,
+        budget: Budget,
         *,
         pin: bool = False,
         timeout_s: float = 600.0,

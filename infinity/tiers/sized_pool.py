@@ -11,7 +11,7 @@ from typing import Dict, List, Optional
 import torch
 
 from .. import io as inf_io
-from .budget import ByteBudget
+from .budget import Budget
 
 
 class SizedPool:
@@ -26,7 +26,7 @@ class SizedPool:
         self,
         what: str,
         *,
-        budget: Optional[ByteBudget] = None,
+        budget: Optional[Budget] = None,
         limit: Optional[int] = None,
         keep_bytes: Optional[int] = None,
         pin: bool = False,

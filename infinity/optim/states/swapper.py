@@ -28,6 +28,7 @@ from ... import trace_events
 from ...runtime.core.flat import FlatParam
 from ...runtime.port import OptimizerPort, PendingIO
 from ...tiers.budget import BudgetExceededError
+from ...tiers.host_pool import HostPool
 from ..step.chunks import ChunkPlan, Unit, home_write_range, piece_window
 from ..step.kernels import Window
 from ..step.layout import StateLayout
@@ -279,25 +280,22 @@ class BufferSets:
             )
         self.count = count
         self.nbytes = count * self.set_nbytes
-        parts = [f"{self.states_nbytes:,} bytes of states"]
-        if self.grad_nbytes:
-            parts.append(f"{self.grad_nbytes:,} of gradients")
-        if self.staging_nbytes:
-            parts.append(f"{self.staging_nbytes:,} of working copy")
-        port.host_budget.acquire(
-            self.nbytes,
-            what=f"{count} optimizer swap buffer sets of {self.set_nbytes:,} "
-            f"bytes ({' + '.join(parts)})",
-        )
-        self.states = [inf_io.aligned_empty(self.states_nbytes) for _ in range(count)]
-        self.grads = [
-            inf_io.aligned_empty(self.grad_nbytes // 4, torch.float32) if self.grad_nbytes else None
-            for _ in range(count)
-        ]
-        self.staging = [
-            inf_io.aligned_empty(self.staging_nbytes) if self.staging_nbytes else None
-            for _ in range(count)
-        ]
+        # the buffers and their budget: a fixed HostPool per kind, every buffer taken now
+        self._pools: List[HostPool] = []
+        try:
+            self.states = self._take(count, self.states_nbytes, "optimizer state")
+            self.grads: List[Optional[torch.Tensor]] = [None] * count
+            if self.grad_nbytes:
+                taken = self._take(count, self.grad_nbytes, "optimizer gradient")
+                self.grads = [g.view(torch.float32) for g in taken]
+            self.staging: List[Optional[torch.Tensor]] = [None] * count
+            if self.staging_nbytes:
+                self.staging = list(
+                    self._take(count, self.staging_nbytes, "optimizer working-copy")
+                )
+        except BaseException:
+            self._release()
+            raise
         self._closed = False
 
     def _refusal(self, states: NvmeStates, limit: int, used: int, minimum: int) -> str:
@@ -358,11 +356,22 @@ class BufferSets:
             raise RuntimeError("infinity.optim: these buffer sets hold no gradients")
         return grads
 
+    def _take(self, count: int, nbytes: int, what: str) -> List[torch.Tensor]:
+        """``count`` buffers of ``nbytes`` from a HostPool of their own."""
+        pool = HostPool(count, nbytes, self.port.host_budget, what=what)
+        self._pools.append(pool)
+        return [pool.acquire() for _ in range(count)]
+
+    def _release(self) -> None:
+        self.states, self.staging, self.grads = [], [], []
+        for pool in self._pools:
+            pool.close()
+        self._pools = []
+
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self.states, self.staging, self.grads = [], [], []
-            self.port.host_budget.release(self.nbytes)
+            self._release()
 
 
 # compute(shard, unit, states, out, grad): ``out`` = (working copy in the home dtype, its
