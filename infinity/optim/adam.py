@@ -409,10 +409,15 @@ class OffloadedAdam(torch.optim.Optimizer):
                 core.element_base,
                 multiplier,
             )
-        except BaseException:
+        except Exception as exc:
             # re-armed: calling step() again retries this same step (clipping included)
             core.multiplier, core.finite = multiplier, finite
+            checks.agree_step(exc)  # sharded: the other ranks raise too
             raise
+        except BaseException:
+            core.multiplier, core.finite = multiplier, finite
+            raise
+        checks.agree_step(None)
         core.done.clear()
         overlap.step_finished()
         for port in ports:

@@ -116,6 +116,22 @@ class GradientChecks:
         ok = part.all_reduce(0.0 if finite is False else 1.0, "min")
         return False if ok < 1.0 else finite
 
+    def agree_step(self, error: Optional[BaseException]) -> None:
+        """Sharded, after this rank applied its part of the step (``error``: it raised): when
+        another rank's step raised, raises here too, before the updated parts are gathered
+        (zero2) or the next forward waits for that rank in a collective."""
+        part = self.core.wrapped.sharded
+        if part is None:
+            return
+        failed = part.all_reduce(0.0 if error is None else 1.0, "sum")
+        if error is None and failed > 0:
+            raise RuntimeError(
+                f"infinity.optim: the step failed on {int(failed)} other rank(s) (their error "
+                "says why) while this rank applied its part, so the ranks' parameters and "
+                "states no longer belong to one step. Load the last checkpoint on every rank "
+                "(infinity.load_checkpoint) and train on from there"
+            )
+
     def _global_norm(self, local: torch.Tensor, norm_type: float) -> torch.Tensor:
         """Sharded: the norm over every rank's part (summation order differs from one
         process: equal within fp32 rounding, not bitwise)."""

@@ -191,6 +191,15 @@ def _scenario_train(rank: int, world: int, out: Path, opts: Dict[str, Any]) -> D
             model.skip = [opts.get("skip_layer", 1)]
         if rank in opts.get("raise_ranks", []) and step == opts.get("raise_step", 0):
             raise RuntimeError(f"boom on rank {rank}")
+        if rank in opts.get("full_disk_ranks", []) and step == opts.get("full_disk_step", 0):
+            # from this step on, this rank's optimizer state writes find the disk full
+            import errno
+
+            from infinity.optim.states.extents import StateExtents
+
+            def full(*args, **kwargs):
+                raise OSError(errno.ENOSPC, "No space left on device (injected)")
+            StateExtents.write_unit = full
         micro = opts.get("micro", 1)  # gradient accumulation over micro-batches
         if rank in opts.get("extra_micro_ranks", []):
             micro += 1  # this rank was given one micro-batch more (a refused layer-major step)

@@ -1,6 +1,8 @@
 """infinity.accumulate under ZeRO-1/2/3 (2 gloo ranks): each rank's micro-batches run layer-major
 and the result is the single-process plain loop's over the global batch; ranks given different
 numbers of micro-batches are refused on every rank, before any collective of the step."""
+import time
+
 import pytest
 import torch
 from dist_helpers import run_ranks
@@ -106,3 +108,21 @@ def test_step_in_backward_refused_on_one_rank_falls_back_on_every_rank(tmp_path)
         assert all(s["overlapped"] == 0 and s["grads_written"] > 0 for s in got["steps"])
     assert "(injected)" in inside[1]["log"]
     assert "another rank's step cannot be taken in backward" in inside[0]["log"]
+
+
+@pytest.mark.parametrize("in_backward", [True, False])
+def test_full_disk_on_one_rank_during_the_step_raises_on_every_rank(tmp_path, in_backward):
+    """One rank's disk fills during its part of the step (in backward, or after it): that
+    rank raises the disk error and the other raises at once, before any later collective,
+    naming infinity and the remedy."""
+    opts = {"steps": 3, "batch": BATCH, "micro": MICRO, "layer_major": True, "clip": 1.0,
+            "in_backward": in_backward, "full_disk_ranks": [1], "full_disk_step": 1,
+            "settings": dict(NVME_TIERS, shard="zero3", collective_timeout=60)}
+    t0 = time.monotonic()
+    results = run_ranks("train", 2, opts, tmp_path, timeout=100)
+    assert time.monotonic() - t0 < 45  # not the collective timeout
+    assert "No space left on device (injected)" in results[1].get("error", ""), \
+        results[1]["log"][-3000:]
+    err = results[0].get("error", "")
+    assert "infinity.optim: the step failed on 1 other rank" in err, results[0]["log"][-3000:]
+    assert "Load the last checkpoint on every rank" in err
