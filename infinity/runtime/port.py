@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, List, NamedTuple, Optional, Protocol, Tuple, c
 import torch
 from torch import nn
 
+from ..tiers.budget import Budget
 from .core.flat import FlatParam
 from .core.registry import locate as _locate
 
@@ -144,25 +145,6 @@ class WorkingCopy(Protocol):
 
     def take_user_writes(self, flat: FlatParam) -> List[int]:
         """The slots written outside forward since the last call (and forgets them)."""
-
-
-class HostBudget(Protocol):
-    """``port.host_budget``: the engine's host budget; what the optimizer holds in host RAM
-    is counted in it."""
-
-    @property
-    def limit(self) -> Optional[int]: ...
-
-    @property
-    def used(self) -> int: ...
-
-    def fits(self, nbytes: int) -> bool: ...
-
-    def try_acquire(self, nbytes: int) -> bool: ...
-
-    def acquire(self, nbytes: int, *, what: str) -> None: ...
-
-    def release(self, nbytes: int) -> None: ...
 
 
 class StepControl(Protocol):
@@ -306,7 +288,8 @@ class OptimizerPort:
         self.flats: List[FlatParam] = engine.flats
         self.grads: GradSource = engine.grads
         self.working: WorkingCopy = engine.working
-        self.host_budget: HostBudget = engine.host_budget
+        # the engine's host budget: what the optimizer holds in host RAM is counted in it
+        self.host_budget: Budget = engine.host_budget
         self.sharded: bool = engine.partitioner is not None
         policy = engine.policy
         tier = policy.optimizer_tier
@@ -383,7 +366,6 @@ __all__ = [
     "BackwardListener",
     "GradFiles",
     "GradSource",
-    "HostBudget",
     "KeptGrads",
     "OptimizerPort",
     "PendingIO",
