@@ -126,3 +126,21 @@ def test_full_disk_on_one_rank_during_the_step_raises_on_every_rank(tmp_path, in
     err = results[0].get("error", "")
     assert "infinity.optim: the step failed on 1 other rank" in err, results[0]["log"][-3000:]
     assert "Load the last checkpoint on every rank" in err
+
+
+def test_step_in_backward_checkpoint_then_train_on(tmp_path):
+    """Save a sharded checkpoint right after a step taken in backward, load it into fresh
+    ranks and train on in backward: the same numbers as never stopping."""
+    common = {"steps": 3, "batch": BATCH, "micro": MICRO, "layer_major": True, "clip": 1.0,
+              "in_backward": True, "settings": dict(NVME_TIERS, shard="zero3")}
+    straight = run_ranks("train", 2, common, tmp_path / "straight")
+    ck = str(tmp_path / "ck")
+    first = run_ranks("train", 2, dict(common, stop=2, save_sharded_to=ck), tmp_path / "a")
+    rest = run_ranks("train", 2, dict(common, start=2, load_sharded_from=ck), tmp_path / "b")
+    for res in straight + first + rest:
+        assert "error" not in res, f"{res['error']}\n{res['log'][-3000:]}"
+    for rank in range(2):
+        assert first[rank]["losses"] + rest[rank]["losses"] == straight[rank]["losses"]
+        assert rest[rank]["steps"][0]["overlapped"] > 0  # the resumed step ran in backward
+        for name, value in straight[rank]["params"].items():
+            assert torch.equal(rest[rank]["params"][name], value), (rank, name)
