@@ -409,13 +409,11 @@ class OffloadedAdam(torch.optim.Optimizer):
                 core.element_base,
                 multiplier,
             )
-        except Exception as exc:
+        except BaseException as exc:
             # re-armed: calling step() again retries this same step (clipping included)
             core.multiplier, core.finite = multiplier, finite
-            checks.agree_step(exc)  # sharded: the other ranks raise too
-            raise
-        except BaseException:
-            core.multiplier, core.finite = multiplier, finite
+            if isinstance(exc, Exception):  # not an interrupt: the other ranks raise too
+                checks.agree_step(exc)
             raise
         checks.agree_step(None)
         core.done.clear()
