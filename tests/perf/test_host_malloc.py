@@ -27,12 +27,12 @@ _SCRIPT = textwrap.dedent("""
     infinity.wrap(model, nvme_path=sys.argv[1], param_tier="nvme", **kw)
     x, y = synthetic_batch(cfg, 8, 128, torch.Generator().manual_seed(1))
     faults = []
-    for _ in range(4):
+    for _ in range(7):
         model._infinity_engine.zero_grad()
         r0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         lm_loss(model(x), y).backward()
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0)
-    print(json.dumps({"state": HOST_MEMORY.state(), "faults": faults[1:]}))
+    print(json.dumps({"state": HOST_MEMORY.state(), "faults": faults[2:]}))
 """)
 
 
@@ -54,12 +54,14 @@ def test_temporaries_reuse_the_heap_unless_ram_is_constrained(tmp_path):
     assert budget["state"] == "release", budget
     assert offload["state"] == "release", offload
     # every temporary of 128 KiB or more faults its pages in afresh under "release" (a batch
-    # of 8 x 128 tokens: activations of 1 MiB and more); reusing the heap, few do once the
-    # heap has grown to the step's needs (measured: ~44k faults per forward+backward against
-    # 7.5k in the second pass, then 10-20; on a shared machine one later pass now and then
-    # takes up to ~4k, hence the looser bound on the worse of the two)
-    assert min(reuse["faults"][-2:]) * 20 < min(budget["faults"]), (reuse, budget)
-    assert max(reuse["faults"][-2:]) * 4 < min(budget["faults"]), (reuse, budget)
+    # of 8 x 128 tokens: activations of 1 MiB and more: ~46k faults per forward+backward, every
+    # pass); reusing the heap, few do once the heap has grown to the step's needs (measured
+    # over 5 passes after the first two: from 3 to ~4k, most under 100, the spread from other
+    # threads' arenas on a shared machine), hence the best and the median of five
+    later = sorted(reuse["faults"])
+    assert len(later) == 5 and len(budget["faults"]) == 5, (reuse, budget)
+    assert later[0] * 20 < min(budget["faults"]), (reuse, budget)
+    assert later[2] * 4 < min(budget["faults"]), (reuse, budget)
 
 
 _ALIGNED = textwrap.dedent("""
