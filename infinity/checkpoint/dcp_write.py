@@ -84,7 +84,7 @@ class _ModelTensors:
             ):
                 self._buf = working  # a host home: read in place
             else:
-                self._buf = inf_io.aligned_empty(flat.numel, flat.home_dtype, lock=False)
+                self._buf = inf_io.aligned_empty(flat.numel, flat.home_dtype)
                 self.engine.home.read_into(flat, self._buf)
             self._flat = flat
         # a tensor of its own: a view would be written with its whole block by torch.save

@@ -48,7 +48,7 @@ def load_wrapped(
             (i, slot, plan.source.get(names.of(slot.param) or slot.qualname))
             for i, slot in enumerate(flat.slots)
         ]
-        buf = inf_io.aligned_empty(flat.numel, flat.home_dtype, lock=False)
+        buf = inf_io.aligned_empty(flat.numel, flat.home_dtype)
         if all(src is not None for _, _, src in sources):
             buf.zero_()
         else:

@@ -54,7 +54,7 @@ def _save_flat(
     """One block's parameters (home dtype, read through its home) and, with ``shard`` (a
     ShardState of the optimizer), their fp32 optimizer states, as one file."""
     rel = _flat_file(flat)
-    buf = inf_io.aligned_empty(flat.numel, flat.home_dtype, lock=False)
+    buf = inf_io.aligned_empty(flat.numel, flat.home_dtype)
     engine.home.read_into(flat, buf)
     items: List[Tuple[str, torch.Tensor]] = []
     for i, slot in enumerate(flat.slots):

@@ -260,19 +260,18 @@ def aligned_empty(
     dtype: torch.dtype = torch.uint8,
     *,
     pin: bool = False,
-    lock: Optional[bool] = None,
     what: str = "a host buffer",
 ) -> torch.Tensor:
     """An uninitialised 1-D CPU tensor of ``numel`` elements whose data_ptr is 4096-aligned.
 
     pin: page-lock it because a DMA will read or write it: registered with CUDA (exactly its
     bytes, RLIMIT_MEMLOCK checked first) where a CUDA runtime is available, else best-effort
-    mlock. Default False: ordinary pageable memory. ``lock`` is the former name of ``pin``."""
+    mlock. Default False: ordinary pageable memory."""
     if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0:
         raise ValueError(f"numel must be a non-negative int, got {numel!r}")
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
-    pin = bool(pin or lock)
+    pin = bool(pin)
     itemsize = torch.empty((), dtype=dtype).element_size()
     nbytes = numel * itemsize
     if nbytes == 0:

@@ -7,16 +7,18 @@ from typing import Any, Deque, List, Optional, Tuple
 
 import torch
 
-from .. import io as inf_io
 from ..io.buffers import PinnedRegions, pin_tensors
 from .budget import Budget
+from .sized_pool import SizedPool
 
 _POLL_FIRST_S = 50e-6  # waiting for a DMA to leave a buffer: first poll interval,
 _POLL_MAX_S = 2e-3  # doubled up to this
 
 
 class HostPool:
-    """A fixed set of reusable, 4 KiB-aligned host staging buffers within the host budget.
+    """A fixed set of reusable, 4 KiB-aligned host staging buffers within the host budget,
+    taken from a :class:`SizedPool` (which allocates them and counts their bytes) and lent
+    one at a time.
 
     Sized once (the engine's buffers are one chunk each, see infinity.tiers.pool_plan: a flat
     of any size streams through them), so no allocation happens per step; :meth:`grow` adds
@@ -45,21 +47,22 @@ class HostPool:
         if count < 1 or nbytes < 1:
             raise ValueError(f"HostPool needs count >= 1 and nbytes >= 1, got {count}, {nbytes}")
         self.nbytes = nbytes
-        self._budget = budget
         self._timeout_s = timeout_s
         self._what = f"{count} {what} buffer(s) of {nbytes:,} bytes"
-        budget.acquire(count * nbytes, what=self._what)
-        self._buffers: List[torch.Tensor] = []
+        # the buffers' bytes are counted by the SizedPool; none are kept there (keep_bytes=0):
+        # a buffer given back to it leaves and its bytes go back to the budget
+        self._sized = SizedPool(what, budget=budget, keep_bytes=0)
+        self._buffers: List[torch.Tensor] = self._sized.take_set(count, nbytes)
         self._pinned: Optional[PinnedRegions] = None
         try:
             # touched now, so the pool's memory is committed at construction (not at the
             # first transfer) and a host that cannot hold it fails here, not mid-step
-            self._buffers = [inf_io.aligned_empty(nbytes).zero_() for _ in range(count)]
+            for buf in self._buffers:
+                buf.zero_()
             if pin:
                 self.pin()
         except BaseException:
-            self._buffers = []
-            budget.release(count * nbytes)
+            self._give_all_back()
             raise
         self._cond = threading.Condition()
         self._free: Deque[torch.Tensor] = collections.deque(self._buffers)
@@ -89,15 +92,10 @@ class HostPool:
             return self.count
         with self._cond:
             while len(self._buffers) < count:
-                if not self._budget.fits(self.nbytes + spare):
+                buf = self._sized.try_take(self.nbytes, spare=spare)
+                if buf is None:
                     break
-                if not self._budget.try_acquire(self.nbytes):
-                    break
-                try:
-                    buf = inf_io.aligned_empty(self.nbytes).zero_()
-                except BaseException:
-                    self._budget.release(self.nbytes)
-                    raise
+                buf.zero_()
                 self._buffers.append(buf)
                 self._free.append(buf)
             self._target = len(self._buffers)
@@ -116,7 +114,12 @@ class HostPool:
 
     def _drop_locked(self, buf: torch.Tensor) -> None:
         self._buffers = [b for b in self._buffers if b is not buf]
-        self._budget.release(self.nbytes)
+        self._sized.give_back(buf)
+
+    def _give_all_back(self) -> None:
+        buffers, self._buffers = self._buffers, []
+        for buf in buffers:
+            self._sized.give_back(buf)
 
     def _give_back_locked(self, buf: torch.Tensor) -> None:
         if len(self._buffers) > self._target:
@@ -192,7 +195,7 @@ class HostPool:
             if self._pinned is not None:
                 self._pinned.release()
                 self._pinned = None
-            self._budget.release(len(self._buffers) * self.nbytes)
-            self._buffers = []
             with self._cond:
+                self._give_all_back()
                 self._free = collections.deque()
+        self._sized.close()

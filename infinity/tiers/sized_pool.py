@@ -66,8 +66,7 @@ class SizedPool:
     def take(self, nbytes: int) -> torch.Tensor:
         """A buffer of exactly ``nbytes`` bytes: a kept one of that size, else a new one."""
         with self._lock:
-            if self._closed:
-                raise RuntimeError(f"infinity: the {self.what} pool is closed")
+            self._check_open_locked()
             bucket = self._free.get(nbytes)
             if bucket:
                 self.cached -= nbytes
@@ -75,17 +74,56 @@ class SizedPool:
             self._evict_locked(nbytes)
             if self.budget is not None:
                 self.budget.acquire(nbytes, what=f"a {self.what} buffer")
-            self.held += nbytes
-            self.peak_held = max(self.peak_held, self.held)
+            self._count_locked(nbytes)
+        return self._make(1, nbytes)[0]
+
+    def take_set(self, count: int, nbytes: int) -> List[torch.Tensor]:
+        """``count`` new buffers of ``nbytes`` bytes, their bytes counted at once (all or
+        none: a set that does not fit raises before anything is allocated)."""
+        with self._lock:
+            self._check_open_locked()
+            if self.budget is not None:
+                self.budget.acquire(
+                    count * nbytes, what=f"{count} {self.what} buffer(s) of {nbytes:,} bytes"
+                )
+            self._count_locked(count * nbytes)
+        return self._make(count, nbytes)
+
+    def try_take(self, nbytes: int, *, spare: int = 0) -> Optional[torch.Tensor]:
+        """A new buffer of ``nbytes`` bytes if the bound has room for it and ``spare`` bytes
+        more (what the rest of a step allocates); None otherwise."""
+        with self._lock:
+            if self._closed or not self._fits_locked(nbytes + spare):
+                return None
+            if self.budget is not None and not self.budget.try_acquire(nbytes):
+                return None
+            self._count_locked(nbytes)
+        return self._make(1, nbytes)[0]
+
+    def _check_open_locked(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"infinity: the {self.what} pool is closed")
+
+    def _count_locked(self, nbytes: int) -> None:
+        self.held += nbytes
+        self.peak_held = max(self.peak_held, self.held)
+
+    def _make(self, count: int, nbytes: int) -> List[torch.Tensor]:
+        """Allocates ``count`` buffers whose bytes are already counted; on a failure the
+        count is taken back and nothing is kept."""
+        made: List[torch.Tensor] = []
         try:
-            buf = inf_io.aligned_empty(nbytes, pin=self._pin, what=f"a {self.what} buffer")
+            for _ in range(count):
+                made.append(
+                    inf_io.aligned_empty(nbytes, pin=self._pin, what=f"a {self.what} buffer")
+                )
         except BaseException:
             with self._lock:
-                self._drop_locked(nbytes)
+                self._drop_locked(count * nbytes)
             raise
         with self._lock:
-            self.allocations += 1
-        return buf
+            self.allocations += count
+        return made
 
     def give_back(self, buf: torch.Tensor) -> None:
         """``buf`` (from :meth:`take`) is kept for the next request of its size, or freed."""

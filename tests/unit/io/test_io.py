@@ -415,7 +415,7 @@ def test_aligned_empty_frees_memory():
     chunk = 256 << 20
     base = rss()
     for _ in range(8):  # 2 GiB allocated and freed in all
-        t = io.aligned_empty(chunk, lock=False)
+        t = io.aligned_empty(chunk)
         t.fill_(1)
         v = t.view(torch.float32)[10:]
         del t

@@ -192,9 +192,11 @@ def test_aligned_empty_pin_without_cuda_is_best_effort_mlock(monkeypatch):
     assert buffers.locked_bytes() - before in (0, 1 << 16)  # 0 where mlock is not permitted
     del t
     assert buffers.locked_bytes() == before
-    u = buffers.aligned_empty(1 << 16, lock=False)  # the former keyword still works
+    u = buffers.aligned_empty(1 << 16)  # pageable by default
     assert buffers.locked_bytes() == before
     del u
+    with pytest.raises(TypeError):
+        buffers.aligned_empty(1 << 16, lock=True)  # one keyword: pin
 
 
 def test_pin_tensors_is_all_or_nothing(monkeypatch):

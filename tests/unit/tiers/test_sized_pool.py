@@ -49,3 +49,19 @@ def test_soft_limit_and_keep_bytes():
     assert pool.cached == 2 * K and pool.held == 2 * K
     pool.trim()
     assert pool.held == pool.cached == 0
+
+
+def test_sets_are_counted_all_or_none_and_try_take_keeps_the_spare():
+    budget = ByteBudget("host", 10 * K)
+    pool = SizedPool("staging", budget=budget, keep_bytes=0)
+    with pytest.raises(BudgetExceededError, match="11 staging buffer"):
+        pool.take_set(11, K)
+    assert budget.used == pool.held == 0 and pool.allocations == 0
+    bufs = pool.take_set(4, K)
+    assert len({b.data_ptr() for b in bufs}) == 4 and budget.used == pool.held == 4 * K
+    assert pool.try_take(K, spare=6 * K) is None  # 6 pages free, the spare wants them all
+    extra = pool.try_take(K, spare=5 * K)
+    assert extra is not None and budget.used == 5 * K
+    for buf in bufs + [extra]:
+        pool.give_back(buf)  # keep_bytes=0: each one leaves, its bytes with it
+    assert budget.used == pool.held == pool.cached == 0
