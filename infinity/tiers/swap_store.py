@@ -237,6 +237,7 @@ class SwapStore:
         # per key of a file of extents: freed ranges whose blocks are kept, its largest extent
         self._kept: Dict[str, RangeSet] = {}
         self._largest: Dict[str, int] = {}
+        self._spare: Dict[str, int] = {}  # key -> freed bytes its owner wants kept (keep_spare)
         self._space_lock = threading.Lock()
         self.allocated_bytes = 0  # bytes of blocks reserved fresh (fallocate) so far
         self.released_bytes = 0  # bytes of blocks given back (punched) so far
@@ -736,11 +737,14 @@ class SwapStore:
     # A freed extent's blocks stay allocated (the range is *kept*) and serve the next extents
     # reserved over it: the NVMe step frees a unit's old extent and writes the next unit into
     # it, and giving the blocks back then allocating them again (fallocate per unit) cost more
-    # than the disk time of the step. The kept bytes are bounded: beyond KEEP_FREED_EXTENTS
-    # times the file's largest extent (the spare a step in flight needs anyway), the kept
-    # ranges nearest the file's end (those a first-fit allocator reuses last) are given back,
-    # down to one largest extent. So the disk holds the live extents plus at most that bound;
-    # everything goes back on close (the directory is removed) or with :meth:`give_back`.
+    # than the disk time of the step (on a filesystem mounted with ``discard``, punching a
+    # step's worth of extents cost more than the step's compute). The kept bytes are bounded:
+    # beyond KEEP_FREED_EXTENTS times the file's largest extent, or the spare its owner says a
+    # step reserves before it frees (:meth:`keep_spare`) if that is more, the kept ranges
+    # nearest the file's end (those a first-fit allocator reuses last) are given back, down to
+    # that spare or one largest extent. So the disk holds the live extents plus at most what a
+    # step holds at its peak anyway; everything goes back on close (the directory is removed)
+    # or with :meth:`give_back`.
     def reserve(self, key: str, offset: int, nbytes: int) -> None:
         """Reserves disk for bytes [offset, offset + nbytes) of the key's one-piece file
         (posix_fallocate of what is not kept from a freed extent: ENOSPC is raised here,
@@ -803,9 +807,20 @@ class SwapStore:
             kept = self._kept.setdefault(key, RangeSet(f"swap file {key!r}"))
             kept.add(offset, nbytes, verb="released")
             largest = self._largest[key] = max(self._largest.get(key, 0), nbytes)
-            if kept.total <= KEEP_FREED_EXTENTS * largest:
+            spare = self._spare.get(key, 0)
+            if kept.total <= max(KEEP_FREED_EXTENTS * largest, spare):
                 return False
-            return self._give_back(key, kept, max(0, kept.total - largest))
+            return self._give_back(key, kept, max(0, kept.total - max(largest, spare)))
+
+    def keep_spare(self, key: str, nbytes: int) -> None:
+        """The key's file keeps up to ``nbytes`` of freed blocks (at least KEEP_FREED_EXTENTS
+        largest extents) for the next extents: its owner reserves that many bytes again before
+        it frees as many (the new extents a step writes before it commits them)."""
+        self._entry(key)
+        if nbytes < 0:
+            raise ValueError(f"swap keep_spare of {key!r}: {nbytes} bytes")
+        with self._space_lock:
+            self._spare[key] = nbytes
 
     def give_back(self, key: str) -> bool:
         """Gives the blocks of every kept freed range of the key's file back to the filesystem

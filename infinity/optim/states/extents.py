@@ -36,6 +36,12 @@ class StateExtents:
         self.space = ExtentAllocator(what="optimizer state file")
         self.committed: Dict[str, List[Extent]] = {}  # shard key -> extent per unit
         self._pending: Dict[Tuple[str, int], Extent] = {}  # (shard key, unit) -> written
+        # pending extents of units that have committed ones (they free as many bytes when
+        # committed), their bytes, and the most of those bytes so far: the blocks the state
+        # file keeps for the next step's new extents
+        self._replacing: Set[Tuple[str, int]] = set()
+        self._replacing_bytes = 0
+        self._spare = 0
         self._stepped: Dict[str, Set[int]] = {}  # units a failed step committed
         self.peak_bytes = 0  # most bytes of live extents
 
@@ -65,6 +71,18 @@ class StateExtents:
             logger.warning(
                 "infinity.optim: could not release %d bytes of the state file (%s)", ext.nbytes, exc
             )
+
+    def _take_pending(self, key: Tuple[str, int]) -> Extent:
+        ext = self._pending.pop(key)
+        if key in self._replacing:
+            self._replacing.discard(key)
+            self._replacing_bytes -= ext.nbytes
+        return ext
+
+    def _drop_pending(self, key: Tuple[str, int]) -> None:
+        """Frees the pending extent of ``key``, if there is one."""
+        if key in self._pending:
+            self._free(self._take_pending(key))
 
     # ---- I/O of one unit -------------------------------------------------------------------
     def read_unit(self, shard: Shard, unit: Unit, buf: torch.Tensor) -> inf_io.IOFuture:
@@ -97,13 +115,21 @@ class StateExtents:
         :meth:`written`)."""
         ext = self._allocate(shard, unit.nbytes, "writing")
         key = (shard.key, unit.index)
-        if key in self._pending:
-            self._free(self._pending.pop(key))
+        self._drop_pending(key)
         self._pending[key] = ext
+        if shard.key in self.committed:
+            self._replacing.add(key)
+            self._replacing_bytes += ext.nbytes
+        if self._replacing_bytes > self._spare:
+            # a step holds this many bytes of new extents at once: the blocks they free when
+            # committed stay allocated for the next step's (a step that overlaps backward
+            # holds every unit it stepped, the pipeline a few units)
+            self._spare = self._replacing_bytes
+            self.store.keep_spare(STATE_FILE, self._spare)
         try:
             return self.store.write_span(STATE_FILE, buf[: unit.nbytes], ext.offset)
         except BaseException:
-            self._free(self._pending.pop(key))
+            self._drop_pending(key)
             raise
 
     def written(
@@ -122,7 +148,7 @@ class StateExtents:
         if not commit:
             self._pending[key] = ext
             return
-        del self._pending[key]
+        self._take_pending(key)
         units = self.committed[shard.key]
         old, units[unit.index] = units[unit.index], ext
         self._free(old)
@@ -130,9 +156,7 @@ class StateExtents:
 
     def failed(self, shard: Shard, unit: Unit) -> None:
         """A unit's write failed: its pending extent is freed (the committed one stays)."""
-        ext = self._pending.pop((shard.key, unit.index), None)
-        if ext is not None:
-            self._free(ext)
+        self._drop_pending((shard.key, unit.index))
 
     # ---- progress of a step ----------------------------------------------------------------
     def stepped(self, shard: Shard) -> Set[int]:
@@ -164,19 +188,19 @@ class StateExtents:
                 f"infinity.optim: no pending state write of {shard.key} units {missing} to commit"
             )
         old = self.committed.get(shard.key)
-        self.committed[shard.key] = [self._pending.pop(k) for k in keys]
+        self.committed[shard.key] = [self._take_pending(k) for k in keys]
         for ext in old or ():
             self._free(ext)
 
     def abort_shard(self, shard: Shard) -> None:
         """Forgets one shard's pending writes (a speculative update rolled back)."""
         for key in [k for k in self._pending if k[0] == shard.key]:
-            self._free(self._pending.pop(key))
+            self._drop_pending(key)
 
     def abort(self) -> None:
         """Forgets every pending write: the committed extents stay as they were."""
         for key in list(self._pending):
-            self._free(self._pending.pop(key))
+            self._drop_pending(key)
 
     def first_extent(self, shard: Shard) -> Optional[Tuple[str, int, int, int]]:
         """(path, nbytes, crc32c, offset) of the shard's first committed extent (its whole
