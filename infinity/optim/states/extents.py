@@ -110,14 +110,17 @@ class StateExtents:
                 "(restart from a checkpoint)"
             )
 
-    def write_unit(self, shard: Shard, unit: Unit, buf: torch.Tensor) -> inf_io.IOFuture:
+    def write_unit(
+        self, shard: Shard, unit: Unit, buf: torch.Tensor, *, step: bool = True
+    ) -> inf_io.IOFuture:
         """Starts writing one unit's new states into a free extent (pending until
-        :meth:`written`)."""
+        :meth:`written`). ``step``: a step's write, whose freed blocks the next step reserves
+        again (a whole shard rewritten once, as a load does, is not)."""
         ext = self._allocate(shard, unit.nbytes, "writing")
         key = (shard.key, unit.index)
         self._drop_pending(key)
         self._pending[key] = ext
-        if shard.key in self.committed:
+        if step and shard.key in self.committed:
             self._replacing.add(key)
             self._replacing_bytes += ext.nbytes
         if self._replacing_bytes > self._spare:

@@ -129,7 +129,7 @@ class NvmeStates(StateStore):
         extents = self.extents
         try:
             for unit in self.plan(shard).units:
-                future = extents.write_unit(shard, unit, prepare(unit))
+                future = extents.write_unit(shard, unit, prepare(unit), step=False)
                 future.wait()
                 extents.written(shard, unit, future, commit=False)
         except inf_io.InfinityIOError as exc:

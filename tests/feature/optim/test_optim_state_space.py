@@ -154,3 +154,33 @@ def test_overlap_keeps_old_states_of_the_stepped_units_until_the_step(tmp_path):
         infinity.unwrap(model)
     assert_equal(runs[0][0], runs[1][0])
     assert_equal(runs[0][1], runs[1][1])
+
+
+def test_a_load_keeps_no_more_freed_blocks_than_a_step(tmp_path):
+    """load_state_dict rewrites each shard whole and frees its old extents: that is not a
+    step's spare, so the state file keeps at most KEEP_FREED_EXTENTS largest extents of them,
+    then trains on within the same bound."""
+    torch.manual_seed(0)
+    model = TinyGPT(CFG)
+    infinity.wrap(model, nvme_path=str(tmp_path), optimizer_tier="nvme")
+    opt = infinity.optim.AdamW(model.parameters(), lr=1e-2, chunk_bytes=64 << 10,
+                               overlap=False)
+    _train(model, opt, 2)
+    bounds = []
+
+    def check():
+        store = next(iter(opt.core.wrapped.stores()))
+        ext = store.extents
+        largest = max(e.nbytes for units in ext.committed.values() for e in units)
+        units = max(len(store.plan(s).units) for s in opt.shards())
+        kept = ext.store.kept_bytes(STATE_FILE)
+        assert units > KEEP_FREED_EXTENTS  # a shard frees more than the bound when rewritten
+        assert kept <= min(ext.space.free_bytes, KEEP_FREED_EXTENTS * largest), (kept, largest)
+        bounds.append(kept)
+
+    opt.load_state_dict(opt.state_dict())
+    check()
+    _train(model, opt, 2, each=check)
+    assert len(bounds) == 3
+    opt.close()
+    infinity.unwrap(model)
