@@ -304,3 +304,41 @@ def test_nvme_bytes_per_step_by_category_are_what_the_engine_moves(tmp_path, pr,
         assert want - (64 << 10) <= moved[cat] <= want + slack, (cat, want, moved)
     assert e.nvme_written_per_step == sum(v for c, v in e.nvme_per_step.items()
                                           if c.endswith("_written"))
+
+
+def test_the_next_forwards_prefetch_counts_in_the_next_step(tmp_path, monkeypatch):
+    """opt.step() ends by prefetching the next forward's first blocks (Engine.resume): those
+    reads belong to the next step's bytes however fast they land. Here every other step's
+    prefetch surely lands before step() returns, and the others' never starts (the forward
+    fetches on demand): each steady step must still count the same bytes."""
+    import time
+
+    from infinity.runtime.engine import Engine
+
+    resume, calls = Engine.resume, []
+
+    def uneven_resume(self):
+        calls.append(1)
+        if len(calls) % 2:
+            resume(self)
+            time.sleep(0.3)  # the prefetch's reads (~1 MB) land well within this
+
+    monkeypatch.setattr(Engine, "resume", uneven_resume)
+    torch.manual_seed(0)
+    model = TinyGPT(CFG)
+    infinity.wrap(model, nvme_path=str(tmp_path), param_tier="nvme", grad_tier="nvme",
+                  optimizer_tier="nvme", placement=None)
+    try:
+        opt = infinity.optim.AdamW(model.parameters(), lr=1e-3, overlap=False)
+        x = torch.randint(0, CFG.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+        reads = []
+        for _ in range(5):
+            lm_loss(model(x), x).backward()
+            opt.step()
+            opt.zero_grad()
+            reads.append(infinity.stats(model)["nvme_per_step"]["bytes"]["params_read"])
+        opt.close()
+    finally:
+        infinity.unwrap(model)
+    assert len(calls) == 5
+    assert reads[1] == reads[2] == reads[3] == reads[4], reads
