@@ -94,6 +94,7 @@ def save_sharded(
         if optimizer is not None:
             for e in optimizer.engines():
                 e.quiesce()
+            optimizer.give_back_disk()  # the state file's spare blocks: room for the files
         if writer:
             write_rank_part(
                 tmp, model, optimizer, rank, world, trainer, lambda obj, p: _write_durably(obj, p)

@@ -254,5 +254,13 @@ class StateExtents:
             "peak": self.peak_bytes,
         }
 
+    def give_back_spare(self) -> int:
+        """Gives the freed blocks the state file keeps for the next step's new extents back to
+        the filesystem (that step allocates them again); returns their bytes (0 where the
+        filesystem cannot punch holes: the blocks stay allocated and are reused)."""
+        kept = self.store.kept_bytes(STATE_FILE)
+        self.store.give_back(STATE_FILE)
+        return kept - self.store.kept_bytes(STATE_FILE)
+
     def close(self) -> None:
         self.store.close()

@@ -203,6 +203,9 @@ class NvmeStates(StateStore):
         most bytes of live extents so far)."""
         return self.extents.swap_bytes(self._layouts)
 
+    def give_back_disk(self) -> int:
+        return self.extents.give_back_spare()
+
     def close(self) -> None:
         if self.sets is not None:
             self.sets.close()

@@ -60,6 +60,11 @@ class StateStore:
         without trace. None here."""
         return False
 
+    def give_back_disk(self) -> int:
+        """Gives the free disk blocks this store keeps for its next step back to the
+        filesystem; returns their bytes (none here: host states hold no disk)."""
+        return 0
+
     def shards(self) -> List[Shard]:
         """The optimizer's shards of this store's model, in registration order."""
         return [s for s in self._all.values() if s.port is self.port]

@@ -184,3 +184,39 @@ def test_a_load_keeps_no_more_freed_blocks_than_a_step(tmp_path):
     assert len(bounds) == 3
     opt.close()
     infinity.unwrap(model)
+
+
+def test_a_checkpoint_first_gives_the_kept_blocks_back_then_training_goes_on(tmp_path):
+    """The blocks a step that overlaps backward keeps between steps (its stepped set's old
+    states) are disk a checkpoint written to the same disk may need: save_checkpoint gives
+    them back first (opt.give_back_disk(), also public). The next steps allocate them again
+    and train on bitwise as a run without the checkpoint."""
+    runs = []
+    for save in (False, True):
+        torch.manual_seed(0)
+        model = TinyGPT(CFG)
+        d = tmp_path / str(save)
+        (d / "swap").mkdir(parents=True)
+        infinity.wrap(model, nvme_path=str(d / "swap"), optimizer_tier="nvme",
+                      grad_tier="nvme", param_tier="host")
+        opt = infinity.optim.AdamW(model.parameters(), lr=1e-2, chunk_bytes=16 << 10,
+                                   overlap=True)
+        _train(model, opt, 3)
+        store = next(iter(opt.core.wrapped.stores()))
+        swap = store.extents.store
+        sw = store.swap_bytes()
+        committed = sw["master"] + sw["moments"]
+        kept = swap.kept_bytes(STATE_FILE)
+        if save:
+            assert kept >= 0.5 * committed  # the stepped set's old states, kept
+            assert _disk(store) >= committed + kept
+            infinity.save_checkpoint(str(d / "ck"), model, opt)
+            assert swap.kept_bytes(STATE_FILE) == 0 and _disk(store) <= committed + FS_META
+            assert opt.give_back_disk() == 0  # nothing left to give back
+        _train(model, opt, 3, seed=2)
+        assert swap.kept_bytes(STATE_FILE) >= 0.5 * committed  # kept again for the next step
+        runs.append((weights(model), opt_states(opt)))
+        opt.close()
+        infinity.unwrap(model)
+    assert_equal(runs[0][0], runs[1][0])
+    assert_equal(runs[0][1], runs[1][1])
