@@ -118,6 +118,12 @@ class LayerMajorTrainer(Trainer):
         # what Trainer.training_step returns: the loss it ran backward on
         return iter([loss / divide_by for loss in losses])
 
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)
+        if isinstance(inner, OffloadedAdam):  # its state files' spare blocks: room for the save
+            inner.give_back_disk()
+        super()._save_optimizer_and_scheduler(output_dir)
+
     def _clip_grad_norm(self, model: torch.nn.Module) -> Any:  # type: ignore[override]
         if self._step_norm is not None:  # clipped in the step taken in backward
             norm, self._step_norm = self._step_norm, None

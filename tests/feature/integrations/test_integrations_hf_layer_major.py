@@ -94,3 +94,35 @@ def test_layer_major_trainer_refuses_what_it_cannot_honour(tmp_path):
     with pytest.raises(TypeError, match="infinity LayerMajorTrainer: step_in_backward"):
         LayerMajorTrainer(model=model, args=_args(tmp_path / "c"), train_dataset=DATA,
                           step_in_backward="auto")
+
+
+def test_layer_major_trainer_gives_the_kept_disk_back_before_each_checkpoint(tmp_path,
+                                                                             monkeypatch):
+    """Each checkpoint the Trainer saves first returns the free blocks infinity's state file
+    keeps for the next step (opt.give_back_disk()), then saves the optimizer; training goes on
+    and the next checkpoint does the same."""
+    from infinity.optim.adam import OffloadedAdam
+    from infinity.optim.states.extents import STATE_FILE
+
+    calls = []
+    give_back = OffloadedAdam.give_back_disk
+
+    def recorded(self):
+        given = give_back(self)
+        kept = [s.extents.store.kept_bytes(STATE_FILE) for s in self.core.wrapped.stores()]
+        calls.append((given, kept))
+        return given
+
+    monkeypatch.setattr(OffloadedAdam, "give_back_disk", recorded)
+    model = wrapped_copy(llama(seed=0), ALL_NVME, tmp_path / "swap")
+    opt = infinity.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, overlap=True)
+    out = tmp_path / "out"
+    trainer = LayerMajorTrainer(model=model, args=_args(out, max_steps=2, save_strategy="steps",
+                                                        save_steps=1),
+                                train_dataset=DATA, optimizers=(opt, None))
+    trainer.train()
+    assert len(calls) == 2, calls
+    assert all(given > 0 and kept == [0] for given, kept in calls), calls
+    for step in (1, 2):
+        assert (out / f"checkpoint-{step}" / "optimizer.pt").exists()
+    opt.close()
