@@ -2,6 +2,7 @@
 
     python benchmarks/bench_overlap.py              # 8 x Linear(2048, 2048) MLP, 33.6M params
     python benchmarks/bench_overlap.py --quick      # small, a few seconds (CI)
+    python benchmarks/bench_overlap.py --give-back-every 2   # opt.give_back_disk() between steps
 
 Two copies of one model are trained on the same batches, step after step, interleaved:
 ``overlap=False`` (backward, then the whole step) and the default ``overlap="auto"`` (each
@@ -73,9 +74,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--clip", type=float, default=None,
                     help="both runs call opt.clip_grad_norm_(CLIP) before each step (a small "
                     "value clips every step, a large one never does)")
+    ap.add_argument("--give-back-every", type=int, default=0, metavar="N",
+                    help="after every N-th step both runs call opt.give_back_disk() (as a "
+                         "checkpoint save does); its time and the next step's are reported apart")
     ap.add_argument("--nvme-path", default=None)
     ap.add_argument("--json", default=os.path.join(HERE, "results", "bench_overlap.json"))
     args = ap.parse_args(argv)
+    if args.give_back_every < 0:
+        ap.error("--give-back-every must be >= 0")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.quick:
         args.layers, args.width, args.batch, args.steps = 4, 512, 256, 3
@@ -113,6 +119,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                 opt.step()
                 t2 = time.perf_counter()
                 opt.zero_grad()
+                if args.give_back_every and (i + 1) % args.give_back_every == 0:
+                    t3 = time.perf_counter()
+                    row[f"{name}_given_back"] = opt.give_back_disk()
+                    row[f"{name}_give_back_s"] = time.perf_counter() - t3
                 row[f"{name}_backward_s"] = t1 - t0
                 row[f"{name}_step_s"] = t2 - t1
                 row[f"{name}_loss"] = loss.item()
@@ -129,6 +139,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                         row["backward_s"], row["step_s"], row["overlap_backward_s"],
                         row["overlap_step_s"], row["overlapped_s"], row["overlap_kept"],
                         row["ratio"])
+            row["after_give_back"] = bool(args.give_back_every) and i % args.give_back_every == 0
             if i >= WARMUP:
                 rows.append(row)
         snaps = {name: snapshot(opt, model) for name, (model, opt) in runs.items()}
@@ -140,7 +151,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             infinity.unwrap(model)
         del runs
         gc.collect()
-    med = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731
+    med = lambda k, rs=rows: statistics.median(r[k] for r in rs)  # noqa: E731
     result = {"date": time.strftime("%Y-%m-%d"), "params": n_params, "layers": args.layers,
               "width": args.width, "batch": args.batch, "steps": args.steps,
               "machine": _common.cores(),
@@ -158,6 +169,7 @@ def main(argv: Optional[List[str]] = None) -> int:
               "nvme_per_step": {name: {k[len(name) + 6:]: med(k) for k in rows[0]
                                        if k.startswith(f"{name}_nvme_")}
                                 for name in ("serial", "overlap")},
+              "give_back": _give_back_summary(rows, args.give_back_every, med),
               "rows": rows}
     for name, cats in result["nvme_per_step"].items():
         written = sum(v for k, v in cats.items() if k.endswith("_written"))
@@ -175,8 +187,32 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"NVMe bytes per parameter and step, {name}: " + ", ".join(
             f"{k} {v:.2f}" for k, v in per.items() if v) +
             f"; SSD wear {cats['tb_written_per_1000_steps']:.3f} TB per 1,000 steps")
+    gb = result["give_back"]
+    if gb:
+        print(f"opt.give_back_disk() every {gb['every']} steps: overlapped run "
+              f"{gb['overlap_given_back_bytes'] / n_params:.2f} B/param given back in "
+              f"{gb['overlap_give_back_s']:.3f} s; backward + step after it "
+              f"{gb['overlapped_s_after']:.3f} s, other steps {gb['overlapped_s_other']:.3f} s")
     _common.write_json(args.json, result)
     return 0 if equal else 1
+
+
+def _give_back_summary(rows: List[Dict[str, float]], every: int, med) -> Dict[str, float]:
+    """Medians of the give-backs and of the overlapped steps right after one against the
+    others (empty without --give-back-every or where the timed steps hold no both kinds)."""
+    given = [r for r in rows if "overlap_give_back_s" in r]
+    after = [r for r in rows if r["after_give_back"]]
+    other = [r for r in rows if not r["after_give_back"]]
+    if not every or not given or not after or not other:
+        return {}
+    return {"every": every,
+            "serial_given_back_bytes": med("serial_given_back", given),
+            "overlap_given_back_bytes": med("overlap_given_back", given),
+            "serial_give_back_s": med("serial_give_back_s", given),
+            "overlap_give_back_s": med("overlap_give_back_s", given),
+            "overlapped_s_after": med("overlapped_s", after),
+            "overlapped_s_other": med("overlapped_s", other),
+            "step_s_after": med("step_s", after), "step_s_other": med("step_s", other)}
 
 
 if __name__ == "__main__":

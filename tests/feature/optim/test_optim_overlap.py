@@ -175,14 +175,18 @@ def test_failed_speculative_update_is_redone_by_the_step(base, tmp_path, monkeyp
 def test_bench_overlap_quick(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_overlap.py"),
-                           "--quick", "--nvme-path", str(tmp_path), "--json", str(out)],
+                           "--quick", "--nvme-path", str(tmp_path), "--json", str(out),
+                           "--give-back-every", "2"],
                           capture_output=True, text=True, timeout=240, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
-    assert res["bitwise_equal"] is True
+    assert res["bitwise_equal"] is True  # with the kept disk given back every other step
     for key in ("backward_s", "step_s", "overlapped_s"):
         assert res[key] > 0
     assert res["kept_shards_per_step"] > 0
+    gb = res["give_back"]
+    assert gb["every"] == 2 and gb["overlap_given_back_bytes"] > 0
+    assert gb["overlapped_s_after"] > 0 and gb["overlapped_s_other"] > 0
 
 
 def test_auto_backs_off_when_updates_keep_being_redone(base, tmp_path):
